@@ -1,0 +1,107 @@
+"""Redis connection and the two atomic bus operations: publish, and commit (publish + ack).
+
+Every write of a handler's outputs goes through :data:`COMMIT_LUA`, one server-side script that,
+in a single atomic step, (1) marks the input as done under a de-duplication key, (2) writes the
+outputs only if that mark is new, and (3) acknowledges the input entry. A redelivered entry whose
+outputs were already written therefore produces no duplicate downstream (exactly-once effect).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from streamrl.common.codec import encode
+from streamrl.common.messages import Message
+
+PAYLOAD_FIELD = b"d"
+"""Field of a stream entry that holds the msgpack payload."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """One thing a handler produces: a message appended to ``stream``, or stored in hash ``key``.
+
+    Example:
+        Output(stream=names.scored, message=scored)            # XADD
+        Output(key=names.group_buffer(gid), field=tid, message=scored)   # HSET
+    """
+
+    message: Message
+    stream: str | None = None
+    key: str | None = None
+    field: str | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.stream is None) != (self.key is None), "an Output targets a stream or a hash key"
+        assert self.key is None or self.field is not None, "a hash Output needs a field"
+
+
+COMMIT_LUA = """
+local fresh = 1
+if KEYS[2] ~= '' then
+  if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[3]) then fresh = 1 else fresh = 0 end
+end
+if fresh == 1 then
+  local i = 5
+  while i <= #ARGV do
+    if ARGV[i] == 'x' then
+      redis.call('XADD', ARGV[i + 1], 'MAXLEN', '~', ARGV[4], '*', 'd', ARGV[i + 3])
+    else
+      redis.call('HSET', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+    end
+    i = i + 4
+  end
+end
+if ARGV[2] ~= '' then
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+end
+return fresh
+"""
+
+
+def connect(url: str) -> aioredis.Redis:
+    """An asyncio Redis client for ``url`` (``redis://`` or ``rediss://`` for TLS; password in the URL)."""
+    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+
+
+class Bus:
+    """Publishing side of the bus, bound to one Redis client."""
+
+    def __init__(self, redis: aioredis.Redis, maxlen: int = 100_000) -> None:
+        self.redis = redis
+        self.maxlen = maxlen
+        self._commit = redis.register_script(COMMIT_LUA)
+
+    async def publish(self, stream: str, message: Message) -> str:
+        """Append one message to a bounded stream; returns the entry id."""
+        entry_id = await self.redis.xadd(
+            stream, {PAYLOAD_FIELD: encode(message)}, maxlen=self.maxlen, approximate=True
+        )
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    async def commit(
+        self,
+        outputs: Sequence[Output],
+        *,
+        ack_stream: str = "",
+        ack_group: str = "",
+        ack_entry: str = "",
+        dedupe_key: str = "",
+        dedupe_ttl_s: int = 7 * 24 * 3600,
+    ) -> bool:
+        """Atomically write ``outputs`` (unless ``dedupe_key`` is already set) and ack the input.
+
+        Returns False when the outputs were skipped because the input was already handled.
+        """
+        args: list[str | bytes | int] = [ack_group, ack_entry, dedupe_ttl_s, self.maxlen]
+        for out in outputs:
+            payload = encode(out.message)
+            if out.stream is not None:
+                args += ["x", out.stream, "", payload]
+            else:
+                args += ["h", out.key or "", out.field or "", payload]
+        fresh = await self._commit(keys=[ack_stream or "-", dedupe_key], args=args)
+        return bool(fresh)

@@ -1,0 +1,157 @@
+"""Typed configuration: base class, shared sections, and loading a run from recipe + overrides.
+
+A run is a recipe file (TOML or YAML) plus overrides. Sources, lowest to highest priority:
+defaults, the recipe, environment variables ``STREAMRL_<SECTION>__<FIELD>=value`` and command-line
+``--section.field=value``. Unknown keys and bad values fail at start with the field named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from streamrl.common.errors import ConfigError
+
+ENV_PREFIX = "STREAMRL_"
+
+
+class BaseConfig(BaseModel):
+    """Base of every config section: unknown keys fail, values are frozen after validation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class RedisConfig(BaseConfig):
+    """Where the bus lives."""
+
+    url: str | None = None
+    """``redis://[:password@]host:port/db`` (``rediss://`` for TLS). None = the launcher starts an embedded redis-server."""
+    maxlen: int = Field(100_000, ge=100)
+    """Approximate MAXLEN of every stream (entries)."""
+
+
+class ConsumerConfig(BaseConfig):
+    """Delivery knobs of the consumer loop (design section 3)."""
+
+    block_ms: int = Field(200, ge=1)
+    """XREADGROUP block time per read (ms)."""
+    count: int = Field(16, ge=1)
+    """Entries read per XREADGROUP call."""
+    max_in_flight: int = Field(64, ge=1)
+    """Entries being handled at once per instance."""
+    claim_idle_ms: int = Field(30_000, ge=100)
+    """Entries pending longer than this (a consumer died) are reclaimed with XAUTOCLAIM (ms)."""
+    claim_interval_s: float = Field(5.0, gt=0)
+    """How often to look for idle pending entries (s)."""
+    max_deliveries: int = Field(3, ge=1)
+    """After this many failed deliveries an entry goes to the dead-letter stream."""
+    retry_delay_s: float = Field(0.5, ge=0)
+    """Pause before a failed entry is retried by this instance (s)."""
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    """On SIGTERM, time to drain in-flight entries before cancelling them (s)."""
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    """Heartbeat period; the key's TTL is twice this (s)."""
+    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=60)
+    """How long the ids of handled entries are remembered for de-duplication (s)."""
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (or YAML) recipe into a dict."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"recipe not found: {path}")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a table/mapping at top level")
+    return data
+
+
+def _parse_value(raw: str) -> Any:
+    """Parse an override value: JSON if it parses (numbers, bools, lists), else the string."""
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = [k for k in dotted.split(".") if k]
+    if not keys:
+        raise ConfigError(f"empty override key: {dotted!r}")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Apply ``STREAMRL_A__B=v`` environment variables, then ``a.b=v`` / ``--a.b=v`` overrides."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    env = os.environ if env is None else env
+    for name, raw in sorted(env.items()):
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            _set_dotted(data, dotted, _parse_value(raw))
+    for item in overrides:
+        item = item.removeprefix("--")
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.replace("-", "_"), _parse_value(raw))
+    return data
+
+
+def validate(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
+    """Validate ``data`` into ``cls``; a failure names every bad field."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"invalid {source}: {problems}") from e
+
+
+def load_config(
+    cls: type[T], recipe: str | Path | None, overrides: list[str] | None = None, section: str | None = None
+) -> T:
+    """Load ``cls`` from a recipe (optionally one ``section`` of it) plus env/CLI overrides."""
+    data = read_recipe(recipe) if recipe else {}
+    data = apply_overrides(data, overrides or [])
+    if section is not None:
+        node = data.get(section, {})
+        shared = {k: v for k, v in data.items() if k in cls.model_fields and k != section}
+        node = {**shared, **node}
+        data = node
+    return validate(cls, data, source=f"{cls.__name__} ({recipe or 'defaults'})")
+
+
+def save_resolved(config: BaseModel, run_dir: str | Path, name: str) -> Path:
+    """Write the resolved config as JSON into the run directory and return the path."""
+    path = Path(run_dir) / f"config.{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config.model_dump_json(indent=2))
+    return path

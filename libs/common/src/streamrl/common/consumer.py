@@ -1,0 +1,269 @@
+"""The consumer loop, written once. Services write handlers, never loops.
+
+For one (stream, consumer group, consumer name)::
+
+    XGROUP CREATE (from the start of the stream, tolerating BUSYGROUP)
+    loop until stop:
+        XREADGROUP > (up to the free in-flight slots)  -> one task per entry
+        every claim_interval_s: XAUTOCLAIM entries idle > claim_idle_ms (a consumer died)
+    per entry:
+        decode            -- PoisonMessageError: dead-letter at once
+        already done?     -- the de-dup key exists: ack, skip the handler
+        outputs = await handler(message)
+        commit(outputs)   -- one atomic script: set de-dup key, XADD/HSET outputs, XACK
+        on failure        -- after max_deliveries deliveries: dead-letter with the error, ack;
+                             otherwise pause retry_delay_s and XCLAIM it again (counts a delivery)
+    on stop (SIGTERM): no new reads; in-flight entries get shutdown_grace_s to finish, then are
+    cancelled and stay pending for another consumer to reclaim.
+
+At-least-once delivery to the handler, exactly-once effect downstream thanks to the de-dup key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from redis.exceptions import ResponseError
+
+from streamrl.common.bus import PAYLOAD_FIELD, Bus, Output
+from streamrl.common.codec import decode, encode
+from streamrl.common.config import ConsumerConfig
+from streamrl.common.errors import PoisonMessageError, RetryableError
+from streamrl.common.messages import DeadLetter, Message
+from streamrl.common.streams import StreamNames
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+Handler = Callable[[M], Awaitable[list[Output]]]
+
+
+@dataclass
+class ConsumerStats:
+    """Counters of one consumer loop, written into the instance heartbeat."""
+
+    processed: int = 0
+    skipped_duplicates: int = 0
+    failed: int = 0
+    retried: int = 0
+    reclaimed: int = 0
+    dead_lettered: int = 0
+    in_flight: int = 0
+    last_error: str = ""
+    durations_s: list[float] = field(default_factory=list)
+
+
+class ConsumerLoop(Generic[M]):
+    """Consume ``stream`` as ``consumer`` in ``group`` and run ``handler`` on every message."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        names: StreamNames,
+        *,
+        stream: str,
+        group: str,
+        consumer: str,
+        handler: Handler[M],
+        message_type: type[M] | tuple[type[Message], ...],
+        config: ConsumerConfig,
+        dedupe_key: Callable[[M], str | None] | None = None,
+    ) -> None:
+        self.bus = bus
+        self.redis = bus.redis
+        self.names = names
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.handler = handler
+        self.message_type = message_type
+        self.config = config
+        self.dedupe_key = dedupe_key if dedupe_key is not None else _message_id
+        self.stats = ConsumerStats()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(config.max_in_flight)
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def run(self, stop: asyncio.Event, *, burst: bool = False) -> None:
+        """Consume until ``stop`` is set (or, with ``burst``, until the stream has nothing left)."""
+        await self.ensure_group()
+        # First finish what this consumer name left pending in a previous life.
+        await self._read(stop, start_id="0")
+        next_claim = 0.0
+        while not stop.is_set():
+            if time.monotonic() >= next_claim:
+                await self._reclaim()
+                next_claim = time.monotonic() + self.config.claim_interval_s
+            got = await self._read(stop, start_id=">")
+            if burst and got == 0 and not self._tasks:
+                break
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Give in-flight entries ``shutdown_grace_s`` to finish, then cancel them (they stay pending)."""
+        if not self._tasks:
+            return
+        logger.info("%s: draining %d in-flight entries", self.stream, len(self._tasks))
+        done, pending = await asyncio.wait(set(self._tasks), timeout=self.config.shutdown_grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+            logger.warning("%s: cancelled %d entries after the grace period", self.stream, len(pending))
+
+    async def _read(self, stop: asyncio.Event, start_id: str) -> int:
+        await self._slots.acquire()
+        free = 1
+        while free < self.config.count and not self._slots.locked():
+            await self._slots.acquire()
+            free += 1
+        try:
+            reply = await self.redis.xreadgroup(
+                self.group,
+                self.consumer,
+                {self.stream: start_id},
+                count=free,
+                block=None if start_id == "0" else self.config.block_ms,
+            )
+        except BaseException:
+            for _ in range(free):
+                self._slots.release()
+            raise
+        entries = reply[0][1] if reply else []
+        for _ in range(free - len(entries)):
+            self._slots.release()
+        for entry_id, fields in entries:
+            deliveries = 1 if start_id == ">" else await self._delivery_count(entry_id)
+            self._spawn(entry_id, fields, deliveries)
+        return len(entries)
+
+    def _spawn(self, entry_id: bytes, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
+        task = asyncio.create_task(self._process(entry_id.decode(), fields, deliveries))
+        self._tasks.add(task)
+        self.stats.in_flight = len(self._tasks)
+
+        def _done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            self._slots.release()
+            self.stats.in_flight = len(self._tasks)
+
+        task.add_done_callback(_done)
+
+    async def _reclaim(self) -> None:
+        """Take over entries a dead consumer left pending longer than claim_idle_ms."""
+        start = "0-0"
+        while True:
+            reply = await self.redis.xautoclaim(
+                self.stream, self.group, self.consumer, self.config.claim_idle_ms, start_id=start, count=32
+            )
+            start, claimed = reply[0], reply[1]
+            for entry_id, fields in claimed:
+                if not fields:  # trimmed from the stream: nothing left to handle
+                    await self.redis.xack(self.stream, self.group, entry_id)
+                    continue
+                self.stats.reclaimed += 1
+                await self._slots.acquire()
+                self._spawn(entry_id, fields, await self._delivery_count(entry_id))
+            if start in (b"0-0", "0-0"):
+                return
+
+    async def _delivery_count(self, entry_id: bytes | str) -> int:
+        info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        return int(info[0]["times_delivered"]) if info else 1
+
+    async def _process(self, entry_id: str, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
+        payload = (fields or {}).get(PAYLOAD_FIELD, b"")
+        try:
+            message: M = decode(payload, self.message_type)
+        except PoisonMessageError as e:
+            await self._dead_letter(entry_id, payload, f"PoisonMessageError: {e}", deliveries)
+            return
+        key = self.dedupe_key(message)
+        dedupe = self.names.done(self.group, key) if key else ""
+        while True:
+            started = time.perf_counter()
+            try:
+                if dedupe and await self.redis.exists(dedupe):
+                    await self.redis.xack(self.stream, self.group, entry_id)
+                    self.stats.skipped_duplicates += 1
+                    return
+                outputs = await self.handler(message)
+                fresh = await self.bus.commit(
+                    outputs,
+                    ack_stream=self.stream,
+                    ack_group=self.group,
+                    ack_entry=entry_id,
+                    dedupe_key=dedupe,
+                    dedupe_ttl_s=self.config.dedupe_ttl_s,
+                )
+            except asyncio.CancelledError:
+                raise
+            except PoisonMessageError as e:
+                await self._dead_letter(entry_id, payload, f"PoisonMessageError: {e}", deliveries)
+                return
+            except Exception as e:  # the worker boundary: every handler failure is counted and retried
+                reason = f"{type(e).__name__}: {e}"
+                self.stats.failed += 1
+                self.stats.last_error = reason
+                if deliveries >= self.config.max_deliveries:
+                    logger.error("%s %s failed %d times, dead-lettering: %s", self.stream, entry_id, deliveries, reason)
+                    await self._dead_letter(entry_id, payload, reason, deliveries)
+                    return
+                logger.warning("%s %s failed (delivery %d): %s", self.stream, entry_id, deliveries, reason)
+                await asyncio.sleep(e.defer_s if isinstance(e, RetryableError) else self.config.retry_delay_s)
+                claimed = await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [entry_id])
+                if not claimed or not claimed[0][1]:
+                    return  # acked or trimmed meanwhile
+                self.stats.retried += 1
+                deliveries = await self._delivery_count(entry_id)
+                continue
+            elapsed = time.perf_counter() - started
+            self.stats.processed += 1
+            if not fresh:
+                self.stats.skipped_duplicates += 1
+            self.stats.durations_s.append(elapsed)
+            del self.stats.durations_s[:-1000]
+            logger.debug("%s %s handled in %.1f ms", self.stream, entry_id, elapsed * 1e3)
+            return
+
+    async def _dead_letter(self, entry_id: str, payload: bytes, reason: str, deliveries: int) -> None:
+        letter = DeadLetter(
+            stream=self.stream,
+            entry_id=entry_id,
+            group=self.group,
+            consumer=self.consumer,
+            error=reason,
+            deliveries=deliveries,
+            payload=payload,
+            ts=time.time(),
+        )
+        await self.bus.commit(
+            [Output(stream=self.names.dead, message=letter)],
+            ack_stream=self.stream,
+            ack_group=self.group,
+            ack_entry=entry_id,
+        )
+        self.stats.dead_lettered += 1
+        logger.error("dead-lettered %s %s: %s", self.stream, entry_id, reason)
+
+
+def _message_id(message: Any) -> str | None:
+    """Default de-dup key: the message's ``id`` (trajectory id, work item id, batch id)."""
+    value = getattr(message, "id", None)
+    return str(value) if value is not None else None
+
+
+def encode_payload(message: Message) -> dict[bytes, bytes]:
+    """Stream entry fields for ``message`` (for tests and tools that XADD directly)."""
+    return {PAYLOAD_FIELD: encode(message)}

@@ -1,0 +1,162 @@
+"""The lifecycle every service shares: parse args and config, log it, run, stop cleanly.
+
+A service entry point calls :func:`service_main` with its config class and an async ``run``
+function. SIGTERM / SIGINT set ``ctx.stop``: the service stops intake and drains in-flight work
+(the consumer loop gives it ``shutdown_grace_s``), then exits 0. A heartbeat key is kept fresh the
+whole time; ``streamrl <service> RECIPE --check`` reads it for container health checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import Field
+
+from streamrl.common.bus import Bus, connect
+from streamrl.common.config import BaseConfig, ConsumerConfig, RedisConfig, load_config, save_resolved
+from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.errors import ConfigError
+from streamrl.common.health import check, default_instance, heartbeat_forever
+from streamrl.common.log import setup_logging
+from streamrl.common.streams import StreamNames
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceConfig(BaseConfig):
+    """Fields every service shares; they live at the top level of a recipe."""
+
+    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run id: prefixes every stream and key of the run."""
+    run_dir: str = "runs/default"
+    """Directory for the resolved config, checkpoints, metrics and plots."""
+    redis: RedisConfig = RedisConfig()
+    consumer: ConsumerConfig = ConsumerConfig()
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+@dataclass
+class ServiceContext:
+    """What a running service gets: its config, the bus, stream names, a stop event, its loops."""
+
+    service: str
+    instance: str
+    config: ServiceConfig
+    bus: Bus
+    names: StreamNames
+    stop: asyncio.Event
+    burst: bool = False
+    loops: list[ConsumerLoop] = field(default_factory=list)  # type: ignore[type-arg]
+    status: str = "starting"
+    policy_version: int = -1
+
+    def snapshot(self) -> dict[str, int | str]:
+        """Heartbeat counters summed over this instance's consumer loops."""
+        return {
+            "processed": sum(loop.stats.processed for loop in self.loops),
+            "failed": sum(loop.stats.failed for loop in self.loops),
+            "retried": sum(loop.stats.retried for loop in self.loops),
+            "dead_lettered": sum(loop.stats.dead_lettered for loop in self.loops),
+            "in_flight": sum(loop.stats.in_flight for loop in self.loops),
+            "policy_version": self.policy_version,
+            "status": self.status,
+        }
+
+
+def parse_args(service: str, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"streamrl {service}", description=f"Run the streamrl {service} service.")
+    parser.add_argument("recipe", nargs="?", help="recipe file (TOML/YAML); env STREAMRL_RECIPE if omitted")
+    parser.add_argument("--check", action="store_true", help="health check: exit 0 if this service heartbeats")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
+    parser.add_argument("--burst", action="store_true", help="exit when the input stream is drained")
+    parser.add_argument("--instance", default=None, help="instance name (default: hostname-pid)")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --section.field=value")
+    args.overrides = overrides
+    return args
+
+
+def service_main(
+    service: str,
+    config_cls: type[C],
+    run: Callable[[C, ServiceContext], Awaitable[None]],
+    argv: list[str] | None = None,
+) -> int:
+    """Entry point shared by all services. Returns the process exit code."""
+    import os
+
+    args = parse_args(service, sys.argv[1:] if argv is None else argv)
+    recipe = args.recipe or os.environ.get("STREAMRL_RECIPE")
+    try:
+        config = load_config(config_cls, recipe, args.overrides, section=service)
+    except ConfigError as e:
+        print(f"streamrl {service}: {e}", file=sys.stderr)
+        return 2
+    instance = args.instance or default_instance()
+    if args.check:
+        if not config.redis.url:
+            print("--check needs redis.url", file=sys.stderr)
+            return 2
+        return check(config.redis.url, StreamNames(config.run_id), service, args.instance)
+    setup_logging(service, instance)
+    logger.info("%s config: %s", service, json.dumps(config.model_dump(mode="json"), sort_keys=True))
+    if args.dry_run:
+        print(config.model_dump_json(indent=2))
+        return 0
+    if not config.redis.url:
+        print(f"streamrl {service}: redis.url is not set (use `streamrl up` for an embedded redis)", file=sys.stderr)
+        return 2
+    Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+    save_resolved(config, config.run_dir, service)
+    return asyncio.run(_serve(service, instance, config, run, burst=args.burst))
+
+
+async def _serve(
+    service: str, instance: str, config: C, run: Callable[[C, ServiceContext], Awaitable[None]], burst: bool
+) -> int:
+    assert config.redis.url is not None
+    redis = connect(config.redis.url)
+    ctx = ServiceContext(
+        service=service,
+        instance=instance,
+        config=config,
+        bus=Bus(redis, maxlen=config.redis.maxlen),
+        names=StreamNames(config.run_id),
+        stop=asyncio.Event(),
+        burst=burst,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _request_stop, ctx, sig)
+    beat = asyncio.create_task(
+        heartbeat_forever(redis, ctx.names, service, instance, config.consumer.heartbeat_interval_s, ctx.snapshot)
+    )
+    try:
+        await run(config, ctx)
+    finally:
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
+        await redis.delete(ctx.names.heartbeat(service, instance))
+        await redis.aclose()
+    logger.info("%s/%s stopped", service, instance)
+    return 0
+
+
+def _request_stop(ctx: ServiceContext, sig: signal.Signals) -> None:
+    if not ctx.stop.is_set():
+        logger.info("%s: got %s, stopping intake and draining", ctx.service, sig.name)
+        ctx.status = "draining"
+        ctx.stop.set()

@@ -1,0 +1,260 @@
+"""Every message that travels on the streamrl bus, in one file.
+
+Each message is a msgpack map with a type tag (``"type"``) and a schema version (``"v"``),
+readable by any msgpack library: no pickle, no extension types. Tensors travel as
+``{"dtype", "shape", "data"}`` maps (see :class:`Tensor`).
+
+Flow (stream names come from :mod:`streamrl.common.streams`)::
+
+    coordinator -> prompts      -> rollout      PromptWorkItem
+    rollout     -> trajectories -> reward       Trajectory
+    reward      -> scored       -> coordinator  ScoredTrajectory
+    coordinator -> batches      -> learner      TrainingBatch
+    learner     -> weights      -> rollout, coordinator   WeightsPublished
+    every consumer -> dead                      DeadLetter
+    every service -> hb key (not a stream)      Heartbeat
+
+A change that breaks compatibility adds a new version next to the old one; it never edits a
+published version in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    """A dense array on the wire: numpy dtype name, shape, raw little-endian bytes (C order).
+
+    Example:
+        >>> t = Tensor.from_numpy(np.arange(3, dtype=np.int32))
+        >>> t.dtype, t.shape
+        ('int32', [3])
+    """
+
+    dtype: str
+    """numpy dtype name, e.g. ``int32``, ``float32``, ``uint8``, ``bfloat16`` (raw 2-byte words)."""
+    shape: list[int]
+    """Dimensions; ``[]`` for a scalar."""
+    data: bytes
+    """Raw little-endian C-order bytes, ``prod(shape) * itemsize`` long."""
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> Tensor:
+        array = np.ascontiguousarray(array)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        return cls(dtype=array.dtype.name, shape=list(array.shape), data=array.tobytes())
+
+    @classmethod
+    def from_list(cls, values: list[int] | list[float], dtype: str) -> Tensor:
+        return cls.from_numpy(np.asarray(values, dtype=dtype))
+
+    def to_numpy(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+    def tolist(self) -> list[Any]:
+        return self.to_numpy().tolist()  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """Sampling parameters a trajectory was generated with (temperature matters for log-probs)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 = disabled."""
+    max_new_tokens: int = 64
+    n: int = 1
+    """Samples per prompt (the group size)."""
+    seed: int | None = None
+    stop: list[str] = []
+
+
+class Image(msgspec.Struct, frozen=True):
+    """An image attached to a prompt or to environment feedback: inline bytes or a reference."""
+
+    media_type: str
+    """MIME type, e.g. ``image/png``."""
+    data: bytes | None = None
+    """Inline encoded image bytes."""
+    uri: str | None = None
+    """Object-store reference when not inline."""
+
+
+class _Message(msgspec.Struct, tag_field="type", kw_only=True):
+    v: int = SCHEMA_VERSION
+    """Schema version of this message type."""
+
+
+class PromptWorkItem(_Message, tag="prompt"):
+    """One prompt to answer ``sampling.n`` times. coordinator -> prompts -> rollout.
+
+    Example:
+        PromptWorkItem(id="run1-p42", prompt_ids=Tensor.from_list([1, 2], "int32"), ...)
+    """
+
+    id: str
+    """Work item id; also the group id of every trajectory answering it. Unique per run."""
+    prompt_ids: Tensor
+    """[P] int32 prompt token ids (chat template already applied)."""
+    prompt_text: str = ""
+    """The prompt as text, for reward functions and logs."""
+    label: str | None = None
+    """Reference answer / label from the dataset, handed to the reward function."""
+    metadata: dict[str, Any] = {}
+    """Free-form dataset fields carried to the reward function."""
+    sampling: SamplingParams = SamplingParams()
+    images: list[Image] = []
+    policy_version: int = 0
+    """Policy version when the coordinator issued the prompt."""
+    issued_at: float = 0.0
+    """Unix time (s) the coordinator issued it."""
+    is_eval: bool = False
+    """Evaluation prompt: scored and reported, never trained on."""
+    traceparent: str = ""
+    """W3C trace context of the trajectory's trace."""
+
+
+class Trajectory(_Message, tag="trajectory"):
+    """One sampled response with everything the learner needs. rollout -> trajectories -> reward."""
+
+    id: str
+    """Trajectory id, unique per run: ``{group_id}/{group_index}``. Used for de-duplication."""
+    group_id: str
+    """The prompt work item this answers."""
+    group_index: int
+    """Index of this sample in its group, ``0 <= group_index < group_size``."""
+    group_size: int
+    prompt_ids: Tensor
+    """[P] int32."""
+    response_ids: Tensor
+    """[T] int32 generated tokens (and environment tokens in multi-turn episodes)."""
+    logprobs: Tensor
+    """[T] float32 behaviour log-probs of the distribution actually sampled from."""
+    loss_mask: Tensor
+    """[T] uint8; 0 on environment/tool tokens."""
+    prompt_text: str = ""
+    response_text: str = ""
+    finish_reason: str = "stop"
+    """``stop`` | ``length`` | ``abort``."""
+    truncated: bool = False
+    """True when generation hit the length limit."""
+    sampling: SamplingParams = SamplingParams()
+    policy_version_start: int = 0
+    """Policy version that generated the first token."""
+    policy_version_end: int = 0
+    """Policy version that generated the last token (differs under partial rollout)."""
+    label: str | None = None
+    metadata: dict[str, Any] = {}
+    images: list[Image] = []
+    is_eval: bool = False
+    timings: dict[str, float] = {}
+    """Seconds per phase, e.g. ``queue_s``, ``generate_s``."""
+    traceparent: str = ""
+
+
+class ScoredTrajectory(_Message, tag="scored"):
+    """A trajectory with its reward. reward -> scored -> coordinator."""
+
+    trajectory: Trajectory
+    reward: float
+    """Scalar reward (sum of turn rewards in multi-turn episodes)."""
+    score: float = 0.0
+    """0-1 score used by dynamic filtering and accuracy metrics."""
+    turn_rewards: list[float] = []
+    """Per-turn rewards for multi-turn episodes, else empty."""
+    extra: dict[str, float] = {}
+    """Extra metrics from the scorers, ``{scorer}/{name}``."""
+    scorer: str = ""
+    """Which scorer(s) produced the reward."""
+    reward_latency_ms: float = 0.0
+    traceparent: str = ""
+
+
+class TrainingBatch(_Message, tag="batch"):
+    """What one learner step consumes: complete groups only. coordinator -> batches -> learner."""
+
+    id: str
+    """Batch id, unique per run: ``batch-{index}``."""
+    index: int
+    """Batch sequence number (0, 1, ...); the learner applies batches in this order."""
+    samples: list[ScoredTrajectory]
+    """Complete groups, contiguous by group."""
+    policy_version: int
+    """Policy version when the batch was built."""
+    staleness: list[int]
+    """Per sample: policy_version - policy_version_start."""
+    created_at: float = 0.0
+    traceparent: str = ""
+
+
+class WeightsPublished(_Message, tag="weights"):
+    """The learner finished a step and serves new weights. learner -> weights -> rollout, coordinator."""
+
+    version: int
+    """New policy version (monotonic)."""
+    step: int
+    """Learner step that produced it."""
+    batch_id: str
+    """The batch this step trained on."""
+    checksum: str
+    """Hex digest over all buckets, checked by every receiver."""
+    num_bytes: int
+    num_buckets: int
+    endpoint: str
+    """ZMQ address serving the buckets (``tcp://host:port``)."""
+    metrics: dict[str, float] = {}
+    """Learner metrics of the step (``learner/...``)."""
+    published_at: float = 0.0
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    """Liveness and counters of one service instance, stored in a key with a TTL."""
+
+    service: str
+    instance: str
+    pid: int
+    ts: float
+    """Unix time (s) written."""
+    processed: int = 0
+    failed: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    in_flight: int = 0
+    policy_version: int = -1
+    """Version the instance serves or trains (-1 = n/a)."""
+    status: str = "running"
+    """``starting`` | ``running`` | ``draining``."""
+
+
+class DeadLetter(_Message, tag="dead"):
+    """An entry given up on, with why. any consumer -> dead."""
+
+    stream: str
+    """Stream the entry came from."""
+    entry_id: str
+    group: str
+    consumer: str
+    error: str
+    """The reason: exception type and message."""
+    deliveries: int
+    payload: bytes
+    """The original entry payload, unchanged."""
+    ts: float
+
+
+MESSAGE_TYPES: dict[str, type[_Message]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in (PromptWorkItem, Trajectory, ScoredTrajectory, TrainingBatch, WeightsPublished, Heartbeat, DeadLetter)
+}
+SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {tag: frozenset({SCHEMA_VERSION}) for tag in MESSAGE_TYPES}
+Message = _Message

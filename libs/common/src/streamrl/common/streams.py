@@ -1,0 +1,78 @@
+"""Every Redis key and stream name of a run, built in one place from the run id.
+
+    streamrl:{run}:prompts        PromptWorkItem      coordinator -> rollout
+    streamrl:{run}:trajectories   Trajectory          rollout -> reward
+    streamrl:{run}:scored         ScoredTrajectory    reward -> coordinator
+    streamrl:{run}:batches        TrainingBatch       coordinator -> learner
+    streamrl:{run}:weights        WeightsPublished    learner -> rollout, coordinator
+    streamrl:{run}:dead           DeadLetter          any consumer
+    streamrl:{run}:hb:{service}:{instance}   Heartbeat key with TTL
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "streamrl"
+
+
+@dataclass(frozen=True)
+class StreamNames:
+    """Names of one run's streams and keys."""
+
+    run_id: str
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((PREFIX, self.run_id, *parts))
+
+    @property
+    def prompts(self) -> str:
+        return self._key("prompts")
+
+    @property
+    def trajectories(self) -> str:
+        return self._key("trajectories")
+
+    @property
+    def scored(self) -> str:
+        return self._key("scored")
+
+    @property
+    def batches(self) -> str:
+        return self._key("batches")
+
+    @property
+    def weights(self) -> str:
+        return self._key("weights")
+
+    @property
+    def dead(self) -> str:
+        return self._key("dead")
+
+    def heartbeat(self, service: str, instance: str) -> str:
+        return self._key("hb", service, instance)
+
+    def heartbeat_pattern(self, service: str = "*") -> str:
+        return self._key("hb", service, "*")
+
+    def done(self, group: str, message_key: str) -> str:
+        """De-duplication marker: consumer group ``group`` already handled ``message_key``."""
+        return self._key("done", group, message_key)
+
+    def state(self, name: str) -> str:
+        """A piece of run state (e.g. ``policy_version``, ``cursor``) owned by one service."""
+        return self._key("state", name)
+
+    def group_buffer(self, group_id: str) -> str:
+        """Hash of the scored trajectories collected so far for one prompt group."""
+        return self._key("groups", group_id)
+
+    @property
+    def group_index(self) -> str:
+        """Sorted set of group ids with collected samples, scored by first arrival."""
+        return self._key("groups")
+
+    @property
+    def served_versions(self) -> str:
+        """Hash instance -> policy version that rollout instance serves now."""
+        return self._key("served")

@@ -1,0 +1,123 @@
+"""Configuration of the reward tier: which scorers, their weights, and micro-batching.
+
+Torch-free (imports only pydantic and ``streamrl.common``): a recipe is validated before any
+model is loaded. Scorers are a discriminated union on ``type``:
+
+* ``function``: a user Python function ``reward_func(queries, prompts, labels, **kwargs)``;
+* ``http``: a remote reward service speaking the OpenRLHF JSON protocol;
+* ``model``: a local Hugging Face reward model (sequence classification or LM + value head).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from streamrl.common.config import BaseConfig
+
+
+class _ScorerBase(BaseConfig):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Scorer name; prefixes its metrics (``{name}/reward``) and appears in the provenance."""
+    weight: float = Field(1.0, ge=0)
+    """Weight of this scorer's reward and score in the combined values (0 = log only)."""
+
+
+class FunctionScorerConfig(_ScorerBase):
+    """A Python reward function, OpenRLHF-compatible: ``reward_func(queries, prompts, labels, **kwargs)``."""
+
+    type: Literal["function"] = "function"
+    path: str = Field(min_length=1)
+    """``/path/to/file.py`` or ``pkg.module``, optionally ``:func_name`` (default ``reward_func``)."""
+    timeout_s: float = Field(300.0, gt=0)
+    """A call that takes longer fails (s). A sync function keeps running in its thread."""
+
+
+class HttpScorerConfig(_ScorerBase):
+    """A remote reward service: ``POST {"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``."""
+
+    type: Literal["http"] = "http"
+    urls: list[str] = Field(min_length=1)
+    """Full endpoint URLs (e.g. ``http://rm-0:5000/get_reward``); requests are spread over them."""
+    load_balancing: Literal["round_robin", "least_loaded"] = "least_loaded"
+    """How a request picks its URL; a retry prefers a URL the request has not failed on."""
+    batch_size: int = Field(32, ge=1)
+    """Samples per request."""
+    max_concurrency: int = Field(8, ge=1)
+    """Requests in flight at once, over all URLs."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Total time allowed for one request (s)."""
+    max_retries: int = Field(3, ge=0)
+    """Extra attempts after a timeout, connection error, HTTP 5xx, 408 or 429 (never other 4xx)."""
+    backoff_base_s: float = Field(0.5, gt=0)
+    """Backoff before retry k is ``min(backoff_max_s, backoff_base_s * 2**k)``, reduced by jitter (s)."""
+    backoff_max_s: float = Field(10.0, gt=0)
+    """Cap of one backoff (s)."""
+    jitter: float = Field(1.0, ge=0, le=1)
+    """Fraction of the backoff drawn at random (1 = full jitter: uniform in [0, backoff])."""
+    auth_header: str = "Authorization"
+    """Header carrying the token."""
+    auth_scheme: str = "Bearer"
+    """Prefix of the header value (``Bearer <token>``); empty = the raw token."""
+    token_env: str | None = None
+    """Name of the environment variable holding the token (never the token itself); None = no auth."""
+
+    @model_validator(mode="after")
+    def _check(self) -> HttpScorerConfig:
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_base_s ({self.backoff_base_s})")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"urls: {url!r} must start with http:// or https://")
+        return self
+
+
+class ModelScorerConfig(_ScorerBase):
+    """A local reward model folder (Hugging Face format, safetensors)."""
+
+    type: Literal["model"] = "model"
+    path: str = Field(min_length=1)
+    """Model folder: a ``*ForSequenceClassification`` (num_labels=1) or a causal LM with a value head."""
+    architecture: Literal["auto", "sequence_classification", "value_head"] = "auto"
+    """``auto`` picks ``sequence_classification`` when the config's architectures name one."""
+    value_head_prefix: str = "value_head"
+    """Weight-name prefix of the value head (``{prefix}.weight``) for ``value_head`` models."""
+    input: Literal["text", "token_ids"] = "text"
+    """``text``: tokenize prompt + response text with the model's tokenizer; ``token_ids``: use the
+    trajectory's token ids as they are (only when the policy and reward model share a tokenizer)."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass."""
+    max_length: int = Field(2048, ge=8)
+    """Longer inputs are truncated from the left, keeping the end of the response (tokens)."""
+    device: str = "cpu"
+    """torch device, e.g. ``cpu``, ``cuda``, ``cuda:1``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute dtype."""
+    normalize: bool = True
+    """Apply ``(r - mean) / std`` with ``mean``/``std`` from the model's config.json when present."""
+
+
+ScorerConfig = Annotated[FunctionScorerConfig | HttpScorerConfig | ModelScorerConfig, Field(discriminator="type")]
+
+
+class RewardConfig(BaseConfig):
+    """The reward service: scorers combined with weights, fed by a micro-batcher."""
+
+    scorers: list[ScorerConfig] = Field(min_length=1)
+    """Scorers run on every trajectory; reward = sum(weight * reward), score = weighted mean of scores."""
+    max_batch_size: int = Field(64, ge=1)
+    """Trajectories grouped into one scorer call at most."""
+    max_wait_ms: float = Field(10.0, ge=0)
+    """How long the first trajectory of a micro-batch waits for more (ms)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        names = [s.name for s in self.scorers]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"scorers: names must be unique, repeated: {duplicates}")
+        if not any(s.weight > 0 for s in self.scorers):
+            raise ValueError("scorers: at least one scorer needs a weight > 0")
+        return self
+

@@ -1,0 +1,129 @@
+"""The scorer protocol, its result type, and the checks every scorer's output goes through.
+
+A scorer turns a batch of trajectories into one reward, one score and extra metrics per sample.
+Its output is checked here (right length, finite numbers, rewards present): a malformed answer is
+an error, never a silent 0. ``ScorerError`` carries the reason up to the consumer loop, which
+retries the entry and finally dead-letters it with that reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from streamrl.common.messages import Trajectory
+
+
+class ScorerError(RuntimeError):
+    """A scorer could not score a batch; the message says which scorer and why.
+
+    ``transient`` is True when the cause is the scorer's backend (a remote service down or
+    timing out) rather than the samples, so splitting the batch would not help.
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+@dataclass(frozen=True)
+class ScorerResult:
+    """Per-sample output of one scorer call.
+
+    Example:
+        ScorerResult(rewards=[1.0, 0.0], scores=[1.0, 0.0], extra={"format": [1.0, 1.0]})
+    """
+
+    rewards: list[float]
+    scores: list[float]
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    """Metric name -> one value per sample."""
+
+
+class Scorer(Protocol):
+    """What the reward service calls: one async call per micro-batch."""
+
+    name: str
+
+    async def score(self, batch: list[Trajectory]) -> ScorerResult: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since start, e.g. ``reward/http/retries``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProtocolInputs:
+    """The OpenRLHF reward inputs of a batch: full texts, prompts, labels."""
+
+    queries: list[str]
+    """Prompt text followed by response text (what OpenRLHF calls the query)."""
+    prompts: list[str]
+    labels: list[str]
+    """Dataset labels; "" where a trajectory has none."""
+
+
+def protocol_inputs(batch: Sequence[Trajectory]) -> ProtocolInputs:
+    """Build the ``queries``/``prompts``/``labels`` lists of the OpenRLHF protocol from trajectories."""
+    return ProtocolInputs(
+        queries=[t.prompt_text + t.response_text for t in batch],
+        prompts=[t.prompt_text for t in batch],
+        labels=[t.label if t.label is not None else "" for t in batch],
+    )
+
+
+def _to_plain(value: Any) -> Any:
+    """Tensors and arrays (anything with ``tolist``) become plain Python lists or numbers."""
+    if hasattr(value, "detach"):  # torch tensor: drop autograd before converting
+        value = value.detach()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def _floats(value: Any, n: int, what: str) -> list[float]:
+    value = _to_plain(value)
+    if isinstance(value, int | float) and not isinstance(value, bool) and n == 1:
+        value = [value]
+    if not isinstance(value, list | tuple):
+        raise ScorerError(f"{what} must be a list or tensor of {n} numbers, got {type(value).__name__}")
+    if len(value) != n:
+        raise ScorerError(f"{what} has {len(value)} values for a batch of {n} samples")
+    out: list[float] = []
+    for i, v in enumerate(value):
+        if isinstance(v, list) and len(v) == 1:  # a [N, 1] tensor
+            v = v[0]
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ScorerError(f"{what}[{i}] is not a number: {v!r}")
+        if not math.isfinite(v):
+            raise ScorerError(f"{what}[{i}] is not finite: {v}")
+        out.append(float(v))
+    return out
+
+
+def parse_reward_output(output: Any, n: int, source: str) -> ScorerResult:
+    """Check and convert a ``{"rewards", "scores"?, "extra_logs"?}`` answer for a batch of ``n``.
+
+    ``scores`` defaults to the rewards when absent. An ``extra_logs`` entry is either one value
+    per sample or a single batch-level number (copied to every sample).
+    """
+    if not isinstance(output, Mapping):
+        raise ScorerError(f"{source}: expected a dict with 'rewards', got {type(output).__name__}")
+    if output.get("rewards") is None:
+        raise ScorerError(f"{source}: answer has no 'rewards' (keys: {sorted(output)})")
+    rewards = _floats(output["rewards"], n, f"{source}: rewards")
+    scores = rewards if output.get("scores") is None else _floats(output["scores"], n, f"{source}: scores")
+    extra_logs = output.get("extra_logs") or {}
+    if not isinstance(extra_logs, Mapping):
+        raise ScorerError(f"{source}: extra_logs must be a dict, got {type(extra_logs).__name__}")
+    extra: dict[str, list[float]] = {}
+    for key, value in extra_logs.items():
+        plain = _to_plain(value)
+        if isinstance(plain, int | float) and not isinstance(plain, bool):
+            plain = [plain] * n
+        extra[str(key)] = _floats(plain, n, f"{source}: extra_logs[{key!r}]")
+    return ScorerResult(rewards=rewards, scores=scores, extra=extra)
