@@ -1,0 +1,339 @@
+"""Wire protocol of the portable weight path (design section 5): learner -> rollout over ZMQ.
+
+The learner serves the weights of one version as a list of **buckets**. A bucket is one flat
+byte buffer holding many tensors back to back (each aligned to ``ALIGN_BYTES``) plus a msgpack
+header that says where each tensor lies::
+
+    BucketHeader {type: "bucket", version, index, num_buckets, num_bytes,
+                  tensors: [{name, dtype, shape, offset, nbytes}, ...]}   frame 1 (msgpack)
+    raw bytes                                                              frame 2
+
+Receivers **pull**: a ZMQ DEALER sends ``BucketRequest {type: "get", version, index}`` to the
+server's ROUTER and gets ``[header, data]`` back, or one ``ErrorReply {type: "error", message,
+current_version}`` frame when the version is not the one served (a stale or future version).
+Pulling lets a worker that joins late fetch the current version at its own pace, and keeps the
+server stateless per receiver.
+
+Checksum: blake2b (32-byte digest, hex) over every bucket's header frame then data frame, in
+bucket order. It travels in the ``WeightsPublished`` message; :func:`fetch_buckets` verifies it
+before it yields a single tensor, so a failed sync never leaves a receiver half-updated.
+
+dtypes are numpy names plus ``bfloat16`` (raw little-endian 2-byte words; numpy has no bf16, so
+the receiver gets a ``uint16`` array and the dtype name, see :class:`ReceivedTensor`).
+
+Everything here is plain msgpack + bytes (readable from any language); no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+import zmq
+
+from streamrl.common.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 64
+"""Every tensor starts at a multiple of this offset inside its bucket (aligned numpy views)."""
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+"""Target bucket size; a tensor larger than this gets a bucket of its own."""
+PIPELINE_DEPTH = 2
+"""Bucket requests a receiver keeps in flight (hides the round trip behind the transfer)."""
+BF16 = "bfloat16"
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    """Where one tensor lies in its bucket."""
+
+    name: str
+    dtype: str
+    """numpy dtype name or ``bfloat16``."""
+    shape: list[int]
+    offset: int
+    """Byte offset inside the bucket data frame."""
+    nbytes: int
+
+
+class BucketRequest(msgspec.Struct, tag="get", tag_field="type", frozen=True):
+    """Receiver -> server: send me bucket ``index`` of ``version``."""
+
+    version: int
+    index: int
+
+
+class BucketHeader(msgspec.Struct, tag="bucket", tag_field="type", frozen=True):
+    """Server -> receiver, first frame of a bucket reply; the second frame is the data."""
+
+    version: int
+    index: int
+    num_buckets: int
+    num_bytes: int
+    """Total payload bytes of the whole version (all buckets)."""
+    tensors: list[TensorEntry]
+
+
+class ErrorReply(msgspec.Struct, tag="error", tag_field="type", frozen=True):
+    """Server -> receiver when a request cannot be served (wrong version, bad index)."""
+
+    message: str
+    current_version: int
+    """Version the server serves now (-1 = nothing published yet)."""
+
+
+Reply = BucketHeader | ErrorReply
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(BucketRequest)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class WireTensor(NamedTuple):
+    """A tensor to publish, already on the host as raw bytes: ``array`` is C-contiguous.
+
+    For bf16, ``array`` holds the raw ``uint16`` words and ``dtype`` is ``"bfloat16"``.
+    """
+
+    name: str
+    dtype: str
+    array: np.ndarray
+
+
+class ReceivedTensor(NamedTuple):
+    """A tensor received: name, wire dtype name, and a read-only array over the received bytes."""
+
+    name: str
+    dtype: str
+    array: np.ndarray
+
+
+class Bucket(NamedTuple):
+    """One encoded bucket: the header frame and the data frame as they go on the wire."""
+
+    header: bytes
+    data: bytearray
+
+
+class EncodedVersion(NamedTuple):
+    """All buckets of one version with the checksum that covers them."""
+
+    version: int
+    buckets: list[Bucket]
+    checksum: str
+    num_bytes: int
+
+
+def _aligned(offset: int) -> int:
+    return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _plan_buckets(tensors: list[WireTensor], bucket_bytes: int) -> list[list[WireTensor]]:
+    """Greedy split in order: a bucket takes tensors until the next would overflow ``bucket_bytes``."""
+    groups: list[list[WireTensor]] = []
+    current: list[WireTensor] = []
+    size = 0
+    for t in tensors:
+        end = _aligned(size) + t.array.nbytes
+        if current and end > bucket_bytes:
+            groups.append(current)
+            current, end = [], t.array.nbytes
+        current.append(t)
+        size = end
+    if current:
+        groups.append(current)
+    return groups
+
+
+def encode_version(
+    tensors: Iterable[WireTensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> EncodedVersion:
+    """Pack named host arrays into buckets and compute the checksum of the whole version."""
+    if bucket_bytes < ALIGN_BYTES:
+        raise ValueError(f"bucket_bytes must be >= {ALIGN_BYTES}, got {bucket_bytes}")
+    items = list(tensors)
+    if not items:
+        raise ValueError("a weights version needs at least one tensor")
+    names = [t.name for t in items]
+    if len(set(names)) != len(names):
+        raise ValueError("tensor names must be unique within a version")
+    groups = _plan_buckets(items, bucket_bytes)
+    num_bytes = sum(t.array.nbytes for t in items)
+    digest = hashlib.blake2b(digest_size=32)
+    buckets: list[Bucket] = []
+    for index, group in enumerate(groups):
+        entries: list[TensorEntry] = []
+        offset = 0
+        for t in group:
+            offset = _aligned(offset)
+            entries.append(TensorEntry(t.name, t.dtype, list(t.array.shape), offset, t.array.nbytes))
+            offset += t.array.nbytes
+        data = bytearray(offset)
+        data_u8 = np.frombuffer(data, dtype=np.uint8)
+        for t, entry in zip(group, entries, strict=True):
+            data_u8[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(t.array).reshape(-1).view(np.uint8)
+        header = _encoder.encode(BucketHeader(version, index, len(groups), num_bytes, entries))
+        digest.update(header)
+        digest.update(data)
+        buckets.append(Bucket(header, data))
+    return EncodedVersion(version, buckets, digest.hexdigest(), num_bytes)
+
+
+def decode_bucket(header: BucketHeader, data: memoryview | bytes) -> list[ReceivedTensor]:
+    """Read-only arrays over a received data frame (no copy)."""
+    out = []
+    for e in header.tensors:
+        if e.offset + e.nbytes > len(data):
+            raise WeightSyncError(f"bucket {header.index}: tensor {e.name} lies past the end of the data frame")
+        np_dtype = np.dtype(np.uint16) if e.dtype == BF16 else np.dtype(e.dtype)
+        array = np.frombuffer(data, dtype=np_dtype, count=e.nbytes // np_dtype.itemsize, offset=e.offset)
+        out.append(ReceivedTensor(e.name, e.dtype, array.reshape(e.shape)))
+    return out
+
+
+def serve_request(request_frame: bytes, current: EncodedVersion | None) -> list[bytes]:
+    """Answer one request frame with the reply frames (pure: the server loop only moves bytes)."""
+    current_version = -1 if current is None else current.version
+    try:
+        request = _request_decoder.decode(request_frame)
+    except msgspec.DecodeError as e:
+        return [_encoder.encode(ErrorReply(f"undecodable request: {e}", current_version))]
+    if current is None or request.version != current.version:
+        message = f"version {request.version} is not served (current version: {current_version})"
+        return [_encoder.encode(ErrorReply(message, current_version))]
+    if not 0 <= request.index < len(current.buckets):
+        message = f"bucket {request.index} out of range (version {current.version} has {len(current.buckets)})"
+        return [_encoder.encode(ErrorReply(message, current_version))]
+    bucket = current.buckets[request.index]
+    return [bucket.header, bucket.data]
+
+
+class BucketServer:
+    """Serves the latest :class:`EncodedVersion` on a ZMQ ROUTER socket from a background thread.
+
+    ``endpoint`` is what receivers connect to (``tcp://host:port``). Binding ``tcp://*:0``
+    (``port=0``) picks a free port. Only the latest version is kept: requests for any other
+    version get an :class:`ErrorReply` naming the current one.
+    """
+
+    POLL_MS = 100
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        bind_host = "*" if host in ("0.0.0.0", "*") else host
+        if port == 0:
+            port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
+        else:
+            self._sock.bind(f"tcp://{bind_host}:{port}")
+        self.port = port
+        self.endpoint = f"tcp://{advertise_host or (socket.gethostname() if bind_host == '*' else host)}:{port}"
+        self._current: EncodedVersion | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weights-server", daemon=True)
+        self._thread.start()
+
+    def set_current(self, encoded: EncodedVersion) -> None:
+        """Serve ``encoded`` from now on; the previous version is dropped."""
+        with self._lock:
+            self._current = encoded
+
+    @property
+    def current_version(self) -> int:
+        with self._lock:
+            return -1 if self._current is None else self._current.version
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(self.POLL_MS, zmq.POLLIN):
+                continue
+            identity, *frames = self._sock.recv_multipart()
+            with self._lock:
+                current = self._current
+            request = frames[-1] if frames else b""
+            self._sock.send_multipart([identity, *serve_request(request, current)], copy=False)
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
+        self._ctx.term()
+
+
+def fetch_buckets(
+    endpoint: str,
+    version: int,
+    checksum: str | None,
+    timeout_s: float,
+    context: zmq.Context | None = None,
+) -> Iterator[ReceivedTensor]:
+    """Pull every bucket of ``version`` from ``endpoint`` and yield its tensors in order.
+
+    Nothing is yielded until all buckets arrived within ``timeout_s`` and the checksum over them
+    equals ``checksum`` (when given): a failed sync raises :class:`WeightSyncError` before the
+    caller has applied anything. Memory: one host copy of the weights while they are applied.
+    """
+    deadline = time.monotonic() + timeout_s
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        received = _receive_all(sock, version, deadline, endpoint)
+    finally:
+        sock.close()
+    digest = hashlib.blake2b(digest_size=32)
+    for header_frame, data_frame, _ in received:
+        digest.update(header_frame)
+        digest.update(data_frame)
+    actual = digest.hexdigest()
+    if checksum is not None and actual != checksum:
+        raise WeightSyncError(f"checksum mismatch for version {version} from {endpoint}: got {actual}, expected {checksum}")
+    for _, data_frame, header in received:
+        yield from decode_bucket(header, data_frame)
+
+
+def _receive_all(
+    sock: zmq.Socket, version: int, deadline: float, endpoint: str
+) -> list[tuple[bytes, memoryview, BucketHeader]]:
+    """Request buckets with ``PIPELINE_DEPTH`` in flight until all arrived; raise on error or deadline."""
+    num_buckets: int | None = None
+    next_index = 0
+    in_flight = 0
+    received: dict[int, tuple[bytes, memoryview, BucketHeader]] = {}
+    while num_buckets is None or len(received) < num_buckets:
+        # The bucket count is known only after the first reply: ask for bucket 0 alone first.
+        limit = 1 if num_buckets is None else min(num_buckets, next_index + PIPELINE_DEPTH - in_flight)
+        while next_index < limit:
+            sock.send(_encoder.encode(BucketRequest(version, next_index)))
+            next_index += 1
+            in_flight += 1
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+            got = len(received)
+            raise WeightSyncError(
+                f"weight sync of version {version} from {endpoint} missed its deadline "
+                f"({got}/{num_buckets if num_buckets is not None else '?'} buckets received)"
+            )
+        frames = sock.recv_multipart(copy=False)
+        in_flight -= 1
+        try:
+            reply = _reply_decoder.decode(frames[0].bytes)
+        except msgspec.DecodeError as e:
+            raise WeightSyncError(f"undecodable reply from {endpoint}: {e}") from e
+        if isinstance(reply, ErrorReply):
+            raise WeightSyncError(f"weight server {endpoint} refused: {reply.message}")
+        if reply.version != version or len(frames) != 2:
+            raise WeightSyncError(f"malformed bucket reply from {endpoint} (version {reply.version})")
+        num_buckets = reply.num_buckets
+        received[reply.index] = (frames[0].bytes, frames[1].buffer, reply)
+    return [received[i] for i in range(num_buckets)]

@@ -1,0 +1,45 @@
+"""A minimal streamrl service for bus tests: trajectories -> scored (reward = response length).
+
+Run as ``python bus_worker.py --redis.url=... --run_id=... --echo.delay_s=0.05``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from pydantic import Field
+
+from streamrl.common.bus import Output
+from streamrl.common.config import BaseConfig
+from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.lifecycle import ServiceConfig, ServiceContext, service_main
+from streamrl.common.messages import ScoredTrajectory, Trajectory
+
+
+class EchoConfig(ServiceConfig):
+    delay_s: float = Field(0.0, ge=0)
+    """Time each message takes to handle (s)."""
+    fail_ids: list[str] = []
+    """Trajectory ids whose handling always raises."""
+
+
+async def run(config: EchoConfig, ctx: ServiceContext) -> None:
+    async def handle(msg: Trajectory) -> list[Output]:
+        await asyncio.sleep(config.delay_s)
+        if msg.id in config.fail_ids:
+            raise RuntimeError(f"scorer exploded on {msg.id}")
+        scored = ScoredTrajectory(trajectory=msg, reward=float(len(msg.response_ids)), scorer="echo")
+        return [Output(stream=ctx.names.scored, message=scored)]
+
+    loop = ConsumerLoop(
+        ctx.bus, ctx.names, stream=ctx.names.trajectories, group="reward", consumer=ctx.instance,
+        handler=handle, message_type=Trajectory, config=config.consumer,
+    )  # fmt: skip
+    ctx.loops.append(loop)
+    ctx.status = "running"
+    await loop.run(ctx.stop, burst=ctx.burst)
+
+
+if __name__ == "__main__":
+    sys.exit(service_main("echo", EchoConfig, run))

@@ -1,0 +1,173 @@
+"""The consumer loop against a real redis-server: crash recovery, dead letters, drain, wire format."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from streamrl.common.codec import decode, encode
+from streamrl.common.consumer import encode_payload
+from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.streams import StreamNames
+
+WORKER = Path(__file__).with_name("bus_worker.py")
+
+
+def make_trajectory(i: int, num_tokens: int = 8) -> Trajectory:
+    return Trajectory(
+        id=f"g{i}/0",
+        group_id=f"g{i}",
+        group_index=0,
+        group_size=1,
+        prompt_ids=Tensor.from_list([1, 2, 3], "int32"),
+        response_ids=Tensor.from_numpy(np.arange(num_tokens, dtype=np.int32) + i),
+        logprobs=Tensor.from_numpy(np.full(num_tokens, -0.5, dtype=np.float32)),
+        loss_mask=Tensor.from_numpy(np.ones(num_tokens, dtype=np.uint8)),
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    )
+
+
+def start_worker(redis_url: str, run_id: str, instance: str, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, str(WORKER), f"--redis.url={redis_url}", f"--run_id={run_id}", f"--instance={instance}",
+           "--consumer.heartbeat_interval_s=0.2", "--consumer.claim_interval_s=0.2", *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def scored_ids(client: redis.Redis, names: StreamNames) -> list[str]:
+    return [decode(f[b"d"], ScoredTrajectory).trajectory.id for _, f in client.xrange(names.scored)]
+
+
+def pending(client: redis.Redis, names: StreamNames) -> int:
+    return int(client.xpending(names.trajectories, "reward")["pending"])
+
+
+def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(redis_url: str, run_id: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    num = 60
+    for i in range(num):
+        client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+    victim = start_worker(redis_url, run_id, "victim", "--echo.delay_s=0.3", "--consumer.max_in_flight=16")
+    wait_for(lambda: len(scored_ids(client, names)) >= 5, 30, "the first outputs")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert pending(client, names) > 0, "the killed consumer should have left entries pending"
+    done_before = len(scored_ids(client, names))
+    assert done_before < num
+    rescuer = start_worker(redis_url, run_id, "rescuer", "--consumer.claim_idle_ms=500")
+    try:
+        wait_for(lambda: len(scored_ids(client, names)) >= num and pending(client, names) == 0, 60, "all outputs")
+        time.sleep(1.0)  # let any would-be duplicate land
+        ids = scored_ids(client, names)
+        assert len(ids) == num
+        assert sorted(ids) == sorted(f"g{i}/0" for i in range(num))
+        assert pending(client, names) == 0
+    finally:
+        rescuer.send_signal(signal.SIGTERM)
+        assert rescuer.wait(20) == 0
+
+
+def test_poison_and_failing_entries_are_dead_lettered_while_the_loop_keeps_running(redis_url: str, run_id: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    client.xadd(names.trajectories, {b"d": b"\xc1 not msgpack"})
+    client.xadd(names.trajectories, {b"d": msgpack.packb({"type": "trajectory", "v": 99})})
+    client.xadd(names.trajectories, {b"d": msgpack.packb({"type": "spaceship", "v": 1})})
+    client.xadd(names.trajectories, encode_payload(make_trajectory(0)))  # always fails in the handler
+    for i in range(1, 6):
+        client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+    worker = start_worker(
+        redis_url, run_id, "w", '--echo.fail_ids=["g0/0"]', "--consumer.max_deliveries=3", "--consumer.retry_delay_s=0.05"
+    )
+    try:
+        wait_for(lambda: client.xlen(names.dead) >= 4 and len(scored_ids(client, names)) >= 5, 30, "dead letters")
+        letters = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
+        reasons = " | ".join(letter.error for letter in letters)
+        assert "undecodable" in reasons
+        assert "unsupported version v=99" in reasons
+        assert "unknown message type 'spaceship'" in reasons
+        failed = [letter for letter in letters if "scorer exploded on g0/0" in letter.error]
+        assert len(failed) == 1 and failed[0].deliveries == 3
+        assert decode(failed[0].payload, Trajectory).id == "g0/0"  # the original payload is kept
+        assert sorted(scored_ids(client, names)) == [f"g{i}/0" for i in range(1, 6)]
+        wait_for(lambda: pending(client, names) == 0, 10, "acks")
+        assert worker.poll() is None, "the loop must keep running"
+        # still consuming after the poison
+        client.xadd(names.trajectories, encode_payload(make_trajectory(7)))
+        wait_for(lambda: "g7/0" in scored_ids(client, names), 10, "a message after the poison")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(20) == 0
+
+
+def test_sigterm_drains_in_flight_work(redis_url: str, run_id: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    worker = start_worker(redis_url, run_id, "w", "--echo.delay_s=1.5", "--consumer.max_in_flight=8")
+    wait_for(lambda: client.exists(names.heartbeat("echo", "w")), 20, "heartbeat")
+    for i in range(8):
+        client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+    wait_for(lambda: pending(client, names) == 8, 10, "all 8 in flight")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    assert len(scored_ids(client, names)) == 8, "in-flight work must finish before exit"
+    assert pending(client, names) == 0
+    # entries arriving after SIGTERM are not taken
+    assert not client.exists(names.heartbeat("echo", "w"))
+
+
+def test_health_check_follows_the_heartbeat(redis_url: str, run_id: str) -> None:
+    worker = start_worker(redis_url, run_id, "hc")
+    check = [sys.executable, str(WORKER), f"--redis.url={redis_url}", f"--run_id={run_id}", "--check"]
+    try:
+        wait_for(lambda: subprocess.run(check, capture_output=True).returncode == 0, 20, "healthy")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(20)
+    time.sleep(0.5)
+    assert subprocess.run(check, capture_output=True).returncode == 1
+
+
+def test_message_roundtrips_through_plain_msgpack(redis_url: str, run_id: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    traj = make_trajectory(3, num_tokens=4)
+    client.xadd(names.trajectories, encode_payload(traj))
+    (_, fields), = client.xrange(names.trajectories)
+    plain = msgpack.unpackb(fields[b"d"], raw=False)
+    assert plain["type"] == "trajectory" and plain["v"] == 1
+    assert plain["id"] == "g3/0" and plain["group_id"] == "g3" and plain["group_size"] == 1
+    assert plain["traceparent"].startswith("00-0af7651916cd43dd")
+    ids = plain["response_ids"]
+    assert ids["dtype"] == "int32" and ids["shape"] == [4]
+    assert np.frombuffer(ids["data"], dtype=ids["dtype"]).tolist() == [3, 4, 5, 6]
+    lp = plain["logprobs"]
+    assert np.frombuffer(lp["data"], dtype=lp["dtype"]).tolist() == [-0.5] * 4
+    # and a map written by another msgpack producer decodes into the typed message
+    assert decode(msgpack.packb(plain), Trajectory) == traj
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x93\x01\x02\x03", msgpack.packb({"v": 1})])
+def test_bad_payloads_raise_a_clear_error(payload: bytes) -> None:
+    from streamrl.common.errors import PoisonMessageError
+
+    with pytest.raises(PoisonMessageError):
+        decode(payload)
