@@ -1,0 +1,116 @@
+"""Prompt datasets: JSONL / Parquet / Hugging Face dataset folders -> tokenized prompts.
+
+The source is addressed by a cursor (an integer that only grows): prompt ``i`` is row
+``order[i % N]`` of epoch ``i // N``, with a fresh seeded shuffle per epoch. The cursor lives in
+Redis, so a restarted coordinator continues with the same next prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from streamrl.common.errors import ConfigError
+from streamrl.coordinator.config import DatasetConfig
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One tokenized prompt with its label and the rest of its row."""
+
+    index: int
+    """Row index in the dataset."""
+    text: str
+    ids: list[int]
+    label: str | None
+    metadata: dict[str, Any]
+
+
+def read_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
+    """Rows of a .jsonl/.json file, a .parquet file, or a Hugging Face dataset folder."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"dataset not found: {path}")
+    if p.is_dir():
+        import datasets
+
+        loaded = datasets.load_from_disk(str(p))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ConfigError(f"dataset {path}: no split {split!r} (has {list(loaded)})")
+            loaded = loaded[split]
+        return [dict(row) for row in loaded]
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()  # type: ignore[no-any-return]
+    if p.suffix in (".jsonl", ".json"):
+        text = p.read_text()
+        if p.suffix == ".json":
+            data = json.loads(text)
+            if not isinstance(data, list):
+                raise ConfigError(f"{path}: a .json dataset must be a list of rows")
+            return data
+        rows = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{lineno}: invalid JSON: {e}") from e
+        return rows
+    raise ConfigError(f"dataset {path}: unsupported format (use .jsonl, .json, .parquet or a dataset folder)")
+
+
+class PromptSource:
+    """A tokenized, shuffled, endlessly repeating prompt dataset addressed by cursor."""
+
+    def __init__(self, cfg: DatasetConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        rows = read_rows(cfg.path, cfg.split)
+        if not rows:
+            raise ConfigError(f"dataset {cfg.path} is empty")
+        for key in (cfg.prompt_key, cfg.label_key):
+            if key is not None and key not in rows[0]:
+                raise ConfigError(f"dataset {cfg.path}: rows have no key {key!r} (keys: {sorted(rows[0])})")
+        if cfg.max_prompts is not None:
+            rng = random.Random(cfg.seed)
+            order = list(range(len(rows)))
+            if cfg.shuffle:
+                rng.shuffle(order)
+            rows = [rows[i] for i in order[: cfg.max_prompts]]
+        self.rows = rows
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.cfg.shuffle:
+            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def get(self, cursor: int) -> Prompt:
+        epoch, offset = divmod(cursor, len(self.rows))
+        index = self._order(epoch)[offset]
+        return self.encode(index)
+
+    def encode(self, index: int) -> Prompt:
+        row = self.rows[index]
+        raw = row[self.cfg.prompt_key]
+        templated = isinstance(raw, list) or self.cfg.apply_chat_template
+        if templated:
+            messages = raw if isinstance(raw, list) else [{"role": "user", "content": str(raw)}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = str(raw)
+        ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        label = row.get(self.cfg.label_key) if self.cfg.label_key else None
+        meta = {k: v for k, v in row.items() if k not in (self.cfg.prompt_key, self.cfg.label_key)}
+        return Prompt(index=index, text=text, ids=list(ids), label=None if label is None else str(label), metadata=meta)

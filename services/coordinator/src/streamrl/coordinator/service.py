@@ -1,0 +1,354 @@
+"""CoordinatorService: owns the run — prompts, policy version, staleness, batching, evaluation.
+
+Components, all in this process, wired by :meth:`CoordinatorService.run`:
+
+* a consumer loop on ``scored``: stores each scored trajectory in its group's Redis hash
+  (atomically with the ack, de-duplicated by trajectory id);
+* a tail of ``weights``: the learner's WeightsPublished events raise the policy version (kept in
+  Redis, never decreasing) and carry the learner's step metrics;
+* a tail of ``dead``: dead-lettered prompts/trajectories fail their group (counted, with reason),
+  so replacement prompts are issued instead of waiting forever;
+* one ``tick`` task that, every few ms: completes groups (dynamic filtering), builds batches of
+  complete groups, issues prompts under admission control, runs evaluation rounds, updates the
+  progress hash and metrics, and ends the run after ``total_steps``.
+
+All run state lives in Redis (``streamrl:{run}:state:*``), so a restarted coordinator continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from streamrl.common.bus import Output
+from streamrl.common.codec import decode, encode
+from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.errors import PoisonMessageError
+from streamrl.common.lifecycle import ServiceContext
+from streamrl.common.messages import (
+    DeadLetter,
+    PromptWorkItem,
+    SamplingParams,
+    ScoredTrajectory,
+    Tensor,
+    TrainingBatch,
+    Trajectory,
+    WeightsPublished,
+)
+from streamrl.coordinator.admission import groups_admissible, staleness
+from streamrl.coordinator.config import CoordinatorConfig
+from streamrl.coordinator.filtering import has_spread
+from streamrl.coordinator.metrics import MetricsWriter, plot
+from streamrl.coordinator.prompts import PromptSource
+
+logger = logging.getLogger(__name__)
+TICK_S = 0.02
+
+
+def eval_round_key(version: int) -> str:
+    return f"eval-v{version}"
+
+
+class CoordinatorService:
+    """See the module docstring."""
+
+    def __init__(self, config: CoordinatorConfig, ctx: ServiceContext) -> None:
+        self.cfg = config
+        self.ctx = ctx
+        self.redis = ctx.bus.redis
+        self.names = ctx.names
+        self.source = PromptSource(config.dataset)
+        self.eval_source = PromptSource(config.eval.dataset) if config.eval.dataset else None
+        self.metrics = MetricsWriter(config.run_dir)
+        self.version = 0
+        self.dead_reasons: Counter[str] = Counter()
+        self.last_batch_time = time.monotonic()
+        self.progress: dict[str, Any] = {}
+
+    # -- state in redis -------------------------------------------------------------------
+    def _state(self, name: str) -> str:
+        return self.names.state(name)
+
+    async def _get_int(self, name: str) -> int:
+        raw = await self.redis.get(self._state(name))
+        return int(raw) if raw is not None else 0
+
+    # -- entry ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.version = await self._get_int("policy_version")
+        logger.info(
+            "coordinator: %d prompts, group size %d, %d groups/step, max staleness %d, resuming at version %d",
+            len(self.source), self.cfg.group_size, self.cfg.prompts_per_step, self.cfg.max_staleness, self.version,
+        )  # fmt: skip
+        scored_loop: ConsumerLoop[ScoredTrajectory] = ConsumerLoop(
+            self.ctx.bus, self.names, stream=self.names.scored, group="coordinator", consumer="coordinator",
+            handler=self.handle_scored, message_type=ScoredTrajectory, config=self.cfg.consumer,
+            dedupe_key=lambda m: m.trajectory.id,
+        )  # fmt: skip
+        self.ctx.loops.append(scored_loop)
+        self.ctx.status = "running"
+        self.ctx.policy_version = self.version
+        done = asyncio.Event()
+        stop_all = asyncio.Event()
+        tasks = [
+            asyncio.create_task(scored_loop.run(stop_all)),
+            asyncio.create_task(self._tail(self.names.weights, "weights_cursor", self.on_weights, stop_all)),
+            asyncio.create_task(self._tail(self.names.dead, "dead_cursor", self.on_dead, stop_all)),
+            asyncio.create_task(self._tick_forever(done, stop_all)),
+        ]
+        await asyncio.wait([asyncio.create_task(self.ctx.stop.wait()), asyncio.create_task(done.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        stop_all.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        self.metrics.close()
+        plot(self.cfg.run_dir)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                raise r
+
+    async def _tail(self, stream: str, cursor_name: str, handle: Any, stop: asyncio.Event) -> None:
+        """Follow a broadcast stream from a cursor saved in redis (at-least-once, handlers idempotent)."""
+        cursor = (await self.redis.get(self._state(cursor_name)) or b"0-0").decode()
+        while not stop.is_set():
+            reply = await self.redis.xread({stream: cursor}, count=64, block=200)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    try:
+                        await handle(decode(fields[b"d"]))
+                    except PoisonMessageError as e:
+                        logger.error("skipping undecodable entry %s on %s: %s", entry_id, stream, e)
+                    cursor = entry_id.decode()
+                    await self.redis.set(self._state(cursor_name), cursor)
+
+    # -- handlers ---------------------------------------------------------------------------
+    async def handle_scored(self, msg: ScoredTrajectory) -> list[Output]:
+        traj = msg.trajectory
+        group = eval_round_key(int(traj.metadata.get("eval_version", 0))) if traj.is_eval else traj.group_id
+        return [Output(key=self.names.group_buffer(group), field=traj.id, message=msg)]
+
+    async def on_weights(self, msg: Any) -> None:
+        if not isinstance(msg, WeightsPublished):
+            return
+        if msg.version > self.version:
+            self.version = msg.version
+            await self.redis.set(self._state("policy_version"), self.version)
+            self.ctx.policy_version = self.version
+            await self._maybe_start_eval()
+        if msg.metrics:
+            self.metrics.write(msg.version, dict(msg.metrics))
+            self.progress.update({"loss": round(msg.metrics.get("learner/loss/policy", float("nan")), 4)})
+        self.progress["version"] = self.version
+        if self.version % self.cfg.plot_every_steps == 0:
+            await asyncio.to_thread(plot, self.cfg.run_dir)
+
+    async def on_dead(self, msg: Any) -> None:
+        if not isinstance(msg, DeadLetter):
+            return
+        self.dead_reasons[msg.error.split(":")[0]] += 1
+        self.progress["dead"] = sum(self.dead_reasons.values())
+        logger.error("dead letter from %s: %s", msg.stream, msg.error)
+        try:
+            inner = decode(msg.payload)
+        except PoisonMessageError:
+            return
+        group = None
+        if isinstance(inner, PromptWorkItem):
+            group = inner.id
+        elif isinstance(inner, Trajectory):
+            group = inner.group_id
+        elif isinstance(inner, ScoredTrajectory):
+            group = inner.trajectory.group_id
+        if group and await self.redis.srem(self._state("inflight"), group):
+            await self.redis.delete(self.names.group_buffer(group))
+            await self.redis.incr(self._state("groups_dead"))
+            logger.warning("group %s failed (dead-lettered member): a replacement prompt will be issued", group)
+
+    # -- the tick ---------------------------------------------------------------------------
+    async def _tick_forever(self, done: asyncio.Event, stop: asyncio.Event) -> None:
+        await self._maybe_start_eval()
+        while not stop.is_set():
+            await self._complete_groups()
+            await self._build_batches()
+            await self._issue_prompts()
+            if await self._finish_eval_rounds() and self._run_complete():
+                done.set()
+                return
+            await self._publish_progress()
+            await asyncio.sleep(TICK_S)
+
+    def _run_complete(self) -> bool:
+        return self.version >= self.cfg.total_steps
+
+    async def _complete_groups(self) -> None:
+        inflight = [g.decode() for g in await self.redis.smembers(self._state("inflight"))]
+        if not inflight:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for g in inflight:
+            pipe.hlen(self.names.group_buffer(g))
+        sizes = await pipe.execute()
+        for group, size in zip(inflight, sizes, strict=True):
+            if size < self.cfg.group_size:
+                continue
+            samples = await self._group_samples(group)
+            keep = not self.cfg.dynamic_filtering or has_spread([s.score for s in samples])
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.srem(self._state("inflight"), group)
+            if keep:
+                pipe.rpush(self._state("ready"), group)
+                pipe.incr(self._state("accepted"))
+            else:
+                pipe.delete(self.names.group_buffer(group))
+                pipe.incr(self._state("groups_filtered"))
+            await pipe.execute()
+
+    async def _group_samples(self, group: str) -> list[ScoredTrajectory]:
+        raw = await self.redis.hgetall(self.names.group_buffer(group))
+        samples = [decode(v, ScoredTrajectory) for v in raw.values()]
+        return sorted(samples, key=lambda s: s.trajectory.group_index)
+
+    async def _build_batches(self) -> None:
+        per_step = self.cfg.prompts_per_step
+        while await self.redis.llen(self._state("ready")) >= per_step:
+            index = await self._get_int("batch_index")
+            groups = [g.decode() for g in await self.redis.lrange(self._state("ready"), 0, per_step - 1)]
+            samples: list[ScoredTrajectory] = []
+            stale: list[int] = []
+            num_too_stale = 0
+            for group in groups:
+                members = await self._group_samples(group)
+                lags = [staleness(index, s.trajectory.policy_version_start) for s in members]
+                if max(lags) > self.cfg.max_staleness:
+                    num_too_stale += len(members)
+                    if self.cfg.staleness_policy == "drop":
+                        continue  # whole groups only: group baselines need every member
+                samples += members
+                stale += lags
+            batch = TrainingBatch(
+                id=f"batch-{index}", index=index, samples=samples, policy_version=self.version,
+                staleness=stale, created_at=time.time(),
+            )  # fmt: skip
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(self.names.batches, {b"d": encode(batch)}, maxlen=self.cfg.redis.maxlen, approximate=True)
+            pipe.ltrim(self._state("ready"), per_step, -1)
+            for group in groups:
+                pipe.delete(self.names.group_buffer(group))
+            pipe.incr(self._state("batch_index"))
+            pipe.incrby(self._state("samples_too_stale"), num_too_stale)
+            await pipe.execute()
+            self._record_batch(batch, num_too_stale)
+
+    def _record_batch(self, batch: TrainingBatch, num_too_stale: int) -> None:
+        now = time.monotonic()
+        rewards = np.array([s.reward for s in batch.samples], dtype=np.float64)
+        scores = np.array([s.score for s in batch.samples], dtype=np.float64)
+        lengths = np.array([len(s.trajectory.response_ids) for s in batch.samples], dtype=np.float64)
+        truncated = np.array([s.trajectory.truncated for s in batch.samples], dtype=np.float64)
+        elapsed = max(now - self.last_batch_time, 1e-6)
+        self.last_batch_time = now
+        stats = {
+            "rollout/reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+            "rollout/acc": float(scores.mean()) if scores.size else 0.0,
+            "rollout/response_len_mean": float(lengths.mean()) if lengths.size else 0.0,
+            "rollout/truncated_frac": float(truncated.mean()) if truncated.size else 0.0,
+            "rollout/tokens_per_s": float(lengths.sum() / elapsed),
+            "coordinator/staleness_mean": float(np.mean(batch.staleness)) if batch.staleness else 0.0,
+            "coordinator/staleness_max": int(max(batch.staleness, default=0)),
+            "coordinator/samples_too_stale": num_too_stale,
+            "coordinator/batch_samples": len(batch.samples),
+        }
+        self.metrics.write(batch.index, stats)
+        self.progress.update({
+            "step": batch.index + 1,
+            "reward": round(stats["rollout/reward_mean"], 3),
+            "acc": round(stats["rollout/acc"], 3),
+            "staleness": round(stats["coordinator/staleness_mean"], 2),
+            "tok/s": round(stats["rollout/tokens_per_s"], 1),
+        })  # fmt: skip
+        logger.info("batch %d: %s", batch.index, " ".join(f"{k}={v:.3g}" for k, v in stats.items()))
+
+    async def _issue_prompts(self) -> None:
+        inflight = await self.redis.scard(self._state("inflight"))
+        budget = groups_admissible(
+            accepted=await self._get_int("accepted"), in_flight=inflight, version=self.version,
+            max_staleness=self.cfg.max_staleness, prompts_per_step=self.cfg.prompts_per_step,
+            total_steps=self.cfg.total_steps,
+        )  # fmt: skip
+        s = self.cfg.sampling
+        sampling = SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+            n=self.cfg.group_size, seed=s.seed,
+        )  # fmt: skip
+        for _ in range(budget):
+            cursor = await self._get_int("cursor")
+            prompt = self.source.get(cursor)
+            item = PromptWorkItem(
+                id=f"p{cursor}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
+                label=prompt.label, metadata=prompt.metadata, sampling=sampling, policy_version=self.version,
+                issued_at=time.time(),
+            )  # fmt: skip
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(self.names.prompts, {b"d": encode(item)}, maxlen=self.cfg.redis.maxlen, approximate=True)
+            pipe.sadd(self._state("inflight"), item.id)
+            pipe.incr(self._state("cursor"))
+            await pipe.execute()
+
+    # -- evaluation ---------------------------------------------------------------------------
+    async def _maybe_start_eval(self) -> None:
+        if self.eval_source is None:
+            return
+        v = self.version
+        if not (v % self.cfg.eval.every_steps == 0 or v == self.cfg.total_steps):
+            return
+        if not await self.redis.hsetnx(self._state("eval_rounds"), str(v), "started"):
+            return  # already issued (e.g. before a restart)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens, n=1)
+        count = min(self.cfg.eval.num_prompts, len(self.eval_source))
+        pipe = self.redis.pipeline(transaction=False)
+        for i in range(count):
+            prompt = self.eval_source.encode(i)
+            item = PromptWorkItem(
+                id=f"eval-v{v}-{i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
+                label=prompt.label, metadata={**prompt.metadata, "eval_version": v}, sampling=sampling,
+                policy_version=v, issued_at=time.time(), is_eval=True,
+            )  # fmt: skip
+            pipe.xadd(self.names.prompts, {b"d": encode(item)}, maxlen=self.cfg.redis.maxlen, approximate=True)
+        await pipe.execute()
+        logger.info("evaluation round at version %d: %d greedy prompts issued", v, count)
+
+    async def _finish_eval_rounds(self) -> bool:
+        """Close complete evaluation rounds; True when no round is pending."""
+        if self.eval_source is None:
+            return True
+        rounds = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self._state("eval_rounds"))).items()}
+        count = min(self.cfg.eval.num_prompts, len(self.eval_source))
+        pending = False
+        for version, status in rounds.items():
+            if status != "started":
+                continue
+            key = self.names.group_buffer(eval_round_key(int(version)))
+            if await self.redis.hlen(key) < count:
+                pending = True
+                continue
+            samples = [decode(v, ScoredTrajectory) for v in (await self.redis.hgetall(key)).values()]
+            acc = float(np.mean([s.score for s in samples]))
+            reward = float(np.mean([s.reward for s in samples]))
+            self.metrics.write(int(version), {"eval/acc": acc, "eval/reward_mean": reward, "eval/num_prompts": count})
+            self.progress["eval_acc"] = round(acc, 3)
+            logger.info("evaluation at version %s: greedy accuracy %.3f over %d held-out prompts", version, acc, count)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(self._state("eval_rounds"), version, f"{acc:.6f}")
+            pipe.delete(key)
+            await pipe.execute()
+            await asyncio.to_thread(plot, self.cfg.run_dir)
+        return not pending
+
+    async def _publish_progress(self) -> None:
+        if self.progress:
+            self.progress["version"] = self.version
+            await self.redis.hset(self._state("progress"), mapping={k: str(v) for k, v in self.progress.items()})
