@@ -1,7 +1,9 @@
-"""Tiny Qwen2 policy and character-level tokenizer for the arithmetic task, built locally (no hub).
+"""Tiny Llama policy and character-level tokenizer for the arithmetic task, built locally (no hub).
 
 The output folder is a normal Hugging Face model folder (config, safetensors, tokenizer files), so
-transformers, TRL and vLLM load it by path, exactly as they would load a hub model.
+transformers, TRL and vLLM load it by path, exactly as they would load a hub model. Llama rather
+than Qwen2: transformers 5 forces its byte-level Qwen2 tokenizer class onto any ``qwen2`` folder,
+which would re-split these characters; a ``llama`` folder keeps the saved tokenizer as it is.
 
 Tokenizer: one token per character of ``"0123456789+-*=,#"`` plus ``<pad>`` (id 0), ``<s>`` and
 ``</s>``. Nothing is added automatically when encoding (no BOS): a prompt encodes to the same ids in
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHARS = "0123456789+-*=,#"
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
@@ -28,7 +30,7 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of the tiny Qwen2 policy."""
+    """Shape of the tiny Llama policy."""
 
     hidden_size: int
     """Width; a multiple of 64 (head_dim is 64)."""
@@ -63,10 +65,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCausalLM:
-    """A randomly initialised fp32 Qwen2 with ``spec``'s shape and the tokenizer's special ids."""
+def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
+    """A randomly initialised fp32 Llama with ``spec``'s shape and the tokenizer's special ids."""
     num_heads = spec.hidden_size // 64
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -82,7 +84,7 @@ def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int =
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
     )
@@ -94,7 +96,7 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
     """Write the model (safetensors) and tokenizer into ``folder``."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)

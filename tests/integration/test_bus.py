@@ -136,7 +136,7 @@ def test_sigterm_drains_in_flight_work(redis_url: str, run_id: str) -> None:
 
 def test_health_check_follows_the_heartbeat(redis_url: str, run_id: str) -> None:
     worker = start_worker(redis_url, run_id, "hc")
-    check = [sys.executable, str(WORKER), f"--redis.url={redis_url}", f"--run_id={run_id}", "--check"]
+    check = [sys.executable, str(WORKER), f"--redis.url={redis_url}", f"--run_id={run_id}", "--check", "--instance=hc"]
     try:
         wait_for(lambda: subprocess.run(check, capture_output=True).returncode == 0, 20, "healthy")
     finally:

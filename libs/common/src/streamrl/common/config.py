@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from streamrl.common.errors import ConfigError
 
 ENV_PREFIX = "STREAMRL_"
+TOP_LEVEL_ENV = {"STREAMRL_RUN_ID": "run_id", "STREAMRL_RUN_DIR": "run_dir"}
+"""Top-level recipe fields settable from single-underscore environment variables."""
 
 
 class BaseConfig(BaseModel):
@@ -112,7 +114,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], env: dict[str, s
     data = json.loads(json.dumps(data))  # deep copy of plain data
     env = os.environ if env is None else env
     for name, raw in sorted(env.items()):
-        if name.startswith(ENV_PREFIX) and "__" in name:
+        if name in TOP_LEVEL_ENV:
+            _set_dotted(data, TOP_LEVEL_ENV[name], raw)
+        elif name.startswith(ENV_PREFIX) and "__" in name:
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
             _set_dotted(data, dotted, _parse_value(raw))
     for item in overrides:

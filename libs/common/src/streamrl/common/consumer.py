@@ -16,6 +16,10 @@ For one (stream, consumer group, consumer name)::
     on stop (SIGTERM): no new reads; in-flight entries get shutdown_grace_s to finish, then are
     cancelled and stay pending for another consumer to reclaim.
 
+With ``ack=False`` the outputs are committed but the entry stays pending until the service acks it
+itself (the learner acks batches once a checkpoint covers them); ``on_committed`` is called after
+each commit.
+
 At-least-once delivery to the handler, exactly-once effect downstream thanks to the de-dup key.
 """
 
@@ -73,6 +77,8 @@ class ConsumerLoop(Generic[M]):
         message_type: type[M] | tuple[type[Message], ...],
         config: ConsumerConfig,
         dedupe_key: Callable[[M], str | None] | None = None,
+        ack: bool = True,
+        on_committed: Callable[[str, M], Awaitable[None]] | None = None,
     ) -> None:
         self.bus = bus
         self.redis = bus.redis
@@ -84,6 +90,8 @@ class ConsumerLoop(Generic[M]):
         self.message_type = message_type
         self.config = config
         self.dedupe_key = dedupe_key if dedupe_key is not None else _message_id
+        self.ack = ack
+        self.on_committed = on_committed
         self.stats = ConsumerStats()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.max_in_flight)
@@ -98,14 +106,18 @@ class ConsumerLoop(Generic[M]):
     async def run(self, stop: asyncio.Event, *, burst: bool = False) -> None:
         """Consume until ``stop`` is set (or, with ``burst``, until the stream has nothing left)."""
         await self.ensure_group()
-        # First finish what this consumer name left pending in a previous life.
-        await self._read(stop, start_id="0")
+        # First finish, in order, what this consumer name left pending in a previous life.
+        cursor = "0-0"
+        while not stop.is_set():
+            cursor, got = await self._read(stop, start_id=cursor)
+            if got == 0:
+                break
         next_claim = 0.0
         while not stop.is_set():
             if time.monotonic() >= next_claim:
                 await self._reclaim()
                 next_claim = time.monotonic() + self.config.claim_interval_s
-            got = await self._read(stop, start_id=">")
+            _, got = await self._read(stop, start_id=">")
             if burst and got == 0 and not self._tasks:
                 break
         await self.drain()
@@ -122,7 +134,8 @@ class ConsumerLoop(Generic[M]):
             await asyncio.wait(pending)
             logger.warning("%s: cancelled %d entries after the grace period", self.stream, len(pending))
 
-    async def _read(self, stop: asyncio.Event, start_id: str) -> int:
+    async def _read(self, stop: asyncio.Event, start_id: str) -> tuple[str, int]:
+        """Read new entries (``>``) or this consumer's pending entries after ``start_id``."""
         await self._slots.acquire()
         free = 1
         while free < self.config.count and not self._slots.locked():
@@ -134,7 +147,7 @@ class ConsumerLoop(Generic[M]):
                 self.consumer,
                 {self.stream: start_id},
                 count=free,
-                block=None if start_id == "0" else self.config.block_ms,
+                block=self.config.block_ms if start_id == ">" else None,
             )
         except BaseException:
             for _ in range(free):
@@ -146,7 +159,8 @@ class ConsumerLoop(Generic[M]):
         for entry_id, fields in entries:
             deliveries = 1 if start_id == ">" else await self._delivery_count(entry_id)
             self._spawn(entry_id, fields, deliveries)
-        return len(entries)
+            start_id = entry_id.decode()
+        return start_id, len(entries)
 
     def _spawn(self, entry_id: bytes, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
         task = asyncio.create_task(self._process(entry_id.decode(), fields, deliveries))
@@ -203,7 +217,7 @@ class ConsumerLoop(Generic[M]):
                     outputs,
                     ack_stream=self.stream,
                     ack_group=self.group,
-                    ack_entry=entry_id,
+                    ack_entry=entry_id if self.ack else "",
                     dedupe_key=dedupe,
                     dedupe_ttl_s=self.config.dedupe_ttl_s,
                 )
@@ -228,6 +242,8 @@ class ConsumerLoop(Generic[M]):
                 self.stats.retried += 1
                 deliveries = await self._delivery_count(entry_id)
                 continue
+            if self.on_committed is not None:
+                await self.on_committed(entry_id, message)
             elapsed = time.perf_counter() - started
             self.stats.processed += 1
             if not fresh:

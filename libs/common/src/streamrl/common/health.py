@@ -60,7 +60,12 @@ def check(redis_url: str, names: StreamNames, service: str, instance: str | None
     except (syncredis.RedisError, OSError) as e:
         print(f"unhealthy: cannot reach redis: {e}")
         return 1
-    alive = [b for b in beats if instance is None or b.instance == instance]
+    if instance is None:  # a container checks its own replica: instances are named {hostname}-...
+        host = socket.gethostname()
+        mine = [b for b in beats if b.instance.startswith(f"{host}-") or b.instance == host]
+        alive = mine
+    else:
+        alive = [b for b in beats if b.instance == instance]
     if not alive:
         print(f"unhealthy: no heartbeat for {service}" + (f"/{instance}" if instance else ""))
         return 1

@@ -220,12 +220,14 @@ class CoordinatorService:
             samples: list[ScoredTrajectory] = []
             stale: list[int] = []
             num_too_stale = 0
+            num_groups_dropped = 0
             for group in groups:
                 members = await self._group_samples(group)
                 lags = [staleness(index, s.trajectory.policy_version_start) for s in members]
                 if max(lags) > self.cfg.max_staleness:
                     num_too_stale += len(members)
                     if self.cfg.staleness_policy == "drop":
+                        num_groups_dropped += 1
                         continue  # whole groups only: group baselines need every member
                 samples += members
                 stale += lags
@@ -240,6 +242,7 @@ class CoordinatorService:
                 pipe.delete(self.names.group_buffer(group))
             pipe.incr(self._state("batch_index"))
             pipe.incrby(self._state("samples_too_stale"), num_too_stale)
+            pipe.decrby(self._state("accepted"), num_groups_dropped)  # their replacements get issued
             await pipe.execute()
             self._record_batch(batch, num_too_stale)
 

@@ -121,3 +121,36 @@ class RewardConfig(BaseConfig):
             raise ValueError("scorers: at least one scorer needs a weight > 0")
         return self
 
+
+
+class ServeRmConfig(BaseConfig):
+    """``streamrl serve-rm``: a local reward model behind the OpenRLHF JSON protocol."""
+
+    model_path: str = Field(min_length=1)
+    """Reward model folder (see ``ModelScorerConfig.path``)."""
+    architecture: Literal["auto", "sequence_classification", "value_head"] = "auto"
+    """As ``ModelScorerConfig.architecture``."""
+    value_head_prefix: str = "value_head"
+    """As ``ModelScorerConfig.value_head_prefix``."""
+    host: str = "127.0.0.1"
+    """Interface to listen on (``0.0.0.0`` in a container)."""
+    port: int = Field(5000, ge=0, le=65535)
+    """TCP port; 0 = a free port (printed at start)."""
+    token_env: str = "STREAMRL_RM_TOKEN"
+    """Environment variable holding the bearer token every request must carry (required)."""
+    device: str = "cpu"
+    """torch device."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute dtype."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass."""
+    max_length: int = Field(2048, ge=8)
+    """Longer inputs keep their last tokens (tokens)."""
+    normalize: bool = True
+    """Apply the mean/std stored in the model's config.json."""
+    max_batch_size: int = Field(64, ge=1)
+    """Queries from concurrent requests grouped into one model call at most."""
+    max_wait_ms: float = Field(5.0, ge=0)
+    """How long the first query of a micro-batch waits for more (ms)."""
+    max_request_samples: int = Field(1024, ge=1)
+    """Larger requests are refused with HTTP 413."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from streamrl.common.messages import Trajectory
@@ -19,13 +19,15 @@ from streamrl.common.messages import Trajectory
 class ScorerError(RuntimeError):
     """A scorer could not score a batch; the message says which scorer and why.
 
-    ``transient`` is True when the cause is the scorer's backend (a remote service down or
-    timing out) rather than the samples, so splitting the batch would not help.
+    ``sample_specific`` is True when particular samples may be the cause (a user function raised,
+    a server rejected the payload), so scoring the samples one by one can isolate the bad ones.
+    It is False when the backend is down or misconfigured, where splitting would only multiply
+    the failing calls.
     """
 
-    def __init__(self, message: str, *, transient: bool = False) -> None:
+    def __init__(self, message: str, *, sample_specific: bool = False) -> None:
         super().__init__(message)
-        self.transient = transient
+        self.sample_specific = sample_specific
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,22 @@ class ScorerResult:
     """Per-sample output of one scorer call.
 
     Example:
-        ScorerResult(rewards=[1.0, 0.0], scores=[1.0, 0.0], extra={"format": [1.0, 1.0]})
+        ScorerResult(rewards=[1.0, 0.0], scores=[1.0, 0.0], extra=[{"format": 1.0}, {"format": 1.0}])
     """
 
     rewards: list[float]
     scores: list[float]
-    extra: dict[str, list[float]] = field(default_factory=dict)
-    """Metric name -> one value per sample."""
+    extra: list[dict[str, float]]
+    """One dict of extra metrics per sample."""
+
+    @staticmethod
+    def concat(parts: Sequence[ScorerResult]) -> ScorerResult:
+        """Join the results of consecutive chunks of one batch."""
+        return ScorerResult(
+            rewards=[r for p in parts for r in p.rewards],
+            scores=[s for p in parts for s in p.scores],
+            extra=[e for p in parts for e in p.extra],
+        )
 
 
 class Scorer(Protocol):
@@ -87,7 +98,7 @@ def _to_plain(value: Any) -> Any:
 
 def _floats(value: Any, n: int, what: str) -> list[float]:
     value = _to_plain(value)
-    if isinstance(value, int | float) and not isinstance(value, bool) and n == 1:
+    if isinstance(value, int | float) and n == 1:
         value = [value]
     if not isinstance(value, list | tuple):
         raise ScorerError(f"{what} must be a list or tensor of {n} numbers, got {type(value).__name__}")
@@ -97,7 +108,7 @@ def _floats(value: Any, n: int, what: str) -> list[float]:
     for i, v in enumerate(value):
         if isinstance(v, list) and len(v) == 1:  # a [N, 1] tensor
             v = v[0]
-        if isinstance(v, bool) or not isinstance(v, int | float):
+        if not isinstance(v, int | float):  # bools count as 0/1
             raise ScorerError(f"{what}[{i}] is not a number: {v!r}")
         if not math.isfinite(v):
             raise ScorerError(f"{what}[{i}] is not finite: {v}")
@@ -120,10 +131,11 @@ def parse_reward_output(output: Any, n: int, source: str) -> ScorerResult:
     extra_logs = output.get("extra_logs") or {}
     if not isinstance(extra_logs, Mapping):
         raise ScorerError(f"{source}: extra_logs must be a dict, got {type(extra_logs).__name__}")
-    extra: dict[str, list[float]] = {}
+    extra: list[dict[str, float]] = [{} for _ in range(n)]
     for key, value in extra_logs.items():
         plain = _to_plain(value)
-        if isinstance(plain, int | float) and not isinstance(plain, bool):
+        if isinstance(plain, int | float):
             plain = [plain] * n
-        extra[str(key)] = _floats(plain, n, f"{source}: extra_logs[{key!r}]")
+        for sample, v in zip(extra, _floats(plain, n, f"{source}: extra_logs[{key!r}]"), strict=True):
+            sample[str(key)] = v
     return ScorerResult(rewards=rewards, scores=scores, extra=extra)

@@ -1,0 +1,35 @@
+# streamrl: the two commands of README.md, plus developer targets.
+.PHONY: setup demo test test-unit test-integration lint up bench-bus
+
+export OMP_NUM_THREADS ?= 2
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+PY := .venv/bin/python
+
+setup:
+	@scripts/setup.sh
+
+## demo: set up if needed, prepare the arithmetic task (data, tiny model, warm start), run GRPO.
+demo: setup
+	$(PY) examples/arithmetic/prepare.py recipes/demo.toml
+	.venv/bin/streamrl up recipes/demo.toml
+
+## test: set up if needed, then run the whole test suite (CPU, real Redis, real vLLM/DeepSpeed).
+test: setup
+	$(PY) -m pytest -q
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+test-integration: setup
+	$(PY) -m pytest -q tests/integration tests/e2e
+
+lint: setup
+	.venv/bin/ruff check libs services tests bench examples
+
+up: setup
+	.venv/bin/streamrl up $(RECIPE)
+
+bench-bus: setup
+	$(PY) bench/bus.py

@@ -1,0 +1,44 @@
+"""LearnerConfig: the ``[learner]`` section of an RL recipe (torch-free)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from streamrl.common.lifecycle import ServiceConfig
+from streamrl.learner.algo.config import AlgoConfig
+from streamrl.learner.ds_config import DeepSpeedConfig
+
+
+class LearnerConfig(ServiceConfig):
+    """The RL learner: a DeepSpeed-trained policy (plus optional reference and critic models)."""
+
+    model: str
+    """Policy model folder or hub id (Hugging Face format)."""
+    ref_model: str | None = None
+    """Reference model for the KL term (None = the initial policy, loaded only when the KL is used)."""
+    critic_model: str | None = None
+    """Critic initialisation for the gae estimator (None = the policy's weights with a value head)."""
+    ds: DeepSpeedConfig = DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant")
+    """DeepSpeed engine of the policy (and of the critic). ``ds.grad_accum`` = micro-batches per step."""
+    algo: AlgoConfig = AlgoConfig()
+    total_steps: int = Field(20, ge=1)
+    """Training steps of the run (top-level recipe key, shared with the coordinator)."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Save a resumable checkpoint every N steps (and at the end). Batches are acknowledged only once
+    a checkpoint covers them, so a killed learner replays exactly the batches it lost."""
+    export_dir: str | None = None
+    """Hugging Face export of the final policy (default ``{run_dir}/final``)."""
+    weights_host: str = "127.0.0.1"
+    """Interface the weight server binds."""
+    weights_advertise_host: str | None = None
+    """Host name rollout workers use to reach the weight server (default: weights_host)."""
+    weights_port: int = Field(0, ge=0, le=65535)
+    """Weight server port (0 = a free port)."""
+    weights_bucket_mb: int = Field(64, ge=1)
+    """Target size of one weight bucket (MiB)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if self.algo.advantage.estimator == "gae" and self.algo.critic is None:
+            raise ValueError("algo.advantage.estimator = 'gae' needs an [learner.algo.critic] section")
+        return self

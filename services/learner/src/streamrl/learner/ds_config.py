@@ -1,0 +1,103 @@
+"""Typed configuration of the model engine (DeepSpeed, optimizer, schedule, LoRA) and the DeepSpeed dict builder.
+
+Torch-free on purpose: recipes are validated (and ``streamrl ... --help`` style tools run) without
+importing torch or DeepSpeed. ``engine.py`` is the only consumer of :meth:`DeepSpeedConfig.to_deepspeed_dict`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from streamrl.common.config import BaseConfig
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+Scheduler = Literal["constant", "linear", "cosine"]
+
+
+class DeepSpeedConfig(BaseConfig):
+    """How the learner's DeepSpeed engine trains: sharding, precision, optimizer and schedule."""
+
+    zero_stage: int = Field(2, ge=0, le=3)
+    """ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters."""
+    dtype: Dtype = "bf16"
+    """Training precision of the weights and activations (optimizer master weights stay fp32 for bf16/fp16)."""
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW beta1, beta2."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay; never applied to biases and norm weights (1-D parameters)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup from 0 to ``lr``."""
+    scheduler: Scheduler = "cosine"
+    """Learning-rate shape after warmup: constant, linear decay or cosine decay to ``min_lr_ratio * lr``."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate of the linear / cosine schedules, as a fraction of ``lr``."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Samples (or packed rows) per forward/backward on one rank."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step on each rank."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    torch_adam: bool = True
+    """Use torch's AdamW inside DeepSpeed. False = DeepSpeed's fused Adam (JIT-compiled; CPU Adam takes ~75 s to build)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel of the Hugging Face model."""
+    seed: int = 42
+    """Seed of every random number generator (weights of new heads, dropout, data order)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DeepSpeedConfig:
+        b1, b2 = self.betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        return self
+
+    def to_deepspeed_dict(self, train: bool = True) -> dict[str, Any]:
+        """The JSON config handed to ``deepspeed.initialize`` (no optimizer section when ``train`` is False)."""
+        stage = self.zero_stage if train or self.zero_stage == 3 else 0
+        ds: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": self.dtype == "bf16"},
+            "fp16": {"enabled": self.dtype == "fp16", "initial_scale_power": 16},
+            "steps_per_print": 10**12,
+            "wall_clock_breakdown": False,
+        }
+        if stage == 3:
+            ds["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "overlap_comm": True})
+        if train:
+            ds["optimizer"] = {
+                "type": "AdamW",
+                "params": {
+                    "lr": self.lr,
+                    "betas": list(self.betas),
+                    "eps": self.eps,
+                    "weight_decay": self.weight_decay,
+                    "torch_adam": self.torch_adam,
+                },
+            }
+        return ds
+
+
+class LoraConfig(BaseConfig):
+    """Low-rank adapters (peft) trained instead of the full weights; merged into the weights on export."""
+
+    rank: int = Field(16, ge=1)
+    """Adapter rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the update is ``alpha / rank * B @ A``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter input."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names to adapt (e.g. ["q_proj", "v_proj"]) or every linear layer but the output head."""
+    load_in_4bit: bool = False
+    """QLoRA: keep the frozen base weights in 4-bit NF4 (bitsandbytes; CUDA GPUs only, ZeRO stage <= 2)."""

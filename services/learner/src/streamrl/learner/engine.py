@@ -1,0 +1,441 @@
+"""ModelEngine: a Hugging Face model trained by DeepSpeed. The only module that calls ``deepspeed.initialize``.
+
+What it owns, in order of use:
+
+* process-group setup: NCCL on GPU, gloo on CPU; a single process needs no launcher (it sets
+  ``MASTER_ADDR/PORT``, ``RANK=0``, ``WORLD_SIZE=1`` itself, on a free port); under ``torchrun`` or
+  the ``deepspeed`` launcher it uses their environment. DeepSpeed's first ``init_distributed``
+  JIT-builds a small shm op (~50 s); the build is cached in ``TORCH_EXTENSIONS_DIR``, which
+  defaults to ``~/.cache/streamrl/torch_extensions`` (outside any checkout).
+* the model: causal LM, reward model (sequence classification, one label: the score at the last
+  non-pad token) or value model (token classification, one label per token); optional LoRA (peft),
+  QLoRA only on CUDA.
+* AdamW with decay on matrices only, linear warmup then constant / linear / cosine decay
+  (:func:`lr_multiplier`), DeepSpeed's accumulation boundary and gradient clipping.
+* resumable checkpoints (DeepSpeed model/optimizer/scheduler states, per-rank RNG states, and the
+  caller's ``client_state`` such as the data position); the ``latest`` pointer is written last, so a
+  kill during a save leaves the previous checkpoint in force.
+* full parameters in Hugging Face naming (:meth:`ModelEngine.iter_full_params`, ZeRO-3 shards
+  gathered in groups, LoRA merged) and Hugging Face export (safetensors + tokenizer).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import socket
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
+
+ModelKind = Literal["causal_lm", "reward", "value"]
+GATHER_BUCKET_BYTES = 512 * 2**20
+_CLIENT_KEY = "streamrl_client_state"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lr_multiplier(step: int, warmup: int, total: int, scheduler: str, min_ratio: float) -> float:
+    """Learning-rate factor for the optimizer step with 0-based index ``step``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if scheduler == "constant":
+        return 1.0
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+    if scheduler == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if scheduler == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown scheduler {scheduler!r}")
+
+
+def init_distributed() -> None:
+    """Create the default process group once (no launcher needed for one process)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "streamrl" / "torch_extensions"))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    import deepspeed
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        deepspeed.init_distributed(dist_backend="nccl")
+    else:
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _check_qlora(lora: LoraConfig | None, ds_cfg: DeepSpeedConfig) -> None:
+    if lora is None or not lora.load_in_4bit:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "lora.load_in_4bit (QLoRA) needs a CUDA GPU: bitsandbytes' 4-bit kernels do not run on CPU. "
+            "Use plain LoRA (lora.load_in_4bit=false) on this machine."
+        )
+    if ds_cfg.zero_stage == 3:
+        raise ValueError("lora.load_in_4bit (QLoRA) cannot be combined with deepspeed.zero_stage=3; use stage <= 2")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise ValueError("lora.load_in_4bit (QLoRA) needs the bitsandbytes package, which is not installed") from e
+
+
+def _load_model(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraConfig | None) -> Any:
+    import transformers
+
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[ds_cfg.dtype], "attn_implementation": ds_cfg.attn_implementation}
+    if lora is not None and lora.load_in_4bit:
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=_DTYPES[ds_cfg.dtype],
+        )
+        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0"))}
+    if kind == "causal_lm":
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if kind == "reward":
+        return transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+    if kind == "value":
+        return transformers.AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, classifier_dropout=0.0, **kwargs
+        )
+    raise ValueError(f"unknown model kind {kind!r}; expected 'causal_lm', 'reward' or 'value'")
+
+
+def _apply_lora(model: Any, lora: LoraConfig, kind: ModelKind, gradient_checkpointing: bool) -> Any:
+    import peft
+
+    if lora.load_in_4bit:
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    task = {"causal_lm": peft.TaskType.CAUSAL_LM, "reward": peft.TaskType.SEQ_CLS, "value": peft.TaskType.TOKEN_CLS}
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type=task[kind],
+    )
+    return peft.get_peft_model(model, config)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 partitioned params are flat; ds_shape is the real one
+        (decay if len(shape) >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _hf_name(peft_name: str) -> str:
+    """Map a peft parameter name to the plain model's name."""
+    name = peft_name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def _group_key(name: str) -> str:
+    """Parameters that must be gathered together (a LoRA layer's base weight and its adapters)."""
+    for marker in (".base_layer.", ".lora_"):
+        if marker in name:
+            return name.split(marker)[0]
+    return name
+
+
+class ModelEngine:
+    """A Hugging Face model under a DeepSpeed engine. Build with :meth:`from_config`."""
+
+    def __init__(self, ds_engine: Any, tokenizer: Any, kind: ModelKind, train: bool) -> None:
+        self._engine = ds_engine
+        self.tokenizer = tokenizer
+        """The model's tokenizer (pad token set: the eos token when the tokenizer has none)."""
+        self.kind = kind
+        self._train = train
+        self._manual_grad_norm: float | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        model_path: str,
+        ds_cfg: DeepSpeedConfig,
+        kind: ModelKind = "causal_lm",
+        *,
+        lora: LoraConfig | None = None,
+        train: bool = True,
+        total_steps: int | None = None,
+        tokenizer_path: str | None = None,
+    ) -> ModelEngine:
+        """Load ``model_path`` (local folder or hub id) and wrap it in DeepSpeed.
+
+        ``train=False`` builds a frozen engine (no optimizer; ZeRO-3 still shards it), e.g. a
+        reference policy. ``total_steps`` sizes the linear/cosine schedules.
+        """
+        _check_qlora(lora, ds_cfg)
+        if train and ds_cfg.scheduler != "constant" and total_steps is None:
+            raise ValueError(f"scheduler={ds_cfg.scheduler!r} needs total_steps")
+        init_distributed()
+        import deepspeed
+        import transformers
+
+        seed_everything(ds_cfg.seed)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        ds_dict = ds_cfg.to_deepspeed_dict(train)
+        zero3_loading = None  # while alive, from_pretrained loads straight into ZeRO-3 shards
+        if ds_dict["zero_optimization"]["stage"] == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            ds_dict["train_batch_size"] = ds_cfg.micro_batch_size * ds_cfg.grad_accum * torch.distributed.get_world_size()
+            zero3_loading = HfDeepSpeedConfig(ds_dict)
+        model = _load_model(model_path, kind, ds_cfg, lora)
+        del zero3_loading  # later from_pretrained calls in this process must load plain models
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        if train and ds_cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        if lora is not None:
+            model = _apply_lora(model, lora, kind, train and ds_cfg.gradient_checkpointing)
+        if not train:
+            model.requires_grad_(False)
+            model.eval()
+            engine, *_ = deepspeed.initialize(model=model, config=ds_dict)
+            return cls(engine, tokenizer, kind, train=False)
+
+        steps = total_steps or 1
+
+        def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(
+                optimizer,
+                lambda s: lr_multiplier(s, ds_cfg.warmup_steps, steps, ds_cfg.scheduler, ds_cfg.min_lr_ratio),
+            )
+
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=_param_groups(model, ds_cfg.weight_decay),
+            config=ds_dict,
+            lr_scheduler=make_scheduler,
+        )
+        engine.train()
+        return cls(engine, tokenizer, kind, train=True)
+
+    # ----------------------------------------------------------------- training
+    @property
+    def module(self) -> Any:
+        """The wrapped model (a ``transformers`` model, or a peft model around one)."""
+        return self._engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._engine.device)
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size()
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken so far (restored by :meth:`load_checkpoint`)."""
+        return int(self._engine.global_steps)
+
+    @property
+    def lr(self) -> float:
+        """Learning rate of the next optimizer step."""
+        return float(self._engine.get_lr()[0])
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm of the last optimizer step, before clipping (None if not computed)."""
+        norm = self._engine.get_global_grad_norm()
+        return self._manual_grad_norm if norm is None else float(norm)
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        """Run the model; tensors may be on any device, they are moved to the engine's."""
+        return self._engine(**{k: v.to(self.device) for k, v in inputs.items()})
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> None:
+        """Switch dropout etc. on (``mode=True``) or off."""
+        self._engine.train(mode)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (DeepSpeed scales it by 1 / grad_accum)."""
+        if not self._train:
+            raise RuntimeError("this engine was built with train=False")
+        self._engine.backward(loss)
+
+    def step(self) -> bool:
+        """Call after every micro-batch; returns True when this call took an optimizer step."""
+        if not self._train:
+            raise RuntimeError("this engine was built with train=False")
+        boundary = bool(self._engine.is_gradient_accumulation_boundary())
+        if boundary and self._engine.zero_optimization_stage() == 0:  # ZeRO optimizers track the norm themselves
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            self._manual_grad_norm = float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
+        self._engine.step()
+        return boundary
+
+    # ----------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str | Path, client_state: dict[str, Any]) -> str:
+        """Save a resumable checkpoint tagged ``step_<global_steps>`` under ``directory``; all ranks call it."""
+        directory = Path(directory)
+        tag = f"step_{self.global_steps}"
+        self._engine.save_checkpoint(
+            str(directory), tag=tag, client_state={_CLIENT_KEY: client_state}, save_latest=False
+        )
+        torch.save(_rng_state(), directory / tag / f"rng_rank{self.rank}.pt")
+        torch.distributed.barrier()
+        if self.rank == 0:
+            tmp = directory / "latest.tmp"
+            tmp.write_text(tag)
+            os.replace(tmp, directory / "latest")
+        torch.distributed.barrier()
+        return tag
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any] | None:
+        """Restore the checkpoint ``latest`` points to; returns its ``client_state``, or None if there is none."""
+        directory = Path(directory)
+        latest = directory / "latest"
+        if not latest.is_file():
+            return None
+        tag = latest.read_text().strip()
+        path, client_state = self._engine.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=self._train, load_lr_scheduler_states=self._train
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {directory / tag}")
+        rng = directory / tag / f"rng_rank{self.rank}.pt"
+        if rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=True))
+        return dict((client_state or {}).get(_CLIENT_KEY, {}))
+
+    # ---------------------------------------------------------- full weights
+    def _is_peft(self) -> bool:
+        return hasattr(self.module, "peft_config")
+
+    def _hf_model(self) -> Any:
+        return self.module.get_base_model() if self._is_peft() else self.module
+
+    def iter_full_params(self, bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full tensor)`` for every parameter, on rank 0 only; every rank must iterate.
+
+        ZeRO-3 shards are gathered ``bucket_bytes`` at a time. LoRA adapters are merged into their
+        base weights (names and shapes are the plain model's). Tensors are detached copies on the
+        engine's device. Tied weights appear once (under the input-embedding name).
+        """
+        named = list(self.module.named_parameters())
+        zero3 = any(hasattr(p, "ds_id") for _, p in named)
+        peft_layers = dict(self.module.named_modules()) if self._is_peft() else {}
+        buckets: list[list[tuple[str, torch.nn.Parameter]]] = []
+        size = bucket_bytes
+        for i, (name, p) in enumerate(named):
+            nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()
+            same_group = i > 0 and _group_key(name) == _group_key(named[i - 1][0])
+            if size + nbytes > bucket_bytes and not same_group:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, p))
+            size += nbytes
+        is_rank0 = self.rank == 0
+        for bucket in buckets:
+            if zero3:
+                import deepspeed
+
+                ctx: Any = deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None)
+            else:
+                ctx = nullcontext()
+            with ctx, torch.no_grad():
+                if not is_rank0:
+                    continue
+                for name, p in bucket:
+                    if not peft_layers:
+                        yield name, p.detach().clone()
+                    elif ".lora_" in name or ".original_module." in name:
+                        continue
+                    elif name.endswith(".base_layer.weight"):
+                        yield _hf_name(name), self._merged_weight(peft_layers[name.removesuffix(".base_layer.weight")])
+                    else:
+                        yield _hf_name(name), p.detach().clone()
+
+    @staticmethod
+    def _merged_weight(layer: Any) -> torch.Tensor:
+        base = layer.get_base_layer()
+        weight = base.weight
+        if weight.__class__.__name__ == "Params4bit":
+            from peft.utils.integrations import dequantize_module_weight
+
+            weight = dequantize_module_weight(base)
+        merged = weight.detach().clone()
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                merged += layer.get_delta_weight(adapter).to(merged.dtype)
+        return merged
+
+    def export_hf(self, directory: str | Path, extra_config: dict[str, Any] | None = None) -> Path:
+        """Write a Hugging Face folder (safetensors weights, config, tokenizer) that transformers and vLLM load.
+
+        ZeRO-3 shards are gathered and LoRA merged; ``extra_config`` entries are set on the saved
+        config (e.g. a reward model's ``reward_mean`` / ``reward_std``). All ranks call it.
+        """
+        directory = Path(directory)
+        state = {name: t.cpu() for name, t in self.iter_full_params()}
+        if self.rank == 0:
+            model = self._hf_model()
+            directory.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(directory, state_dict=state)
+            config = copy.deepcopy(model.config)
+            config.use_cache = True
+            for key, value in (extra_config or {}).items():
+                setattr(config, key, value)
+            config.save_pretrained(directory)
+            self.tokenizer.save_pretrained(directory)
+        torch.distributed.barrier()
+        return directory

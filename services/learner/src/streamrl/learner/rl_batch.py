@@ -1,0 +1,98 @@
+"""TrainingBatch -> padded tensors for the RL step (pure; no model, no I/O).
+
+Layout: one row per sample, ``input_ids = prompt + response`` right-padded to the longest row.
+Response-space tensors are ``[B, T]`` with ``T`` = the longest response: position ``t`` is the
+``t``-th response token, predicted by the logits at input position ``P_i + t - 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from streamrl.common.messages import TrainingBatch
+
+
+@dataclass
+class RLBatch:
+    """The tensors of a training batch, or of one micro-batch of it."""
+
+    input_ids: torch.Tensor
+    """[B, L] int64, right-padded with ``pad_id``."""
+    attention_mask: torch.Tensor
+    """[B, L] int64."""
+    prompt_lens: torch.Tensor
+    """[B] int64."""
+    response_ids: torch.Tensor
+    """[B, T] int64 (0 on padding)."""
+    mask: torch.Tensor
+    """[B, T] float32 loss mask (trajectory loss mask, 0 on padding)."""
+    behaviour_logprobs: torch.Tensor
+    """[B, T] float32 log-probs from the rollout engine."""
+    rewards: torch.Tensor
+    """[B] float32."""
+    group_index: torch.Tensor
+    """[B] int64 group ids (dense, 0..num_groups-1)."""
+    temperatures: torch.Tensor
+    """[B] float32 sampling temperature of each sample."""
+    truncated: torch.Tensor
+    """[B] bool."""
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, rows: torch.Tensor | list[int]) -> RLBatch:
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return RLBatch(**{name: getattr(self, name)[idx] for name in self.__dataclass_fields__})
+
+
+def collate(batch: TrainingBatch, pad_id: int) -> RLBatch:
+    """Pad every sample of ``batch`` into one :class:`RLBatch`."""
+    samples = batch.samples
+    if not samples:
+        raise ValueError(f"{batch.id} has no samples")
+    prompts = [s.trajectory.prompt_ids.to_numpy().astype(np.int64) for s in samples]
+    responses = [s.trajectory.response_ids.to_numpy().astype(np.int64) for s in samples]
+    total = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    width = max(1, max(len(r) for r in responses))
+    b = len(samples)
+    input_ids = np.full((b, total), pad_id, dtype=np.int64)
+    attention = np.zeros((b, total), dtype=np.int64)
+    response_ids = np.zeros((b, width), dtype=np.int64)
+    mask = np.zeros((b, width), dtype=np.float32)
+    behaviour = np.zeros((b, width), dtype=np.float32)
+    groups: dict[str, int] = {}
+    for i, s in enumerate(samples):
+        p, r = prompts[i], responses[i]
+        input_ids[i, : len(p)] = p
+        input_ids[i, len(p) : len(p) + len(r)] = r
+        attention[i, : len(p) + len(r)] = 1
+        response_ids[i, : len(r)] = r
+        mask[i, : len(r)] = s.trajectory.loss_mask.to_numpy()
+        behaviour[i, : len(r)] = s.trajectory.logprobs.to_numpy()
+        groups.setdefault(s.trajectory.group_id, len(groups))
+    return RLBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention),
+        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        response_ids=torch.from_numpy(response_ids),
+        mask=torch.from_numpy(mask),
+        behaviour_logprobs=torch.from_numpy(behaviour),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        group_index=torch.tensor([groups[s.trajectory.group_id] for s in samples], dtype=torch.long),
+        temperatures=torch.tensor([s.trajectory.sampling.temperature or 1.0 for s in samples], dtype=torch.float32),
+        truncated=torch.tensor([s.trajectory.truncated for s in samples], dtype=torch.bool),
+    )
+
+
+def response_logits_index(prompt_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, T] input positions whose logits predict response token ``t``: ``P_i - 1 + t``."""
+    return prompt_lens[:, None] - 1 + torch.arange(width)[None, :]
+
+
+def micro_batches(size: int, num: int) -> list[list[int]]:
+    """Split row indices ``0..size-1`` into exactly ``num`` contiguous, nearly equal chunks (some may be empty)."""
+    return [chunk.tolist() for chunk in np.array_split(np.arange(size), num)]

@@ -1,0 +1,115 @@
+"""LearnerService: training batches in, new weights out.
+
+* A consumer loop on ``batches`` (one at a time, in order). For batch ``k`` at step ``k``: train one
+  step, serve the new weights (version ``k + 1``) from the ZMQ weight server, publish
+  WeightsPublished (version, checksum, endpoint, step metrics) to ``weights``.
+* Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps).
+  A killed learner restarts from its last checkpoint and replays, in order, exactly the batches it
+  had not checkpointed (they are still pending for it); batches older than the checkpoint are
+  skipped by index, so none is trained on twice.
+* At start the learner serves its current version (0, or the checkpoint's) so rollout workers know
+  where to fetch weights; after the last step it exports the policy in Hugging Face format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from streamrl.common.bus import Output
+from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.lifecycle import ServiceContext
+from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.trainer import RLTrainer
+from streamrl.learner.weights import WeightServer
+
+logger = logging.getLogger(__name__)
+
+
+class LearnerService:
+    """See the module docstring."""
+
+    def __init__(self, config: LearnerConfig, ctx: ServiceContext, trainer: RLTrainer) -> None:
+        self.cfg = config
+        self.ctx = ctx
+        self.trainer = trainer
+        self.ckpt_dir = Path(config.run_dir) / "checkpoints"
+        self.step = 0
+        self.checkpointed_step = 0
+        self.unacked: list[str] = []
+        self.server = WeightServer(
+            host=config.weights_host, port=config.weights_port, advertise_host=config.weights_advertise_host,
+            bucket_bytes=config.weights_bucket_mb * 2**20,
+        )  # fmt: skip
+        self.loop: ConsumerLoop[TrainingBatch] | None = None
+
+    async def run(self) -> None:
+        state = await asyncio.to_thread(self.trainer.policy.load_checkpoint, self.ckpt_dir)
+        if state is not None:
+            self.step = self.checkpointed_step = int(state["step"])
+            self.trainer.kl_ctl.value = float(state.get("kl_coef", self.trainer.kl_ctl.value))
+            logger.info("resumed from checkpoint at step %d", self.step)
+        await self.ctx.bus.publish(self.ctx.names.weights, await self._serve_weights(metrics={}))
+        self.loop = ConsumerLoop(
+            self.ctx.bus, self.ctx.names, stream=self.ctx.names.batches, group="learner", consumer="learner",
+            handler=self.handle, message_type=TrainingBatch, config=self.cfg.consumer.model_copy(
+                update={"max_in_flight": 1, "count": 1, "max_deliveries": max(self.cfg.consumer.max_deliveries, 1)}
+            ),
+            dedupe_key=lambda _: None, ack=False, on_committed=self._on_committed,
+        )  # fmt: skip
+        self.ctx.loops.append(self.loop)
+        self.ctx.status = "running"
+        try:
+            await self.loop.run(self.ctx.stop, burst=self.ctx.burst)
+        finally:
+            self.server.close()
+
+    async def handle(self, batch: TrainingBatch) -> list[Output]:
+        if batch.index < self.step:
+            logger.info("skipping %s: already trained (learner at step %d)", batch.id, self.step)
+            return []
+        if batch.index > self.step:
+            raise RuntimeError(f"{batch.id} arrived at step {self.step}: batches {self.step}..{batch.index - 1} are missing")
+        metrics = await asyncio.to_thread(self.trainer.step, batch)
+        self.step += 1
+        staleness = batch.staleness or [0]
+        metrics["learner/staleness_mean"] = sum(staleness) / len(staleness)
+        metrics["learner/staleness_max"] = float(max(staleness))
+        if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.total_steps:
+            await asyncio.to_thread(self._checkpoint)
+        if self.step == self.cfg.total_steps:
+            export = Path(self.cfg.export_dir or Path(self.cfg.run_dir) / "final")
+            await asyncio.to_thread(self.trainer.policy.export_hf, export)
+            logger.info("exported the final policy to %s", export)
+        logger.info(
+            "step %d: %s", self.step,
+            " ".join(f"{k.removeprefix('learner/')}={v:.4g}" for k, v in sorted(metrics.items())),
+        )  # fmt: skip
+        return [Output(stream=self.ctx.names.weights, message=await self._serve_weights(metrics, batch.id))]
+
+    async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
+        started = time.perf_counter()
+        checksum, num_bytes, num_buckets = await asyncio.to_thread(
+            self.server.publish, self.trainer.policy.iter_full_params(), self.step
+        )
+        metrics = {**metrics, "learner/weights_publish_s": time.perf_counter() - started} if metrics else {}
+        self.ctx.policy_version = self.step
+        return WeightsPublished(
+            version=self.step, step=self.step, batch_id=batch_id, checksum=checksum, num_bytes=num_bytes,
+            num_buckets=num_buckets, endpoint=self.server.endpoint, metrics=metrics, published_at=time.time(),
+        )  # fmt: skip
+
+    def _checkpoint(self) -> None:
+        self.trainer.policy.save_checkpoint(self.ckpt_dir, {"step": self.step, "kl_coef": self.trainer.kl_ctl.value})
+        if self.trainer.critic is not None:
+            self.trainer.critic.save_checkpoint(self.ckpt_dir / "critic", {"step": self.step})
+        self.checkpointed_step = self.step
+
+    async def _on_committed(self, entry_id: str, batch: TrainingBatch) -> None:
+        self.unacked.append(entry_id)
+        if batch.index < self.checkpointed_step:  # every batch up to this one is in a checkpoint
+            await self.ctx.bus.redis.xack(self.ctx.names.batches, "learner", *self.unacked)
+            self.unacked.clear()

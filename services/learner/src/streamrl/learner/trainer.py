@@ -1,0 +1,197 @@
+"""RLTrainer: one RL training step on a TrainingBatch, on DeepSpeed engines.
+
+One step, in order::
+
+    rl        = collate(batch)                                       # padded [B, ...] tensors
+    (old, ref, values) = no-grad passes, only when needed           # see below
+    rewards   = shape_rewards(...)                                   # [B]
+    adv, ret  = compute_advantages(... over the WHOLE batch ...)     # [B, T]
+    N         = global normaliser (tokens or sequences of the batch)
+    for each of grad_accum micro-batches:
+        logp  = log pi_theta(response | prompt) at each sample's sampling temperature
+        loss  = policy_objective(..., normaliser=N)                  # + KL / entropy terms
+        backward(loss * grad_accum); step()                          # DeepSpeed divides by grad_accum
+    (critic: the same loop on the value loss)
+
+Simplification: one optimizer step per batch (no PPO epochs / mini-batches). The proximal policy
+``pi_old`` then equals ``pi_theta`` before the step, so when nothing else needs a separate pass
+the trainer uses ``logp.detach()`` as ``old`` and saves a forward pass. A no-grad pass over the
+batch is made first when the KL sits in the reward (advantages need ``k(old, ref)``) or a critic
+is trained (advantages need values).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from streamrl.common.messages import TrainingBatch
+from streamrl.learner.algo.kl import KLController, kl_estimate, sequence_mean_kl
+from streamrl.learner.algo.losses import aggregate, normaliser_count, value_loss
+from streamrl.learner.algo.objective import compute_advantages, policy_objective, shape_rewards
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.engine import ModelEngine
+from streamrl.learner.logprobs import entropy as entropy_fn
+from streamrl.learner.logprobs import token_logprobs
+from streamrl.learner.rl_batch import RLBatch, collate, micro_batches, response_logits_index
+
+logger = logging.getLogger(__name__)
+
+
+def response_logits(model: Any, mb: RLBatch) -> torch.Tensor:
+    """[b, T, V] logits predicting each response token, divided by each sample's temperature."""
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+    logits = out.logits
+    width = mb.response_ids.shape[1]
+    index = response_logits_index(mb.prompt_lens, width).clamp(max=logits.shape[1] - 1).to(logits.device)
+    picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
+    return picked / mb.temperatures.to(logits.device)[:, None, None]
+
+
+def response_values(critic: Any, mb: RLBatch) -> torch.Tensor:
+    """[b, T] critic values V(s_t) of the state before each response token."""
+    out = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+    values = out.logits.squeeze(-1)
+    index = response_logits_index(mb.prompt_lens, mb.response_ids.shape[1]).clamp(max=values.shape[1] - 1)
+    return values.gather(1, index.to(values.device)).float()
+
+
+class RLTrainer:
+    """Owns the policy engine (and reference / critic) and runs training steps."""
+
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.cfg = cfg
+        algo = cfg.algo
+        self.policy = ModelEngine.from_config(cfg.model, cfg.ds, "causal_lm", total_steps=cfg.total_steps)
+        self.device = self.policy.device
+        self.pad_id = int(self.policy.tokenizer.pad_token_id)
+        uses_ref = algo.kl.placement != "none" and algo.kl.coef > 0
+        self.ref = (
+            ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False) if uses_ref else None
+        )
+        self.critic = (
+            ModelEngine.from_config(cfg.critic_model or cfg.model, cfg.ds, "value", total_steps=cfg.total_steps)
+            if algo.uses_critic
+            else None
+        )
+        self.policy_algo = algo.model_copy(update={"critic": None})  # value loss is trained on the critic engine
+        self.kl_ctl = KLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
+
+    def _logprobs(self, engine: ModelEngine, mb: RLBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = response_logits(engine, mb)
+        targets = mb.response_ids.to(logits.device)
+        logp = token_logprobs(logits, targets)
+        return logp, (entropy_fn(logits) if with_entropy else None)
+
+    @torch.no_grad()
+    def _no_grad_pass(self, engine: ModelEngine, rl: RLBatch, chunks: list[list[int]], values: bool = False) -> torch.Tensor:
+        out = torch.zeros_like(rl.mask)
+        for rows in chunks:
+            if rows:
+                mb = rl.select(rows)
+                out[rows] = (response_values(engine, mb) if values else self._logprobs(engine, mb, False)[0]).cpu()
+        return out
+
+    def step(self, batch: TrainingBatch) -> dict[str, float]:
+        """Train on ``batch`` (one optimizer step); returns the step's metrics."""
+        started = time.perf_counter()
+        algo = self.cfg.algo
+        rl = collate(batch, self.pad_id)
+        chunks = micro_batches(rl.size, self.cfg.ds.grad_accum)
+        mask = rl.mask
+        kl_in_reward = algo.kl.placement == "reward" and self.ref is not None
+        old = ref = old_values = kl = None
+        if kl_in_reward or self.critic is not None:
+            old = self._no_grad_pass(self.policy, rl, chunks)
+        if self.ref is not None:
+            ref = self._no_grad_pass(self.ref, rl, chunks)
+        if kl_in_reward:
+            assert old is not None and ref is not None
+            kl = kl_estimate(old, ref, algo.kl.estimator) * mask
+        if self.critic is not None:
+            old_values = self._no_grad_pass(self.critic, rl, chunks, values=True)
+        lengths = mask.sum(dim=1)
+        rewards = shape_rewards(algo, rewards=rl.rewards, response_lengths=lengths, truncated=rl.truncated)
+        advantages, returns = compute_advantages(
+            algo, rewards=rewards, group_index=rl.group_index, mask=mask, kl=kl, values=old_values,
+            kl_coef=self.kl_ctl.value,
+        )  # fmt: skip
+        normaliser = float(normaliser_count(mask, algo.loss.aggregation)) / self.policy.world_size
+        gas = self.cfg.ds.grad_accum
+        sums: dict[str, float] = {}
+        weighted: dict[str, float] = {}
+        num_tokens = 0.0
+        for rows in chunks:
+            if not rows:
+                self._empty_micro_step(self.policy)
+                continue
+            mb = rl.select(rows)
+            logp, ent = self._logprobs(self.policy, mb, with_entropy=algo.loss.entropy_coef > 0)
+            dev = logp.device
+            loss, m = policy_objective(
+                self.policy_algo, logprobs=logp, old_logprobs=(old[rows].to(dev) if old is not None else logp.detach()),
+                advantages=advantages[rows].to(dev), mask=mb.mask.to(dev), normaliser=normaliser,
+                behaviour_logprobs=mb.behaviour_logprobs.to(dev), ref_logprobs=None if ref is None else ref[rows].to(dev),
+                entropy=ent, kl_coef=self.kl_ctl.value,
+            )  # fmt: skip
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"{batch.id}: non-finite policy loss {float(loss)}")
+            self.policy.backward(loss * gas)
+            self.policy.step()
+            tokens = m.pop("learner/tokens")
+            num_tokens += tokens
+            for k, v in m.items():
+                if k.startswith("learner/loss/"):
+                    sums[k] = sums.get(k, 0.0) + v
+                else:
+                    weighted[k] = weighted.get(k, 0.0) + v * tokens
+        metrics = {**sums, **{k: v / max(num_tokens, 1.0) for k, v in weighted.items()}}
+        if self.critic is not None:
+            assert old_values is not None and returns is not None
+            metrics.update(self._critic_step(rl, chunks, old_values, returns, normaliser))
+        if kl is not None:
+            current_kl = float(sequence_mean_kl(kl, mask).mean())
+            metrics["learner/kl_coef"] = self.kl_ctl.value
+            self.kl_ctl.update(current_kl, rl.size)
+        metrics.update({
+            "learner/grad_norm": self.policy.grad_norm or 0.0,
+            "learner/lr": self.policy.lr,
+            "learner/advantage_mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
+            "learner/reward_mean": float(rewards.mean()),
+            "learner/samples": float(rl.size),
+            "learner/tokens": num_tokens,
+            "learner/step_s": time.perf_counter() - started,
+        })  # fmt: skip
+        return metrics
+
+    def _critic_step(
+        self, rl: RLBatch, chunks: list[list[int]], old_values: torch.Tensor, returns: torch.Tensor, normaliser: float
+    ) -> dict[str, float]:
+        assert self.critic is not None and self.cfg.algo.critic is not None
+        crit = self.cfg.algo.critic
+        total = 0.0
+        for rows in chunks:
+            if not rows:
+                self._empty_micro_step(self.critic)
+                continue
+            mb = rl.select(rows)
+            values = response_values(self.critic, mb)
+            dev = values.device
+            per_token, _ = value_loss(values, old_values[rows].to(dev), returns[rows].to(dev), crit.value_clip)
+            loss = crit.value_coef * aggregate(
+                per_token, mb.mask.to(dev), self.cfg.algo.loss.aggregation, normaliser, self.cfg.algo.loss.norm_constant
+            )
+            self.critic.backward(loss * self.cfg.ds.grad_accum)
+            self.critic.step()
+            total += float(loss.detach())
+        return {"learner/loss/value": total, "learner/value_mean": float((old_values * rl.mask).sum() / rl.mask.sum())}
+
+    @staticmethod
+    def _empty_micro_step(engine: ModelEngine) -> None:
+        """Keep DeepSpeed's accumulation count when a batch has fewer rows than micro-batches."""
+        zero = sum(p.sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
+        engine.backward(zero)
+        engine.step()

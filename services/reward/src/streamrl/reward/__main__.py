@@ -1,0 +1,38 @@
+"""``streamrl reward RECIPE [--reward.field=value ...]``: run one reward worker."""
+
+from __future__ import annotations
+
+import sys
+
+from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.lifecycle import ServiceConfig, ServiceContext, service_main
+from streamrl.common.messages import Trajectory
+from streamrl.reward.config import RewardConfig
+
+
+class RewardServiceConfig(ServiceConfig, RewardConfig):
+    """The ``[reward]`` section (scorers, micro-batching) plus the shared top-level fields."""
+
+
+async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
+    from streamrl.reward.service import RewardService
+
+    service = RewardService(config, ctx.names)
+    loop: ConsumerLoop[Trajectory] = ConsumerLoop(
+        ctx.bus, ctx.names, stream=ctx.names.trajectories, group="reward", consumer=ctx.instance,
+        handler=service.handle, message_type=Trajectory, config=config.consumer,
+    )  # fmt: skip
+    ctx.loops.append(loop)
+    ctx.status = "running"
+    try:
+        await loop.run(ctx.stop, burst=ctx.burst)
+    finally:
+        await service.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return service_main("reward", RewardServiceConfig, _run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

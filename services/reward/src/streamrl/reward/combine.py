@@ -1,0 +1,68 @@
+"""Pure: combine several scorers' per-sample outputs into one reward, score and metrics dict.
+
+For sample i with scorers k of weight w_k (w_k >= 0, at least one > 0):
+
+    reward_i = sum_k w_k * reward_ki
+    score_i  = sum_k w_k * score_ki / sum_k w_k        (a weighted mean: stays in [0, 1])
+
+Every scorer's own values are kept as extra metrics, ``{name}/reward``, ``{name}/score`` and
+``{name}/{metric}`` for its extra metrics, so a weight-0 scorer is logged without being trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from streamrl.reward.scorers.base import ScorerResult
+
+
+@dataclass(frozen=True)
+class WeightedResult:
+    """One scorer's result on a batch, with the scorer's name and weight."""
+
+    name: str
+    weight: float
+    result: ScorerResult
+
+
+@dataclass(frozen=True)
+class CombinedScore:
+    """The combined values of one sample."""
+
+    reward: float
+    score: float
+    extra: dict[str, float]
+
+
+def combine(parts: Sequence[WeightedResult]) -> list[CombinedScore]:
+    """Combine the results of every scorer on the same batch (same sample order)."""
+    if not parts:
+        raise ValueError("combine needs at least one scorer result")
+    total_weight = sum(p.weight for p in parts)
+    if total_weight <= 0:
+        raise ValueError(f"scorer weights must sum to > 0, got {[p.weight for p in parts]}")
+    n = len(parts[0].result.rewards)
+    for p in parts:
+        r = p.result
+        if not len(r.rewards) == len(r.scores) == len(r.extra) == n:
+            raise ValueError(
+                f"scorer {p.name!r} returned {len(r.rewards)} rewards, {len(r.scores)} scores and "
+                f"{len(r.extra)} extra dicts for a batch of {n}"
+            )
+    combined = []
+    for i in range(n):
+        extra: dict[str, float] = {}
+        for p in parts:
+            extra[f"{p.name}/reward"] = p.result.rewards[i]
+            extra[f"{p.name}/score"] = p.result.scores[i]
+            for key, value in p.result.extra[i].items():
+                extra[f"{p.name}/{key}"] = value
+        combined.append(
+            CombinedScore(
+                reward=sum(p.weight * p.result.rewards[i] for p in parts),
+                score=sum(p.weight * p.result.scores[i] for p in parts) / total_weight,
+                extra=extra,
+            )
+        )
+    return combined

@@ -1,0 +1,22 @@
+"""Scorers: one module per kind (function, http, model) behind the ``Scorer`` protocol."""
+
+from __future__ import annotations
+
+from streamrl.reward.config import FunctionScorerConfig, HttpScorerConfig, ModelScorerConfig, ScorerConfig
+from streamrl.reward.scorers.base import Scorer, ScorerError, ScorerResult
+from streamrl.reward.scorers.function import FunctionScorer
+from streamrl.reward.scorers.http import HttpScorer
+from streamrl.reward.scorers.model import ModelScorer
+
+__all__ = ["FunctionScorer", "HttpScorer", "ModelScorer", "Scorer", "ScorerError", "ScorerResult", "build_scorer"]
+
+
+def build_scorer(config: ScorerConfig) -> Scorer:
+    """Construct the scorer a config section describes (a model scorer loads its model here)."""
+    if isinstance(config, FunctionScorerConfig):
+        return FunctionScorer(config)
+    if isinstance(config, HttpScorerConfig):
+        return HttpScorer(config)
+    if isinstance(config, ModelScorerConfig):
+        return ModelScorer(config)
+    raise AssertionError(f"unknown scorer config {type(config).__name__}")

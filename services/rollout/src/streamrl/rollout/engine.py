@@ -1,0 +1,96 @@
+"""The generation engine seen by the rollout service: one protocol, two implementations.
+
+* :class:`streamrl.rollout.vllm_engine.VLLMEngine` - vLLM (the only module importing vllm):
+  continuous batching of everything submitted concurrently, weight updates between engine steps.
+* :class:`streamrl.rollout.hf_engine.HFEngine` - plain transformers, one request at a time: for
+  debugging, and for machines without vLLM (the GPU test machine).
+
+Both return, per sample, the token ids, the behaviour log-probs of the distribution actually
+sampled from (after temperature / top-k / top-p: what TIS and ICEPOP need), the finish reason and
+the policy versions that produced the first and the last token. Both take new weights from the
+learner's weight server (:mod:`streamrl.common.weights_wire`) and report the version they serve.
+
+Heavy imports (torch, vllm, transformers) happen only inside :func:`build_engine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from streamrl.common.messages import SamplingParams
+from streamrl.rollout.engine_config import EngineConfig
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One prompt to answer ``sampling.n`` times.
+
+    Example:
+        GenerationRequest(prompt_ids=[12, 7, 99], sampling=SamplingParams(temperature=0.7, n=4))
+    """
+
+    prompt_ids: list[int]
+    """[P] prompt token ids (chat template already applied)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One generated response."""
+
+    token_ids: list[int]
+    """[T] generated token ids (the stop token included when one ended generation)."""
+    logprobs: list[float]
+    """[T] log-prob of each token under the distribution it was sampled from."""
+    text: str
+    """Decoded response (a matched stop string is not included)."""
+    finish_reason: FinishReason
+    """``stop`` (EOS or stop string), ``length`` (max_new_tokens / max_model_len) or ``abort``."""
+    version_start: int
+    """Policy version that generated the first token."""
+    version_end: int
+    """Policy version that generated the last token (newer when an update landed mid-generation)."""
+
+    @property
+    def truncated(self) -> bool:
+        """True when generation hit the length limit."""
+        return self.finish_reason == "length"
+
+
+class Engine(Protocol):
+    """A generation engine: many concurrent ``generate`` calls, weight updates between them."""
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights served now (0 = the weights the engine was built from)."""
+        ...
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """Answer every request; result ``[i][j]`` is sample ``j`` of request ``i`` (``n`` per request)."""
+        ...
+
+    async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
+        """Pull ``version`` from the weight server at ``endpoint`` and serve it from now on.
+
+        Raises :class:`streamrl.common.errors.WeightSyncError` on a missed deadline or a checksum
+        mismatch; the engine then keeps serving its previous version.
+        """
+        ...
+
+    def close(self) -> None:
+        """Abort what is in flight and free the engine."""
+        ...
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Build the engine ``config.type`` names (blocking: loads the model)."""
+    if config.type == "vllm":
+        from streamrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(config)
+    from streamrl.rollout.hf_engine import HFEngine
+
+    return HFEngine(config)

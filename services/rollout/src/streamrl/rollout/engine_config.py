@@ -1,0 +1,48 @@
+"""Configuration of the rollout generation engine (torch-free: parsed before any heavy import)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from streamrl.common.config import BaseConfig
+
+
+class EngineConfig(BaseConfig):
+    """Which generation engine a rollout worker runs, and how it is built."""
+
+    type: Literal["vllm", "hf"] = "vllm"
+    """``vllm`` (production) or ``hf`` (plain transformers: debugging, machines without vLLM)."""
+    model: str
+    """Model folder or hub id (weights as safetensors)."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; None = the model's."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype. On CPU use float32 (bf16 is ~10x slower without AMX)."""
+    max_model_len: int = Field(4096, ge=16)
+    """Longest prompt + response the engine accepts (tokens)."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences decoded together in one engine step (vLLM)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may use (weights + KV cache)."""
+    kv_cache_gib: float | None = Field(None, gt=0.0)
+    """Explicit KV cache size (GiB); None = from gpu_memory_utilization (GPU) or VLLM_CPU_KVCACHE_SPACE (CPU)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one vLLM engine spans (tensor parallel)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (the n samples of a group share their prompt)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)."""
+    seed: int = 0
+    """Engine seed; a request's own seed (SamplingParams.seed) takes precedence for its samples."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the hf engine (auto = cuda when available)."""
+    trust_remote_code: bool = False
+    """Allow model code from the model folder (needed by some architectures)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.type == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs type='vllm'")
+        return self

@@ -1,0 +1,147 @@
+"""RolloutService: prompts in, trajectories out, weights kept at the version the prompts ask for.
+
+* A consumer loop on ``prompts``: for each PromptWorkItem, wait until the engine serves at least
+  the prompt's policy version, generate ``n`` samples, publish one Trajectory per sample (the
+  outputs and the ack are one atomic step, de-duplicated by the work item id). Many prompts are in
+  flight at once; the engine batches them.
+* A tail of ``weights``: every WeightsPublished newer than what the engine serves is pulled from
+  the learner's weight server (ZMQ, checksum verified, with a deadline) and loaded; the served
+  version is reported in the heartbeat and in the ``served`` hash. A worker that joins late loads
+  the latest published version before it takes prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from streamrl.common.bus import Output
+from streamrl.common.codec import decode
+from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.errors import RetryableError, WeightSyncError
+from streamrl.common.lifecycle import ServiceContext
+from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
+from streamrl.rollout.config import RolloutConfig
+from streamrl.rollout.engine import Engine, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutService:
+    """See the module docstring."""
+
+    def __init__(self, config: RolloutConfig, ctx: ServiceContext, engine: Engine) -> None:
+        self.cfg = config
+        self.ctx = ctx
+        self.redis = ctx.bus.redis
+        self.engine = engine
+        self.latest: WeightsPublished | None = None
+        self.changed = asyncio.Condition()
+        self.update_lock = asyncio.Lock()
+
+    async def run(self) -> None:
+        cursor = await self._load_latest_weights()
+        loop: ConsumerLoop[PromptWorkItem] = ConsumerLoop(
+            self.ctx.bus, self.ctx.names, stream=self.ctx.names.prompts, group="rollout",
+            consumer=self.ctx.instance, handler=self.handle, message_type=PromptWorkItem, config=self.cfg.consumer,
+        )  # fmt: skip
+        self.ctx.loops.append(loop)
+        self.ctx.status = "running"
+        tail = asyncio.create_task(self._tail_weights(cursor))
+        try:
+            await loop.run(self.ctx.stop, burst=self.ctx.burst)
+        finally:
+            tail.cancel()
+            await asyncio.gather(tail, return_exceptions=True)
+            await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
+            self.engine.close()
+
+    async def handle(self, item: PromptWorkItem) -> list[Output]:
+        await self._wait_for_version(item.policy_version)
+        started = time.time()
+        request = GenerationRequest(prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling)
+        (samples,) = await self.engine.generate([request])
+        elapsed = time.time() - started
+        outputs = []
+        for j, sample in enumerate(samples):
+            num_tokens = len(sample.token_ids)
+            traj = Trajectory(
+                id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n,
+                prompt_ids=item.prompt_ids,
+                response_ids=Tensor.from_numpy(np.asarray(sample.token_ids, dtype=np.int32)),
+                logprobs=Tensor.from_numpy(np.asarray(sample.logprobs, dtype=np.float32)),
+                loss_mask=Tensor.from_numpy(np.ones(num_tokens, dtype=np.uint8)),
+                prompt_text=item.prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
+                truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
+                policy_version_end=sample.version_end, label=item.label, metadata=item.metadata,
+                images=item.images, is_eval=item.is_eval,
+                timings={"queue_s": max(0.0, started - item.issued_at), "generate_s": elapsed},
+                traceparent=item.traceparent,
+            )  # fmt: skip
+            outputs.append(Output(stream=self.ctx.names.trajectories, message=traj))
+        return outputs
+
+    async def _wait_for_version(self, version: int) -> None:
+        """Block until the engine serves ``version`` or newer (pulling it if it is published)."""
+        if self.engine.version >= version:
+            return
+        deadline = time.monotonic() + self.cfg.version_wait_s
+        async with self.changed:
+            while self.engine.version < version:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RetryableError(f"policy version {version} not served after {self.cfg.version_wait_s} s")
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 1.0))
+                except TimeoutError:
+                    pass
+
+    async def _load_latest_weights(self) -> str:
+        """Load the newest published weights (late joiners); returns the stream cursor after it."""
+        last = await self.redis.xrevrange(self.ctx.names.weights, count=1)
+        if not last:
+            self._report(self.engine.version)
+            return "0-0"
+        entry_id, fields = last[0]
+        await self._apply(decode(fields[b"d"], WeightsPublished))
+        return entry_id.decode()
+
+    async def _tail_weights(self, cursor: str) -> None:
+        while True:
+            reply = await self.redis.xread({self.ctx.names.weights: cursor}, count=16, block=1000)
+            for _, entries in reply or []:
+                newest = None
+                for entry_id, fields in entries:
+                    cursor = entry_id.decode()
+                    newest = decode(fields[b"d"], WeightsPublished)
+                if newest is not None:
+                    try:
+                        await self._apply(newest)
+                    except WeightSyncError as e:  # loud, and retried with the next event or poll
+                        logger.error("weight sync to version %d failed: %s", newest.version, e)
+                        cursor = "0-0" if cursor == "0-0" else _previous(cursor)
+                        await asyncio.sleep(1.0)
+
+    async def _apply(self, msg: WeightsPublished) -> None:
+        async with self.update_lock:
+            if msg.version <= self.engine.version:
+                return
+            started = time.perf_counter()
+            await self.engine.update_weights(msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s)
+            logger.info("now serving policy version %d (sync took %.0f ms)", msg.version, (time.perf_counter() - started) * 1e3)
+        self._report(msg.version)
+        await self.redis.hset(self.ctx.names.served_versions, self.ctx.instance, msg.version)
+        async with self.changed:
+            self.changed.notify_all()
+
+    def _report(self, version: int) -> None:
+        self.ctx.policy_version = version
+
+
+def _previous(entry_id: str) -> str:
+    """The stream id just before ``entry_id`` (to read that entry again)."""
+    ms, seq = (int(x) for x in entry_id.split("-"))
+    return f"{ms}-{seq - 1}" if seq > 0 else f"{ms - 1}-18446744073709551615"

@@ -1,0 +1,324 @@
+"""vLLM generation engine: the only module that imports vllm.
+
+One driver thread owns the engine (``vllm.LLM`` with the engine core in-process or in its own
+process, as vLLM is configured) and runs this loop::
+
+    take commands (submit / update weights / abort / stop) -> one engine step -> route outputs
+
+* Everything submitted concurrently is decoded together (continuous batching): a ``generate``
+  call only enqueues its requests and waits for its own samples.
+* A weight update runs between two engine steps: generation pauses, the worker extension
+  (:mod:`streamrl.rollout.weight_receiver`) pulls and verifies the buckets on every worker, then
+  loads them (a failed transfer leaves the served weights untouched), the prefix cache is reset
+  (running requests are preempted and recompute their KV cache with the new weights), and
+  generation resumes. A sample records the version of its first and of its last token.
+* Each of the ``n`` samples of a request is its own vLLM request with seed ``seed + j`` (vLLM's
+  own convention for ``n > 1``), streamed as deltas so the version of the first token is exact.
+* Log-probs come from ``logprobs_mode="processed_logprobs"``: those of the distribution actually
+  sampled from (after temperature, top-k, top-p).
+
+The asyncio side never blocks: commands go through a thread-safe queue and results come back
+as ``concurrent.futures.Future``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm import LLM
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import SamplingParams
+from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
+from streamrl.rollout.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "streamrl.rollout.weight_receiver.WeightReceiver"
+FETCH_METHOD = "streamrl_fetch_weights"
+APPLY_METHOD = "streamrl_apply_weights"
+DISCARD_METHOD = "streamrl_discard_weights"
+RPC_MARGIN_S = 10.0
+"""Extra time the fetch RPC may take beyond the transfer deadline."""
+
+
+def to_vllm_params(sampling: SamplingParams, sample_index: int) -> VLLMSamplingParams:
+    """vLLM parameters of sample ``sample_index`` of a request (streamrl SamplingParams)."""
+    return VLLMSamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else 0,
+        max_tokens=sampling.max_new_tokens,
+        seed=None if sampling.seed is None else sampling.seed + sample_index,
+        stop=list(sampling.stop) or None,
+        logprobs=0,
+        flat_logprobs=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+@dataclass
+class _Job:
+    """One ``generate`` call: its requests flattened to one vLLM request per sample."""
+
+    requests: list[GenerationRequest]
+    future: concurrent.futures.Future[list[list[Sample]]] = field(default_factory=concurrent.futures.Future)
+    samples: list[list[Sample | None]] = field(default_factory=list)
+    remaining: int = 0
+    request_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.samples = [[None] * r.sampling.n for r in self.requests]
+        self.remaining = sum(r.sampling.n for r in self.requests)
+
+    def complete(self, slot: tuple[int, int], sample: Sample) -> None:
+        i, j = slot
+        self.samples[i][j] = sample
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result([[s for s in row if s is not None] for row in self.samples])
+
+
+@dataclass
+class _Running:
+    """Accumulated deltas of one sample being generated."""
+
+    job: _Job
+    slot: tuple[int, int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    version_start: int | None = None
+
+
+@dataclass
+class _Update:
+    endpoint: str
+    version: int
+    checksum: str
+    timeout_s: float
+    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    job: _Job
+
+
+class _Stop:
+    pass
+
+
+Command = _Job | _Update | _Abort | _Stop
+
+
+class VLLMEngine:
+    """vLLM behind the :class:`streamrl.rollout.engine.Engine` protocol (see module docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._version = 0
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._running: dict[str, _Running] = {}
+        self._fatal: BaseException | None = None
+        self._closed = False
+        self._llm: LLM | None = None
+        self._num_jobs = 0
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._drive, args=(built,), name="vllm-engine", daemon=True)
+        self._thread.start()
+        built.result()  # re-raises a failed engine start here
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        for r in requests:
+            if r.sampling.n < 1:
+                raise ValueError(f"sampling.n must be >= 1, got {r.sampling.n}")
+            if not r.prompt_ids:
+                raise ValueError("prompt_ids must not be empty")
+        if not requests:
+            return []
+        job = _Job(requests)
+        self._submit(job)
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            self._commands.put(_Abort(job))
+            raise
+
+    async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
+        update = _Update(endpoint, version, checksum, timeout_s)
+        self._submit(update)
+        seconds = await asyncio.wrap_future(update.future)
+        logger.info("serving weights version %d (update took %.3f s)", version, seconds)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(_Stop())
+        self._thread.join()
+
+    def _submit(self, command: Command) -> None:
+        if self._fatal is not None:
+            raise RuntimeError("the vLLM engine failed earlier") from self._fatal
+        if self._closed:
+            raise RuntimeError("the vLLM engine is closed")
+        self._commands.put(command)
+
+    # --- driver thread -------------------------------------------------------------------
+
+    def _build(self) -> LLM:
+        c = self._config
+        return LLM(
+            model=c.model,
+            tokenizer=c.tokenizer or c.model,
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            kv_cache_memory_bytes=None if c.kv_cache_gib is None else int(c.kv_cache_gib * 2**30),
+            tensor_parallel_size=c.tensor_parallel_size,
+            enable_prefix_caching=c.enable_prefix_caching,
+            enforce_eager=c.enforce_eager,
+            seed=c.seed,
+            trust_remote_code=c.trust_remote_code,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+
+    def _drive(self, built: concurrent.futures.Future[None]) -> None:
+        # The engine is built on this thread so that every call into it (and the CPU backend's
+        # thread binding) happens on one thread.
+        try:
+            self._llm = self._build()
+        except Exception as e:  # noqa: BLE001 - handed to the constructor's caller
+            built.set_exception(e)
+            return
+        built.set_result(None)
+        engine = self._llm.llm_engine
+        try:
+            while True:
+                idle = not engine.has_unfinished_requests()
+                commands = [self._commands.get()] if idle else []
+                while not self._commands.empty():
+                    commands.append(self._commands.get())
+                for command in commands:
+                    if isinstance(command, _Stop):
+                        self._fail_all(RuntimeError("the vLLM engine was closed"))
+                        return
+                    self._handle(command)
+                if engine.has_unfinished_requests():
+                    self._route(engine.step())
+        except Exception as e:  # noqa: BLE001 - worker boundary: every waiting caller gets the error
+            logger.exception("vLLM engine failed")
+            self._fatal = e
+            self._fail_all(e)
+        finally:
+            engine.engine_core.shutdown()
+
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, _Job):
+            self._add(command)
+        elif isinstance(command, _Update):
+            self._apply_update(command)
+        elif isinstance(command, _Abort):
+            self._abort(command.job)
+
+    def _add(self, job: _Job) -> None:
+        assert self._llm is not None
+        engine = self._llm.llm_engine
+        self._num_jobs += 1
+        try:
+            # One render per request; its n samples share the rendered prompt.
+            rendered = engine.renderer.render_cmpl([{"prompt_token_ids": list(r.prompt_ids)} for r in job.requests])
+            for i, (request, engine_input) in enumerate(zip(job.requests, rendered, strict=True)):
+                for j in range(request.sampling.n):
+                    request_id = f"{self._num_jobs}-{i}-{j}"
+                    engine.add_request(request_id, engine_input, to_vllm_params(request.sampling, j))
+                    job.request_ids.append(request_id)
+                    self._running[request_id] = _Running(job, (i, j))
+        except ValueError as e:  # e.g. a prompt longer than max_model_len
+            self._abort(job)
+            job.future.set_exception(e)
+
+    def _route(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            run = self._running.get(out.request_id)
+            if run is None:
+                continue
+            completion = out.outputs[0]
+            if completion.token_ids:
+                if run.version_start is None:
+                    run.version_start = self._version
+                run.token_ids.extend(completion.token_ids)
+                run.logprobs.extend(completion.logprobs.logprobs)
+                run.text.append(completion.text)
+            if out.finished:
+                del self._running[out.request_id]
+                assert len(run.logprobs) == len(run.token_ids), "one log-prob per sampled token"
+                reason: FinishReason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+                run.job.complete(
+                    run.slot,
+                    Sample(
+                        token_ids=run.token_ids,
+                        logprobs=run.logprobs,
+                        text="".join(run.text),
+                        finish_reason=reason,
+                        version_start=self._version if run.version_start is None else run.version_start,
+                        version_end=self._version,
+                    ),
+                )
+
+    def _apply_update(self, update: _Update) -> None:
+        assert self._llm is not None
+        start = time.perf_counter()
+        args = (update.endpoint, update.version, update.checksum, update.timeout_s)
+        try:
+            results = self._llm.collective_rpc(FETCH_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
+            failures = [r for r in results if r is not None]
+        except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
+            failures = [f"{type(e).__name__}: {e}"]
+        if failures:
+            self._llm.collective_rpc(DISCARD_METHOD)
+            update.future.set_exception(WeightSyncError(failures[0]))
+            return
+        # Every worker holds the verified version: load it. An error from here on leaves the
+        # model in an unknown state and stops the engine (it propagates to the driver loop).
+        self._llm.collective_rpc(APPLY_METHOD, args=(update.version,))
+        # Cached KV was computed with the old weights; running requests recompute theirs.
+        self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+        self._version = update.version
+        update.future.set_result(time.perf_counter() - start)
+
+    def _abort(self, job: _Job) -> None:
+        assert self._llm is not None
+        live = [i for i in job.request_ids if i in self._running]
+        if live:
+            self._llm.llm_engine.abort_request(live)
+        for request_id in live:
+            del self._running[request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        jobs = {id(run.job): run.job for run in self._running.values()}
+        self._running.clear()
+        while not self._commands.empty():
+            command = self._commands.get()
+            if isinstance(command, _Job | _Update) and not command.future.done():
+                command.future.set_exception(error)
+        for job in jobs.values():
+            if not job.future.done():
+                job.future.set_exception(error)

@@ -1,0 +1,82 @@
+"""vLLM worker extension that pulls new weights over ZMQ and loads them in place.
+
+vLLM mixes this class into every worker (``worker_extension_cls``). The rollout engine calls its
+methods by name through ``collective_rpc``, so no Python function is shipped to the workers: each
+worker pulls the buckets of the version itself with :func:`streamrl.common.weights_wire.fetch_buckets`
+(which verifies the checksum), and once every worker holds the whole version the engine asks them
+to feed it to the model runner's ``reload_weights``. That entry point is what works
+on the CPU backend, which repacks linear weights (calling the model's ``load_weights`` directly
+changes nothing there).
+
+Imported by vLLM inside the worker by qualified name; it imports torch, never vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.weights_wire import BF16, ReceivedTensor, fetch_buckets
+
+logger = logging.getLogger(__name__)
+
+
+def to_torch(tensor: ReceivedTensor) -> torch.Tensor:
+    """A torch view of a received (read-only) tensor, bf16 words reinterpreted; no copy.
+
+    The view must only be read (``reload_weights`` copies from it into the parameters).
+    """
+    array = tensor.array.view(np.int16) if tensor.dtype == BF16 else tensor.array
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        out = torch.from_numpy(array)
+    return out.view(torch.bfloat16) if tensor.dtype == BF16 else out
+
+
+def torch_tensors(endpoint: str, version: int, checksum: str | None, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one version as ``reload_weights`` wants them."""
+    for received in fetch_buckets(endpoint, version, checksum, timeout_s):
+        yield received.name, to_torch(received)
+
+
+class WeightReceiver:
+    """Mixed into the vLLM worker: ``self`` is the worker, ``self.model_runner`` its runner.
+
+    Two phases, so that every worker (tensor-parallel ranks) holds the complete verified version
+    before any of them touches its model: ``reload_weights`` empties the layers before it consumes
+    the iterator, so an error while receiving inside it would leave a broken model.
+    """
+
+    model_runner: Any
+    _streamrl_staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+
+    def streamrl_fetch_weights(self, endpoint: str, version: int, checksum: str | None, timeout_s: float) -> str | None:
+        """Receive and verify ``version``; keep it staged. Return None, or why it failed."""
+        self._streamrl_staged = None
+        try:
+            weights = list(torch_tensors(endpoint, version, checksum, timeout_s))
+        except WeightSyncError as e:
+            return str(e)
+        self._streamrl_staged = (version, weights)
+        return None
+
+    def streamrl_apply_weights(self, version: int) -> int:
+        """Load the staged ``version`` into the model; return the number of tensors loaded."""
+        staged = self._streamrl_staged
+        assert staged is not None and staged[0] == version, f"version {version} is not staged"
+        self._streamrl_staged = None
+        start = time.perf_counter()
+        self.model_runner.reload_weights(weights_iterator=iter(staged[1]), is_checkpoint_format=True)
+        logger.info("loaded weights version %d (%d tensors) in %.3f s", version, len(staged[1]), time.perf_counter() - start)
+        return len(staged[1])
+
+    def streamrl_discard_weights(self) -> None:
+        """Drop a staged version (another worker failed to receive it)."""
+        self._streamrl_staged = None

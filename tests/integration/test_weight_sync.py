@@ -1,0 +1,144 @@
+"""Learner WeightServer -> rollout VLLMEngine over ZMQ, on a tiny random Qwen2 (CPU vLLM).
+
+Model A is what the engine starts from; model B (another seed) is what the learner publishes.
+One engine is shared by the module; tests run in file order (A, then B as version 1, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import SamplingParams
+from streamrl.learner.weights import WeightServer
+from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
+from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.tiny_model import build_tiny_qwen2
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+PROMPT = [11, 12, 13, 14]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel, PreTrainedModel]:
+    root = tmp_path_factory.mktemp("tiny")
+    a = build_tiny_qwen2(root / "a", seed=0)
+    b = build_tiny_qwen2(root / "b", seed=1)
+    return a, AutoModelForCausalLM.from_pretrained(a).eval(), AutoModelForCausalLM.from_pretrained(b).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(models: tuple[Path, PreTrainedModel, PreTrainedModel]) -> Iterator[Engine]:
+    config = EngineConfig(
+        type="vllm", model=str(models[0]), dtype="float32", max_model_len=320, kv_cache_gib=0.25, enforce_eager=True
+    )
+    eng = build_engine(config)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[WeightServer]:
+    srv = WeightServer(bucket_bytes=256 * 1024)  # several buckets even for the tiny model
+    yield srv
+    srv.close()
+
+
+def _greedy(engine: Engine, prompt: list[int] = PROMPT, sampling: SamplingParams = GREEDY) -> list[int]:
+    (samples,) = asyncio.run(engine.generate([GenerationRequest(prompt, sampling)]))
+    return samples[0].token_ids
+
+
+def _hf_greedy(model: PreTrainedModel, num_tokens: int = GREEDY.max_new_tokens) -> list[int]:
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=num_tokens, do_sample=False)
+    return out[0, len(PROMPT) :].tolist()  # type: ignore[no-any-return]
+
+
+def _prefix_equal(engine_tokens: list[int], hf_tokens: list[int]) -> bool:
+    # transformers stops at EOS too, so equal up to the shorter one and same length unless EOS.
+    return len(engine_tokens) > 0 and engine_tokens == hf_tokens[: len(engine_tokens)]
+
+
+def test_update_serves_new_weights(engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer) -> None:
+    _, model_a, model_b = models
+    before = _greedy(engine)
+    assert _prefix_equal(before, _hf_greedy(model_a))
+    expected_b = _hf_greedy(model_b)
+    assert expected_b[:8] != before[:8], "the two random models must disagree for this test to mean anything"
+
+    # Tied embeddings: the learner's named_parameters() lack lm_head.weight; the server adds it.
+    named = list(model_b.named_parameters())
+    assert "lm_head.weight" not in dict(named)
+    checksum, num_bytes, num_buckets = server.publish(named, version=1)
+    assert num_buckets > 1 and num_bytes >= sum(p.numel() * 4 for _, p in named)
+    start = time.perf_counter()
+    asyncio.run(engine.update_weights(server.endpoint, 1, checksum, timeout_s=10))
+    elapsed = time.perf_counter() - start
+    assert engine.version == 1
+    (samples,) = asyncio.run(engine.generate([GenerationRequest(PROMPT, GREEDY)]))
+    assert _prefix_equal(samples[0].token_ids, expected_b)
+    assert (samples[0].version_start, samples[0].version_end) == (1, 1)
+    print(f"weight sync of the tiny model: {elapsed * 1000:.1f} ms")
+
+
+def test_bad_checksum_keeps_serving_old_weights(engine: Engine, server: WeightServer) -> None:
+    served = _greedy(engine)
+    start = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="checksum mismatch"):
+        asyncio.run(engine.update_weights(server.endpoint, server.version, "f" * 64, timeout_s=5))
+    assert time.perf_counter() - start < 5
+    assert engine.version == 1
+    assert _greedy(engine) == served
+
+
+def test_unreachable_endpoint_fails_within_deadline(engine: Engine) -> None:
+    start = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="deadline"):
+        asyncio.run(engine.update_weights("tcp://127.0.0.1:9", 2, "0" * 64, timeout_s=1.0))
+    assert time.perf_counter() - start < 3.0
+    assert engine.version == 1
+
+
+def test_stale_version_is_refused(engine: Engine, server: WeightServer) -> None:
+    with pytest.raises(WeightSyncError, match="current version: 1"):
+        asyncio.run(engine.update_weights(server.endpoint, 0, "0" * 64, timeout_s=5))
+
+
+def test_update_mid_generation_records_both_versions(
+    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+) -> None:
+    """An update lands while a long generation runs: tokens before it follow the old weights,
+    tokens after it the new ones (KV cache recomputed), and the sample records both versions."""
+    _, model_a, model_b = models
+    checksum, _, _ = server.publish(model_a.state_dict().items(), version=2)  # B -> A at version 2
+    sampling = SamplingParams(temperature=0, max_new_tokens=280)
+
+    async def update_while_generating() -> list[int]:
+        task = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, sampling)]))
+        await asyncio.sleep(0.3)
+        assert not task.done(), "generation finished before the update could land; make it longer"
+        await engine.update_weights(server.endpoint, 2, checksum, timeout_s=10)
+        (samples,) = await task
+        sample = samples[0]
+        assert (sample.version_start, sample.version_end) == (1, 2)
+        return sample.token_ids
+
+    tokens = asyncio.run(update_while_generating())
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT + tokens])
+        argmax_b = model_b(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
+        argmax_a = model_a(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    # Some switch point k: tokens[:k] greedy under B (version 1), tokens[k:] greedy under A.
+    switch_points = [
+        k for k in range(1, len(tokens)) if tokens[:k] == argmax_b[:k] and tokens[k:] == argmax_a[k:]
+    ]
+    assert switch_points, "tokens are not 'old weights, then new weights'"

@@ -1,0 +1,117 @@
+"""RewardService.handle on in-process scorers: batching, combination, provenance, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from streamrl.common.messages import ScoredTrajectory, Trajectory
+from streamrl.common.streams import StreamNames
+from streamrl.reward.config import RewardConfig
+from streamrl.reward.scorers.base import ScorerError, ScorerResult
+from streamrl.reward.service import RewardService
+
+
+class LengthScorer:
+    """reward = response length; records batch sizes."""
+
+    def __init__(self, name: str, fail_on: str | None = None, sample_specific: bool = True) -> None:
+        self.name = name
+        self.batch_sizes: list[int] = []
+        self.fail_on = fail_on
+        self.sample_specific = sample_specific
+
+    async def score(self, batch: list[Trajectory]) -> ScorerResult:
+        self.batch_sizes.append(len(batch))
+        if any(t.response_text == self.fail_on for t in batch):
+            raise ScorerError(f"{self.name}: cannot score {self.fail_on!r}", sample_specific=self.sample_specific)
+        n = [float(len(t.response_text)) for t in batch]
+        return ScorerResult(rewards=n, scores=[min(1.0, x / 10) for x in n], extra=[{"len": x} for x in n])
+
+    def metrics(self) -> dict[str, float]:
+        return {"reward/test/calls": float(len(self.batch_sizes))}
+
+    async def close(self) -> None:
+        return None
+
+
+def _config(weights: dict[str, float], max_batch_size: int = 16) -> RewardConfig:
+    return RewardConfig(
+        scorers=[{"type": "function", "name": n, "path": "unused.py", "weight": w} for n, w in weights.items()],
+        max_batch_size=max_batch_size,
+        max_wait_ms=20,
+    )
+
+
+def test_handle_scores_batches_and_publishes_to_scored(traj: Callable[..., Trajectory]) -> None:
+    names = StreamNames("run1")
+    a, b = LengthScorer("a"), LengthScorer("b")
+    service = RewardService(_config({"a": 1.0, "b": 0.5}, max_batch_size=4), names, scorers=[a, b])
+
+    async def main() -> list[list[object]]:
+        outs = await asyncio.gather(*(service.handle(traj(i, response="x" * (i + 1))) for i in range(8)))
+        await service.close()
+        return outs  # type: ignore[return-value]
+
+    outputs = asyncio.run(main())
+    assert a.batch_sizes == [4, 4] and b.batch_sizes == [4, 4]
+    for i, (out,) in enumerate(outputs):
+        n = i + 1
+        assert out.stream == names.scored
+        scored = out.message
+        assert isinstance(scored, ScoredTrajectory)
+        assert scored.trajectory.id == traj(i).id
+        assert scored.reward == pytest.approx(1.5 * n)
+        assert scored.score == pytest.approx(min(1.0, n / 10))
+        assert scored.extra == {"a/reward": n, "a/score": min(1.0, n / 10), "a/len": n, "b/reward": n,
+                                "b/score": min(1.0, n / 10), "b/len": n}
+        assert scored.scorer == "a:function+b:function"
+        assert scored.traceparent == traj(i).traceparent
+        assert scored.reward_latency_ms > 0
+    metrics = service.metrics()
+    assert metrics["reward/scored"] == 8 and metrics["reward/batch_size_mean"] == 4
+    assert metrics["reward/test/calls"] == 4  # summed over both scorers
+
+
+def test_a_bad_sample_fails_alone(traj: Callable[..., Trajectory]) -> None:
+    scorer = LengthScorer("a", fail_on="boom")
+    service = RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[scorer])
+
+    async def main() -> list[object]:
+        batch = [traj(0, response="ok"), traj(1, response="boom"), traj(2, response="fine")]
+        return await asyncio.gather(*(service.handle(t) for t in batch), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[1], ScorerError) and "cannot score 'boom'" in str(results[1])
+    assert [r[0].message.reward for r in (results[0], results[2])] == [2.0, 4.0]  # type: ignore[index]
+    assert scorer.batch_sizes == [3, 1, 1, 1]
+
+
+def test_backend_failure_fails_the_batch_without_splitting(traj: Callable[..., Trajectory]) -> None:
+    scorer = LengthScorer("a", fail_on="boom", sample_specific=False)
+    service = RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[scorer])
+
+    async def main() -> list[object]:
+        batch = [traj(0, response="ok"), traj(1, response="boom")]
+        return await asyncio.gather(*(service.handle(t) for t in batch), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, ScorerError) for r in results)
+    assert scorer.batch_sizes == [2]
+
+
+def test_built_from_config_with_a_reward_file(tmp_path: Path, traj: Callable[..., Trajectory]) -> None:
+    path = tmp_path / "r.py"
+    path.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [float(l == 'yes') for l in labels]}\n")
+    config = RewardConfig(scorers=[{"type": "function", "name": "yes", "path": str(path)}], max_wait_ms=1)
+    service = RewardService(config, StreamNames("r"))
+    (out,) = asyncio.run(service.handle(traj(0, label="yes")))
+    assert out.message.reward == 1.0 and out.message.scorer == "yes:function"  # type: ignore[attr-defined]
+
+
+def test_scorers_must_match_config() -> None:
+    with pytest.raises(ValueError, match="do not match"):
+        RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[LengthScorer("b")])
