@@ -45,11 +45,18 @@ def reward_func(queries, prompts, labels, **kwargs):
 def trajectories(num: int) -> list[Trajectory]:
     return [
         Trajectory(
-            id=f"g{i // 8}/{i % 8}", group_id=f"g{i // 8}", group_index=i % 8, group_size=8,
-            prompt_ids=Tensor.from_list([1] * 32, "int32"), response_ids=Tensor.from_list([2] * 64, "int32"),
-            logprobs=Tensor.from_list([-1.0] * 64, "float32"), loss_mask=Tensor.from_list([1] * 64, "uint8"),
-            prompt_text=f"What is {i} + {i}? ", response_text=str(2 * i if i % 3 else i), label=str(2 * i),
-        )  # fmt: skip
+            id=f"g{i // 8}/{i % 8}",
+            group_id=f"g{i // 8}",
+            group_index=i % 8,
+            group_size=8,
+            prompt_ids=Tensor.from_list([1] * 32, "int32"),
+            response_ids=Tensor.from_list([2] * 64, "int32"),
+            logprobs=Tensor.from_list([-1.0] * 64, "float32"),
+            loss_mask=Tensor.from_list([1] * 64, "uint8"),
+            prompt_text=f"What is {i} + {i}? ",
+            response_text=str(2 * i if i % 3 else i),
+            label=str(2 * i),
+        )
         for i in range(num)
     ]
 
@@ -80,22 +87,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num", type=int, default=2000, help="trajectories per measurement")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per HTTP request")
-    parser.add_argument("--server-latency-ms", type=float, default=10.0, help="simulated model time per request")
+    parser.add_argument(
+        "--server-latency-ms",
+        type=float,
+        default=10.0,
+        help="simulated model time per request",
+    )
     args = parser.parse_args()
     batch = trajectories(args.num)
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         func_path = Path(tmp) / "exact_match.py"
         func_path.write_text(REWARD_FUNC)
-        config = RewardConfig(scorers=[FunctionScorerConfig(name="exact", path=str(func_path))], max_batch_size=64)
+        config = RewardConfig(
+            scorers=[FunctionScorerConfig(name="exact", path=str(func_path))],
+            max_batch_size=64,
+        )
         results["function"], _ = asyncio.run(measure(config, batch))
     os.environ["BENCH_RM_TOKEN"] = TOKEN
     for latency_ms in (0.0, args.server_latency_ms):
         proc, url = start_server(latency_ms)
         try:
             for concurrency in (1, 8, 64):
-                scorer = HttpScorerConfig(name="remote", urls=[url], batch_size=args.batch_size,
-                                          max_concurrency=concurrency, token_env="BENCH_RM_TOKEN")  # fmt: skip
+                scorer = HttpScorerConfig(
+                    name="remote",
+                    urls=[url],
+                    batch_size=args.batch_size,
+                    max_concurrency=concurrency,
+                    token_env="BENCH_RM_TOKEN",
+                )
                 config = RewardConfig(scorers=[scorer], max_batch_size=512, max_wait_ms=5)
                 key = f"http_c{concurrency}_latency{latency_ms:g}ms"
                 results[key], metrics = asyncio.run(measure(config, batch))

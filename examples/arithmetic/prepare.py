@@ -2,6 +2,8 @@
 
     python examples/arithmetic/prepare.py [recipe.toml] [--field=value ...]
 
+Settings come from the recipe's ``[prepare]`` table, then ``--field=value`` overrides.
+
 Writes into ``out_dir``:
 
 * ``train.jsonl`` / ``eval.jsonl``: ``{"prompt", "label", "response"}`` rows, disjoint prompts;
@@ -56,9 +58,9 @@ class PrepareConfig(BaseConfig):
     """Warm start stops once held-out greedy accuracy reaches this."""
     max_steps: int = Field(3000, ge=1)
     """Warm-start step cap."""
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(128, ge=1)
     """Warm-start examples per step."""
-    lr: float = Field(3e-3, gt=0.0)
+    lr: float = Field(1e-3, gt=0.0)
     """Warm-start Adam learning rate."""
     eval_every_steps: int = Field(10, ge=1)
     """Warm-start accuracy check period (steps)."""

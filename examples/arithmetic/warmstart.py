@@ -35,9 +35,9 @@ class WarmStartSpec:
     """Stop once held-out greedy accuracy reaches this."""
     max_steps: int = 3000
     """Hard cap on optimizer steps."""
-    batch_size: int = 64
+    batch_size: int = 128
     """Examples per step."""
-    lr: float = 3e-3
+    lr: float = 1e-3
     """Adam learning rate (constant)."""
     eval_every_steps: int = 10
     """How often to measure held-out accuracy."""

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
 from streamrl.reward.config import HttpScorerConfig, RewardConfig
@@ -34,8 +33,13 @@ def reward_server() -> Iterator[Server]:
 
     def start(*args: str, token: str = TOKEN) -> str:
         env = {**os.environ, "REWARD_SERVER_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, str(SERVER), *args], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVER), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -57,11 +61,18 @@ def server_stats(url: str) -> dict[str, int]:
 
 def trajectory(i: int) -> Trajectory:
     return Trajectory(
-        id=f"g{i}/0", group_id=f"g{i}", group_index=0, group_size=1,
-        prompt_ids=Tensor.from_list([1], "int32"), response_ids=Tensor.from_list([2], "int32"),
-        logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"),
-        prompt_text=f"prompt {i}: ", response_text="y" * (i % 7), label="y" if i % 2 else "z",
-    )  # fmt: skip
+        id=f"g{i}/0",
+        group_id=f"g{i}",
+        group_index=0,
+        group_size=1,
+        prompt_ids=Tensor.from_list([1], "int32"),
+        response_ids=Tensor.from_list([2], "int32"),
+        logprobs=Tensor.from_list([-1.0], "float32"),
+        loss_mask=Tensor.from_list([1], "uint8"),
+        prompt_text=f"prompt {i}: ",
+        response_text="y" * (i % 7),
+        label="y" if i % 2 else "z",
+    )
 
 
 def expected_reward(t: Trajectory) -> float:
@@ -69,8 +80,17 @@ def expected_reward(t: Trajectory) -> float:
 
 
 def http_config(urls: list[str], **overrides: object) -> HttpScorerConfig:
-    base: dict[str, object] = dict(name="remote", urls=urls, batch_size=4, max_concurrency=4, timeout_s=0.5,
-                                   max_retries=4, backoff_base_s=0.01, backoff_max_s=0.05, token_env="RM_TOKEN")  # fmt: skip
+    base: dict[str, object] = {
+        "name": "remote",
+        "urls": urls,
+        "batch_size": 4,
+        "max_concurrency": 4,
+        "timeout_s": 0.5,
+        "max_retries": 4,
+        "backoff_base_s": 0.01,
+        "backoff_max_s": 0.05,
+        "token_env": "RM_TOKEN",
+    }
     return HttpScorerConfig(**{**base, **overrides})  # type: ignore[arg-type]
 
 
@@ -93,8 +113,9 @@ def free_port() -> int:
 
 
 def test_every_trajectory_scored_once_despite_faults(reward_server: Server) -> None:
-    url = reward_server("--faults", "500,drop,slow,500,drop,slow", "--slow-s", "2")
-    scorer = HttpScorer(http_config([url]), env={"RM_TOKEN": TOKEN})
+    url = reward_server("--faults", "500,drop,slow,500,drop,slow", "--slow-s", "3")
+    # A 1 s timeout: a slow answer (3 s) times out, a normal one never does, even on a busy machine.
+    scorer = HttpScorer(http_config([url], timeout_s=1.0), env={"RM_TOKEN": TOKEN})
     config = RewardConfig(scorers=[http_config([url])], max_batch_size=8, max_wait_ms=20)
     service = RewardService(config, StreamNames("r"), scorers=[scorer])
     batch = [trajectory(i) for i in range(40)]
@@ -142,7 +163,10 @@ def test_failover_to_a_live_url(reward_server: Server) -> None:
 def test_permanent_failure_raises_with_the_reason(reward_server: Server) -> None:
     url = reward_server("--always", "500")
     scorer = HttpScorer(http_config([url], max_retries=2), env={"RM_TOKEN": TOKEN})
-    with pytest.raises(ScorerError, match=r"not scored after 3 attempts .*last error: .*HTTP 500: injected internal error"):
+    with pytest.raises(
+        ScorerError,
+        match=r"not scored after 3 attempts .*last error: .*HTTP 500: injected internal error",
+    ):
         score_once(scorer, [trajectory(i) for i in range(6)])  # 2 requests
     metrics = scorer.metrics()
     assert metrics["reward/http/failures"] >= 1
@@ -150,7 +174,10 @@ def test_permanent_failure_raises_with_the_reason(reward_server: Server) -> None
 
 
 def test_unreachable_service_raises(reward_server: Server) -> None:
-    scorer = HttpScorer(http_config([f"http://127.0.0.1:{free_port()}/get_reward"], max_retries=1), env={"RM_TOKEN": TOKEN})
+    scorer = HttpScorer(
+        http_config([f"http://127.0.0.1:{free_port()}/get_reward"], max_retries=1),
+        env={"RM_TOKEN": TOKEN},
+    )
     with pytest.raises(ScorerError, match=r"not scored after 2 attempts .*ClientConnectorError"):
         score_once(scorer, [trajectory(0)])
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-
 from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
@@ -32,18 +31,31 @@ def reward_func(queries, prompts, labels):
 
 def trajectory(i: int) -> Trajectory:
     return Trajectory(
-        id=f"g{i}/0", group_id=f"g{i}", group_index=0, group_size=1,
-        prompt_ids=Tensor.from_list([1], "int32"), response_ids=Tensor.from_list([2], "int32"),
-        logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"),
-        prompt_text="p: ", response_text="r" * (i % 5 + 1), traceparent=f"00-{i:032x}-{i:016x}-01",
-    )  # fmt: skip
+        id=f"g{i}/0",
+        group_id=f"g{i}",
+        group_index=0,
+        group_size=1,
+        prompt_ids=Tensor.from_list([1], "int32"),
+        response_ids=Tensor.from_list([2], "int32"),
+        logprobs=Tensor.from_list([-1.0], "float32"),
+        loss_mask=Tensor.from_list([1], "uint8"),
+        prompt_text="p: ",
+        response_text="r" * (i % 5 + 1),
+        traceparent=f"00-{i:032x}-{i:016x}-01",
+    )
 
 
-def write_recipe(tmp_path: Path, redis_url: str, run_id: str, scorer_toml: str, consumer_toml: str = "") -> Path:
+def write_recipe(
+    tmp_path: Path,
+    redis_url: str,
+    run_id: str,
+    scorer_toml: str,
+    consumer_toml: str = "",
+) -> Path:
     recipe = tmp_path / "reward.toml"
     recipe.write_text(
         f'run_id = "{run_id}"\nrun_dir = "{tmp_path / "run"}"\n[redis]\nurl = "{redis_url}"\n'
-        f"[consumer]\nclaim_idle_ms = 500\nclaim_interval_s = 0.2\nheartbeat_interval_s = 0.2\n"
+        f"[consumer]\nclaim_idle_ms = 1500\nclaim_interval_s = 0.2\nheartbeat_interval_s = 0.2\n"
         f"max_in_flight = 8\nretry_delay_s = 0.05\n{consumer_toml}\n"
         f"[reward]\nmax_batch_size = 4\nmax_wait_ms = 20\n[[reward.scorers]]\n{scorer_toml}\n"
     )
@@ -52,22 +64,42 @@ def write_recipe(tmp_path: Path, redis_url: str, run_id: str, scorer_toml: str, 
 
 def start_replica(recipe: Path, instance: str, tmp_path: Path) -> subprocess.Popen[bytes]:
     log = open(tmp_path / f"{instance}.log", "wb")  # noqa: SIM115 - closed with the process below
-    cmd = [sys.executable, "-m", "streamrl.reward", str(recipe), f"--instance={instance}"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl.reward",
+        str(recipe),
+        f"--instance={instance}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     log.close()
     return proc
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    logs: Callable[[], str] = lambda: "",
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}\n{logs()}")
         time.sleep(0.05)
 
 
 def scored(client: redis.Redis, names: StreamNames) -> list[ScoredTrajectory]:
     return [decode(f[b"d"], ScoredTrajectory) for _, f in client.xrange(names.scored)]
+
+
+def dead_letters(client: redis.Redis, names: StreamNames) -> list[DeadLetter]:
+    return [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
 
 
 def pending(client: redis.Redis, names: StreamNames) -> int:
@@ -89,7 +121,11 @@ def test_sigkill_of_a_replica_loses_and_duplicates_nothing(tmp_path: Path, redis
         wait_for(lambda: len(scored(client, names)) >= 8, 30, "the first scored trajectories")
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
-        wait_for(lambda: len(scored(client, names)) >= num and pending(client, names) == 0, 60, "every trajectory")
+        wait_for(
+            lambda: len(scored(client, names)) >= num and pending(client, names) == 0,
+            60,
+            "every trajectory",
+        )
         time.sleep(0.5)  # a would-be duplicate would land now
         results = scored(client, names)
         assert sorted(s.trajectory.id for s in results) == sorted(f"g{i}/0" for i in range(num))
@@ -101,7 +137,7 @@ def test_sigkill_of_a_replica_loses_and_duplicates_nothing(tmp_path: Path, redis
             assert s.scorer == "len:function"
             assert s.traceparent == trajectory(i).traceparent
             assert s.reward_latency_ms >= 250
-        assert client.xlen(names.dead) == 0
+        assert client.xlen(names.dead) == 0, [d.error for d in dead_letters(client, names)]
     finally:
         victim.kill()
         survivor.send_signal(signal.SIGTERM)
@@ -121,8 +157,12 @@ def test_a_failing_scorer_dead_letters_with_the_reason(tmp_path: Path, redis_url
     replica = start_replica(recipe, "r", tmp_path)
     try:
         wait_for(lambda: client.xlen(names.dead) >= 3, 30, "dead letters")
-        letters = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
-        assert sorted(decode(d.payload, Trajectory).id for d in letters) == ["g0/0", "g1/0", "g2/0"]
+        letters = dead_letters(client, names)
+        assert sorted(decode(d.payload, Trajectory).id for d in letters) == [
+            "g0/0",
+            "g1/0",
+            "g2/0",
+        ]
         for letter in letters:
             assert letter.deliveries == 2
             assert letter.error.startswith("ScorerError: http scorer 'remote'")

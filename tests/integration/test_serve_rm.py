@@ -14,15 +14,37 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from streamrl.common.messages import Tensor, Trajectory
 from streamrl.reward.config import HttpScorerConfig, ModelScorerConfig
 from streamrl.reward.scorers.http import HttpScorer
 from streamrl.reward.scorers.model import LocalRewardModel, ModelScorer, reward_to_score
 
 TOKEN = "rm-secret"
-WORDS = "the answer is yes no maybe one two three four five plus minus equals what sum".split()
-TEXTS = ["the answer is yes", "one plus two equals three", "no", "what is the sum of four and five " * 3, "maybe"]
+WORDS = [
+    "the",
+    "answer",
+    "is",
+    "yes",
+    "no",
+    "maybe",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "plus",
+    "minus",
+    "equals",
+    "what",
+    "sum",
+]
+TEXTS = [
+    "the answer is yes",
+    "one plus two equals three",
+    "no",
+    "what is the sum of four and five " * 3,
+    "maybe",
+]
 
 
 def build_tokenizer(path: Path) -> None:
@@ -33,8 +55,12 @@ def build_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([" ".join(WORDS)] * 4 + TEXTS, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(str(path))
@@ -43,9 +69,17 @@ def build_tokenizer(path: Path) -> None:
 def tiny_qwen2_config(**extra: object) -> object:
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                       pad_token_id=0, **extra)  # fmt: skip
+    return Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +125,11 @@ def test_value_head_model_and_token_id_input(tmp_path: Path) -> None:
     Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(str(tmp_path))
     weights = load_file(str(tmp_path / "model.safetensors"))
     head = torch.randn(1, 64)
-    save_file({**weights, "value_head.weight": head}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {**weights, "value_head.weight": head},
+        str(tmp_path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     sequences = [[3, 4, 5, 6], [7], [8, 9, 10, 11, 12, 13]]
 
     body = AutoModel.from_pretrained(str(tmp_path)).eval()
@@ -101,9 +139,16 @@ def test_value_head_model_and_token_id_input(tmp_path: Path) -> None:
     config = ModelScorerConfig(name="vh", path=str(tmp_path), input="token_ids", batch_size=2)
     scorer = ModelScorer(config)
     batch = [
-        Trajectory(id=f"t{i}", group_id="g", group_index=i, group_size=3, prompt_ids=Tensor.from_list(s[:1], "int32"),
-                   response_ids=Tensor.from_list(s[1:], "int32"), logprobs=Tensor.from_list([0.0] * (len(s) - 1), "float32"),
-                   loss_mask=Tensor.from_list([1] * (len(s) - 1), "uint8"))  # fmt: skip
+        Trajectory(
+            id=f"t{i}",
+            group_id="g",
+            group_index=i,
+            group_size=3,
+            prompt_ids=Tensor.from_list(s[:1], "int32"),
+            response_ids=Tensor.from_list(s[1:], "int32"),
+            logprobs=Tensor.from_list([0.0] * (len(s) - 1), "float32"),
+            loss_mask=Tensor.from_list([1] * (len(s) - 1), "uint8"),
+        )
         for i, s in enumerate(sequences)
     ]
     result = asyncio.run(scorer.score(batch))
@@ -113,9 +158,21 @@ def test_value_head_model_and_token_id_input(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def serve_rm_url(seq_cls_rm: Path) -> Iterator[str]:
-    env = {**os.environ, "STREAMRL_RM_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "streamrl.reward.serve_rm", f"--model_path={seq_cls_rm}", "--port=0",
-           "--max_wait_ms=20", "--batch_size=4"]  # fmt: skip
+    env = {
+        **os.environ,
+        "STREAMRL_RM_TOKEN": TOKEN,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl.reward.serve_rm",
+        f"--model_path={seq_cls_rm}",
+        "--port=0",
+        "--max_wait_ms=20",
+        "--batch_size=4",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -142,7 +199,11 @@ def post(url: str, body: object, token: str | None) -> tuple[int, dict[str, obje
 
 
 def test_serve_rm_scores_equal_direct_forward(serve_rm_url: str, seq_cls_rm: Path) -> None:
-    status, body = post(f"{serve_rm_url}/get_reward", {"query": TEXTS, "prompts": [""] * 5, "labels": [""] * 5}, TOKEN)
+    status, body = post(
+        f"{serve_rm_url}/get_reward",
+        {"query": TEXTS, "prompts": [""] * 5, "labels": [""] * 5},
+        TOKEN,
+    )
     assert status == 200
     expected = direct_rewards(seq_cls_rm, TEXTS)
     assert body["rewards"] == pytest.approx(expected, abs=1e-5)
@@ -174,9 +235,18 @@ def test_http_scorer_against_serve_rm(serve_rm_url: str, seq_cls_rm: Path) -> No
     config = HttpScorerConfig(name="rm", urls=[f"{serve_rm_url}/get_reward"], batch_size=2, token_env="RM")
     scorer = HttpScorer(config, env={"RM": TOKEN})
     batch = [
-        Trajectory(id=f"t{i}", group_id="g", group_index=i, group_size=5, prompt_ids=Tensor.from_list([1], "int32"),
-                   response_ids=Tensor.from_list([2], "int32"), logprobs=Tensor.from_list([0.0], "float32"),
-                   loss_mask=Tensor.from_list([1], "uint8"), prompt_text="", response_text=text)  # fmt: skip
+        Trajectory(
+            id=f"t{i}",
+            group_id="g",
+            group_index=i,
+            group_size=5,
+            prompt_ids=Tensor.from_list([1], "int32"),
+            response_ids=Tensor.from_list([2], "int32"),
+            logprobs=Tensor.from_list([0.0], "float32"),
+            loss_mask=Tensor.from_list([1], "uint8"),
+            prompt_text="",
+            response_text=text,
+        )
         for i, text in enumerate(TEXTS)
     ]
 

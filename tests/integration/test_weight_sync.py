@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
-
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.learner.weights import WeightServer
 from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.tiny_model import build_tiny_qwen2
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPT = [11, 12, 13, 14]
@@ -68,7 +67,9 @@ def _prefix_equal(engine_tokens: list[int], hf_tokens: list[int]) -> bool:
     return len(engine_tokens) > 0 and engine_tokens == hf_tokens[: len(engine_tokens)]
 
 
-def test_update_serves_new_weights(engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer) -> None:
+def test_update_serves_new_weights(
+    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+) -> None:
     _, model_a, model_b = models
     before = _greedy(engine)
     assert _prefix_equal(before, _hf_greedy(model_a))
@@ -138,7 +139,5 @@ def test_update_mid_generation_records_both_versions(
         argmax_b = model_b(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
         argmax_a = model_a(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
     # Some switch point k: tokens[:k] greedy under B (version 1), tokens[k:] greedy under A.
-    switch_points = [
-        k for k in range(1, len(tokens)) if tokens[:k] == argmax_b[:k] and tokens[k:] == argmax_a[k:]
-    ]
+    switch_points = [k for k in range(1, len(tokens)) if tokens[:k] == argmax_b[:k] and tokens[k:] == argmax_a[k:]]
     assert switch_points, "tokens are not 'old weights, then new weights'"

@@ -7,8 +7,11 @@ test is the one users run against hub models. Single-process DeepSpeed on CPU, f
 
 from __future__ import annotations
 
+import json
 import os
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,3 +75,51 @@ def build_tiny_qwen2(out: Path, seed: int = 0) -> Path:
 def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder of a tiny random Qwen2 causal LM and its byte tokenizer."""
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+ANIMALS = {"a": "ant", "b": "bee", "c": "cat", "d": "dog", "e": "eel", "f": "fox"}
+
+
+def animal_records(n: int, seed: int) -> list[dict[str, Any]]:
+    """The tiny SFT task: the prompt is a letter followed by noise, the answer the animal of that letter."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        letter = rng.choice(sorted(ANIMALS))
+        noise = "".join(rng.choice("0123456789") for _ in range(rng.randint(0, 3)))
+        out.append({"prompt": letter + noise, "response": ANIMALS[letter]})
+    return out
+
+
+def preference_records(n: int, seed: int) -> list[dict[str, Any]]:
+    """A synthetic preference: responses made of a-e are preferred over responses made of v-z."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = "".join(rng.choice("klmn") for _ in range(rng.randint(2, 4)))
+        good = "".join(rng.choice("abcde") for _ in range(rng.randint(3, 6)))
+        bad = "".join(rng.choice("vwxyz") for _ in range(rng.randint(3, 6)))
+        out.append({"prompt": prompt, "chosen": good, "rejected": bad})
+    return out
+
+
+def offline_recipe(run_dir: Path, model_dir: Path, train_path: Path, eval_path: Path | None, **sections: Any) -> dict[str, Any]:
+    """A job config dict for CPU tests: ZeRO-0 fp32, no TensorBoard, no progress bar."""
+    cfg: dict[str, Any] = {
+        "model": {"path": str(model_dir)},
+        "data": {"train_path": str(train_path), "eval_path": str(eval_path) if eval_path else None, "max_len": 64},
+        "train": {"run_dir": str(run_dir)},
+        "deepspeed": {"zero_stage": 0, "dtype": "fp32", "lr": 3e-3, "scheduler": "constant", "micro_batch_size": 8},
+        "logging": {"tensorboard": False, "progress": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg

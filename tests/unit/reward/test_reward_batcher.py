@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from streamrl.reward.batcher import MicroBatcher
 
 
@@ -73,7 +72,12 @@ def test_exception_reaches_every_waiter_of_the_batch() -> None:
 def test_split_on_isolates_the_bad_item() -> None:
     async def main() -> tuple[list[object], Recorder]:
         fn = Recorder(fail_on=2)
-        batcher = MicroBatcher(fn, max_batch_size=8, max_wait_ms=20, split_on=lambda e: isinstance(e, ValueError))
+        batcher = MicroBatcher(
+            fn,
+            max_batch_size=8,
+            max_wait_ms=20,
+            split_on=lambda e: isinstance(e, ValueError),
+        )
         results = await asyncio.gather(*(batcher.submit(i) for i in range(4)), return_exceptions=True)
         await batcher.close()
         return results, fn

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from streamrl.reward.combine import WeightedResult, combine
 from streamrl.reward.scorers.base import ScorerResult
 
@@ -15,7 +14,13 @@ def test_weighted_sum_and_weighted_mean_score() -> None:
     assert [c.reward for c in out] == [3.0 * 1.0 + -2.0, 3.0 * 0.0 + 4.0]
     assert out[0].score == pytest.approx((3.0 * 1.0 + 0.2) / 4.0)
     assert out[1].score == pytest.approx((3.0 * 0.0 + 0.9) / 4.0)
-    assert out[0].extra == {"math/reward": 1.0, "math/score": 1.0, "math/parsed": 1.0, "rm/reward": -2.0, "rm/score": 0.2}
+    assert out[0].extra == {
+        "math/reward": 1.0,
+        "math/score": 1.0,
+        "math/parsed": 1.0,
+        "rm/reward": -2.0,
+        "rm/score": 0.2,
+    }
 
 
 def test_weight_zero_is_logged_not_trained_on() -> None:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import FunctionScorerConfig
 from streamrl.reward.scorers.base import ScorerError
@@ -37,7 +36,10 @@ def test_file_path_default_name(tmp_path: Path, traj: Callable[..., Trajectory])
     result = asyncio.run(_scorer(str(path)).score(batch))
     assert result.rewards == [1.0, 0.0]
     assert result.scores == [1.0, 0.0]
-    assert result.extra == [{"length": float(len("Q: 42"))}, {"length": float(len("Q: 41"))}]
+    assert result.extra == [
+        {"length": float(len("Q: 42"))},
+        {"length": float(len("Q: 41"))},
+    ]
 
 
 def test_module_path_with_function_name(
@@ -46,7 +48,11 @@ def test_module_path_with_function_name(
     pkg = tmp_path / "myrewards_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    _write(pkg, "length.py", "def by_length(queries, prompts, labels):\n    return {'rewards': [len(q) for q in queries]}\n")
+    _write(
+        pkg,
+        "length.py",
+        "def by_length(queries, prompts, labels):\n    return {'rewards': [len(q) for q in queries]}\n",
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     result = asyncio.run(_scorer("myrewards_pkg.length:by_length").score([traj(0, response="abc")]))
     assert result.rewards == [len("Q: abc")]
@@ -55,7 +61,11 @@ def test_module_path_with_function_name(
 
 
 def test_file_path_with_function_name(tmp_path: Path, traj: Callable[..., Trajectory]) -> None:
-    path = _write(tmp_path, "two.py", EXACT_MATCH + "\ndef other(queries, prompts, labels):\n    return {'rewards': [7] * len(queries)}\n")
+    path = _write(
+        tmp_path,
+        "two.py",
+        EXACT_MATCH + "\ndef other(queries, prompts, labels):\n    return {'rewards': [7] * len(queries)}\n",
+    )
     assert asyncio.run(_scorer(f"{path}:other").score([traj(0)])).rewards == [7.0]
 
 
@@ -73,7 +83,10 @@ def test_async_function_and_metadata(tmp_path: Path, traj: Callable[..., Traject
     )
     result = asyncio.run(_scorer(str(path)).score([traj(1), traj(2)]))
     assert result.rewards == [10.0, 20.0]
-    assert result.extra == [{"batch": 3.0}, {"batch": 3.0}]  # a batch-level value is copied to each sample
+    assert result.extra == [
+        {"batch": 3.0},
+        {"batch": 3.0},
+    ]  # a batch-level value is copied to each sample
 
 
 def test_sync_function_runs_off_the_event_loop(tmp_path: Path, traj: Callable[..., Trajectory]) -> None:
@@ -125,7 +138,10 @@ def test_missing_module_and_function(tmp_path: Path) -> None:
 
 def test_bad_signature_is_a_clear_error(tmp_path: Path) -> None:
     path = _write(tmp_path, "bad.py", "def reward_func(queries):\n    return {'rewards': []}\n")
-    with pytest.raises(ValueError, match=r"must accept \(queries, prompts, labels, \*\*kwargs\).*reward_func\(queries\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"must accept \(queries, prompts, labels, \*\*kwargs\).*reward_func\(queries\)",
+    ):
         load_reward_function(str(path))
 
 
@@ -138,16 +154,26 @@ def test_bad_signature_is_a_clear_error(tmp_path: Path) -> None:
         ("return None", "expected a dict with 'rewards'"),
         ("return {'rewards': [1.0, float('nan')]}", r"rewards\[1\] is not finite"),
         ("return {'rewards': [1.0, 'x']}", r"rewards\[1\] is not a number"),
-        ("return {'rewards': [1.0, 2.0], 'extra_logs': {'k': [1.0]}}", r"extra_logs\['k'\] has 1 values"),
+        (
+            "return {'rewards': [1.0, 2.0], 'extra_logs': {'k': [1.0]}}",
+            r"extra_logs\['k'\] has 1 values",
+        ),
         ("raise KeyError('answer')", "raised KeyError: 'answer'"),
     ],
 )
 def test_bad_output_raises_never_zero(tmp_path: Path, traj: Callable[..., Trajectory], body: str, reason: str) -> None:
-    path = _write(tmp_path, "broken.py", f"def reward_func(queries, prompts, labels):\n    {body}\n")
+    path = _write(
+        tmp_path,
+        "broken.py",
+        f"def reward_func(queries, prompts, labels):\n    {body}\n",
+    )
     scorer = _scorer(str(path))
     with pytest.raises(ScorerError, match=reason):
         asyncio.run(scorer.score([traj(0), traj(1)]))
-    assert scorer.metrics() == {"reward/function/calls": 1.0, "reward/function/failures": 1.0}
+    assert scorer.metrics() == {
+        "reward/function/calls": 1.0,
+        "reward/function/failures": 1.0,
+    }
 
 
 def test_timeout(tmp_path: Path, traj: Callable[..., Trajectory]) -> None:

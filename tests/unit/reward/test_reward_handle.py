@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from streamrl.common.messages import ScoredTrajectory, Trajectory
 from streamrl.common.streams import StreamNames
 from streamrl.reward.config import RewardConfig
@@ -27,9 +26,16 @@ class LengthScorer:
     async def score(self, batch: list[Trajectory]) -> ScorerResult:
         self.batch_sizes.append(len(batch))
         if any(t.response_text == self.fail_on for t in batch):
-            raise ScorerError(f"{self.name}: cannot score {self.fail_on!r}", sample_specific=self.sample_specific)
+            raise ScorerError(
+                f"{self.name}: cannot score {self.fail_on!r}",
+                sample_specific=self.sample_specific,
+            )
         n = [float(len(t.response_text)) for t in batch]
-        return ScorerResult(rewards=n, scores=[min(1.0, x / 10) for x in n], extra=[{"len": x} for x in n])
+        return ScorerResult(
+            rewards=n,
+            scores=[min(1.0, x / 10) for x in n],
+            extra=[{"len": x} for x in n],
+        )
 
     def metrics(self) -> dict[str, float]:
         return {"reward/test/calls": float(len(self.batch_sizes))}
@@ -46,7 +52,9 @@ def _config(weights: dict[str, float], max_batch_size: int = 16) -> RewardConfig
     )
 
 
-def test_handle_scores_batches_and_publishes_to_scored(traj: Callable[..., Trajectory]) -> None:
+def test_handle_scores_batches_and_publishes_to_scored(
+    traj: Callable[..., Trajectory],
+) -> None:
     names = StreamNames("run1")
     a, b = LengthScorer("a"), LengthScorer("b")
     service = RewardService(_config({"a": 1.0, "b": 0.5}, max_batch_size=4), names, scorers=[a, b])
@@ -66,8 +74,14 @@ def test_handle_scores_batches_and_publishes_to_scored(traj: Callable[..., Traje
         assert scored.trajectory.id == traj(i).id
         assert scored.reward == pytest.approx(1.5 * n)
         assert scored.score == pytest.approx(min(1.0, n / 10))
-        assert scored.extra == {"a/reward": n, "a/score": min(1.0, n / 10), "a/len": n, "b/reward": n,
-                                "b/score": min(1.0, n / 10), "b/len": n}
+        assert scored.extra == {
+            "a/reward": n,
+            "a/score": min(1.0, n / 10),
+            "a/len": n,
+            "b/reward": n,
+            "b/score": min(1.0, n / 10),
+            "b/len": n,
+        }
         assert scored.scorer == "a:function+b:function"
         assert scored.traceparent == traj(i).traceparent
         assert scored.reward_latency_ms > 0
@@ -81,7 +95,11 @@ def test_a_bad_sample_fails_alone(traj: Callable[..., Trajectory]) -> None:
     service = RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[scorer])
 
     async def main() -> list[object]:
-        batch = [traj(0, response="ok"), traj(1, response="boom"), traj(2, response="fine")]
+        batch = [
+            traj(0, response="ok"),
+            traj(1, response="boom"),
+            traj(2, response="fine"),
+        ]
         return await asyncio.gather(*(service.handle(t) for t in batch), return_exceptions=True)
 
     results = asyncio.run(main())
@@ -90,7 +108,9 @@ def test_a_bad_sample_fails_alone(traj: Callable[..., Trajectory]) -> None:
     assert scorer.batch_sizes == [3, 1, 1, 1]
 
 
-def test_backend_failure_fails_the_batch_without_splitting(traj: Callable[..., Trajectory]) -> None:
+def test_backend_failure_fails_the_batch_without_splitting(
+    traj: Callable[..., Trajectory],
+) -> None:
     scorer = LengthScorer("a", fail_on="boom", sample_specific=False)
     service = RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[scorer])
 
@@ -105,7 +125,9 @@ def test_backend_failure_fails_the_batch_without_splitting(traj: Callable[..., T
 
 def test_built_from_config_with_a_reward_file(tmp_path: Path, traj: Callable[..., Trajectory]) -> None:
     path = tmp_path / "r.py"
-    path.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [float(l == 'yes') for l in labels]}\n")
+    path.write_text(
+        "def reward_func(queries, prompts, labels):\n    return {'rewards': [float(l == 'yes') for l in labels]}\n"
+    )
     config = RewardConfig(scorers=[{"type": "function", "name": "yes", "path": str(path)}], max_wait_ms=1)
     service = RewardService(config, StreamNames("r"))
     (out,) = asyncio.run(service.handle(traj(0, label="yes")))

@@ -5,14 +5,19 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from streamrl.reward.config import HttpScorerConfig
 from streamrl.reward.scorers.http import EndpointPool, HttpScorer, backoff_delay_s
 
 
 def test_backoff_doubles_caps_and_jitters() -> None:
     rng = random.Random(0)
-    assert [backoff_delay_s(k, 0.5, 3.0, 0.0, rng) for k in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert [backoff_delay_s(k, 0.5, 3.0, 0.0, rng) for k in range(5)] == [
+        0.5,
+        1.0,
+        2.0,
+        3.0,
+        3.0,
+    ]
     full = [backoff_delay_s(2, 0.5, 3.0, 1.0, rng) for _ in range(200)]
     assert all(0.0 <= d <= 2.0 for d in full) and max(full) - min(full) > 1.0
     half = [backoff_delay_s(0, 1.0, 3.0, 0.5, rng) for _ in range(200)]
@@ -42,7 +47,13 @@ def test_auth_header_from_env() -> None:
     config = HttpScorerConfig(name="h", urls=["http://x/"], token_env="RM_TOKEN")
     scorer = HttpScorer(config, env={"RM_TOKEN": "s3cret"})
     assert scorer._headers == {"Authorization": "Bearer s3cret"}
-    raw = HttpScorerConfig(name="h", urls=["http://x/"], token_env="K", auth_header="X-Api-Key", auth_scheme="")
+    raw = HttpScorerConfig(
+        name="h",
+        urls=["http://x/"],
+        token_env="K",
+        auth_header="X-Api-Key",
+        auth_scheme="",
+    )
     assert HttpScorer(raw, env={"K": "k1"})._headers == {"X-Api-Key": "k1"}
     with pytest.raises(ValueError, match="environment variable RM_TOKEN"):
         HttpScorer(config, env={})

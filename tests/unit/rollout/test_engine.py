@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
-
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.learner.weights import WeightServer
@@ -21,6 +19,7 @@ from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.hf_engine import HFEngine, processed_logprobs
 from streamrl.rollout.tiny_model import build_tiny_qwen2
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPT = [5, 6, 7, 8, 9]
@@ -58,7 +57,9 @@ def hf_engine(model_dirs: tuple[Path, Path]) -> Iterator[Engine]:
     engine.close()
 
 
-def _reference_logprobs(model: PreTrainedModel, prompt: list[int], tokens: list[int], sampling: SamplingParams) -> torch.Tensor:
+def _reference_logprobs(
+    model: PreTrainedModel, prompt: list[int], tokens: list[int], sampling: SamplingParams
+) -> torch.Tensor:
     """Teacher-forced transformers log-probs of ``tokens`` under the processed distribution."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
@@ -85,7 +86,9 @@ def _slow_processed_logprobs(logits: list[float], temperature: float, top_k: int
     return [scaled[i] - math.log(z2) if i in nucleus else -math.inf for i in range(len(scaled))]
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, -1, 1.0), (1.3, 4, 1.0), (0.9, -1, 0.6), (0.5, 5, 0.8)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, -1, 1.0), (1.3, 4, 1.0), (0.9, -1, 0.6), (0.5, 5, 0.8)]
+)
 def test_processed_logprobs_matches_slow_reference(temperature: float, top_k: int, top_p: float) -> None:
     logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(0))
     got = processed_logprobs(logits, temperature, top_k, top_p)
@@ -140,7 +143,9 @@ def test_vllm_concurrent_generate_calls_and_seeds(vllm_engine: Engine) -> None:
 
 
 def test_vllm_stop_string_and_length(vllm_engine: Engine, model_dirs: tuple[Path, Path]) -> None:
-    (greedy,) = asyncio.run(vllm_engine.generate([GenerationRequest(PROMPT, SamplingParams(temperature=0, max_new_tokens=16))]))
+    (greedy,) = asyncio.run(
+        vllm_engine.generate([GenerationRequest(PROMPT, SamplingParams(temperature=0, max_new_tokens=16))])
+    )
     full = greedy[0]
     assert full.finish_reason == "length" and full.truncated and len(full.token_ids) == 16
     stop = full.text[len(full.text) // 2 :][:3]
@@ -159,7 +164,9 @@ def test_hf_engine_interface(hf_engine: Engine, hf_model: PreTrainedModel, model
     (samples,) = asyncio.run(hf_engine.generate([GenerationRequest(PROMPT, sampling)]))
     assert len(samples) == 3
     for s in samples:
-        torch.testing.assert_close(torch.tensor(s.logprobs), _reference_logprobs(hf_model, PROMPT, s.token_ids, sampling))
+        torch.testing.assert_close(
+            torch.tensor(s.logprobs), _reference_logprobs(hf_model, PROMPT, s.token_ids, sampling)
+        )
         assert s.finish_reason in ("stop", "length") and (s.version_start, s.version_end) == (0, 0)
     (again,) = asyncio.run(hf_engine.generate([GenerationRequest(PROMPT, sampling)]))
     assert [s.token_ids for s in again] == [s.token_ids for s in samples], "same seed, same samples"
@@ -169,7 +176,9 @@ def test_hf_engine_interface(hf_engine: Engine, hf_model: PreTrainedModel, model
     expected = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT) :].tolist()
     assert out[0].token_ids == expected[: len(out[0].token_ids)]
     stop = out[0].text[4:7]
-    (stopped,) = asyncio.run(hf_engine.generate([GenerationRequest(PROMPT, SamplingParams(temperature=0, max_new_tokens=12, stop=[stop]))]))
+    (stopped,) = asyncio.run(
+        hf_engine.generate([GenerationRequest(PROMPT, SamplingParams(temperature=0, max_new_tokens=12, stop=[stop]))])
+    )
     assert stopped[0].finish_reason == "stop" and stop not in stopped[0].text
 
     # Weight update from the learner's server: greedy output becomes model B's.
@@ -192,7 +201,22 @@ def test_hf_engine_interface(hf_engine: Engine, hf_model: PreTrainedModel, model
 
 
 def test_bad_requests_are_rejected(hf_engine: Engine) -> None:
-    with pytest.raises(ValueError, match="sampling.n"):
+    with pytest.raises(ValueError, match=r"sampling\.n"):
         asyncio.run(hf_engine.generate([GenerationRequest(PROMPT, SamplingParams(n=0))]))
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(hf_engine.generate([GenerationRequest(list(range(300)), SamplingParams())]))
+
+
+def test_vllm_bad_prompt_and_cancel_leave_the_engine_working(vllm_engine: Engine) -> None:
+    with pytest.raises(ValueError):
+        asyncio.run(vllm_engine.generate([GenerationRequest(list(range(300)), SamplingParams(max_new_tokens=4))]))
+
+    async def cancel_a_long_generation() -> None:
+        long = GenerationRequest(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=200, n=4))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(vllm_engine.generate([long]), timeout=0.05)
+
+    asyncio.run(cancel_a_long_generation())
+    (samples,) = asyncio.run(vllm_engine.generate([GenerationRequest(PROMPT, SamplingParams(max_new_tokens=5, n=2))]))
+    assert [len(s.token_ids) <= 5 for s in samples] == [True, True]
+    assert not vllm_engine._running, "cancelled requests must be aborted in vLLM"  # type: ignore[attr-defined]

@@ -37,7 +37,6 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 import zmq
-
 from streamrl.common.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -177,7 +176,9 @@ def encode_version(
         data = bytearray(offset)
         data_u8 = np.frombuffer(data, dtype=np.uint8)
         for t, entry in zip(group, entries, strict=True):
-            data_u8[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(t.array).reshape(-1).view(np.uint8)
+            data_u8[entry.offset : entry.offset + entry.nbytes] = (
+                np.ascontiguousarray(t.array).reshape(-1).view(np.uint8)
+            )
         header = _encoder.encode(BucketHeader(version, index, len(groups), num_bytes, entries))
         digest.update(header)
         digest.update(data)
@@ -288,28 +289,30 @@ def fetch_buckets(
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
-        received = _receive_all(sock, version, deadline, endpoint)
+        received, actual = _receive_all(sock, version, deadline, endpoint)
     finally:
         sock.close()
-    digest = hashlib.blake2b(digest_size=32)
-    for header_frame, data_frame, _ in received:
-        digest.update(header_frame)
-        digest.update(data_frame)
-    actual = digest.hexdigest()
     if checksum is not None and actual != checksum:
-        raise WeightSyncError(f"checksum mismatch for version {version} from {endpoint}: got {actual}, expected {checksum}")
-    for _, data_frame, header in received:
-        yield from decode_bucket(header, data_frame)
+        raise WeightSyncError(
+            f"checksum mismatch for version {version} from {endpoint}: got {actual}, expected {checksum}"
+        )
+    for header, data in received:
+        yield from decode_bucket(header, data)
 
 
 def _receive_all(
     sock: zmq.Socket, version: int, deadline: float, endpoint: str
-) -> list[tuple[bytes, memoryview, BucketHeader]]:
-    """Request buckets with ``PIPELINE_DEPTH`` in flight until all arrived; raise on error or deadline."""
+) -> tuple[list[tuple[BucketHeader, memoryview]], str]:
+    """Request buckets with ``PIPELINE_DEPTH`` in flight until all arrived; return them and their checksum.
+
+    Replies arrive in request order on one connection, so each bucket is hashed as it lands,
+    while the next one is still in transit (hashlib releases the GIL on large buffers).
+    """
+    digest = hashlib.blake2b(digest_size=32)
     num_buckets: int | None = None
     next_index = 0
     in_flight = 0
-    received: dict[int, tuple[bytes, memoryview, BucketHeader]] = {}
+    received: list[tuple[BucketHeader, memoryview]] = []
     while num_buckets is None or len(received) < num_buckets:
         # The bucket count is known only after the first reply: ask for bucket 0 alone first.
         limit = 1 if num_buckets is None else min(num_buckets, next_index + PIPELINE_DEPTH - in_flight)
@@ -319,21 +322,24 @@ def _receive_all(
             in_flight += 1
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
-            got = len(received)
             raise WeightSyncError(
                 f"weight sync of version {version} from {endpoint} missed its deadline "
-                f"({got}/{num_buckets if num_buckets is not None else '?'} buckets received)"
+                f"({len(received)}/{num_buckets if num_buckets is not None else '?'} buckets received)"
             )
         frames = sock.recv_multipart(copy=False)
         in_flight -= 1
+        header_bytes = frames[0].bytes
         try:
-            reply = _reply_decoder.decode(frames[0].bytes)
+            reply = _reply_decoder.decode(header_bytes)
         except msgspec.DecodeError as e:
             raise WeightSyncError(f"undecodable reply from {endpoint}: {e}") from e
         if isinstance(reply, ErrorReply):
             raise WeightSyncError(f"weight server {endpoint} refused: {reply.message}")
-        if reply.version != version or len(frames) != 2:
-            raise WeightSyncError(f"malformed bucket reply from {endpoint} (version {reply.version})")
+        if reply.version != version or reply.index != len(received) or len(frames) != 2:
+            raise WeightSyncError(f"out-of-order or malformed bucket reply from {endpoint} (bucket {reply.index})")
         num_buckets = reply.num_buckets
-        received[reply.index] = (frames[0].bytes, frames[1].buffer, reply)
-    return [received[i] for i in range(num_buckets)]
+        data = frames[1].buffer
+        digest.update(header_bytes)
+        digest.update(data)
+        received.append((reply, data))
+    return received, digest.hexdigest()

@@ -26,6 +26,8 @@ class LearnerConfig(ServiceConfig):
     checkpoint_every: int = Field(5, ge=1)
     """Save a resumable checkpoint every N steps (and at the end). Batches are acknowledged only once
     a checkpoint covers them, so a killed learner replays exactly the batches it lost."""
+    export_every: int | None = Field(None, ge=1)
+    """Also export a Hugging Face snapshot every N steps to ``{run_dir}/exports/step-{k}`` (None = only the final one)."""
     export_dir: str | None = None
     """Hugging Face export of the final policy (default ``{run_dir}/final``)."""
     weights_host: str = "127.0.0.1"

@@ -104,6 +104,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer at ``path`` (folder or hub id), with the eos token as pad token when it has none."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _check_qlora(lora: LoraConfig | None, ds_cfg: DeepSpeedConfig) -> None:
     if lora is None or not lora.load_in_4bit:
         return
@@ -217,12 +227,9 @@ class ModelEngine:
             raise ValueError(f"scheduler={ds_cfg.scheduler!r} needs total_steps")
         init_distributed()
         import deepspeed
-        import transformers
 
         seed_everything(ds_cfg.seed)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = load_tokenizer(tokenizer_path or model_path)
         ds_dict = ds_cfg.to_deepspeed_dict(train)
         zero3_loading = None  # while alive, from_pretrained loads straight into ZeRO-3 shards
         if ds_dict["zero_optimization"]["stage"] == 3:
@@ -232,11 +239,13 @@ class ModelEngine:
             zero3_loading = HfDeepSpeedConfig(ds_dict)
         model = _load_model(model_path, kind, ds_cfg, lora)
         del zero3_loading  # later from_pretrained calls in this process must load plain models
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
+        if model.config.pad_token_id is None or kind != "causal_lm":
+            model.config.pad_token_id = tokenizer.pad_token_id  # score heads pool at the last non-pad token
+        # no KV cache in training/scoring forwards: with a cache, transformers ignores the position-id
+        # restarts that isolate packed samples (export writes use_cache=True back)
+        model.config.use_cache = False
         if train and ds_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
         if lora is not None:
             model = _apply_lora(model, lora, kind, train and ds_cfg.gradient_checkpointing)
         if not train:
@@ -296,9 +305,9 @@ class ModelEngine:
         norm = self._engine.get_global_grad_norm()
         return self._manual_grad_norm if norm is None else float(norm)
 
-    def forward(self, **inputs: torch.Tensor) -> Any:
+    def forward(self, **inputs: Any) -> Any:
         """Run the model; tensors may be on any device, they are moved to the engine's."""
-        return self._engine(**{k: v.to(self.device) for k, v in inputs.items()})
+        return self._engine(**{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
 
     __call__ = forward
 

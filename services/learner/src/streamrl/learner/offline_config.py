@@ -85,10 +85,10 @@ class TrainConfig(BaseConfig):
     """Resumable checkpoints kept on disk (oldest deleted first)."""
     resume: bool = True
     """Continue from ``run_dir/checkpoints`` when it holds a checkpoint (same data order as an uninterrupted run)."""
-    best_metric: str = "loss"
-    """Evaluation metric that picks the best checkpoint (exported to ``run_dir/best``)."""
-    best_mode: Literal["min", "max"] = "min"
-    """Whether a lower or a higher ``best_metric`` is better."""
+    best_metric: str | None = None
+    """Evaluation metric that picks the best checkpoint (``run_dir/best``); None = loss for SFT/DPO, accuracy for RM."""
+    best_mode: Literal["min", "max"] | None = None
+    """Whether a lower or a higher ``best_metric`` is better; None = min for loss, max for the other metrics."""
     save_best: bool = True
     """Export the best model so far to ``run_dir/best`` whenever the metric improves."""
     export: bool = True
@@ -109,7 +109,7 @@ class LoggingConfig(BaseConfig):
 
 
 def _check_metric(train: TrainConfig, allowed: tuple[str, ...], job: str) -> None:
-    if train.best_metric not in allowed:
+    if train.best_metric is not None and train.best_metric not in allowed:
         raise ValueError(f"train.best_metric={train.best_metric!r} is not a {job} metric; choose one of {allowed}")
 
 
@@ -142,7 +142,7 @@ class RMConfig(BaseConfig):
     """Starting model (a causal LM gets a fresh scalar head)."""
     data: DataConfig
     """Preference pairs."""
-    train: TrainConfig = TrainConfig(best_metric="accuracy", best_mode="max")
+    train: TrainConfig = TrainConfig()
     """Run length, evaluation, checkpoints."""
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     """Engine, optimizer and schedule."""

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine, init_distributed
 from streamrl.learner.metric_sinks import MetricSink, build_sink
 from streamrl.learner.offline_config import LoggingConfig, TrainConfig
@@ -39,6 +40,9 @@ _EXPORT_FALLBACK_ITEMS = 256
 
 class OfflineTask(Protocol):
     """What a job plugs into the loop."""
+
+    default_best_metric: str
+    """Eval metric that picks the best checkpoint unless ``train.best_metric`` says otherwise."""
 
     def train_loss(self, engine: ModelEngine, items: Sequence[Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch (to back-propagate) and scalars to log (averaged over micro-batches)."""
@@ -84,17 +88,33 @@ def _all_reduce(values: list[float], engine: ModelEngine, op: str = "sum") -> li
     return t.tolist()
 
 
+def rank_batches(items: Sequence[Any], rank: int, world: int, micro_batch: int) -> list[tuple[list[Any], bool]]:
+    """This rank's share of ``items`` in micro-batches, as ``(batch, real)``.
+
+    Every rank gets the same number of batches (ZeRO-3 forwards are collective); a rank with
+    fewer items pads with copies of the first items, marked ``real=False`` (to be ignored).
+    """
+    mine = list(items[rank::world])
+    n_batches = math.ceil(math.ceil(len(items) / world) / micro_batch)
+    out = []
+    for b in range(n_batches):
+        batch = mine[b * micro_batch : (b + 1) * micro_batch]
+        out.append((batch, True) if batch else (list(items[:micro_batch]), False))
+    return out
+
+
 def evaluate(task: OfflineTask, engine: ModelEngine, items: Sequence[Any], micro_batch: int) -> dict[str, float]:
     """Metrics of ``task`` over ``items`` (sharded over ranks, sums all-reduced)."""
-    mine = list(items[engine.rank :: engine.world_size])
     sums: dict[str, float] = {}
     engine.train(False)
     with torch.no_grad():
-        for start in range(0, len(mine), micro_batch):
-            for key, value in task.eval_sums(engine, mine[start : start + micro_batch]).items():
-                sums[key] = sums.get(key, 0.0) + value
+        for batch, real in rank_batches(items, engine.rank, engine.world_size, micro_batch):
+            batch_sums = task.eval_sums(engine, batch)
+            if real:
+                for key, value in batch_sums.items():
+                    sums[key] = sums.get(key, 0.0) + value
     engine.train(True)
-    keys = sorted(_all_reduce_keys(sums, engine))
+    keys = _all_reduce_keys(sums, engine)
     totals = _all_reduce([sums.get(k, 0.0) for k in keys], engine)
     return task.eval_metrics(dict(zip(keys, totals, strict=True)))
 
@@ -120,6 +140,8 @@ class _Run:
         self.batch = 0
         self.best: dict[str, float] | None = None
         self.result = LoopResult()
+        self.best_metric = cfg.best_metric or task.default_best_metric
+        self.best_mode = cfg.best_mode or ("min" if self.best_metric == "loss" else "max")
 
     def client_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batch": self.batch, "best": self.best}
@@ -147,10 +169,8 @@ class _Run:
         metrics = evaluate(self.task, self.engine, items, micro_batch)
         self.sink.log({f"eval/{k}": v for k, v in metrics.items()}, step)
         self.result.evals.append({"step": step, **metrics})
-        value = metrics[self.cfg.best_metric]
-        better = self.best is None or (
-            value < self.best["value"] if self.cfg.best_mode == "min" else value > self.best["value"]
-        )
+        value = metrics[self.best_metric]
+        better = self.best is None or (value < self.best["value"] if self.best_mode == "min" else value > self.best["value"])
         if better and math.isfinite(value):
             self.best = {"step": step, "value": value}
             self.result.best = self.best
@@ -158,7 +178,7 @@ class _Run:
                 best_dir = self.run_dir / "best"
                 self.engine.export_hf(best_dir, self.task.export_config(metrics))
                 if self.engine.rank == 0:
-                    (best_dir / "best.json").write_text(json.dumps({"metric": self.cfg.best_metric, **self.best}))
+                    (best_dir / "best.json").write_text(json.dumps({"metric": self.best_metric, **self.best}))
         return metrics
 
 
@@ -169,12 +189,11 @@ def run_training(
     eval_items: Sequence[Any],
     cfg: TrainConfig,
     logging_cfg: LoggingConfig,
-    micro_batch: int,
-    grad_accum: int,
-    seed: int,
+    ds_cfg: DeepSpeedConfig,
     full_config: dict[str, Any],
 ) -> LoopResult:
     """Train ``task`` on ``train_items``; ``make_engine(total_steps)`` builds the engine once the size is known."""
+    micro_batch, grad_accum, seed = ds_cfg.micro_batch_size, ds_cfg.grad_accum, ds_cfg.seed
     init_distributed()
     world = torch.distributed.get_world_size()
     per_rank = micro_batch * grad_accum

@@ -10,8 +10,9 @@ A packed row holds whole samples back to back. Isolation between them comes from
   last token of one sample is never trained to predict the first token of the next.
 
 With both, the summed loss of a packed row equals the summed loss of its samples run one by one.
-Placement is best-fit in the given order (a sample goes to the open row with the least room that
-still fits it), which is deterministic and typically fills rows to >95% on mixed lengths.
+Placement is best-fit decreasing: samples are taken longest first (ties in input order) and each
+goes to the open row with the least room that still fits it. Deterministic, O(n log n), and close
+to optimal on mixed lengths.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def sample_row(sample: Sample) -> Row:
 
 
 def plan_packing(lengths: list[int], seq_len: int) -> list[list[int]]:
-    """Group sample indices into rows of at most ``seq_len`` tokens (best fit, rows in order of opening)."""
+    """Group sample indices into rows of at most ``seq_len`` tokens (best fit decreasing)."""
     rows: list[list[int]] = []
     room: list[tuple[int, int]] = []  # sorted (free tokens, row index) of rows that are still open
-    for i, n in enumerate(lengths):
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        n = lengths[i]
         if n > seq_len:
             raise ValueError(f"sample {i} has {n} tokens, more than the packed row length {seq_len}")
         if n == 0:

@@ -80,6 +80,8 @@ class LearnerService:
         metrics["learner/staleness_max"] = float(max(staleness))
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.total_steps:
             await asyncio.to_thread(self._checkpoint)
+        if self.cfg.export_every and self.step % self.cfg.export_every == 0:
+            await asyncio.to_thread(self.trainer.policy.export_hf, Path(self.cfg.run_dir) / "exports" / f"step-{self.step}")
         if self.step == self.cfg.total_steps:
             export = Path(self.cfg.export_dir or Path(self.cfg.run_dir) / "final")
             await asyncio.to_thread(self.trainer.policy.export_hf, export)

@@ -103,7 +103,11 @@ class MicroBatcher(Generic[T, R]):
             raise
         except Exception as e:  # noqa: BLE001 - handed to every waiter, who re-raises it
             if len(batch) > 1 and self._split_on is not None and self._split_on(e):
-                logger.info("batch of %d failed (%s); retrying its items one by one", len(batch), e)
+                logger.info(
+                    "batch of %d failed (%s); retrying its items one by one",
+                    len(batch),
+                    e,
+                )
                 await asyncio.gather(*(self._run([pending]) for pending in batch))
                 return
             for _, future in batch:

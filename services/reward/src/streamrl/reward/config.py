@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
-
 from streamrl.common.config import BaseConfig
 
 
@@ -98,7 +97,10 @@ class ModelScorerConfig(_ScorerBase):
     """Apply ``(r - mean) / std`` with ``mean``/``std`` from the model's config.json when present."""
 
 
-ScorerConfig = Annotated[FunctionScorerConfig | HttpScorerConfig | ModelScorerConfig, Field(discriminator="type")]
+ScorerConfig = Annotated[
+    FunctionScorerConfig | HttpScorerConfig | ModelScorerConfig,
+    Field(discriminator="type"),
+]
 
 
 class RewardConfig(BaseConfig):
@@ -120,7 +122,6 @@ class RewardConfig(BaseConfig):
         if not any(s.weight > 0 for s in self.scorers):
             raise ValueError("scorers: at least one scorer needs a weight > 0")
         return self
-
 
 
 class ServeRmConfig(BaseConfig):

@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-
 from streamrl.common.config import apply_overrides, validate
 from streamrl.common.errors import ConfigError
 from streamrl.reward.batcher import MicroBatcher
@@ -50,11 +49,17 @@ def create_app(score_texts: ScoreTexts, token: str, config: ServeRmConfig) -> we
         return await asyncio.to_thread(score_texts, texts)
 
     batcher: MicroBatcher[str, float] = MicroBatcher(
-        score_batch, config.max_batch_size, config.max_wait_ms, split_on=lambda e: isinstance(e, ValueError)
+        score_batch,
+        config.max_batch_size,
+        config.max_wait_ms,
+        split_on=lambda e: isinstance(e, ValueError),
     )
 
     @web.middleware
-    async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
+    async def auth(
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> Any:
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):
             return _json_error(401, "missing or wrong bearer token")
@@ -69,13 +74,20 @@ def create_app(score_texts: ScoreTexts, token: str, config: ServeRmConfig) -> we
         if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
             return _json_error(400, "'query' must be a list of strings")
         if len(queries) > config.max_request_samples:
-            return _json_error(413, f"{len(queries)} queries > max_request_samples={config.max_request_samples}")
+            return _json_error(
+                413,
+                f"{len(queries)} queries > max_request_samples={config.max_request_samples}",
+            )
         try:
             rewards = await asyncio.gather(*(batcher.submit(q) for q in queries))
         except ValueError as e:
             return _json_error(400, str(e))
         return web.json_response(
-            {"rewards": rewards, "scores": [reward_to_score(r) for r in rewards], "extra_logs": {}}
+            {
+                "rewards": rewards,
+                "scores": [reward_to_score(r) for r in rewards],
+                "extra_logs": {},
+            }
         )
 
     async def health(request: web.Request) -> web.Response:
@@ -123,17 +135,25 @@ def serve_rm_main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         for name, field in ServeRmConfig.model_fields.items():
-            print(f"  --{name}={field.default!s:<12} {field.description or ''}")
+            default = "(required)" if field.is_required() else f"(default {field.default})"
+            print(f"  --{name}=...  {default}\n      {field.description or ''}")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = validate(ServeRmConfig, apply_overrides({}, argv, env={}), source="serve-rm arguments")
+        config = validate(
+            ServeRmConfig,
+            apply_overrides({}, argv, env={}),
+            source="serve-rm arguments",
+        )
     except ConfigError as e:
         print(f"serve-rm: {e}", file=sys.stderr)
         return 2
     token = os.environ.get(config.token_env, "")
     if not token:
-        print(f"serve-rm: set the bearer token in the environment variable {config.token_env}", file=sys.stderr)
+        print(
+            f"serve-rm: set the bearer token in the environment variable {config.token_env}",
+            file=sys.stderr,
+        )
         return 2
     logger.info("serve-rm config: %s", config.model_dump_json())
     asyncio.run(serve(config, token))

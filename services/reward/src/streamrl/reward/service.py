@@ -41,7 +41,12 @@ class RewardService:
                             handler=service.handle, message_type=Trajectory, config=consumer_config)
     """
 
-    def __init__(self, config: RewardConfig, names: StreamNames, scorers: Sequence[Scorer] | None = None) -> None:
+    def __init__(
+        self,
+        config: RewardConfig,
+        names: StreamNames,
+        scorers: Sequence[Scorer] | None = None,
+    ) -> None:
         self._names = names
         self._scorers = list(scorers) if scorers is not None else [build_scorer(c) for c in config.scorers]
         self._weights = {c.name: c.weight for c in config.scorers}
@@ -52,7 +57,10 @@ class RewardService:
         self.provenance = "+".join(f"{c.name}:{c.type}" for c in config.scorers)
         """Written into every ScoredTrajectory's ``scorer`` field, e.g. ``math:function+rm:model``."""
         self._batcher: MicroBatcher[Trajectory, CombinedScore] = MicroBatcher(
-            self._score_batch, config.max_batch_size, config.max_wait_ms, split_on=_is_sample_specific
+            self._score_batch,
+            config.max_batch_size,
+            config.max_wait_ms,
+            split_on=_is_sample_specific,
         )
         self._latency_ms_sum = 0.0
         self._num_scored = 0

@@ -18,13 +18,12 @@ import threading
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights_wire import fetch_buckets
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.weight_receiver import to_torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +85,9 @@ class HFEngine:
             if r.sampling.n < 1:
                 raise ValueError(f"sampling.n must be >= 1, got {r.sampling.n}")
             if not 0 < len(r.prompt_ids) < self._config.max_model_len:
-                raise ValueError(f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={self._config.max_model_len}")
+                raise ValueError(
+                    f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={self._config.max_model_len}"
+                )
         return await asyncio.to_thread(self._generate_all, requests)
 
     async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
@@ -165,7 +166,9 @@ class HFEngine:
             known = self._model.state_dict()
             unknown = [name for name in received if name not in known]
             if missing or unknown:
-                raise WeightSyncError(f"version {version} does not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
+                raise WeightSyncError(
+                    f"version {version} does not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
+                )
             with torch.no_grad():
                 self._model.load_state_dict(received, strict=False)
             self._version = version

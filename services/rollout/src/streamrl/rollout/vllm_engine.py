@@ -32,14 +32,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm import LLM
-from vllm import SamplingParams as VLLMSamplingParams
-from vllm.sampling_params import RequestOutputKind
-
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
 from streamrl.rollout.engine_config import EngineConfig
+from vllm import LLM
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +222,7 @@ class VLLMEngine:
                     self._handle(command)
                 if engine.has_unfinished_requests():
                     self._route(engine.step())
-        except Exception as e:  # noqa: BLE001 - worker boundary: every waiting caller gets the error
+        except Exception as e:  # worker boundary: every waiting caller gets the error
             logger.exception("vLLM engine failed")
             self._fatal = e
             self._fail_all(e)
@@ -270,7 +269,9 @@ class VLLMEngine:
             if out.finished:
                 del self._running[out.request_id]
                 assert len(run.logprobs) == len(run.token_ids), "one log-prob per sampled token"
-                reason: FinishReason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+                reason: FinishReason = (
+                    completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+                )
                 run.job.complete(
                     run.slot,
                     Sample(

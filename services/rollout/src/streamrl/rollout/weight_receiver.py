@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights_wire import BF16, ReceivedTensor, fetch_buckets
 
@@ -40,7 +39,9 @@ def to_torch(tensor: ReceivedTensor) -> torch.Tensor:
     return out.view(torch.bfloat16) if tensor.dtype == BF16 else out
 
 
-def torch_tensors(endpoint: str, version: int, checksum: str | None, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+def torch_tensors(
+    endpoint: str, version: int, checksum: str | None, timeout_s: float
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of one version as ``reload_weights`` wants them."""
     for received in fetch_buckets(endpoint, version, checksum, timeout_s):
         yield received.name, to_torch(received)
@@ -74,7 +75,9 @@ class WeightReceiver:
         self._streamrl_staged = None
         start = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=iter(staged[1]), is_checkpoint_format=True)
-        logger.info("loaded weights version %d (%d tensors) in %.3f s", version, len(staged[1]), time.perf_counter() - start)
+        logger.info(
+            "loaded weights version %d (%d tensors) in %.3f s", version, len(staged[1]), time.perf_counter() - start
+        )
         return len(staged[1])
 
     def streamrl_discard_weights(self) -> None:

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from streamrl.reward.config import FunctionScorerConfig, HttpScorerConfig, ModelScorerConfig, ScorerConfig
+from streamrl.reward.config import (
+    FunctionScorerConfig,
+    HttpScorerConfig,
+    ModelScorerConfig,
+    ScorerConfig,
+)
 from streamrl.reward.scorers.base import Scorer, ScorerError, ScorerResult
 from streamrl.reward.scorers.function import FunctionScorer
 from streamrl.reward.scorers.http import HttpScorer
 from streamrl.reward.scorers.model import ModelScorer
 
-__all__ = ["FunctionScorer", "HttpScorer", "ModelScorer", "Scorer", "ScorerError", "ScorerResult", "build_scorer"]
+__all__ = [
+    "FunctionScorer",
+    "HttpScorer",
+    "ModelScorer",
+    "Scorer",
+    "ScorerError",
+    "ScorerResult",
+    "build_scorer",
+]
 
 
 def build_scorer(config: ScorerConfig) -> Scorer:

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
 import importlib
 import importlib.util
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import FunctionScorerConfig
-from streamrl.reward.scorers.base import ScorerError, ScorerResult, parse_reward_output, protocol_inputs
+from streamrl.reward.scorers.base import (
+    ScorerError,
+    ScorerResult,
+    parse_reward_output,
+    protocol_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +64,8 @@ def _load_module_from_file(path: Path) -> Any:
 def load_reward_function(spec: str) -> Callable[..., Any]:
     """Import the function named by ``spec`` and check it can be called with (queries, prompts, labels).
 
-    Raises ValueError naming the file, module or function when any of them is missing or unfit.
+    Raises ValueError naming the file, module or function when any of them is missing or has the
+    wrong signature, TypeError when the name is not a function.
     """
     target, func_name = _split_spec(spec)
     if target.endswith(".py") or "/" in target or "\\" in target:
@@ -73,7 +79,7 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     if func is None:
         raise ValueError(f"{target} has no function {func_name!r}")
     if not callable(func):
-        raise ValueError(f"{target}:{func_name} is not callable")
+        raise TypeError(f"{target}:{func_name} is a {type(func).__name__}, not a function")
     try:
         inspect.signature(func).bind([], [], [], **({"metadata": []} if _accepts_metadata(func) else {}))
     except TypeError as e:
@@ -125,13 +131,19 @@ class FunctionScorer:
         try:
             output = await asyncio.wait_for(self._call(batch), timeout=self._config.timeout_s)
         except TimeoutError as e:
-            raise ScorerError(f"{source} timed out after {self._config.timeout_s} s", sample_specific=True) from e
-        except Exception as e:  # noqa: BLE001 - user code: re-raised as a domain error with the reason
+            raise ScorerError(
+                f"{source} timed out after {self._config.timeout_s} s",
+                sample_specific=True,
+            ) from e
+        except Exception as e:
             raise ScorerError(f"{source} raised {type(e).__name__}: {e}", sample_specific=True) from e
         return parse_reward_output(output, len(batch), source)
 
     def metrics(self) -> dict[str, float]:
-        return {"reward/function/calls": float(self._calls), "reward/function/failures": float(self._failures)}
+        return {
+            "reward/function/calls": float(self._calls),
+            "reward/function/failures": float(self._failures),
+        }
 
     async def close(self) -> None:
         return None

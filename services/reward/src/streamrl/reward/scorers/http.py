@@ -29,10 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import HttpScorerConfig
-from streamrl.reward.scorers.base import ScorerError, ScorerResult, parse_reward_output, protocol_inputs
+from streamrl.reward.scorers.base import (
+    ScorerError,
+    ScorerResult,
+    parse_reward_output,
+    protocol_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,8 @@ RETRYABLE_STATUS = frozenset({408, 429})
 SAMPLE_SPECIFIC_STATUS = frozenset({400, 413, 422})
 """4xx answers that may be caused by particular samples (malformed, too large)."""
 MAX_ERROR_BODY_CHARS = 300
+FAILED_URL_COOLDOWN_S = 2.0
+"""After a failed attempt a URL is used only when no other URL is left, for this long."""
 
 
 def backoff_delay_s(retry: int, base_s: float, max_s: float, jitter: float, rng: random.Random) -> float:
@@ -101,7 +107,10 @@ class HttpScorer:
     """Scores micro-batches with one or more remote reward services."""
 
     def __init__(
-        self, config: HttpScorerConfig, env: Mapping[str, str] | None = None, rng: random.Random | None = None
+        self,
+        config: HttpScorerConfig,
+        env: Mapping[str, str] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.name = config.name
         self._config = config
@@ -151,7 +160,13 @@ class HttpScorer:
             if attempt:
                 self._counts["retries"] += 1
                 await asyncio.sleep(
-                    backoff_delay_s(attempt - 1, cfg.backoff_base_s, cfg.backoff_max_s, cfg.jitter, self._rng)
+                    backoff_delay_s(
+                        attempt - 1,
+                        cfg.backoff_base_s,
+                        cfg.backoff_max_s,
+                        cfg.jitter,
+                        self._rng,
+                    )
                 )
             async with self._slots:
                 endpoint = self._pool.pick(tried)
@@ -164,10 +179,15 @@ class HttpScorer:
             if isinstance(outcome, ScorerResult):
                 endpoint.avoid_until = 0.0
                 return outcome
-            endpoint.avoid_until = time.monotonic() + cfg.backoff_max_s
+            endpoint.avoid_until = time.monotonic() + FAILED_URL_COOLDOWN_S
             reasons.append(outcome)
-            logger.warning("reward http scorer %s: attempt %d/%d failed: %s", self.name, attempt + 1,
-                           cfg.max_retries + 1, outcome)
+            logger.warning(
+                "reward http scorer %s: attempt %d/%d failed: %s",
+                self.name,
+                attempt + 1,
+                cfg.max_retries + 1,
+                outcome,
+            )
         self._counts["failures"] += 1
         raise ScorerError(
             f"http scorer {self.name!r}: {n} samples not scored after {cfg.max_retries + 1} attempts "
@@ -210,8 +230,16 @@ class HttpScorer:
             raise
 
     def metrics(self) -> dict[str, float]:
-        keys = ("requests", "retries", "failures", "timeouts", "connection_errors", "server_errors",
-                "client_errors", "bad_responses")
+        keys = (
+            "requests",
+            "retries",
+            "failures",
+            "timeouts",
+            "connection_errors",
+            "server_errors",
+            "client_errors",
+            "bad_responses",
+        )
         return {f"reward/http/{k}": float(self._counts[k]) for k in keys}
 
     async def close(self) -> None:

@@ -94,7 +94,10 @@ class LocalRewardModel:
             if self.std <= 0:
                 raise ValueError(f"reward model {path!r}: config std must be > 0, got {self.std}")
         elif normalize:
-            logger.info("reward model %s has no mean/std in its config: rewards are not normalised", path)
+            logger.info(
+                "reward model %s has no mean/std in its config: rewards are not normalised",
+                path,
+            )
         self.tokenizer = None
         if load_tokenizer:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -185,7 +188,9 @@ class ModelScorer:
             raise ScorerError(f"model scorer {self.name!r}: {e}", sample_specific=True) from e
         self._num_samples += len(batch)
         return ScorerResult(
-            rewards=rewards, scores=[reward_to_score(r) for r in rewards], extra=[{} for _ in batch]
+            rewards=rewards,
+            scores=[reward_to_score(r) for r in rewards],
+            extra=[{} for _ in batch],
         )
 
     def metrics(self) -> dict[str, float]:
