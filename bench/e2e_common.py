@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,6 +80,7 @@ def load_task() -> ModuleType:
     spec = importlib.util.spec_from_file_location("arithmetic_task", TASK_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 

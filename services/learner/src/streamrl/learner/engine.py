@@ -147,9 +147,9 @@ def _load_model(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraC
     if kind == "reward":
         return transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
     if kind == "value":
-        return transformers.AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, classifier_dropout=0.0, **kwargs
-        )
+        config = transformers.AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0  # token classifiers default to dropout 0.1 on the hidden states
+        return transformers.AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
     raise ValueError(f"unknown model kind {kind!r}; expected 'causal_lm', 'reward' or 'value'")
 
 
