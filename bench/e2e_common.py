@@ -39,6 +39,8 @@ class BenchSettings:
     """Samples per prompt (GRPO group)."""
     lr: float = 1e-3
     """Adam learning rate (constant)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up (steps), then constant."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts."""
     max_new_tokens: int = 6

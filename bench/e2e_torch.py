@@ -69,6 +69,8 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    warmup = max(settings.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     order = prompt_order(train, settings.prompts_per_step * settings.max_steps, settings.seed)
 
     curve = Curve(settings.target_gain)
@@ -115,6 +117,7 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         optimizer.step()
+        scheduler.step()
         t2 = time.perf_counter()
 
         step += 1

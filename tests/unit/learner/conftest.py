@@ -11,6 +11,7 @@ import json
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -108,7 +109,9 @@ def preference_records(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
-def offline_recipe(run_dir: Path, model_dir: Path, train_path: Path, eval_path: Path | None, **sections: Any) -> dict[str, Any]:
+def offline_recipe(
+    run_dir: Path, model_dir: Path, train_path: Path, eval_path: Path | None, **sections: Any
+) -> dict[str, Any]:
     """A job config dict for CPU tests: ZeRO-0 fp32, no TensorBoard, no progress bar."""
     cfg: dict[str, Any] = {
         "model": {"path": str(model_dir)},
@@ -123,3 +126,14 @@ def offline_recipe(run_dir: Path, model_dir: Path, train_path: Path, eval_path: 
         else:
             cfg[section] = values
     return cfg
+
+
+@pytest.fixture(scope="session")
+def kit() -> SimpleNamespace:
+    """The data helpers above, as a fixture (test modules never import conftest: its module name is not unique)."""
+    return SimpleNamespace(
+        write_jsonl=write_jsonl,
+        animal_records=animal_records,
+        preference_records=preference_records,
+        recipe=offline_recipe,
+    )

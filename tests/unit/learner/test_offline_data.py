@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import write_jsonl
 from transformers import AutoTokenizer
 
 from streamrl.learner.data import build_pairs, build_sft_samples, load_records, train_eval_records
@@ -23,13 +23,13 @@ def _trained_text(tok: Any, ids: list[int], labels: list[int]) -> str:
     return tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
 
 
-def test_formats_give_the_same_records(tmp_path: Path) -> None:
+def test_formats_give_the_same_records(kit: SimpleNamespace, tmp_path: Path) -> None:
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     records = [{"prompt": "p1", "response": "r1"}, {"prompt": "p2", "response": "r2"}]
-    write_jsonl(tmp_path / "d.jsonl", records)
+    kit.write_jsonl(tmp_path / "d.jsonl", records)
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(tmp_path / "folder"))
     assert load_records(tmp_path / "d.jsonl") == records
@@ -38,12 +38,12 @@ def test_formats_give_the_same_records(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="splits"):
         load_records(tmp_path / "folder", "validation")
     with pytest.raises(ValueError, match="unsupported"):
-        load_records(write_jsonl(tmp_path / "d.csv", records))
+        load_records(kit.write_jsonl(tmp_path / "d.csv", records))
 
 
-def test_eval_fraction_holds_out_disjoint_records(tmp_path: Path) -> None:
+def test_eval_fraction_holds_out_disjoint_records(kit: SimpleNamespace, tmp_path: Path) -> None:
     records = [{"prompt": str(i), "response": "x"} for i in range(20)]
-    cfg = DataConfig(train_path=str(write_jsonl(tmp_path / "d.jsonl", records)), eval_fraction=0.25)
+    cfg = DataConfig(train_path=str(kit.write_jsonl(tmp_path / "d.jsonl", records)), eval_fraction=0.25)
     train, held = train_eval_records(cfg, seed=1)
     assert len(held) == 5 and len(train) == 15
     assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in held)

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from conftest import offline_recipe, preference_records, write_jsonl
 
 from streamrl.learner.dpo import run_dpo
 from streamrl.learner.offline_config import DPOConfig
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_raises_held_out_margin(tiny_qwen_dir: Path, tmp_path: Path, loss_type: str) -> None:
-    train = write_jsonl(tmp_path / "train.jsonl", preference_records(96, seed=0))
-    held = write_jsonl(tmp_path / "eval.jsonl", preference_records(32, seed=1))
-    recipe = offline_recipe(
+def test_dpo_raises_held_out_margin(kit: SimpleNamespace, tiny_qwen_dir: Path, tmp_path: Path, loss_type: str) -> None:
+    train = kit.write_jsonl(tmp_path / "train.jsonl", kit.preference_records(96, seed=0))
+    held = kit.write_jsonl(tmp_path / "eval.jsonl", kit.preference_records(32, seed=1))
+    recipe = kit.recipe(
         tmp_path / "run",
         tiny_qwen_dir,
         train,
@@ -33,11 +33,11 @@ def test_dpo_raises_held_out_margin(tiny_qwen_dir: Path, tmp_path: Path, loss_ty
     assert final["chosen_reward"] > final["rejected_reward"]
 
 
-def test_live_reference_matches_precomputed(tiny_qwen_dir: Path, tmp_path: Path) -> None:
-    train = write_jsonl(tmp_path / "train.jsonl", preference_records(16, seed=0))
+def test_live_reference_matches_precomputed(kit: SimpleNamespace, tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    train = kit.write_jsonl(tmp_path / "train.jsonl", kit.preference_records(16, seed=0))
     runs = []
     for precompute in (True, False):
-        recipe = offline_recipe(
+        recipe = kit.recipe(
             tmp_path / f"run_{precompute}",
             tiny_qwen_dir,
             train,

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import offline_recipe, preference_records, write_jsonl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from streamrl.learner.offline_config import RMConfig
 from streamrl.learner.rm import run_rm
 
 
-def test_reward_model_separates_held_out_pairs(tiny_qwen_dir: Path, tmp_path: Path) -> None:
-    train = write_jsonl(tmp_path / "train.jsonl", preference_records(192, seed=0))
-    held = write_jsonl(tmp_path / "eval.jsonl", preference_records(64, seed=1))
+def test_reward_model_separates_held_out_pairs(kit: SimpleNamespace, tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    train = kit.write_jsonl(tmp_path / "train.jsonl", kit.preference_records(192, seed=0))
+    held = kit.write_jsonl(tmp_path / "eval.jsonl", kit.preference_records(64, seed=1))
     cfg = RMConfig.model_validate(
-        offline_recipe(tmp_path / "run", tiny_qwen_dir, train, held, train={"epochs": 2, "eval_every": 12})
+        kit.recipe(tmp_path / "run", tiny_qwen_dir, train, held, train={"epochs": 2, "eval_every": 12})
     )
     result = run_rm(cfg)
 
@@ -35,7 +35,9 @@ def test_reward_model_separates_held_out_pairs(tiny_qwen_dir: Path, tmp_path: Pa
     tok = AutoTokenizer.from_pretrained(final)
     model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
     texts = [
-        tok.apply_chat_template([{"role": "user", "content": "kl"}, {"role": "assistant", "content": answer}], tokenize=False)
+        tok.apply_chat_template(
+            [{"role": "user", "content": "kl"}, {"role": "assistant", "content": answer}], tokenize=False
+        )
         for answer in ("abcd", "vwxy")
     ]
     batch = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)

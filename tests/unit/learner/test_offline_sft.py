@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import animal_records, offline_recipe, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.learner.jobs_cli import sft_main
@@ -16,11 +16,11 @@ from streamrl.learner.offline_config import SFTConfig
 from streamrl.learner.sft import run_sft
 
 
-def _animal_accuracy(model_dir: Path, tokenizer_dir: Path) -> float:
+def _animal_accuracy(kit: SimpleNamespace, model_dir: Path, tokenizer_dir: Path) -> float:
     """Greedy answers that start with the right animal, on held-out prompts."""
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    records = animal_records(24, seed=7)
+    records = kit.animal_records(24, seed=7)
     hits = 0
     for r in records:
         messages = [{"role": "user", "content": r["prompt"]}]
@@ -31,10 +31,10 @@ def _animal_accuracy(model_dir: Path, tokenizer_dir: Path) -> float:
     return hits / len(records)
 
 
-def test_sft_loss_falls_and_model_does_the_task(tiny_qwen_dir: Path, tmp_path: Path) -> None:
-    train = write_jsonl(tmp_path / "train.jsonl", animal_records(256, seed=0))
-    held = write_jsonl(tmp_path / "eval.jsonl", animal_records(32, seed=1))
-    cfg = SFTConfig.model_validate(offline_recipe(tmp_path / "run", tiny_qwen_dir, train, held, train={"epochs": 2}))
+def test_sft_loss_falls_and_model_does_the_task(kit: SimpleNamespace, tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    train = kit.write_jsonl(tmp_path / "train.jsonl", kit.animal_records(256, seed=0))
+    held = kit.write_jsonl(tmp_path / "eval.jsonl", kit.animal_records(32, seed=1))
+    cfg = SFTConfig.model_validate(kit.recipe(tmp_path / "run", tiny_qwen_dir, train, held, train={"epochs": 2}))
     result = run_sft(cfg)
 
     losses = [h["loss"] for h in result.history]
@@ -48,7 +48,7 @@ def test_sft_loss_falls_and_model_does_the_task(tiny_qwen_dir: Path, tmp_path: P
     assert (final / "tokenizer.json").is_file()
     assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["metric"] == "loss"
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
-    before, after = _animal_accuracy(tiny_qwen_dir, tiny_qwen_dir), _animal_accuracy(final, final)
+    before, after = _animal_accuracy(kit, tiny_qwen_dir, tiny_qwen_dir), _animal_accuracy(kit, final, final)
     assert after >= before + 0.5, (before, after)
 
 
@@ -63,20 +63,22 @@ def dropout_model_dir(tiny_qwen_dir: Path, tmp_path: Path) -> Path:
     return out
 
 
-def test_kill_and_resume_gives_the_same_next_losses(dropout_model_dir: Path, tmp_path: Path) -> None:
-    train = write_jsonl(tmp_path / "train.jsonl", animal_records(24, seed=3))
+def test_kill_and_resume_gives_the_same_next_losses(
+    kit: SimpleNamespace, dropout_model_dir: Path, tmp_path: Path
+) -> None:
+    train = kit.write_jsonl(tmp_path / "train.jsonl", kit.animal_records(24, seed=3))
     sections = {
         "train": {"epochs": 2, "save_every": 1, "keep_last": 10, "save_best": False, "export": False},
         "deepspeed": {"micro_batch_size": 4, "grad_accum": 2, "scheduler": "cosine", "warmup_steps": 2},
     }
-    full = run_sft(SFTConfig.model_validate(offline_recipe(tmp_path / "a", dropout_model_dir, train, None, **sections)))
+    full = run_sft(SFTConfig.model_validate(kit.recipe(tmp_path / "a", dropout_model_dir, train, None, **sections)))
     assert [h["step"] for h in full.history] == [1, 2, 3, 4, 5, 6]  # 3 steps per epoch, 2 epochs
 
     # what a kill right after the step-2 checkpoint leaves on disk (mid-epoch 0)
     ckpt = tmp_path / "b" / "checkpoints"
     shutil.copytree(tmp_path / "a" / "checkpoints" / "step_2", ckpt / "step_2")
     (ckpt / "latest").write_text("step_2")
-    resumed = run_sft(SFTConfig.model_validate(offline_recipe(tmp_path / "b", dropout_model_dir, train, None, **sections)))
+    resumed = run_sft(SFTConfig.model_validate(kit.recipe(tmp_path / "b", dropout_model_dir, train, None, **sections)))
 
     assert [h["step"] for h in resumed.history] == [3, 4, 5, 6]
     for a, b in zip(full.history[2:], resumed.history, strict=True):
@@ -85,9 +87,9 @@ def test_kill_and_resume_gives_the_same_next_losses(dropout_model_dir: Path, tmp
 
 
 def test_cli_saves_resolved_config_and_rejects_bad_fields(
-    tiny_qwen_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kit: SimpleNamespace, tiny_qwen_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    train = write_jsonl(tmp_path / "train.jsonl", animal_records(8, seed=0))
+    train = kit.write_jsonl(tmp_path / "train.jsonl", kit.animal_records(8, seed=0))
     recipe = tmp_path / "sft.toml"
     recipe.write_text(
         f'[model]\npath = "{tiny_qwen_dir}"\n[data]\ntrain_path = "{train}"\nmax_len = 64\n'

@@ -208,7 +208,8 @@ class ConsumerLoop(Generic[M]):
         while True:
             started = time.perf_counter()
             try:
-                if dedupe and await self.redis.exists(dedupe):
+                # a redelivered entry may already be done: skip the work (the commit de-dups anyway)
+                if dedupe and deliveries > 1 and await self.redis.exists(dedupe):
                     await self.redis.xack(self.stream, self.group, entry_id)
                     self.stats.skipped_duplicates += 1
                     return

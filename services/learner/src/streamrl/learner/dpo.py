@@ -140,12 +140,18 @@ def run_dpo(cfg: DPOConfig) -> LoopResult:
 
     init_distributed()
     ref_engine = ModelEngine.from_config(
-        cfg.ref_model_path or cfg.model.path, cfg.deepspeed, "causal_lm", train=False, tokenizer_path=cfg.model.tokenizer_path
+        cfg.ref_model_path or cfg.model.path,
+        cfg.deepspeed,
+        "causal_lm",
+        train=False,
+        tokenizer_path=cfg.model.tokenizer_path,
     )
     if cfg.precompute_ref:
         micro = cfg.deepspeed.micro_batch_size
         train_items = _with_reference(train_pairs, reference_logprobs(ref_engine, train_pairs, pad_id, micro))
-        eval_items = _with_reference(eval_pairs, reference_logprobs(ref_engine, eval_pairs, pad_id, micro)) if eval_pairs else []
+        eval_items = (
+            _with_reference(eval_pairs, reference_logprobs(ref_engine, eval_pairs, pad_id, micro)) if eval_pairs else []
+        )
         del ref_engine
         gc.collect()
         if torch.cuda.is_available():
@@ -166,5 +172,12 @@ def run_dpo(cfg: DPOConfig) -> LoopResult:
         )
 
     return run_training(
-        DPOTask(cfg, pad_id, live_ref), make_engine, train_items, eval_items, cfg.train, cfg.logging, cfg.deepspeed, cfg.model_dump()
+        DPOTask(cfg, pad_id, live_ref),
+        make_engine,
+        train_items,
+        eval_items,
+        cfg.train,
+        cfg.logging,
+        cfg.deepspeed,
+        cfg.model_dump(),
     )

@@ -46,7 +46,7 @@ class DeepSpeedConfig(BaseConfig):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     torch_adam: bool = True
-    """Use torch's AdamW inside DeepSpeed. False = DeepSpeed's fused Adam (JIT-compiled; CPU Adam takes ~75 s to build)."""
+    """Use torch's AdamW inside DeepSpeed. False = DeepSpeed's own Adam (JIT-compiled; ~75 s to build on CPU)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel of the Hugging Face model."""
     seed: int = 42

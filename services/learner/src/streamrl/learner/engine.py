@@ -235,7 +235,9 @@ class ModelEngine:
         if ds_dict["zero_optimization"]["stage"] == 3:
             from transformers.integrations import HfDeepSpeedConfig
 
-            ds_dict["train_batch_size"] = ds_cfg.micro_batch_size * ds_cfg.grad_accum * torch.distributed.get_world_size()
+            ds_dict["train_batch_size"] = (
+                ds_cfg.micro_batch_size * ds_cfg.grad_accum * torch.distributed.get_world_size()
+            )
             zero3_loading = HfDeepSpeedConfig(ds_dict)
         model = _load_model(model_path, kind, ds_cfg, lora)
         del zero3_loading  # later from_pretrained calls in this process must load plain models

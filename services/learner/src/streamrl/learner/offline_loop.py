@@ -170,7 +170,9 @@ class _Run:
         self.sink.log({f"eval/{k}": v for k, v in metrics.items()}, step)
         self.result.evals.append({"step": step, **metrics})
         value = metrics[self.best_metric]
-        better = self.best is None or (value < self.best["value"] if self.best_mode == "min" else value > self.best["value"])
+        better = self.best is None or (
+            value < self.best["value"] if self.best_mode == "min" else value > self.best["value"]
+        )
         if better and math.isfinite(value):
             self.best = {"step": step, "value": value}
             self.result.best = self.best

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import logsigmoid
 
 from streamrl.learner.offline_config import PreferenceLoss
 
@@ -47,7 +47,7 @@ def bradley_terry_loss(
     diff = chosen_rewards - rejected_rewards
     if margin is not None:
         diff = diff - margin
-    return -F.logsigmoid(diff).mean()
+    return -logsigmoid(diff).mean()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ def preference_loss(
         raise ValueError(f"label_smoothing must lie in [0, 0.5), got {label_smoothing}")
     z = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * z) - label_smoothing * F.logsigmoid(-beta * z)
+        losses = -(1 - label_smoothing) * logsigmoid(beta * z) - label_smoothing * logsigmoid(-beta * z)
     elif loss_type == "ipo":
         if label_smoothing:
             raise ValueError("label_smoothing applies to the sigmoid (DPO) loss only, not to IPO")

@@ -49,7 +49,10 @@ class RewardModelTask:
 
     def train_loss(self, engine: ModelEngine, items: Sequence[Pair]) -> tuple[torch.Tensor, dict[str, float]]:
         loss, chosen, rejected = self._loss(engine, items)
-        return loss, {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean())}
+        return loss, {
+            "accuracy": float((chosen > rejected).float().mean()),
+            "margin": float((chosen - rejected).mean()),
+        }
 
     def eval_sums(self, engine: ModelEngine, items: Sequence[Pair]) -> dict[str, float]:
         loss, chosen, rejected = self._loss(engine, items)
@@ -66,7 +69,12 @@ class RewardModelTask:
         n = max(sums["pairs"], 1.0)
         mean = sums["reward_sum"] / (2 * n)
         var = max(sums["reward_sq"] / (2 * n) - mean**2, 0.0)
-        return {"loss": sums["loss"] / n, "accuracy": sums["correct"] / n, "reward_mean": mean, "reward_std": math.sqrt(var)}
+        return {
+            "loss": sums["loss"] / n,
+            "accuracy": sums["correct"] / n,
+            "reward_mean": mean,
+            "reward_std": math.sqrt(var),
+        }
 
     def export_config(self, metrics: dict[str, float]) -> dict[str, Any]:
         return {"reward_mean": metrics["reward_mean"], "reward_std": metrics["reward_std"]}
