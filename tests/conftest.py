@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -11,15 +12,14 @@ from streamrl.common.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server: the one CI started (``STREAMRL_TEST_REDIS_URL``), else one on a free port."""
+    if os.environ.get("STREAMRL_TEST_REDIS_URL"):
+        yield os.environ["STREAMRL_TEST_REDIS_URL"]
+        return
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
-    yield server
+    yield server.url
     server.stop()
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    return redis_server.url
 
 
 @pytest.fixture
