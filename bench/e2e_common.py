@@ -9,12 +9,13 @@ loading, that evaluator and the summary of a learning curve; it imports torch on
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -71,10 +72,22 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for GRPO, got {self.group_size}")
-        if min(self.prompts_per_step, self.max_new_tokens, self.max_steps, self.eval_every_steps) < 1:
-            raise ValueError(f"prompts_per_step, max_new_tokens, max_steps, eval_every_steps must be >= 1: {self}")
+        if (
+            min(
+                self.prompts_per_step,
+                self.max_new_tokens,
+                self.max_steps,
+                self.eval_every_steps,
+            )
+            < 1
+        ):
+            raise ValueError(
+                f"prompts_per_step, max_new_tokens, max_steps, eval_every_steps must be >= 1: {self}"
+            )
         if self.lr <= 0 or self.temperature <= 0 or self.time_budget_s <= 0:
-            raise ValueError(f"lr, temperature and time_budget_s must be positive: {self}")
+            raise ValueError(
+                f"lr, temperature and time_budget_s must be positive: {self}"
+            )
 
 
 def load_task() -> ModuleType:
@@ -87,17 +100,24 @@ def load_task() -> ModuleType:
     return module
 
 
-def load_rows(settings: BenchSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def load_rows(
+    settings: BenchSettings,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train rows, held-out rows) of the prepared folder."""
     task = load_task()
     data = Path(settings.data_dir)
-    train, held_out = task.read_jsonl(data / "train.jsonl"), task.read_jsonl(data / "eval.jsonl")
+    train, held_out = (
+        task.read_jsonl(data / "train.jsonl"),
+        task.read_jsonl(data / "eval.jsonl"),
+    )
     if settings.num_eval is not None:
         held_out = held_out[: settings.num_eval]
     return train, held_out
 
 
-def prompt_order(train: list[dict[str, Any]], num_prompts: int, seed: int) -> list[dict[str, Any]]:
+def prompt_order(
+    train: list[dict[str, Any]], num_prompts: int, seed: int
+) -> list[dict[str, Any]]:
     """The training prompts in the order every side consumes them (reshuffled each epoch)."""
     rng = random.Random(seed)
     order: list[dict[str, Any]] = []
@@ -108,7 +128,9 @@ def prompt_order(train: list[dict[str, Any]], num_prompts: int, seed: int) -> li
     return order[:num_prompts]
 
 
-def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
+def greedy_accuracy(
+    model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int
+) -> float:
     """Held-out accuracy of greedy decoding with transformers ``generate``, scored by the task's reward."""
     import torch
 
@@ -117,10 +139,19 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        enc = tokenizer(
+            prompts, return_tensors="pt", padding=True, add_special_tokens=False
+        )
+        out = model.generate(
+            **enc,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     model.train(was_training)
-    completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False)
+    completions = tokenizer.batch_decode(
+        out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False
+    )
     queries = [p + c for p, c in zip(prompts, completions, strict=True)]
     result = task.reward_func(queries, prompts, [r["label"] for r in rows])
     return float(sum(result["rewards"]) / len(rows))
@@ -154,16 +185,29 @@ class Curve:
 
     def add(self, step: int, accuracy: float, **extra: float) -> None:
         """Record one evaluation."""
-        self.points.append({"step": step, "rl_s": round(self.rl_s, 2), "accuracy": round(accuracy, 4), **extra})
+        self.points.append(
+            {
+                "step": step,
+                "rl_s": round(self.rl_s, 2),
+                "accuracy": round(accuracy, 4),
+                **extra,
+            }
+        )
 
     def reached_target(self) -> bool:
         """Whether the latest accuracy is at least start + target_gain."""
-        return len(self.points) > 1 and self.points[-1]["accuracy"] >= self.points[0]["accuracy"] + self.target_gain
+        return (
+            len(self.points) > 1
+            and self.points[-1]["accuracy"]
+            >= self.points[0]["accuracy"] + self.target_gain
+        )
 
     def summary(self) -> dict[str, Any]:
         """Start / final / best accuracy and the first step and RL time at start + target_gain."""
         start = self.points[0]["accuracy"]
-        hit = next((p for p in self.points if p["accuracy"] >= start + self.target_gain), None)
+        hit = next(
+            (p for p in self.points if p["accuracy"] >= start + self.target_gain), None
+        )
         return {
             "start_accuracy": start,
             "final_accuracy": self.points[-1]["accuracy"],
@@ -178,3 +222,28 @@ class Curve:
 def settings_dict(settings: BenchSettings) -> dict[str, Any]:
     """The settings as plain JSON data."""
     return json.loads(json.dumps(asdict(settings)))
+
+
+def parse_settings(argv: list[str], description: str | None = None) -> BenchSettings:
+    """``--field value`` for every scalar field of :class:`BenchSettings`."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for f in fields(BenchSettings):
+        if f.name == "extra":
+            parser.add_argument(
+                "--extra",
+                type=json.loads,
+                default={},
+                help="JSON object of side-specific options",
+            )
+        elif f.type == "bool":
+            parser.add_argument(f"--{f.name.replace('_', '-')}", action="store_true")
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(
+                str(f.type).split(" ")[0], float
+            )
+            parser.add_argument(
+                f"--{f.name.replace('_', '-')}", type=kind, default=f.default
+            )
+    return BenchSettings(**vars(parser.parse_args(argv)))

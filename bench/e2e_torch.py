@@ -15,17 +15,24 @@ Prints one line per evaluation, then one JSON object (settings, curve, steps/s, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_common import BenchSettings, Curve, greedy_accuracy, load_rows, load_task, prompt_order, settings_dict  # noqa: E402
+from e2e_common import (
+    BenchSettings,
+    Curve,
+    greedy_accuracy,
+    load_rows,
+    load_task,
+    parse_settings,
+    prompt_order,
+    settings_dict,
+)
 
 
 def group_advantages(rewards: Any, group_size: int) -> Any:
@@ -44,15 +51,27 @@ def completion_mask(completion_ids: Any, eos_id: int) -> Any:
     return (~after_eos).float()
 
 
-def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, num_completion: int, temperature: float) -> Any:
+def token_logprobs(
+    model: Any,
+    input_ids: Any,
+    attention_mask: Any,
+    num_completion: int,
+    temperature: float,
+) -> Any:
     """Log-probs [B, C] of the last ``num_completion`` tokens under ``logits / temperature``."""
     import torch
 
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).logits
     logits = logits[:, -num_completion - 1 : -1] / temperature
     targets = input_ids[:, -num_completion:]
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (
+        torch.log_softmax(logits.float(), dim=-1)
+        .gather(-1, targets.unsqueeze(-1))
+        .squeeze(-1)
+    )
 
 
 def run_torch(settings: BenchSettings) -> dict[str, Any]:
@@ -70,8 +89,12 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     warmup = max(settings.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    order = prompt_order(train, settings.prompts_per_step * settings.max_steps, settings.seed)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup)
+    )
+    order = prompt_order(
+        train, settings.prompts_per_step * settings.max_steps, settings.seed
+    )
 
     curve = Curve(settings.target_gain)
     curve.add(0, greedy_accuracy(model, tokenizer, held_out, settings.max_new_tokens))
@@ -79,14 +102,18 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
     num_tokens, gen_s, train_s, step = 0, 0.0, 0.0, 0
     curve.resume()
     while step < settings.max_steps and curve.rl_s < settings.time_budget_s:
-        rows = order[step * settings.prompts_per_step : (step + 1) * settings.prompts_per_step]
+        rows = order[
+            step * settings.prompts_per_step : (step + 1) * settings.prompts_per_step
+        ]
         prompts = [r["prompt"] for r in rows for _ in range(settings.group_size)]
         labels = [r["label"] for r in rows for _ in range(settings.group_size)]
 
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tokenizer(
+                prompts, return_tensors="pt", padding=True, add_special_tokens=False
+            )
             out = model.generate(
                 **enc,
                 do_sample=True,
@@ -101,17 +128,25 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
         mask = completion_mask(completion_ids, tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
         rewards = torch.tensor(
-            task.reward_func([p + t for p, t in zip(prompts, texts, strict=True)], prompts, labels)["rewards"]
+            task.reward_func(
+                [p + t for p, t in zip(prompts, texts, strict=True)], prompts, labels
+            )["rewards"]
         )
         advantages = group_advantages(rewards, settings.group_size)
         t1 = time.perf_counter()
 
         model.train()
         attention_mask = torch.cat([enc["attention_mask"], mask.long()], dim=1)
-        logp = token_logprobs(model, out, attention_mask, completion_ids.shape[1], settings.temperature)
-        ratio = torch.exp(logp - logp.detach())  # one update per batch: old policy = current policy
+        logp = token_logprobs(
+            model, out, attention_mask, completion_ids.shape[1], settings.temperature
+        )
+        ratio = torch.exp(
+            logp - logp.detach()
+        )  # one update per batch: old policy = current policy
         clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.epsilon)
-        per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+        per_token = -torch.min(
+            ratio * advantages[:, None], clipped * advantages[:, None]
+        )
         loss = (per_token * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -126,7 +161,9 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
         train_s += t2 - t1
         if step % settings.eval_every_steps == 0:
             curve.pause()
-            accuracy = greedy_accuracy(model, tokenizer, held_out, settings.max_new_tokens)
+            accuracy = greedy_accuracy(
+                model, tokenizer, held_out, settings.max_new_tokens
+            )
             curve.add(step, accuracy, reward=round(float(rewards.mean()), 4))
             print(json.dumps(curve.points[-1]), flush=True)
             if settings.stop_at_target and curve.reached_target():
@@ -146,19 +183,5 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
     }
 
 
-def parse_settings(argv: list[str]) -> BenchSettings:
-    """``--field value`` for every scalar field of :class:`BenchSettings`."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(BenchSettings):
-        if f.name == "extra":
-            parser.add_argument("--extra", type=json.loads, default={}, help="JSON object of side-specific options")
-        elif f.type == "bool":
-            parser.add_argument(f"--{f.name.replace('_', '-')}", action="store_true")
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], float)
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
-    return BenchSettings(**vars(parser.parse_args(argv)))
-
-
 if __name__ == "__main__":
-    print(json.dumps(run_torch(parse_settings(sys.argv[1:]))))
+    print(json.dumps(run_torch(parse_settings(sys.argv[1:], __doc__))))

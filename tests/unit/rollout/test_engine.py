@@ -208,8 +208,10 @@ def test_bad_requests_are_rejected(hf_engine: Engine) -> None:
 
 
 def test_vllm_bad_prompt_and_cancel_leave_the_engine_working(vllm_engine: Engine) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(vllm_engine.generate([GenerationRequest(list(range(300)), SamplingParams(max_new_tokens=4))]))
+    with pytest.raises(ValueError, match="temperature"):  # refused by vLLM itself, inside the driver thread
+        asyncio.run(vllm_engine.generate([GenerationRequest(PROMPT, SamplingParams(temperature=-1.0))]))
 
     async def cancel_a_long_generation() -> None:
         long = GenerationRequest(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=200, n=4))

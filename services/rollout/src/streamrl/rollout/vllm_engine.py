@@ -38,6 +38,7 @@ from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
 from streamrl.rollout.engine_config import EngineConfig
 from vllm import LLM
 from vllm import SamplingParams as VLLMSamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,10 @@ class VLLMEngine:
         for r in requests:
             if r.sampling.n < 1:
                 raise ValueError(f"sampling.n must be >= 1, got {r.sampling.n}")
-            if not r.prompt_ids:
-                raise ValueError("prompt_ids must not be empty")
+            if not 0 < len(r.prompt_ids) < self._config.max_model_len:
+                raise ValueError(
+                    f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={self._config.max_model_len}"
+                )
         if not requests:
             return []
         job = _Job(requests)
@@ -250,9 +253,9 @@ class VLLMEngine:
                     engine.add_request(request_id, engine_input, to_vllm_params(request.sampling, j))
                     job.request_ids.append(request_id)
                     self._running[request_id] = _Running(job, (i, j))
-        except ValueError as e:  # e.g. a prompt longer than max_model_len
+        except (ValueError, VLLMValidationError) as e:  # a request vLLM refuses: fail this call only
             self._abort(job)
-            job.future.set_exception(e)
+            job.future.set_exception(ValueError(str(e)))
 
     def _route(self, outputs: list[Any]) -> None:
         for out in outputs:
