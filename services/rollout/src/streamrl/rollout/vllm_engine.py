@@ -132,6 +132,7 @@ class VLLMEngine:
         self._running: dict[str, _Running] = {}
         self._fatal: BaseException | None = None
         self._closed = False
+        self._lock = threading.Lock()
         self._llm: LLM | None = None
         self._num_jobs = 0
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -168,18 +169,20 @@ class VLLMEngine:
         logger.info("serving weights version %d (update took %.3f s)", version, seconds)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._commands.put(_Stop())
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._commands.put(_Stop())
         self._thread.join()
 
     def _submit(self, command: Command) -> None:
-        if self._fatal is not None:
-            raise RuntimeError("the vLLM engine failed earlier") from self._fatal
-        if self._closed:
-            raise RuntimeError("the vLLM engine is closed")
-        self._commands.put(command)
+        with self._lock:
+            if self._fatal is not None:
+                raise RuntimeError("the vLLM engine failed earlier") from self._fatal
+            if self._closed:
+                raise RuntimeError("the vLLM engine is closed")
+            self._commands.put(command)
 
     # --- driver thread -------------------------------------------------------------------
 
@@ -212,6 +215,7 @@ class VLLMEngine:
             return
         built.set_result(None)
         engine = self._llm.llm_engine
+        commands: list[Command] = []
         try:
             while True:
                 idle = not engine.has_unfinished_requests()
@@ -220,15 +224,17 @@ class VLLMEngine:
                     commands.append(self._commands.get())
                 for command in commands:
                     if isinstance(command, _Stop):
-                        self._fail_all(RuntimeError("the vLLM engine was closed"))
+                        self._fail_all(RuntimeError("the vLLM engine was closed"), commands)
                         return
                     self._handle(command)
+                commands = []
                 if engine.has_unfinished_requests():
                     self._route(engine.step())
         except Exception as e:  # worker boundary: every waiting caller gets the error
             logger.exception("vLLM engine failed")
-            self._fatal = e
-            self._fail_all(e)
+            with self._lock:  # no command can be queued after this
+                self._fatal = e
+            self._fail_all(e, commands)
         finally:
             engine.engine_core.shutdown()
 
@@ -316,13 +322,12 @@ class VLLMEngine:
         for request_id in live:
             del self._running[request_id]
 
-    def _fail_all(self, error: BaseException) -> None:
-        jobs = {id(run.job): run.job for run in self._running.values()}
+    def _fail_all(self, error: BaseException, taken: list[Command]) -> None:
+        """Fail every waiting caller: running jobs, commands taken from the queue, and queued ones."""
+        waiting: list[Command] = [run.job for run in self._running.values()] + taken
         self._running.clear()
         while not self._commands.empty():
-            command = self._commands.get()
+            waiting.append(self._commands.get())
+        for command in waiting:
             if isinstance(command, _Job | _Update) and not command.future.done():
                 command.future.set_exception(error)
-        for job in jobs.values():
-            if not job.future.done():
-                job.future.set_exception(error)
