@@ -151,7 +151,13 @@ class CoordinatorService:
             return
         self.dead_reasons[msg.error.split(":")[0]] += 1
         self.progress["dead"] = sum(self.dead_reasons.values())
+        self.progress["dead_reason"] = msg.error[:80]
         logger.error("dead letter from %s: %s", msg.stream, msg.error)
+        self.metrics.write(self.version, {
+            "coordinator/dead_letters": sum(self.dead_reasons.values()),
+            "coordinator/dead_reason": msg.error[:500],
+            "coordinator/dead_stream": msg.stream.rsplit(":", 1)[-1],
+        })  # fmt: skip
         try:
             inner = decode(msg.payload)
         except PoisonMessageError:
@@ -264,6 +270,9 @@ class CoordinatorService:
             "coordinator/staleness_max": int(max(batch.staleness, default=0)),
             "coordinator/samples_too_stale": num_too_stale,
             "coordinator/batch_samples": len(batch.samples),
+            "rollout/generation_started_min": min(
+                (s.trajectory.timings.get("started_at", 0.0) for s in batch.samples), default=0.0
+            ),
         }
         self.metrics.write(batch.index, stats)
         self.progress.update({

@@ -78,7 +78,7 @@ class RolloutService:
                 truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
                 policy_version_end=sample.version_end, label=item.label, metadata=item.metadata,
                 images=item.images, is_eval=item.is_eval,
-                timings={"queue_s": max(0.0, started - item.issued_at), "generate_s": elapsed},
+                timings={"queue_s": max(0.0, started - item.issued_at), "generate_s": elapsed, "started_at": started},
                 traceparent=item.traceparent,
             )  # fmt: skip
             outputs.append(Output(stream=self.ctx.names.trajectories, message=traj))
