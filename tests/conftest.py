@@ -1,14 +1,22 @@
-"""Shared fixtures: a real redis-server on a free port (session-wide), a unique run id per test."""
+"""Shared fixtures: a real redis-server, unique run ids, a tiny arithmetic task (random model + data) and its recipe."""
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from streamrl.common.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "arithmetic"))
+
+import model as model_lib  # noqa: E402
+import task as task_lib  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +33,38 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def run_id() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Data + a randomly initialised 0.66M-parameter policy (no warm start) under one folder."""
+    root = tmp_path_factory.mktemp("tiny_task")
+    train, held_out = task_lib.make_splits(task_lib.TaskSpec(operators="+", digits=2, num_eval=64, seed=0))
+    task_lib.write_jsonl(root / "train.jsonl", train)
+    task_lib.write_jsonl(root / "eval.jsonl", held_out)
+    tokenizer = model_lib.build_tokenizer()
+    model = model_lib.build_model(model_lib.PRESETS["small"], tokenizer, seed=0)
+    model_lib.save(model, tokenizer, root / "model")
+    return root
+
+
+def _write_recipe(task_root: Path, out: Path, redis_url: str | None, dense_reward: bool = False) -> Path:
+    """recipes/smoke.toml with ``{root}`` = ``task_root`` and the redis URL set.
+
+    ``dense_reward`` swaps the arithmetic reward (always 0 for a random model) for digit_reward.py.
+    """
+    text = (ROOT / "recipes" / "smoke.toml").read_text().replace("{root}", str(task_root))
+    if dense_reward:
+        text = text.replace('path = "examples/arithmetic/task.py"', f'path = "{Path(__file__).with_name("digit_reward.py")}"')
+    text = text.replace(f'run_dir = "{task_root}/run"', f'run_dir = "{out}"')
+    if redis_url:
+        text = text.replace("[up]", f'[redis]\nurl = "{redis_url}"\n\n[up]', 1)
+    path = out.with_suffix(".toml")
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def write_recipe():  # type: ignore[no-untyped-def]
+    """``write_recipe(task_root, run_dir, redis_url) -> recipe path`` (recipes/smoke.toml, substituted)."""
+    return _write_recipe

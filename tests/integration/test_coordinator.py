@@ -1,0 +1,82 @@
+"""The coordinator process against a real Redis: admission, dead-letter handling, restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from streamrl.common.codec import decode, encode
+from streamrl.common.messages import DeadLetter, PromptWorkItem, Tensor, Trajectory
+from streamrl.common.streams import StreamNames
+
+
+def start(recipe: Path, run_id: str, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "streamrl.coordinator", str(recipe), f"--run_id={run_id}", "--coordinator.eval.dataset=null", *extra]
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def prompts(client: redis.Redis, names: StreamNames) -> list[PromptWorkItem]:
+    return [decode(f[b"d"], PromptWorkItem) for _, f in client.xrange(names.prompts)]
+
+
+def stop(proc: subprocess.Popen[bytes]) -> str:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    return out.decode()
+
+
+def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
+                                                 write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    proc = start(recipe, run_id)
+    try:
+        # synchronous mode: exactly the 4 prompts of batch 0, nothing more while version 0 holds
+        wait_for(lambda: client.xlen(names.prompts) >= 4, 30, "the first prompts")
+        time.sleep(1.0)
+        issued = prompts(client, names)
+        assert len(issued) == 4 and all(p.policy_version == 0 and p.sampling.n == 4 for p in issued)
+        # a dead-lettered trajectory fails its group: counted with its reason, and replaced
+        victim = issued[0]
+        traj = Trajectory(id=f"{victim.id}/0", group_id=victim.id, group_index=0, group_size=4,
+                          prompt_ids=victim.prompt_ids, response_ids=Tensor.from_list([5], "int32"),
+                          logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"))  # fmt: skip
+        letter = DeadLetter(stream=names.trajectories, entry_id="1-0", group="reward", consumer="r",
+                            error="ScorerError: reward server said HTTP 500", deliveries=3, payload=encode(traj), ts=0.0)  # fmt: skip
+        client.xadd(names.dead, {b"d": encode(letter)})
+        wait_for(lambda: client.xlen(names.prompts) >= 5, 10, "a replacement prompt")
+        progress = {k.decode(): v.decode() for k, v in client.hgetall(names.state("progress")).items()}
+        assert progress["dead"] == "1" and "HTTP 500" in progress["dead_reason"]
+        assert victim.id.encode() not in client.smembers(names.state("inflight"))
+    finally:
+        stop(proc)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("coordinator/dead_letters") == 1 and "HTTP 500" in r["coordinator/dead_reason"] for r in rows)
+
+    # a restart continues: the cursor and the version survive, nothing is re-issued
+    client.set(names.state("policy_version"), 1)
+    proc = start(recipe, run_id)
+    try:
+        wait_for(lambda: client.xlen(names.prompts) >= 9, 30, "the prompts of batch 1")
+        time.sleep(1.0)
+        ids = [p.id for p in prompts(client, names)]
+        assert len(ids) == len(set(ids)) == 9
+        assert [p.policy_version for p in prompts(client, names)][5:] == [1, 1, 1, 1]
+    finally:
+        stop(proc)
