@@ -198,7 +198,7 @@ def decode_bucket(header: BucketHeader, data: memoryview | bytes) -> list[Receiv
     return out
 
 
-def serve_request(request_frame: bytes, current: EncodedVersion | None) -> list[bytes]:
+def serve_request(request_frame: bytes, current: EncodedVersion | None) -> list[bytes | bytearray]:
     """Answer one request frame with the reply frames (pure: the server loop only moves bytes)."""
     current_version = -1 if current is None else current.version
     try:

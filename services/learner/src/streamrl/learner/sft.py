@@ -13,7 +13,7 @@ import torch
 
 from streamrl.learner.data import build_sft_samples, train_eval_records
 from streamrl.learner.engine import ModelEngine, load_tokenizer
-from streamrl.learner.logprobs import IGNORE_INDEX, token_logprobs
+from streamrl.learner.logprobs import head_token_logprobs, IGNORE_INDEX, token_logprobs
 from streamrl.learner.offline_config import SFTConfig
 from streamrl.learner.offline_loop import LoopResult, run_training
 from streamrl.learner.offline_losses import masked_nll
@@ -26,6 +26,13 @@ def response_logprobs(
     """Per-token log-probs of the next-token targets of ``rows`` and the mask of positions that have one."""
     batch = collate(list(rows), pad_id, packed)
     targets = batch.pop("targets").to(engine.device)
+    model = engine.module
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    head = base.get_output_embeddings()
+    if head is not None and hasattr(base, "model"):
+        # decoder body, then the output head chunk by chunk: the full [tokens, vocab] logits never exist
+        hidden = base.model(**{k: v.to(engine.device) for k, v in batch.items()}).last_hidden_state
+        return head_token_logprobs(hidden, head, targets), targets != IGNORE_INDEX
     logits = engine(**batch).logits
     return token_logprobs(logits, targets), targets != IGNORE_INDEX
 
