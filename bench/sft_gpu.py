@@ -78,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"])
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    p.add_argument("--no-chunked-head", action="store_true", help="materialise the full-vocabulary logits")
     p.add_argument("--fused-adam", action="store_true", help="DeepSpeed FusedAdam instead of torch AdamW")
     return p.parse_args()
 
@@ -164,7 +165,7 @@ def main() -> int:
     rows = pack_samples(samples, args.seq_len, pad_id=0)
     while len(rows) < per_step_rows * total_steps:
         rows += rows
-    task = SFTTask(pad_id=0, packed=True)
+    task = SFTTask(pad_id=0, packed=True, chunked_head=not args.no_chunked_head)
     device = engine.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 

@@ -21,7 +21,7 @@ from streamrl.learner.packing import Row, Sample, collate, pack_samples, sample_
 
 
 def response_logprobs(
-    engine: ModelEngine, rows: Sequence[Row], pad_id: int, packed: bool
+    engine: ModelEngine, rows: Sequence[Row], pad_id: int, packed: bool, chunked_head: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of the next-token targets of ``rows`` and the mask of positions that have one."""
     batch = collate(list(rows), pad_id, packed)
@@ -29,7 +29,7 @@ def response_logprobs(
     model = engine.module
     base = model.get_base_model() if hasattr(model, "peft_config") else model
     head = base.get_output_embeddings()
-    if head is not None and hasattr(base, "model"):
+    if chunked_head and head is not None and hasattr(base, "model"):
         # decoder body, then the output head chunk by chunk: the full [tokens, vocab] logits never exist
         hidden = base.model(**{k: v.to(engine.device) for k, v in batch.items()}).last_hidden_state
         return head_token_logprobs(hidden, head, targets), targets != IGNORE_INDEX
@@ -42,12 +42,13 @@ class SFTTask:
 
     default_best_metric = "loss"
 
-    def __init__(self, pad_id: int, packed: bool) -> None:
+    def __init__(self, pad_id: int, packed: bool, chunked_head: bool = True) -> None:
         self.pad_id = pad_id
         self.packed = packed
+        self.chunked_head = chunked_head
 
     def train_loss(self, engine: ModelEngine, items: Sequence[Row]) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs, mask = response_logprobs(engine, items, self.pad_id, self.packed)
+        logprobs, mask = response_logprobs(engine, items, self.pad_id, self.packed, self.chunked_head)
         return masked_nll(logprobs, mask), {"tokens": float(mask.sum())}
 
     def eval_sums(self, engine: ModelEngine, items: Sequence[Row]) -> dict[str, float]:
