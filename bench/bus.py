@@ -184,9 +184,11 @@ def redis_benchmark_xadd(port: int, payload_bytes: int, num: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer messages (smoke run)")
+    parser.add_argument("--sizes", default="1024,8192,32768", help="trajectory lengths (tokens), comma-separated")
     args = parser.parse_args()
     scale = 0.2 if args.quick else 1.0
-    counts = {1024: int(4000 * scale), 8192: int(1500 * scale), 32768: int(400 * scale)}
+    base = {1024: 4000, 8192: 1500, 32768: 400}
+    counts = {int(t): int(base.get(int(t), 1000) * scale) for t in args.sizes.split(",")}
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(tmp, appendonly=False).start()

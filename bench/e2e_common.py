@@ -29,17 +29,17 @@ class BenchSettings:
     """One end-to-end GRPO run on a prepared arithmetic folder.
 
     Example:
-        >>> BenchSettings(data_dir="runs/arith_a", prompts_per_step=16, group_size=8, lr=1e-3)
+        >>> BenchSettings(data_dir="runs/arith_a", prompts_per_step=32, group_size=8, lr=1e-4)
     """
 
     data_dir: str = "runs/arith_a"
     """Folder written by prepare.py (train.jsonl, eval.jsonl, model/)."""
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     """Distinct prompts per optimizer step."""
     group_size: int = 8
     """Samples per prompt (GRPO group)."""
-    lr: float = 1e-3
-    """Adam learning rate (constant)."""
+    lr: float = 1e-4
+    """Adam learning rate (constant after warm-up); 3e-4 and above collapsed the warm-started policy."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up (steps), then constant."""
     temperature: float = 1.0

@@ -7,8 +7,8 @@ token-mean clipped surrogate over all completion tokens (EOS included, padding e
 is used once, so the policy is exactly on-policy (ratio = 1, the clip never binds) and no reference
 model is needed (beta = 0). Log-probs are those of ``logits / T``, the distribution sampled from.
 
-    python bench/e2e_torch.py [--data-dir runs/arith_a] [--prompts-per-step 16] [--group-size 8]
-        [--lr 1e-3] [--temperature 1.0] [--max-steps 200] [--time-budget-s 600]
+    python bench/e2e_torch.py [--data-dir runs/arith_a] [--prompts-per-step 32] [--group-size 8]
+        [--lr 1e-4] [--temperature 1.0] [--max-steps 200] [--time-budget-s 600]
 
 Prints one line per evaluation, then one JSON object (settings, curve, steps/s, tokens/s) as the last line.
 """

@@ -6,7 +6,7 @@ batch of ``prompts_per_step x group_size`` completions (so one step here is one 
 sides), a constant learning rate and the task's own ``reward_func``. Every ``eval_every_steps`` steps
 a callback pauses the RL clock and measures greedy held-out accuracy (``bench/e2e_common.py``).
 
-    python bench/e2e_trl.py [--data-dir runs/arith_a] [--prompts-per-step 16] [--group-size 8]
+    python bench/e2e_trl.py [--data-dir runs/arith_a] [--prompts-per-step 32] [--group-size 8]
         [--lr 1e-4] [--max-steps 200] [--time-budget-s 600] [--extra '{"loss_type": "grpo"}']
 
 Prints one line per evaluation, then one JSON object (settings, curve, steps/s, generated tokens/s,

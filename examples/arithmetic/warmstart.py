@@ -3,8 +3,9 @@
 GRPO learns only from groups whose samples disagree, so a policy at 0% (or 100%) gives no signal.
 This plain-torch loop trains on (prompt, response + EOS) pairs with the prompt masked out of the
 loss, and stops as soon as the held-out greedy accuracy reaches ``target_accuracy`` (checked every
-``eval_every_steps``), leaving room for RL to show learning. Seeded and single-threaded-safe:
-the same settings give the same weights on the same machine.
+``eval_every_steps``), leaving room for RL to show learning. Seeded: the default settings stopped
+at step 250 with 33.4% held-out accuracy on two fresh machines (~22 s with 2 uncontended threads).
+Batch 128 at lr 1e-3 was the fastest of the settings tried; lr 3e-3 oscillated and did not get there.
 
 Greedy accuracy here is measured by teacher forcing: greedy decoding reproduces the target answer
 exactly iff the argmax at every response position (EOS included) is the target token, so one

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +41,9 @@ def start_worker(redis_url: str, run_id: str, instance: str, *extra: str) -> sub
     cmd = [sys.executable, str(WORKER), f"--redis.url={redis_url}", f"--run_id={run_id}", f"--instance={instance}",
            "--consumer.heartbeat_interval_s=0.2", "--consumer.claim_interval_s=0.2", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # output to a file: an unread pipe fills up and blocks a chatty worker
+    log = tempfile.NamedTemporaryFile(prefix=f"bus-worker-{instance}-", suffix=".log", delete=False)  # noqa: SIM115
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,8 +19,12 @@ from streamrl.common.streams import StreamNames
 
 
 def start(recipe: Path, run_id: str, *extra: str) -> subprocess.Popen[bytes]:
+    """The coordinator as a process; its output goes to a file (``proc.log_path``)."""
     cmd = [sys.executable, "-m", "streamrl.coordinator", str(recipe), f"--run_id={run_id}", "--coordinator.eval.dataset=null", *extra]
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tempfile.NamedTemporaryFile(prefix="coordinator-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log.name  # type: ignore[attr-defined]
+    return proc
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -35,9 +40,10 @@ def prompts(client: redis.Redis, names: StreamNames) -> list[PromptWorkItem]:
 
 def stop(proc: subprocess.Popen[bytes]) -> str:
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out.decode()[-3000:]
-    return out.decode()
+    proc.wait(timeout=30)
+    out = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+    assert proc.returncode == 0, out[-3000:]
+    return out
 
 
 def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,

@@ -8,8 +8,10 @@ outputs were already written therefore produces no duplicate downstream (exactly
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -105,3 +107,57 @@ class Bus:
                 args += ["h", out.key or "", out.field or "", payload]
         fresh = await self._commit(keys=[ack_stream or "-", dedupe_key], args=args)
         return bool(fresh)
+
+    def commit_args(
+        self, outputs: Sequence[Output], *, ack_stream: str, ack_group: str, ack_entry: str, dedupe_key: str,
+        dedupe_ttl_s: int,
+    ) -> tuple[list[str], list[str | bytes | int]]:
+        """KEYS and ARGV of one commit (see :meth:`commit`), for batching several into one round trip."""
+        args: list[str | bytes | int] = [ack_group, ack_entry, dedupe_ttl_s, self.maxlen]
+        for out in outputs:
+            payload = encode(out.message)
+            if out.stream is not None:
+                args += ["x", out.stream, "", payload]
+            else:
+                args += ["h", out.key or "", out.field or "", payload]
+        return [ack_stream or "-", dedupe_key], args
+
+
+class CommitBatcher:
+    """Coalesces the commits of concurrently handled entries into one pipelined round trip.
+
+    Each commit stays its own atomic script call; only the network round trips are shared.
+    """
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._pending: list[tuple[tuple[list[str], list[str | bytes | int]], asyncio.Future[bool]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def commit(self, outputs: Sequence[Output], **kwargs: Any) -> bool:
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._pending.append((self.bus.commit_args(outputs, **kwargs), future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            pipe = self.bus.redis.pipeline(transaction=False)
+            for (keys, args), _ in batch:
+                await self.bus._commit(keys=keys, args=args, client=pipe)  # queues it in the pipeline
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except Exception as e:  # the round trip failed: every waiter gets the error
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            for (_, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(bool(result))

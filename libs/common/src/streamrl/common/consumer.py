@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from redis.exceptions import ResponseError
 
-from streamrl.common.bus import PAYLOAD_FIELD, Bus, Output
+from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.errors import PoisonMessageError, RetryableError
@@ -93,6 +93,7 @@ class ConsumerLoop(Generic[M]):
         self.ack = ack
         self.on_committed = on_committed
         self.stats = ConsumerStats()
+        self._committer = CommitBatcher(bus)
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.max_in_flight)
 
@@ -214,7 +215,7 @@ class ConsumerLoop(Generic[M]):
                     self.stats.skipped_duplicates += 1
                     return
                 outputs = await self.handler(message)
-                fresh = await self.bus.commit(
+                fresh = await self._committer.commit(
                     outputs,
                     ack_stream=self.stream,
                     ack_group=self.group,
