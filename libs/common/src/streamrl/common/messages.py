@@ -73,6 +73,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = -1
     """-1 = disabled."""
     max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    """End-of-sequence is suppressed before this many tokens (benchmarks, length floors)."""
     n: int = 1
     """Samples per prompt (the group size)."""
     seed: int | None = None

@@ -39,6 +39,8 @@ class SamplingConfig(BaseConfig):
     top_k: int = Field(-1, ge=-1)
     """-1 = disabled."""
     max_new_tokens: int = Field(64, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    """End-of-sequence is suppressed before this many tokens (e.g. generation-heavy benchmarks)."""
     seed: int | None = None
 
 

@@ -41,6 +41,7 @@ from streamrl.common.messages import (
     WeightsPublished,
 )
 from streamrl.coordinator.admission import groups_admissible, staleness
+from streamrl.coordinator.batching import ReadyGroup, select_groups
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.filtering import has_spread
 from streamrl.coordinator.metrics import MetricsWriter, plot
@@ -69,6 +70,7 @@ class CoordinatorService:
         self.dead_reasons: Counter[str] = Counter()
         self.last_batch_time = time.monotonic()
         self.progress: dict[str, Any] = {}
+        self.too_stale_since_batch = 0
 
     # -- state in redis -------------------------------------------------------------------
     def _state(self, name: str) -> str:
@@ -222,35 +224,40 @@ class CoordinatorService:
         per_step = self.cfg.prompts_per_step
         while await self.redis.llen(self._state("ready")) >= per_step:
             index = await self._get_int("batch_index")
-            groups = [g.decode() for g in await self.redis.lrange(self._state("ready"), 0, per_step - 1)]
-            samples: list[ScoredTrajectory] = []
-            stale: list[int] = []
-            num_too_stale = 0
-            num_groups_dropped = 0
-            for group in groups:
-                members = await self._group_samples(group)
-                lags = [staleness(index, s.trajectory.policy_version_start) for s in members]
-                if max(lags) > self.cfg.max_staleness:
-                    num_too_stale += len(members)
-                    if self.cfg.staleness_policy == "drop":
-                        num_groups_dropped += 1
-                        continue  # whole groups only: group baselines need every member
-                samples += members
-                stale += lags
+            ready_ids = [g.decode() for g in await self.redis.lrange(self._state("ready"), 0, -1)]
+            members = {g: await self._group_samples(g) for g in ready_ids}
+            ready = [ReadyGroup(g, min(s.trajectory.policy_version_start for s in members[g])) for g in ready_ids]
+            pick = select_groups(ready, index=index, max_staleness=self.cfg.max_staleness, per_step=per_step,
+                                 drop_stale=self.cfg.staleness_policy == "drop")  # fmt: skip
+            if pick.too_stale:
+                num = sum(len(members[g.group_id]) for g in pick.too_stale)
+                pipe = self.redis.pipeline(transaction=True)
+                for g in pick.too_stale:
+                    pipe.lrem(self._state("ready"), 1, g.group_id)
+                    pipe.delete(self.names.group_buffer(g.group_id))
+                pipe.decrby(self._state("accepted"), len(pick.too_stale))  # their replacements get issued
+                pipe.incrby(self._state("samples_too_stale"), num)
+                await pipe.execute()
+                self.too_stale_since_batch += num
+                logger.warning("dropped %d groups (%d samples) over max_staleness=%d for batch %d",
+                               len(pick.too_stale), num, self.cfg.max_staleness, index)  # fmt: skip
+            if not pick.chosen:
+                return
+            samples = [s for g in pick.chosen for s in members[g.group_id]]
             batch = TrainingBatch(
                 id=f"batch-{index}", index=index, samples=samples, policy_version=self.version,
-                staleness=stale, created_at=time.time(),
+                staleness=[staleness(index, s.trajectory.policy_version_start) for s in samples],
+                created_at=time.time(),
             )  # fmt: skip
             pipe = self.redis.pipeline(transaction=True)
             pipe.xadd(self.names.batches, {b"d": encode(batch)}, maxlen=self.cfg.redis.maxlen, approximate=True)
-            pipe.ltrim(self._state("ready"), per_step, -1)
-            for group in groups:
-                pipe.delete(self.names.group_buffer(group))
+            for g in pick.chosen:
+                pipe.lrem(self._state("ready"), 1, g.group_id)
+                pipe.delete(self.names.group_buffer(g.group_id))
             pipe.incr(self._state("batch_index"))
-            pipe.incrby(self._state("samples_too_stale"), num_too_stale)
-            pipe.decrby(self._state("accepted"), num_groups_dropped)  # their replacements get issued
             await pipe.execute()
-            self._record_batch(batch, num_too_stale)
+            self._record_batch(batch, self.too_stale_since_batch)
+            self.too_stale_since_batch = 0
 
     def _record_batch(self, batch: TrainingBatch, num_too_stale: int) -> None:
         now = time.monotonic()
@@ -294,6 +301,7 @@ class CoordinatorService:
         s = self.cfg.sampling
         sampling = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+            min_new_tokens=s.min_new_tokens,
             n=self.cfg.group_size, seed=s.seed,
         )  # fmt: skip
         for _ in range(budget):

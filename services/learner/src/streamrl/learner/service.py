@@ -20,6 +20,7 @@ from pathlib import Path
 
 from streamrl.common.bus import Output
 from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.learner.config import LearnerConfig
@@ -38,7 +39,10 @@ class LearnerService:
         self.trainer = trainer
         self.ckpt_dir = Path(config.run_dir) / "checkpoints"
         self.step = 0
+        self.next_index = 0
+        """Index of the next batch to train (batches below it are replays)."""
         self.checkpointed_step = 0
+        self.checkpointed_index = 0
         self.unacked: list[str] = []
         self.server = WeightServer(
             host=config.weights_host, port=config.weights_port, advertise_host=config.weights_advertise_host,
@@ -50,6 +54,7 @@ class LearnerService:
         state = await asyncio.to_thread(self.trainer.policy.load_checkpoint, self.ckpt_dir)
         if state is not None:
             self.step = self.checkpointed_step = int(state["step"])
+            self.next_index = self.checkpointed_index = int(state.get("next_index", self.step))
             self.trainer.kl_ctl.value = float(state.get("kl_coef", self.trainer.kl_ctl.value))
             logger.info("resumed from checkpoint at step %d", self.step)
         await self.ctx.bus.publish(self.ctx.names.weights, await self._serve_weights(metrics={}))
@@ -68,13 +73,17 @@ class LearnerService:
             self.server.close()
 
     async def handle(self, batch: TrainingBatch) -> list[Output]:
-        if batch.index < self.step:
-            logger.info("skipping %s: already trained (learner at step %d)", batch.id, self.step)
+        if batch.index < self.next_index:
+            logger.info("skipping %s: already trained (next batch index %d)", batch.id, self.next_index)
             return []
-        if batch.index > self.step:
-            raise RuntimeError(f"{batch.id} arrived at step {self.step}: batches {self.step}..{batch.index - 1} are missing")
+        if batch.index > self.next_index:  # never wedge the run on a lost batch: say so and go on
+            logger.error("batches %d..%d never arrived (dead-lettered?): training %s", self.next_index,
+                         batch.index - 1, batch.id)  # fmt: skip
+        if not batch.samples:
+            raise PoisonMessageError(f"{batch.id} has no samples")
         metrics = await asyncio.to_thread(self.trainer.step, batch)
         self.step += 1
+        self.next_index = batch.index + 1
         staleness = batch.staleness or [0]
         metrics["learner/staleness_mean"] = sum(staleness) / len(staleness)
         metrics["learner/staleness_max"] = float(max(staleness))
@@ -105,13 +114,14 @@ class LearnerService:
         )  # fmt: skip
 
     def _checkpoint(self) -> None:
-        self.trainer.policy.save_checkpoint(self.ckpt_dir, {"step": self.step, "kl_coef": self.trainer.kl_ctl.value})
+        self.trainer.policy.save_checkpoint(self.ckpt_dir, {"step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value})
         if self.trainer.critic is not None:
             self.trainer.critic.save_checkpoint(self.ckpt_dir / "critic", {"step": self.step})
         self.checkpointed_step = self.step
+        self.checkpointed_index = self.next_index
 
     async def _on_committed(self, entry_id: str, batch: TrainingBatch) -> None:
         self.unacked.append(entry_id)
-        if batch.index < self.checkpointed_step:  # every batch up to this one is in a checkpoint
+        if batch.index < self.checkpointed_index:  # every batch up to this one is in a checkpoint
             await self.ctx.bus.redis.xack(self.ctx.names.batches, "learner", *self.unacked)
             self.unacked.clear()

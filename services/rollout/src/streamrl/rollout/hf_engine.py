@@ -113,10 +113,12 @@ class HFEngine:
         reasons: list[FinishReason | None] = [None] * n
         step_input = torch.tensor([request.prompt_ids] * n, device=self._device)
         past = None
-        for _ in range(max_new):
+        for position in range(max_new):
             out = self._model(input_ids=step_input, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
+            if position < sp.min_new_tokens and self._eos_ids:
+                logits[:, sorted(self._eos_ids)] = float("-inf")
             logp = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p)
             if sp.temperature == 0:
                 next_ids = logits.argmax(dim=-1)

