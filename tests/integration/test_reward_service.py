@@ -172,3 +172,42 @@ def test_a_failing_scorer_dead_letters_with_the_reason(tmp_path: Path, redis_url
     finally:
         replica.send_signal(signal.SIGTERM)
         assert replica.wait(30) == 0, (tmp_path / "r.log").read_text()
+
+
+PID_REWARD = """
+import os
+import time
+
+def reward_func(queries, prompts, labels):
+    time.sleep(0.2)
+    return {"rewards": [1.0] * len(queries), "extra_logs": {"pid": [float(os.getpid())] * len(queries)}}
+"""
+
+
+def test_a_replica_added_mid_run_takes_load_at_once(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    (tmp_path / "pid_reward.py").write_text(PID_REWARD)
+    scorer = f'type = "function"\nname = "who"\npath = "{tmp_path / "pid_reward.py"}"'
+    recipe = write_recipe(tmp_path, redis_url, run_id, scorer)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    num = 120
+    for i in range(num):
+        client.xadd(names.trajectories, encode_payload(trajectory(i)))
+    first = start_replica(recipe, "first", tmp_path)
+    second = None
+    try:
+        wait_for(lambda: len(scored(client, names)) >= 8, 60, "the first replica's output")
+        second = start_replica(recipe, "second", tmp_path)
+        wait_for(lambda: len(scored(client, names)) >= num and pending(client, names) == 0, 120, "every trajectory")
+        results = scored(client, names)
+        assert len(results) == num and len({s.trajectory.id for s in results}) == num
+        by_pid: dict[float, int] = {}
+        for s in results:
+            by_pid[s.extra["who/pid"]] = by_pid.get(s.extra["who/pid"], 0) + 1
+        assert set(by_pid) == {float(first.pid), float(second.pid)}
+        assert by_pid[float(second.pid)] >= 0.2 * num, f"the added replica took too little: {by_pid}"
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)

@@ -28,6 +28,7 @@ from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.engine import Engine, GenerationRequest
 
 logger = logging.getLogger(__name__)
+ENGINE_CLOSE_TIMEOUT_S = 10.0
 
 
 class RolloutService:
@@ -57,7 +58,10 @@ class RolloutService:
             tail.cancel()
             await asyncio.gather(tail, return_exceptions=True)
             await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
-            self.engine.close()
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.engine.close), timeout=ENGINE_CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                logger.error("the engine did not close within %.0f s", ENGINE_CLOSE_TIMEOUT_S)
 
     async def handle(self, item: PromptWorkItem) -> list[Output]:
         await self._wait_for_version(item.policy_version)
