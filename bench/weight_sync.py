@@ -29,11 +29,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
 from streamrl.learner.weights import WeightServer
 from streamrl.rollout.engine import build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.tiny_model import build_tiny_qwen2
-from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {

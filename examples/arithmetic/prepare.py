@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
+
 from streamrl.common.config import BaseConfig, load_config
 
 sys.path.insert(

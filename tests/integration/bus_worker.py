@@ -11,7 +11,6 @@ import sys
 from pydantic import Field
 
 from streamrl.common.bus import Output
-from streamrl.common.config import BaseConfig
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.lifecycle import ServiceConfig, ServiceContext, service_main
 from streamrl.common.messages import ScoredTrajectory, Trajectory

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from streamrl.common.codec import decode, encode
+from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
@@ -42,7 +42,7 @@ def start_worker(redis_url: str, run_id: str, instance: str, *extra: str) -> sub
            "--consumer.heartbeat_interval_s=0.2", "--consumer.claim_interval_s=0.2", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # output to a file: an unread pipe fills up and blocks a chatty worker
-    log = tempfile.NamedTemporaryFile(prefix=f"bus-worker-{instance}-", suffix=".log", delete=False)  # noqa: SIM115
+    log = tempfile.NamedTemporaryFile(prefix=f"bus-worker-{instance}-", suffix=".log", delete=False)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
 from streamrl.reward.config import HttpScorerConfig, RewardConfig

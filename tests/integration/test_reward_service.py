@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+
 from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
@@ -63,7 +64,7 @@ def write_recipe(
 
 
 def start_replica(recipe: Path, instance: str, tmp_path: Path) -> subprocess.Popen[bytes]:
-    log = open(tmp_path / f"{instance}.log", "wb")  # noqa: SIM115 - closed with the process below
+    log = open(tmp_path / f"{instance}.log", "wb")
     cmd = [
         sys.executable,
         "-m",

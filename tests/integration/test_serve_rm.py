@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from streamrl.common.messages import Tensor, Trajectory
 from streamrl.reward.config import HttpScorerConfig, ModelScorerConfig
 from streamrl.reward.scorers.http import HttpScorer

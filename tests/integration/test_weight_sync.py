@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.learner.weights import WeightServer
 from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.tiny_model import build_tiny_qwen2
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPT = [11, 12, 13, 14]

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 import pytest
+
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights_wire import (
     ALIGN_BYTES,

@@ -13,7 +13,7 @@ from streamrl.coordinator.config import DatasetConfig
 from streamrl.coordinator.prompts import PromptSource
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "examples" / "arithmetic"))
-import model as model_lib  # noqa: E402
+import model as model_lib
 
 ROWS = [{"question": f"{i}+1=", "answer": str(i + 1), "source": "synthetic"} for i in range(10)]
 TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}#{% endif %}"

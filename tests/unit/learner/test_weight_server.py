@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+
 from streamrl.common.weights_wire import fetch_buckets
 from streamrl.learner.weights import WeightServer
 

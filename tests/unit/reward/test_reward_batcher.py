@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from streamrl.reward.batcher import MicroBatcher
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from streamrl.reward.combine import WeightedResult, combine
 from streamrl.reward.scorers.base import ScorerResult
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from streamrl.common.config import validate
 from streamrl.common.errors import ConfigError
 from streamrl.reward.config import (

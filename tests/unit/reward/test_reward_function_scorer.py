@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import FunctionScorerConfig
 from streamrl.reward.scorers.base import ScorerError

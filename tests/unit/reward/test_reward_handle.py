@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from streamrl.common.messages import ScoredTrajectory, Trajectory
 from streamrl.common.streams import StreamNames
 from streamrl.reward.config import RewardConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from streamrl.reward.config import HttpScorerConfig
 from streamrl.reward.scorers.http import EndpointPool, HttpScorer, backoff_delay_s
 

@@ -149,7 +149,7 @@ class CommitBatcher:
                 await self.bus._commit(keys=keys, args=args, client=pipe)  # queues it in the pipeline
             try:
                 results = await pipe.execute(raise_on_error=False)
-            except Exception as e:  # the round trip failed: every waiter gets the error
+            except Exception as e:  # noqa: BLE001 - the round trip failed: every waiter gets the error
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(e)

@@ -228,7 +228,7 @@ class ConsumerLoop(Generic[M]):
             except PoisonMessageError as e:
                 await self._dead_letter(entry_id, payload, f"PoisonMessageError: {e}", deliveries)
                 return
-            except Exception as e:  # the worker boundary: every handler failure is counted and retried
+            except Exception as e:  # noqa: BLE001 - the worker boundary: every handler failure is counted and retried
                 reason = f"{type(e).__name__}: {e}"
                 self.stats.failed += 1
                 self.stats.last_error = reason

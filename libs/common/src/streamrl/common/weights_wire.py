@@ -37,6 +37,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 import zmq
+
 from streamrl.common.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)

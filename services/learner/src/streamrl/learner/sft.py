@@ -13,7 +13,7 @@ import torch
 
 from streamrl.learner.data import build_sft_samples, train_eval_records
 from streamrl.learner.engine import ModelEngine, load_tokenizer
-from streamrl.learner.logprobs import head_token_logprobs, IGNORE_INDEX, token_logprobs
+from streamrl.learner.logprobs import IGNORE_INDEX, head_token_logprobs, token_logprobs
 from streamrl.learner.offline_config import SFTConfig
 from streamrl.learner.offline_loop import LoopResult, run_training
 from streamrl.learner.offline_losses import masked_nll

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
+
 from streamrl.common.weights_wire import BF16, DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
+
 from streamrl.common.config import BaseConfig
 
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
 from streamrl.common.config import apply_overrides, validate
 from streamrl.common.errors import ConfigError
 from streamrl.reward.batcher import MicroBatcher

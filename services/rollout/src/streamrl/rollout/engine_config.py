@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
+
 from streamrl.common.config import BaseConfig
 
 

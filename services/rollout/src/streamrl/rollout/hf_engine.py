@@ -18,12 +18,13 @@ import threading
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights_wire import fetch_buckets
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.weight_receiver import to_torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 

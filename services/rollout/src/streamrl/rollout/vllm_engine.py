@@ -32,14 +32,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.common.errors import WeightSyncError
-from streamrl.common.messages import SamplingParams
-from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
-from streamrl.rollout.engine_config import EngineConfig
 from vllm import LLM
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
+
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import SamplingParams
+from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
+from streamrl.rollout.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights_wire import BF16, ReceivedTensor, fetch_buckets
 

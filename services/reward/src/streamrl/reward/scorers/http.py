@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import HttpScorerConfig
 from streamrl.reward.scorers.base import (

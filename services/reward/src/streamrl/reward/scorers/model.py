@@ -110,7 +110,7 @@ class LocalRewardModel:
         tensors = {}
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                for key in f.keys():
                     if key in (f"{prefix}.weight", f"{prefix}.bias"):
                         tensors[key.rsplit(".", 1)[1]] = f.get_tensor(key)
         if "weight" not in tensors:
