@@ -98,14 +98,11 @@ class Bus:
 
         Returns False when the outputs were skipped because the input was already handled.
         """
-        args: list[str | bytes | int] = [ack_group, ack_entry, dedupe_ttl_s, self.maxlen]
-        for out in outputs:
-            payload = encode(out.message)
-            if out.stream is not None:
-                args += ["x", out.stream, "", payload]
-            else:
-                args += ["h", out.key or "", out.field or "", payload]
-        fresh = await self._commit(keys=[ack_stream or "-", dedupe_key], args=args)
+        keys, args = self.commit_args(
+            outputs, ack_stream=ack_stream, ack_group=ack_group, ack_entry=ack_entry, dedupe_key=dedupe_key,
+            dedupe_ttl_s=dedupe_ttl_s,
+        )
+        fresh = await self._commit(keys=keys, args=args)
         return bool(fresh)
 
     def commit_args(
