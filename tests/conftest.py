@@ -55,7 +55,7 @@ def _write_recipe(task_root: Path, out: Path, redis_url: str | None, dense_rewar
     """
     text = (ROOT / "recipes" / "smoke.toml").read_text().replace("{root}", str(task_root))
     if dense_reward:
-        text = text.replace('path = "examples/arithmetic/task.py"', f'path = "{Path(__file__).with_name("digit_reward.py")}"')
+        text = text.replace('path = "examples/arithmetic/task.py"', f'path = "{Path(__file__).parent / "e2e" / "digit_reward.py"}"')
     text = text.replace(f'run_dir = "{task_root}/run"', f'run_dir = "{out}"')
     if redis_url:
         text = text.replace("[up]", f'[redis]\nurl = "{redis_url}"\n\n[up]', 1)

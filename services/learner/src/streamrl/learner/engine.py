@@ -5,8 +5,8 @@ What it owns, in order of use:
 * process-group setup: NCCL on GPU, gloo on CPU; a single process needs no launcher (it sets
   ``MASTER_ADDR/PORT``, ``RANK=0``, ``WORLD_SIZE=1`` itself, on a free port); under ``torchrun`` or
   the ``deepspeed`` launcher it uses their environment. DeepSpeed's first ``init_distributed``
-  JIT-builds a small shm op (~50 s); the build is cached in ``TORCH_EXTENSIONS_DIR``, which
-  defaults to ``~/.cache/streamrl/torch_extensions`` (outside any checkout).
+  needs a small shm op: scripts/setup.sh pre-builds it; otherwise it is JIT-built (~50 s) into
+  ``TORCH_EXTENSIONS_DIR``, which defaults to ``{sys.prefix}/torch_extensions`` (one per venv).
 * the model: causal LM, reward model (sequence classification, one label: the score at the last
   non-pad token) or value model (token classification, one label per token); optional LoRA (peft),
   QLoRA only on CUDA.
@@ -26,6 +26,7 @@ import math
 import os
 import random
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -58,7 +59,9 @@ def lr_multiplier(step: int, warmup: int, total: int, scheduler: str, min_ratio:
 
 def init_distributed() -> None:
     """Create the default process group once (no launcher needed for one process)."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "streamrl" / "torch_extensions"))
+    # JIT-built ops (when setup did not pre-build them) go next to this interpreter's packages, so
+    # two virtual environments never rebuild, and lock, each other's copy.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ:
