@@ -97,7 +97,9 @@ def test_demo_steps_end_to_end(tiny_task: Path, tmp_path: Path, redis_url: str, 
         if previous is not None and evals[version] != previous:
             changed += 1
         previous = evals[version]
-    assert changed >= total_steps - 1, "greedy outputs should follow the weight updates"
+    # greedy argmax on 16 prompts may legitimately stay put for a step; the log-prob check below
+    # is the exact per-version proof
+    assert changed >= 1, "greedy outputs should follow the weight updates"
 
     # stronger: the behaviour log-probs of batch k are those of the learner's version-k weights
     # (and not those of version k - 1): the engine really served each new version
