@@ -60,6 +60,15 @@ class Sample:
         return self.finish_reason == "length"
 
 
+def check_requests(requests: list[GenerationRequest], max_model_len: int) -> None:
+    """Reject requests no engine can serve, with a message naming the problem."""
+    for r in requests:
+        if r.sampling.n < 1:
+            raise ValueError(f"sampling.n must be >= 1, got {r.sampling.n}")
+        if not 0 < len(r.prompt_ids) < max_model_len:
+            raise ValueError(f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={max_model_len}")
+
+
 class Engine(Protocol):
     """A generation engine: many concurrent ``generate`` calls, weight updates between them."""
 

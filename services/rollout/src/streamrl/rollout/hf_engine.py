@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights_wire import fetch_buckets
-from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
+from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.weight_receiver import to_torch
 
@@ -82,13 +82,7 @@ class HFEngine:
         return self._version
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        for r in requests:
-            if r.sampling.n < 1:
-                raise ValueError(f"sampling.n must be >= 1, got {r.sampling.n}")
-            if not 0 < len(r.prompt_ids) < self._config.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={self._config.max_model_len}"
-                )
+        check_requests(requests, self._config.max_model_len)
         return await asyncio.to_thread(self._generate_all, requests)
 
     async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:

@@ -39,7 +39,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
-from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample
+from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -147,13 +147,7 @@ class VLLMEngine:
         return self._version
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        for r in requests:
-            if r.sampling.n < 1:
-                raise ValueError(f"sampling.n must be >= 1, got {r.sampling.n}")
-            if not 0 < len(r.prompt_ids) < self._config.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={self._config.max_model_len}"
-                )
+        check_requests(requests, self._config.max_model_len)
         if not requests:
             return []
         job = _Job(requests)
