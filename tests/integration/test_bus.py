@@ -88,6 +88,33 @@ def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(redis_url: str, 
         assert rescuer.wait(20) == 0
 
 
+def test_work_slower_than_claim_idle_is_not_claimed_again(redis_url: str, run_id: str) -> None:
+    """A live consumer keeps what it is working on: no second delivery (no duplicate work), nothing dead."""
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    for i in range(3):
+        client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+    worker = start_worker(redis_url, run_id, "slow", "--echo.delay_s=2.0", "--consumer.claim_idle_ms=300",
+                          "--consumer.max_deliveries=1")  # fmt: skip
+    try:
+        def taken() -> bool:
+            try:
+                return pending(client, names) == 3
+            except redis.ResponseError:  # the group is not created yet
+                return False
+
+        wait_for(taken, 20, "the entries to be taken")
+        time.sleep(1.2)  # four claim cycles with a 300 ms idle limit while the handler works
+        held = client.xpending_range(names.trajectories, "reward", min="-", max="+", count=10)
+        assert [h["times_delivered"] for h in held] == [1, 1, 1]
+        wait_for(lambda: len(scored_ids(client, names)) >= 3 and pending(client, names) == 0, 30, "all outputs")
+        assert sorted(scored_ids(client, names)) == ["g0/0", "g1/0", "g2/0"]
+        assert client.xlen(names.dead) == 0
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(20) == 0
+
+
 def test_poison_and_failing_entries_are_dead_lettered_while_the_loop_keeps_running(redis_url: str, run_id: str) -> None:
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)

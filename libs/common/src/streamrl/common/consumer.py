@@ -5,7 +5,8 @@ For one (stream, consumer group, consumer name)::
     XGROUP CREATE (from the start of the stream, tolerating BUSYGROUP)
     loop until stop:
         XREADGROUP > (up to the free in-flight slots)  -> one task per entry
-        every claim_interval_s: XAUTOCLAIM entries idle > claim_idle_ms (a consumer died)
+        every claim_interval_s: refresh the idle time of what this consumer holds, then
+            XAUTOCLAIM entries idle > claim_idle_ms (their consumer died)
     per entry:
         decode            -- PoisonMessageError: dead-letter at once
         already done?     -- the de-dup key exists: ack, skip the handler
@@ -116,6 +117,7 @@ class ConsumerLoop(Generic[M]):
         next_claim = 0.0
         while not stop.is_set():
             if time.monotonic() >= next_claim:
+                await self._keep_alive()
                 await self._reclaim()
                 next_claim = time.monotonic() + self.config.claim_interval_s
             _, got = await self._read(stop, start_id=">")
@@ -174,6 +176,27 @@ class ConsumerLoop(Generic[M]):
             self.stats.in_flight = len(self._tasks)
 
         task.add_done_callback(_done)
+
+    async def _keep_alive(self) -> None:
+        """Reset the idle time of every entry pending under this (live) consumer's name.
+
+        Those are entries being handled now - a long generation, a prompt waiting for its weights -
+        or held on purpose (``ack=False``). Without this, work slower than claim_idle_ms would be
+        claimed again while it runs and could reach max_deliveries. JUSTID: no delivery is counted.
+        """
+        start = "-"
+        while True:
+            held = await self.redis.xpending_range(
+                self.stream, self.group, min=start, max="+", count=256, consumername=self.consumer
+            )
+            if not held:
+                return
+            ids = [h["message_id"] for h in held]
+            await self.redis.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+            if len(held) < 256:
+                return
+            last = ids[-1].decode() if isinstance(ids[-1], bytes) else str(ids[-1])
+            start = "(" + last
 
     async def _reclaim(self) -> None:
         """Take over entries a dead consumer left pending longer than claim_idle_ms."""
