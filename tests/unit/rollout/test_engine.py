@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.learner.weights import WeightServer
-from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
+from streamrl.rollout.engine import Engine, GenerationRequest, Sample, build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.hf_engine import HFEngine, processed_logprobs
 from streamrl.rollout.tiny_model import build_tiny_qwen2
@@ -199,6 +199,39 @@ def test_hf_engine_interface(hf_engine: Engine, hf_model: PreTrainedModel, model
     expected_b = model_b.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT) :].tolist()
     assert after[0].token_ids == expected_b[: len(after[0].token_ids)] != expected[: len(after[0].token_ids)]
     assert (after[0].version_start, after[0].version_end) == (4, 4)
+
+
+def test_hf_engine_batches_concurrent_calls_exactly(hf_engine: Engine, hf_model: PreTrainedModel) -> None:
+    """Calls submitted together are decoded as one left-padded batch; each answer is what it would be alone."""
+    short, long = [3, 4], [5, 6, 7, 8, 9, 10, 11]
+    greedy = SamplingParams(temperature=0, max_new_tokens=9)
+    seeded = SamplingParams(temperature=0.8, top_k=25, max_new_tokens=7, min_new_tokens=7, n=3, seed=9)
+    free = SamplingParams(temperature=1.2, top_p=0.9, max_new_tokens=5, n=4)
+
+    async def together() -> list[list[list[Sample]]]:
+        calls = [
+            hf_engine.generate([GenerationRequest(short, greedy), GenerationRequest(long, seeded)]),
+            hf_engine.generate([GenerationRequest(long, greedy)]),
+            hf_engine.generate([GenerationRequest(short, free)]),
+        ]
+        return list(await asyncio.gather(*calls))
+
+    (short_greedy, long_seeded), (long_greedy,), (short_free,) = asyncio.run(together())
+    for prompt, out in ((short, short_greedy), (long, long_greedy)):
+        alone = hf_model.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False)[0, len(prompt) :]
+        assert out[0].token_ids == alone.tolist()[: len(out[0].token_ids)]
+        torch.testing.assert_close(
+            torch.tensor(out[0].logprobs), _reference_logprobs(hf_model, prompt, out[0].token_ids, greedy), atol=1e-4, rtol=0
+        )
+    assert [len(s.token_ids) for s in long_seeded] == [7, 7, 7], "min_new_tokens = max_new_tokens fixes the length"
+    for sampling, prompt, samples in ((seeded, long, long_seeded), (free, short, short_free)):
+        assert len(samples) == sampling.n
+        for s in samples:
+            ref = _reference_logprobs(hf_model, prompt, s.token_ids, sampling)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
+        assert all(len(s.token_ids) <= sampling.max_new_tokens for s in samples)
+    (seeded_alone,) = asyncio.run(hf_engine.generate([GenerationRequest(long, seeded)]))
+    assert [s.token_ids for s in seeded_alone] == [s.token_ids for s in long_seeded], "a seed repeats whatever is batched"
 
 
 def test_bad_requests_are_rejected(hf_engine: Engine) -> None:

@@ -14,5 +14,6 @@ class RolloutConfig(ServiceConfig):
     engine: EngineConfig
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of one weight update; a miss is a loud WeightSyncError (the prompt is retried)."""
-    version_wait_s: float = Field(300.0, gt=0)
-    """How long a prompt issued at a newer policy version waits for those weights to be published (s)."""
+    version_wait_s: float = Field(1800.0, gt=0)
+    """How long a prompt that asks for a newer policy version waits for those weights (s): prompts are
+    issued ahead (coordinator.prefetch_steps), so this must exceed a learner step."""

@@ -13,13 +13,13 @@ class EngineConfig(BaseConfig):
     """Which generation engine a rollout worker runs, and how it is built."""
 
     type: Literal["vllm", "hf"] = "vllm"
-    """``vllm`` (production) or ``hf`` (plain transformers: debugging, machines without vLLM)."""
+    """``vllm`` (production) or ``hf`` (plain transformers: small models, debugging, machines without vLLM)."""
     model: str
     """Model folder or hub id (weights as safetensors)."""
     tokenizer: str | None = None
     """Tokenizer folder or hub id; None = the model's."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype. On CPU use float32 (bf16 is ~10x slower without AMX)."""
+    """Compute dtype. On CPU, bfloat16 needs AMX / AVX512-BF16 to be fast (~10x slower without); else float32."""
     max_model_len: int = Field(4096, ge=16)
     """Longest prompt + response the engine accepts (tokens)."""
     max_num_seqs: int = Field(256, ge=1)
@@ -34,6 +34,8 @@ class EngineConfig(BaseConfig):
     """Reuse the KV cache of shared prompt prefixes (the n samples of a group share their prompt)."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)."""
+    batch_wait_ms: float = Field(5.0, ge=0)
+    """hf engine: once a request arrives, collect others for this long and decode them as one batch."""
     seed: int = 0
     """Engine seed; a request's own seed (SamplingParams.seed) takes precedence for its samples."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
