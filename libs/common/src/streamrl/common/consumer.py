@@ -159,8 +159,9 @@ class ConsumerLoop(Generic[M]):
         entries = reply[0][1] if reply else []
         for _ in range(free - len(entries)):
             self._slots.release()
+        new = start_id == ">"  # new entries: first delivery; pending ones: ask how many so far
         for entry_id, fields in entries:
-            deliveries = 1 if start_id == ">" else await self._delivery_count(entry_id)
+            deliveries = 1 if new else await self._delivery_count(entry_id)
             self._spawn(entry_id, fields, deliveries)
             start_id = entry_id.decode()
         return start_id, len(entries)
