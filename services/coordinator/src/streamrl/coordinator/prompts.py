@@ -86,15 +86,19 @@ class PromptSource:
             rows = [rows[i] for i in order[: cfg.max_prompts]]
         self.rows = rows
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.cfg.shuffle:
-            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        """Row order of ``epoch`` (shuffled once per epoch, then kept)."""
+        if self._epoch_order[0] != epoch:
+            order = list(range(len(self.rows)))
+            if self.cfg.shuffle:
+                random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
 
     def get(self, cursor: int) -> Prompt:
         epoch, offset = divmod(cursor, len(self.rows))
