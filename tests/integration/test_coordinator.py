@@ -53,11 +53,13 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
     names = StreamNames(run_id)
     proc = start(recipe, run_id)
     try:
-        # synchronous mode: exactly the 4 prompts of batch 0, nothing more while version 0 holds
-        wait_for(lambda: client.xlen(names.prompts) >= 4, 30, "the first prompts")
+        # synchronous mode, one batch prefetched: the 4 prompts of batch 0 at version 0 and the 4 of
+        # batch 1 asking for version 1 (the rollout holds them until those weights land); no more
+        wait_for(lambda: client.xlen(names.prompts) >= 8, 30, "the first prompts")
         time.sleep(1.0)
         issued = prompts(client, names)
-        assert len(issued) == 4 and all(p.policy_version == 0 and p.sampling.n == 4 for p in issued)
+        assert [p.policy_version for p in issued] == [0, 0, 0, 0, 1, 1, 1, 1]
+        assert all(p.sampling.n == 4 for p in issued)
         # a dead-lettered trajectory fails its group: counted with its reason, and replaced
         victim = issued[0]
         traj = Trajectory(id=f"{victim.id}/0", group_id=victim.id, group_index=0, group_size=4,
@@ -66,7 +68,8 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
         letter = DeadLetter(stream=names.trajectories, entry_id="1-0", group="reward", consumer="r",
                             error="ScorerError: reward server said HTTP 500", deliveries=3, payload=encode(traj), ts=0.0)  # fmt: skip
         client.xadd(names.dead, {b"d": encode(letter)})
-        wait_for(lambda: client.xlen(names.prompts) >= 5, 10, "a replacement prompt")
+        wait_for(lambda: client.xlen(names.prompts) >= 9, 10, "a replacement prompt")
+        assert prompts(client, names)[8].policy_version == 1, "the replacement fills batch 1's place"
         progress = {k.decode(): v.decode() for k, v in client.hgetall(names.state("progress")).items()}
         assert progress["dead"] == "1" and "HTTP 500" in progress["dead_reason"]
         assert victim.id.encode() not in client.smembers(names.state("inflight"))
@@ -79,10 +82,10 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
     client.set(names.state("policy_version"), 1)
     proc = start(recipe, run_id)
     try:
-        wait_for(lambda: client.xlen(names.prompts) >= 9, 30, "the prompts of batch 1")
+        wait_for(lambda: client.xlen(names.prompts) >= 13, 30, "the prompts of batch 2")
         time.sleep(1.0)
         ids = [p.id for p in prompts(client, names)]
-        assert len(ids) == len(set(ids)) == 9
-        assert [p.policy_version for p in prompts(client, names)][5:] == [1, 1, 1, 1]
+        assert len(ids) == len(set(ids)) == 13
+        assert [p.policy_version for p in prompts(client, names)][9:] == [2, 2, 2, 2]
     finally:
         stop(proc)

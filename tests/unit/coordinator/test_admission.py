@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamrl.coordinator.admission import groups_admissible
+from streamrl.coordinator.admission import groups_admissible, required_version
 
 
 def test_sync_mode_issues_one_batch_per_version() -> None:
@@ -21,3 +21,17 @@ def test_dropped_groups_are_replaced_and_the_run_end_caps_issuing() -> None:
     # 2 of 4 in-flight groups were filtered out: they left both counts, so 2 replacements are allowed
     assert groups_admissible(accepted=2, in_flight=0, version=0, max_staleness=0, prompts_per_step=4, total_steps=10) == 2
     assert groups_admissible(accepted=8, in_flight=0, version=1, max_staleness=5, prompts_per_step=4, total_steps=2) == 0
+
+
+def test_prefetch_issues_the_next_batch_early_tagged_with_the_version_it_needs() -> None:
+    # sync mode, version 0, prefetch 1: batch 0 and batch 1 may be issued...
+    kw = dict(max_staleness=0, prompts_per_step=4, total_steps=10)
+    assert groups_admissible(accepted=0, in_flight=0, version=0, prefetch_steps=1, **kw) == 8
+    assert groups_admissible(accepted=4, in_flight=4, version=0, prefetch_steps=1, **kw) == 0
+    # ...but batch 1's prompts ask for version 1: sampled at version 0 they would be one step stale
+    want = [required_version(position=p, version=0, max_staleness=0, prompts_per_step=4) for p in range(8)]
+    assert want == [0, 0, 0, 0, 1, 1, 1, 1]
+    # async (max_staleness 1): batch 2 may be generated at version 1, not earlier
+    assert required_version(position=8, version=0, max_staleness=1, prompts_per_step=4) == 1
+    assert required_version(position=8, version=3, max_staleness=1, prompts_per_step=4) == 3  # never below V
+    assert groups_admissible(accepted=36, in_flight=0, version=9, prefetch_steps=3, **kw) == 4  # capped by the run

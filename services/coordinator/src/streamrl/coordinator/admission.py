@@ -1,27 +1,44 @@
-"""Admission control: may the coordinator issue another prompt group now? (pure)
+"""Admission control: which prompt groups the coordinator may issue now, and at which version (pure).
 
-The learner trains batch ``k`` at policy version ``k`` (version = steps done). A group issued now,
-while the policy is at version ``V``, will land in batch ``k = accepted + in_flight`` (counting
-groups, divided by groups per batch). Its staleness when trained is ``k - V``; admission keeps it
-``<= max_staleness``::
+The learner trains batch ``k`` at policy version ``k`` (version = steps done). Groups are counted
+in issue order: a group issued now lands in batch ``k = (accepted + in_flight) // prompts_per_step``
+(``accepted`` counts groups already batched or complete-and-kept, ``in_flight`` groups issued but
+not yet complete). Its staleness when trained is ``k - g`` for generation version ``g``, so a
+group for batch ``k`` must be generated at version ``g >= k - max_staleness``: that is the
+``policy_version`` its prompt carries, and the rollout waits for those weights before generating.
 
-    issue while  accepted + in_flight < (V + max_staleness + 1) * prompts_per_step
+Groups are issued for batches up to ``V + max_staleness + prefetch_steps`` while the policy is at
+version ``V``. ``prefetch_steps`` queues the prompts of the next batches at the rollout workers
+before their weights exist, so generation starts the moment the weights land (no prompt round
+trip on the critical path). max_staleness = 0 is the synchronous mode: every sample is generated
+by the version that trains on it.
 
-``accepted`` counts groups already batched or complete-and-kept, ``in_flight`` groups issued but not
-yet complete. Dropped groups (dynamic filtering, staleness) leave both counts, so replacement
-prompts are issued automatically. max_staleness = 0 is the synchronous mode: the prompts of batch
-``V`` are issued only once version ``V`` is published.
+Dropped groups (dynamic filtering, staleness) leave both counts, so replacement prompts are
+issued automatically.
 """
 
 from __future__ import annotations
 
 
 def groups_admissible(
-    *, accepted: int, in_flight: int, version: int, max_staleness: int, prompts_per_step: int, total_steps: int
+    *,
+    accepted: int,
+    in_flight: int,
+    version: int,
+    max_staleness: int,
+    prompts_per_step: int,
+    total_steps: int,
+    prefetch_steps: int = 0,
 ) -> int:
     """How many more groups may be issued now (>= 0)."""
-    horizon = min(version + max_staleness + 1, total_steps) * prompts_per_step
+    horizon = min(version + max_staleness + prefetch_steps + 1, total_steps) * prompts_per_step
     return max(0, horizon - accepted - in_flight)
+
+
+def required_version(*, position: int, version: int, max_staleness: int, prompts_per_step: int) -> int:
+    """The policy version a group must be generated at: the ``position``-th group in issue order
+    (``accepted + in_flight`` before it) lands in batch ``position // prompts_per_step``."""
+    return max(version, position // prompts_per_step - max_staleness)
 
 
 def staleness(learner_version: int, generation_version: int) -> int:

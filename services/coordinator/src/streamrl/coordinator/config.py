@@ -67,6 +67,9 @@ class CoordinatorConfig(ServiceConfig):
     """Groups per training batch."""
     max_staleness: int = Field(0, ge=0)
     """0 = synchronous (strictly on-policy); k = samples may be at most k versions behind when trained."""
+    prefetch_steps: int = Field(1, ge=0)
+    """Issue the prompts of this many future batches ahead, tagged with the policy version they need:
+    the rollout workers hold them and start generating the moment those weights land."""
     staleness_policy: Literal["drop", "keep"] = "drop"
     """What to do with a sample that still exceeds max_staleness at batching time (always counted)."""
     total_steps: int = Field(20, ge=1)
@@ -75,8 +78,8 @@ class CoordinatorConfig(ServiceConfig):
     """DAPO dynamic sampling: drop groups without reward spread and issue replacement prompts."""
     min_group_size: int = Field(2, ge=1)
     """A baseline over groups needs at least this many samples (the learner's algorithm decides)."""
-    plot_every_steps: int = Field(5, ge=1)
-    """Redraw the PNG plot of reward and accuracy every N steps (and at the end)."""
+    plot_every_steps: int = Field(25, ge=1)
+    """Redraw the PNG plot of reward and accuracy every N steps (and after each evaluation, and at the end)."""
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:

@@ -40,7 +40,7 @@ from streamrl.common.messages import (
     Trajectory,
     WeightsPublished,
 )
-from streamrl.coordinator.admission import groups_admissible, staleness
+from streamrl.coordinator.admission import groups_admissible, required_version, staleness
 from streamrl.coordinator.batching import ReadyGroup, select_groups
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.filtering import has_spread
@@ -48,7 +48,22 @@ from streamrl.coordinator.metrics import MetricsWriter, plot
 from streamrl.coordinator.prompts import PromptSource
 
 logger = logging.getLogger(__name__)
-TICK_S = 0.02
+TICK_S = 0.05
+"""Longest pause between two ticks; stored trajectories and new versions wake the tick at once."""
+MOVE_GROUP_LUA = """
+if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+if ARGV[2] == '1' then
+  redis.call('RPUSH', KEYS[2], ARGV[1]); redis.call('INCR', KEYS[3])
+else
+  redis.call('DEL', KEYS[4]); redis.call('INCR', KEYS[5])
+end
+return 1
+"""
+"""A complete group leaves ``inflight`` for ``ready`` (kept) or is dropped (filtered) - once."""
+WAKE_BATCH_S = 0.002
+"""After a wake-up, wait this long so one tick handles a whole burst of stored trajectories."""
+FULL_CHECK_S = 1.0
+"""Every so often a tick checks every in-flight group and evaluation round, not only touched ones."""
 
 
 def eval_round_key(version: int) -> str:
@@ -71,6 +86,13 @@ class CoordinatorService:
         self.last_batch_time = time.monotonic()
         self.progress: dict[str, Any] = {}
         self.too_stale_since_batch = 0
+        self.wake = asyncio.Event()
+        """Set when a scored trajectory is stored or a version is published: the tick runs at once."""
+        self.touched: set[str] = set()
+        """Groups (and evaluation rounds) that received a trajectory since the last tick looked."""
+        self.full_check_at = 0.0
+        self.eval_pending = 0
+        """Evaluation rounds issued and not yet closed (as of the last look)."""
 
     # -- state in redis -------------------------------------------------------------------
     def _state(self, name: str) -> str:
@@ -90,7 +112,7 @@ class CoordinatorService:
         scored_loop: ConsumerLoop[ScoredTrajectory] = ConsumerLoop(
             self.ctx.bus, self.names, stream=self.names.scored, group="coordinator", consumer="coordinator",
             handler=self.handle_scored, message_type=ScoredTrajectory, config=self.cfg.consumer,
-            dedupe_key=lambda m: m.trajectory.id,
+            dedupe_key=lambda m: m.trajectory.id, on_committed=self._on_scored_committed,
         )  # fmt: skip
         self.ctx.loops.append(scored_loop)
         self.ctx.status = "running"
@@ -133,9 +155,15 @@ class CoordinatorService:
         group = eval_round_key(int(traj.metadata.get("eval_version", 0))) if traj.is_eval else traj.group_id
         return [Output(key=self.names.group_buffer(group), field=traj.id, message=msg)]
 
+    async def _on_scored_committed(self, entry_id: str, msg: ScoredTrajectory) -> None:
+        traj = msg.trajectory
+        self.touched.add(eval_round_key(int(traj.metadata.get("eval_version", 0))) if traj.is_eval else traj.group_id)
+        self.wake.set()
+
     async def on_weights(self, msg: Any) -> None:
         if not isinstance(msg, WeightsPublished):
             return
+        self.wake.set()
         if msg.version > self.version:
             self.version = msg.version
             await self.redis.set(self._state("policy_version"), self.version)
@@ -180,40 +208,53 @@ class CoordinatorService:
     async def _tick_forever(self, done: asyncio.Event, stop: asyncio.Event) -> None:
         await self._maybe_start_eval()
         while not stop.is_set():
-            await self._complete_groups()
+            # Usually only the groups that received trajectories are looked at; every FULL_CHECK_S
+            # all of them are (after a restart nothing is "touched" yet).
+            full = time.monotonic() >= self.full_check_at
+            if full:
+                self.full_check_at = time.monotonic() + FULL_CHECK_S
+            touched, self.touched = self.touched, set()
+            await self._complete_groups(None if full else touched)
             await self._build_batches()
             await self._issue_prompts()
-            if await self._finish_eval_rounds() and self._run_complete():
+            if await self._finish_eval_rounds(full or any(g.startswith("eval-") for g in touched)) and self._run_complete():
                 done.set()
                 return
             await self._publish_progress()
-            await asyncio.sleep(TICK_S)
+            try:
+                await asyncio.wait_for(self.wake.wait(), TICK_S)
+                await asyncio.sleep(WAKE_BATCH_S)  # let the rest of a burst of commits land first
+            except TimeoutError:
+                pass
+            self.wake.clear()
 
     def _run_complete(self) -> bool:
         return self.version >= self.cfg.total_steps
 
-    async def _complete_groups(self) -> None:
-        inflight = [g.decode() for g in await self.redis.smembers(self._state("inflight"))]
-        if not inflight:
+    async def _complete_groups(self, candidates: set[str] | None) -> None:
+        """Move complete groups to ``ready`` (or drop them: dynamic filtering); only ``candidates``
+        are checked unless None (all in-flight groups). A group moves once: the move is one script
+        that first takes it out of ``inflight``."""
+        if candidates is None:
+            groups = [g.decode() for g in await self.redis.smembers(self._state("inflight"))]
+        else:
+            groups = [g for g in candidates if not g.startswith("eval-")]
+        if not groups:
             return
         pipe = self.redis.pipeline(transaction=False)
-        for g in inflight:
+        for g in groups:
             pipe.hlen(self.names.group_buffer(g))
-        sizes = await pipe.execute()
-        for group, size in zip(inflight, sizes, strict=True):
-            if size < self.cfg.group_size:
+            pipe.sismember(self._state("inflight"), g)
+        replies = await pipe.execute()
+        for group, size, in_flight in zip(groups, replies[::2], replies[1::2], strict=True):
+            if size < self.cfg.group_size or not in_flight:
                 continue
-            samples = await self._group_samples(group)
-            keep = not self.cfg.dynamic_filtering or has_spread([s.score for s in samples])
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.srem(self._state("inflight"), group)
-            if keep:
-                pipe.rpush(self._state("ready"), group)
-                pipe.incr(self._state("accepted"))
-            else:
-                pipe.delete(self.names.group_buffer(group))
-                pipe.incr(self._state("groups_filtered"))
-            await pipe.execute()
+            keep = True
+            if self.cfg.dynamic_filtering:
+                keep = has_spread([s.score for s in await self._group_samples(group)])
+            keys = [self._state("inflight"), self._state("ready"), self._state("accepted"),
+                    self.names.group_buffer(group), self._state("groups_filtered")]  # fmt: skip
+            await self.redis.eval(MOVE_GROUP_LUA, len(keys), *keys, group, int(keep))
 
     async def _group_samples(self, group: str) -> list[ScoredTrajectory]:
         raw = await self.redis.hgetall(self.names.group_buffer(group))
@@ -293,30 +334,34 @@ class CoordinatorService:
 
     async def _issue_prompts(self) -> None:
         inflight = await self.redis.scard(self._state("inflight"))
+        accepted = await self._get_int("accepted")
+        cfg = self.cfg
         budget = groups_admissible(
-            accepted=await self._get_int("accepted"), in_flight=inflight, version=self.version,
-            max_staleness=self.cfg.max_staleness, prompts_per_step=self.cfg.prompts_per_step,
-            total_steps=self.cfg.total_steps,
+            accepted=accepted, in_flight=inflight, version=self.version, max_staleness=cfg.max_staleness,
+            prompts_per_step=cfg.prompts_per_step, total_steps=cfg.total_steps, prefetch_steps=cfg.prefetch_steps,
         )  # fmt: skip
-        s = self.cfg.sampling
+        if budget == 0:
+            return
+        s = cfg.sampling
         sampling = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-            min_new_tokens=s.min_new_tokens,
-            n=self.cfg.group_size, seed=s.seed,
+            min_new_tokens=s.min_new_tokens, n=cfg.group_size, seed=s.seed,
         )  # fmt: skip
-        for _ in range(budget):
-            cursor = await self._get_int("cursor")
-            prompt = self.source.get(cursor)
+        cursor = await self._get_int("cursor")
+        pipe = self.redis.pipeline(transaction=True)
+        for i in range(budget):
+            prompt = self.source.get(cursor + i)
+            needs = required_version(position=accepted + inflight + i, version=self.version,
+                                     max_staleness=cfg.max_staleness, prompts_per_step=cfg.prompts_per_step)  # fmt: skip
             item = PromptWorkItem(
-                id=f"p{cursor}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
-                label=prompt.label, metadata=prompt.metadata, sampling=sampling, policy_version=self.version,
+                id=f"p{cursor + i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
+                label=prompt.label, metadata=prompt.metadata, sampling=sampling, policy_version=needs,
                 issued_at=time.time(),
             )  # fmt: skip
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(self.names.prompts, {b"d": encode(item)}, maxlen=self.cfg.redis.maxlen, approximate=True)
+            pipe.xadd(self.names.prompts, {b"d": encode(item)}, maxlen=cfg.redis.maxlen, approximate=True)
             pipe.sadd(self._state("inflight"), item.id)
-            pipe.incr(self._state("cursor"))
-            await pipe.execute()
+        pipe.incrby(self._state("cursor"), budget)
+        await pipe.execute()
 
     # -- evaluation ---------------------------------------------------------------------------
     async def _maybe_start_eval(self) -> None:
@@ -325,7 +370,7 @@ class CoordinatorService:
         v = self.version
         if not (v % self.cfg.eval.every_steps == 0 or v == self.cfg.total_steps):
             return
-        if not await self.redis.hsetnx(self._state("eval_rounds"), str(v), "started"):
+        if not await self.redis.hsetnx(self._state("eval_rounds"), str(v), f"started@{time.time():.3f}"):
             return  # already issued (e.g. before a restart)
         sampling = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens, n=1)
         count = min(self.cfg.eval.num_prompts, len(self.eval_source))
@@ -339,26 +384,34 @@ class CoordinatorService:
             )  # fmt: skip
             pipe.xadd(self.names.prompts, {b"d": encode(item)}, maxlen=self.cfg.redis.maxlen, approximate=True)
         await pipe.execute()
+        self.eval_pending += 1
         logger.info("evaluation round at version %d: %d greedy prompts issued", v, count)
 
-    async def _finish_eval_rounds(self) -> bool:
-        """Close complete evaluation rounds; True when no round is pending."""
+    async def _finish_eval_rounds(self, look: bool = True) -> bool:
+        """Close complete evaluation rounds; True when no round is pending (``look`` False: only
+        report what is known)."""
         if self.eval_source is None:
             return True
+        if not look:
+            return self.eval_pending == 0
         rounds = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self._state("eval_rounds"))).items()}
         count = min(self.cfg.eval.num_prompts, len(self.eval_source))
-        pending = False
+        pending = 0
         for version, status in rounds.items():
-            if status != "started":
+            if not status.startswith("started"):
                 continue
             key = self.names.group_buffer(eval_round_key(int(version)))
             if await self.redis.hlen(key) < count:
-                pending = True
+                pending += 1
                 continue
             samples = [decode(v, ScoredTrajectory) for v in (await self.redis.hgetall(key)).values()]
             acc = float(np.mean([s.score for s in samples]))
             reward = float(np.mean([s.reward for s in samples]))
-            self.metrics.write(int(version), {"eval/acc": acc, "eval/reward_mean": reward, "eval/num_prompts": count})
+            started = float(status.partition("@")[2] or "nan")
+            self.metrics.write(int(version), {
+                "eval/acc": acc, "eval/reward_mean": reward, "eval/num_prompts": count,
+                "eval/started_at": started, "eval/duration_s": time.time() - started,
+            })  # fmt: skip
             self.progress["eval_acc"] = round(acc, 3)
             logger.info("evaluation at version %s: greedy accuracy %.3f over %d held-out prompts", version, acc, count)
             pipe = self.redis.pipeline(transaction=True)
@@ -366,7 +419,8 @@ class CoordinatorService:
             pipe.delete(key)
             await pipe.execute()
             await asyncio.to_thread(plot, self.cfg.run_dir)
-        return not pending
+        self.eval_pending = pending
+        return pending == 0
 
     async def _publish_progress(self) -> None:
         if self.progress:
