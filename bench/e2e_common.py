@@ -66,6 +66,8 @@ class BenchSettings:
     """Seed of prompt order and sampling."""
     num_threads: int = 2
     """torch intra-op threads."""
+    bf16: bool = False
+    """Train (and generate) in bfloat16 mixed precision (TRL's own default); False = float32."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Side-specific options (for example TRL config fields)."""
 

@@ -107,7 +107,7 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
         config = GRPOConfig(
             output_dir=output_dir,
             use_cpu=True,
-            bf16=False,
+            bf16=settings.bf16,
             seed=settings.seed,
             max_steps=settings.max_steps,
             learning_rate=settings.lr,
