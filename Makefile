@@ -10,9 +10,11 @@ PY := .venv/bin/python
 setup:
 	@scripts/setup.sh
 
-## demo: set up if needed, prepare the arithmetic task (data, tiny model, warm start), run GRPO.
+## demo: set up if needed, prepare the arithmetic task (data, tiny model, warm start), run GRPO
+## from scratch (a previous runs/demo is removed; `streamrl up recipes/demo.toml` alone resumes it).
 demo: setup
 	$(PY) examples/arithmetic/prepare.py recipes/demo.toml
+	rm -rf runs/demo
 	.venv/bin/streamrl up recipes/demo.toml
 
 ## test: set up if needed, then run the whole test suite (CPU, real Redis, real vLLM/DeepSpeed).

@@ -55,7 +55,7 @@ def descendants(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
 
 
 def assert_all_gone(procs: list[psutil.Process], timeout_s: float = 10) -> None:
-    gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
 
 

@@ -97,6 +97,7 @@ def test_work_slower_than_claim_idle_is_not_claimed_again(redis_url: str, run_id
     worker = start_worker(redis_url, run_id, "slow", "--echo.delay_s=2.0", "--consumer.claim_idle_ms=300",
                           "--consumer.max_deliveries=1")  # fmt: skip
     try:
+
         def taken() -> bool:
             try:
                 return pending(client, names) == 3
@@ -125,7 +126,12 @@ def test_poison_and_failing_entries_are_dead_lettered_while_the_loop_keeps_runni
     for i in range(1, 6):
         client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
     worker = start_worker(
-        redis_url, run_id, "w", '--echo.fail_ids=["g0/0"]', "--consumer.max_deliveries=3", "--consumer.retry_delay_s=0.05"
+        redis_url,
+        run_id,
+        "w",
+        '--echo.fail_ids=["g0/0"]',
+        "--consumer.max_deliveries=3",
+        "--consumer.retry_delay_s=0.05",
     )
     try:
         wait_for(lambda: client.xlen(names.dead) >= 4 and len(scored_ids(client, names)) >= 5, 30, "dead letters")
@@ -181,7 +187,7 @@ def test_message_roundtrips_through_plain_msgpack(redis_url: str, run_id: str) -
     names = StreamNames(run_id)
     traj = make_trajectory(3, num_tokens=4)
     client.xadd(names.trajectories, encode_payload(traj))
-    (_, fields), = client.xrange(names.trajectories)
+    ((_, fields),) = client.xrange(names.trajectories)
     plain = msgpack.unpackb(fields[b"d"], raw=False)
     assert plain["type"] == "trajectory" and plain["v"] == 1
     assert plain["id"] == "g3/0" and plain["group_id"] == "g3" and plain["group_size"] == 1

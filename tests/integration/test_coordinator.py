@@ -20,7 +20,15 @@ from streamrl.common.streams import StreamNames
 
 def start(recipe: Path, run_id: str, *extra: str) -> subprocess.Popen[bytes]:
     """The coordinator as a process; its output goes to a file (``proc.log_path``)."""
-    cmd = [sys.executable, "-m", "streamrl.coordinator", str(recipe), f"--run_id={run_id}", "--coordinator.eval.dataset=null", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl.coordinator",
+        str(recipe),
+        f"--run_id={run_id}",
+        "--coordinator.eval.dataset=null",
+        *extra,
+    ]
     log = tempfile.NamedTemporaryFile(prefix="coordinator-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
     proc.log_path = log.name  # type: ignore[attr-defined]

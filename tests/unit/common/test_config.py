@@ -73,7 +73,7 @@ def test_cross_field_rule(tmp_path: Path) -> None:
 
 
 def test_malformed_override_and_recipe(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="section.field=value"):
+    with pytest.raises(ConfigError, match=r"section\.field=value"):
         apply_overrides({}, ["--no-equals-sign"], env={})
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(CoordinatorConfig, write(tmp_path, "[[["), section="coordinator")

@@ -125,7 +125,7 @@ def test_tensors_are_converted(tmp_path: Path, traj: Callable[..., Trajectory]) 
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="reward function file not found: .*nope.py"):
+    with pytest.raises(ValueError, match=r"reward function file not found: .*nope\.py"):
         load_reward_function(str(tmp_path / "nope.py"))
 
 
@@ -183,5 +183,5 @@ def test_timeout(tmp_path: Path, traj: Callable[..., Trajectory]) -> None:
         "slow.py",
         "import asyncio\nasync def reward_func(queries, prompts, labels):\n    await asyncio.sleep(5)\n",
     )
-    with pytest.raises(ScorerError, match="timed out after 0.05 s"):
+    with pytest.raises(ScorerError, match=r"timed out after 0\.05 s"):
         asyncio.run(_scorer(str(path), timeout_s=0.05).score([traj(0)]))

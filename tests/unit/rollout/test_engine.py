@@ -221,7 +221,10 @@ def test_hf_engine_batches_concurrent_calls_exactly(hf_engine: Engine, hf_model:
         alone = hf_model.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False)[0, len(prompt) :]
         assert out[0].token_ids == alone.tolist()[: len(out[0].token_ids)]
         torch.testing.assert_close(
-            torch.tensor(out[0].logprobs), _reference_logprobs(hf_model, prompt, out[0].token_ids, greedy), atol=1e-4, rtol=0
+            torch.tensor(out[0].logprobs),
+            _reference_logprobs(hf_model, prompt, out[0].token_ids, greedy),
+            atol=1e-4,
+            rtol=0,
         )
     assert [len(s.token_ids) for s in long_seeded] == [7, 7, 7], "min_new_tokens = max_new_tokens fixes the length"
     for sampling, prompt, samples in ((seeded, long, long_seeded), (free, short, short_free)):
@@ -231,7 +234,9 @@ def test_hf_engine_batches_concurrent_calls_exactly(hf_engine: Engine, hf_model:
             torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
         assert all(len(s.token_ids) <= sampling.max_new_tokens for s in samples)
     (seeded_alone,) = asyncio.run(hf_engine.generate([GenerationRequest(long, seeded)]))
-    assert [s.token_ids for s in seeded_alone] == [s.token_ids for s in long_seeded], "a seed repeats whatever is batched"
+    assert [s.token_ids for s in seeded_alone] == [s.token_ids for s in long_seeded], (
+        "a seed repeats whatever is batched"
+    )
 
 
 def test_bad_requests_are_rejected(hf_engine: Engine) -> None:

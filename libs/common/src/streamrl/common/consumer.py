@@ -130,7 +130,7 @@ class ConsumerLoop(Generic[M]):
         if not self._tasks:
             return
         logger.info("%s: draining %d in-flight entries", self.stream, len(self._tasks))
-        done, pending = await asyncio.wait(set(self._tasks), timeout=self.config.shutdown_grace_s)
+        _, pending = await asyncio.wait(set(self._tasks), timeout=self.config.shutdown_grace_s)
         for task in pending:
             task.cancel()
         if pending:

@@ -33,7 +33,9 @@ class Selection:
     """Groups over the staleness bound (to drop under the ``drop`` policy)."""
 
 
-def select_groups(ready: list[ReadyGroup], *, index: int, max_staleness: int, per_step: int, drop_stale: bool) -> Selection:
+def select_groups(
+    ready: list[ReadyGroup], *, index: int, max_staleness: int, per_step: int, drop_stale: bool
+) -> Selection:
     """Pick the groups of batch ``index`` from ``ready`` (in completion order)."""
     too_stale = [g for g in ready if index - g.oldest_version > max_staleness]
     usable = [g for g in ready if not drop_stale or index - g.oldest_version <= max_staleness]

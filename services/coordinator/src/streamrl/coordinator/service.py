@@ -217,7 +217,10 @@ class CoordinatorService:
             await self._complete_groups(None if full else touched)
             await self._build_batches()
             await self._issue_prompts()
-            if await self._finish_eval_rounds(full or any(g.startswith("eval-") for g in touched)) and self._run_complete():
+            if (
+                await self._finish_eval_rounds(full or any(g.startswith("eval-") for g in touched))
+                and self._run_complete()
+            ):
                 done.set()
                 return
             await self._publish_progress()

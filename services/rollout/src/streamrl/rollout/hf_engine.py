@@ -208,7 +208,7 @@ class HFEngine:
             rows = self._rows(jobs)
             with torch.inference_mode():
                 self._decode(rows)
-        except Exception as e:  # noqa: BLE001 - handed to every caller of this batch
+        except Exception as e:
             logger.exception("generation failed")
             for job in jobs:
                 job.future.set_exception(e)
