@@ -54,7 +54,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                       "--max_steps=1", "--target_accuracy=1.0", "--num_train=20000", "--num_eval=50"],
           "data_dir": "runs/bench_b", "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 128,
           "min_new_tokens": 128, "lr": 1e-5, "eval": False, "max_model_len": 256, "bf16": True,
-          "engines": ["vllm"]},
+          "engines": ["vllm"], "extra": ["--rollout.engine.enforce_eager=false"]},
 }  # fmt: skip
 
 
@@ -97,7 +97,7 @@ def run_streamrl(
 
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = streamrl_overrides(spec, run_dir, steps, engine)
-    cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *overrides]
+    cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *overrides, *spec.get("extra", [])]
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     metrics = run_dir / "metrics.jsonl"

@@ -33,7 +33,8 @@ class EngineConfig(BaseConfig):
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (the n samples of a group share their prompt)."""
     enforce_eager: bool = False
-    """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)."""
+    """Disable CUDA graphs / torch.compile in vLLM (faster start; on GPU slower decode). On CPU with a
+    weight update every step, compiled decoding was seen to slow down run after run: prefer True there."""
     batch_wait_ms: float = Field(5.0, ge=0)
     """hf engine: once a request arrives, collect others for this long and decode them as one batch."""
     seed: int = 0
