@@ -79,9 +79,7 @@ class Bus:
 
     async def publish(self, stream: str, message: Message) -> str:
         """Append one message to a bounded stream; returns the entry id."""
-        entry_id = await self.redis.xadd(
-            stream, {PAYLOAD_FIELD: encode(message)}, maxlen=self.maxlen, approximate=True
-        )
+        entry_id = await self.redis.xadd(stream, {PAYLOAD_FIELD: encode(message)}, maxlen=self.maxlen, approximate=True)
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def commit(
@@ -99,14 +97,24 @@ class Bus:
         Returns False when the outputs were skipped because the input was already handled.
         """
         keys, args = self.commit_args(
-            outputs, ack_stream=ack_stream, ack_group=ack_group, ack_entry=ack_entry, dedupe_key=dedupe_key,
+            outputs,
+            ack_stream=ack_stream,
+            ack_group=ack_group,
+            ack_entry=ack_entry,
+            dedupe_key=dedupe_key,
             dedupe_ttl_s=dedupe_ttl_s,
         )
         fresh = await self._commit(keys=keys, args=args)
         return bool(fresh)
 
     def commit_args(
-        self, outputs: Sequence[Output], *, ack_stream: str, ack_group: str, ack_entry: str, dedupe_key: str,
+        self,
+        outputs: Sequence[Output],
+        *,
+        ack_stream: str,
+        ack_group: str,
+        ack_entry: str,
+        dedupe_key: str,
         dedupe_ttl_s: int,
     ) -> tuple[list[str], list[str | bytes | int]]:
         """KEYS and ARGV of one commit (see :meth:`commit`), for batching several into one round trip."""
@@ -141,10 +149,10 @@ class CommitBatcher:
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
-            pipe = self.bus.redis.pipeline(transaction=False)
-            for (keys, args), _ in batch:
-                await self.bus._commit(keys=keys, args=args, client=pipe)  # queues it in the pipeline
             try:
+                pipe = self.bus.redis.pipeline(transaction=False)
+                for (keys, args), _ in batch:
+                    await self.bus._commit(keys=keys, args=args, client=pipe)  # queues it in the pipeline
                 results = await pipe.execute(raise_on_error=False)
             except Exception as e:  # noqa: BLE001 - the round trip failed: every waiter gets the error
                 for _, future in batch:

@@ -119,21 +119,33 @@ class CoordinatorService:
         self.ctx.policy_version = self.version
         done = asyncio.Event()
         stop_all = asyncio.Event()
-        tasks = [
-            asyncio.create_task(scored_loop.run(stop_all)),
-            asyncio.create_task(self._tail(self.names.weights, "weights_cursor", self.on_weights, stop_all)),
-            asyncio.create_task(self._tail(self.names.dead, "dead_cursor", self.on_dead, stop_all)),
-            asyncio.create_task(self._tick_forever(done, stop_all)),
-        ]
-        await asyncio.wait([asyncio.create_task(self.ctx.stop.wait()), asyncio.create_task(done.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        tasks = {
+            asyncio.create_task(scored_loop.run(stop_all)): "scored consumer",
+            asyncio.create_task(
+                self._tail(self.names.weights, "weights_cursor", self.on_weights, stop_all)
+            ): "weights tail",
+            asyncio.create_task(self._tail(self.names.dead, "dead_cursor", self.on_dead, stop_all)): "dead-letter tail",
+            asyncio.create_task(self._tick_forever(done, stop_all)): "tick",
+        }
+        # A component that ends early (a bug raising in it) stops the run loudly instead of leaving
+        # the others waiting for it forever.
+        ends = [asyncio.create_task(self.ctx.stop.wait()), asyncio.create_task(done.wait())]
+        await asyncio.wait([*ends, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for end in ends:
+            end.cancel()
         stop_all.set()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        finished, hung = await asyncio.wait(tasks, timeout=self.cfg.consumer.shutdown_grace_s + 5.0)
+        for task in hung:
+            logger.error("coordinator %s did not stop within the grace period; cancelled", tasks[task])
+            task.cancel()
         self.metrics.close()
         plot(self.cfg.run_dir)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
-                raise r
+        for task in finished:
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("coordinator %s failed", tasks[task], exc_info=task.exception())
+                raise task.exception()  # type: ignore[misc]
+        if not done.is_set() and not self.ctx.stop.is_set():
+            raise RuntimeError(f"coordinator {', '.join(tasks[t] for t in finished)} ended before the run did")
 
     async def _tail(self, stream: str, cursor_name: str, handle: Any, stop: asyncio.Event) -> None:
         """Follow a broadcast stream from a cursor saved in redis (at-least-once, handlers idempotent)."""
