@@ -33,16 +33,16 @@ def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
     return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
-def test_demo_steps_end_to_end(tiny_task: Path, tmp_path: Path, redis_url: str, write_recipe) -> None:  # type: ignore[no-untyped-def]
+def test_demo_steps_end_to_end(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]
     run_dir = tmp_path / "run"
     recipe = write_recipe(tiny_task, run_dir, redis_url, dense_reward=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), "--run_id=e2e"],
+        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), f"--run_id={run_id}"],
         env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     client = redis.Redis.from_url(redis_url)
-    names = StreamNames("e2e")
+    names = StreamNames(run_id)
     total_steps, group_size, prompts_per_step = 4, 4, 4
 
     # trajectories passed through every stream
