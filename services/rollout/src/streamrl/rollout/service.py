@@ -95,6 +95,8 @@ class RolloutService:
         deadline = time.monotonic() + self.cfg.version_wait_s
         async with self.changed:
             while self.engine.version < version:
+                if self.ctx.stop.is_set():  # stopping: leave the prompt pending for whoever serves next
+                    raise asyncio.CancelledError(f"stopping while waiting for policy version {version}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RetryableError(f"policy version {version} not served after {self.cfg.version_wait_s} s")
