@@ -15,6 +15,7 @@ Heavy imports (torch, vllm, transformers) happen only inside :func:`build_engine
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -58,6 +59,17 @@ class Sample:
     def truncated(self) -> bool:
         """True when generation hit the length limit."""
         return self.finish_reason == "length"
+
+
+@dataclass
+class WeightUpdate:
+    """A weight update queued to an engine's driver thread; ``future`` gets the seconds it took."""
+
+    endpoint: str
+    version: int
+    checksum: str
+    timeout_s: float
+    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
 def check_requests(requests: list[GenerationRequest], max_model_len: int) -> None:

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.common.weights_wire import fetch_buckets
-from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, check_requests
+from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.weight_receiver import to_torch
 
@@ -75,15 +75,6 @@ class _Job:
 
     requests: list[GenerationRequest]
     future: concurrent.futures.Future[list[list[Sample]]] = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Update:
-    endpoint: str
-    version: int
-    checksum: str
-    timeout_s: float
-    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
 class _Stop:
@@ -130,7 +121,7 @@ class HFEngine:
         self._pad_id = int(pad if pad is not None else min(self._eos_ids, default=0))
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._version = 0
-        self._commands: queue.SimpleQueue[_Job | _Update | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Job | WeightUpdate | _Stop] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._drive, name="hf-engine", daemon=True)
@@ -149,7 +140,7 @@ class HFEngine:
         return await asyncio.wrap_future(job.future)
 
     async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
-        update = _Update(endpoint, version, checksum, timeout_s)
+        update = WeightUpdate(endpoint, version, checksum, timeout_s)
         self._submit(update)
         seconds = await asyncio.wrap_future(update.future)
         logger.info("serving weights version %d (update took %.3f s)", version, seconds)
@@ -162,7 +153,7 @@ class HFEngine:
             self._commands.put(_Stop())
         self._thread.join()
 
-    def _submit(self, command: _Job | _Update) -> None:
+    def _submit(self, command: _Job | WeightUpdate) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the transformers engine is closed")
@@ -198,7 +189,7 @@ class HFEngine:
     def _fail_rest(self, error: BaseException) -> None:
         while not self._commands.empty():
             command = self._commands.get()
-            if isinstance(command, _Job | _Update):
+            if isinstance(command, _Job | WeightUpdate):
                 command.future.set_exception(error)
 
     def _run(self, jobs: list[_Job]) -> None:
@@ -332,7 +323,7 @@ class HFEngine:
             return "length", None
         return None, None
 
-    def _update(self, update: _Update) -> None:
+    def _update(self, update: WeightUpdate) -> None:
         start = time.perf_counter()
         try:
             received = {

@@ -137,7 +137,9 @@ class RolloutService:
                 return
             started = time.perf_counter()
             await self.engine.update_weights(msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s)
-            logger.info("now serving policy version %d (sync took %.0f ms)", msg.version, (time.perf_counter() - started) * 1e3)
+            logger.info(
+                "now serving policy version %d (sync took %.0f ms)", msg.version, (time.perf_counter() - started) * 1e3
+            )
         self._report(msg.version)
         await self.redis.hset(self.ctx.names.served_versions, self.ctx.instance, msg.version)
         async with self.changed:

@@ -39,7 +39,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
-from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, check_requests
+from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -104,15 +104,6 @@ class _Running:
 
 
 @dataclass
-class _Update:
-    endpoint: str
-    version: int
-    checksum: str
-    timeout_s: float
-    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
 class _Abort:
     job: _Job
 
@@ -121,7 +112,7 @@ class _Stop:
     pass
 
 
-Command = _Job | _Update | _Abort | _Stop
+Command = _Job | WeightUpdate | _Abort | _Stop
 
 
 class VLLMEngine:
@@ -159,7 +150,7 @@ class VLLMEngine:
             raise
 
     async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
-        update = _Update(endpoint, version, checksum, timeout_s)
+        update = WeightUpdate(endpoint, version, checksum, timeout_s)
         self._submit(update)
         seconds = await asyncio.wrap_future(update.future)
         logger.info("serving weights version %d (update took %.3f s)", version, seconds)
@@ -237,7 +228,7 @@ class VLLMEngine:
     def _handle(self, command: Command) -> None:
         if isinstance(command, _Job):
             self._add(command)
-        elif isinstance(command, _Update):
+        elif isinstance(command, WeightUpdate):
             self._apply_update(command)
         elif isinstance(command, _Abort):
             self._abort(command.job)
@@ -289,7 +280,7 @@ class VLLMEngine:
                     ),
                 )
 
-    def _apply_update(self, update: _Update) -> None:
+    def _apply_update(self, update: WeightUpdate) -> None:
         assert self._llm is not None
         start = time.perf_counter()
         args = (update.endpoint, update.version, update.checksum, update.timeout_s)
@@ -325,5 +316,5 @@ class VLLMEngine:
         while not self._commands.empty():
             waiting.append(self._commands.get())
         for command in waiting:
-            if isinstance(command, _Job | _Update) and not command.future.done():
+            if isinstance(command, _Job | WeightUpdate) and not command.future.done():
                 command.future.set_exception(error)
