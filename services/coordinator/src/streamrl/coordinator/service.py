@@ -70,6 +70,11 @@ def eval_round_key(version: int) -> str:
     return f"eval-v{version}"
 
 
+def buffer_group(traj: Trajectory) -> str:
+    """The group buffer a scored trajectory is stored in: its group, or its evaluation round."""
+    return eval_round_key(int(traj.metadata.get("eval_version", 0))) if traj.is_eval else traj.group_id
+
+
 class CoordinatorService:
     """See the module docstring."""
 
@@ -164,12 +169,10 @@ class CoordinatorService:
     # -- handlers ---------------------------------------------------------------------------
     async def handle_scored(self, msg: ScoredTrajectory) -> list[Output]:
         traj = msg.trajectory
-        group = eval_round_key(int(traj.metadata.get("eval_version", 0))) if traj.is_eval else traj.group_id
-        return [Output(key=self.names.group_buffer(group), field=traj.id, message=msg)]
+        return [Output(key=self.names.group_buffer(buffer_group(traj)), field=traj.id, message=msg)]
 
     async def _on_scored_committed(self, entry_id: str, msg: ScoredTrajectory) -> None:
-        traj = msg.trajectory
-        self.touched.add(eval_round_key(int(traj.metadata.get("eval_version", 0))) if traj.is_eval else traj.group_id)
+        self.touched.add(buffer_group(msg.trajectory))
         self.wake.set()
 
     async def on_weights(self, msg: Any) -> None:
