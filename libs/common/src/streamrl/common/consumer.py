@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar
 
 from redis.exceptions import ResponseError
 
+from streamrl.common.aio import cancel_and_wait
 from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
@@ -131,10 +132,8 @@ class ConsumerLoop(Generic[M]):
             return
         logger.info("%s: draining %d in-flight entries", self.stream, len(self._tasks))
         _, pending = await asyncio.wait(set(self._tasks), timeout=self.config.shutdown_grace_s)
-        for task in pending:
-            task.cancel()
         if pending:
-            await asyncio.wait(pending)
+            await cancel_and_wait(pending)
             logger.warning("%s: cancelled %d entries after the grace period", self.stream, len(pending))
 
     async def _read(self, stop: asyncio.Event, start_id: str) -> tuple[str, int]:

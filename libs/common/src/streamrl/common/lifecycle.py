@@ -3,13 +3,15 @@
 A service entry point calls :func:`service_main` with its config class and an async ``run``
 function. SIGTERM / SIGINT set ``ctx.stop``: the service stops intake and drains in-flight work
 (the consumer loop gives it ``shutdown_grace_s``), then exits 0. A heartbeat key is kept fresh the
-whole time; ``streamrl <service> RECIPE --check`` reads it for container health checks.
+whole time; ``streamrl <service> RECIPE --check`` reads it for container health checks. SIGUSR1 logs
+the stack of every asyncio task (``kill -USR1 PID`` on a service that seems stuck).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import signal
@@ -21,6 +23,7 @@ from typing import TypeVar
 
 from pydantic import Field
 
+from streamrl.common.aio import cancel_and_wait
 from streamrl.common.bus import Bus, connect
 from streamrl.common.config import BaseConfig, ConsumerConfig, RedisConfig, load_config, save_resolved
 from streamrl.common.consumer import ConsumerLoop
@@ -141,18 +144,27 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _request_stop, ctx, sig)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks, service)
     beat = asyncio.create_task(
         heartbeat_forever(redis, ctx.names, service, instance, config.consumer.heartbeat_interval_s, ctx.snapshot)
     )
     try:
         await run(config, ctx)
     finally:
-        beat.cancel()
-        await asyncio.gather(beat, return_exceptions=True)
+        await cancel_and_wait([beat])
         await redis.delete(ctx.names.heartbeat(service, instance))
         await redis.aclose()
     logger.info("%s/%s stopped", service, instance)
     return 0
+
+
+def _dump_tasks(service: str) -> None:
+    """Log where every asyncio task of this process is waiting."""
+    out = io.StringIO()
+    tasks = asyncio.all_tasks()
+    for task in tasks:
+        task.print_stack(limit=12, file=out)
+    logger.warning("%s: %d asyncio tasks\n%s", service, len(tasks), out.getvalue())
 
 
 def _request_stop(ctx: ServiceContext, sig: signal.Signals) -> None:

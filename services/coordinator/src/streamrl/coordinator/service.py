@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from streamrl.common.aio import cancel_and_wait, wait_set
 from streamrl.common.bus import Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.consumer import ConsumerLoop
@@ -136,13 +137,12 @@ class CoordinatorService:
         # the others waiting for it forever.
         ends = [asyncio.create_task(self.ctx.stop.wait()), asyncio.create_task(done.wait())]
         await asyncio.wait([*ends, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for end in ends:
-            end.cancel()
+        await cancel_and_wait(ends)
         stop_all.set()
         finished, hung = await asyncio.wait(tasks, timeout=self.cfg.consumer.shutdown_grace_s + 5.0)
         for task in hung:
-            logger.error("coordinator %s did not stop within the grace period; cancelled", tasks[task])
-            task.cancel()
+            logger.error("coordinator %s did not stop within the grace period; cancelling it", tasks[task])
+        await cancel_and_wait(hung)
         self.metrics.close()
         plot(self.cfg.run_dir)
         for task in finished:
@@ -239,11 +239,8 @@ class CoordinatorService:
                 done.set()
                 return
             await self._publish_progress()
-            try:
-                await asyncio.wait_for(self.wake.wait(), TICK_S)
+            if await wait_set(self.wake, TICK_S):
                 await asyncio.sleep(WAKE_BATCH_S)  # let the rest of a burst of commits land first
-            except TimeoutError:
-                pass
             self.wake.clear()
 
     def _run_complete(self) -> bool:

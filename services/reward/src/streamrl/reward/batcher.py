@@ -17,6 +17,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from streamrl.common.aio import cancel_and_wait, wait_set
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -80,9 +82,7 @@ class MicroBatcher(Generic[T, R]):
                 if remaining <= 0:
                     break
                 self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except TimeoutError:
+                if not await wait_set(self._arrived, remaining):
                     break
             batch = [p for p in self._items[: self._max_batch_size] if not p[1].done()]
             del self._items[: self._max_batch_size]
@@ -122,9 +122,7 @@ class MicroBatcher(Generic[T, R]):
         """Stop batching; waiters not yet answered get CancelledError."""
         self._closed = True
         tasks = [t for t in (self._collector, *self._running) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         for _, future in self._items:
             future.cancel()
         self._items.clear()

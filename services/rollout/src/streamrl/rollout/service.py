@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from streamrl.common.aio import cancel_and_wait
 from streamrl.common.bus import Output
 from streamrl.common.codec import decode
 from streamrl.common.consumer import ConsumerLoop
@@ -55,11 +56,11 @@ class RolloutService:
         try:
             await loop.run(self.ctx.stop, burst=self.ctx.burst)
         finally:
-            tail.cancel()
-            await asyncio.gather(tail, return_exceptions=True)
+            await cancel_and_wait([tail])
             await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.engine.close), timeout=ENGINE_CLOSE_TIMEOUT_S)
+                async with asyncio.timeout(ENGINE_CLOSE_TIMEOUT_S):
+                    await asyncio.to_thread(self.engine.close)
             except TimeoutError:
                 logger.error("the engine did not close within %.0f s", ENGINE_CLOSE_TIMEOUT_S)
 
@@ -101,7 +102,8 @@ class RolloutService:
                 if remaining <= 0:
                     raise RetryableError(f"policy version {version} not served after {self.cfg.version_wait_s} s")
                 try:
-                    await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 1.0))
+                    async with asyncio.timeout(min(remaining, 1.0)):
+                        await self.changed.wait()
                 except TimeoutError:
                     pass
 

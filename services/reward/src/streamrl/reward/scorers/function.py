@@ -129,7 +129,8 @@ class FunctionScorer:
     async def _score(self, batch: list[Trajectory]) -> ScorerResult:
         source = f"reward function {self._config.path!r} (scorer {self.name!r})"
         try:
-            output = await asyncio.wait_for(self._call(batch), timeout=self._config.timeout_s)
+            async with asyncio.timeout(self._config.timeout_s):
+                output = await self._call(batch)
         except TimeoutError as e:
             raise ScorerError(
                 f"{source} timed out after {self._config.timeout_s} s",
