@@ -59,6 +59,7 @@ def test_cli_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         ("--coordinator.max_staleness=-1", "max_staleness"),
         ("--coordinator.sampling.temperature=hot", "sampling.temperature"),
         ("--consumer.max_deliveries=0", "consumer.max_deliveries"),
+        ("--consumer.block_ms=10000", "consumer.block_ms"),  # would outlast the client's socket timeout
     ],
 )
 def test_bad_values_fail_naming_the_field(tmp_path: Path, override: str, field: str) -> None:

@@ -40,8 +40,8 @@ class RedisConfig(BaseConfig):
 class ConsumerConfig(BaseConfig):
     """Delivery knobs of the consumer loop (design section 3)."""
 
-    block_ms: int = Field(200, ge=1)
-    """XREADGROUP block time per read (ms)."""
+    block_ms: int = Field(200, ge=1, le=4000)
+    """XREADGROUP block time per read (ms); below the Redis client's 5 s socket read timeout."""
     count: int = Field(16, ge=1)
     """Entries read per XREADGROUP call."""
     max_in_flight: int = Field(64, ge=1)
