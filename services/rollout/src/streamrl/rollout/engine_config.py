@@ -27,7 +27,7 @@ class EngineConfig(BaseConfig):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may use (weights + KV cache)."""
     kv_cache_gib: float | None = Field(None, gt=0.0)
-    """Explicit KV cache size (GiB); None = from gpu_memory_utilization (GPU) or VLLM_CPU_KVCACHE_SPACE (CPU)."""
+    """Explicit KV cache size (GiB); None = from gpu_memory_utilization on GPU, VLLM_CPU_KVCACHE_SPACE or 2 GiB on CPU."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM engine spans (tensor parallel)."""
     enable_prefix_caching: bool = True
