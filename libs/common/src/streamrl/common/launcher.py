@@ -20,12 +20,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import redis as syncredis
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from streamrl.common.codec import decode
 from streamrl.common.config import BaseConfig, ConfigError, apply_overrides, read_recipe, validate
@@ -44,6 +45,9 @@ class UpConfig(BaseConfig):
     """Services to start, in order."""
     replicas: dict[str, int] = {}
     """Instances per service (default 1), e.g. ``{reward = 2}``."""
+    threads: dict[str, PositiveInt] = {}
+    """CPU threads per service (its ``OMP_NUM_THREADS``), e.g. ``{learner = 2, rollout = 1}``; default:
+    inherited from the environment."""
     until: str = "coordinator"
     """The run is over when this service exits 0."""
     grace_s: float = Field(20.0, ge=0)
@@ -76,6 +80,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def child_env(base: Mapping[str, str], instance: str, threads: int | None) -> dict[str, str]:
+    """The environment of one service process: ``threads`` (if set) caps its CPU threads."""
+    env = {**base, "PYTHONUNBUFFERED": "1", "STREAMRL_INSTANCE": instance}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
 def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
@@ -120,7 +132,7 @@ class Launcher:
     def _spawn(self, service: str, instance: str) -> None:
         cmd = [sys.executable, "-m", "streamrl.common.cli", service, self.recipe, *self.overrides]
         cmd += [f"--redis.url={self.redis_url}", f"--instance={instance}"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_INSTANCE": instance}
+        env = child_env(os.environ, instance, self.cfg.up.threads.get(service))
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )
