@@ -123,6 +123,8 @@ def test_demo_steps_end_to_end(tiny_task: Path, tmp_path: Path, redis_url: str, 
     # metrics, plot and export land in the run directory
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/acc" in r for r in rows) and any("learner/loss/policy" in r for r in rows)
+    # an evaluation round is generated at the version it asks for or later, never earlier
+    assert all(r["eval/version_lag_max"] >= 0 for r in rows if "eval/acc" in r)
     assert (run_dir / "progress.png").stat().st_size > 0
     assert (run_dir / "final" / "config.json").exists()
     scored = [m for m in entries(client, names.scored) if isinstance(m, ScoredTrajectory)]

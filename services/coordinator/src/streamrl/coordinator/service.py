@@ -426,6 +426,8 @@ class CoordinatorService:
             self.metrics.write(int(version), {
                 "eval/acc": acc, "eval/reward_mean": reward, "eval/num_prompts": count,
                 "eval/started_at": started, "eval/duration_s": time.time() - started,
+                # the round asks for this version or newer: how much newer the engine actually was
+                "eval/version_lag_max": max(s.trajectory.policy_version_end for s in samples) - int(version),
             })  # fmt: skip
             self.progress["eval_acc"] = round(acc, 3)
             logger.info("evaluation at version %s: greedy accuracy %.3f over %d held-out prompts", version, acc, count)
