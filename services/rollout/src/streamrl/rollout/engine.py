@@ -38,7 +38,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     """Lower goes first: evaluation prompts use 1 so the samples the learner waits for are never
-    decoded behind them (vLLM: its priority scheduling)."""
+    decoded behind them (the transformers engine; vLLM serves in arrival order)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,7 +196,6 @@ class VLLMEngine:
             seed=c.seed,
             trust_remote_code=c.trust_remote_code,
             logprobs_mode="processed_logprobs",
-            scheduling_policy="priority",  # evaluation prompts (priority 1) wait for training ones
             worker_extension_cls=WORKER_EXTENSION,
         )
 
@@ -251,9 +250,7 @@ class VLLMEngine:
             for i, (request, engine_input) in enumerate(zip(job.requests, rendered, strict=True)):
                 for j in range(request.sampling.n):
                     request_id = f"{self._num_jobs}-{i}-{j}"
-                    engine.add_request(
-                        request_id, engine_input, to_vllm_params(request.sampling, j), priority=request.priority
-                    )
+                    engine.add_request(request_id, engine_input, to_vllm_params(request.sampling, j))
                     job.request_ids.append(request_id)
                     self._running[request_id] = _Running(job, (i, j))
         except (ValueError, VLLMValidationError) as e:  # a request vLLM refuses: fail this call only
