@@ -261,28 +261,3 @@ def test_vllm_bad_prompt_and_cancel_leave_the_engine_working(vllm_engine: Engine
     (samples,) = asyncio.run(vllm_engine.generate([GenerationRequest(PROMPT, SamplingParams(max_new_tokens=5, n=2))]))
     assert [len(s.token_ids) <= 5 for s in samples] == [True, True]
     assert not vllm_engine._running, "cancelled requests must be aborted in vLLM"  # type: ignore[attr-defined]
-
-
-def test_hf_engine_decodes_training_requests_before_evaluation_requests(model_dirs: tuple[Path, Path]) -> None:
-    """Submitted together, the priority-0 call is answered first; the evaluation call still answers."""
-    greedy = SamplingParams(temperature=0, max_new_tokens=9, min_new_tokens=9)
-    long_eval = SamplingParams(temperature=0, max_new_tokens=40, min_new_tokens=40)  # a round that takes a while
-    # a wide collection window: both calls surely land in one round, however loaded the machine
-    hf_engine = build_engine(_config(model_dirs[0], "hf").model_copy(update={"batch_wait_ms": 200.0}))
-
-    async def together() -> tuple[str, list[list[Sample]], list[list[Sample]]]:
-        evaluation = asyncio.create_task(  # noqa: RUF006 - awaited below
-            hf_engine.generate([GenerationRequest([5, 6, 7], long_eval, priority=1) for _ in range(64)])
-        )
-        training = asyncio.create_task(hf_engine.generate([GenerationRequest([3, 4], greedy)]))
-        done, _ = await asyncio.wait({evaluation, training}, return_when=asyncio.FIRST_COMPLETED)
-        first = "training" if done == {training} else "evaluation (or both at once)"
-        return first, await training, await evaluation
-
-    try:
-        first, training, evaluation = asyncio.run(together())
-    finally:
-        hf_engine.close()
-    assert first == "training"
-    assert len(training) == 1 and len(training[0][0].token_ids) == 9
-    assert len(evaluation) == 64 and all(len(s[0].token_ids) == 40 for s in evaluation)

@@ -36,9 +36,6 @@ class GenerationRequest:
     prompt_ids: list[int]
     """[P] prompt token ids (chat template already applied)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
-    """Lower goes first: evaluation prompts use 1 so the samples the learner waits for are never
-    decoded behind them (the transformers engine; vLLM serves in arrival order)."""
 
 
 @dataclass(frozen=True, slots=True)

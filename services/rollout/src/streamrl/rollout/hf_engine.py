@@ -3,7 +3,6 @@
 One driver thread owns the model and runs this loop::
 
     take commands (generate jobs / weight updates / stop) -> decode every queued job as ONE batch
-                                                             per priority level, lowest first
 
 * Everything submitted while the previous batch ran (or within ``batch_wait_ms`` of the first
   request) is decoded together: all samples of all
@@ -14,8 +13,6 @@ One driver thread owns the model and runs this loop::
   distribution. Greedy (temperature 0) takes the argmax and reports the log-softmax of the raw
   logits, as vLLM does. Rows with different sampling parameters share the batch.
 * A request with a seed samples from its own generator, so it repeats whatever else is batched.
-* Evaluation prompts (priority 1) queued together with training prompts are decoded right after
-  them, so the samples the learner waits for are not held up by an evaluation round.
 * Weight updates are commands too: they land between two batches, never mid-generation
   (``version_start == version_end``); a failed transfer leaves the served weights untouched.
 
@@ -78,10 +75,6 @@ class _Job:
 
     requests: list[GenerationRequest]
     future: concurrent.futures.Future[list[list[Sample]]] = field(default_factory=concurrent.futures.Future)
-
-    @property
-    def priority(self) -> int:
-        return min(request.priority for request in self.requests)
 
 
 class _Stop:
@@ -184,19 +177,14 @@ class HFEngine:
                 if isinstance(command, _Job):
                     jobs.append(command)
                     continue
-                self._run_by_priority(jobs)  # jobs queued before an update use the weights they were queued under
+                self._run(jobs)  # jobs queued before an update use the weights they were queued under
                 jobs = []
                 if isinstance(command, _Stop):
                     self._fail_rest(RuntimeError("the transformers engine was closed"))
                     self._model = None  # type: ignore[assignment]
                     return
                 self._update(command)
-            self._run_by_priority(jobs)
-
-    def _run_by_priority(self, jobs: list[_Job]) -> None:
-        """One batch per priority level, lowest first (training samples before evaluation prompts)."""
-        for level in sorted({job.priority for job in jobs}):
-            self._run([job for job in jobs if job.priority == level])
+            self._run(jobs)
 
     def _fail_rest(self, error: BaseException) -> None:
         while not self._commands.empty():

@@ -67,9 +67,7 @@ class RolloutService:
     async def handle(self, item: PromptWorkItem) -> list[Output]:
         await self._wait_for_version(item.policy_version)
         started = time.time()
-        request = GenerationRequest(
-            prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling, priority=1 if item.is_eval else 0
-        )
+        request = GenerationRequest(prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling)
         (samples,) = await self.engine.generate([request])
         elapsed = time.time() - started
         outputs = []
