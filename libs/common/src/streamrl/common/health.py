@@ -29,26 +29,42 @@ async def heartbeat_forever(
     interval_s: float,
     snapshot: Callable[[], dict[str, int | str]],
 ) -> None:
-    """Write the heartbeat every ``interval_s`` with TTL ``2 * interval_s`` until cancelled."""
+    """Write the heartbeat every ``interval_s`` with TTL ``2 * interval_s`` until cancelled; the
+    instance is (re-)registered in ``names.instances`` with every beat."""
     key = names.heartbeat(service, instance)
     ttl_ms = int(2 * interval_s * 1000)
     while True:
         beat = Heartbeat(service=service, instance=instance, pid=os.getpid(), ts=time.time(), **snapshot())  # type: ignore[arg-type]
-        await redis.set(key, encode(beat), px=ttl_ms)
+        pipe = redis.pipeline(transaction=False)
+        pipe.set(key, encode(beat), px=ttl_ms)
+        pipe.sadd(names.instances, f"{service}:{instance}")
+        await pipe.execute()
         await asyncio.sleep(interval_s)
+
+
+def live_heartbeats(client: syncredis.Redis, names: StreamNames, service: str = "*") -> list[Heartbeat]:
+    """Live heartbeats of ``service`` (``*`` = every service), sorted by service and instance.
+
+    Looked up through the ``instances`` set, so the cost does not grow with the keyspace (a run
+    holds one de-duplication key per handled message). Instances whose key expired are dropped
+    from the set; a live one re-registers with its next beat."""
+    members = sorted(m.decode() for m in client.smembers(names.instances))
+    if service != "*":
+        members = [m for m in members if m.split(":", 1)[0] == service]
+    if not members:
+        return []
+    raws = client.mget([names.heartbeat(*m.split(":", 1)) for m in members])
+    gone = [m for m, raw in zip(members, raws, strict=True) if not raw]
+    if gone:
+        client.srem(names.instances, *gone)
+    return [decode(raw, Heartbeat) for raw in raws if raw]
 
 
 def read_heartbeats(redis_url: str, names: StreamNames, service: str = "*") -> list[Heartbeat]:
     """All live heartbeats of ``service`` (``*`` = every service)."""
     client = syncredis.Redis.from_url(redis_url, socket_timeout=5)
     try:
-        keys = sorted(client.scan_iter(match=names.heartbeat_pattern(service)))
-        beats = []
-        for key in keys:
-            raw = client.get(key)
-            if raw:
-                beats.append(decode(raw, Heartbeat))
-        return beats
+        return live_heartbeats(client, names, service)
     finally:
         client.close()
 

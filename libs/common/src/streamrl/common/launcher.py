@@ -28,9 +28,8 @@ from typing import IO
 import redis as syncredis
 from pydantic import Field, PositiveInt
 
-from streamrl.common.codec import decode
 from streamrl.common.config import BaseConfig, ConfigError, apply_overrides, read_recipe, validate
-from streamrl.common.messages import Heartbeat
+from streamrl.common.health import live_heartbeats
 from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
 
@@ -185,7 +184,7 @@ class Launcher:
     def _display(self) -> None:
         try:
             client = syncredis.Redis.from_url(self.redis_url or "", socket_timeout=1)
-            beats = [decode(client.get(k) or b"", Heartbeat) for k in client.scan_iter(match=self.names.heartbeat_pattern())]
+            beats = live_heartbeats(client, self.names)
             progress = {k.decode(): v.decode() for k, v in client.hgetall(self.names.state("progress")).items()}
             client.close()
         except (syncredis.RedisError, ValueError, OSError):

@@ -153,6 +153,7 @@ async def _serve(
     finally:
         await cancel_and_wait([beat])
         await redis.delete(ctx.names.heartbeat(service, instance))
+        await redis.srem(ctx.names.instances, f"{service}:{instance}")
         await redis.aclose()
     logger.info("%s/%s stopped", service, instance)
     return 0

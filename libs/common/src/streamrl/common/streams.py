@@ -7,6 +7,8 @@
     streamrl:{run}:weights        WeightsPublished    learner -> rollout, coordinator
     streamrl:{run}:dead           DeadLetter          any consumer
     streamrl:{run}:hb:{service}:{instance}   Heartbeat key with TTL
+    streamrl:{run}:instances      set of "{service}:{instance}" that have heartbeated (readers look
+                                  keys up from it: a SCAN would walk every de-duplication key)
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class StreamNames:
 
     def heartbeat_pattern(self, service: str = "*") -> str:
         return self._key("hb", service, "*")
+
+    @property
+    def instances(self) -> str:
+        """Set of ``{service}:{instance}`` members, one per instance that wrote a heartbeat."""
+        return self._key("instances")
 
     def done(self, group: str, message_key: str) -> str:
         """De-duplication marker: consumer group ``group`` already handled ``message_key``."""
