@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import DeadLetter, PromptWorkItem, Tensor, Trajectory
+from streamrl.common.messages import DeadLetter, PromptWorkItem, Tensor, Trajectory, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 
@@ -61,6 +61,12 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
     names = StreamNames(run_id)
     proc = start(recipe, run_id)
     try:
+        # no prompt before a learner is ready (has published its weights)
+        time.sleep(2.0)
+        assert client.xlen(names.prompts) == 0, "prompts were issued before any learner was ready"
+        ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
+                                 endpoint="tcp://127.0.0.1:1")  # fmt: skip
+        client.xadd(names.weights, {b"d": encode(ready)})
         # synchronous mode, one batch prefetched: the 4 prompts of batch 0 at version 0 and the 4 of
         # batch 1 asking for version 1 (the rollout holds them until those weights land); no more
         wait_for(lambda: client.xlen(names.prompts) >= 8, 30, "the first prompts")

@@ -28,6 +28,18 @@ import numpy as np
 SCHEMA_VERSION = 1
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached: numpy computes the name in Python on every access (several us, per
+    tensor of every trajectory)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
 class Tensor(msgspec.Struct, frozen=True):
     """A dense array on the wire: numpy dtype name, shape, raw little-endian bytes (C order).
 
@@ -49,7 +61,7 @@ class Tensor(msgspec.Struct, frozen=True):
         array = np.ascontiguousarray(array)
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
-        return cls(dtype=array.dtype.name, shape=list(array.shape), data=array.tobytes())
+        return cls(dtype=_dtype_name(array.dtype), shape=list(array.shape), data=array.tobytes())
 
     @classmethod
     def from_list(cls, values: list[int] | list[float], dtype: str) -> Tensor:

@@ -78,8 +78,13 @@ class CoordinatorConfig(ServiceConfig):
     """DAPO dynamic sampling: drop groups without reward spread and issue replacement prompts."""
     min_group_size: int = Field(2, ge=1)
     """A baseline over groups needs at least this many samples (the learner's algorithm decides)."""
-    plot_every_steps: int = Field(25, ge=1)
-    """Redraw the PNG plot of reward and accuracy every N steps (and after each evaluation, and at the end)."""
+    wait_for_learner: bool = True
+    """Issue the first prompts only once a learner has published its weights (it is ready to train):
+    samples generated while the learner still loads (or compiles) its model would only grow stale."""
+    plot_every_s: float = Field(30.0, gt=0)
+    """Redraw the PNG plot of reward and accuracy at most this often (after a step or an
+    evaluation), and at the end. Drawing reads the whole metrics file: every few steps it cost
+    the coordinator more CPU than batching."""
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:

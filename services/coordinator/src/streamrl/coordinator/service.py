@@ -99,6 +99,9 @@ class CoordinatorService:
         self.full_check_at = 0.0
         self.eval_pending = 0
         """Evaluation rounds issued and not yet closed (as of the last look)."""
+        self.next_plot_at = 0.0
+        self.learner_ready = False
+        self.published_progress: dict[str, str] = {}
 
     # -- state in redis -------------------------------------------------------------------
     def _state(self, name: str) -> str:
@@ -188,8 +191,7 @@ class CoordinatorService:
             self.metrics.write(msg.version, dict(msg.metrics))
             self.progress.update({"loss": round(msg.metrics.get("learner/loss/policy", float("nan")), 4)})
         self.progress["version"] = self.version
-        if self.version % self.cfg.plot_every_steps == 0:
-            await asyncio.to_thread(plot, self.cfg.run_dir)
+        await self._maybe_plot()
 
     async def on_dead(self, msg: Any) -> None:
         if not isinstance(msg, DeadLetter):
@@ -261,27 +263,36 @@ class CoordinatorService:
             pipe.hlen(self.names.group_buffer(g))
             pipe.sismember(self._state("inflight"), g)
         replies = await pipe.execute()
-        for group, size, in_flight in zip(groups, replies[::2], replies[1::2], strict=True):
-            if size < self.cfg.group_size or not in_flight:
-                continue
-            keep = True
-            if self.cfg.dynamic_filtering:
-                keep = has_spread([s.score for s in await self._group_samples(group)])
+        complete = [g for g, size, in_flight in zip(groups, replies[::2], replies[1::2], strict=True)
+                    if size >= self.cfg.group_size and in_flight]  # fmt: skip
+        if not complete:
+            return
+        members = await self._groups_samples(complete) if self.cfg.dynamic_filtering else {}
+        pipe = self.redis.pipeline(transaction=False)
+        for group in complete:
+            keep = has_spread([s.score for s in members[group]]) if self.cfg.dynamic_filtering else True
             keys = [self._state("inflight"), self._state("ready"), self._state("accepted"),
                     self.names.group_buffer(group), self._state("groups_filtered")]  # fmt: skip
-            await self.redis.eval(MOVE_GROUP_LUA, len(keys), *keys, group, int(keep))
+            pipe.eval(MOVE_GROUP_LUA, len(keys), *keys, group, int(keep))
+        await pipe.execute()
 
-    async def _group_samples(self, group: str) -> list[ScoredTrajectory]:
-        raw = await self.redis.hgetall(self.names.group_buffer(group))
-        samples = [decode(v, ScoredTrajectory) for v in raw.values()]
-        return sorted(samples, key=lambda s: s.trajectory.group_index)
+    async def _groups_samples(self, groups: list[str]) -> dict[str, list[ScoredTrajectory]]:
+        """The stored samples of each group (one round trip), in sample order."""
+        pipe = self.redis.pipeline(transaction=False)
+        for group in groups:
+            pipe.hgetall(self.names.group_buffer(group))
+        out = {}
+        for group, raw in zip(groups, await pipe.execute(), strict=True):
+            samples = [decode(v, ScoredTrajectory) for v in raw.values()]
+            out[group] = sorted(samples, key=lambda s: s.trajectory.group_index)
+        return out
 
     async def _build_batches(self) -> None:
         per_step = self.cfg.prompts_per_step
         while await self.redis.llen(self._state("ready")) >= per_step:
             index = await self._get_int("batch_index")
             ready_ids = [g.decode() for g in await self.redis.lrange(self._state("ready"), 0, -1)]
-            members = {g: await self._group_samples(g) for g in ready_ids}
+            members = await self._groups_samples(ready_ids)
             ready = [ReadyGroup(g, min(s.trajectory.policy_version_start for s in members[g])) for g in ready_ids]
             pick = select_groups(ready, index=index, max_staleness=self.cfg.max_staleness, per_step=per_step,
                                  drop_stale=self.cfg.staleness_policy == "drop")  # fmt: skip
@@ -347,7 +358,19 @@ class CoordinatorService:
         })  # fmt: skip
         logger.info("batch %d: %s", batch.index, " ".join(f"{k}={v:.3g}" for k, v in stats.items()))
 
+    async def _learner_ready(self) -> bool:
+        """A learner has published weights (any version): it can train what the prompts produce."""
+        if not self.learner_ready:
+            self.learner_ready = (
+                not self.cfg.wait_for_learner or self.version > 0 or await self.redis.xlen(self.names.weights) > 0
+            )
+            if self.learner_ready:
+                logger.info("a learner is ready: issuing prompts")
+        return self.learner_ready
+
     async def _issue_prompts(self) -> None:
+        if not await self._learner_ready():
+            return
         inflight = await self.redis.scard(self._state("inflight"))
         accepted = await self._get_int("accepted")
         cfg = self.cfg
@@ -435,11 +458,19 @@ class CoordinatorService:
             pipe.hset(self._state("eval_rounds"), version, f"{acc:.6f}")
             pipe.delete(key)
             await pipe.execute()
-            await asyncio.to_thread(plot, self.cfg.run_dir)
+            await self._maybe_plot()
         self.eval_pending = pending
         return pending == 0
+
+    async def _maybe_plot(self) -> None:
+        if time.monotonic() >= self.next_plot_at:
+            self.next_plot_at = time.monotonic() + self.cfg.plot_every_s
+            await asyncio.to_thread(plot, self.cfg.run_dir)
 
     async def _publish_progress(self) -> None:
         if self.progress:
             self.progress["version"] = self.version
-            await self.redis.hset(self._state("progress"), mapping={k: str(v) for k, v in self.progress.items()})
+            shown = {k: str(v) for k, v in self.progress.items()}
+            if shown != self.published_progress:
+                await self.redis.hset(self._state("progress"), mapping=shown)
+                self.published_progress = shown

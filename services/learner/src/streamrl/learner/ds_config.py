@@ -49,11 +49,18 @@ class DeepSpeedConfig(BaseConfig):
     """Use torch's AdamW inside DeepSpeed. False = DeepSpeed's own Adam (JIT-compiled; ~75 s to build on CPU)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel of the Hugging Face model."""
+    compile: bool = False
+    """``torch.compile`` the model's forward (and, through it, backward) with dynamic shapes, compiled
+    at start-up on a small warm-up batch so the first step does not wait for it. Fuses the many
+    small element-wise kernels of a small model (a 0.66M-parameter Llama on one CPU thread: 0.175 ->
+    0.139 s per step of 256 samples, ~25 s to compile). Needs a C++ compiler on CPU; ZeRO stage <= 2."""
     seed: int = 42
     """Seed of every random number generator (weights of new heads, dropout, data order)."""
 
     @model_validator(mode="after")
     def _check(self) -> DeepSpeedConfig:
+        if self.compile and self.zero_stage == 3:
+            raise ValueError("compile=true needs zero_stage <= 2 (ZeRO-3 gathers parameters inside the forward)")
         b1, b2 = self.betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
