@@ -12,8 +12,8 @@ process, as vLLM is configured) and runs this loop::
   loads them (a failed transfer leaves the served weights untouched), the prefix cache is reset
   (running requests are preempted and recompute their KV cache with the new weights), and
   generation resumes. A sample records the version of its first and of its last token.
-* Each of the ``n`` samples of a request is its own vLLM request with seed ``seed + j`` (vLLM's
-  own convention for ``n > 1``), streamed as deltas so the version of the first token is exact.
+* A request is one vLLM request with ``n`` children (sample ``j`` seeded ``seed + j``: the prompt
+  is processed once), streamed as deltas so the version of each sample's first token is exact.
 * Log-probs come from ``logprobs_mode="processed_logprobs"``: those of the distribution actually
   sampled from (after temperature, top-k, top-p).
 
@@ -54,17 +54,20 @@ RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
 
 
-def to_vllm_params(sampling: SamplingParams, sample_index: int) -> VLLMSamplingParams:
-    """vLLM parameters of sample ``sample_index`` of a request (streamrl SamplingParams)."""
+def to_vllm_params(sampling: SamplingParams) -> VLLMSamplingParams:
+    """vLLM parameters of a request (streamrl SamplingParams): its ``n`` samples are vLLM's
+    children of one request (sample ``j`` seeded ``seed + j``). vLLM detokenizes incrementally only
+    when stop strings need it; otherwise the text is decoded once per finished sample."""
     return VLLMSamplingParams(
-        n=1,
+        n=sampling.n,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k if sampling.top_k > 0 else 0,
         max_tokens=sampling.max_new_tokens,
         min_tokens=min(sampling.min_new_tokens, sampling.max_new_tokens),
-        seed=None if sampling.seed is None else sampling.seed + sample_index,
+        seed=sampling.seed,
         stop=list(sampling.stop) or None,
+        detokenize=bool(sampling.stop),
         logprobs=0,
         flat_logprobs=True,
         output_kind=RequestOutputKind.DELTA,
@@ -99,6 +102,8 @@ class _Running:
 
     job: _Job
     slot: tuple[int, int]
+    detokenized: bool
+    """vLLM streams the text (stop strings); otherwise it is decoded when the sample finishes."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -124,7 +129,9 @@ class VLLMEngine:
         self._config = config
         self._version = 0
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._running: dict[str, _Running] = {}
+        self._running: dict[tuple[str, int], _Running] = {}
+        """Samples being generated, by (vLLM request id, sample index)."""
+        self._tokenizer: Any = None
         self._fatal: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -210,6 +217,7 @@ class VLLMEngine:
             return
         built.set_result(None)
         engine = self._llm.llm_engine
+        self._tokenizer = self._llm.get_tokenizer()
         commands: list[Command] = []
         try:
             while True:
@@ -249,44 +257,47 @@ class VLLMEngine:
             # One render per request; its n samples share the rendered prompt.
             rendered = engine.renderer.render_cmpl([{"prompt_token_ids": list(r.prompt_ids)} for r in job.requests])
             for i, (request, engine_input) in enumerate(zip(job.requests, rendered, strict=True)):
+                request_id = f"{self._num_jobs}-{i}"
+                engine.add_request(request_id, engine_input, to_vllm_params(request.sampling))
+                job.request_ids.append(request_id)
                 for j in range(request.sampling.n):
-                    request_id = f"{self._num_jobs}-{i}-{j}"
-                    engine.add_request(request_id, engine_input, to_vllm_params(request.sampling, j))
-                    job.request_ids.append(request_id)
-                    self._running[request_id] = _Running(job, (i, j))
+                    self._running[(request_id, j)] = _Running(job, (i, j), detokenized=bool(request.sampling.stop))
         except (ValueError, VLLMValidationError) as e:  # a request vLLM refuses: fail this call only
             self._abort(job)
             job.future.set_exception(ValueError(str(e)))
 
     def _route(self, outputs: list[Any]) -> None:
         for out in outputs:
-            run = self._running.get(out.request_id)
-            if run is None:
-                continue
-            completion = out.outputs[0]
-            if completion.token_ids:
-                if run.version_start is None:
-                    run.version_start = self._version
-                run.token_ids.extend(completion.token_ids)
-                run.logprobs.extend(completion.logprobs.logprobs)
-                run.text.append(completion.text)
-            if out.finished:
-                del self._running[out.request_id]
-                assert len(run.logprobs) == len(run.token_ids), "one log-prob per sampled token"
-                reason: FinishReason = (
-                    completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
-                )
-                run.job.complete(
-                    run.slot,
-                    Sample(
-                        token_ids=run.token_ids,
-                        logprobs=run.logprobs,
-                        text="".join(run.text),
-                        finish_reason=reason,
-                        version_start=self._version if run.version_start is None else run.version_start,
-                        version_end=self._version,
-                    ),
-                )
+            for completion in out.outputs:
+                key = (out.request_id, completion.index)
+                run = self._running.get(key)
+                if run is None:
+                    continue
+                if completion.token_ids:
+                    if run.version_start is None:
+                        run.version_start = self._version
+                    run.token_ids.extend(completion.token_ids)
+                    run.logprobs.extend(completion.logprobs.logprobs)
+                    run.text.append(completion.text)
+                if completion.finish_reason is not None:
+                    del self._running[key]
+                    self._finish(run, completion.finish_reason)
+
+    def _finish(self, run: _Running, finish_reason: str) -> None:
+        assert len(run.logprobs) == len(run.token_ids), "one log-prob per sampled token"
+        reason: FinishReason = finish_reason if finish_reason in ("stop", "length") else "abort"  # type: ignore[assignment]
+        text = "".join(run.text) if run.detokenized else self._tokenizer.decode(run.token_ids, skip_special_tokens=True)
+        run.job.complete(
+            run.slot,
+            Sample(
+                token_ids=run.token_ids,
+                logprobs=run.logprobs,
+                text=text,
+                finish_reason=reason,
+                version_start=self._version if run.version_start is None else run.version_start,
+                version_end=self._version,
+            ),
+        )
 
     def _apply_update(self, update: WeightUpdate) -> None:
         assert self._llm is not None
@@ -311,11 +322,11 @@ class VLLMEngine:
 
     def _abort(self, job: _Job) -> None:
         assert self._llm is not None
-        live = [i for i in job.request_ids if i in self._running]
+        live = [key for key, run in self._running.items() if run.job is job]
         if live:
-            self._llm.llm_engine.abort_request(live)
-        for request_id in live:
-            del self._running[request_id]
+            self._llm.llm_engine.abort_request(sorted({request_id for request_id, _ in live}))
+        for key in live:
+            del self._running[key]
 
     def _fail_all(self, error: BaseException, taken: list[Command]) -> None:
         """Fail every waiting caller: running jobs, commands taken from the queue, and queued ones."""
