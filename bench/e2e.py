@@ -18,7 +18,8 @@ Both sides train the same model folder with the same prompts per step, group siz
 learning rate and precision. streamrl runs as ``streamrl up`` (rollout, reward, coordinator,
 DeepSpeed learner, embedded Redis) from recipes/demo.toml: in ``a`` as the demo runs (one step
 of overlap, max_staleness 1 with TIS correction, one CPU thread per service; TRL is synchronous,
-as it has to be), in ``b`` synchronous with 2 threads per service); its RL clock starts when the
+as it has to be; the learner torch.compiles its model at start-up, before the coordinator issues
+the first prompts), in ``b`` synchronous with 2 threads per service); its RL clock starts when the
 first rollout starts generating, and includes its in-pipeline evaluations (``eval_s`` reports
 how long those rounds took; the TRL clock excludes its evaluations: bench/e2e_trl.py pauses it).
 TRL runs ``bench/e2e_trl.py`` in a subprocess.
@@ -60,7 +61,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
           # generation-heavy and compute-bound: synchronous, 2 threads each (asynchronous with 1
           # thread each measured 9.5 s/step vs 9 s here); compiled decoding pays off at 27M
           "extra": ["--rollout.engine.enforce_eager=false", "--coordinator.max_staleness=0",
-                    "--learner.algo.correction.type=none", "--up.threads={}"]},
+                    "--learner.algo.correction.type=none", "--up.threads={}", "--learner.ds.compile=false"]},
 }  # fmt: skip
 
 
