@@ -101,6 +101,7 @@ class CoordinatorService:
         """Evaluation rounds issued and not yet closed (as of the last look)."""
         self.next_plot_at = 0.0
         self.learner_ready = False
+        self.said_waiting = False
         self.published_progress: dict[str, str] = {}
 
     # -- state in redis -------------------------------------------------------------------
@@ -366,6 +367,10 @@ class CoordinatorService:
             )
             if self.learner_ready:
                 logger.info("a learner is ready: issuing prompts")
+            elif not self.said_waiting:
+                self.said_waiting = True
+                logger.info("waiting for a learner to publish its weights before issuing prompts "
+                            "(coordinator.wait_for_learner = false issues them at once)")  # fmt: skip
         return self.learner_ready
 
     async def _issue_prompts(self) -> None:
