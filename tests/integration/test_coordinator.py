@@ -62,9 +62,10 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
     proc = start(recipe, run_id)
     try:
         # no prompt before a learner is ready (has published its weights)
-        time.sleep(2.0)
+        log = Path(proc.log_path)  # type: ignore[attr-defined]
+        wait_for(lambda: "waiting for a learner" in log.read_text(), 30, "the coordinator to wait for a learner")
+        time.sleep(1.0)
         assert client.xlen(names.prompts) == 0, "prompts were issued before any learner was ready"
-        assert "waiting for a learner" in Path(proc.log_path).read_text()  # type: ignore[attr-defined]
         ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
                                  endpoint="tcp://127.0.0.1:1")  # fmt: skip
         client.xadd(names.weights, {b"d": encode(ready)})
