@@ -82,7 +82,6 @@ class _Job:
     future: concurrent.futures.Future[list[list[Sample]]] = field(default_factory=concurrent.futures.Future)
     samples: list[list[Sample | None]] = field(default_factory=list)
     remaining: int = 0
-    request_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.samples = [[None] * r.sampling.n for r in self.requests]
@@ -259,7 +258,6 @@ class VLLMEngine:
             for i, (request, engine_input) in enumerate(zip(job.requests, rendered, strict=True)):
                 request_id = f"{self._num_jobs}-{i}"
                 engine.add_request(request_id, engine_input, to_vllm_params(request.sampling))
-                job.request_ids.append(request_id)
                 for j in range(request.sampling.n):
                     self._running[(request_id, j)] = _Running(job, (i, j), detokenized=bool(request.sampling.stop))
         except (ValueError, VLLMValidationError) as e:  # a request vLLM refuses: fail this call only
