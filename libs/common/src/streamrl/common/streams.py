@@ -54,9 +54,6 @@ class StreamNames:
     def heartbeat(self, service: str, instance: str) -> str:
         return self._key("hb", service, instance)
 
-    def heartbeat_pattern(self, service: str = "*") -> str:
-        return self._key("hb", service, "*")
-
     @property
     def instances(self) -> str:
         """Set of ``{service}:{instance}`` members, one per instance that wrote a heartbeat."""
