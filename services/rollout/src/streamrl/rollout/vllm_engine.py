@@ -101,8 +101,6 @@ class _Running:
 
     job: _Job
     slot: tuple[int, int]
-    detokenized: bool
-    """vLLM streams the text (stop strings); otherwise it is decoded when the sample finishes."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -259,7 +257,7 @@ class VLLMEngine:
                 request_id = f"{self._num_jobs}-{i}"
                 engine.add_request(request_id, engine_input, to_vllm_params(request.sampling))
                 for j in range(request.sampling.n):
-                    self._running[(request_id, j)] = _Running(job, (i, j), detokenized=bool(request.sampling.stop))
+                    self._running[(request_id, j)] = _Running(job, (i, j))
         except (ValueError, VLLMValidationError) as e:  # a request vLLM refuses: fail this call only
             self._abort(job)
             job.future.set_exception(ValueError(str(e)))
@@ -284,7 +282,8 @@ class VLLMEngine:
     def _finish(self, run: _Running, finish_reason: str) -> None:
         assert len(run.logprobs) == len(run.token_ids), "one log-prob per sampled token"
         reason: FinishReason = finish_reason if finish_reason in ("stop", "length") else "abort"  # type: ignore[assignment]
-        text = "".join(run.text) if run.detokenized else self._tokenizer.decode(run.token_ids, skip_special_tokens=True)
+        detokenized = bool(run.job.requests[run.slot[0]].sampling.stop)  # vLLM streamed the text (to_vllm_params)
+        text = "".join(run.text) if detokenized else self._tokenizer.decode(run.token_ids, skip_special_tokens=True)
         run.job.complete(
             run.slot,
             Sample(
