@@ -7,7 +7,8 @@ One driver thread owns the model and runs this loop::
 * Everything submitted while the previous batch ran (or within ``batch_wait_ms`` of the first
   request) is decoded together: all samples of all
   requests are left-padded into one batch and decoded with the KV cache; a finished row leaves
-  the batch (its cache rows are dropped), so long and short answers cost what they should.
+  the batch (its cache rows are dropped), so long and short answers cost what they should. A
+  prompt is prefilled once and its cache copied to its n samples.
 * The sampled distribution is explicit: :func:`processed_logprobs` applies temperature, then
   top-k, then top-p (vLLM's order), and a token's behaviour log-prob is read from exactly that
   distribution. Greedy (temperature 0) takes the argmax and reports the log-softmax of the raw
@@ -222,28 +223,38 @@ class HFEngine:
         return rows
 
     def _decode(self, rows: list[_Row]) -> None:
-        """Generate every row to its end (one batch; finished rows leave it)."""
-        width = max(len(r.prompt) for r in rows)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, r in enumerate(rows):
-            input_ids[b, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            attention[b, width - len(r.prompt) :] = 1
+        """Generate every row to its end (one batch; finished rows leave it).
+
+        Rows with the same prompt (the n samples of a request) share one prefill: each distinct
+        prompt runs through the model once and its KV cache is copied to its rows.
+        """
+        distinct: dict[tuple[int, ...], int] = {}
+        source = torch.tensor([distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows])
+        prompts = list(distinct)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            input_ids[b, width - len(prompt) :] = torch.tensor(prompt)
+            attention[b, width - len(prompt) :] = 1
         generators = {
             r.gen_key: torch.Generator().manual_seed(r.sampling.seed)
             for r in rows
             if r.gen_key >= 0 and r.sampling.seed is not None
         }
-        live = list(range(len(rows)))  # row index of each batch position
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        step_input, past, step = input_ids, None, 0
-        while live:
-            out = self._model(
-                input_ids=step_input.to(self._device), attention_mask=attention.to(self._device),
-                position_ids=positions.to(self._device), past_key_values=past, use_cache=True,
-            )  # fmt: skip
-            past = out.past_key_values
-            logits = out.logits[:, -1, :].float().cpu()
+        out = self._model(
+            input_ids=input_ids.to(self._device), attention_mask=attention.to(self._device),
+            position_ids=positions.to(self._device), use_cache=True,
+        )  # fmt: skip
+        past = out.past_key_values
+        logits = out.logits[:, -1, :].float().cpu()[source]
+        if len(prompts) < len(rows):
+            past.batch_select_indices(source.to(self._device))
+        attention, positions = attention[source], positions[source]
+        live = list(range(len(rows)))  # row index of each batch position
+        step = 0
+        while True:
             next_ids, chosen = self._pick(logits, [rows[b] for b in live], step, generators)
             keep = []
             for pos, (b, token, lp) in enumerate(zip(live, next_ids.tolist(), chosen.tolist(), strict=True)):
@@ -257,13 +268,18 @@ class HFEngine:
             if len(keep) < len(live):
                 live = [live[p] for p in keep]
                 if not live:
-                    break
+                    return
                 index = torch.tensor(keep)
                 past.batch_select_indices(index.to(self._device))
                 attention, positions, next_ids = attention[index], positions[index], next_ids[index]
             attention = torch.cat([attention, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
             positions = positions[:, -1:] + 1
-            step_input = next_ids[:, None]
+            out = self._model(
+                input_ids=next_ids[:, None].to(self._device), attention_mask=attention.to(self._device),
+                position_ids=positions.to(self._device), past_key_values=past, use_cache=True,
+            )  # fmt: skip
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float().cpu()
 
     def _pick(
         self, logits: torch.Tensor, rows: list[_Row], step: int, generators: dict[int, torch.Generator]
