@@ -24,7 +24,7 @@ first rollout starts generating, and includes its in-pipeline evaluations (``eva
 how long those rounds took; the TRL clock excludes its evaluations: bench/e2e_trl.py pauses it).
 TRL runs ``bench/e2e_trl.py`` in a subprocess.
 
-    python bench/e2e.py [--workload a|b|ab] [--time-budget-s 420]
+    python bench/e2e.py [--workload a|b|ab] [--time-budget-s 420] [--engines vllm,hf]
 
 Last line: one JSON object; also written to bench/results/e2e-<date>.json.
 """
@@ -178,6 +178,7 @@ def main() -> None:
     parser.add_argument("--time-budget-s", type=float, default=420.0, help="RL time budget per side (workload a)")
     parser.add_argument("--steps-b", type=int, default=6, help="steps per side in workload b")
     parser.add_argument("--target-gain", type=float, default=0.4)
+    parser.add_argument("--engines", default=None, help="comma-separated rollout engines (default: the workload's)")
     args = parser.parse_args()
     report: dict[str, Any] = {
         "bench": "e2e", "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -189,7 +190,7 @@ def main() -> None:
         prepare(spec)
         steps, budget = (2000, args.time_budget_s) if name == "a" else (args.steps_b, 1e9)
         ours = {engine: run_streamrl(spec, ROOT / f"runs/bench_e2e_{name}_{engine}", steps, budget, args.target_gain, engine)
-                for engine in spec["engines"]}  # fmt: skip
+                for engine in (args.engines.split(",") if args.engines else spec["engines"])}  # fmt: skip
         theirs = run_trl(spec, steps, budget, args.target_gain)
         row: dict[str, Any] = {"trl": theirs}
         for engine, result in ours.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import io
 import json
 import logging
@@ -33,6 +34,8 @@ from streamrl.common.log import setup_logging
 from streamrl.common.streams import StreamNames
 
 logger = logging.getLogger(__name__)
+GC_YOUNG_THRESHOLD = 10_000
+"""Allocations between two collections of the youngest generation once a service runs (default 700)."""
 
 
 class ServiceConfig(BaseConfig):
@@ -63,6 +66,23 @@ class ServiceContext:
     loops: list[ConsumerLoop] = field(default_factory=list)  # type: ignore[type-arg]
     status: str = "starting"
     policy_version: int = -1
+
+    def mark_running(self) -> None:
+        """Start-up is over (model, tokenizer, dataset loaded): report ``running`` and move every
+        object built so far out of the cyclic garbage collector's reach (``gc.freeze``).
+
+        Those objects live as long as the process. Left in the oldest generation, each full
+        collection walked all of them: ~0.27 s per collection for the ~400k objects of a
+        coordinator or rollout worker, ~7% of a core at a few steps per second. The youngest
+        generation is also collected less often (every 10k instead of 700 allocations): a
+        service allocates ~15 tracked objects per message it decodes, and with the default
+        thresholds the collections it triggered cascaded into full ones every few steps.
+        """
+        self.status = "running"
+        gc.collect()
+        gc.freeze()
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
     def snapshot(self) -> dict[str, int | str]:
         """Heartbeat counters summed over this instance's consumer loops."""

@@ -125,7 +125,7 @@ class CoordinatorService:
             dedupe_key=lambda m: m.trajectory.id, on_committed=self._on_scored_committed,
         )  # fmt: skip
         self.ctx.loops.append(scored_loop)
-        self.ctx.status = "running"
+        self.ctx.mark_running()
         self.ctx.policy_version = self.version
         done = asyncio.Event()
         stop_all = asyncio.Event()

@@ -66,7 +66,7 @@ class LearnerService:
             dedupe_key=lambda _: None, ack=False, on_committed=self._on_committed,
         )  # fmt: skip
         self.ctx.loops.append(self.loop)
-        self.ctx.status = "running"
+        self.ctx.mark_running()
         try:
             await self.loop.run(self.ctx.stop, burst=self.ctx.burst)
         finally:

@@ -23,7 +23,7 @@ async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
         handler=service.handle, message_type=Trajectory, config=config.consumer,
     )  # fmt: skip
     ctx.loops.append(loop)
-    ctx.status = "running"
+    ctx.mark_running()
     try:
         await loop.run(ctx.stop, burst=ctx.burst)
     finally:

@@ -51,7 +51,7 @@ class RolloutService:
             consumer=self.ctx.instance, handler=self.handle, message_type=PromptWorkItem, config=self.cfg.consumer,
         )  # fmt: skip
         self.ctx.loops.append(loop)
-        self.ctx.status = "running"
+        self.ctx.mark_running()
         tail = asyncio.create_task(self._tail_weights(cursor))
         try:
             await loop.run(self.ctx.stop, burst=self.ctx.burst)
