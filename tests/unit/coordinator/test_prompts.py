@@ -65,6 +65,8 @@ def test_chat_template_and_cursor_epochs(tmp_path: Path, tokenizer_dir: str) -> 
     assert [source.get(10 + i).label for i in range(10)] != first_epoch  # reshuffled next epoch
     assert source.get(4).label == PromptSource(cfg).get(4).label  # a restarted coordinator agrees
     assert source.get(0).text.startswith("<s>") and source.get(0).text.endswith("=#")
+    # a row is tokenized once, whichever epoch (or evaluation round) asks for it again
+    assert source.encode(3) is source.get(next(i for i in range(10, 20) if source.get(i).index == 3))
 
 
 def test_missing_key_names_it(tmp_path: Path, tokenizer_dir: str) -> None:

@@ -7,6 +7,7 @@ Redis, so a restarted coordinator continues with the same next prompt.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -15,6 +16,10 @@ from typing import Any
 
 from streamrl.common.errors import ConfigError
 from streamrl.coordinator.config import DatasetConfig
+
+ENCODED_CACHE_SIZE = 65_536
+"""Tokenized prompts kept per source: an evaluation set is issued every few steps and a small training
+set every epoch; tokenizing them again was ~10% of the coordinator's CPU."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class PromptSource:
         self.rows = rows
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
         self._epoch_order: tuple[int, list[int]] = (-1, [])
+        self.encode = functools.lru_cache(maxsize=ENCODED_CACHE_SIZE)(self._encode)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -105,7 +111,8 @@ class PromptSource:
         index = self._order(epoch)[offset]
         return self.encode(index)
 
-    def encode(self, index: int) -> Prompt:
+    def _encode(self, index: int) -> Prompt:
+        """Row ``index`` tokenized (use :attr:`encode`, its cached form)."""
         row = self.rows[index]
         raw = row[self.cfg.prompt_key]
         templated = isinstance(raw, list) or self.cfg.apply_chat_template
