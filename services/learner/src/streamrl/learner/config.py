@@ -38,9 +38,15 @@ class LearnerConfig(ServiceConfig):
     """Weight server port (0 = a free port)."""
     weights_bucket_mb: int = Field(64, ge=1)
     """Target size of one weight bucket (MiB)."""
+    share_prompts: bool = False
+    """Compute each distinct prompt of a micro-batch once (policy and reference): the n samples of a
+    group run their responses on the prompt's KV cache. Same log-probs; for n samples of a long prompt
+    much less work. Not with ``ds.gradient_checkpointing`` (no KV cache in training mode there)."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
         if self.algo.advantage.estimator == "gae" and self.algo.critic is None:
             raise ValueError("algo.advantage.estimator = 'gae' needs an [learner.algo.critic] section")
+        if self.share_prompts and self.ds.gradient_checkpointing:
+            raise ValueError("share_prompts needs the KV cache in training mode: set ds.gradient_checkpointing = false")
         return self

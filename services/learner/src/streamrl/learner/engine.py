@@ -136,10 +136,15 @@ def _check_qlora(lora: LoraConfig | None, ds_cfg: DeepSpeedConfig) -> None:
         raise ValueError("lora.load_in_4bit (QLoRA) needs the bitsandbytes package, which is not installed") from e
 
 
-def compile_and_warm_up(model: Any, batch: int = 4, length: int = 16) -> float:
+def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_prompts: bool = False) -> float:
     """``torch.compile`` ``model`` in place (dynamic shapes; parameter names unchanged) and compile its
     training and no-grad graphs now, on a right-padded random batch, leaving no gradient behind.
-    Runs before DeepSpeed wraps the model. Returns the seconds it took."""
+    ``shared_prompts``: the graphs of the shared-prompt forward instead (prompts, then responses on
+    their KV cache). Every warm-up size differs from the others and from 1: equal sizes would be
+    assumed equal for good (a recompile at the first real step). Runs before DeepSpeed wraps the
+    model. Returns the seconds it took."""
+    from streamrl.learner.prompt_sharing import shared_prompt_logits
+
     started = time.perf_counter()
     model.compile(dynamic=True)
     model.train()  # the training engine runs in train mode; a mode change would recompile
@@ -148,11 +153,19 @@ def compile_and_warm_up(model: Any, batch: int = 4, length: int = 16) -> float:
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
     mask = torch.ones_like(ids)
     mask[0, length // 2 :] = 0  # training batches are right-padded
-    out = model(input_ids=ids, attention_mask=mask)
-    (out.logits.float().sum() * 0.0).backward()
+    prompt_len = 5  # 3 distinct prompts of 5 tokens, 2 rows each, responses up to 12 tokens
+    prompt_lens = torch.full((batch,), prompt_len, dtype=torch.long)
+    ids[1::2, :prompt_len] = ids[::2, :prompt_len]
+
+    def forward() -> torch.Tensor:
+        if shared_prompts:
+            return shared_prompt_logits(model, ids, mask, prompt_lens, length - prompt_len)  # type: ignore[no-any-return]
+        return model(input_ids=ids, attention_mask=mask).logits  # type: ignore[no-any-return]
+
+    (forward().float().sum() * 0.0).backward()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)
+        forward()
     return time.perf_counter() - started
 
 
@@ -242,11 +255,13 @@ class ModelEngine:
         train: bool = True,
         total_steps: int | None = None,
         tokenizer_path: str | None = None,
+        shared_prompts: bool = False,
     ) -> ModelEngine:
         """Load ``model_path`` (local folder or hub id) and wrap it in DeepSpeed.
 
         ``train=False`` builds a frozen engine (no optimizer; ZeRO-3 still shards it), e.g. a
-        reference policy. ``total_steps`` sizes the linear/cosine schedules.
+        reference policy. ``total_steps`` sizes the linear/cosine schedules. ``shared_prompts``: the
+        forwards will be shared-prompt ones (a compiled model is warmed up on those).
         """
         _check_qlora(lora, ds_cfg)
         if train and ds_cfg.scheduler != "constant" and total_steps is None:
@@ -283,7 +298,8 @@ class ModelEngine:
             return cls(engine, tokenizer, kind, train=False)
 
         if ds_cfg.compile:
-            logger.info("torch.compile: model compiled and warmed up in %.1f s", compile_and_warm_up(model))
+            seconds = compile_and_warm_up(model, shared_prompts=shared_prompts)
+            logger.info("torch.compile: model compiled and warmed up in %.1f s", seconds)
         steps = total_steps or 1
 
         def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

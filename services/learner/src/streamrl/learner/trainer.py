@@ -36,19 +36,25 @@ from streamrl.learner.config import LearnerConfig
 from streamrl.learner.engine import ModelEngine
 from streamrl.learner.logprobs import entropy as entropy_fn
 from streamrl.learner.logprobs import token_logprobs
+from streamrl.learner.prompt_sharing import shared_prompt_logits
 from streamrl.learner.rl_batch import RLBatch, collate, micro_batches, response_logits_index
 
 logger = logging.getLogger(__name__)
 
 
-def response_logits(model: Any, mb: RLBatch) -> torch.Tensor:
-    """[b, T, V] logits predicting each response token, divided by each sample's temperature."""
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-    logits = out.logits
+def response_logits(model: Any, mb: RLBatch, share_prompts: bool = False) -> torch.Tensor:
+    """[b, T, V] logits predicting each response token, divided by each sample's temperature.
+
+    ``share_prompts``: each distinct prompt is computed once (:mod:`streamrl.learner.prompt_sharing`).
+    """
     width = mb.response_ids.shape[1]
-    index = response_logits_index(mb.prompt_lens, width).clamp(max=logits.shape[1] - 1).to(logits.device)
-    picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
-    return picked / mb.temperatures.to(logits.device)[:, None, None]
+    if share_prompts:
+        picked = shared_prompt_logits(model, mb.input_ids, mb.attention_mask, mb.prompt_lens, width)
+    else:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        index = response_logits_index(mb.prompt_lens, width).clamp(max=logits.shape[1] - 1).to(logits.device)
+        picked = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
+    return picked / mb.temperatures.to(picked.device)[:, None, None]
 
 
 def response_values(critic: Any, mb: RLBatch) -> torch.Tensor:
@@ -65,7 +71,9 @@ class RLTrainer:
     def __init__(self, cfg: LearnerConfig) -> None:
         self.cfg = cfg
         algo = cfg.algo
-        self.policy = ModelEngine.from_config(cfg.model, cfg.ds, "causal_lm", total_steps=cfg.total_steps)
+        self.policy = ModelEngine.from_config(
+            cfg.model, cfg.ds, "causal_lm", total_steps=cfg.total_steps, shared_prompts=cfg.share_prompts
+        )
         self.device = self.policy.device
         self.pad_id = int(self.policy.tokenizer.pad_token_id)
         uses_ref = algo.kl.placement != "none" and algo.kl.coef > 0
@@ -81,7 +89,7 @@ class RLTrainer:
         self.kl_ctl = KLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
 
     def _logprobs(self, engine: ModelEngine, mb: RLBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = response_logits(engine, mb)
+        logits = response_logits(engine, mb, self.cfg.share_prompts)
         targets = mb.response_ids.to(logits.device)
         logp = token_logprobs(logits, targets)
         return logp, (entropy_fn(logits) if with_entropy else None)
