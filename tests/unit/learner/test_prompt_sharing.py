@@ -59,7 +59,8 @@ def test_shared_prompt_forward_matches_the_plain_one(tiny_qwen_dir: Path) -> Non
         model.config.use_cache = False  # as the learner loads it: the shared forward asks for the cache itself
         model.train()
         logits = forward(model, ids, mask, prompt_lens, width)
-        targets = torch.where(valid, torch.cat([ids, ids], 1).gather(1, response_logits_index(prompt_lens, width) + 1), 0)
+        at = (prompt_lens[:, None] + torch.arange(width)[None, :]).clamp(max=ids.shape[1] - 1)
+        targets = torch.where(valid, ids.gather(1, at), 0)  # response token t sits at P + t
         logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, :, None]).squeeze(-1)
         (logp * weights).sum().backward()
         results.append((logits[valid].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
