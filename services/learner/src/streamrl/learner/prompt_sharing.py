@@ -51,18 +51,18 @@ def shared_prompt_logits(
             "the model returned no KV cache in training mode (gradient checkpointing turns it off): "
             "set learner.share_prompts = false"
         )
-    first = out.logits[:, -1:][source.to(out.logits.device)]
+    on_device = source.to(out.logits.device)
+    first = out.logits[:, -1:][on_device]
     if width == 1:
         return first  # type: ignore[no-any-return]
-    cache.batch_select_indices(source.to(out.logits.device))
-    response_lens = attention_mask.sum(dim=1).cpu() - prompt_lens.cpu()
+    cache.batch_select_indices(on_device)
+    ids, prompt_lens = input_ids.cpu(), prompt_lens.cpu()
     steps = torch.arange(width - 1)
-    cpu_ids, cpu_prompt_lens = input_ids.cpu(), prompt_lens.cpu()
-    response_mask = (steps[None, :] < response_lens[:, None]).long()
-    at = (cpu_prompt_lens[:, None] + steps[None, :]).clamp(max=cpu_ids.shape[1] - 1)
-    responses = cpu_ids.gather(1, at) * response_mask
+    response_mask = (steps[None, :] < (attention_mask.sum(dim=1).cpu() - prompt_lens)[:, None]).long()
+    response_positions = prompt_lens[:, None] + steps[None, :]
+    responses = ids.gather(1, response_positions.clamp(max=ids.shape[1] - 1)) * response_mask
     rest = model(
         input_ids=responses, attention_mask=torch.cat([prompt_mask[source], response_mask], dim=1),
-        position_ids=cpu_prompt_lens[:, None] + steps[None, :], past_key_values=cache, use_cache=True,
+        position_ids=response_positions, past_key_values=cache, use_cache=True,
     ).logits  # fmt: skip
     return torch.cat([first, rest], dim=1)
