@@ -38,6 +38,14 @@ class LearnerConfig(ServiceConfig):
     """Weight server port (0 = a free port)."""
     weights_bucket_mb: int = Field(64, ge=1)
     """Target size of one weight bucket (MiB)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass over a training batch: its groups are split into this many mini-batches
+    (whole groups; each one step of ``ds.grad_accum`` micro-batches). Advantages are computed over the
+    whole batch first. With more than one update per batch a no-grad pass first records log pi_old,
+    and later updates are clipped against it (PPO). A rollout-bound run gets more learning out of
+    each generated batch this way while its learner would otherwise wait."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each training batch (``mini_batches`` optimizer steps each; groups reshuffled)."""
     share_prompts: bool = False
     """Compute each distinct prompt of a micro-batch once (policy and reference): the n samples of a
     group run their responses on the prompt's KV cache. Same log-probs; for n samples of a long prompt
@@ -47,6 +55,16 @@ class LearnerConfig(ServiceConfig):
     def _check(self) -> LearnerConfig:
         if self.algo.advantage.estimator == "gae" and self.algo.critic is None:
             raise ValueError("algo.advantage.estimator = 'gae' needs an [learner.algo.critic] section")
+        if self.algo.advantage.estimator == "flash_reinforce" and self.updates_per_batch > 1:
+            raise ValueError(
+                "algo.advantage.estimator = 'flash_reinforce' takes exactly one optimizer step per batch: "
+                f"set mini_batches = 1 and ppo_epochs = 1 (got {self.mini_batches} and {self.ppo_epochs})"
+            )
         if self.share_prompts and self.ds.gradient_checkpointing:
             raise ValueError("share_prompts needs the KV cache in training mode: set ds.gradient_checkpointing = false")
         return self
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps the learner takes per training batch."""
+        return self.mini_batches * self.ppo_epochs

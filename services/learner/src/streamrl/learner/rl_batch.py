@@ -96,3 +96,30 @@ def response_logits_index(prompt_lens: torch.Tensor, width: int) -> torch.Tensor
 def micro_batches(size: int, num: int) -> list[list[int]]:
     """Split row indices ``0..size-1`` into exactly ``num`` contiguous, nearly equal chunks (some may be empty)."""
     return [chunk.tolist() for chunk in np.array_split(np.arange(size), num)]
+
+
+def update_plan(
+    group_index: torch.Tensor, *, mini_batches: int, epochs: int, grad_accum: int, seed: int
+) -> list[list[list[int]]]:
+    """The optimizer updates of one batch: ``plan[u][m]`` = rows of micro-batch ``m`` of update ``u``.
+
+    ``epochs`` passes over the batch, each split into ``mini_batches`` mini-batches of whole groups
+    (one optimizer step each, of ``grad_accum`` micro-batches). With one mini-batch the rows keep
+    their order; otherwise every pass takes the groups in a new order drawn from ``seed``. A
+    mini-batch gets no rows when the batch has fewer groups than ``mini_batches`` (its update is then
+    an empty step, so that every rank takes the same number of steps).
+
+    Example: 4 groups of 2 rows, 2 mini-batches, 1 epoch, no accumulation -> 2 updates of 4 rows each.
+    """
+    rows = torch.arange(group_index.numel())
+    if mini_batches == 1:
+        return [micro_batches(rows.numel(), grad_accum) for _ in range(epochs)]
+    generator = torch.Generator().manual_seed(seed)
+    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    plan = []
+    for _ in range(epochs):
+        order = torch.randperm(num_groups, generator=generator).numpy()
+        for groups in np.array_split(order, mini_batches):
+            picked = rows[torch.isin(group_index, torch.from_numpy(groups))].tolist()
+            plan.append([[picked[i] for i in chunk] for chunk in micro_batches(len(picked), grad_accum)])
+    return plan

@@ -6,24 +6,26 @@ One step, in order::
     (old, ref, values) = no-grad passes, only when needed           # see below
     rewards   = shape_rewards(...)                                   # [B]
     adv, ret  = compute_advantages(... over the WHOLE batch ...)     # [B, T]
-    N         = global normaliser (tokens or sequences of the batch)
-    for each of grad_accum micro-batches:
-        logp  = log pi_theta(response | prompt) at each sample's sampling temperature
-        loss  = policy_objective(..., normaliser=N)                  # + KL / entropy terms
-        backward(loss * grad_accum); step()                          # DeepSpeed divides by grad_accum
-    (critic: the same loop on the value loss)
+    for each update (ppo_epochs x mini_batches of whole groups):     # rl_batch.update_plan
+        N     = normaliser of the update's rows (tokens or sequences)
+        for each of grad_accum micro-batches:
+            logp  = log pi_theta(response | prompt) at each sample's sampling temperature
+            loss  = policy_objective(..., normaliser=N)              # + KL / entropy terms
+            backward(loss * grad_accum); step()                      # DeepSpeed divides by grad_accum
+    (critic: the same updates on the value loss)
 
-Simplification: one optimizer step per batch (no PPO epochs / mini-batches). The proximal policy
-``pi_old`` then equals ``pi_theta`` before the step, so when nothing else needs a separate pass
-the trainer uses ``logp.detach()`` as ``old`` and saves a forward pass. A no-grad pass over the
-batch is made first when the KL sits in the reward (advantages need ``k(old, ref)``) or a critic
-is trained (advantages need values).
+With one update per batch (the default) the proximal policy ``pi_old`` equals ``pi_theta`` before
+the step, so when nothing else needs a separate pass the trainer uses ``logp.detach()`` as ``old``
+and saves a forward pass. A no-grad pass over the batch is made first when there are several
+updates (later ones are clipped against the policy the batch started from), when the KL sits in
+the reward (advantages need ``k(old, ref)``) or when a critic is trained (advantages need values).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from streamrl.learner.engine import ModelEngine
 from streamrl.learner.logprobs import entropy as entropy_fn
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.prompt_sharing import shared_prompt_logits
-from streamrl.learner.rl_batch import RLBatch, collate, micro_batches, response_logits_index
+from streamrl.learner.rl_batch import RLBatch, collate, micro_batches, response_logits_index, update_plan
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,9 @@ class RLTrainer:
     def __init__(self, cfg: LearnerConfig) -> None:
         self.cfg = cfg
         algo = cfg.algo
+        optimizer_steps = cfg.total_steps * cfg.updates_per_batch  # what the lr schedules count
         self.policy = ModelEngine.from_config(
-            cfg.model, cfg.ds, "causal_lm", total_steps=cfg.total_steps, shared_prompts=cfg.share_prompts
+            cfg.model, cfg.ds, "causal_lm", total_steps=optimizer_steps, shared_prompts=cfg.share_prompts
         )
         self.device = self.policy.device
         self.pad_id = int(self.policy.tokenizer.pad_token_id)
@@ -81,7 +84,7 @@ class RLTrainer:
             ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False) if uses_ref else None
         )
         self.critic = (
-            ModelEngine.from_config(cfg.critic_model or cfg.model, cfg.ds, "value", total_steps=cfg.total_steps)
+            ModelEngine.from_config(cfg.critic_model or cfg.model, cfg.ds, "value", total_steps=optimizer_steps)
             if algo.uses_critic
             else None
         )
@@ -104,15 +107,19 @@ class RLTrainer:
         return out
 
     def step(self, batch: TrainingBatch) -> dict[str, float]:
-        """Train on ``batch`` (one optimizer step); returns the step's metrics."""
+        """Train on ``batch`` (``updates_per_batch`` optimizer steps); returns the step's metrics."""
         started = time.perf_counter()
         algo = self.cfg.algo
         rl = collate(batch, self.pad_id)
         chunks = micro_batches(rl.size, self.cfg.ds.grad_accum)
+        plan = update_plan(
+            rl.group_index, mini_batches=self.cfg.mini_batches, epochs=self.cfg.ppo_epochs,
+            grad_accum=self.cfg.ds.grad_accum, seed=zlib.crc32(batch.id.encode()),
+        )  # fmt: skip
         mask = rl.mask
         kl_in_reward = algo.kl.placement == "reward" and self.ref is not None
         old = ref = old_values = kl = None
-        if kl_in_reward or self.critic is not None:
+        if kl_in_reward or self.critic is not None or len(plan) > 1:
             old = self._no_grad_pass(self.policy, rl, chunks)
         if self.ref is not None:
             ref = self._no_grad_pass(self.ref, rl, chunks)
@@ -127,12 +134,52 @@ class RLTrainer:
             algo, rewards=rewards, group_index=rl.group_index, mask=mask, kl=kl, values=old_values,
             kl_coef=self.kl_ctl.value,
         )  # fmt: skip
-        normaliser = float(normaliser_count(mask, algo.loss.aggregation)) / self.policy.world_size
-        gas = self.cfg.ds.grad_accum
         sums: dict[str, float] = {}
         weighted: dict[str, float] = {}
         num_tokens = 0.0
-        for rows in chunks:
+        for update in plan:
+            normaliser = self._normaliser(mask, update)
+            for k, v in self._policy_update(rl, update, normaliser, old, ref, advantages, batch.id).items():
+                if k == "learner/tokens":
+                    num_tokens += v
+                elif k.startswith("learner/loss/"):
+                    sums[k] = sums.get(k, 0.0) + v / len(plan)  # the mean update's loss
+                else:
+                    weighted[k] = weighted.get(k, 0.0) + v
+        metrics = {**sums, **{k: v / max(num_tokens, 1.0) for k, v in weighted.items()}}
+        if self.critic is not None:
+            assert old_values is not None and returns is not None
+            values = [self._critic_step(rl, u, old_values, returns, self._normaliser(mask, u)) for u in plan]
+            metrics.update({k: sum(v[k] for v in values) / len(values) for k in values[0]})
+        if kl is not None:
+            current_kl = float(sequence_mean_kl(kl, mask).mean())
+            metrics["learner/kl_coef"] = self.kl_ctl.value
+            self.kl_ctl.update(current_kl, rl.size)
+        metrics.update({
+            "learner/grad_norm": self.policy.grad_norm or 0.0,
+            "learner/lr": self.policy.lr,
+            "learner/advantage_mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
+            "learner/reward_mean": float(rewards.mean()),
+            "learner/samples": float(rl.size),
+            "learner/tokens": num_tokens / self.cfg.ppo_epochs,
+            "learner/updates": float(len(plan)),
+            "learner/step_s": time.perf_counter() - started,
+        })  # fmt: skip
+        return metrics
+
+    def _normaliser(self, mask: torch.Tensor, update: list[list[int]]) -> float:
+        rows = [r for chunk in update for r in chunk]
+        return float(normaliser_count(mask[rows], self.cfg.algo.loss.aggregation)) / self.policy.world_size
+
+    def _policy_update(
+        self, rl: RLBatch, update: list[list[int]], normaliser: float, old: torch.Tensor | None,
+        ref: torch.Tensor | None, advantages: torch.Tensor, batch_id: str,
+    ) -> dict[str, float]:  # fmt: skip
+        """One optimizer step on the micro-batches of ``update``: loss sums, token-weighted metric sums, tokens."""
+        algo = self.cfg.algo
+        gas = self.cfg.ds.grad_accum
+        out: dict[str, float] = {"learner/tokens": 0.0}
+        for rows in update:
             if not rows:
                 self._empty_micro_step(self.policy)
                 continue
@@ -146,34 +193,14 @@ class RLTrainer:
                 entropy=ent, kl_coef=self.kl_ctl.value,
             )  # fmt: skip
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"{batch.id}: non-finite policy loss {float(loss)}")
+                raise FloatingPointError(f"{batch_id}: non-finite policy loss {float(loss)}")
             self.policy.backward(loss * gas)
             self.policy.step()
             tokens = m.pop("learner/tokens")
-            num_tokens += tokens
+            out["learner/tokens"] += tokens
             for k, v in m.items():
-                if k.startswith("learner/loss/"):
-                    sums[k] = sums.get(k, 0.0) + v
-                else:
-                    weighted[k] = weighted.get(k, 0.0) + v * tokens
-        metrics = {**sums, **{k: v / max(num_tokens, 1.0) for k, v in weighted.items()}}
-        if self.critic is not None:
-            assert old_values is not None and returns is not None
-            metrics.update(self._critic_step(rl, chunks, old_values, returns, normaliser))
-        if kl is not None:
-            current_kl = float(sequence_mean_kl(kl, mask).mean())
-            metrics["learner/kl_coef"] = self.kl_ctl.value
-            self.kl_ctl.update(current_kl, rl.size)
-        metrics.update({
-            "learner/grad_norm": self.policy.grad_norm or 0.0,
-            "learner/lr": self.policy.lr,
-            "learner/advantage_mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
-            "learner/reward_mean": float(rewards.mean()),
-            "learner/samples": float(rl.size),
-            "learner/tokens": num_tokens,
-            "learner/step_s": time.perf_counter() - started,
-        })  # fmt: skip
-        return metrics
+                out[k] = out.get(k, 0.0) + (v if k.startswith("learner/loss/") else v * tokens)
+        return out
 
     def _critic_step(
         self, rl: RLBatch, chunks: list[list[int]], old_values: torch.Tensor, returns: torch.Tensor, normaliser: float
