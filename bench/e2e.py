@@ -24,7 +24,13 @@ first rollout starts generating, and includes its in-pipeline evaluations (``eva
 how long those rounds took; the TRL clock excludes its evaluations: bench/e2e_trl.py pauses it).
 TRL runs ``bench/e2e_trl.py`` in a subprocess.
 
+Optimizer updates per step: in ``a`` streamrl takes the demo recipe's ``learner.mini_batches``
+updates per batch (its learner has time to spare while the rollout generates the next batch), and
+TRL runs twice: with its default of one update per generation batch, and with as many updates as
+streamrl (``steps_per_generation``: the like-for-like run). Steps are generation batches everywhere.
+
     python bench/e2e.py [--workload a|b|ab] [--time-budget-s 420] [--engines vllm,hf]
+        [--updates-per-step N] [--trl-updates 1,2]
 
 Last line: one JSON object; also written to bench/results/e2e-<date>.json.
 """
@@ -44,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+EVAL_EVERY = 10
+"""Held-out evaluation period (steps), both sides."""
 PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
        "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
@@ -69,7 +77,17 @@ def prepare(spec: dict[str, Any]) -> None:
     subprocess.run([PY, str(ROOT / "examples/arithmetic/prepare.py"), *spec["prepare"]], check=True, env=ENV, cwd=ROOT)
 
 
-def streamrl_overrides(spec: dict[str, Any], run_dir: Path, steps: int, engine: str) -> list[str]:
+def recipe_updates_per_step() -> int:
+    """Optimizer steps per batch of the demo recipe (``learner.mini_batches`` x ``learner.ppo_epochs``)."""
+    import tomllib
+
+    learner = tomllib.loads((ROOT / "recipes/demo.toml").read_text()).get("learner", {})
+    return int(learner.get("mini_batches", 1)) * int(learner.get("ppo_epochs", 1))
+
+
+def streamrl_overrides(
+    spec: dict[str, Any], run_dir: Path, steps: int, engine: str, updates: int, eval_mode: str
+) -> list[str]:
     d = spec["data_dir"]
     o = [
         f"--run_id=bench-{run_dir.name}", f"--run_dir={run_dir}", f"--total_steps={steps}",
@@ -79,17 +97,53 @@ def streamrl_overrides(spec: dict[str, Any], run_dir: Path, steps: int, engine: 
         f"--coordinator.sampling.min_new_tokens={spec['min_new_tokens']}",
         f"--rollout.engine.model={d}/model", f"--rollout.engine.max_model_len={spec['max_model_len']}",
         f"--learner.model={d}/model", f"--learner.ds.lr={spec['lr']}", "--learner.checkpoint_every=100000",
+        f"--learner.mini_batches={updates}", "--learner.ppo_epochs=1",
         f"--learner.ds.micro_batch_size={spec['prompts_per_step'] * spec['group_size']}",
         f"--rollout.engine.type={engine}",
         f"--rollout.engine.dtype={'bfloat16' if spec['bf16'] else 'float32'}",
         f"--learner.ds.dtype={'bf16' if spec['bf16'] else 'fp32'}",
     ]  # fmt: skip
-    if spec["eval"]:
+    if spec["eval"] and eval_mode == "pipeline":
         o += [f"--coordinator.eval.dataset.path={d}/eval.jsonl", f"--coordinator.eval.dataset.tokenizer={d}/model",
-              "--coordinator.eval.num_prompts=500", "--coordinator.eval.every_steps=10"]  # fmt: skip
+              "--coordinator.eval.num_prompts=500", f"--coordinator.eval.every_steps={EVAL_EVERY}"]  # fmt: skip
     else:
         o += ["--coordinator.eval.dataset=null"]
+    if spec["eval"] and eval_mode == "snapshots":
+        o += [f"--learner.export_every={EVAL_EVERY}"]
     return o
+
+
+def snapshot_curve(
+    spec: dict[str, Any], run_dir: Path, learner: list[dict[str, Any]], t0: float, target_gain: float
+) -> list[dict[str, Any]]:
+    """Greedy held-out accuracy of the initial policy and of the snapshots the learner exported, in step
+    order up to the first that reaches the target (as TRL's side stops there), by the evaluator TRL's
+    side uses (``e2e_common.greedy_accuracy``), after the run: none of it on the RL clock. A snapshot's
+    time is the time its step was logged (the export follows the step)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from e2e_common import BenchSettings, greedy_accuracy, load_rows
+
+    torch.set_num_threads(2)
+    _, held_out = load_rows(BenchSettings(data_dir=str(ROOT / spec["data_dir"])))
+    step_time = {r["step"]: r["time"] for r in learner}
+    folders = [(0, ROOT / spec["data_dir"] / "model", t0)]
+    for folder in (run_dir / "exports").glob("step-*"):
+        step = int(folder.name.removeprefix("step-"))
+        if step in step_time:
+            folders.append((step, folder, step_time[step]))
+    curve = []
+    for step, folder, at in sorted(folders, key=lambda f: f[0]):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        accuracy = greedy_accuracy(model, tokenizer, held_out, spec["max_new_tokens"])
+        curve.append({"step": step, "rl_s": round(at - t0, 2), "accuracy": accuracy, "eval_s": 0.0})
+        if accuracy >= curve[0]["accuracy"] + target_gain:
+            break
+    return curve
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -97,13 +151,14 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def run_streamrl(
-    spec: dict[str, Any], run_dir: Path, steps: int, budget_s: float, target_gain: float, engine: str
+    spec: dict[str, Any], run_dir: Path, steps: int, budget_s: float, target_gain: float, engine: str, updates: int,
+    eval_mode: str,
 ) -> dict[str, Any]:
-    """``streamrl up`` until ``steps`` steps, the RL time budget, or (with evaluation) the target."""
+    """``streamrl up`` until ``steps`` steps, the RL time budget, or (with in-pipeline evaluation) the target."""
     import shutil
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = streamrl_overrides(spec, run_dir, steps, engine)
+    overrides = streamrl_overrides(spec, run_dir, steps, engine, updates, eval_mode)
     cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *overrides, *spec.get("extra", [])]
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -135,10 +190,14 @@ def run_streamrl(
     tokens = sum(r["rollout/response_len_mean"] * r["coordinator/batch_samples"] for r in batches)
     # per-step time after the first step (start-up effects excluded), over trained steps
     steady = (learner[-1]["time"] - learner[0]["time"]) / max(len(learner) - 1, 1) if len(learner) > 1 else None
-    curve = [{"step": r["step"], "rl_s": round(r["time"] - t0, 2), "accuracy": r["eval/acc"],
-              "eval_s": round(r.get("eval/duration_s", 0.0), 2)} for r in evals]  # fmt: skip
+    if spec["eval"] and eval_mode == "snapshots":
+        curve = snapshot_curve(spec, run_dir, learner, t0, target_gain)
+    else:
+        curve = [{"step": r["step"], "rl_s": round(r["time"] - t0, 2), "accuracy": r["eval/acc"],
+                  "eval_s": round(r.get("eval/duration_s", 0.0), 2)} for r in evals]  # fmt: skip
     out: dict[str, Any] = {
-        "side": f"streamrl ({engine} engine)", "engine": engine, "steps": len(learner), "rl_s": round(end - t0, 2),
+        "side": f"streamrl ({engine} engine)", "engine": engine, "updates_per_step": updates, "eval": eval_mode,
+        "steps": len(learner), "rl_s": round(end - t0, 2),
         "steps_per_s": len(learner) / max(end - t0, 1e-9), "s_per_step_steady": steady,
         "generated_tokens_per_s": tokens / max(end - t0, 1e-9), "curve": curve,
     }  # fmt: skip
@@ -151,15 +210,15 @@ def run_streamrl(
     return out
 
 
-def run_trl(spec: dict[str, Any], steps: int, budget_s: float, target_gain: float) -> dict[str, Any]:
-    cmd = [PY, str(ROOT / "bench/e2e_trl.py"), "--data-dir", spec["data_dir"],
+def run_trl(spec: dict[str, Any], steps: int, budget_s: float, target_gain: float, updates: int) -> dict[str, Any]:
+    cmd = [PY, str(ROOT / "bench/e2e_trl.py"), "--data-dir", spec["data_dir"], "--updates-per-step", str(updates),
            "--prompts-per-step", str(spec["prompts_per_step"]), "--group-size", str(spec["group_size"]),
            "--lr", str(spec["lr"]), "--max-new-tokens", str(spec["max_new_tokens"]), "--max-steps", str(steps),
            "--time-budget-s", str(budget_s), "--target-gain", str(target_gain)]  # fmt: skip
     if spec["bf16"]:
         cmd += ["--bf16"]
     if spec["eval"]:
-        cmd += ["--eval-every-steps", "10", "--stop-at-target"]
+        cmd += ["--eval-every-steps", str(EVAL_EVERY), "--stop-at-target"]
     else:
         cmd += ["--eval-every-steps", str(steps + 1), "--num-eval", "1",
                 "--extra", json.dumps({"generation_kwargs": {"min_new_tokens": spec["min_new_tokens"]}})]  # fmt: skip
@@ -172,6 +231,20 @@ def run_trl(spec: dict[str, Any], steps: int, budget_s: float, target_gain: floa
     return result
 
 
+def trl_key(updates: int) -> str:
+    return "trl" if updates == 1 else f"trl_u{updates}"
+
+
+def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
+    """streamrl against one TRL run: per-step and token throughput ratios, time-to-target ratio (ours / TRL)."""
+    both = ours.get("target_rl_s") is not None and trl.get("target_rl_s") is not None
+    return {
+        "per_step_speedup": ours["steps_per_s"] / max(trl["steps_per_s"], 1e-9),
+        "tokens_per_s_ratio": ours["generated_tokens_per_s"] / max(trl["generated_tokens_per_s"], 1e-9),
+        "time_to_target_ratio": ours["target_rl_s"] / max(trl["target_rl_s"], 1e-9) if both else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="ab", help="a, b or ab")
@@ -179,6 +252,13 @@ def main() -> None:
     parser.add_argument("--steps-b", type=int, default=6, help="steps per side in workload b")
     parser.add_argument("--target-gain", type=float, default=0.4)
     parser.add_argument("--engines", default=None, help="comma-separated rollout engines (default: the workload's)")
+    parser.add_argument("--updates-per-step", type=int, default=None,
+                        help="streamrl's optimizer steps per batch (default: the demo recipe's in workload a; 1 in b)")
+    parser.add_argument("--eval", choices=["snapshots", "pipeline"], default="snapshots",
+                        help="workload a, streamrl: evaluate exported snapshots after the run with TRL's evaluator "
+                             "(off the clock, as TRL's) or in the pipeline through the rollout engine (on the clock)")
+    parser.add_argument("--trl-updates", default=None,
+                        help="comma-separated optimizer steps per batch of the TRL runs (default: 1 and streamrl's)")
     args = parser.parse_args()
     report: dict[str, Any] = {
         "bench": "e2e", "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -189,24 +269,27 @@ def main() -> None:
         spec = WORKLOADS[name]
         prepare(spec)
         steps, budget = (2000, args.time_budget_s) if name == "a" else (args.steps_b, 1e9)
-        ours = {engine: run_streamrl(spec, ROOT / f"runs/bench_e2e_{name}_{engine}", steps, budget, args.target_gain, engine)
+        updates = args.updates_per_step or (recipe_updates_per_step() if name == "a" else 1)
+        ours = {engine: run_streamrl(spec, ROOT / f"runs/bench_e2e_{name}_{engine}", steps, budget, args.target_gain,
+                                     engine, updates, args.eval)
                 for engine in (args.engines.split(",") if args.engines else spec["engines"])}  # fmt: skip
-        theirs = run_trl(spec, steps, budget, args.target_gain)
-        row: dict[str, Any] = {"trl": theirs}
+        trl_updates = [int(u) for u in args.trl_updates.split(",")] if args.trl_updates else sorted({1, updates})
+        theirs = {trl_key(u): run_trl(spec, steps, budget, args.target_gain, u) for u in trl_updates}
+        row: dict[str, Any] = dict(theirs)
         for engine, result in ours.items():
-            row[f"streamrl_{engine}"] = {
-                **result,
-                "per_step_speedup": result["steps_per_s"] / max(theirs["steps_per_s"], 1e-9),
-                "tokens_per_s_ratio": result["generated_tokens_per_s"] / max(theirs["generated_tokens_per_s"], 1e-9),
-            }
-            line = (f"workload {name}: streamrl[{engine}] {result['steps_per_s']:.3f} steps/s "
-                    f"{result['generated_tokens_per_s']:.0f} tok/s | TRL {theirs['steps_per_s']:.3f} steps/s "
-                    f"{theirs['generated_tokens_per_s']:.0f} tok/s | per-step x{row[f'streamrl_{engine}']['per_step_speedup']:.2f}")  # fmt: skip
-            if name == "a":
-                line += (f" | time to +{args.target_gain:.0%}: streamrl {result.get('target_rl_s')} s "
-                         f"(step {result.get('target_step')}, incl. {result.get('eval_s_to_target')} s of eval rounds), "
-                         f"TRL {theirs.get('target_rl_s')} s (step {theirs.get('target_step')})")  # fmt: skip
-            print(line, flush=True)
+            vs = {key: compare(result, trl) for key, trl in theirs.items()}
+            same = vs.get(trl_key(updates), next(iter(vs.values())))  # like for like: the same updates per step
+            row[f"streamrl_{engine}"] = {**result, **same, "vs": vs}
+            for key, trl in theirs.items():
+                line = (f"workload {name}: streamrl[{engine}, {updates} update(s)/step] {result['steps_per_s']:.3f} steps/s "
+                        f"{result['generated_tokens_per_s']:.0f} tok/s | TRL[{trl['updates_per_step']} update(s)/step] "
+                        f"{trl['steps_per_s']:.3f} steps/s {trl['generated_tokens_per_s']:.0f} tok/s | "
+                        f"per-step x{vs[key]['per_step_speedup']:.2f}")  # fmt: skip
+                if name == "a":
+                    line += (f" | time to +{args.target_gain:.0%}: streamrl {result.get('target_rl_s')} s "
+                             f"(step {result.get('target_step')}, incl. {result.get('eval_s_to_target')} s of eval rounds), "
+                             f"TRL {trl.get('target_rl_s')} s (step {trl.get('target_step')})")  # fmt: skip
+                print(line, flush=True)
         report["workloads"][name] = row
     results = ROOT / "bench/results"
     results.mkdir(exist_ok=True)

@@ -60,6 +60,10 @@ class BenchSettings:
     """End the run as soon as the target is reached."""
     epsilon: float = 0.2
     """PPO clip range (matters only with more than one update per batch)."""
+    updates_per_step: int = 1
+    """Optimizer steps per generation batch of ``prompts_per_step x group_size`` samples, each on an
+    equal share of it (TRL ``steps_per_generation``; streamrl ``learner.mini_batches``). Steps are
+    counted in generation batches on every side."""
     max_grad_norm: float = 1.0
     """Gradient clipping."""
     seed: int = 0
@@ -85,6 +89,10 @@ class BenchSettings:
         ):
             raise ValueError(
                 f"prompts_per_step, max_new_tokens, max_steps, eval_every_steps must be >= 1: {self}"
+            )
+        if self.updates_per_step < 1 or (self.prompts_per_step * self.group_size) % self.updates_per_step:
+            raise ValueError(
+                f"updates_per_step must be >= 1 and divide prompts_per_step x group_size: {self}"
             )
         if self.lr <= 0 or self.temperature <= 0 or self.time_budget_s <= 0:
             raise ValueError(

@@ -1,9 +1,9 @@
 """The TRL side of the end-to-end learning benchmark: GRPOTrainer on the arithmetic task.
 
 Runs TRL's ``GRPOTrainer`` (its default transformers generation, ``beta = 0``, default loss) on the
-warm-started folder from ``examples/arithmetic/prepare.py``, with one optimizer step per generation
-batch of ``prompts_per_step x group_size`` completions (so one step here is one step of the other
-sides), a constant learning rate and the task's own ``reward_func``. Every ``eval_every_steps`` steps
+warm-started folder from ``examples/arithmetic/prepare.py``, with ``updates_per_step`` optimizer steps
+(default one) per generation batch of ``prompts_per_step x group_size`` completions (steps are
+counted in generation batches, as on the other sides), a constant learning rate and the task's own ``reward_func``. Every ``eval_every_steps`` steps
 a callback pauses the RL clock and measures greedy held-out accuracy (``bench/e2e_common.py``).
 
     python bench/e2e_trl.py [--data-dir runs/arith_a] [--prompts-per-step 32] [--group-size 8]
@@ -59,6 +59,7 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
     )
 
     curve = Curve(settings.target_gain)
+    updates = settings.updates_per_step  # optimizer steps per generation batch (TRL's global_step counts them)
     counters = {"tokens": 0, "steps": 0}
 
     def arithmetic_reward(
@@ -87,13 +88,13 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
         def on_step_end(
             self, args: Any, state: Any, control: Any, **kwargs: Any
         ) -> None:
-            counters["steps"] = state.global_step
+            counters["steps"] = state.global_step // updates
             if curve.rl_s >= settings.time_budget_s:
                 control.should_training_stop = True
-            if state.global_step % settings.eval_every_steps == 0:
+            if state.global_step % (settings.eval_every_steps * updates) == 0:
                 curve.pause()
                 curve.add(
-                    state.global_step,
+                    state.global_step // updates,
                     greedy_accuracy(
                         model, tokenizer, held_out, settings.max_new_tokens
                     ),
@@ -109,15 +110,16 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
             use_cpu=True,
             bf16=settings.bf16,
             seed=settings.seed,
-            max_steps=settings.max_steps,
+            max_steps=settings.max_steps * updates,
             learning_rate=settings.lr,
             lr_scheduler_type="constant_with_warmup",
             warmup_steps=settings.warmup_steps,
             optim="adamw_torch",
             weight_decay=0.0,
             max_grad_norm=settings.max_grad_norm,
-            per_device_train_batch_size=settings.prompts_per_step * settings.group_size,
+            per_device_train_batch_size=settings.prompts_per_step * settings.group_size // updates,
             gradient_accumulation_steps=1,
+            steps_per_generation=updates,
             num_generations=settings.group_size,
             max_completion_length=settings.max_new_tokens,
             temperature=settings.temperature,
@@ -145,6 +147,7 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
     return {
         "side": "trl",
         "settings": settings_dict(settings),
+        "updates_per_step": updates,
         "steps": steps,
         "rl_s": round(rl_s, 2),
         "steps_per_s": round(steps / rl_s, 3),

@@ -2,7 +2,7 @@
 
 Every run is ``streamrl up`` on the smoke recipe (vLLM rollout, function reward, DeepSpeed learner,
 real Redis) with the algorithm swapped by command-line overrides. Estimators run 3 synchronous
-steps with finite losses; TIS / ICEPOP / Seq-Mask-TIS run with async staleness 1 and must report
+steps with finite losses (PPO also with 4 optimizer updates per batch); TIS / ICEPOP / Seq-Mask-TIS run with async staleness 1 and must report
 their mismatch metrics.
 """
 
@@ -33,6 +33,8 @@ CASES = {
     "dr_grpo": [f"{A}advantage.estimator=dr_grpo", f"{A}loss.aggregation=seq-mean-token-sum-norm",
                 f"{A}loss.norm_constant=5"],  # fmt: skip
     "gae": [f"{A}advantage.estimator=gae", f"{A}advantage.lam=0.95", f"{A}critic={{}}"],
+    # PPO with 2 epochs of 2 mini-batches: 4 optimizer updates per batch, on the policy and the critic
+    "ppo_updates": [f"{A}advantage.estimator=gae", f"{A}critic={{}}", "--learner.mini_batches=2", "--learner.ppo_epochs=2"],
     "tis": [f"{A}correction.type=tis", "--coordinator.max_staleness=1"],
     "icepop": [f"{A}correction.type=icepop", "--coordinator.max_staleness=1"],
     "seq_mask_tis": [f"{A}correction.type=seq_mask_tis", "--coordinator.max_staleness=1"],
@@ -58,8 +60,9 @@ def test_algorithm_runs_in_the_pipeline(case: str, tiny_task: Path, tmp_path: Pa
     for w in trained:
         for key in ("learner/loss/policy", "learner/loss/total", "learner/grad_norm"):
             assert math.isfinite(w.metrics[key]), (case, key, w.metrics)
-        if case == "gae":
+        if case in ("gae", "ppo_updates"):
             assert math.isfinite(w.metrics["learner/loss/value"]) and w.metrics["learner/loss/value"] > 0
+        assert w.metrics["learner/updates"] == (4 if case == "ppo_updates" else 1), (case, w.metrics)
         if case in ("tis", "icepop", "seq_mask_tis"):
             for key in ("learner/mismatch/kl", "learner/correction/masked_frac", "learner/correction/weight_mean"):
                 assert math.isfinite(w.metrics[key]), (case, key)
