@@ -68,9 +68,14 @@ class PrepareConfig(BaseConfig):
     """Warm-start accuracy check period (steps)."""
 
 
+WARM_START_VERSION = 2
+"""Bumped when the warm start's procedure changes, so that folders prepared by the old one are redone
+(2: accuracy checked after every step once half the target is reached)."""
+
+
 def _settings(config: PrepareConfig) -> dict[str, Any]:
     """The settings that determine the output (everything but the output folder)."""
-    return config.model_dump(exclude={"out_dir"})
+    return {**config.model_dump(exclude={"out_dir"}), "warm_start_version": WARM_START_VERSION}
 
 
 def prepare(config: PrepareConfig) -> dict[str, Any]:
