@@ -25,9 +25,9 @@ how long those rounds took; the TRL clock excludes its evaluations: bench/e2e_tr
 TRL runs ``bench/e2e_trl.py`` in a subprocess.
 
 Optimizer updates per step: in ``a`` streamrl takes the demo recipe's ``learner.mini_batches``
-updates per batch (its learner has time to spare while the rollout generates the next batch), and
-TRL runs twice: with its default of one update per generation batch, and with as many updates as
-streamrl (``steps_per_generation``: the like-for-like run). Steps are generation batches everywhere.
+updates per batch (its learner has time to spare while the rollout generates the next batch); TRL
+runs with its default of one update per generation batch and, when streamrl takes more, also with
+as many (``steps_per_generation``: the like-for-like run). Steps are generation batches everywhere.
 
     python bench/e2e.py [--workload a|b|ab] [--time-budget-s 420] [--engines vllm,hf]
         [--updates-per-step N] [--trl-updates 1,2]

@@ -3,7 +3,8 @@
 Runs TRL's ``GRPOTrainer`` (its default transformers generation, ``beta = 0``, default loss) on the
 warm-started folder from ``examples/arithmetic/prepare.py``, with ``updates_per_step`` optimizer steps
 (default one) per generation batch of ``prompts_per_step x group_size`` completions (steps are
-counted in generation batches, as on the other sides), a constant learning rate and the task's own ``reward_func``. Every ``eval_every_steps`` steps
+counted in generation batches, as on the other sides), a constant learning rate and the task's own
+``reward_func``. Every ``eval_every_steps`` steps
 a callback pauses the RL clock and measures greedy held-out accuracy (``bench/e2e_common.py``).
 
     python bench/e2e_trl.py [--data-dir runs/arith_a] [--prompts-per-step 32] [--group-size 8]

@@ -42,8 +42,8 @@ class LearnerConfig(ServiceConfig):
     """Optimizer steps per pass over a training batch: its groups are split into this many mini-batches
     (whole groups; each one step of ``ds.grad_accum`` micro-batches). Advantages are computed over the
     whole batch first. With more than one update per batch a no-grad pass first records log pi_old,
-    and later updates are clipped against it (PPO). A rollout-bound run gets more learning out of
-    each generated batch this way while its learner would otherwise wait."""
+    and later updates are clipped against it (PPO). In a rollout-bound run the extra updates use
+    learner time that would otherwise be spent waiting for the next batch."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each training batch (``mini_batches`` optimizer steps each; groups reshuffled)."""
     share_prompts: bool = False
