@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,30 +116,79 @@ def test_stale_version_is_refused(engine: Engine, server: WeightServer) -> None:
         asyncio.run(engine.update_weights(server.endpoint, 0, "0" * 64, timeout_s=5))
 
 
-def test_update_mid_generation_records_both_versions(
+LONG = SamplingParams(temperature=0, max_new_tokens=280)
+
+
+def _greedy_under(model: PreTrainedModel, tokens: list[int]) -> list[int]:
+    """The argmax of ``model`` at each response position of PROMPT + tokens (teacher forcing)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + tokens])).logits
+    return logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()  # type: ignore[no-any-return]
+
+
+def test_update_waits_for_running_requests(
     engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
 ) -> None:
-    """An update lands while a long generation runs: tokens before it follow the old weights,
-    tokens after it the new ones (KV cache recomputed), and the sample records both versions."""
+    """Default (no partial rollout): an update that arrives while a long generation runs lands
+    after it finishes; the running sample is all old weights, and a request submitted after the
+    update waits for it and is all new weights."""
     _, model_a, model_b = models
     checksum, _, _ = server.publish(model_a.state_dict().items(), version=2)  # B -> A at version 2
-    sampling = SamplingParams(temperature=0, max_new_tokens=280)
+    finished: dict[str, float] = {}
 
-    async def update_while_generating() -> list[int]:
-        task = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, sampling)]))
+    async def timed(name: str, coro: Any) -> Any:
+        result = await coro
+        finished[name] = time.perf_counter()
+        return result
+
+    async def update_while_generating() -> tuple[list[Any], list[Any]]:
+        running = asyncio.create_task(timed("running", engine.generate([GenerationRequest(PROMPT, LONG)])))
         await asyncio.sleep(0.3)
-        assert not task.done(), "generation finished before the update could land; make it longer"
-        await engine.update_weights(server.endpoint, 2, checksum, timeout_s=10)
-        (samples,) = await task
-        sample = samples[0]
-        assert (sample.version_start, sample.version_end) == (1, 2)
-        return sample.token_ids
+        assert not running.done(), "generation finished before the update could land; make it longer"
+        update = asyncio.create_task(timed("update", engine.update_weights(server.endpoint, 2, checksum, 10)))
+        await asyncio.sleep(0.05)
+        after = asyncio.create_task(timed("after", engine.generate([GenerationRequest(PROMPT, GREEDY)])))
+        (old,), (new,), _ = await asyncio.gather(running, after, update)
+        return old, new
 
-    tokens = asyncio.run(update_while_generating())
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT + tokens])
-        argmax_b = model_b(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
-        argmax_a = model_a(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist()
-    # Some switch point k: tokens[:k] greedy under B (version 1), tokens[k:] greedy under A.
-    switch_points = [k for k in range(1, len(tokens)) if tokens[:k] == argmax_b[:k] and tokens[k:] == argmax_a[k:]]
+    old, new = asyncio.run(update_while_generating())
+    assert finished["running"] <= finished["update"] <= finished["after"]
+    assert (old[0].version_start, old[0].version_end) == (1, 1)
+    assert old[0].token_ids == _greedy_under(model_b, old[0].token_ids), "the running sample saw new weights"
+    assert (new[0].version_start, new[0].version_end) == (2, 2)
+    assert _prefix_equal(new[0].token_ids, _hf_greedy(model_a))
+    assert engine.version == 2
+
+
+def test_partial_rollout_update_mid_generation_records_both_versions(
+    models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+) -> None:
+    """partial_rollout: an update lands while a long generation runs: tokens before it follow the
+    old weights, tokens after it the new ones (KV cache recomputed), and the sample records both."""
+    path_a, model_a, model_b = models
+    config = EngineConfig(
+        type="vllm", model=str(path_a), dtype="float32", max_model_len=320, kv_cache_gib=0.25, enforce_eager=True,
+        partial_rollout=True,
+    )  # fmt: skip
+    partial = build_engine(config)
+    try:
+        checksum, _, _ = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
+
+        async def update_while_generating() -> list[int]:
+            task = asyncio.create_task(partial.generate([GenerationRequest(PROMPT, LONG)]))
+            await asyncio.sleep(0.3)
+            assert not task.done(), "generation finished before the update could land; make it longer"
+            await partial.update_weights(server.endpoint, 3, checksum, timeout_s=10)
+            assert not task.done(), "the update waited for the running request"
+            (samples,) = await task
+            sample = samples[0]
+            assert (sample.version_start, sample.version_end) == (0, 3)
+            return sample.token_ids
+
+        tokens = asyncio.run(update_while_generating())
+    finally:
+        partial.close()
+    argmax_a, argmax_b = _greedy_under(model_a, tokens), _greedy_under(model_b, tokens)
+    # Some switch point k: tokens[:k] greedy under A (version 0), tokens[k:] greedy under B.
+    switch_points = [k for k in range(1, len(tokens)) if tokens[:k] == argmax_a[:k] and tokens[k:] == argmax_b[k:]]
     assert switch_points, "tokens are not 'old weights, then new weights'"

@@ -333,6 +333,10 @@ class CoordinatorService:
         scores = np.array([s.score for s in batch.samples], dtype=np.float64)
         lengths = np.array([len(s.trajectory.response_ids) for s in batch.samples], dtype=np.float64)
         truncated = np.array([s.trajectory.truncated for s in batch.samples], dtype=np.float64)
+        partial = np.array(
+            [s.trajectory.policy_version_end != s.trajectory.policy_version_start for s in batch.samples],
+            dtype=np.float64,
+        )
         elapsed = max(now - self.last_batch_time, 1e-6)
         self.last_batch_time = now
         stats = {
@@ -340,6 +344,7 @@ class CoordinatorService:
             "rollout/acc": float(scores.mean()) if scores.size else 0.0,
             "rollout/response_len_mean": float(lengths.mean()) if lengths.size else 0.0,
             "rollout/truncated_frac": float(truncated.mean()) if truncated.size else 0.0,
+            "rollout/partial_frac": float(partial.mean()) if partial.size else 0.0,
             "rollout/tokens_per_s": float(lengths.sum() / elapsed),
             "coordinator/staleness_mean": float(np.mean(batch.staleness)) if batch.staleness else 0.0,
             "coordinator/staleness_max": int(max(batch.staleness, default=0)),

@@ -35,6 +35,12 @@ class EngineConfig(BaseConfig):
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start; on GPU slower decode). On CPU with a
     weight update every step, compiled decoding was seen to slow down run after run: prefer True there."""
+    partial_rollout: bool = False
+    """vLLM: a weight update lands between two engine steps even while requests are running; they
+    are preempted, recompute their KV cache with the new weights and go on (the sample records both
+    versions). False: the update waits until the running requests finish, and requests submitted
+    after it wait for it (every sample comes from one version; no recomputation). The hf engine
+    always updates between batches."""
     batch_wait_ms: float = Field(5.0, ge=0)
     """hf engine: once a request arrives, collect others for this long and decode them as one batch."""
     seed: int = 0
@@ -48,4 +54,6 @@ class EngineConfig(BaseConfig):
     def _check(self) -> EngineConfig:
         if self.type == "hf" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs type='vllm'")
+        if self.type == "hf" and self.partial_rollout:
+            raise ValueError("partial_rollout needs type='vllm' (the hf engine updates weights between batches)")
         return self

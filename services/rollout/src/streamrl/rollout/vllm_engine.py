@@ -7,11 +7,13 @@ process, as vLLM is configured) and runs this loop::
 
 * Everything submitted concurrently is decoded together (continuous batching): a ``generate``
   call only enqueues its requests and waits for its own samples.
-* A weight update runs between two engine steps: generation pauses, the worker extension
+* A weight update waits until the running requests finish; requests submitted after it wait for
+  it (every sample comes from one version). The worker extension
   (:mod:`streamrl.rollout.weight_receiver`) pulls and verifies the buckets on every worker, then
-  loads them (a failed transfer leaves the served weights untouched), the prefix cache is reset
-  (running requests are preempted and recompute their KV cache with the new weights), and
-  generation resumes. A sample records the version of its first and of its last token.
+  loads them (a failed transfer leaves the served weights untouched) and the prefix cache is reset.
+  With ``partial_rollout`` the update runs between two engine steps instead: running requests are
+  preempted, recompute their KV cache with the new weights and go on, and a sample records the
+  version of its first and of its last token.
 * A request is one vLLM request with ``n`` children (sample ``j`` seeded ``seed + j``: the prompt
   is processed once), streamed as deltas so the version of each sample's first token is exact.
 * Log-probs come from ``logprobs_mode="processed_logprobs"``: those of the distribution actually
@@ -128,6 +130,9 @@ class VLLMEngine:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._running: dict[tuple[str, int], _Running] = {}
         """Samples being generated, by (vLLM request id, sample index)."""
+        self._held: list[Command] = []
+        """Without partial_rollout: a weight update waiting for the running requests, then the
+        commands that came after it, in order."""
         self._tokenizer: Any = None
         self._fatal: BaseException | None = None
         self._closed = False
@@ -218,6 +223,10 @@ class VLLMEngine:
         commands: list[Command] = []
         try:
             while True:
+                if self._held and not engine.has_unfinished_requests():
+                    held, self._held = self._held, []
+                    for command in held:  # the update first; what it defers again is held again
+                        self._handle(command)
                 idle = not engine.has_unfinished_requests()
                 commands = [self._commands.get()] if idle else []
                 while not self._commands.empty():
@@ -239,7 +248,18 @@ class VLLMEngine:
             engine.engine_core.shutdown()
 
     def _handle(self, command: Command) -> None:
-        if isinstance(command, _Job):
+        assert self._llm is not None
+        if isinstance(command, _Abort) and any(c is command.job for c in self._held):
+            self._held = [c for c in self._held if c is not command.job]
+            return
+        defer = self._held or (
+            isinstance(command, WeightUpdate)
+            and not self._config.partial_rollout
+            and self._llm.llm_engine.has_unfinished_requests()
+        )
+        if defer and not isinstance(command, _Abort):
+            self._held.append(command)
+        elif isinstance(command, _Job):
             self._add(command)
         elif isinstance(command, WeightUpdate):
             self._apply_update(command)
@@ -327,8 +347,9 @@ class VLLMEngine:
 
     def _fail_all(self, error: BaseException, taken: list[Command]) -> None:
         """Fail every waiting caller: running jobs, commands taken from the queue, and queued ones."""
-        waiting: list[Command] = [run.job for run in self._running.values()] + taken
+        waiting: list[Command] = [run.job for run in self._running.values()] + self._held + taken
         self._running.clear()
+        self._held = []
         while not self._commands.empty():
             waiting.append(self._commands.get())
         for command in waiting:
