@@ -30,7 +30,12 @@ runs with its default of one update per generation batch and, when streamrl take
 as many (``steps_per_generation``: the like-for-like run). Steps are generation batches everywhere.
 
     python bench/e2e.py [--workload a|b|ab] [--time-budget-s 420] [--engines vllm,hf]
-        [--updates-per-step N] [--trl-updates 1,2]
+        [--updates-per-step N] [--trl-updates 1,2] [--repeats 3]
+
+With ``--repeats N`` every side runs N times, with seeds 0..N-1 (prompt order, sampling and the
+learner's seed; the first side to run alternates), and the report adds the median of each figure:
+in workload a the accuracy curves are noisy enough (+-0.05 between evaluations 10 steps apart)
+that one run's step to target varies by tens of steps.
 
 Last line: one JSON object; also written to bench/results/e2e-<date>.json.
 """
@@ -86,10 +91,11 @@ def recipe_updates_per_step() -> int:
 
 
 def streamrl_overrides(
-    spec: dict[str, Any], run_dir: Path, steps: int, engine: str, updates: int, eval_mode: str
+    spec: dict[str, Any], run_dir: Path, steps: int, engine: str, updates: int, eval_mode: str, seed: int = 0
 ) -> list[str]:
     d = spec["data_dir"]
     o = [
+        f"--coordinator.dataset.seed={seed}", f"--rollout.engine.seed={seed}", f"--learner.ds.seed={seed}",
         f"--run_id=bench-{run_dir.name}", f"--run_dir={run_dir}", f"--total_steps={steps}",
         f"--coordinator.dataset.path={d}/train.jsonl", f"--coordinator.dataset.tokenizer={d}/model",
         f"--coordinator.prompts_per_step={spec['prompts_per_step']}", f"--coordinator.group_size={spec['group_size']}",
@@ -151,14 +157,21 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def run_streamrl(
-    spec: dict[str, Any], run_dir: Path, steps: int, budget_s: float, target_gain: float, engine: str, updates: int,
+    spec: dict[str, Any],
+    run_dir: Path,
+    steps: int,
+    budget_s: float,
+    target_gain: float,
+    engine: str,
+    updates: int,
     eval_mode: str,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """``streamrl up`` until ``steps`` steps, the RL time budget, or (with in-pipeline evaluation) the target."""
     import shutil
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = streamrl_overrides(spec, run_dir, steps, engine, updates, eval_mode)
+    overrides = streamrl_overrides(spec, run_dir, steps, engine, updates, eval_mode, seed)
     cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *overrides, *spec.get("extra", [])]
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -197,6 +210,7 @@ def run_streamrl(
                   "eval_s": round(r.get("eval/duration_s", 0.0), 2)} for r in evals]  # fmt: skip
     out: dict[str, Any] = {
         "side": f"streamrl ({engine} engine)", "engine": engine, "updates_per_step": updates, "eval": eval_mode,
+        "seed": seed,
         "steps": len(learner), "rl_s": round(end - t0, 2),
         "steps_per_s": len(learner) / max(end - t0, 1e-9), "s_per_step_steady": steady,
         "generated_tokens_per_s": tokens / max(end - t0, 1e-9), "curve": curve,
@@ -210,8 +224,11 @@ def run_streamrl(
     return out
 
 
-def run_trl(spec: dict[str, Any], steps: int, budget_s: float, target_gain: float, updates: int) -> dict[str, Any]:
+def run_trl(
+    spec: dict[str, Any], steps: int, budget_s: float, target_gain: float, updates: int, seed: int = 0
+) -> dict[str, Any]:
     cmd = [PY, str(ROOT / "bench/e2e_trl.py"), "--data-dir", spec["data_dir"], "--updates-per-step", str(updates),
+           "--seed", str(seed),
            "--prompts-per-step", str(spec["prompts_per_step"]), "--group-size", str(spec["group_size"]),
            "--lr", str(spec["lr"]), "--max-new-tokens", str(spec["max_new_tokens"]), "--max-steps", str(steps),
            "--time-budget-s", str(budget_s), "--target-gain", str(target_gain)]  # fmt: skip
@@ -245,6 +262,65 @@ def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def compare_row(
+    name: str,
+    ours: dict[str, dict[str, Any]],
+    theirs: dict[str, dict[str, Any]],
+    updates: int,
+    target_gain: float,
+    seed: int,
+) -> dict[str, Any]:
+    """One seed's results: every TRL run, and every streamrl run with its ratios against each of them."""
+    row: dict[str, Any] = {"seed": seed, **theirs}
+    for engine, result in ours.items():
+        vs = {key: compare(result, trl) for key, trl in theirs.items()}
+        same = vs.get(trl_key(updates), next(iter(vs.values())))  # like for like: the same updates per step
+        row[f"streamrl_{engine}"] = {**result, **same, "vs": vs}
+        for key, trl in theirs.items():
+            line = (f"workload {name} seed {seed}: streamrl[{engine}, {updates} update(s)/step] "
+                    f"{result['steps_per_s']:.3f} steps/s {result['generated_tokens_per_s']:.0f} tok/s | "
+                    f"TRL[{trl['updates_per_step']} update(s)/step] {trl['steps_per_s']:.3f} steps/s "
+                    f"{trl['generated_tokens_per_s']:.0f} tok/s | per-step x{vs[key]['per_step_speedup']:.2f}")  # fmt: skip
+            if name == "a":
+                line += (f" | time to +{target_gain:.0%}: streamrl {result.get('target_rl_s')} s "
+                         f"(step {result.get('target_step')}, incl. {result.get('eval_s_to_target')} s of eval rounds), "
+                         f"TRL {trl.get('target_rl_s')} s (step {trl.get('target_step')})")  # fmt: skip
+            print(line, flush=True)
+    return row
+
+
+def median(values: list[float | None]) -> float | None:
+    """Median, a run that never reached the target (None) counting as slower than any that did;
+    None when that is where the median falls."""
+    ranked = sorted(values, key=lambda v: (v is None, v or 0.0))
+    mid = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
+    if any(v is None for v in mid):
+        return None
+    return sum(v for v in mid if v is not None) / len(mid)
+
+
+def summarize(runs: list[dict[str, Any]], updates: int) -> dict[str, Any]:
+    """Median steps/s, time and step to target of every side over the seeds, and the ratios of the medians."""
+    sides = [key for key in runs[0] if key != "seed"]
+    out: dict[str, Any] = {}
+    for side in sides:
+        results = [run[side] for run in runs]
+        out[side] = {
+            "steps_per_s": median([r["steps_per_s"] for r in results]),
+            "target_rl_s": median([r.get("target_rl_s") for r in results]),
+            "target_step": median([r.get("target_step") for r in results]),
+            "target_rl_s_each": [r.get("target_rl_s") for r in results],
+            "target_step_each": [r.get("target_step") for r in results],
+        }
+    trl = out.get(trl_key(updates), next(v for k, v in out.items() if k.startswith("trl")))
+    for side in (s for s in sides if s.startswith("streamrl_")):
+        mine = out[side]
+        mine["per_step_speedup"] = mine["steps_per_s"] / trl["steps_per_s"]
+        both = mine["target_rl_s"] is not None and trl["target_rl_s"] is not None
+        mine["time_to_target_ratio"] = mine["target_rl_s"] / trl["target_rl_s"] if both else None
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="ab", help="a, b or ab")
@@ -252,13 +328,31 @@ def main() -> None:
     parser.add_argument("--steps-b", type=int, default=6, help="steps per side in workload b")
     parser.add_argument("--target-gain", type=float, default=0.4)
     parser.add_argument("--engines", default=None, help="comma-separated rollout engines (default: the workload's)")
-    parser.add_argument("--updates-per-step", type=int, default=None,
-                        help="streamrl's optimizer steps per batch (default: the demo recipe's in workload a; 1 in b)")
-    parser.add_argument("--eval", choices=["snapshots", "pipeline"], default="snapshots",
-                        help="workload a, streamrl: evaluate exported snapshots after the run with TRL's evaluator "
-                             "(off the clock, as TRL's) or in the pipeline through the rollout engine (on the clock)")
-    parser.add_argument("--trl-updates", default=None,
-                        help="comma-separated optimizer steps per batch of the TRL runs (default: 1 and streamrl's)")
+    parser.add_argument(
+        "--updates-per-step",
+        type=int,
+        default=None,
+        help="streamrl's optimizer steps per batch (default: the demo recipe's in workload a; 1 in b)",
+    )
+    parser.add_argument(
+        "--eval",
+        choices=["snapshots", "pipeline"],
+        default="snapshots",
+        help="workload a, streamrl: evaluate exported snapshots after the run with TRL's evaluator "
+        "(off the clock, as TRL's) or in the pipeline through the rollout engine (on the clock)",
+    )
+    parser.add_argument(
+        "--trl-updates",
+        default=None,
+        help="comma-separated optimizer steps per batch of the TRL runs (default: 1 and streamrl's)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every side this many times, with seeds 0..N-1 (prompt order, sampling, init); "
+        "the report adds the median of each figure",
+    )
     args = parser.parse_args()
     report: dict[str, Any] = {
         "bench": "e2e", "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -270,27 +364,26 @@ def main() -> None:
         prepare(spec)
         steps, budget = (2000, args.time_budget_s) if name == "a" else (args.steps_b, 1e9)
         updates = args.updates_per_step or (recipe_updates_per_step() if name == "a" else 1)
-        ours = {engine: run_streamrl(spec, ROOT / f"runs/bench_e2e_{name}_{engine}", steps, budget, args.target_gain,
-                                     engine, updates, args.eval)
-                for engine in (args.engines.split(",") if args.engines else spec["engines"])}  # fmt: skip
+        engines = args.engines.split(",") if args.engines else spec["engines"]
         trl_updates = [int(u) for u in args.trl_updates.split(",")] if args.trl_updates else sorted({1, updates})
-        theirs = {trl_key(u): run_trl(spec, steps, budget, args.target_gain, u) for u in trl_updates}
-        row: dict[str, Any] = dict(theirs)
-        for engine, result in ours.items():
-            vs = {key: compare(result, trl) for key, trl in theirs.items()}
-            same = vs.get(trl_key(updates), next(iter(vs.values())))  # like for like: the same updates per step
-            row[f"streamrl_{engine}"] = {**result, **same, "vs": vs}
-            for key, trl in theirs.items():
-                line = (f"workload {name}: streamrl[{engine}, {updates} update(s)/step] {result['steps_per_s']:.3f} steps/s "
-                        f"{result['generated_tokens_per_s']:.0f} tok/s | TRL[{trl['updates_per_step']} update(s)/step] "
-                        f"{trl['steps_per_s']:.3f} steps/s {trl['generated_tokens_per_s']:.0f} tok/s | "
-                        f"per-step x{vs[key]['per_step_speedup']:.2f}")  # fmt: skip
-                if name == "a":
-                    line += (f" | time to +{args.target_gain:.0%}: streamrl {result.get('target_rl_s')} s "
-                             f"(step {result.get('target_step')}, incl. {result.get('eval_s_to_target')} s of eval rounds), "
-                             f"TRL {trl.get('target_rl_s')} s (step {trl.get('target_step')})")  # fmt: skip
-                print(line, flush=True)
-        report["workloads"][name] = row
+        runs = []
+        for seed in range(args.repeats):
+            mine: dict[str, dict[str, Any]] = {}
+            trl_runs: dict[str, dict[str, Any]] = {}
+            # Alternate which side runs first: this VM's speed drifts over minutes.
+            for side in ("streamrl", "trl") if seed % 2 == 0 else ("trl", "streamrl"):
+                if side == "streamrl":
+                    mine = {engine: run_streamrl(spec, ROOT / f"runs/bench_e2e_{name}_{engine}", steps, budget,
+                                                 args.target_gain, engine, updates, args.eval, seed)
+                            for engine in engines}  # fmt: skip
+                else:
+                    trl_runs = {
+                        trl_key(u): run_trl(spec, steps, budget, args.target_gain, u, seed) for u in trl_updates
+                    }
+            runs.append(compare_row(name, mine, trl_runs, updates, args.target_gain, seed))
+        report["workloads"][name] = runs[0] if len(runs) == 1 else {"runs": runs, "median": summarize(runs, updates)}
+        if len(runs) > 1:
+            print(f"workload {name}, median of {len(runs)} seeds: {json.dumps(report['workloads'][name]['median'])}")
     results = ROOT / "bench/results"
     results.mkdir(exist_ok=True)
     (results / f"e2e-{datetime.now(UTC):%Y%m%d-%H%M%S}.json").write_text(json.dumps(report, indent=2))
