@@ -37,18 +37,21 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedMo
     return a, AutoModelForCausalLM.from_pretrained(a).eval(), AutoModelForCausalLM.from_pretrained(b).eval()
 
 
-@pytest.fixture(scope="module")
-def engine(models: tuple[Path, PreTrainedModel, PreTrainedModel]) -> Iterator[Engine]:
+@pytest.fixture(scope="module", params=[True, False], ids=["packed", "in_place"])
+def engine(request: pytest.FixtureRequest, models: tuple[Path, PreTrainedModel, PreTrainedModel]) -> Iterator[Engine]:
+    """cpu_weight_packing on (vLLM reloads and repacks) and off (updates copy into live weights)."""
     config = EngineConfig(
-        type="vllm", model=str(models[0]), dtype="float32", max_model_len=320, kv_cache_gib=0.25, enforce_eager=True
-    )
+        type="vllm", model=str(models[0]), dtype="float32", max_model_len=320, kv_cache_gib=0.25, enforce_eager=True,
+        cpu_weight_packing=request.param,
+    )  # fmt: skip
     eng = build_engine(config)
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[WeightServer]:
+def server(engine: Engine) -> Iterator[WeightServer]:
+    """One per engine (versions start again for each)."""
     srv = WeightServer(bucket_bytes=256 * 1024)  # several buckets even for the tiny model
     yield srv
     srv.close()
@@ -161,7 +164,7 @@ def test_update_waits_for_running_requests(
 
 
 def test_partial_rollout_update_mid_generation_records_both_versions(
-    models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+    models: tuple[Path, PreTrainedModel, PreTrainedModel],
 ) -> None:
     """partial_rollout: an update lands while a long generation runs: tokens before it follow the
     old weights, tokens after it the new ones (KV cache recomputed), and the sample records both."""
@@ -171,6 +174,7 @@ def test_partial_rollout_update_mid_generation_records_both_versions(
         partial_rollout=True,
     )  # fmt: skip
     partial = build_engine(config)
+    server = WeightServer()
     try:
         checksum, _, _ = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
 
@@ -188,6 +192,7 @@ def test_partial_rollout_update_mid_generation_records_both_versions(
         tokens = asyncio.run(update_while_generating())
     finally:
         partial.close()
+        server.close()
     argmax_a, argmax_b = _greedy_under(model_a, tokens), _greedy_under(model_b, tokens)
     # Some switch point k: tokens[:k] greedy under A (version 0), tokens[k:] greedy under B.
     switch_points = [k for k in range(1, len(tokens)) if tokens[:k] == argmax_a[:k] and tokens[k:] == argmax_b[k:]]

@@ -41,6 +41,12 @@ class EngineConfig(BaseConfig):
     versions). False: the update waits until the running requests finish, and requests submitted
     after it wait for it (every sample comes from one version; no recomputation). The hf engine
     always updates between batches."""
+    cpu_weight_packing: bool = True
+    """vLLM on CPU: repack linear weights for oneDNN (vLLM's default). Every weight update then
+    re-runs that processing through vLLM's reload path (~45 ms per update for the 0.66M demo model
+    here). False: linears compute with torch's F.linear on the live parameters (about as fast for
+    small models here) and an update copies into them in place (~3 ms). Needs the engine in this
+    process (tensor_parallel_size 1, VLLM_ENABLE_V1_MULTIPROCESSING=0, the default on CPU)."""
     batch_wait_ms: float = Field(5.0, ge=0)
     """hf engine: once a request arrives, collect others for this long and decode them as one batch."""
     seed: int = 0

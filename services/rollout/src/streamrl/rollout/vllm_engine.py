@@ -11,6 +11,8 @@ process, as vLLM is configured) and runs this loop::
   it (every sample comes from one version). The worker extension
   (:mod:`streamrl.rollout.weight_receiver`) pulls and verifies the buckets on every worker, then
   loads them (a failed transfer leaves the served weights untouched) and the prefix cache is reset.
+  With ``cpu_weight_packing`` off (CPU) the linears run F.linear on their own weights, built so
+  while the model loads, and an update copies into them in place instead of vLLM's reload.
   With ``partial_rollout`` the update runs between two engine steps instead: running requests are
   preempted, recompute their KV cache with the new weights and go on, and a sample records the
   version of its first and of its last token.
@@ -27,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,7 @@ WORKER_EXTENSION = "streamrl.rollout.weight_receiver.WeightReceiver"
 FETCH_METHOD = "streamrl_fetch_weights"
 APPLY_METHOD = "streamrl_apply_weights"
 DISCARD_METHOD = "streamrl_discard_weights"
+LIVE_METHOD = "streamrl_has_live_weights"
 RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
 
@@ -138,6 +142,8 @@ class VLLMEngine:
         self._closed = False
         self._lock = threading.Lock()
         self._llm: LLM | None = None
+        self._in_place = False
+        """Updates copy into the live parameters (cpu_weight_packing off on CPU) instead of vLLM's reload."""
         self._num_jobs = 0
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._drive, args=(built,), name="vllm-engine", daemon=True)
@@ -192,6 +198,25 @@ class VLLMEngine:
             # processes that busy-wait on each other (py-spy: sched_yield in 54% and 28% of their
             # samples), taking CPU from the learner and the other services.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        in_place = on_cpu and not c.cpu_weight_packing
+        if in_place and (c.tensor_parallel_size != 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"):
+            raise ValueError(
+                "cpu_weight_packing=false needs the vLLM engine in the rollout process: tensor_parallel_size=1 "
+                "and VLLM_ENABLE_V1_MULTIPROCESSING=0"
+            )
+        with _no_cpu_weight_packing() if in_place else contextlib.nullcontext():
+            llm = self._new_llm()
+        if in_place and not all(llm.collective_rpc(LIVE_METHOD)):
+            llm.llm_engine.engine_core.shutdown()
+            raise RuntimeError(
+                "cpu_weight_packing=false: vLLM still repacked some weights (a CPU kernel this version adds?)"
+            )
+        self._in_place = in_place
+        return llm
+
+    def _new_llm(self) -> LLM:
+        c = self._config
+        on_cpu = _on_cpu()
         return LLM(
             model=c.model,
             tokenizer=c.tokenizer or c.model,
@@ -331,7 +356,7 @@ class VLLMEngine:
             return
         # Every worker holds the verified version: load it. An error from here on leaves the
         # model in an unknown state and stops the engine (it propagates to the driver loop).
-        self._llm.collective_rpc(APPLY_METHOD, args=(update.version,))
+        self._llm.collective_rpc(APPLY_METHOD, args=(update.version, self._in_place))
         # Cached KV was computed with the old weights; running requests recompute theirs.
         self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
         self._version = update.version
@@ -380,6 +405,23 @@ def kv_cache_bytes(kv_cache_gib: float | None, *, on_cpu: bool, env: Mapping[str
     if gib <= 0:  # unset, or vLLM's "0 = auto"
         gib = CPU_KV_CACHE_GIB
     return int(gib * 2**30)
+
+
+@contextlib.contextmanager
+def _no_cpu_weight_packing() -> Iterator[None]:
+    """While the model loads: vLLM's CPU linear dispatch finds neither oneDNN nor the SGL kernel
+    and falls back to F.linear on the layer's own weight (restored afterwards: it only matters when
+    weights are processed, at load time)."""
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.utils as layer_utils
+
+    saved = ops._supports_onednn, layer_utils.check_cpu_sgl_kernel
+    ops._supports_onednn = False
+    layer_utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
+    try:
+        yield
+    finally:
+        ops._supports_onednn, layer_utils.check_cpu_sgl_kernel = saved
 
 
 def _on_cpu() -> bool:

@@ -6,7 +6,8 @@ worker pulls the buckets of the version itself with :func:`streamrl.common.weigh
 (which verifies the checksum), and once every worker holds the whole version the engine asks them
 to feed it to the model runner's ``reload_weights``. That entry point is what works
 on the CPU backend, which repacks linear weights (calling the model's ``load_weights`` directly
-changes nothing there).
+changes nothing there) - unless the engine was built with ``cpu_weight_packing`` off: then the
+kernels read the live parameters and ``load_weights`` copies the new values into them in place.
 
 Imported by vLLM inside the worker by qualified name; it imports torch, never vLLM.
 """
@@ -48,6 +49,15 @@ def torch_tensors(
         yield received.name, to_torch(received)
 
 
+def _reads_weight(cpu_linear: Any) -> bool:
+    """Whether a layer's CPU matmul (vLLM's ``cpu_linear``; None off CPU) is torch's F.linear on the
+    weight it is handed, rather than a kernel on a repacked copy (oneDNN, SGL, zentorch)."""
+    if cpu_linear is None or cpu_linear is torch.nn.functional.linear:
+        return True
+    code = getattr(cpu_linear, "__code__", None)
+    return code is not None and code.co_names[-2:] == ("functional", "linear")
+
+
 class WeightReceiver:
     """Mixed into the vLLM worker: ``self`` is the worker, ``self.model_runner`` its runner.
 
@@ -69,17 +79,40 @@ class WeightReceiver:
         self._streamrl_staged = (version, weights)
         return None
 
-    def streamrl_apply_weights(self, version: int) -> int:
-        """Load the staged ``version`` into the model; return the number of tensors loaded."""
+    def streamrl_apply_weights(self, version: int, in_place: bool = False) -> int:
+        """Load the staged ``version`` into the model; return the number of tensors loaded.
+
+        ``in_place``: the kernels read the model's parameters directly (no repacked copies), so the
+        model's own ``load_weights`` copies the new values into them; every parameter must be
+        written. Otherwise vLLM's ``reload_weights`` reloads and reprocesses layer by layer.
+        """
         staged = self._streamrl_staged
         assert staged is not None and staged[0] == version, f"version {version} is not staged"
         self._streamrl_staged = None
         start = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(staged[1]), is_checkpoint_format=True)
+        if in_place:
+            model = self.model_runner.model
+            loaded = model.load_weights(iter(staged[1]))
+            missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
+            if missing:
+                raise RuntimeError(f"version {version} left parameters unwritten: {sorted(missing)[:5]}")
+        else:
+            self.model_runner.reload_weights(weights_iterator=iter(staged[1]), is_checkpoint_format=True)
         logger.info(
             "loaded weights version %d (%d tensors) in %.3f s", version, len(staged[1]), time.perf_counter() - start
         )
         return len(staged[1])
+
+    def streamrl_has_live_weights(self) -> bool:
+        """Whether every linear and embedding layer still holds its full weight (no repacked copy
+        replaced it), so that an in-place update reaches the kernels."""
+        for module in self.model_runner.model.modules():
+            method = type(getattr(module, "quant_method", None)).__name__
+            if method in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+                weight = getattr(module, "weight", None)
+                if weight is None or weight.numel() == 0 or not _reads_weight(getattr(module, "cpu_linear", None)):
+                    return False
+        return True
 
     def streamrl_discard_weights(self) -> None:
         """Drop a staged version (another worker failed to receive it)."""
