@@ -261,3 +261,12 @@ def test_vllm_bad_prompt_and_cancel_leave_the_engine_working(vllm_engine: Engine
     (samples,) = asyncio.run(vllm_engine.generate([GenerationRequest(PROMPT, SamplingParams(max_new_tokens=5, n=2))]))
     assert [len(s.token_ids) <= 5 for s in samples] == [True, True]
     assert not vllm_engine._running, "cancelled requests must be aborted in vLLM"  # type: ignore[attr-defined]
+
+
+def test_engine_options_that_cannot_work_are_refused(model_dirs: tuple[Path, Path]) -> None:
+    with pytest.raises(ValueError, match="partial_rollout needs type='vllm'"):
+        EngineConfig(type="hf", model="m", partial_rollout=True)
+    # In-place updates need the engine in this process: refused before vLLM builds anything.
+    config = EngineConfig(type="vllm", model=str(model_dirs[0]), tensor_parallel_size=2, cpu_weight_packing=False)
+    with pytest.raises(ValueError, match="cpu_weight_packing=false needs the vLLM engine in the rollout process"):
+        build_engine(config)
