@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.learner.weights import WeightServer
-from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
+from streamrl.rollout.engine import Engine, GenerationRequest, Sample, build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.tiny_model import build_tiny_qwen2
 
@@ -161,6 +161,36 @@ def test_update_waits_for_running_requests(
     assert (new[0].version_start, new[0].version_end) == (2, 2)
     assert _prefix_equal(new[0].token_ids, _hf_greedy(model_a))
     assert engine.version == 2
+
+
+def test_request_cancelled_behind_a_waiting_update_is_dropped(
+    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+) -> None:
+    """A request held behind a waiting update and then cancelled never runs; the update and the
+    running request complete, and the engine serves the new weights."""
+    _, _, model_b = models
+    checksum, _, _ = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
+
+    async def scenario() -> tuple[Sample, Sample]:
+        running = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, LONG)]))
+        await asyncio.sleep(0.3)
+        assert not running.done(), "generation finished before the update could land; make it longer"
+        update = asyncio.create_task(engine.update_weights(server.endpoint, 3, checksum, 10))
+        await asyncio.sleep(0.05)
+        held = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, GREEDY)]))
+        await asyncio.sleep(0.05)
+        held.cancel()
+        await update
+        ((old,),) = await running
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        ((after,),) = await engine.generate([GenerationRequest(PROMPT, GREEDY)])
+        return old, after
+
+    old, after = asyncio.run(scenario())
+    assert (old.version_start, old.version_end) == (2, 2)
+    assert (after.version_start, after.version_end) == (3, 3)
+    assert _prefix_equal(after.token_ids, _hf_greedy(model_b))
 
 
 def test_partial_rollout_update_mid_generation_records_both_versions(
