@@ -11,8 +11,8 @@ process, as vLLM is configured) and runs this loop::
   it (every sample comes from one version). The worker extension
   (:mod:`streamrl.rollout.weight_receiver`) pulls and verifies the buckets on every worker, then
   loads them (a failed transfer leaves the served weights untouched) and the prefix cache is reset.
-  With ``cpu_weight_packing`` off (CPU) the linears run F.linear on their own weights, built so
-  while the model loads, and an update copies into them in place instead of vLLM's reload.
+  With ``cpu_weight_packing`` off (CPU) the model is loaded with its linears on F.linear over their
+  own weights, and an update copies into them in place instead of going through vLLM's reload.
   With ``partial_rollout`` the update runs between two engine steps instead: running requests are
   preempted, recompute their KV cache with the new weights and go on, and a sample records the
   version of its first and of its last token.
@@ -205,7 +205,7 @@ class VLLMEngine:
                 "and VLLM_ENABLE_V1_MULTIPROCESSING=0"
             )
         with _no_cpu_weight_packing() if in_place else contextlib.nullcontext():
-            llm = self._new_llm()
+            llm = self._new_llm(on_cpu)
         if in_place and not all(llm.collective_rpc(LIVE_METHOD)):
             llm.llm_engine.engine_core.shutdown()
             raise RuntimeError(
@@ -214,9 +214,8 @@ class VLLMEngine:
         self._in_place = in_place
         return llm
 
-    def _new_llm(self) -> LLM:
+    def _new_llm(self, on_cpu: bool) -> LLM:
         c = self._config
-        on_cpu = _on_cpu()
         return LLM(
             model=c.model,
             tokenizer=c.tokenizer or c.model,
