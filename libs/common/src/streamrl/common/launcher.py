@@ -4,6 +4,8 @@
    port with its data (AOF) under ``{run_dir}/redis``.
 2. Start every service of ``[up]`` as a child process (``streamrl <service> RECIPE ...``), each in
    its own process group, with replicas as configured; interleave their output prefixed by name.
+   ``[up] gpus`` places them: each child's ``CUDA_VISIBLE_DEVICES`` (rollout and learner on the
+   same device = the colocated mode).
 3. Show a live progress display (heartbeats + the coordinator's progress hash).
 4. Stop: Ctrl-C / SIGTERM, or the ``until`` service exiting 0 (the run is done), stops everything
    cleanly (SIGTERM, grace, SIGKILL) and exits 0. Any child failing stops the rest and exits 1,
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import IO
 
 import redis as syncredis
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from streamrl.common.config import BaseConfig, ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.health import live_heartbeats
@@ -54,6 +56,29 @@ class UpConfig(BaseConfig):
     display: bool = True
     """Show the live progress display (a line every few seconds when not a terminal)."""
     display_interval_s: float = Field(2.0, gt=0)
+    gpus: dict[str, str | list[str]] = {}
+    """GPU placement: service -> the ``CUDA_VISIBLE_DEVICES`` of its processes. A string applies to every
+    replica, a list gives one entry per replica (as many as ``replicas``). A service without an entry
+    inherits the launcher's environment. E.g. ``{rollout = ["0", "1"], learner = "2"}``; the colocated
+    mode is rollout and learner on one device: ``{rollout = "0", learner = "0"}``."""
+
+    @model_validator(mode="after")
+    def _check_gpus(self) -> UpConfig:
+        for service, devices in self.gpus.items():
+            if service not in SERVICES:
+                raise ValueError(f"up.gpus.{service}: unknown service; known: {list(SERVICES)}")
+            replicas = self.replicas.get(service, 1)
+            if isinstance(devices, list) and len(devices) != replicas:
+                raise ValueError(
+                    f"up.gpus.{service}: {len(devices)} entries for {replicas} replica(s); give one per replica "
+                    "or a single string for all"
+                )
+        return self
+
+    def cuda_devices(self, service: str, replica: int) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` of replica ``replica`` of ``service`` (None = inherited)."""
+        devices = self.gpus.get(service)
+        return devices[replica] if isinstance(devices, list) else devices
 
 
 class _LaunchRecipe(BaseConfig):
@@ -81,11 +106,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def child_env(base: Mapping[str, str], instance: str, threads: int | None) -> dict[str, str]:
-    """The environment of one service process: ``threads`` (if set) caps its CPU threads."""
+def child_env(
+    base: Mapping[str, str], instance: str, threads: int | None, cuda_devices: str | None = None
+) -> dict[str, str]:
+    """The environment of one service process: ``threads`` (if set) caps its CPU threads,
+    ``cuda_devices`` (if set) is its ``CUDA_VISIBLE_DEVICES``."""
     env = {**base, "PYTHONUNBUFFERED": "1", "STREAMRL_INSTANCE": instance}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
+    if cuda_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_devices
     return env
 
 
@@ -126,12 +156,14 @@ class Launcher:
             self._say(f"embedded redis-server at {self.redis_url} (data: {run_dir / 'redis'})")
         for service in self.cfg.up.services:
             for i in range(self.cfg.up.replicas.get(service, 1)):
-                self._spawn(service, f"{service}-{i}")
+                self._spawn(service, i)
 
-    def _spawn(self, service: str, instance: str) -> None:
+    def _spawn(self, service: str, replica: int) -> None:
+        instance = f"{service}-{replica}"
         cmd = [sys.executable, "-m", "streamrl.common.cli", service, self.recipe, *self.overrides]
         cmd += [f"--redis.url={self.redis_url}", f"--instance={instance}"]
-        env = child_env(os.environ, instance, self.cfg.up.threads.get(service))
+        gpus = self.cfg.up.cuda_devices(service, replica)
+        env = child_env(os.environ, instance, self.cfg.up.threads.get(service), gpus)
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )
@@ -139,7 +171,8 @@ class Launcher:
         pump = threading.Thread(target=_pump, args=(instance, proc.stdout, sys.stdout, self.lock), daemon=True)
         pump.start()
         self.children.append(Child(instance, proc, pump))
-        self._say(f"started {instance} (pid {proc.pid})")
+        placed = "inherited" if gpus is None else f"CUDA_VISIBLE_DEVICES={gpus!r}"
+        self._say(f"started {instance} (pid {proc.pid}; GPUs: {placed})")
 
     def watch(self) -> int:
         """Wait until the run ends, a child fails, or a stop is requested. Returns the exit code."""
