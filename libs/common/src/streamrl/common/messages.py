@@ -211,6 +211,63 @@ class TrainingBatch(_Message, tag="batch"):
     traceparent: str = ""
 
 
+class IpcBuffer(msgspec.Struct, frozen=True):
+    """One of the learner's flat weight buffers on its GPU, shared over CUDA IPC.
+
+    The fields are exactly what torch's ``UntypedStorage._share_cuda_()`` returns for the buffer
+    (less the learner's device index: the receiver opens it on its own index of the same GPU);
+    ``torch.UntypedStorage._new_shared_cuda(device, *fields)`` rebuilds it in another process.
+    """
+
+    handle: bytes
+    """``cudaIpcMemHandle_t`` of the CUDA allocation holding the buffer."""
+    storage_size_bytes: int
+    """Size of the buffer (bytes)."""
+    storage_offset_bytes: int
+    """Offset of the buffer inside that allocation (bytes)."""
+    ref_counter_handle: bytes
+    """Name of torch's shared reference-counter file."""
+    ref_counter_offset: int
+    event_handle: bytes
+    """``cudaIpcEventHandle_t`` recorded when the buffer was shared."""
+    event_sync_required: bool
+
+
+class IpcTensor(msgspec.Struct, frozen=True):
+    """Where one named tensor lies in the IPC buffers."""
+
+    name: str
+    """Hugging Face parameter name."""
+    dtype: str
+    """torch dtype name, e.g. ``bfloat16``."""
+    shape: list[int]
+    buffer: int
+    """Index into :attr:`IpcWeights.buffers`."""
+    offset_bytes: int
+    """Start inside that buffer (a multiple of :attr:`IpcWeights.block_bytes`)."""
+
+
+class IpcWeights(msgspec.Struct, frozen=True):
+    """The learner's weights as CUDA IPC buffers, for rollout engines on the learner's own GPU.
+
+    The buffers are allocated and shared once; every version is copied into the same buffers, so
+    a receiver opens each handle once. The checksum (``WeightsPublished.checksum``) is computed on
+    the device over the buffers, ``block_bytes`` at a time (see ``learner/ipc_weights.py``).
+
+    Example:
+        IpcWeights(device_uuid="GPU-5e2f...", block_bytes=4096, buffers=[IpcBuffer(...)],
+                   tensors=[IpcTensor("model.embed_tokens.weight", "bfloat16", [151936, 1536], 0, 0), ...])
+    """
+
+    device_uuid: str
+    """UUID of the learner's GPU (``torch.cuda.get_device_properties(d).uuid``)."""
+    block_bytes: int
+    """Alignment of every tensor and granularity of the checksum (bytes)."""
+    buffers: list[IpcBuffer]
+    tensors: list[IpcTensor]
+    """In publishing order (tied aliases such as ``lm_head.weight`` included)."""
+
+
 class WeightsPublished(_Message, tag="weights"):
     """The learner finished a step and serves new weights. learner -> weights -> rollout, coordinator."""
 
@@ -221,14 +278,17 @@ class WeightsPublished(_Message, tag="weights"):
     batch_id: str
     """The batch this step trained on."""
     checksum: str
-    """Hex digest over all buckets, checked by every receiver."""
+    """Digest over all buckets (IPC: over all buffers, with the version), checked by every receiver."""
     num_bytes: int
     num_buckets: int
+    """ZMQ buckets, or IPC buffers."""
     endpoint: str
-    """ZMQ address serving the buckets (``tcp://host:port``)."""
+    """ZMQ address serving the buckets (``tcp://host:port``); empty when the weights travel only over CUDA IPC."""
     metrics: dict[str, float] = {}
     """Learner metrics of the step (``learner/...``)."""
     published_at: float = 0.0
+    ipc: IpcWeights | None = None
+    """CUDA IPC buffers of this version (``learner.weights_transport = "ipc"``), for engines on the learner's GPU."""
 
 
 class Heartbeat(_Message, tag="heartbeat"):
