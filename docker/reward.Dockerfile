@@ -1,26 +1,49 @@
 # syntax=docker/dockerfile:1
-# Reward image (CPU only). Build from the repository root:
+# Reward image, CPU: reward functions, HTTP verifiers, and model scorers / `streamrl serve-rm` on a CPU
+# torch. Build from the repository root:
 #   docker build -f docker/reward.Dockerfile -t streamrl/reward .
-FROM python:3.11-slim
+# The CUDA variant is docker/reward.gpu.Dockerfile (compose.gpu.yaml).
+ARG PYTHON_VERSION=3.12
+FROM python:${PYTHON_VERSION}-slim
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PATH=/opt/venv/bin:$PATH
+    PATH=/opt/venv/bin:$PATH \
+    HF_HOME=/cache/huggingface
 RUN python -m venv /opt/venv
 
 WORKDIR /src
 COPY constraints.txt ./
+# torch first, in its own layer. TORCH_VERSION is the one the project is tested with
+# (requirements-dev.txt). TORCH_INDEX_URL empty = the default index, whose x86-64 Linux torch also
+# carries CUDA libraries (unused here); PyTorch's CPU-only wheel index gives a much smaller image.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=""
+# Model scorers and serve-rm import torch and transformers when a recipe uses them (not declared by
+# the package, whose function and HTTP scorers need neither).
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
+        "torch==${TORCH_VERSION}" transformers
+# The dependencies that the packages' pyproject.toml files declare, installed from those files alone
+# (empty src/ folders), so that editing streamrl code reuses this layer; then the code, --no-deps.
+COPY libs/common/pyproject.toml libs/common/
+COPY services/reward/pyproject.toml services/reward/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    mkdir -p libs/common/src services/reward/src \
+    && pip install -c constraints.txt ./libs/common ./services/reward
 COPY libs/common libs/common
 COPY services/reward services/reward
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install -c constraints.txt ./libs/common ./services/reward
+RUN pip install --no-deps --force-reinstall ./libs/common ./services/reward
 
-# /app mirrors the repository root: compose mounts recipes/ and the shared runs/ volume here.
-# runs/ is created owned by the service user so a fresh named volume inherits that owner; USER is
-# numeric so orchestrators can verify that the image does not run as root.
+# Reward functions that recipes name by path (examples/arithmetic/task.py), relative to /app.
+COPY examples /app/examples
+# /app mirrors the repository root: compose mounts recipes/ and the shared runs/ volume here, and the
+# Hugging Face cache at /cache/huggingface. Both are created owned by the service user so that fresh
+# named volumes inherit that owner; USER is numeric so orchestrators can verify that the image does
+# not run as root.
 RUN useradd --create-home --uid 1000 --user-group streamrl \
-    && mkdir -p /app/runs \
-    && chown streamrl:streamrl /app/runs
+    && mkdir -p /app/runs /cache/huggingface \
+    && chown streamrl:streamrl /app/runs /cache/huggingface
 WORKDIR /app
 USER 1000:1000
 ENTRYPOINT ["streamrl", "reward"]
