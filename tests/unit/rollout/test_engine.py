@@ -202,7 +202,7 @@ def test_hf_engine_interface(hf_engine: Engine, hf_model: PreTrainedModel, model
 
 
 def test_hf_engine_batches_concurrent_calls_exactly(hf_engine: Engine, hf_model: PreTrainedModel) -> None:
-    """Calls submitted together are decoded as one left-padded batch; each answer is what it would be alone."""
+    """Calls submitted together are decoded together; each answer is what it would be alone."""
     short, long = [3, 4], [5, 6, 7, 8, 9, 10, 11]
     greedy = SamplingParams(temperature=0, max_new_tokens=9)
     seeded = SamplingParams(temperature=0.8, top_k=25, max_new_tokens=7, min_new_tokens=7, n=3, seed=9)
@@ -270,3 +270,59 @@ def test_engine_options_that_cannot_work_are_refused(model_dirs: tuple[Path, Pat
     config = EngineConfig(type="vllm", model=str(model_dirs[0]), tensor_parallel_size=2, cpu_weight_packing=False)
     with pytest.raises(ValueError, match="cpu_weight_packing=false needs the vLLM engine in the rollout process"):
         build_engine(config)
+
+
+def test_hf_engine_refills_free_slots_and_stays_exact(model_dirs: tuple[Path, Path], hf_model: PreTrainedModel) -> None:
+    """15 samples through 4 KV slots: samples of different lengths leave and waiting ones take their
+    slots mid-decoding; every answer is still what the model gives alone."""
+    config = _config(model_dirs[0], "hf").model_copy(update={"max_num_seqs": 4})
+    engine = build_engine(config)
+    assert isinstance(engine, HFEngine) and engine._decoder is not None, "the tiny Qwen2 runs on the KV decoder"
+    prompts = [[3, 4], [5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]]
+    settings = [
+        SamplingParams(temperature=0, max_new_tokens=3),
+        SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=20, n=3, seed=1),
+        SamplingParams(temperature=1.1, top_k=40, max_new_tokens=9, n=11),
+    ]
+    try:
+        out = asyncio.run(engine.generate([GenerationRequest(p, s) for p, s in zip(prompts, settings, strict=True)]))
+    finally:
+        engine.close()
+    greedy = hf_model.generate(torch.tensor([prompts[0]]), max_new_tokens=3, do_sample=False)[0, 2:].tolist()
+    assert out[0][0].token_ids == greedy[: len(out[0][0].token_ids)]
+    assert len(out[1]) == 3 and all(len(s.token_ids) <= 20 for s in out[1])
+    assert max(len(s.token_ids) for s in out[1]) > 9, "samples of different lengths shared the slots"
+    assert len(out[2]) == 11 and all(len(s.token_ids) <= 9 for s in out[2])
+    for prompt, sampling, samples in zip(prompts, settings, out, strict=True):
+        for s in samples:
+            ref = _reference_logprobs(hf_model, prompt, s.token_ids, sampling)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_hf_engine_runs_other_architectures_on_their_own_forward(
+    model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=256))
+    gpt2.generation_config.eos_token_id = tokenizer.eos_token_id
+    gpt2.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = build_engine(_config(tmp_path, "hf"))
+    sampling = SamplingParams(temperature=0.8, top_k=50, max_new_tokens=8, n=2)
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    try:
+        assert isinstance(engine, HFEngine) and engine._decoder is None
+        sampled, (argmax,) = asyncio.run(
+            engine.generate([GenerationRequest(PROMPT, sampling), GenerationRequest(PROMPT, greedy)])
+        )
+    finally:
+        engine.close()
+    gpt2.eval()
+    expected = gpt2.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT) :].tolist()
+    assert argmax.token_ids == expected[: len(argmax.token_ids)]
+    for s in sampled:
+        ref = _reference_logprobs(gpt2, PROMPT, s.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)

@@ -23,7 +23,7 @@ class EngineConfig(BaseConfig):
     max_model_len: int = Field(4096, ge=16)
     """Longest prompt + response the engine accepts (tokens)."""
     max_num_seqs: int = Field(256, ge=1)
-    """Sequences decoded together in one engine step (vLLM)."""
+    """Sequences decoded together in one engine step (vLLM, and the hf engine's KV-cache slots)."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may use (weights + KV cache)."""
     kv_cache_gib: float | None = Field(None, gt=0.0)
@@ -51,6 +51,9 @@ class EngineConfig(BaseConfig):
     """hf engine: once a request arrives, collect others for this long and decode them as one batch."""
     seed: int = 0
     """Engine seed; a request's own seed (SamplingParams.seed) takes precedence for its samples."""
+    cuda_graphs: bool = True
+    """hf engine on CUDA: capture each decode step as a CUDA graph (per batch and length bucket) and
+    replay it; False = eager kernels (slower: the step is then bound by Python and launch overhead)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the hf engine (auto = cuda when available)."""
     trust_remote_code: bool = False

@@ -1,21 +1,28 @@
-"""Plain-transformers generation engine: for small models, debugging, and machines without vLLM.
+"""Plain-transformers generation engine: GPUs without vLLM, small models, debugging.
 
-One driver thread owns the model and runs this loop::
+One driver thread owns the model and runs a continuous-batching loop::
 
-    take commands (generate jobs / weight updates / stop) -> decode every queued job as ONE batch
+    take commands -> admit jobs (their samples wait for a slot) -> prefill new samples into free
+    slots -> decode every live slot for a few steps -> hand back finished samples -> repeat
 
-* Everything submitted while the previous batch ran (or within ``batch_wait_ms`` of the first
-  request) is decoded together: all samples of all
-  requests are left-padded into one batch and decoded with the KV cache; a finished row leaves
-  the batch (its cache rows are dropped), so long and short answers cost what they should. A
-  prompt is prefilled once and its cache copied to its n samples.
-* The sampled distribution is explicit: :func:`processed_logprobs` applies temperature, then
-  top-k, then top-p (vLLM's order), and a token's behaviour log-prob is read from exactly that
-  distribution. Greedy (temperature 0) takes the argmax and reports the log-softmax of the raw
-  logits, as vLLM does. Rows with different sampling parameters share the batch.
-* A request with a seed samples from its own generator, so it repeats whatever else is batched.
-* Weight updates are commands too: they land between two batches, never mid-generation
-  (``version_start == version_end``); a failed transfer leaves the served weights untouched.
+* Llama-family models (llama, qwen2, qwen3, mistral) decode through
+  :class:`streamrl.rollout.kv_decoder.KVDecoder`: the model's own modules over a preallocated
+  slot-based KV cache, each decode step a CUDA graph on GPU. Up to ``max_num_seqs`` samples decode
+  together; a finished sample's slot takes the next waiting one. A prompt is prefilled once for its
+  ``n`` samples. At start the decoder's logits are checked against the model's own forward; other
+  architectures (or a failed check) use the model's plain forward with transformers' cache, one
+  batch at a time.
+* Sampling runs on the logits' device (:mod:`streamrl.rollout.sampling`): temperature, then top-k,
+  then top-p (vLLM's order), and each token's behaviour log-prob is read from exactly the
+  distribution it was sampled from; greedy (temperature 0) reports the raw log-softmax, as vLLM
+  does. Rows with different sampling parameters share the batch. Tokens, log-probs and stop flags
+  stay on the device; the host looks every ``SYNC_EVERY`` steps (EOS, length and stop strings are
+  decided per token: a sample's result never depends on when the host looked).
+* A request with a seed samples from generators of its own (one per sample), so it repeats
+  whatever else is batched.
+* Weight updates are commands too: an update waits until the samples admitted before it finish,
+  jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
+  failed transfer leaves the served weights untouched.
 
 The asyncio side never blocks: commands go through a thread-safe queue, results come back as
 ``concurrent.futures.Future``s.
@@ -24,12 +31,14 @@ The asyncio side never blocks: commands go through a thread-safe queue, results 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -39,35 +48,20 @@ from streamrl.common.messages import SamplingParams
 from streamrl.common.weights_wire import fetch_buckets
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason
+from streamrl.rollout.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
 from streamrl.rollout.weight_receiver import to_torch
+
+__all__ = ["HFEngine", "processed_logprobs"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[B, V] log-probs of the distribution sampled from: logits / T, then top-k, then top-p.
-
-    Filtered tokens get -inf. ``temperature == 0`` (greedy) returns the raw log-softmax.
-    ``top_k <= 0`` and ``top_p >= 1`` disable those filters. Top-p keeps the smallest set of most
-    likely tokens whose probability reaches ``top_p`` (always at least one token).
-    """
-    logits = logits.float()
-    if temperature == 0:
-        return torch.log_softmax(logits, dim=-1)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+SYNC_EVERY = 16
+"""Decode steps between two looks of the host at the device state (finished samples, stop strings)."""
+SELF_CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Largest |logit difference| / max |logit| the decoder may show against the model's own forward
+(other dtypes: 3e-2)."""
 
 
 @dataclass
@@ -76,6 +70,9 @@ class _Job:
 
     requests: list[GenerationRequest]
     future: concurrent.futures.Future[list[list[Sample]]] = field(default_factory=concurrent.futures.Future)
+    results: list[list[Sample | None]] = field(default_factory=list)
+    left: int = 0
+    """Samples not finished yet."""
 
 
 class _Stop:
@@ -84,20 +81,27 @@ class _Stop:
 
 @dataclass
 class _Row:
-    """One sample being decoded."""
+    """One sample being generated."""
 
-    job: int
+    job: _Job
     request: int
     index: int
     prompt: list[int]
     sampling: SamplingParams
     max_new: int
-    gen_key: int
-    """Which generator samples it: the request's own (seeded) or -1 (the engine's)."""
+    generator: torch.Generator | None
+    """The sample's own generator (seeded requests), else None (the engine's)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str | None = None
     reason: FinishReason | None = None
+    steps: int = 0
+    """Tokens generated so far, as far as the host knows (an upper bound between looks)."""
+    checked: int = 0
+    """Tokens already scanned for stop strings."""
+
+
+Command = _Job | WeightUpdate | _Stop
 
 
 class HFEngine:
@@ -109,6 +113,8 @@ class HFEngine:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=_DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
         ).to(self._device)
@@ -118,15 +124,38 @@ class HFEngine:
         self._eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
             self._eos_ids.add(self._tokenizer.eos_token_id)
+        self._eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=self._device)
         pad = self._tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else min(self._eos_ids, default=0))
-        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._gen = torch.Generator(device=self._device).manual_seed(config.seed)
+        self._targets = self._model.state_dict(keep_vars=True)
+        self._decoder = self._build_decoder()
+        self._state: _SlotState | None = None
+        if self._decoder is not None:
+            self._state = _SlotState(config.max_num_seqs, config.max_model_len, self._device)
         self._version = 0
-        self._commands: queue.SimpleQueue[_Job | WeightUpdate | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._drive, name="hf-engine", daemon=True)
         self._thread.start()
+
+    def _build_decoder(self) -> KVDecoder | None:
+        reason = unsupported_reason(self._model)
+        if reason is not None:
+            logger.warning("transformers engine: plain forward per batch (%s)", reason)
+            return None
+        decoder = KVDecoder(self._model, self._config.max_num_seqs, self._config.max_model_len,
+                            cuda_graphs=self._config.cuda_graphs)  # fmt: skip
+        error = _self_check(self._model, decoder)
+        limit = SELF_CHECK_TOLERANCE.get(decoder.dtype, 3e-2)
+        if error > limit:
+            logger.warning("transformers engine: KV decoder differs from the model's forward by %.2e (> %.0e): "
+                           "plain forward per batch instead", error, limit)  # fmt: skip
+            return None
+        logger.info("transformers engine: KV decoder on %s (cuda graphs: %s; self-check error %.1e)",
+                    self._device, decoder.cuda_graphs, error)  # fmt: skip
+        return decoder
 
     @property
     def version(self) -> int:
@@ -140,8 +169,10 @@ class HFEngine:
         self._submit(job)
         return await asyncio.wrap_future(job.future)
 
-    async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
-        update = WeightUpdate(endpoint, version, checksum, timeout_s)
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: Any = None
+    ) -> None:
+        update = WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc)
         self._submit(update)
         seconds = await asyncio.wrap_future(update.future)
         logger.info("serving weights version %d (update took %.3f s)", version, seconds)
@@ -163,71 +194,198 @@ class HFEngine:
     # --- driver thread -------------------------------------------------------------------
 
     def _drive(self) -> None:
+        backlog: collections.deque[Command] = collections.deque()
+        waiting: collections.deque[_Row] = collections.deque()
+        live: list[_Row] = []  # live[s] decodes in slot s
         while True:
-            commands = [self._commands.get()]
-            window_ends = time.monotonic() + self._config.batch_wait_ms / 1e3
-            while (left := window_ends - time.monotonic()) > 0:
-                try:
-                    commands.append(self._commands.get(timeout=left))
-                except queue.Empty:
-                    break
-            while not self._commands.empty():
-                commands.append(self._commands.get())
-            jobs: list[_Job] = []
-            for command in commands:
+            self._take(backlog, block=not (live or waiting or backlog))
+            while backlog:  # jobs are admitted in order; an update or stop waits for the rows before it
+                command = backlog[0]
                 if isinstance(command, _Job):
-                    jobs.append(command)
+                    backlog.popleft()
+                    waiting.extend(self._admit(command))
                     continue
-                self._run(jobs)  # jobs queued before an update use the weights they were queued under
-                jobs = []
+                if live or waiting:
+                    break
+                backlog.popleft()
                 if isinstance(command, _Stop):
-                    self._fail_rest(RuntimeError("the transformers engine was closed"))
+                    self._fail_rest(backlog, RuntimeError("the transformers engine was closed"))
                     self._model = None  # type: ignore[assignment]
                     return
                 self._update(command)
-            self._run(jobs)
+            if not (live or waiting):
+                continue
+            try:
+                with torch.inference_mode():
+                    if self._decoder is None:
+                        self._run_plain(list(waiting))
+                        waiting.clear()
+                    else:
+                        self._fill(live, waiting)
+                        self._decode(live)
+            except Exception as e:
+                logger.exception("generation failed")
+                for job in {id(r.job): r.job for r in [*live, *waiting]}.values():
+                    if not job.future.done():
+                        job.future.set_exception(e)
+                live.clear()
+                waiting.clear()
 
-    def _fail_rest(self, error: BaseException) -> None:
+    def _take(self, backlog: collections.deque[Command], block: bool) -> None:
+        """Move queued commands to ``backlog``; when ``block``, wait for one and then ``batch_wait_ms``."""
+        if block:
+            backlog.append(self._commands.get())
+            window_ends = time.monotonic() + self._config.batch_wait_ms / 1e3
+            while (left := window_ends - time.monotonic()) > 0:
+                try:
+                    backlog.append(self._commands.get(timeout=left))
+                except queue.Empty:
+                    break
         while not self._commands.empty():
-            command = self._commands.get()
+            backlog.append(self._commands.get())
+
+    def _fail_rest(self, backlog: collections.deque[Command], error: BaseException) -> None:
+        self._take(backlog, block=False)
+        for command in backlog:
             if isinstance(command, _Job | WeightUpdate):
                 command.future.set_exception(error)
 
-    def _run(self, jobs: list[_Job]) -> None:
-        if not jobs:
-            return
-        try:
-            rows = self._rows(jobs)
-            with torch.inference_mode():
-                self._decode(rows)
-        except Exception as e:
-            logger.exception("generation failed")
-            for job in jobs:
-                job.future.set_exception(e)
-            return
-        for j, job in enumerate(jobs):
-            out: list[list[Sample]] = [[] for _ in job.requests]
-            for row in rows:
-                if row.job == j:
-                    out[row.request].append(self._sample(row))
-            job.future.set_result(out)
-
-    def _rows(self, jobs: list[_Job]) -> list[_Row]:
+    def _admit(self, job: _Job) -> list[_Row]:
         rows: list[_Row] = []
-        for j, job in enumerate(jobs):
-            for i, request in enumerate(job.requests):
-                max_new = min(request.sampling.max_new_tokens, self._config.max_model_len - len(request.prompt_ids))
-                gen_key = len(rows) if request.sampling.seed is not None else -1
-                for k in range(request.sampling.n):
-                    rows.append(_Row(j, i, k, list(request.prompt_ids), request.sampling, max_new, gen_key))
+        job.results = [[None] * r.sampling.n for r in job.requests]
+        for i, request in enumerate(job.requests):
+            sp = request.sampling
+            max_new = min(sp.max_new_tokens, self._config.max_model_len - len(request.prompt_ids))
+            for k in range(sp.n):
+                generator = None
+                if sp.seed is not None:  # one stream per sample: independent of what else is batched
+                    generator = torch.Generator(device=self._device).manual_seed(sp.seed * 1_000_003 + k)
+                rows.append(_Row(job, i, k, list(request.prompt_ids), sp, max_new, generator))
+        job.left = len(rows)
         return rows
 
-    def _decode(self, rows: list[_Row]) -> None:
-        """Generate every row to its end (one batch; finished rows leave it).
+    def _finish(self, row: _Row) -> None:
+        text = row.text if row.text is not None else self._decode_text(row.tokens)
+        row.job.results[row.request][row.index] = Sample(
+            token_ids=row.tokens, logprobs=row.logprobs, text=text, finish_reason=row.reason or "length",
+            version_start=self._version, version_end=self._version,
+        )  # fmt: skip
+        row.job.left -= 1
+        if row.job.left == 0 and not row.job.future.done():
+            row.job.future.set_result([list(samples) for samples in row.job.results])  # type: ignore[arg-type]
 
-        Rows with the same prompt (the n samples of a request) share one prefill: each distinct
-        prompt runs through the model once and its KV cache is copied to its rows.
-        """
+    # --- slot decoding (KV decoder) ------------------------------------------------------
+
+    def _fill(self, live: list[_Row], waiting: collections.deque[_Row]) -> None:
+        """Prefill waiting rows into free slots and sample their first token."""
+        assert self._decoder is not None and self._state is not None
+        free = self._config.max_num_seqs - len(live)
+        if free <= 0 or not waiting:
+            return
+        new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+        longest = max(len(r.prompt) + r.max_new for r in [*live, *new])
+        self._decoder.reserve(len(live) + len(new), longest)
+        distinct: dict[tuple[int, ...], int] = {}
+        source = torch.tensor([distinct.setdefault(tuple(r.prompt), len(distinct)) for r in new])
+        slots = torch.arange(len(live), len(live) + len(new))
+        logits = self._decoder.prefill([list(p) for p in distinct], slots, source)
+        self._state.admit(slots, new)
+        live.extend(new)
+        self._sample(logits, live, first=len(live) - len(new))
+
+    def _sample(self, logits: torch.Tensor, live: list[_Row], first: int = 0) -> None:
+        """Sample the next token of slots ``first..len(live)-1`` from their ``logits`` and record it."""
+        assert self._state is not None
+        state, n = self._state, len(live)
+        rows = slice(first, n)
+        if state.any_min_new and self._eos.numel():
+            early = (state.n_gen[rows] < state.min_new[rows])[:, None]
+            logits[:, self._eos] = torch.where(early, float("-inf"), logits[:, self._eos])
+        params = RowParams(state.temperature[rows], state.top_k[rows], state.top_p[rows], state.any_filtered)
+        logp = row_logprobs(logits, params)
+        generators = {s - first: r.generator for s, r in enumerate(live) if s >= first and r.generator is not None}
+        noise = exponential_noise(tuple(logp.shape), self._device, self._gen, generators)  # type: ignore[arg-type]
+        ids, chosen = pick(logp, state.temperature[rows] <= 0, noise)
+        state.record(first, n, ids, chosen, self._eos)
+        for row in live[first:]:
+            row.steps = min(row.steps + 1, row.max_new)
+
+    def _decode(self, live: list[_Row]) -> None:
+        """Decode up to ``SYNC_EVERY`` steps, then hand back finished rows and compact the slots."""
+        assert self._decoder is not None and self._state is not None
+        state = self._state
+        for _ in range(SYNC_EVERY):
+            if all(r.steps >= r.max_new for r in live):
+                break
+            n = len(live)
+            top = max(len(r.prompt) + r.steps - 1 for r in live)
+            logits = self._decoder.decode(state.cur_ids[:n], state.pos[:n], top)
+            self._sample(logits, live)
+        self._collect(live)
+
+    def _collect(self, live: list[_Row]) -> None:
+        """Look at the device state once: finish rows (EOS, length, stop string) and compact."""
+        assert self._decoder is not None and self._state is not None
+        state, n = self._state, len(live)
+        done, n_gen = state.done[:n].tolist(), state.n_gen[:n].tolist()
+        stops = [s for s in range(n) if live[s].sampling.stop and not done[s]]
+        finished = [s for s in range(n) if done[s]]
+        need = sorted(set(finished) | set(stops))
+        if need:
+            index = torch.tensor(need, device=self._device)
+            width = max(n_gen[s] for s in need)
+            tokens = state.tokens[index, :width].tolist()
+            logps = state.logps[index, :width].tolist()
+            for s, toks, lps in zip(need, tokens, logps, strict=True):
+                row = live[s]
+                row.tokens, row.logprobs = toks[: n_gen[s]], lps[: n_gen[s]]
+                cut = self._stop_string(row)
+                if cut is not None:
+                    row.tokens, row.logprobs = row.tokens[:cut], row.logprobs[:cut]
+                    done[s] = True
+                elif done[s]:
+                    row.reason = "stop" if row.tokens[-1] in self._eos_ids else "length"
+        for s in range(n):
+            live[s].steps = n_gen[s]
+        keep = [s for s in range(n) if not done[s]]
+        for s in range(n):
+            if done[s]:
+                self._finish(live[s])
+        if len(keep) == n:
+            return
+        holes = [s for s in range(len(keep)) if done[s]]  # free slots below the new count ...
+        movers = [s for s in keep if s >= len(keep)]  # ... take the live rows above it
+        survivors = live[: len(keep)]
+        if holes:
+            src, dst = torch.tensor(movers, device=self._device), torch.tensor(holes, device=self._device)
+            self._decoder.move(src, dst, self._decoder.capacity)
+            state.move(src, dst)
+            for hole, mover in zip(holes, movers, strict=True):
+                survivors[hole] = live[mover]
+        live[:] = survivors
+        state.refresh_flags(live)
+
+    def _stop_string(self, row: _Row) -> int | None:
+        """Number of tokens to keep when a stop string appeared in ``row`` (its text set), else None."""
+        stop = row.sampling.stop
+        if not stop:
+            return None
+        for t in range(row.checked, len(row.tokens)):
+            text = self._decode_text(row.tokens[: t + 1])
+            hits = [text.find(s) for s in stop if s in text]
+            if hits:
+                row.text, row.reason = text[: min(hits)], "stop"
+                return t + 1
+            if row.tokens[t] in self._eos_ids:
+                row.checked = t + 1
+                return None
+        row.checked = len(row.tokens)
+        return None
+
+    # --- plain forward (other architectures) ---------------------------------------------
+
+    def _run_plain(self, rows: list[_Row]) -> None:
+        """Generate ``rows`` to their end with the model's own forward and cache (one batch)."""
         distinct: dict[tuple[int, ...], int] = {}
         source = torch.tensor([distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows])
         prompts = list(distinct)
@@ -237,126 +395,195 @@ class HFEngine:
         for b, prompt in enumerate(prompts):
             input_ids[b, width - len(prompt) :] = torch.tensor(prompt)
             attention[b, width - len(prompt) :] = 1
-        generators = {
-            r.gen_key: torch.Generator().manual_seed(r.sampling.seed)
-            for r in rows
-            if r.gen_key >= 0 and r.sampling.seed is not None
-        }
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        out = self._model(
-            input_ids=input_ids.to(self._device), attention_mask=attention.to(self._device),
-            position_ids=positions.to(self._device), use_cache=True,
-        )  # fmt: skip
+        input_ids, attention, positions = (t.to(self._device) for t in (input_ids, attention, positions))
+        out = self._model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         past = out.past_key_values
-        logits = out.logits[:, -1, :].float().cpu()[source]
+        source = source.to(self._device)
+        logits = out.logits[:, -1, :].float()[source]
         if len(prompts) < len(rows):
-            past.batch_select_indices(source.to(self._device))
+            past.batch_select_indices(source)
         attention, positions = attention[source], positions[source]
-        live = list(range(len(rows)))  # row index of each batch position
+        live = list(range(len(rows)))
         step = 0
         while True:
-            next_ids, chosen = self._pick(logits, [rows[b] for b in live], step, generators)
+            live_rows = [rows[b] for b in live]
+            for r, row in enumerate(live_rows):
+                if step < row.sampling.min_new_tokens and self._eos.numel():
+                    logits[r, self._eos] = float("-inf")
+            params = RowParams(
+                torch.tensor([r.sampling.temperature for r in live_rows], device=self._device),
+                torch.tensor([r.sampling.top_k for r in live_rows], device=self._device),
+                torch.tensor([r.sampling.top_p for r in live_rows], device=self._device),
+                any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in live_rows),
+            )
+            logp = row_logprobs(logits, params)
+            generators = {i: r.generator for i, r in enumerate(live_rows) if r.generator is not None}
+            noise = exponential_noise(tuple(logp.shape), self._device, self._gen, generators)  # type: ignore[arg-type]
+            next_ids, chosen = pick(logp, params.temperature <= 0, noise)
             keep = []
-            for pos, (b, token, lp) in enumerate(zip(live, next_ids.tolist(), chosen.tolist(), strict=True)):
-                row = rows[b]
+            for pos, (row, token, lp) in enumerate(zip(live_rows, next_ids.tolist(), chosen.tolist(), strict=True)):
                 row.tokens.append(token)
                 row.logprobs.append(lp)
-                row.reason, row.text = self._check_stop(row)
-                if row.reason is None:
+                if self._plain_stop(row):
+                    self._finish(row)
+                else:
                     keep.append(pos)
             step += 1
+            if not keep:
+                return
             if len(keep) < len(live):
                 live = [live[p] for p in keep]
-                if not live:
-                    return
-                index = torch.tensor(keep)
-                past.batch_select_indices(index.to(self._device))
+                index = torch.tensor(keep, device=self._device)
+                past.batch_select_indices(index)
                 attention, positions, next_ids = attention[index], positions[index], next_ids[index]
-            attention = torch.cat([attention, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = self._model(
-                input_ids=next_ids[:, None].to(self._device), attention_mask=attention.to(self._device),
-                position_ids=positions.to(self._device), past_key_values=past, use_cache=True,
-            )  # fmt: skip
+            out = self._model(input_ids=next_ids[:, None], attention_mask=attention, position_ids=positions,
+                              past_key_values=past, use_cache=True)  # fmt: skip
             past = out.past_key_values
-            logits = out.logits[:, -1, :].float().cpu()
+            logits = out.logits[:, -1, :].float()
 
-    def _pick(
-        self, logits: torch.Tensor, rows: list[_Row], step: int, generators: dict[int, torch.Generator]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token and its behaviour log-prob for each live row (rows grouped by sampling parameters)."""
-        for b, row in enumerate(rows):
-            if step < row.sampling.min_new_tokens and self._eos_ids:
-                logits[b, sorted(self._eos_ids)] = float("-inf")
-        next_ids = torch.empty(len(rows), dtype=torch.long)
-        chosen = torch.empty(len(rows), dtype=torch.float32)
-        by_params: dict[tuple[float, int, float], list[int]] = {}
-        for b, row in enumerate(rows):
-            sp = row.sampling
-            by_params.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(b)
-        for (temperature, top_k, top_p), members in by_params.items():
-            index = torch.tensor(members)
-            logp = processed_logprobs(logits[index], temperature, top_k, top_p)
-            if temperature == 0:
-                picked = logits[index].argmax(dim=-1)
-            else:
-                picked = torch.empty(len(members), dtype=torch.long)
-                by_gen: dict[int, list[int]] = {}
-                for p, b in enumerate(members):
-                    by_gen.setdefault(rows[b].gen_key, []).append(p)
-                probs = logp.exp()
-                for key, where in by_gen.items():
-                    gen = generators.get(key, self._seeds)
-                    picked[where] = torch.multinomial(probs[where], 1, generator=gen).squeeze(1)
-            next_ids[index] = picked
-            chosen[index] = logp.gather(1, picked[:, None]).squeeze(1)
-        return next_ids, chosen
-
-    def _sample(self, row: _Row) -> Sample:
-        return Sample(
-            token_ids=row.tokens,
-            logprobs=row.logprobs,
-            text=row.text if row.text is not None else self._decode_text(row.tokens),
-            finish_reason=row.reason or "length",
-            version_start=self._version,
-            version_end=self._version,
-        )
+    def _plain_stop(self, row: _Row) -> bool:
+        if row.tokens[-1] in self._eos_ids:
+            row.reason = "stop"
+            return True
+        if self._stop_string(row) is not None:
+            return True
+        if len(row.tokens) >= row.max_new:
+            row.reason = "length"
+            return True
+        return False
 
     def _decode_text(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def _check_stop(self, row: _Row) -> tuple[FinishReason | None, str | None]:
-        """(reason, text without the stop string) when the row just ended, else (None, None)."""
-        if row.tokens[-1] in self._eos_ids:
-            return "stop", self._decode_text(row.tokens)
-        stop = row.sampling.stop
-        if stop:
-            text = self._decode_text(row.tokens)
-            hits = [text.find(s) for s in stop if s in text]
-            if hits:
-                return "stop", text[: min(hits)]
-        if len(row.tokens) >= row.max_new:
-            return "length", None
-        return None, None
+    # --- weights -------------------------------------------------------------------------
 
     def _update(self, update: WeightUpdate) -> None:
         start = time.perf_counter()
         try:
-            received = {
-                t.name: to_torch(t)
-                for t in fetch_buckets(update.endpoint, update.version, update.checksum, update.timeout_s)
-            }
-            known = self._model.state_dict()
-            missing = [name for name, _ in self._model.named_parameters() if name not in received]
-            unknown = [name for name in received if name not in known]
-            if missing or unknown:
-                raise WeightSyncError(
-                    f"version {update.version} does not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
-                )
-            with torch.no_grad():
-                self._model.load_state_dict(received, strict=False)
+            if update.ipc is not None:
+                received = self._ipc_receiver().fetch(update.ipc, update.version, update.checksum)
+            else:
+                received = [
+                    (t.name, to_torch(t))
+                    for t in fetch_buckets(update.endpoint, update.version, update.checksum, update.timeout_s)
+                ]
+            self._load(update.version, received)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the old weights stay
             update.future.set_exception(e)
             return
         self._version = update.version
         update.future.set_result(time.perf_counter() - start)
+
+    def _ipc_receiver(self) -> Any:
+        if not hasattr(self, "_ipc"):
+            from streamrl.rollout.ipc_weights import IpcWeightReceiver
+
+            self._ipc = IpcWeightReceiver(self._device)
+        return self._ipc
+
+    def _load(self, version: int, received: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy a whole verified version into the model's parameters (every parameter written)."""
+        names = {name for name, _ in received}
+        missing = [name for name, _ in self._model.named_parameters() if name not in names]
+        unknown = [name for name in names if name not in self._targets]
+        if missing or unknown:
+            raise WeightSyncError(
+                f"version {version} does not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
+            )
+        bad = [n for n, t in received if tuple(t.shape) != tuple(self._targets[n].shape)]
+        if bad:
+            raise WeightSyncError(f"version {version}: wrong shapes for {bad[:5]}")
+        dsts = [self._targets[n].data for n, _ in received]
+        srcs = [t if t.dtype == d.dtype else t.to(d.dtype) for (_, t), d in zip(received, dsts, strict=True)]
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
+
+class _SlotState:
+    """Per-slot decoding state on the device (slot ``s`` = ``live[s]``)."""
+
+    def __init__(self, slots: int, max_len: int, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.device = device
+        self.cur_ids, self.pos, self.n_gen = zeros(slots), zeros(slots), zeros(slots)
+        self.max_new, self.min_new = zeros(slots), zeros(slots)
+        self.done = zeros(slots, dtype=torch.bool)
+        self.temperature, self.top_p = zeros(slots, dtype=torch.float32), zeros(slots, dtype=torch.float32)
+        self.top_k = zeros(slots)
+        self.tokens, self.logps = zeros(slots, max_len), zeros(slots, max_len, dtype=torch.float32)
+        self.any_min_new = False
+        self.any_filtered = False
+        self._all = [self.cur_ids, self.pos, self.n_gen, self.max_new, self.min_new, self.done,
+                     self.temperature, self.top_p, self.top_k, self.tokens, self.logps]  # fmt: skip
+
+    def admit(self, slots: torch.Tensor, rows: list[_Row]) -> None:
+        """Reset the state of ``slots`` for the newly prefilled ``rows`` (first token not sampled yet)."""
+        s = slots.to(self.device)
+
+        def put(target: torch.Tensor, values: list[Any], dtype: torch.dtype) -> None:
+            target[s] = torch.tensor(values, dtype=dtype).to(self.device)
+
+        put(self.pos, [len(r.prompt) - 1 for r in rows], torch.long)  # advanced to len(prompt) by record()
+        put(self.n_gen, [0] * len(rows), torch.long)
+        put(self.max_new, [r.max_new for r in rows], torch.long)
+        put(self.min_new, [r.sampling.min_new_tokens for r in rows], torch.long)
+        put(self.done, [False] * len(rows), torch.bool)
+        put(self.temperature, [r.sampling.temperature for r in rows], torch.float32)
+        put(self.top_p, [r.sampling.top_p for r in rows], torch.float32)
+        put(self.top_k, [r.sampling.top_k for r in rows], torch.long)
+        self.any_min_new |= any(r.sampling.min_new_tokens > 0 for r in rows)
+        self.any_filtered |= any(_filtered(r.sampling) for r in rows)
+
+    def record(self, first: int, n: int, ids: torch.Tensor, logps: torch.Tensor, eos: torch.Tensor) -> None:
+        """Append the sampled ``ids`` (and log-probs) to the slots ``first..n-1`` that are not done."""
+        rows = torch.arange(first, n, device=self.device)
+        active = ~self.done[first:n]
+        at = self.n_gen[first:n].clamp(max=self.tokens.shape[1] - 1)
+        self.tokens[rows, at] = torch.where(active, ids, self.tokens[rows, at])
+        self.logps[rows, at] = torch.where(active, logps, self.logps[rows, at])
+        self.n_gen[first:n] += active
+        self.pos[first:n] += active
+        self.cur_ids[first:n] = torch.where(active, ids, self.cur_ids[first:n])
+        ended = torch.isin(ids, eos) | (self.n_gen[first:n] >= self.max_new[first:n])
+        self.done[first:n] |= active & ended
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for t in self._all:
+            t[dst] = t[src]
+
+    def refresh_flags(self, live: list[_Row]) -> None:
+        self.any_min_new = any(r.sampling.min_new_tokens > 0 for r in live)
+        self.any_filtered = any(_filtered(r.sampling) for r in live)
+
+
+def _filtered(sp: SamplingParams) -> bool:
+    return sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
+
+
+def _self_check(model: PreTrainedModel, decoder: KVDecoder) -> float:
+    """Max |logit difference| / max |logit| between the decoder (prefill + 3 decode steps of 2
+    prompts) and the model's own forward on the same tokens."""
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (5, 3)]
+    follow = torch.randint(0, vocab, (2, 3), generator=generator)
+    with torch.inference_mode():
+        decoder.reserve(2, 16)
+        got = [decoder.prefill(prompts, torch.arange(2), torch.arange(2))]
+        for t in range(3):
+            pos = torch.tensor([len(p) + t for p in prompts], device=decoder.device)
+            got.append(decoder.decode(follow[:, t].to(decoder.device), pos, int(pos.max())))
+        worst = 0.0
+        for b, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt + follow[b].tolist()], device=decoder.device)
+            ref = model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
+            mine = torch.stack([g[b] for g in got])
+            worst = max(worst, float((mine - ref).abs().max() / ref.abs().max().clamp_min(1e-6)))
+    return worst
