@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from streamrl.common.lifecycle import ServiceConfig
@@ -37,7 +39,12 @@ class LearnerConfig(ServiceConfig):
     weights_port: int = Field(0, ge=0, le=65535)
     """Weight server port (0 = a free port)."""
     weights_bucket_mb: int = Field(64, ge=1)
-    """Target size of one weight bucket (MiB)."""
+    """Target size of one weight bucket (MiB): a ZMQ bucket, or one CUDA IPC buffer."""
+    weights_transport: Literal["zmq", "ipc"] = "zmq"
+    """How new weights reach the rollout engines. ``zmq``: buckets served from host memory by the weight
+    server (any engine, any host). ``ipc``: the rollout engines share the learner's GPU (colocated) and
+    copy the weights from CUDA IPC buffers on it, with no host copy; the ZMQ server then is not fed, so
+    every engine must be a transformers engine on the learner's GPU."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per pass over a training batch: its groups are split into this many mini-batches
     (whole groups; each one step of ``ds.grad_accum`` micro-batches). Advantages are computed over the

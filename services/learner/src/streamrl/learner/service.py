@@ -1,8 +1,9 @@
 """LearnerService: training batches in, new weights out.
 
 * A consumer loop on ``batches`` (one at a time, in order). For batch ``k`` at step ``k``: train one
-  step, serve the new weights (version ``k + 1``) from the ZMQ weight server, publish
-  WeightsPublished (version, checksum, endpoint, step metrics) to ``weights``.
+  step, serve the new weights (version ``k + 1``) from the ZMQ weight server, or with
+  ``weights_transport = "ipc"`` copy them into the CUDA IPC buffers on the learner's GPU, and publish
+  WeightsPublished (version, checksum, endpoint or IPC buffers, step metrics) to ``weights``.
 * Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps).
   A killed learner restarts from its last checkpoint and replays, in order, exactly the batches it
   had not checkpointed (they are still pending for it); batches older than the checkpoint are
@@ -24,6 +25,7 @@ from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.learner.config import LearnerConfig
+from streamrl.learner.ipc_weights import IpcWeightPublisher
 from streamrl.learner.trainer import RLTrainer
 from streamrl.learner.weights import WeightServer
 
@@ -44,10 +46,15 @@ class LearnerService:
         self.checkpointed_step = 0
         self.checkpointed_index = 0
         self.unacked: list[str] = []
-        self.server = WeightServer(
-            host=config.weights_host, port=config.weights_port, advertise_host=config.weights_advertise_host,
-            bucket_bytes=config.weights_bucket_mb * 2**20,
-        )  # fmt: skip
+        self.server: WeightServer | None = None
+        self.ipc: IpcWeightPublisher | None = None
+        if config.weights_transport == "ipc":
+            self.ipc = IpcWeightPublisher(bucket_bytes=config.weights_bucket_mb * 2**20)
+        else:
+            self.server = WeightServer(
+                host=config.weights_host, port=config.weights_port, advertise_host=config.weights_advertise_host,
+                bucket_bytes=config.weights_bucket_mb * 2**20,
+            )  # fmt: skip
         self.loop: ConsumerLoop[TrainingBatch] | None = None
 
     async def run(self) -> None:
@@ -70,7 +77,8 @@ class LearnerService:
         try:
             await self.loop.run(self.ctx.stop, burst=self.ctx.burst)
         finally:
-            self.server.close()
+            if self.server is not None:
+                self.server.close()
 
     async def handle(self, batch: TrainingBatch) -> list[Output]:
         if batch.index < self.next_index:
@@ -103,14 +111,20 @@ class LearnerService:
 
     async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
         started = time.perf_counter()
-        checksum, num_bytes, num_buckets = await asyncio.to_thread(
-            self.server.publish, self.trainer.policy.iter_full_params(), self.step
-        )
+        params = self.trainer.policy.iter_full_params()
+        ipc = None
+        if self.ipc is not None:
+            ipc, checksum = await asyncio.to_thread(self.ipc.publish, params, self.step)
+            num_bytes, num_buckets, endpoint = self.ipc.num_bytes, self.ipc.num_buffers, ""
+        else:
+            assert self.server is not None
+            checksum, num_bytes, num_buckets = await asyncio.to_thread(self.server.publish, params, self.step)
+            endpoint = self.server.endpoint
         metrics = {**metrics, "learner/weights_publish_s": time.perf_counter() - started} if metrics else {}
         self.ctx.policy_version = self.step
         return WeightsPublished(
             version=self.step, step=self.step, batch_id=batch_id, checksum=checksum, num_bytes=num_bytes,
-            num_buckets=num_buckets, endpoint=self.server.endpoint, metrics=metrics, published_at=time.time(),
+            num_buckets=num_buckets, endpoint=endpoint, metrics=metrics, published_at=time.time(), ipc=ipc,
         )  # fmt: skip
 
     def _checkpoint(self) -> None:

@@ -1,0 +1,229 @@
+"""Publish the learner's weights over CUDA IPC to rollout engines on the same GPU (colocated mode).
+
+With ``learner.weights_transport = "ipc"`` the weights never leave the GPU:
+
+1. On the first publish, :class:`IpcWeightPublisher` plans a layout (:func:`plan_layout`), allocates
+   persistent flat buffers on the learner's device (about ``bucket_bytes`` each, one dtype per
+   buffer, every tensor starting at a multiple of ``BLOCK_BYTES``) and shares each buffer once
+   (``UntypedStorage._share_cuda_()``).
+2. Every publish copies the parameters into views of those buffers (``torch._foreach_copy_``, a
+   bucket at a time so a streamed ZeRO-3 gather holds little extra memory), computes the checksum
+   on the device (:func:`weights_checksum`) and waits for the copies; the receiver can read as soon
+   as the ``WeightsPublished`` message (carrying :class:`IpcWeights` and the checksum) is out.
+
+Receivers (``streamrl.rollout.ipc_weights``) open each handle once, copy the buffers into their
+own staging memory and verify the checksum there, so the learner may overwrite its buffers at the
+next step; a receiver that reads while they change sees a checksum mismatch, never a silent mix.
+
+Checksum (same definition on both sides, on any device; no host hashing of the bytes): the
+buffers are read as int32 words in blocks of ``BLOCK_BYTES``; ``s_b`` = the sum of block ``b``'s
+words mod 2^32 (one reduction kernel, one read of the bytes), blocks numbered across all buffers.
+Then ``plain = sum_b s_b`` and ``mixed = sum_b (s_b * w_b mod 2^32)`` with ``w_b`` a fixed odd
+pseudo-random 31-bit weight per block position; digest ``"v{version}:{plain}:{mixed}"`` in hex.
+A changed word changes its block sum, hence ``plain``; two tensors swapped (each starts on its own
+block) move their block sums to other weights, which changes ``mixed``; a digest of another version
+never matches. The tensors and buffers are padded with zeros to whole blocks.
+
+With tied embeddings ``lm_head.weight`` is sent explicitly (as on the ZMQ path).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
+from streamrl.learner.weights import TIED_ALIASES
+
+logger = logging.getLogger(__name__)
+
+BLOCK_BYTES = 4096
+"""Alignment of every tensor in its buffer, and the checksum's block."""
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+_MIX = 0x9E3779B1
+"""Odd 32-bit constant (golden ratio): block ``b``'s weight is ``((b + 1) * _MIX mod 2^31) | 1``."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_layout(
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, block_bytes: int = BLOCK_BYTES
+) -> tuple[list[IpcTensor], list[int]]:
+    """Place ``named`` tensors in flat buffers: returns (layout in input order, buffer sizes in bytes).
+
+    Each buffer holds one dtype and fills up to ``bucket_bytes`` (a larger tensor gets a buffer of
+    its own); each tensor starts at a multiple of ``block_bytes`` and takes whole blocks (at least one).
+    Only the tensors' dtype and shape are read (meta tensors will do).
+    """
+    if not named:
+        raise ValueError("no tensors to publish")
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError("tensor names must be unique")
+    layout: list[IpcTensor] = []
+    sizes: list[int] = []
+    open_buffer: dict[torch.dtype, int] = {}
+    for name, t in named:
+        padded = max(block_bytes, -(-t.numel() * t.element_size() // block_bytes) * block_bytes)
+        index = open_buffer.get(t.dtype)
+        if index is None or sizes[index] + padded > bucket_bytes:
+            index = open_buffer[t.dtype] = len(sizes)
+            sizes.append(0)
+        layout.append(IpcTensor(name, dtype_name(t.dtype), list(t.shape), index, sizes[index]))
+        sizes[index] += padded
+    return layout, sizes
+
+
+def tensor_views(buffers: Sequence[torch.Tensor], layout: Sequence[IpcTensor]) -> list[torch.Tensor]:
+    """Typed views of ``layout``'s tensors into flat uint8 ``buffers`` (no copy)."""
+    views = []
+    for t in layout:
+        dtype = getattr(torch, t.dtype)
+        assert isinstance(dtype, torch.dtype), t.dtype
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        raw = buffers[t.buffer][t.offset_bytes : t.offset_bytes + numel * dtype.itemsize]
+        views.append(raw.view(dtype).view(t.shape))
+    return views
+
+
+def weights_checksum(buffers: Sequence[torch.Tensor], version: int, block_bytes: int = BLOCK_BYTES) -> str:
+    """Digest of flat uint8 ``buffers`` (sizes multiples of ``block_bytes``) and ``version``, computed
+    on the buffers' device (see the module docstring). Waits for the device (reads two numbers)."""
+    # int32 sums of int32 words: no widened copy of the bytes; mod 2^32 whatever the accumulator
+    block_sums = torch.cat(
+        [b.view(torch.int32).view(-1, block_bytes // 4).sum(dim=1, dtype=torch.int32) for b in buffers]
+    )
+    sums = block_sums.to(torch.int64) & 0xFFFFFFFF
+    position = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
+    weights = ((position * _MIX) & 0x7FFFFFFF) | 1
+    plain, mixed = torch.stack([sums.sum(), ((sums * weights) & 0xFFFFFFFF).sum()]).tolist()
+    return f"v{version}:{plain:x}:{mixed:x}"
+
+
+class IpcWeightPublisher:
+    """Copies weights into persistent CUDA buffers shared once over CUDA IPC; see the module docstring.
+
+    Example:
+        publisher = IpcWeightPublisher(bucket_bytes=512 * 2**20)
+        ipc, checksum = publisher.publish(engine.iter_full_params(), version=3)
+        # -> WeightsPublished(version=3, checksum=checksum, endpoint="", ipc=ipc, ...)
+    """
+
+    def __init__(
+        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tied_aliases: Mapping[str, str] = TIED_ALIASES
+    ) -> None:
+        self._bucket_bytes = bucket_bytes
+        self._tied_aliases = tied_aliases
+        self._layout: list[IpcTensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        self._num_streamed = 0
+        """The first ``_num_streamed`` layout entries come from the caller; the rest are tied aliases."""
+        self._alias_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._description: IpcWeights | None = None
+        self._version = -1
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the tensors published (padding excluded)."""
+        return sum(v.numel() * v.element_size() for v in self._views)
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._buffers)
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[IpcWeights, str]:
+        """Copy ``named_tensors`` (all on one CUDA device) in as ``version``; returns (description, checksum).
+
+        The description is the same object for every version (the buffers are reused).
+        """
+        started = time.perf_counter()
+        checksum = self.pack(named_tensors, version)
+        if self._description is None:
+            self._description = self._share()
+        logger.info(
+            "published weights version %d over CUDA IPC: %d tensors, %d bytes in %d buffers (%.1f ms)", version,
+            len(self._layout), self.num_bytes, self.num_buffers, (time.perf_counter() - started) * 1e3,
+        )  # fmt: skip
+        return self._description, checksum
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> str:
+        """Copy ``named_tensors`` into the buffers (allocated on their device at the first call) and
+        return the checksum of ``version``; works on any device (:meth:`publish` adds the sharing)."""
+        if version <= self._version:
+            raise ValueError(f"version must increase: {version} after {self._version}")
+        if not self._buffers:
+            self._allocate(list(named_tensors))
+        else:
+            self._copy_streamed(named_tensors)
+        for alias, source in self._alias_copies:
+            alias.copy_(source)
+        checksum = weights_checksum(self._buffers, version)  # its result waits for every copy above
+        self._version = version
+        return checksum
+
+    def _allocate(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        names = {name: i for i, (name, _) in enumerate(named)}
+        self._num_streamed = len(named)
+        aliases = [(a, names[s]) for a, s in self._tied_aliases.items() if a not in names and s in names]
+        self._layout, sizes = plan_layout(named + [(a, named[i][1]) for a, i in aliases], self._bucket_bytes)
+        device = named[0][1].device
+        self._buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for size in sizes]
+        self._views = tensor_views(self._buffers, self._layout)
+        self._alias_copies = [(self._views[len(named) + k], self._views[i]) for k, (_, i) in enumerate(aliases)]
+        with torch.no_grad():
+            torch._foreach_copy_(self._views[: len(named)], [t.detach() for _, t in named])
+
+    def _copy_streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors as they come, a bucket's worth per ``_foreach_copy_`` (the caller's tensors are freed as we go)."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        pending = 0
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if count >= self._num_streamed:
+                    raise ValueError(f"weights layout changed: unexpected extra tensor {name!r}")
+                spec, view = self._layout[count], self._views[count]
+                if name != spec.name or tensor.shape != view.shape or tensor.dtype != view.dtype:
+                    raise ValueError(
+                        f"weights layout changed: got {name!r} {tuple(tensor.shape)} {tensor.dtype} where "
+                        f"{spec.name!r} {tuple(view.shape)} {view.dtype} was published"
+                    )
+                dst.append(view)
+                src.append(tensor.detach())
+                pending += view.numel() * view.element_size()
+                count += 1
+                if pending >= self._bucket_bytes:
+                    torch._foreach_copy_(dst, src)
+                    dst, src, pending = [], [], 0
+            if dst:
+                torch._foreach_copy_(dst, src)
+        if count != self._num_streamed:
+            raise ValueError(f"weights layout changed: {count} tensors where {self._num_streamed} were published")
+
+    def _share(self) -> IpcWeights:
+        device = self._buffers[0].device
+        if device.type != "cuda":
+            raise ValueError(
+                f"learner.weights_transport = 'ipc' needs the weights on a CUDA device, they are on {device}: "
+                "set learner.weights_transport = 'zmq'"
+            )
+        buffers = []
+        for buffer in self._buffers:
+            _, handle, size, offset, ref_counter, ref_offset, event, event_sync = (
+                buffer.untyped_storage()._share_cuda_()
+            )
+            buffers.append(IpcBuffer(handle, size, offset, ref_counter, ref_offset, event, event_sync))
+        return IpcWeights(
+            device_uuid=str(torch.cuda.get_device_properties(device).uuid), block_bytes=BLOCK_BYTES,
+            buffers=buffers, tensors=self._layout,
+        )  # fmt: skip

@@ -1,0 +1,114 @@
+"""CUDA IPC weights, learner side, on CPU tensors: layout, device-side checksum, packing into buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamrl.learner.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, plan_layout, tensor_views, weights_checksum
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model.embed_tokens.weight", torch.randn(50, 16, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(16, 16, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.q_proj.bias", torch.randn(16, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.k_proj.weight", torch.randn(16, 16, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(16, generator=g)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(64, 16, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(16, generator=g)),
+    ]
+
+
+def _reference_checksum(buffers: list[torch.Tensor], version: int) -> str:
+    """The documented definition, slowly, in Python integers."""
+    sums = []
+    for b in buffers:
+        words = b.numpy().view(np.int32).astype(np.int64).reshape(-1, BLOCK_BYTES // 4)
+        sums += [int(s) % 2**32 for s in words.sum(axis=1)]
+    plain = sum(sums)
+    mixed = sum((s * ((((b + 1) * 0x9E3779B1) % 2**31) | 1)) % 2**32 for b, s in enumerate(sums))
+    return f"v{version}:{plain:x}:{mixed:x}"
+
+
+def test_layout_keeps_one_dtype_per_buffer_aligned_and_bounded() -> None:
+    named = [*_weights(0), ("big", torch.empty(3000, 4, dtype=torch.bfloat16))]  # 24000 bytes > bucket
+    layout, sizes = plan_layout(named, bucket_bytes=3 * BLOCK_BYTES)
+    assert [t.name for t in layout] == [n for n, _ in named]
+    dtypes: dict[int, set[str]] = {}
+    for t, (_, tensor) in zip(layout, named, strict=True):
+        assert t.offset_bytes % BLOCK_BYTES == 0 and t.shape == list(tensor.shape)
+        assert t.offset_bytes + tensor.numel() * tensor.element_size() <= sizes[t.buffer]
+        dtypes.setdefault(t.buffer, set()).add(t.dtype)
+    assert all(len(d) == 1 for d in dtypes.values())
+    assert all(s % BLOCK_BYTES == 0 for s in sizes)
+    big = layout[-1]
+    assert sizes[big.buffer] == 24576 and big.offset_bytes == 0  # a tensor over the bucket size: a buffer of its own
+    assert all(s <= 3 * BLOCK_BYTES for i, s in enumerate(sizes) if i != big.buffer)
+    spans = sorted((t.buffer, t.offset_bytes) for t in layout)
+    assert len(set(spans)) == len(spans)
+
+
+def test_layout_rejects_nothing_and_duplicates() -> None:
+    with pytest.raises(ValueError, match="no tensors"):
+        plan_layout([], bucket_bytes=BLOCK_BYTES)
+    with pytest.raises(ValueError, match="unique"):
+        plan_layout(_weights(0)[:1] * 2, bucket_bytes=BLOCK_BYTES)
+
+
+def test_checksum_matches_the_documented_definition() -> None:
+    publisher = IpcWeightPublisher(bucket_bytes=2 * BLOCK_BYTES)
+    checksum = publisher.pack(_weights(0), version=7)
+    assert checksum == _reference_checksum(publisher._buffers, 7)
+    buffers = [torch.randint(0, 256, (3 * BLOCK_BYTES,), dtype=torch.uint8) for _ in range(2)]
+    assert weights_checksum(buffers, 1) == _reference_checksum(buffers, 1)
+
+
+def test_checksum_detects_a_flipped_byte_swapped_tensors_and_a_stale_version() -> None:
+    publisher = IpcWeightPublisher(bucket_bytes=2**20)
+    checksum = publisher.pack(_weights(0), version=1)
+    buffers = [b.clone() for b in publisher._buffers]
+    assert weights_checksum(buffers, 1) == checksum
+    assert weights_checksum(buffers, 2) != checksum  # same bytes, another version
+    buffers[0][5000] ^= 1  # one bit of one byte
+    assert weights_checksum(buffers, 1) != checksum
+    swapped = _weights(0)  # q_proj and k_proj (same shape and dtype) trade places
+    (_, q), (_, k) = swapped[1], swapped[3]
+    swapped[1], swapped[3] = (swapped[1][0], k), (swapped[3][0], q)
+    assert IpcWeightPublisher(bucket_bytes=2**20).pack(swapped, version=1) != checksum
+    assert publisher.pack(_weights(1), version=2) != weights_checksum(buffers, 2)  # new weights, new digest
+
+
+def test_pack_copies_every_version_and_sends_the_tied_head() -> None:
+    publisher = IpcWeightPublisher(bucket_bytes=2 * BLOCK_BYTES)
+    for version, seed in [(0, 0), (1, 1)]:
+        named = _weights(seed)
+        publisher.pack(iter(named), version)  # later versions are streamed
+        names = [t.name for t in publisher._layout]
+        assert names == [n for n, _ in named] + ["lm_head.weight"]
+        views = dict(zip(names, tensor_views(publisher._buffers, publisher._layout), strict=True))
+        for name, tensor in named:
+            assert torch.equal(views[name], tensor)
+        assert torch.equal(views["lm_head.weight"], dict(named)["model.embed_tokens.weight"])
+    assert publisher.num_bytes == sum(t.numel() * t.element_size() for _, t in _weights(0)) + 50 * 16 * 2
+
+
+def test_pack_refuses_a_changed_layout_and_an_old_version() -> None:
+    publisher = IpcWeightPublisher(bucket_bytes=2**20)
+    publisher.pack(_weights(0), version=3)
+    with pytest.raises(ValueError, match="version must increase"):
+        publisher.pack(_weights(0), version=3)
+    with pytest.raises(ValueError, match="layout changed"):
+        publisher.pack(_weights(0)[:-1], version=4)
+    renamed = _weights(0)
+    renamed[2] = ("model.layers.0.self_attn.q_proj.bias_x", renamed[2][1])
+    with pytest.raises(ValueError, match=r"layout changed: got 'model\.layers\.0\.self_attn\.q_proj\.bias_x'"):
+        publisher.pack(renamed, version=5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_publishing_cpu_tensors_over_ipc_says_to_use_zmq() -> None:
+    with pytest.raises(ValueError, match="weights_transport = 'zmq'"):
+        IpcWeightPublisher().publish(_weights(0), version=0)
