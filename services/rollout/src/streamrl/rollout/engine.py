@@ -8,7 +8,9 @@
 Both return, per sample, the token ids, the behaviour log-probs of the distribution actually
 sampled from (after temperature / top-k / top-p: what TIS and ICEPOP need), the finish reason and
 the policy versions that produced the first and the last token. Both take new weights from the
-learner's weight server (:mod:`streamrl.common.weights_wire`) and report the version they serve.
+learner's weight server (:mod:`streamrl.common.weights_wire`) and report the version they serve;
+the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
+(:mod:`streamrl.rollout.ipc_weights`).
 
 Heavy imports (torch, vllm, transformers) happen only inside :func:`build_engine`.
 """
@@ -19,7 +21,7 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from streamrl.common.messages import SamplingParams
+from streamrl.common.messages import IpcWeights, SamplingParams
 from streamrl.rollout.engine_config import EngineConfig
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -69,6 +71,8 @@ class WeightUpdate:
     version: int
     checksum: str
     timeout_s: float
+    ipc: IpcWeights | None = None
+    """CUDA IPC buffers of the version (colocated with the learner); None = pull from ``endpoint``."""
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
@@ -93,11 +97,15 @@ class Engine(Protocol):
         """Answer every request; result ``[i][j]`` is sample ``j`` of request ``i`` (``n`` per request)."""
         ...
 
-    async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
-        """Pull ``version`` from the weight server at ``endpoint`` and serve it from now on.
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: IpcWeights | None = None
+    ) -> None:
+        """Take ``version`` and serve it from now on: from the learner's CUDA IPC buffers ``ipc`` when
+        given (the engine shares the learner's GPU), else pulled from the weight server at ``endpoint``.
 
-        Raises :class:`streamrl.common.errors.WeightSyncError` on a missed deadline or a checksum
-        mismatch; the engine then keeps serving its previous version.
+        Raises :class:`streamrl.common.errors.WeightSyncError` on a missed deadline, a checksum
+        mismatch, or ``ipc`` weights the engine cannot take; the engine then keeps serving its
+        previous version.
         """
         ...
 

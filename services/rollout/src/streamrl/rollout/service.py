@@ -5,7 +5,8 @@
   outputs and the ack are one atomic step, de-duplicated by the work item id). Many prompts are in
   flight at once; the engine batches them.
 * A tail of ``weights``: every WeightsPublished newer than what the engine serves is pulled from
-  the learner's weight server (ZMQ, checksum verified, with a deadline) and loaded; the served
+  the learner's weight server (ZMQ, checksum verified, with a deadline), or copied from the
+  learner's CUDA IPC buffers when the message carries them (colocated), and loaded; the served
   version is reported in the heartbeat and in the ``served`` hash. A worker that joins late loads
   the latest published version before it takes prompts.
 """
@@ -138,7 +139,9 @@ class RolloutService:
             if msg.version <= self.engine.version:
                 return
             started = time.perf_counter()
-            await self.engine.update_weights(msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s)
+            await self.engine.update_weights(
+                msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s, ipc=msg.ipc
+            )
             logger.info(
                 "now serving policy version %d (sync took %.0f ms)", msg.version, (time.perf_counter() - started) * 1e3
             )

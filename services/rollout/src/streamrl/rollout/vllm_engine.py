@@ -45,7 +45,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.messages import SamplingParams
+from streamrl.common.messages import IpcWeights, SamplingParams
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 
@@ -166,7 +166,11 @@ class VLLMEngine:
             self._commands.put(_Abort(job))
             raise
 
-    async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float) -> None:
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: IpcWeights | None = None
+    ) -> None:
+        if ipc is not None and not endpoint:  # weights published only as CUDA IPC buffers
+            raise WeightSyncError("the vLLM engine takes weights over zmq; set learner.weights_transport = 'zmq'")
         update = WeightUpdate(endpoint, version, checksum, timeout_s)
         self._submit(update)
         seconds = await asyncio.wrap_future(update.future)

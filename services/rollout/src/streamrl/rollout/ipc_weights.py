@@ -1,0 +1,129 @@
+"""Receive the learner's weights over CUDA IPC, for an engine on the learner's own GPU (colocated mode).
+
+The learner (``streamrl.learner.ipc_weights``) keeps its weights in persistent flat buffers on its
+GPU and describes them in ``WeightsPublished.ipc`` (:class:`IpcWeights`: CUDA IPC handles, tensor
+layout) with a checksum. :class:`IpcWeightReceiver` on the engine's side:
+
+1. checks that the engine's GPU is the learner's (same device UUID);
+2. opens each buffer's handle once (``UntypedStorage._new_shared_cuda``) and keeps it open: the
+   learner reuses its buffers for every version;
+3. copies the learner's buffers into its own staging buffers on the device, so the learner may
+   overwrite its buffers right after, and recomputes the checksum on the staged copy: a mismatch
+   (a copy that raced the learner's next publish, a corrupted buffer) raises
+   :class:`WeightSyncError` and nothing is returned;
+4. returns ``(name, tensor)`` views of the staging buffers; the engine copies them into its
+   parameters before the next fetch.
+
+The checksum is the learner's definition, repeated here because services never import each
+other (``tests/unit/rollout/test_ipc_receiver.py`` checks that both give the same digest): the
+buffers as int32 words in blocks of ``block_bytes``, ``s_b`` = block ``b``'s sum mod 2^32,
+``plain = sum_b s_b``, ``mixed = sum_b (s_b * w_b mod 2^32)`` with ``w_b = ((b + 1) * 0x9E3779B1
+mod 2^31) | 1``; digest ``"v{version}:{plain:x}:{mixed:x}"``.
+
+Memory: the staging buffers are a second copy of the weights on the GPU. In containers, CUDA IPC
+between the learner and the engine needs a shared IPC namespace and ``/dev/shm`` (torch's
+reference counters live there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
+
+logger = logging.getLogger(__name__)
+
+_MIX = 0x9E3779B1
+
+
+def tensor_views(buffers: Sequence[torch.Tensor], layout: Sequence[IpcTensor]) -> list[torch.Tensor]:
+    """Typed views of ``layout``'s tensors into flat uint8 ``buffers`` (no copy)."""
+    views = []
+    for t in layout:
+        dtype = getattr(torch, t.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise WeightSyncError(f"tensor {t.name!r} has an unknown dtype {t.dtype!r}")
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        raw = buffers[t.buffer][t.offset_bytes : t.offset_bytes + numel * dtype.itemsize]
+        views.append(raw.view(dtype).view(t.shape))
+    return views
+
+
+def weights_checksum(buffers: Sequence[torch.Tensor], version: int, block_bytes: int) -> str:
+    """Digest of flat uint8 ``buffers`` and ``version`` on their device (see the module docstring)."""
+    words = [b.view(torch.int32).view(-1, block_bytes // 4) for b in buffers]
+    block_sums = torch.cat([w.sum(dim=1, dtype=torch.int32) for w in words])  # mod 2^32, no widened copy
+    sums = block_sums.to(torch.int64) & 0xFFFFFFFF
+    position = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
+    weights = ((position * _MIX) & 0x7FFFFFFF) | 1
+    plain, mixed = torch.stack([sums.sum(), ((sums * weights) & 0xFFFFFFFF).sum()]).tolist()
+    return f"v{version}:{plain:x}:{mixed:x}"
+
+
+class IpcWeightReceiver:
+    """Fetches IPC-published weights into staging buffers on ``device``; see the module docstring.
+
+    Example:
+        receiver = IpcWeightReceiver(torch.device("cuda", 0))
+        for name, tensor in receiver.fetch(msg.ipc, msg.version, msg.checksum):
+            params[name].copy_(tensor)  # before the next fetch
+    """
+
+    def __init__(self, device: torch.device | str | int) -> None:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CUDA IPC weights need a CUDA device, got {device}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        self.device_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        self._opened: dict[tuple[bytes, int], torch.Tensor] = {}
+        """The learner's buffers, by (handle, offset in its allocation): a CUDA allocation may hold several."""
+        self._staging: list[torch.Tensor] = []
+
+    def fetch(self, ipc: IpcWeights, version: int, checksum: str) -> list[tuple[str, torch.Tensor]]:
+        """Copy the learner's buffers, verify ``checksum`` for ``version``, return (name, tensor) views.
+
+        The views live in this receiver's staging buffers and are valid until the next ``fetch``.
+        Raises :class:`WeightSyncError` (nothing returned) when the engine is not on the learner's
+        GPU, a handle cannot be opened, or the staged bytes do not match the checksum.
+        """
+        if ipc.device_uuid != self.device_uuid:
+            raise WeightSyncError(
+                f"the engine is not on the learner's GPU (learner: {ipc.device_uuid}, engine: {self.device} = "
+                f"{self.device_uuid}): CUDA IPC weights need both on one device; use learner.weights_transport = 'zmq'"
+            )
+        sources = [self._open(b) for b in ipc.buffers]
+        keep = {(b.handle, b.storage_offset_bytes) for b in ipc.buffers}
+        self._opened = {k: v for k, v in self._opened.items() if k in keep}  # buffers the learner replaced
+        if [s.numel() for s in self._staging] != [s.numel() for s in sources]:
+            self._staging = [torch.empty_like(s) for s in sources]
+        with torch.cuda.device(self.device):
+            torch._foreach_copy_(self._staging, sources)
+            staged = weights_checksum(self._staging, version, ipc.block_bytes)  # waits for the copies
+        if staged != checksum:
+            raise WeightSyncError(
+                f"checksum mismatch for version {version}: staged {staged}, published {checksum} (the learner's "
+                "buffers changed during the copy, or were corrupted); nothing applied"
+            )
+        return [(t.name, view) for t, view in zip(ipc.tensors, tensor_views(self._staging, ipc.tensors), strict=True)]
+
+    def _open(self, buffer: IpcBuffer) -> torch.Tensor:
+        key = (buffer.handle, buffer.storage_offset_bytes)
+        opened = self._opened.get(key)
+        if opened is None:
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    self.device.index, buffer.handle, buffer.storage_size_bytes, buffer.storage_offset_bytes,
+                    buffer.ref_counter_handle, buffer.ref_counter_offset, buffer.event_handle,
+                    buffer.event_sync_required,
+                )  # fmt: skip
+            except RuntimeError as e:
+                raise WeightSyncError(f"could not open the learner's CUDA IPC buffer: {e}") from e
+            opened = self._opened[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            logger.info("opened a CUDA IPC weight buffer of %d bytes", buffer.storage_size_bytes)
+        return opened

@@ -1,0 +1,142 @@
+"""CUDA IPC weight sync between two processes on one GPU (skipped without CUDA).
+
+A spawned process plays the learner: it publishes with ``IpcWeightPublisher`` and sends the
+``WeightsPublished`` message through a pipe as the msgpack bytes the bus would carry. The test
+process plays the engine: ``IpcWeightReceiver`` fetches, and the tensors must equal the published ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import msgspec
+import pytest
+import torch
+
+from streamrl.common.codec import decode, encode
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import WeightsPublished
+from streamrl.learner.ipc_weights import IpcWeightPublisher
+from streamrl.rollout.ipc_weights import IpcWeightReceiver
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+BUCKET_BYTES = 2**20
+OPENED = "opened a CUDA IPC weight buffer"
+
+
+def _weights(seed: int, device: str) -> list[tuple[str, torch.Tensor]]:
+    """A small tied-embedding model's tensors (~2.5 MB: several 1 MiB buffers), bf16 and fp32."""
+    g = torch.Generator().manual_seed(seed)
+    named = [("model.embed_tokens.weight", torch.randn(1000, 256, generator=g).to(torch.bfloat16))]
+    for i in range(2):
+        named += [
+            (f"model.layers.{i}.self_attn.q_proj.weight", torch.randn(256, 256, generator=g).to(torch.bfloat16)),
+            (f"model.layers.{i}.self_attn.q_proj.bias", torch.randn(256, generator=g).to(torch.bfloat16)),
+            (f"model.layers.{i}.mlp.up_proj.weight", torch.randn(512, 256, generator=g).to(torch.bfloat16)),
+            (f"model.layers.{i}.input_layernorm.weight", torch.randn(256, generator=g)),
+        ]
+    named.append(("model.norm.weight", torch.randn(256, generator=g)))
+    return [(name, t.to(device)) for name, t in named]
+
+
+def _expected(seed: int) -> dict[str, torch.Tensor]:
+    named = dict(_weights(seed, "cpu"))
+    return {**named, "lm_head.weight": named["model.embed_tokens.weight"]}
+
+
+def _learner(conn: Connection) -> None:
+    """The learner process: ("publish", version) -> WeightsPublished bytes; ("corrupt", _) flips a bit."""
+    publisher = IpcWeightPublisher(bucket_bytes=BUCKET_BYTES)
+    while True:
+        command, version = conn.recv()
+        if command == "stop":
+            return
+        if command == "publish":
+            ipc, checksum = publisher.publish(_weights(version, "cuda"), version)
+            message = WeightsPublished(
+                version=version, step=version, batch_id="", checksum=checksum, num_bytes=publisher.num_bytes,
+                num_buckets=publisher.num_buffers, endpoint="", ipc=ipc,
+            )  # fmt: skip
+            conn.send_bytes(encode(message))
+        elif command == "corrupt":  # a corrupted buffer, not a new version
+            publisher._buffers[0][100] ^= 1
+            torch.cuda.synchronize()
+            conn.send_bytes(b"")
+
+
+@pytest.fixture(scope="module")
+def learner() -> Iterator[Connection]:
+    ctx = torch.multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_learner, args=(child,), daemon=True)
+    proc.start()
+    yield conn
+    conn.send(("stop", 0))
+    proc.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def receiver(learner: Connection) -> IpcWeightReceiver:
+    """Torn down before the learner: it releases the learner's buffers while the learner lives."""
+    return IpcWeightReceiver(torch.device("cuda", 0))
+
+
+def _publish(learner: Connection, version: int) -> WeightsPublished:
+    learner.send(("publish", version))
+    return decode(learner.recv_bytes(), WeightsPublished)
+
+
+def _assert_equal(fetched: list[tuple[str, torch.Tensor]], seed: int) -> None:
+    expected = _expected(seed)
+    assert [name for name, _ in fetched] == list(expected)
+    for name, tensor in fetched:
+        assert tensor.device.type == "cuda" and torch.equal(tensor.cpu(), expected[name]), name
+
+
+def test_fetch_returns_the_published_weights(
+    learner: Connection, receiver: IpcWeightReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    msg = _publish(learner, 1)
+    assert msg.ipc is not None and len(msg.ipc.buffers) >= 3
+    with caplog.at_level(logging.INFO, logger="streamrl.rollout.ipc_weights"):
+        _assert_equal(receiver.fetch(msg.ipc, msg.version, msg.checksum), seed=1)
+    assert sum(OPENED in r.getMessage() for r in caplog.records) == len(msg.ipc.buffers)
+
+
+def test_the_next_version_reuses_the_open_handles(
+    learner: Connection, receiver: IpcWeightReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    msg = _publish(learner, 2)
+    assert msg.ipc is not None
+    with caplog.at_level(logging.INFO, logger="streamrl.rollout.ipc_weights"):
+        _assert_equal(receiver.fetch(msg.ipc, msg.version, msg.checksum), seed=2)
+    assert not any(OPENED in r.getMessage() for r in caplog.records)
+
+
+def test_a_version_overwritten_before_the_fetch_fails_the_checksum(
+    learner: Connection, receiver: IpcWeightReceiver
+) -> None:
+    old, new = _publish(learner, 3), _publish(learner, 4)
+    assert old.ipc is not None and new.ipc is not None
+    with pytest.raises(WeightSyncError, match="checksum mismatch for version 3"):
+        receiver.fetch(old.ipc, old.version, old.checksum)
+    _assert_equal(receiver.fetch(new.ipc, new.version, new.checksum), seed=4)
+
+
+def test_a_corrupted_buffer_raises(learner: Connection, receiver: IpcWeightReceiver) -> None:
+    msg = _publish(learner, 5)
+    assert msg.ipc is not None
+    learner.send(("corrupt", 0))
+    learner.recv_bytes()
+    with pytest.raises(WeightSyncError, match="checksum mismatch for version 5"):
+        receiver.fetch(msg.ipc, msg.version, msg.checksum)
+
+
+def test_an_engine_on_another_gpu_is_told_to_use_zmq(learner: Connection, receiver: IpcWeightReceiver) -> None:
+    msg = _publish(learner, 6)
+    assert msg.ipc is not None
+    elsewhere = msgspec.structs.replace(msg.ipc, device_uuid="00000000-0000-0000-0000-000000000000")
+    with pytest.raises(WeightSyncError, match=r"not on the learner's GPU.*weights_transport = 'zmq'"):
+        receiver.fetch(elsewhere, msg.version, msg.checksum)
