@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import msgpack
@@ -209,7 +209,7 @@ def main() -> None:
     best8k = max((v for k, v in results.items() if k.startswith("8192tok")), key=lambda v: v["ratio_to_raw"])
     summary = {
         "bench": "bus",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {mp.cpu_count()} cpus",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "results": results,
@@ -217,7 +217,7 @@ def main() -> None:
                       "ratio_to_raw": best8k["ratio_to_raw"], "p99_ms": best8k["p99_ms"]},  # fmt: skip
     }
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"bus-{datetime.now(UTC):%Y%m%d-%H%M%S}-{platform.node()}.json"
+    out = RESULTS / f"bus-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{platform.node()}.json"
     out.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
 

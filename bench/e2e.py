@@ -50,7 +50,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +86,9 @@ def prepare(spec: dict[str, Any]) -> None:
 
 def recipe_updates_per_step() -> int:
     """Optimizer steps per batch of the demo recipe (``learner.mini_batches`` x ``learner.ppo_epochs``)."""
-    import tomllib
+    from streamrl.common.config import read_recipe
 
-    learner = tomllib.loads((ROOT / "recipes/demo.toml").read_text()).get("learner", {})
+    learner = read_recipe(ROOT / "recipes/demo.toml").get("learner", {})
     return int(learner.get("mini_batches", 1)) * int(learner.get("ppo_epochs", 1))
 
 
@@ -357,7 +357,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     report: dict[str, Any] = {
-        "bench": "e2e", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "bench": "e2e", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "command": " ".join(["python", *sys.argv]), "workloads": {},
     }  # fmt: skip
@@ -388,7 +388,7 @@ def main() -> None:
             print(f"workload {name}, median of {len(runs)} seeds: {json.dumps(report['workloads'][name]['median'])}")
     results = ROOT / "bench/results"
     results.mkdir(exist_ok=True)
-    (results / f"e2e-{datetime.now(UTC):%Y%m%d-%H%M%S}.json").write_text(json.dumps(report, indent=2))
+    (results / f"e2e-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
 
 

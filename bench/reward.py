@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from streamrl.common.messages import Tensor, Trajectory
@@ -129,7 +129,7 @@ def main() -> None:
         print(f"{name:<28} {value:>10.0f} trajectories/s")
     record = {
         "bench": "reward",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "num_trajectories": args.num,

@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -96,7 +96,7 @@ def main() -> None:
         )
     record = {
         "bench": "weight_sync",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.platform(),
         "command": " ".join(sys.argv),
         "engine": args.engine,
@@ -107,7 +107,7 @@ def main() -> None:
         ROOT
         / "bench"
         / "results"
-        / f"weight_sync-{args.engine}-{args.wire_dtype}-{datetime.now(UTC):%Y-%m-%dT%H%M%S}.json"
+        / f"weight_sync-{args.engine}-{args.wire_dtype}-{datetime.now(timezone.utc):%Y-%m-%dT%H%M%S}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streamrl.common.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
 ENV_PREFIX = "STREAMRL_"
 TOP_LEVEL_ENV = {"STREAMRL_RUN_ID": "run_id", "STREAMRL_RUN_DIR": "run_dir"}

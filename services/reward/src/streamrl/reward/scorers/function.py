@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from streamrl.common.aio import timeout
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import FunctionScorerConfig
 from streamrl.reward.scorers.base import (
@@ -129,7 +130,7 @@ class FunctionScorer:
     async def _score(self, batch: list[Trajectory]) -> ScorerResult:
         source = f"reward function {self._config.path!r} (scorer {self.name!r})"
         try:
-            async with asyncio.timeout(self._config.timeout_s):
+            async with timeout(self._config.timeout_s):
                 output = await self._call(batch)
         except TimeoutError as e:
             raise ScorerError(
