@@ -116,6 +116,7 @@ class KVDecoder:
         self._k, self._v = k, v
         self.slots, self.capacity = new_slots, new_len
         self._graphs.clear()  # they captured the old cache's addresses
+        self._pool = None  # a pool whose graphs are all gone cannot take a new capture
         logger.info("KV cache: %d slots x %d positions (%.2f GiB)", new_slots, new_len, self.cache_bytes / 2**30)
 
     @property
