@@ -19,21 +19,21 @@ RUN apt-get update \
 
 WORKDIR /src
 COPY constraints.txt ./
-# The same CUDA torch as the learner and rollout GPU images. Model scorers and serve-rm import torch
-# and transformers when a recipe uses them (not declared by the package, whose function and HTTP
-# scorers need neither).
+# The same CUDA torch as the learner and rollout GPU images, in its own layer.
 ARG TORCH_VERSION=2.14.0
 ARG TORCH_INDEX_URL=""
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
-        "torch==${TORCH_VERSION}" transformers
-# The dependencies that the packages' pyproject.toml files declare, installed from those files alone
-# (empty src/ folders), so that editing streamrl code reuses this layer; then the code, --no-deps.
+    pip install -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
+# The dependencies that the packages' pyproject.toml files declare, with the model extra (torch,
+# transformers: model scorers and serve-rm), installed from those files alone (empty src/ folders),
+# so that editing streamrl code reuses this layer; then the code, --no-deps. `pip show` fails the
+# build if the extra brought no transformers.
 COPY libs/common/pyproject.toml libs/common/
 COPY services/reward/pyproject.toml services/reward/
 RUN --mount=type=cache,target=/root/.cache/pip \
     mkdir -p libs/common/src services/reward/src \
-    && pip install -c constraints.txt ./libs/common ./services/reward
+    && pip install -c constraints.txt ./libs/common "./services/reward[model]" \
+    && pip show transformers >/dev/null
 COPY libs/common libs/common
 COPY services/reward services/reward
 RUN pip install --no-deps --force-reinstall ./libs/common ./services/reward

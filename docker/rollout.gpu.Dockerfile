@@ -22,13 +22,15 @@ WORKDIR /src
 COPY constraints.txt ./
 # The dependencies that the packages' pyproject.toml files declare, with the vllm extra (vLLM and the
 # CUDA torch it pins), installed from those files alone (empty src/ folders), so that editing
-# streamrl code reuses this heavy layer; then the code, --no-deps. `pip show` fails the build if the
-# extra brought no vLLM.
+# streamrl code reuses this heavy layer; then the code, --no-deps. VLLM_VERSION pins the extra's
+# vLLM: 0.33.0 pins torch 2.14.0, the torch of the learner and reward GPU images. `pip show` fails
+# the build if the extra brought no vLLM.
+ARG VLLM_VERSION=0.33.0
 COPY libs/common/pyproject.toml libs/common/
 COPY services/rollout/pyproject.toml services/rollout/
 RUN --mount=type=cache,target=/root/.cache/pip \
     mkdir -p libs/common/src services/rollout/src \
-    && pip install -c constraints.txt ./libs/common "./services/rollout[vllm]" \
+    && pip install -c constraints.txt ./libs/common "./services/rollout[vllm]" "vllm==${VLLM_VERSION}" \
     && pip show vllm >/dev/null
 COPY libs/common libs/common
 COPY services/rollout services/rollout

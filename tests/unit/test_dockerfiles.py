@@ -10,9 +10,15 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted((REPO / "docker").glob("*.Dockerfile"))
@@ -20,7 +26,7 @@ SERVICES = ("coordinator", "rollout", "reward", "learner")
 GPU_SERVICES = ("rollout", "reward", "learner")
 NEEDS_EXAMPLES = ("reward", "learner")
 """Images that load files of examples/ by path: reward functions; the prepare job runs in the learner's."""
-EXTRAS = {"rollout.gpu": {"vllm"}}
+EXTRAS = {"rollout.gpu": {"vllm"}, "reward": {"model"}, "reward.gpu": {"model"}}
 """Extras each image installs with its service package (none where not listed)."""
 INSTRUCTIONS = {
     "ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
@@ -204,6 +210,8 @@ def test_image_installs_the_service_with_its_declared_dependencies(path: Path) -
     assert "./libs/common" in targets and service_targets, f"no pip install of the packages in {with_deps}"
     extras = {e for m in service_targets if m.group(1) for e in m.group(1).split(",")}
     assert extras == EXTRAS.get(_name(path), set())
+    declared = tomllib.loads((REPO / "services" / service / "pyproject.toml").read_text())["project"]
+    assert extras <= set(declared.get("optional-dependencies", {})), f"extras not in {service}'s pyproject.toml"
     code = [args for args in installs if "--no-deps" in args]
     assert code and {"./libs/common", f"./services/{service}"} <= set(code[-1]), "the code is never installed"
 
