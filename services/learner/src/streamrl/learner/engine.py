@@ -136,13 +136,21 @@ def _check_qlora(lora: LoraConfig | None, ds_cfg: DeepSpeedConfig) -> None:
         raise ValueError("lora.load_in_4bit (QLoRA) needs the bitsandbytes package, which is not installed") from e
 
 
+def training_device() -> torch.device:
+    """Where DeepSpeed trains this rank's model: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_prompts: bool = False) -> float:
     """``torch.compile`` ``model`` in place (dynamic shapes; parameter names unchanged) and compile its
     training and no-grad graphs now, on a right-padded random batch, leaving no gradient behind.
     ``shared_prompts``: the graphs of the shared-prompt forward instead (prompts, then responses on
     their KV cache). Every warm-up size differs from the others and from 1: equal sizes would be
     assumed equal for good (a recompile at the first real step). Runs before DeepSpeed wraps the
-    model. Returns the seconds it took."""
+    model, on the device the model is on: the caller puts it on its training device first (inductor
+    builds kernels for the device of the warm-up). Returns the seconds it took."""
     from streamrl.learner.prompt_sharing import shared_prompt_logits
 
     started = time.perf_counter()
@@ -298,6 +306,12 @@ class ModelEngine:
             return cls(engine, tokenizer, kind, train=False)
 
         if ds_cfg.compile:
+            # Warm up where training runs. deepspeed.initialize moves a ZeRO <= 2 model to this same
+            # device itself (compile excludes ZeRO-3, whose parameters are already partitioned),
+            # and a 4-bit model was loaded onto it (and cannot be moved).
+            device = training_device()
+            if next(model.parameters()).device != device:
+                model.to(device)
             seconds = compile_and_warm_up(model, shared_prompts=shared_prompts)
             logger.info("torch.compile: model compiled and warmed up in %.1f s", seconds)
         steps = total_steps or 1
