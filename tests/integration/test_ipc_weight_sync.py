@@ -72,6 +72,7 @@ def learner() -> Iterator[Connection]:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_learner, args=(child,), daemon=True)
     proc.start()
+    child.close()  # a dead learner is then an EOFError here, not a hang
     yield conn
     conn.send(("stop", 0))
     proc.join(timeout=30)

@@ -125,6 +125,7 @@ class IpcWeightPublisher:
         self._layout: list[IpcTensor] = []
         self._buffers: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
+        self._nbytes: list[int] = []
         self._num_streamed = 0
         """The first ``_num_streamed`` layout entries come from the caller; the rest are tied aliases."""
         self._alias_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -134,7 +135,7 @@ class IpcWeightPublisher:
     @property
     def num_bytes(self) -> int:
         """Bytes of the tensors published (padding excluded)."""
-        return sum(v.numel() * v.element_size() for v in self._views)
+        return sum(self._nbytes)
 
     @property
     def num_buffers(self) -> int:
@@ -178,12 +179,14 @@ class IpcWeightPublisher:
         device = named[0][1].device
         self._buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for size in sizes]
         self._views = tensor_views(self._buffers, self._layout)
+        self._nbytes = [v.numel() * v.element_size() for v in self._views]
         self._alias_copies = [(self._views[len(named) + k], self._views[i]) for k, (_, i) in enumerate(aliases)]
         with torch.no_grad():
-            torch._foreach_copy_(self._views[: len(named)], [t.detach() for _, t in named])
+            torch._foreach_copy_(self._views[: len(named)], [t for _, t in named])
 
     def _copy_streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors as they come, a bucket's worth per ``_foreach_copy_`` (the caller's tensors are freed as we go)."""
+        layout, views, nbytes = self._layout, self._views, self._nbytes
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         pending = 0
@@ -192,15 +195,15 @@ class IpcWeightPublisher:
             for name, tensor in named_tensors:
                 if count >= self._num_streamed:
                     raise ValueError(f"weights layout changed: unexpected extra tensor {name!r}")
-                spec, view = self._layout[count], self._views[count]
-                if name != spec.name or tensor.shape != view.shape or tensor.dtype != view.dtype:
+                view = views[count]
+                if name != layout[count].name or tensor.shape != view.shape or tensor.dtype != view.dtype:
                     raise ValueError(
                         f"weights layout changed: got {name!r} {tuple(tensor.shape)} {tensor.dtype} where "
-                        f"{spec.name!r} {tuple(view.shape)} {view.dtype} was published"
+                        f"{layout[count].name!r} {tuple(view.shape)} {view.dtype} was published"
                     )
                 dst.append(view)
-                src.append(tensor.detach())
-                pending += view.numel() * view.element_size()
+                src.append(tensor)
+                pending += nbytes[count]
                 count += 1
                 if pending >= self._bucket_bytes:
                     torch._foreach_copy_(dst, src)

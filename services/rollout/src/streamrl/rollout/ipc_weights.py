@@ -84,6 +84,9 @@ class IpcWeightReceiver:
         self._opened: dict[tuple[bytes, int], torch.Tensor] = {}
         """The learner's buffers, by (handle, offset in its allocation): a CUDA allocation may hold several."""
         self._staging: list[torch.Tensor] = []
+        self._layout: list[IpcTensor] = []
+        self._named_views: list[tuple[str, torch.Tensor]] = []
+        """(name, view of staging) for ``_layout``: built once, the layout repeats every version."""
 
     def fetch(self, ipc: IpcWeights, version: int, checksum: str) -> list[tuple[str, torch.Tensor]]:
         """Copy the learner's buffers, verify ``checksum`` for ``version``, return (name, tensor) views.
@@ -102,6 +105,11 @@ class IpcWeightReceiver:
         self._opened = {k: v for k, v in self._opened.items() if k in keep}  # buffers the learner replaced
         if [s.numel() for s in self._staging] != [s.numel() for s in sources]:
             self._staging = [torch.empty_like(s) for s in sources]
+            self._layout = []
+        if self._layout != ipc.tensors:
+            views = tensor_views(self._staging, ipc.tensors)
+            self._named_views = [(t.name, view) for t, view in zip(ipc.tensors, views, strict=True)]
+            self._layout = ipc.tensors
         with torch.cuda.device(self.device):
             torch._foreach_copy_(self._staging, sources)
             staged = weights_checksum(self._staging, version, ipc.block_bytes)  # waits for the copies
@@ -110,7 +118,7 @@ class IpcWeightReceiver:
                 f"checksum mismatch for version {version}: staged {staged}, published {checksum} (the learner's "
                 "buffers changed during the copy, or were corrupted); nothing applied"
             )
-        return [(t.name, view) for t, view in zip(ipc.tensors, tensor_views(self._staging, ipc.tensors), strict=True)]
+        return list(self._named_views)
 
     def _open(self, buffer: IpcBuffer) -> torch.Tensor:
         key = (buffer.handle, buffer.storage_offset_bytes)
