@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -112,3 +115,16 @@ def test_pack_refuses_a_changed_layout_and_an_old_version() -> None:
 def test_publishing_cpu_tensors_over_ipc_says_to_use_zmq() -> None:
     with pytest.raises(ValueError, match="weights_transport = 'zmq'"):
         IpcWeightPublisher().publish(_weights(0), version=0)
+
+
+def test_the_benchmarks_1_5b_shaped_weights_fill_seven_512_mib_buffers() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    import gpu_weights
+
+    shapes = gpu_weights.qwen2_shapes(**gpu_weights.QWEN2_1_5B)
+    named = [(name, torch.empty(shape, dtype=torch.bfloat16, device="meta")) for name, shape in shapes]
+    named.append(("lm_head.weight", named[0][1]))  # tied: sent explicitly
+    layout, sizes = plan_layout(named, bucket_bytes=512 * 2**20)
+    assert len(layout) == 339 and len(sizes) == 7 and max(sizes) <= 512 * 2**20
+    # 3.55 GB of bf16: 1,543,714,304 parameters, plus the tied head sent again
+    assert sum(t.numel() * 2 for _, t in named) == 3_554_176_000
