@@ -8,6 +8,8 @@ Writes into ``out_dir``:
 
 * ``train.jsonl`` / ``eval.jsonl``: ``{"prompt", "label", "response"}`` rows, disjoint prompts;
 * ``model/``: the warm-started policy and tokenizer (loads in transformers, TRL and vLLM);
+  with the ``qwen2_*`` presets a random Qwen2-shaped policy and the real Qwen2 tokenizer instead
+  (no warm start; the GPU benchmark);
 * ``prepare.json``: the settings and a summary (parameters, warm-start steps and accuracy).
 
 Idempotent: when ``prepare.json`` already holds the same settings, nothing is redone.
@@ -31,6 +33,7 @@ sys.path.insert(
 )  # sibling plain files, referenced by path
 
 import model as model_lib
+import qwen2_model as qwen2_lib
 import task as task_lib
 import warmstart as warmstart_lib
 
@@ -42,8 +45,10 @@ class PrepareConfig(BaseConfig):
 
     out_dir: str = "runs/arithmetic"
     """Output folder (data, model/, prepare.json)."""
-    preset: Literal["small", "large"] = "small"
-    """Model shape: small = 0.66M parameters (workload a); large = 27M (workload b)."""
+    preset: Literal["small", "large", "qwen2_0.5b", "qwen2_tiny"] = "small"
+    """Model shape: small = 0.66M parameters (workload a); large = 27M (workload b); qwen2_0.5b = a
+    randomly initialised Qwen2-0.5B-shaped policy with the real Qwen2 tokenizer and no warm start
+    (the GPU benchmark, ``qwen2_model.py``); qwen2_tiny = the same at a size a CPU runs in seconds."""
     operators: str = "+"
     """Operators, a subset of "+-*"."""
     digits: int = Field(2, ge=1, le=30)
@@ -103,6 +108,8 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
     train, held_out = task_lib.make_splits(task_spec)
     task_lib.write_jsonl(out / "train.jsonl", train)
     task_lib.write_jsonl(out / "eval.jsonl", held_out)
+    if config.preset in qwen2_lib.SHAPES:
+        return _prepare_qwen2(config, marker, len(train), len(held_out))
 
     torch.manual_seed(config.seed)
     tokenizer = model_lib.build_tokenizer()
@@ -142,6 +149,20 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
     marker.write_text(
         json.dumps({"settings": _settings(config), "summary": summary}, indent=2)
     )
+    return summary
+
+
+def _prepare_qwen2(config: PrepareConfig, marker: Path, num_train: int, num_eval: int) -> dict[str, Any]:
+    """The qwen2 presets: a random Qwen2-shaped policy with the real tokenizer; no warm start (the
+    warm-start fields are ignored: a benchmark of speed, not of learning)."""
+    started = time.perf_counter()
+    summary = {
+        **qwen2_lib.build(config.preset, Path(config.out_dir) / "model", seed=config.seed),
+        "num_train": num_train,
+        "num_eval": num_eval,
+        "build_s": round(time.perf_counter() - started, 2),
+    }
+    marker.write_text(json.dumps({"settings": _settings(config), "summary": summary}, indent=2))
     return summary
 
 
