@@ -72,6 +72,11 @@ class BenchSettings:
     """torch intra-op threads."""
     bf16: bool = False
     """Train (and generate) in bfloat16 mixed precision (TRL's own default); False = float32."""
+    device: str = "cpu"
+    """Where the TRL side trains and generates: ``cpu`` or ``cuda`` (the GPU benchmark, bench/gpu_pipeline.py)."""
+    dtype: str = "float32"
+    """dtype the policy's weights are loaded in: ``float32`` or ``bfloat16`` (bf16 weights, as the GPU
+    benchmark's rollout engine and learner compute)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Side-specific options (for example TRL config fields)."""
 
@@ -94,6 +99,8 @@ class BenchSettings:
             raise ValueError(
                 f"updates_per_step must be >= 1 and divide prompts_per_step x group_size: {self}"
             )
+        if self.device not in ("cpu", "cuda") or self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"device must be cpu or cuda and dtype float32 or bfloat16: {self}")
         if self.lr <= 0 or self.temperature <= 0 or self.time_budget_s <= 0:
             raise ValueError(
                 f"lr, temperature and time_budget_s must be positive: {self}"
@@ -151,7 +158,7 @@ def greedy_accuracy(
     with torch.no_grad():
         enc = tokenizer(
             prompts, return_tensors="pt", padding=True, add_special_tokens=False
-        )
+        ).to(model.device)
         out = model.generate(
             **enc,
             do_sample=False,

@@ -9,6 +9,7 @@ a callback pauses the RL clock and measures greedy held-out accuracy (``bench/e2
 
     python bench/e2e_trl.py [--data-dir runs/arith_a] [--prompts-per-step 32] [--group-size 8]
         [--lr 1e-4] [--max-steps 200] [--time-budget-s 600] [--extra '{"loss_type": "grpo"}']
+        [--device cuda --dtype bfloat16 --bf16]   (the GPU benchmark, bench/gpu_pipeline.py)
 
 Prints one line per evaluation, then one JSON object (settings, curve, steps/s, generated tokens/s,
 RL time to start + target_gain) as the last line. ``extra`` holds more ``GRPOConfig`` fields.
@@ -50,7 +51,7 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
     model_dir = str(Path(settings.data_dir) / "model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype))
     # The same prompt order as the other sides; TRL's own shuffling is turned off.
     rows = prompt_order(
         train, settings.prompts_per_step * settings.max_steps, settings.seed
@@ -62,6 +63,7 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
     curve = Curve(settings.target_gain)
     updates = settings.updates_per_step  # optimizer steps per generation batch (TRL's global_step counts them)
     counters = {"tokens": 0, "steps": 0}
+    step_end_s: list[float] = []  # RL clock at the end of each step (generation batch)
 
     def arithmetic_reward(
         prompts: list[str],
@@ -90,6 +92,8 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
             self, args: Any, state: Any, control: Any, **kwargs: Any
         ) -> None:
             counters["steps"] = state.global_step // updates
+            if state.global_step % updates == 0:
+                step_end_s.append(round(curve.rl_s, 3))
             if curve.rl_s >= settings.time_budget_s:
                 control.should_training_stop = True
             if state.global_step % (settings.eval_every_steps * updates) == 0:
@@ -108,7 +112,7 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as output_dir:
         config = GRPOConfig(
             output_dir=output_dir,
-            use_cpu=True,
+            use_cpu=settings.device == "cpu",
             bf16=settings.bf16,
             seed=settings.seed,
             max_steps=settings.max_steps * updates,
@@ -153,6 +157,8 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
         "rl_s": round(rl_s, 2),
         "steps_per_s": round(steps / rl_s, 3),
         "generated_tokens_per_s": round(counters["tokens"] / rl_s, 1),
+        "generated_tokens": counters["tokens"],
+        "step_end_s": step_end_s,
         **curve.summary(),
     }
 
