@@ -30,7 +30,7 @@ def test_services_read_the_colocated_recipe() -> None:
     assert (rollout.engine.type, rollout.engine.device, rollout.engine.dtype) == ("hf", "cuda", "bfloat16")
     assert rollout.engine.max_num_seqs >= coordinator.prompts_per_step * coordinator.group_size
     assert coordinator.sampling.max_new_tokens + 10 <= rollout.engine.max_model_len
-    assert (learner.weights_transport, learner.ds.dtype, learner.ds.compile) == ("ipc", "bf16", True)
+    assert (learner.weights_transport, learner.ds.dtype, learner.ds.compile) == ("ipc", "bf16", False)
     assert learner.checkpoint_every > learner.total_steps
     launcher = Launcher(str(RECIPE), [])
     assert launcher.cfg.up.cuda_devices("rollout", 0) == launcher.cfg.up.cuda_devices("learner", 0) == "0"
