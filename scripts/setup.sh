@@ -67,7 +67,8 @@ setup_cuda() {
       exit 1
     fi
   elif [ -n "$has_cuda_torch" ]; then
-    "$py" -m venv --system-site-packages .venv
+    # Without ensurepip (Debian's python3 lacking python3-venv) .venv uses the system's pip.
+    "$py" -m venv --system-site-packages .venv || "$py" -m venv --system-site-packages --clear --without-pip .venv
   else
     "$py" -m venv .venv
   fi
