@@ -8,8 +8,9 @@ bf16 parameters (28 layers, hidden 1536, intermediate 8960, 12 heads and 2 KV he
 device-side checksum. It sends the ``WeightsPublished`` message as the msgpack bytes the bus would
 carry. The engine process (this one) decodes it, fetches with
 ``streamrl.rollout.ipc_weights.IpcWeightReceiver`` (copy into staging + checksum verified) and
-copies the tensors into its own parameters (a dict of the model's 339 tensors, as an engine does),
-then waits for the GPU.
+copies them into its own parameters (339 tensors) the way the transformers engine does: the
+parameters live in flat buffers of the published layout (``FlatParameters``, set up at the first
+update), so loading is one copy per buffer; then it waits for the GPU.
 
 Per update (after ``--warmups`` updates; the first opens the handles), over ``--updates`` updates:
 
@@ -53,7 +54,7 @@ import torch  # noqa: E402
 from streamrl.common.codec import decode, encode  # noqa: E402
 from streamrl.common.messages import WeightsPublished  # noqa: E402
 from streamrl.learner.ipc_weights import IpcWeightPublisher  # noqa: E402
-from streamrl.rollout.ipc_weights import IpcWeightReceiver  # noqa: E402
+from streamrl.rollout.ipc_weights import FlatParameters, IpcWeightReceiver  # noqa: E402
 
 TARGET_MS = 10.0
 QWEN2_1_5B = {
@@ -137,7 +138,11 @@ def _measure(
     """The engine's side: ask for each version, fetch it, load it into the parameters. Returns the
     seconds per measured update ([update, publish, fetch, load]), bytes and buffers."""
     receiver = IpcWeightReceiver(torch.device("cuda", 0))
-    params = {name: torch.empty(sizes[name], device="cuda", dtype=torch.bfloat16) for name in names}
+    params = {
+        name: torch.nn.Parameter(torch.empty(sizes[name], device="cuda", dtype=torch.bfloat16), requires_grad=False)
+        for name in names
+    }
+    flat: FlatParameters | None = None
     timings: list[list[float]] = [[], [], [], []]
     for version in range(1, warmups + updates + 1):
         torch.cuda.synchronize()
@@ -146,9 +151,11 @@ def _measure(
         msg = decode(conn.recv_bytes(), WeightsPublished)
         published = time.perf_counter()
         assert msg.ipc is not None
-        fetched = receiver.fetch(msg.ipc, msg.version, msg.checksum)
+        receiver.fetch(msg.ipc, msg.version, msg.checksum)
         received = time.perf_counter()
-        torch._foreach_copy_([params[name] for name, _ in fetched], [t for _, t in fetched])
+        if flat is None:  # the engine moves its parameters into the layout once (as HFEngine does)
+            flat = FlatParameters(dict(params), list(params.values()), msg.ipc, receiver.staging)
+        flat.load(receiver.staging)
         torch.cuda.synchronize()
         done = time.perf_counter()
         publish_s = conn.recv()

@@ -129,6 +129,8 @@ class HFEngine:
         self._pad_id = int(pad if pad is not None else min(self._eos_ids, default=0))
         self._gen = torch.Generator(device=self._device).manual_seed(config.seed)
         self._targets = self._model.state_dict(keep_vars=True)
+        self._ipc: Any = None
+        self._flat: Any = None
         self._decoder = self._build_decoder()
         self._state: _SlotState | None = None
         if self._decoder is not None:
@@ -464,25 +466,34 @@ class HFEngine:
         start = time.perf_counter()
         try:
             if update.ipc is not None:
-                received = self._ipc_receiver().fetch(update.ipc, update.version, update.checksum)
+                self._load_ipc(update)
             else:
                 received = [
                     (t.name, to_torch(t))
                     for t in fetch_buckets(update.endpoint, update.version, update.checksum, update.timeout_s)
                 ]
-            self._load(update.version, received)
+                self._load(update.version, received)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the old weights stay
             update.future.set_exception(e)
             return
         self._version = update.version
         update.future.set_result(time.perf_counter() - start)
 
-    def _ipc_receiver(self) -> Any:
-        if not hasattr(self, "_ipc"):
-            from streamrl.rollout.ipc_weights import IpcWeightReceiver
+    def _load_ipc(self, update: WeightUpdate) -> None:
+        """Fetch + verify a version from the learner's CUDA IPC buffers, then copy it into the
+        parameters, which live in flat buffers of the same layout (moved there at the first update)."""
+        from streamrl.rollout.ipc_weights import FlatParameters, IpcWeightReceiver
 
+        if self._ipc is None:
             self._ipc = IpcWeightReceiver(self._device)
-        return self._ipc
+        self._ipc.fetch(update.ipc, update.version, update.checksum)
+        if self._flat is None or self._flat.layout != update.ipc.tensors:
+            parameters = list(self._model.parameters())
+            self._flat = FlatParameters(self._targets, parameters, update.ipc, self._ipc.staging)
+            if self._decoder is not None:
+                self._decoder.drop_graphs()  # they read the parameters' old storage
+        self._flat.load(self._ipc.staging)
+        torch.cuda.current_stream(self._device).synchronize()
 
     def _load(self, version: int, received: list[tuple[str, torch.Tensor]]) -> None:
         """Copy a whole verified version into the model's parameters (every parameter written)."""

@@ -111,7 +111,8 @@ class IpcWeightReceiver:
             self._named_views = [(t.name, view) for t, view in zip(ipc.tensors, views, strict=True)]
             self._layout = ipc.tensors
         with torch.cuda.device(self.device):
-            torch._foreach_copy_(self._staging, sources)
+            for staging, source in zip(self._staging, sources, strict=True):
+                staging.copy_(source)  # one device-to-device memcpy per buffer (a foreach copy of bytes is slower)
             staged = weights_checksum(self._staging, version, ipc.block_bytes)  # waits for the copies
         if staged != checksum:
             raise WeightSyncError(
@@ -119,6 +120,11 @@ class IpcWeightReceiver:
                 "buffers changed during the copy, or were corrupted); nothing applied"
             )
         return list(self._named_views)
+
+    @property
+    def staging(self) -> list[torch.Tensor]:
+        """The staging buffers (flat uint8) holding the last fetched version."""
+        return self._staging
 
     def _open(self, buffer: IpcBuffer) -> torch.Tensor:
         key = (buffer.handle, buffer.storage_offset_bytes)
@@ -135,3 +141,46 @@ class IpcWeightReceiver:
             opened = self._opened[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
             logger.info("opened a CUDA IPC weight buffer of %d bytes", buffer.storage_size_bytes)
         return opened
+
+
+class FlatParameters:
+    """A model's parameters moved into flat buffers laid out like the learner's IPC buffers, so that
+    loading a fetched version is one device-to-device copy per buffer instead of one per tensor.
+
+    Built once per layout: every parameter's data becomes a view of the flat buffers at the offset
+    its name has in the layout (its current values copied there first). A parameter that appears
+    under two names (tied embeddings) lives at the first; the second name's slot is loaded too and
+    left unread. Every parameter must be in the layout with its shape and dtype, and every name in
+    the layout must be a parameter or buffer of the model (else :class:`WeightSyncError`). Kernels
+    captured before (CUDA graphs) read the old storage: recapture them after building this.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], parameters: list[torch.nn.Parameter], ipc: IpcWeights,
+                 staging: Sequence[torch.Tensor]) -> None:  # fmt: skip
+        unknown = [t.name for t in ipc.tensors if t.name not in tensors]
+        if unknown:
+            raise WeightSyncError(f"the published weights name tensors the model does not have: {unknown[:5]}")
+        self.layout = ipc.tensors
+        self.buffers = [torch.empty_like(s) for s in staging]
+        homed: set[int] = set()
+        with torch.no_grad():
+            for t, view in zip(ipc.tensors, tensor_views(self.buffers, ipc.tensors), strict=True):
+                target = tensors[t.name]
+                if tuple(target.shape) != tuple(view.shape) or target.dtype != view.dtype:
+                    raise WeightSyncError(
+                        f"{t.name}: published {tuple(view.shape)} {view.dtype}, the model has "
+                        f"{tuple(target.shape)} {target.dtype}"
+                    )
+                view.copy_(target)
+                if id(target) not in homed:
+                    target.data = view
+                    homed.add(id(target))
+        missing = [i for i, p in enumerate(parameters) if id(p) not in homed]
+        if missing:
+            raise WeightSyncError(f"the published weights lack {len(missing)} of the model's parameters")
+
+    def load(self, staging: Sequence[torch.Tensor]) -> None:
+        """Copy a verified version from the receiver's staging buffers into the parameters."""
+        with torch.no_grad():
+            for buffer, source in zip(self.buffers, staging, strict=True):
+                buffer.copy_(source)

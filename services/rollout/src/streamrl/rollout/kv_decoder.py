@@ -115,9 +115,13 @@ class KVDecoder:
             new[: self.slots, : self.capacity] = old
         self._k, self._v = k, v
         self.slots, self.capacity = new_slots, new_len
-        self._graphs.clear()  # they captured the old cache's addresses
-        self._pool = None  # a pool whose graphs are all gone cannot take a new capture
+        self.drop_graphs()  # they captured the old cache's addresses
         logger.info("KV cache: %d slots x %d positions (%.2f GiB)", new_slots, new_len, self.cache_bytes / 2**30)
+
+    def drop_graphs(self) -> None:
+        """Forget the captured decode steps (after the cache or the parameters moved in memory)."""
+        self._graphs.clear()
+        self._pool = None  # a pool whose graphs are all gone cannot take a new capture
 
     @property
     def cache_bytes(self) -> int:
