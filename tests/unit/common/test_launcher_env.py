@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from streamrl.common.errors import ConfigError
 from streamrl.common.launcher import UpConfig, child_env
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_threads_cap_one_service_and_leave_the_others_inherited() -> None:
@@ -52,3 +56,13 @@ def test_a_gpu_list_must_have_one_entry_per_replica() -> None:
 def test_gpus_of_an_unknown_service_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"up\.gpus\.rolout: unknown service"):
         UpConfig.model_validate({"gpus": {"rolout": "0"}})
+
+
+def test_up_without_a_redis_server_says_so_and_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamrl.common.launcher import main
+
+    monkeypatch.setenv("STREAMRL_REDIS_SERVER", str(tmp_path / "missing-redis-server"))
+    assert main([str(ROOT / "recipes" / "demo.toml"), f"--run_dir={tmp_path / 'run'}"]) == 2
+    assert "STREAMRL_REDIS_SERVER" in capsys.readouterr().err

