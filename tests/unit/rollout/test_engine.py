@@ -299,9 +299,7 @@ def test_hf_engine_refills_free_slots_and_stays_exact(model_dirs: tuple[Path, Pa
             torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
 
 
-def test_hf_engine_runs_other_architectures_on_their_own_forward(
-    model_dirs: tuple[Path, Path], tmp_path: Path
-) -> None:
+def test_hf_engine_runs_other_architectures_on_their_own_forward(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])

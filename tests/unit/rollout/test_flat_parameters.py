@@ -14,7 +14,9 @@ from streamrl.rollout.ipc_weights import FlatParameters, tensor_views
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 50, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 50, bias=False)
+    )
     model[2].weight = model[0].weight  # tied head
     return model
 
@@ -56,5 +58,5 @@ def test_a_layout_that_does_not_fit_the_model_is_refused() -> None:
         FlatParameters(state, list(model.parameters()), ipc, staging)
     ipc, staging = _ipc([(k, v.T.contiguous() if k == "1.weight" else v) for k, v in named if k != "1.weight"] +
                         [("1.weight", torch.zeros(16, 8))])  # fmt: skip
-    with pytest.raises(WeightSyncError, match="1.weight"):
+    with pytest.raises(WeightSyncError, match=r"1\.weight"):
         FlatParameters(state, list(model.parameters()), ipc, staging)

@@ -31,7 +31,7 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,12 @@ class KVDecoder:
             raise ValueError(reason)
         self.model = model
         inner = model.model
-        self._embed, self._layers, self._norm, self._rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
+        self._embed, self._layers, self._norm, self._rotary = (
+            inner.embed_tokens,
+            inner.layers,
+            inner.norm,
+            inner.rotary_emb,
+        )
         attn = self._layers[0].self_attn
         config = model.config
         self.head_dim = int(attn.head_dim)
@@ -167,7 +172,7 @@ class KVDecoder:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+            out = functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
@@ -191,7 +196,7 @@ class KVDecoder:
             q = q.view(batch, self.num_kv_heads, groups, self.head_dim)
             keys = self._k[i][:batch, :length].transpose(1, 2)
             values = self._v[i][:batch, :length].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+            out = functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
             h = h + attn.o_proj(out.reshape(batch, 1, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(self._norm(h[:, 0]))

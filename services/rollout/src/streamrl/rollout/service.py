@@ -129,10 +129,20 @@ class RolloutService:
                 if newest is not None:
                     try:
                         await self._apply(newest)
-                    except WeightSyncError as e:  # loud, and retried with the next event or poll
-                        logger.error("weight sync to version %d failed: %s", newest.version, e)
+                    except WeightSyncError as e:
+                        latest = await self._latest_published()
+                        if latest > newest.version:  # superseded while it waited: the next read takes the newer one
+                            logger.warning("weight sync to version %d failed (%s); version %d is published: "
+                                           "taking that", newest.version, e, latest)  # fmt: skip
+                            continue
+                        logger.error("weight sync to version %d failed: %s", newest.version, e)  # retried
                         cursor = "0-0" if cursor == "0-0" else _previous(cursor)
                         await asyncio.sleep(1.0)
+
+    async def _latest_published(self) -> int:
+        """Version of the newest WeightsPublished on the stream (-1 = none)."""
+        last = await self.redis.xrevrange(self.ctx.names.weights, count=1)
+        return decode(last[0][1][b"d"], WeightsPublished).version if last else -1
 
     async def _apply(self, msg: WeightsPublished) -> None:
         async with self.update_lock:

@@ -1,0 +1,81 @@
+"""The rollout worker's weight follower: a version superseded while it waited is skipped at once
+for the newer one (no retry pause, no ERROR), and a version that fails for another reason is retried."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from streamrl.common.aio import cancel_and_wait
+from streamrl.common.bus import Bus, connect
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.lifecycle import ServiceContext
+from streamrl.common.messages import WeightsPublished
+from streamrl.common.streams import StreamNames
+from streamrl.rollout.config import RolloutConfig
+from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.service import RolloutService
+
+
+def _weights(version: int) -> WeightsPublished:
+    return WeightsPublished(version=version, step=version, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
+                            endpoint="tcp://learner:1")  # fmt: skip
+
+
+class _Engine:
+    """Fails version 1 after the learner published version 2 (as a ZMQ server that moved on does);
+    fails version 3 once for no such reason."""
+
+    def __init__(self, bus: Bus, names: StreamNames) -> None:
+        self.version = 0
+        self.bus, self.names = bus, names
+        self.failed_3 = False
+
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+    ) -> None:
+        if version == 1:
+            await self.bus.publish(self.names.weights, _weights(2))
+            raise WeightSyncError("version 1 is not served (current version: 2)")
+        if version == 3 and not self.failed_3:
+            self.failed_3 = True
+            raise WeightSyncError("missed its deadline")
+        self.version = version
+
+
+def test_superseded_versions_are_skipped_and_failures_retried(
+    redis_url: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> tuple[float, float]:
+        redis = connect(redis_url)
+        bus, names = Bus(redis), StreamNames(run_id)
+        config = RolloutConfig(engine=EngineConfig(model="unused"))
+        ctx = ServiceContext("rollout", "rollout-0", config, bus, names, asyncio.Event())  # type: ignore[arg-type]
+        engine = _Engine(bus, names)
+        service = RolloutService(config, ctx, engine)  # type: ignore[arg-type]
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            started = time.monotonic()
+            await bus.publish(names.weights, _weights(1))
+            while engine.version < 2:
+                await asyncio.sleep(0.01)
+            skipped = time.monotonic() - started
+            started = time.monotonic()
+            await bus.publish(names.weights, _weights(3))
+            while engine.version < 3:
+                await asyncio.sleep(0.01)
+            retried = time.monotonic() - started
+        finally:
+            await cancel_and_wait([tail])
+            await redis.aclose()
+        return skipped, retried
+
+    with caplog.at_level(logging.WARNING, logger="streamrl.rollout.service"):
+        skipped, retried = asyncio.run(asyncio.wait_for(scenario(), timeout=20))
+    assert skipped < 0.8, f"a superseded version held the follower for {skipped:.2f} s"
+    assert retried >= 0.9, "another failure is retried after a pause"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["weight sync to version 3 failed: missed its deadline"], errors
