@@ -102,6 +102,7 @@ def _train_two_steps_logits(engine: ModelEngine) -> None:
         mask = torch.ones_like(ids)
         mask[1, 7:] = 0
         logits = engine(input_ids=ids, attention_mask=mask).logits
+        ids, mask = ids.to(logits.device), mask.to(logits.device)  # the engine's device (a GPU when there is one)
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         engine.backward(-(logp * mask[:, 1:]).sum() / mask[:, 1:].sum())
         engine.step()
