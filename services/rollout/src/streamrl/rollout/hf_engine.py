@@ -293,10 +293,18 @@ class HFEngine:
         logits = self._decoder.prefill([list(p) for p in distinct], slots, source)
         self._state.admit(slots, new)
         live.extend(new)
-        self._sample(logits, live, first=len(live) - len(new))
+        first = len(live) - len(new)
+        self._sample(logits, live, first, {s: r.generator for s, r in enumerate(new) if r.generator is not None})
+        for row in new:
+            row.steps = 1
 
-    def _sample(self, logits: torch.Tensor, live: list[_Row], first: int = 0) -> None:
-        """Sample the next token of slots ``first..len(live)-1`` from their ``logits`` and record it."""
+    def _sample(
+        self, logits: torch.Tensor, live: list[_Row], first: int, generators: dict[int, torch.Generator]
+    ) -> None:
+        """Sample the next token of slots ``first..len(live)-1`` from their ``logits`` and record it.
+
+        ``generators``: the own generators of seeded rows, by position counted from ``first``.
+        """
         assert self._state is not None
         state, n = self._state, len(live)
         rows = slice(first, n)
@@ -305,24 +313,25 @@ class HFEngine:
             logits[:, self._eos] = torch.where(early, float("-inf"), logits[:, self._eos])
         params = RowParams(state.temperature[rows], state.top_k[rows], state.top_p[rows], state.any_filtered)
         logp = row_logprobs(logits, params)
-        generators = {s - first: r.generator for s, r in enumerate(live) if s >= first and r.generator is not None}
         noise = exponential_noise(tuple(logp.shape), self._device, self._gen, generators)  # type: ignore[arg-type]
         ids, chosen = pick(logp, state.temperature[rows] <= 0, noise)
         state.record(first, n, ids, chosen, self._eos)
-        for row in live[first:]:
-            row.steps = min(row.steps + 1, row.max_new)
 
     def _decode(self, live: list[_Row]) -> None:
-        """Decode up to ``SYNC_EVERY`` steps, then hand back finished rows and compact the slots."""
+        """Decode up to ``SYNC_EVERY`` steps, then hand back finished rows and compact the slots.
+
+        The live rows are fixed for these steps, so the host bookkeeping is done once: the steps
+        until every row reached its length, and the highest position fed at each step.
+        """
         assert self._decoder is not None and self._state is not None
-        state = self._state
-        for _ in range(SYNC_EVERY):
-            if all(r.steps >= r.max_new for r in live):
-                break
-            n = len(live)
-            top = max(len(r.prompt) + r.steps - 1 for r in live)
-            logits = self._decoder.decode(state.cur_ids[:n], state.pos[:n], top)
-            self._sample(logits, live)
+        state, n = self._state, len(live)
+        steps = min(SYNC_EVERY, max(r.max_new - r.steps for r in live))
+        top = max(len(r.prompt) + r.steps - 1 for r in live)  # position of the newest token
+        cap = max(len(r.prompt) + r.max_new - 1 for r in live)
+        generators = {s: r.generator for s, r in enumerate(live) if r.generator is not None}
+        for k in range(steps):
+            logits = self._decoder.decode(state.cur_ids[:n], state.pos[:n], min(top + k, cap))
+            self._sample(logits, live, 0, generators)
         self._collect(live)
 
     def _collect(self, live: list[_Row]) -> None:
