@@ -79,3 +79,68 @@ def test_superseded_versions_are_skipped_and_failures_retried(
     assert retried >= 0.9, "another failure is retried after a pause"
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == ["weight sync to version 3 failed: missed its deadline"], errors
+
+
+class _Recorder:
+    """Takes every version; version 5 makes it fail with an error that is not a weight-sync one."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+    ) -> None:
+        if version == 5:
+            raise RuntimeError("engine crashed while loading")
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def _service(redis_url: str, run_id: str, engine: object) -> tuple[RolloutService, Bus, StreamNames]:
+    bus, names = Bus(connect(redis_url)), StreamNames(run_id)
+    config = RolloutConfig(engine=EngineConfig(model="unused"))
+    ctx = ServiceContext("rollout", "rollout-0", config, bus, names, asyncio.Event())  # type: ignore[arg-type]
+    return RolloutService(config, ctx, engine), bus, names  # type: ignore[arg-type]
+
+
+def test_an_undecodable_weights_entry_is_skipped_with_a_reason(
+    redis_url: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> int:
+        engine = _Recorder()
+        service, bus, names = _service(redis_url, run_id, engine)
+        await bus.redis.xadd(names.weights, {"d": b"\x93not msgpack of a message"})
+        assert await service._load_latest_weights() != "0-0"  # late joiner: the bad newest entry is passed over
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            await bus.redis.xadd(names.weights, {"d": b"garbage"})
+            await bus.publish(names.weights, _weights(1))
+            while engine.version < 1 and not tail.done():
+                await asyncio.sleep(0.01)
+        finally:
+            await cancel_and_wait([tail])
+            await bus.redis.aclose()
+        return engine.version
+
+    with caplog.at_level(logging.ERROR, logger="streamrl.rollout.service"):
+        assert asyncio.run(asyncio.wait_for(scenario(), timeout=20)) == 1
+    assert any("skipping weights entry" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dead_weight_follower_stops_the_worker(redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ServiceContext, "mark_running", lambda self: None)  # no gc.freeze in the test process
+
+    async def scenario() -> None:
+        service, bus, names = _service(redis_url, run_id, _Recorder())
+        run = asyncio.create_task(service.run())
+        try:
+            await asyncio.sleep(0.3)
+            await bus.publish(names.weights, _weights(5))
+            await asyncio.wait_for(run, timeout=15)
+        finally:
+            await bus.redis.aclose()
+
+    with pytest.raises(RuntimeError, match="the weight follower died"):
+        asyncio.run(scenario())

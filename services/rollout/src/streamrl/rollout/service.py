@@ -23,7 +23,7 @@ from streamrl.common.aio import cancel_and_wait, timeout
 from streamrl.common.bus import Output
 from streamrl.common.codec import decode
 from streamrl.common.consumer import ConsumerLoop
-from streamrl.common.errors import RetryableError, WeightSyncError
+from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyncError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
 from streamrl.rollout.config import RolloutConfig
@@ -54,8 +54,11 @@ class RolloutService:
         self.ctx.loops.append(loop)
         self.ctx.mark_running()
         tail = asyncio.create_task(self._tail_weights(cursor))
+        tail.add_done_callback(self._on_follower_end)
         try:
             await loop.run(self.ctx.stop, burst=self.ctx.burst)
+            if tail.done() and not tail.cancelled() and tail.exception() is not None:
+                raise RuntimeError(f"the weight follower died: {tail.exception()!r}") from tail.exception()
         finally:
             await cancel_and_wait([tail])
             await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
@@ -110,13 +113,24 @@ class RolloutService:
 
     async def _load_latest_weights(self) -> str:
         """Load the newest published weights (late joiners); returns the stream cursor after it."""
-        last = await self.redis.xrevrange(self.ctx.names.weights, count=1)
-        if not last:
-            self._report(self.engine.version)
-            return "0-0"
-        entry_id, fields = last[0]
-        await self._apply(decode(fields[b"d"], WeightsPublished))
-        return entry_id.decode()
+        last = await self.redis.xrevrange(self.ctx.names.weights, count=16)
+        for entry_id, fields in last:
+            try:
+                msg = decode(fields.get(b"d", b""), WeightsPublished)
+            except PoisonMessageError as e:
+                logger.error("skipping weights entry %s: %s", entry_id.decode(), e)
+                continue
+            await self._apply(msg)
+            return str(last[0][0].decode())
+        self._report(self.engine.version)
+        return str(last[0][0].decode()) if last else "0-0"
+
+    def _on_follower_end(self, tail: asyncio.Task[None]) -> None:
+        """The weight follower never ends on its own: if it died, stop the worker (it must not serve
+        stale weights with a healthy heartbeat); ``run`` then raises, so the process exits non-zero."""
+        if not tail.cancelled() and tail.exception() is not None:
+            logger.error("the weight follower died (%r): stopping this rollout worker", tail.exception())
+            self.ctx.stop.set()
 
     async def _tail_weights(self, cursor: str) -> None:
         while True:
@@ -125,7 +139,10 @@ class RolloutService:
                 newest = None
                 for entry_id, fields in entries:
                     cursor = entry_id.decode()
-                    newest = decode(fields[b"d"], WeightsPublished)
+                    try:
+                        newest = decode(fields.get(b"d", b""), WeightsPublished)
+                    except PoisonMessageError as e:  # one bad entry must not stop the follower
+                        logger.error("skipping weights entry %s: %s", cursor, e)
                 if newest is not None:
                     try:
                         await self._apply(newest)
@@ -141,8 +158,12 @@ class RolloutService:
 
     async def _latest_published(self) -> int:
         """Version of the newest WeightsPublished on the stream (-1 = none)."""
-        last = await self.redis.xrevrange(self.ctx.names.weights, count=1)
-        return decode(last[0][1][b"d"], WeightsPublished).version if last else -1
+        for _, fields in await self.redis.xrevrange(self.ctx.names.weights, count=16):
+            try:
+                return decode(fields.get(b"d", b""), WeightsPublished).version
+            except PoisonMessageError:
+                continue
+        return -1
 
     async def _apply(self, msg: WeightsPublished) -> None:
         async with self.update_lock:
