@@ -96,3 +96,42 @@ def test_every_service_recipe_parses(recipe: Path) -> None:
                          (RewardServiceConfig, "reward")):  # fmt: skip
         load_config(cls, recipe, section=section)
     UpConfig.model_validate(data.get("up", {}))
+
+
+SCORERS = {
+    "reward": {
+        "scorers": [
+            {"type": "http", "name": "rm", "urls": ["http://rm:5000/get_reward"]},
+            {"type": "function", "name": "fmt", "path": "f.py"},
+        ]
+    }
+}
+
+
+def test_numeric_segment_indexes_a_list_from_cli_and_env() -> None:
+    data = apply_overrides(
+        SCORERS, ["--reward.scorers.1.weight=0.5"], env={"STREAMRL_REWARD__SCORERS__0__TOKEN_ENV": "T"}
+    )
+    assert data["reward"]["scorers"][0]["token_env"] == "T"
+    assert data["reward"]["scorers"][1]["weight"] == 0.5
+    assert SCORERS["reward"]["scorers"][0].get("token_env") is None  # the input is not modified
+    # a whole item can be replaced; on a dict a numeric segment stays a key
+    item = '{"type": "function", "name": "g", "path": "g.py"}'
+    data = apply_overrides({**SCORERS, "a": {}}, [f"--reward.scorers.1={item}", "--a.0=x"], env={})
+    assert data["reward"]["scorers"][1]["name"] == "g" and data["a"] == {"0": "x"}
+
+
+@pytest.mark.parametrize("override", ["--reward.scorers.2.weight=1", "--reward.scorers.2=1"])
+def test_index_past_the_end_of_a_list_is_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match=r"reward\.scorers\.2.*2 items"):
+        apply_overrides(SCORERS, [override], env={})
+    with pytest.raises(ConfigError, match=r"reward\.scorers\.name.*list"):
+        apply_overrides(SCORERS, ["--reward.scorers.name=x"], env={})
+
+
+def test_scorer_item_override_validates(tmp_path: Path) -> None:
+    from streamrl.reward.config import HttpScorerConfig, RewardConfig
+
+    recipe = write(tmp_path, '[[reward.scorers]]\ntype = "http"\nname = "rm"\nurls = ["http://rm:5000/get_reward"]\n')
+    cfg = load_config(RewardConfig, recipe, ["--reward.scorers.0.token_env=MY_TOKEN"], section="reward")
+    assert isinstance(cfg.scorers[0], HttpScorerConfig) and cfg.scorers[0].token_env == "MY_TOKEN"

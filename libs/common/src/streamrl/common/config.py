@@ -2,7 +2,8 @@
 
 A run is a recipe file (TOML or YAML) plus overrides. Sources, lowest to highest priority:
 defaults, the recipe, environment variables ``STREAMRL_<SECTION>__<FIELD>=value`` and command-line
-``--section.field=value``. Unknown keys and bad values fail at start with the field named.
+``--section.field=value``; a number indexes an existing list item (``--reward.scorers.0.token_env=NAME``).
+Unknown keys and bad values fail at start with the field named.
 """
 
 from __future__ import annotations
@@ -102,16 +103,33 @@ def _parse_value(raw: str) -> Any:
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in nested dicts; a digit segment under a list indexes an existing item."""
     keys = [k for k in dotted.split(".") if k]
     if not keys:
         raise ConfigError(f"empty override key: {dotted!r}")
-    node = data
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+    node: dict[str, Any] | list[Any] = data
+    for depth, key in enumerate(keys):
+        last = depth == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit():
+                raise ConfigError(f"override {dotted!r}: {'.'.join(keys[:depth])!r} is a list; index it by number")
+            if int(key) >= len(node):
+                raise ConfigError(
+                    f"override {dotted!r}: index {key} is past the end of {'.'.join(keys[:depth])!r} "
+                    f"({len(node)} items)"
+                )
+            if last:
+                node[int(key)] = value
+                return
+            child = node[int(key)]
+        elif last:
+            node[key] = value
+            return
+        else:
+            child = node.setdefault(key, {})
+        if not isinstance(child, (dict, list)):
+            raise ConfigError(f"override {dotted!r}: {'.'.join(keys[: depth + 1])!r} is not a section")
         node = child
-    node[keys[-1]] = value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
