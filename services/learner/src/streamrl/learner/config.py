@@ -28,6 +28,9 @@ class LearnerConfig(ServiceConfig):
     checkpoint_every: int = Field(5, ge=1)
     """Save a resumable checkpoint every N steps (and at the end). Batches are acknowledged only once
     a checkpoint covers them, so a killed learner replays exactly the batches it lost."""
+    checkpoint_keep_last: int = Field(2, ge=1)
+    """Resumable checkpoints kept in ``{run_dir}/checkpoints`` (and its ``critic`` folder): the newest N
+    by step; older ones are deleted after each save, never the one ``latest`` names."""
     export_every: int | None = Field(None, ge=1)
     """Also export a Hugging Face snapshot every N steps to ``{run_dir}/exports/step-{k}`` (None = only the final one)."""
     export_dir: str | None = None

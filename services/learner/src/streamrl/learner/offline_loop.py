@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from streamrl.learner.checkpoint_retention import prune_checkpoints
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine, init_distributed
 from streamrl.learner.metric_sinks import MetricSink, build_sink
@@ -155,14 +155,9 @@ class _Run:
             self.result.best = self.best
 
     def save(self) -> None:
-        tag = self.engine.save_checkpoint(self.ckpt_dir, self.client_state())
+        self.engine.save_checkpoint(self.ckpt_dir, self.client_state())
         if self.engine.rank == 0:
-            tags = sorted(
-                (p for p in self.ckpt_dir.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1])
-            )
-            for old in tags[: -self.cfg.keep_last]:
-                if old.name != tag:
-                    shutil.rmtree(old, ignore_errors=True)
+            prune_checkpoints(self.ckpt_dir, self.cfg.keep_last)
 
     def eval_and_track(self, items: Sequence[Any], micro_batch: int) -> dict[str, float]:
         step = self.engine.global_steps

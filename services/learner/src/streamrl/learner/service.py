@@ -24,6 +24,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.learner.checkpoint_retention import prune_checkpoints
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.ipc_weights import IpcWeightPublisher
 from streamrl.learner.trainer import RLTrainer
@@ -131,6 +132,10 @@ class LearnerService:
         self.trainer.policy.save_checkpoint(self.ckpt_dir, {"step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value})
         if self.trainer.critic is not None:
             self.trainer.critic.save_checkpoint(self.ckpt_dir / "critic", {"step": self.step})
+        if self.trainer.policy.rank == 0:  # both checkpoints and their ``latest`` are written by now
+            prune_checkpoints(self.ckpt_dir, self.cfg.checkpoint_keep_last)
+            if self.trainer.critic is not None:
+                prune_checkpoints(self.ckpt_dir / "critic", self.cfg.checkpoint_keep_last)
         self.checkpointed_step = self.step
         self.checkpointed_index = self.next_index
 
