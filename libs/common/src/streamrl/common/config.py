@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streamrl.common.errors import ConfigError
+from streamrl.common.redact import redact
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -177,8 +178,8 @@ def load_config(
 
 
 def save_resolved(config: BaseModel, run_dir: str | Path, name: str) -> Path:
-    """Write the resolved config as JSON into the run directory and return the path."""
+    """Write the resolved config as JSON into the run directory, secrets masked, and return the path."""
     path = Path(run_dir) / f"config.{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config.model_dump_json(indent=2))
+    path.write_text(json.dumps(redact(config.model_dump(mode="json")), indent=2))
     return path

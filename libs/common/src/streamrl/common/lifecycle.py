@@ -31,6 +31,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import ConfigError
 from streamrl.common.health import check, default_instance, heartbeat_forever
 from streamrl.common.log import setup_logging
+from streamrl.common.redact import redact
 from streamrl.common.streams import StreamNames
 
 logger = logging.getLogger(__name__)
@@ -135,9 +136,10 @@ def service_main(
             return 2
         return check(config.redis.url, StreamNames(config.run_id), service, args.instance)
     setup_logging(service, instance)
-    logger.info("%s config: %s", service, json.dumps(config.model_dump(mode="json"), sort_keys=True))
+    shown = redact(config.model_dump(mode="json"))
+    logger.info("%s config: %s", service, json.dumps(shown, sort_keys=True))
     if args.dry_run:
-        print(config.model_dump_json(indent=2))
+        print(json.dumps(shown, indent=2))
         return 0
     if not config.redis.url:
         print(f"streamrl {service}: redis.url is not set (use `streamrl up` for an embedded redis)", file=sys.stderr)

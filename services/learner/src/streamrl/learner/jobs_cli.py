@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from streamrl.common.config import load_config, save_resolved
 from streamrl.common.errors import ConfigError
+from streamrl.common.redact import redact
 from streamrl.learner.offline_config import DPOConfig, RMConfig, SFTConfig
 
 C = TypeVar("C", SFTConfig, RMConfig, DPOConfig)
@@ -47,7 +48,7 @@ def _main(argv: list[str], cls: type[C], job: str, runner: str) -> int:
         print(f"streamrl {job}: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        print(json.dumps(redact(cfg.model_dump(mode="json")), indent=2))
         save_resolved(cfg, cfg.train.run_dir, job)
     module, _, func = runner.partition(":")
     run: Callable[[C], Any] = getattr(importlib.import_module(module), func)

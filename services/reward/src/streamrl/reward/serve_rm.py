@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from streamrl.common.config import apply_overrides, validate
 from streamrl.common.errors import ConfigError
+from streamrl.common.redact import redact
 from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.config import ServeRmConfig
 from streamrl.reward.scorers.model import LocalRewardModel, reward_to_score
@@ -156,7 +158,7 @@ def serve_rm_main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    logger.info("serve-rm config: %s", config.model_dump_json())
+    logger.info("serve-rm config: %s", json.dumps(redact(config.model_dump(mode="json"))))
     asyncio.run(serve(config, token))
     return 0
 
