@@ -167,9 +167,10 @@ class Launcher:
     def _spawn(self, service: str, replica: int) -> None:
         instance = f"{service}-{replica}"
         cmd = [sys.executable, "-m", "streamrl.common.cli", service, self.recipe, *self.overrides]
-        cmd += [f"--redis.url={self.redis_url}", f"--instance={instance}"]
+        cmd += [f"--instance={instance}"]
         gpus = self.cfg.up.cuda_devices(service, replica)
         env = child_env(os.environ, instance, self.cfg.up.threads.get(service), gpus)
+        env["STREAMRL_REDIS__URL"] = self.redis_url or ""  # not on the command line: `ps` would show a password
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )
