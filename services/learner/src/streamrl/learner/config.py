@@ -23,6 +23,11 @@ class LearnerConfig(ServiceConfig):
     ds: DeepSpeedConfig = DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant")
     """DeepSpeed engine of the policy (and of the critic). ``ds.grad_accum`` = micro-batches per step."""
     algo: AlgoConfig = AlgoConfig()
+    ranks: int = Field(1, ge=1)
+    """Data-parallel ranks of the learner group, started by ``streamrl learner`` itself on this host
+    (one process per rank; on GPUs rank k uses the k-th visible device). Each step's groups are
+    split across the ranks balanced by tokens; rank 0 alone consumes batches and publishes weights.
+    Under ``torchrun`` / ``deepspeed`` (``RANK`` set) the launcher's ranks are used instead."""
     total_steps: int = Field(20, ge=1)
     """Training steps of the run (top-level recipe key, shared with the coordinator)."""
     checkpoint_every: int = Field(5, ge=1)

@@ -123,3 +123,30 @@ def update_plan(
             picked = rows[torch.isin(group_index, torch.from_numpy(groups))].tolist()
             plan.append([[picked[i] for i in chunk] for chunk in micro_batches(len(picked), grad_accum)])
     return plan
+
+
+def rank_share(rows: list[int], group_index: torch.Tensor, lengths: torch.Tensor, world: int, rank: int) -> list[int]:
+    """The rows of ``rows`` that data-parallel rank ``rank`` of ``world`` trains on, in their original order.
+
+    Whole groups are dealt out balanced by tokens (``lengths[row]``, e.g. prompt + response): the
+    largest group first, each to the rank with the fewest tokens so far (ties: the lowest rank).
+    With fewer groups than ranks the rows themselves are dealt out the same way. Every rank computes
+    the same split; the shares are disjoint and cover ``rows``; a share may be empty.
+
+    Example: groups of 30, 10, 10, 10 tokens on 2 ranks -> rank 0 the first group, rank 1 the other three.
+    """
+    if world == 1:
+        return list(rows)
+    units: dict[int, list[int]] = {}
+    for r in rows:
+        units.setdefault(int(group_index[r]), []).append(r)
+    parts = list(units.values()) if len(units) >= world else [[r] for r in rows]
+    tokens = [int(lengths[part].sum()) for part in parts]
+    load = [0] * world
+    mine: list[int] = []
+    for i in sorted(range(len(parts)), key=lambda i: (-tokens[i], parts[i][0])):
+        owner = min(range(world), key=lambda k: (load[k], k))
+        load[owner] += tokens[i]
+        if owner == rank:
+            mine.extend(parts[i])
+    return sorted(mine)

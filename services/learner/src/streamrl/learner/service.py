@@ -10,6 +10,9 @@
   skipped by index, so none is trained on twice.
 * At start the learner serves its current version (0, or the checkpoint's) so rollout workers know
   where to fetch weights; after the last step it exports the policy in Hugging Face format.
+* A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
+  only; what every rank must do together (a step, gathering the weights, a checkpoint, an export)
+  goes through :class:`~streamrl.learner.group.LearnerGroup`, whose other ranks follow rank 0.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch, WeightsPublished
-from streamrl.learner.checkpoint_retention import prune_checkpoints
 from streamrl.learner.config import LearnerConfig
+from streamrl.learner.group import LearnerGroup
 from streamrl.learner.ipc_weights import IpcWeightPublisher
 from streamrl.learner.trainer import RLTrainer
 from streamrl.learner.weights import WeightServer
@@ -36,11 +39,11 @@ logger = logging.getLogger(__name__)
 class LearnerService:
     """See the module docstring."""
 
-    def __init__(self, config: LearnerConfig, ctx: ServiceContext, trainer: RLTrainer) -> None:
+    def __init__(self, config: LearnerConfig, ctx: ServiceContext, trainer: RLTrainer, group: LearnerGroup) -> None:
         self.cfg = config
         self.ctx = ctx
         self.trainer = trainer
-        self.ckpt_dir = Path(config.run_dir) / "checkpoints"
+        self.group = group
         self.step = 0
         self.next_index = 0
         """Index of the next batch to train (batches below it are replays)."""
@@ -59,11 +62,10 @@ class LearnerService:
         self.loop: ConsumerLoop[TrainingBatch] | None = None
 
     async def run(self) -> None:
-        state = await asyncio.to_thread(self.trainer.policy.load_checkpoint, self.ckpt_dir)
+        state = await asyncio.to_thread(self.group.resume)
         if state is not None:
             self.step = self.checkpointed_step = int(state["step"])
             self.next_index = self.checkpointed_index = int(state.get("next_index", self.step))
-            self.trainer.kl_ctl.value = float(state.get("kl_coef", self.trainer.kl_ctl.value))
             logger.info("resumed from checkpoint at step %d", self.step)
         await self.ctx.bus.publish(self.ctx.names.weights, await self._serve_weights(metrics={}))
         self.loop = ConsumerLoop(
@@ -80,6 +82,7 @@ class LearnerService:
         finally:
             if self.server is not None:
                 self.server.close()
+        await asyncio.to_thread(self.group.stop)  # not on an exception: the group then dies with this rank
 
     async def handle(self, batch: TrainingBatch) -> list[Output]:
         if batch.index < self.next_index:
@@ -90,7 +93,7 @@ class LearnerService:
                          batch.index - 1, batch.id)  # fmt: skip
         if not batch.samples:
             raise PoisonMessageError(f"{batch.id} has no samples")
-        metrics = await asyncio.to_thread(self.trainer.step, batch)
+        metrics = await asyncio.to_thread(self.group.step, batch)
         self.step += 1
         self.next_index = batch.index + 1
         staleness = batch.staleness or [0]
@@ -99,10 +102,10 @@ class LearnerService:
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.total_steps:
             await asyncio.to_thread(self._checkpoint)
         if self.cfg.export_every and self.step % self.cfg.export_every == 0:
-            await asyncio.to_thread(self.trainer.policy.export_hf, Path(self.cfg.run_dir) / "exports" / f"step-{self.step}")
+            await asyncio.to_thread(self.group.export, Path(self.cfg.run_dir) / "exports" / f"step-{self.step}")
         if self.step == self.cfg.total_steps:
             export = Path(self.cfg.export_dir or Path(self.cfg.run_dir) / "final")
-            await asyncio.to_thread(self.trainer.policy.export_hf, export)
+            await asyncio.to_thread(self.group.export, export)
             logger.info("exported the final policy to %s", export)
         logger.info(
             "step %d: %s", self.step,
@@ -112,7 +115,7 @@ class LearnerService:
 
     async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
         started = time.perf_counter()
-        params = self.trainer.policy.iter_full_params()
+        params = self.group.full_weights()
         ipc = None
         if self.ipc is not None:
             ipc, checksum = await asyncio.to_thread(self.ipc.publish, params, self.step)
@@ -129,13 +132,7 @@ class LearnerService:
         )  # fmt: skip
 
     def _checkpoint(self) -> None:
-        self.trainer.policy.save_checkpoint(self.ckpt_dir, {"step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value})
-        if self.trainer.critic is not None:
-            self.trainer.critic.save_checkpoint(self.ckpt_dir / "critic", {"step": self.step})
-        if self.trainer.policy.rank == 0:  # both checkpoints and their ``latest`` are written by now
-            prune_checkpoints(self.ckpt_dir, self.cfg.checkpoint_keep_last)
-            if self.trainer.critic is not None:
-                prune_checkpoints(self.ckpt_dir / "critic", self.cfg.checkpoint_keep_last)
+        self.group.checkpoint({"step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value})
         self.checkpointed_step = self.step
         self.checkpointed_index = self.next_index
 

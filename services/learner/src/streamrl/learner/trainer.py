@@ -19,6 +19,14 @@ the step, so when nothing else needs a separate pass the trainer uses ``logp.det
 and saves a forward pass. A no-grad pass over the batch is made first when there are several
 updates (later ones are clipped against the policy the batch started from), when the KL sits in
 the reward (advantages need ``k(old, ref)``) or when a critic is trained (advantages need values).
+
+Data parallel (a learner group of W ranks): every rank collates the whole batch and computes the
+same advantages; each update's rows are dealt out to the ranks balanced by tokens
+(:func:`rl_batch.rank_share`), and each rank splits its share into ``grad_accum`` micro-batches.
+The normaliser is the whole update's divided by W, so DeepSpeed's mean over ranks gives the
+gradient of the 1-rank loss. No-grad passes run on each rank's share and are summed over ranks;
+a rank with nothing to do in a micro-batch still runs one row with zero loss, so every rank joins
+every collective (ZeRO-3 gathers parameters inside each forward). Metrics are summed over ranks.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from streamrl.learner.engine import ModelEngine
 from streamrl.learner.logprobs import entropy as entropy_fn
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.prompt_sharing import shared_prompt_logits
-from streamrl.learner.rl_batch import RLBatch, collate, micro_batches, response_logits_index, update_plan
+from streamrl.learner.rl_batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +98,7 @@ class RLTrainer:
         )
         self.policy_algo = algo.model_copy(update={"critic": None})  # value loss is trained on the critic engine
         self.kl_ctl = KLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
+        self.world, self.rank = self.policy.world_size, self.policy.rank
 
     def _logprobs(self, engine: ModelEngine, mb: RLBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = response_logits(engine, mb, self.cfg.share_prompts)
@@ -99,19 +108,40 @@ class RLTrainer:
 
     @torch.no_grad()
     def _no_grad_pass(self, engine: ModelEngine, rl: RLBatch, chunks: list[list[int]], values: bool = False) -> torch.Tensor:
-        out = torch.zeros_like(rl.mask)
+        """Log-probs (or values) of this rank's rows ``chunks``, summed over the ranks into the whole batch's."""
+        out = torch.zeros_like(rl.mask, device=self.device)
         for rows in chunks:
-            if rows:
-                mb = rl.select(rows)
-                out[rows] = (response_values(engine, mb) if values else self._logprobs(engine, mb, False)[0]).cpu()
-        return out
+            if rows or self.world > 1:  # an empty chunk still joins ZeRO-3's gathers: one row, result dropped
+                mb = rl.select(rows or [0])
+                result = response_values(engine, mb) if values else self._logprobs(engine, mb, False)[0]
+                if rows:
+                    out[rows] = result.to(out.device)
+        if self.world > 1:
+            torch.distributed.all_reduce(out)
+        return out.cpu()
+
+    def _my_micro_batches(self, rl: RLBatch, rows: list[int]) -> list[list[int]]:
+        """This rank's share of ``rows`` (balanced by tokens across the group) in ``grad_accum`` micro-batches."""
+        share = rank_share(rows, rl.group_index, rl.attention_mask.sum(dim=1), self.world, self.rank)
+        return [[share[i] for i in chunk] for chunk in micro_batches(len(share), self.cfg.ds.grad_accum)]
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if self.world == 1:
+            return values
+        gathered: list[dict[str, float] | None] = [None] * self.world
+        torch.distributed.all_gather_object(gathered, values)
+        total: dict[str, float] = {}
+        for part in gathered:
+            for k, v in (part or {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         """Train on ``batch`` (``updates_per_batch`` optimizer steps); returns the step's metrics."""
         started = time.perf_counter()
         algo = self.cfg.algo
         rl = collate(batch, self.pad_id)
-        chunks = micro_batches(rl.size, self.cfg.ds.grad_accum)
+        chunks = self._my_micro_batches(rl, list(range(rl.size)))
         plan = update_plan(
             rl.group_index, mini_batches=self.cfg.mini_batches, epochs=self.cfg.ppo_epochs,
             grad_accum=self.cfg.ds.grad_accum, seed=zlib.crc32(batch.id.encode()),
@@ -134,23 +164,9 @@ class RLTrainer:
             algo, rewards=rewards, group_index=rl.group_index, mask=mask, kl=kl, values=old_values,
             kl_coef=self.kl_ctl.value,
         )  # fmt: skip
-        sums: dict[str, float] = {}
-        weighted: dict[str, float] = {}
-        num_tokens = 0.0
-        for update in plan:
-            normaliser = self._normaliser(mask, update)
-            for k, v in self._policy_update(rl, update, normaliser, old, ref, advantages, batch.id).items():
-                if k == "learner/tokens":
-                    num_tokens += v
-                elif k.startswith("learner/loss/"):
-                    sums[k] = sums.get(k, 0.0) + v / len(plan)  # the mean update's loss
-                else:
-                    weighted[k] = weighted.get(k, 0.0) + v
-        metrics = {**sums, **{k: v / max(num_tokens, 1.0) for k, v in weighted.items()}}
-        if self.critic is not None:
-            assert old_values is not None and returns is not None
-            values = [self._critic_step(rl, u, old_values, returns, self._normaliser(mask, u)) for u in plan]
-            metrics.update({k: sum(v[k] for v in values) / len(values) for k in values[0]})
+        metrics = self._train_updates(rl, plan, old, ref, advantages, old_values, returns, batch.id)
+        if old_values is not None:
+            metrics["learner/value_mean"] = float((old_values * mask).sum() / mask.sum())
         if kl is not None:
             current_kl = float(sequence_mean_kl(kl, mask).mean())
             metrics["learner/kl_coef"] = self.kl_ctl.value
@@ -161,10 +177,43 @@ class RLTrainer:
             "learner/advantage_mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
             "learner/reward_mean": float(rewards.mean()),
             "learner/samples": float(rl.size),
-            "learner/tokens": num_tokens / self.cfg.ppo_epochs,
             "learner/updates": float(len(plan)),
             "learner/step_s": time.perf_counter() - started,
         })  # fmt: skip
+        return metrics
+
+    def _train_updates(
+        self, rl: RLBatch, plan: list[list[list[int]]], old: torch.Tensor | None, ref: torch.Tensor | None,
+        advantages: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor | None, batch_id: str,
+    ) -> dict[str, float]:  # fmt: skip
+        """Every update of ``plan`` on this rank's share (policy, then critic); losses and metrics of the whole group."""
+        mask = rl.mask
+        sums: dict[str, float] = {}
+        weighted: dict[str, float] = {}
+        num_tokens = 0.0
+        mine = [self._my_micro_batches(rl, [r for chunk in update for r in chunk]) for update in plan]
+        for update, local in zip(plan, mine, strict=True):
+            normaliser = self._normaliser(mask, update)
+            for k, v in self._policy_update(rl, local, normaliser, old, ref, advantages, batch_id).items():
+                if k == "learner/tokens":
+                    num_tokens += v
+                elif k.startswith("learner/loss/"):
+                    sums[k] = sums.get(k, 0.0) + v / len(plan)  # the mean update's loss
+                else:
+                    weighted[k] = weighted.get(k, 0.0) + v
+        if self.critic is not None:
+            assert old_values is not None and returns is not None
+            for update, local in zip(plan, mine, strict=True):
+                value_loss_sum = self._critic_step(rl, local, old_values, returns, self._normaliser(mask, update))
+                sums["learner/loss/value"] = sums.get("learner/loss/value", 0.0) + value_loss_sum / len(plan)
+        # each rank's losses are over its rows with the whole update's normaliser / W: their sum / W
+        # is the 1-rank loss; token-weighted sums and token counts simply add up
+        totals = self._sum_over_ranks({**sums, **weighted, "learner/tokens": num_tokens})
+        num_tokens = totals.pop("learner/tokens")
+        metrics = {
+            k: v / self.world if k.startswith("learner/loss/") else v / max(num_tokens, 1.0) for k, v in totals.items()
+        }
+        metrics["learner/tokens"] = num_tokens / self.cfg.ppo_epochs
         return metrics
 
     def _normaliser(self, mask: torch.Tensor, update: list[list[int]]) -> float:
@@ -181,7 +230,7 @@ class RLTrainer:
         out: dict[str, float] = {"learner/tokens": 0.0}
         for rows in update:
             if not rows:
-                self._empty_micro_step(self.policy)
+                self._empty_micro_step(self.policy, rl)
                 continue
             mb = rl.select(rows)
             logp, ent = self._logprobs(self.policy, mb, with_entropy=algo.loss.entropy_coef > 0)
@@ -204,13 +253,14 @@ class RLTrainer:
 
     def _critic_step(
         self, rl: RLBatch, chunks: list[list[int]], old_values: torch.Tensor, returns: torch.Tensor, normaliser: float
-    ) -> dict[str, float]:
+    ) -> float:
+        """One critic optimizer step on this rank's micro-batches ``chunks``; returns the sum of their losses."""
         assert self.critic is not None and self.cfg.algo.critic is not None
         crit = self.cfg.algo.critic
         total = 0.0
         for rows in chunks:
             if not rows:
-                self._empty_micro_step(self.critic)
+                self._empty_micro_step(self.critic, rl, values=True)
                 continue
             mb = rl.select(rows)
             values = response_values(self.critic, mb)
@@ -222,11 +272,13 @@ class RLTrainer:
             self.critic.backward(loss * self.cfg.ds.grad_accum)
             self.critic.step()
             total += float(loss.detach())
-        return {"learner/loss/value": total, "learner/value_mean": float((old_values * rl.mask).sum() / rl.mask.sum())}
+        return total
 
-    @staticmethod
-    def _empty_micro_step(engine: ModelEngine) -> None:
-        """Keep DeepSpeed's accumulation count when a batch has fewer rows than micro-batches."""
-        zero = sum(p.sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
-        engine.backward(zero)
+    def _empty_micro_step(self, engine: ModelEngine, rl: RLBatch, values: bool = False) -> None:
+        """A micro-batch with no rows on this rank: one row's forward and backward with zero loss, so that
+        DeepSpeed's accumulation count and every collective of the group (gradient reduction, ZeRO-3
+        gathers) stay in step with the other ranks."""
+        mb = rl.select([0])
+        out = response_values(engine, mb) if values else self._logprobs(engine, mb, with_entropy=False)[0]
+        engine.backward(out.sum() * 0.0)
         engine.step()
