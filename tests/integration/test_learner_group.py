@@ -22,7 +22,14 @@ import torch
 from safetensors.torch import load_file
 
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import SamplingParams, ScoredTrajectory, Tensor, TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.messages import (
+    SamplingParams,
+    ScoredTrajectory,
+    Tensor,
+    TrainingBatch,
+    Trajectory,
+    WeightsPublished,
+)
 from streamrl.common.streams import StreamNames
 from streamrl.rollout.tiny_model import build_tiny_qwen2
 
