@@ -127,12 +127,16 @@ def run_to_end(
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, redis_url: str) -> tuple[list[WeightsPublished], dict[str, torch.Tensor]]:
+def one_rank(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, redis_url: str
+) -> tuple[list[WeightsPublished], dict[str, torch.Tensor]]:
     """The reference: the same batches on one rank."""
     return run_to_end(tmp_path_factory.mktemp("one"), model_dir, redis_url, "group-ref-1rank", ranks=1)
 
 
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
+def assert_same_weights(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]
+) -> None:
     """Equal up to float noise: every tensor within 0.1% of how far training moved it. (Adam turns
     rounding noise in near-zero gradients, e.g. of the key biases, into lr-sized noise in the update,
     so a fixed absolute tolerance would be either too tight there or too loose elsewhere.)"""
@@ -144,7 +148,9 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_two_ranks_train_like_one(one_rank, zero_stage: int, tmp_path: Path, model_dir: Path, redis_url: str, run_id: str) -> None:  # type: ignore[no-untyped-def]
+def test_two_ranks_train_like_one(
+    one_rank, zero_stage: int, tmp_path: Path, model_dir: Path, redis_url: str, run_id: str
+) -> None:  # type: ignore[no-untyped-def]
     ref_steps, ref_weights = one_rank
     steps, weights = run_to_end(tmp_path, model_dir, redis_url, run_id, ranks=2, zero_stage=zero_stage)
     assert [w.version for w in steps] == list(range(1, STEPS + 1))
@@ -179,3 +185,33 @@ def test_killed_group_resumes_exactly(one_rank, tmp_path: Path, model_dir: Path,
     assert client.xpending(names.batches, "learner")["pending"] == 0
     final = load_file(tmp_path / run_id / "final" / "model.safetensors")
     assert_same_weights(final, ref_weights, load_file(model_dir / "model.safetensors"))
+
+
+def test_a_replayed_old_batch_acknowledges_nothing_uncheckpointed(
+    tmp_path: Path, model_dir: Path, redis_url: str, run_id: str
+) -> None:
+    """A redelivered, already-trained batch is skipped and acknowledged alone: the batches trained
+    after the last checkpoint stay pending (acknowledging them would lose them to a crash)."""
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    feed(client, names, range(STEPS - 1))
+    proc = learner(recipe(tmp_path / "r.toml", model_dir, redis_url, run_id, ranks=1))
+    try:
+        deadline = time.monotonic() + 240
+        while not any(w.version == STEPS - 1 for w in trained(client, names)):  # checkpoint at 3; 4 and 5 not
+            assert proc.poll() is None and time.monotonic() < deadline, "the learner did not reach step 5"
+            time.sleep(0.2)
+        replay = client.xadd(names.batches, {"d": encode(training_batch(1))})
+        while client.xinfo_groups(names.batches)[0]["last-delivered-id"] != replay or any(
+            p["message_id"] == replay for p in client.xpending_range(names.batches, "learner", "-", "+", 10)
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "the replayed batch was not handled"
+            time.sleep(0.2)
+        pending = client.xpending_range(names.batches, "learner", "-", "+", 10)
+        indices = sorted(
+            decode(client.xrange(names.batches, p["message_id"], p["message_id"])[0][1][b"d"]).index for p in pending
+        )
+        assert indices == [3, 4]
+    finally:
+        proc.kill()
+        proc.communicate()

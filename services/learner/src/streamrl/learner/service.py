@@ -49,7 +49,8 @@ class LearnerService:
         """Index of the next batch to train (batches below it are replays)."""
         self.checkpointed_step = 0
         self.checkpointed_index = 0
-        self.unacked: list[str] = []
+        self.unacked: list[tuple[str, int]] = []
+        """(entry id, batch index) of entries handled but not yet acknowledged."""
         self.server: WeightServer | None = None
         self.ipc: IpcWeightPublisher | None = None
         if config.weights_transport == "ipc":
@@ -137,7 +138,10 @@ class LearnerService:
         self.checkpointed_index = self.next_index
 
     async def _on_committed(self, entry_id: str, batch: TrainingBatch) -> None:
-        self.unacked.append(entry_id)
-        if batch.index < self.checkpointed_index:  # every batch up to this one is in a checkpoint
-            await self.ctx.bus.redis.xack(self.ctx.names.batches, "learner", *self.unacked)
-            self.unacked.clear()
+        """Acknowledge exactly the handled entries a checkpoint covers (index below the checkpointed one);
+        the others stay pending, so a killed learner replays them after its last checkpoint."""
+        self.unacked.append((entry_id, batch.index))
+        covered = [entry for entry, index in self.unacked if index < self.checkpointed_index]
+        if covered:
+            await self.ctx.bus.redis.xack(self.ctx.names.batches, "learner", *covered)
+            self.unacked = [(entry, index) for entry, index in self.unacked if index >= self.checkpointed_index]
