@@ -18,6 +18,7 @@ import redis
 from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
 
 WORKER = Path(__file__).with_name("bus_worker.py")
@@ -43,7 +44,9 @@ def start_worker(redis_url: str, run_id: str, instance: str, *extra: str) -> sub
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # output to a file: an unread pipe fills up and blocks a chatty worker
     log = tempfile.NamedTemporaryFile(prefix=f"bus-worker-{instance}-", suffix=".log", delete=False)
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = Path(log.name)  # type: ignore[attr-defined]
+    return proc
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -248,3 +251,38 @@ def test_batched_commits_keep_their_own_outcome(redis_url: str, run_id: str) -> 
     assert isinstance(failed, redis.exceptions.ResponseError) and "WRONGTYPE" in str(failed)
     assert [decode(f[b"d"], Trajectory).id for _, f in client.xrange(names.scored)] == ["g0/0", "g1/0", "g3/0"]
     assert pending(client, names) == 0
+
+
+# A service rides out a Redis restart: redis-server SIGKILLed mid-run and back on the same port
+# 3 s later (AOF, fsync always). The worker neither exits nor loses or duplicates an entry; it says
+# so in one line when Redis goes and one when it is back.
+def test_worker_rides_out_a_redis_restart(tmp_path: Path, run_id: str) -> None:
+    server = RedisServer(tmp_path / "redis", appendfsync="always").start()
+    client = redis.Redis.from_url(server.url)
+    names = StreamNames(run_id)
+    worker = start_worker(server.url, run_id, "w", "--echo.delay_s=0.05", "--consumer.max_in_flight=4")
+    try:
+        for i in range(40):
+            client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+        wait_for(lambda: len(scored_ids(client, names)) >= 10, 30, "the first outputs")
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        time.sleep(3)
+        assert worker.poll() is None, "the worker exited when redis went away"
+        server.start()
+        client = redis.Redis.from_url(server.url)
+        for i in range(40, 60):
+            client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+        wait_for(lambda: len(scored_ids(client, names)) >= 60 and pending(client, names) == 0, 60, "every output")
+        ids = scored_ids(client, names)
+        assert sorted(ids) == sorted(f"g{i}/0" for i in range(60)), "lost or duplicated outputs"
+        assert worker.poll() is None
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+        server.stop()
+    text = worker.log_path.read_text()  # type: ignore[attr-defined]
+    assert worker.returncode == 0, text[-3000:]
+    assert text.count("redis unreachable") == 1 and text.count("redis is back") == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -14,16 +14,25 @@ the other commits of the call are not affected.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streamrl.common.codec import encode
 from streamrl.common.messages import Message
 
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 PAYLOAD_FIELD = b"d"
 """Field of a stream entry that holds the msgpack payload."""
 
@@ -86,9 +95,62 @@ MAX_COMMITS_PER_CALL = 256
 """Commits in one script call (the server runs a call without interruption)."""
 
 
-def connect(url: str) -> aioredis.Redis:
-    """An asyncio Redis client for ``url`` (``redis://`` or ``rediss://`` for TLS; password in the URL)."""
-    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+RECONNECT_BACKOFF_CAP_S = 2.0
+
+
+class OutageRetry(Retry):
+    """Redis commands retried through a connection outage (a restart, a failover), with backoff.
+
+    Every command that meets a connection error, a timeout or a server still loading its data
+    reconnects and tries again, backing off up to 2 s between tries, for about ``outage_s`` seconds;
+    then the error reaches the caller. One WARNING line when an outage starts and one INFO line when
+    Redis answers again, however many commands were waiting (the state is shared by the process).
+    """
+
+    _down_since: float | None = None
+
+    def __init__(self, outage_s: float) -> None:
+        tries = max(1, math.ceil(outage_s / RECONNECT_BACKOFF_CAP_S))
+        errors = (RedisConnectionError, RedisTimeoutError, BusyLoadingError)
+        super().__init__(ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP_S, base=0.05), tries, errors)
+        self.outage_s = outage_s
+
+    async def call_with_retry(
+        self, do: Callable[[], Awaitable[T]], fail: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> T:
+        failed_here = False
+
+        async def noted_fail(error: Exception, *rest: Any) -> Any:
+            nonlocal failed_here
+            failed_here = True
+            if OutageRetry._down_since is None:
+                OutageRetry._down_since = time.monotonic()
+                logger.warning("redis unreachable (%s); retrying for up to %.0f s", _one_line(error), self.outage_s)
+            return await fail(error, *rest)
+
+        result = await super().call_with_retry(do, noted_fail, *args, **kwargs)
+        if failed_here and OutageRetry._down_since is not None:  # a command that went through the outage
+            logger.info("redis is back after %.1f s", time.monotonic() - OutageRetry._down_since)
+            OutageRetry._down_since = None
+        return result
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:200]
+
+
+def connect(url: str, *, outage_s: float = 60.0, max_connections: int = 256) -> aioredis.Redis:
+    """An asyncio Redis client for ``url`` (``redis://`` or ``rediss://`` for TLS; password in the URL).
+
+    It rides out an outage of up to ``outage_s`` seconds (:class:`OutageRetry`), and at most
+    ``max_connections`` connections are open at once: a command that finds them all busy waits for
+    one (never "Too many connections", however many entries a consumer retries at once).
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=None, decode_responses=False, health_check_interval=30,
+        retry=OutageRetry(outage_s),
+    )  # fmt: skip
+    return aioredis.Redis(connection_pool=pool)
 
 
 class Bus:

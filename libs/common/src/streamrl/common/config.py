@@ -42,6 +42,11 @@ class RedisConfig(BaseConfig):
     """``redis://[:password@]host:port/db`` (``rediss://`` for TLS). None = the launcher starts an embedded redis-server."""
     maxlen: int = Field(100_000, ge=100)
     """Approximate MAXLEN of every stream (entries)."""
+    outage_s: float = Field(60.0, gt=0)
+    """How long a service rides out a Redis outage (a restart, a failover): its commands reconnect and
+    retry with backoff for about this long, then the service stops with the error (s)."""
+    max_connections: int = Field(256, ge=4)
+    """Connections a service opens at most; a command that finds them all busy waits for one."""
 
 
 class ConsumerConfig(BaseConfig):

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import redis.asyncio as aioredis
 from pydantic import Field
+from redis.exceptions import RedisError
 
 from streamrl.common.aio import cancel_and_wait
 from streamrl.common.bus import Bus, connect
@@ -153,7 +155,7 @@ async def _serve(
     service: str, instance: str, config: C, run: Callable[[C, ServiceContext], Awaitable[None]], burst: bool
 ) -> int:
     assert config.redis.url is not None
-    redis = connect(config.redis.url)
+    redis = connect(config.redis.url, outage_s=config.redis.outage_s, max_connections=config.redis.max_connections)
     ctx = ServiceContext(
         service=service,
         instance=instance,
@@ -172,13 +174,24 @@ async def _serve(
     )
     try:
         await run(config, ctx)
+    except RedisError as e:  # past the client's outage window: one line, the traceback at debug level
+        logger.debug("%s: redis error", service, exc_info=True)
+        logger.error("%s: lost redis for more than %.0f s, stopping: %s", service, config.redis.outage_s, e)
+        return 1
     finally:
         await cancel_and_wait([beat])
-        await redis.delete(ctx.names.heartbeat(service, instance))
-        await redis.srem(ctx.names.instances, f"{service}:{instance}")
+        try:
+            await asyncio.wait_for(_unregister(redis, ctx.names, service, instance), timeout=5)
+        except (RedisError, asyncio.TimeoutError):
+            logger.warning("%s: could not remove its heartbeat (redis unreachable); it expires by itself", service)
         await redis.aclose()
     logger.info("%s/%s stopped", service, instance)
     return 0
+
+
+async def _unregister(redis: aioredis.Redis, names: StreamNames, service: str, instance: str) -> None:
+    await redis.delete(names.heartbeat(service, instance))
+    await redis.srem(names.instances, f"{service}:{instance}")
 
 
 def _dump_tasks(service: str) -> None:

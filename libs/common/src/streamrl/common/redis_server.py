@@ -64,10 +64,14 @@ def redis_server_version(binary: str) -> str:
 class RedisServer:
     """A redis-server child process with its data under ``data_dir`` (AOF persistence optional)."""
 
-    def __init__(self, data_dir: str | Path, port: int | None = None, appendonly: bool = True) -> None:
+    def __init__(
+        self, data_dir: str | Path, port: int | None = None, appendonly: bool = True, appendfsync: str = "everysec"
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        """AOF fsync policy: ``everysec`` (a crash loses up to a second of writes) or ``always``."""
         self.binary = ""
         """The redis-server binary that ran (set by :meth:`start`)."""
         self.version = ""
@@ -89,6 +93,7 @@ class RedisServer:
             "--dir", str(self.data_dir.resolve()),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
             "--logfile", "redis.log",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
