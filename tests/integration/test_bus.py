@@ -286,3 +286,38 @@ def test_worker_rides_out_a_redis_restart(tmp_path: Path, run_id: str) -> None:
     assert worker.returncode == 0, text[-3000:]
     assert text.count("redis unreachable") == 1 and text.count("redis is back") == 1, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_messages_over_the_size_limit_are_refused_and_dead_lettered(redis_url: str, run_id: str) -> None:
+    """redis.max_message_mb: an entry over it is dead-lettered unread (its payload cut to 64 KiB) and
+    the loop goes on; writing one is refused with the stream, the size and the limit named."""
+    import asyncio
+
+    from streamrl.common.bus import Bus, connect
+    from streamrl.common.errors import MessageTooLargeError
+
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    client.xadd(names.trajectories, encode_payload(make_trajectory(0, num_tokens=200_000)))  # ~1.7 MiB
+    client.xadd(names.trajectories, encode_payload(make_trajectory(1)))
+    worker = start_worker(redis_url, run_id, "w", "--redis.max_message_mb=1")
+    try:
+        wait_for(lambda: client.xlen(names.dead) >= 1 and len(scored_ids(client, names)) >= 1, 30, "the outcomes")
+        (letter,) = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
+        assert "MessageTooLargeError" in letter.error and "over the 1.0 MiB limit" in letter.error
+        assert len(letter.payload) == 64 * 2**10
+        assert scored_ids(client, names) == ["g1/0"]
+        wait_for(lambda: pending(client, names) == 0, 10, "acks")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(20) == 0
+
+    async def publish_big() -> None:
+        bus = Bus(connect(redis_url), max_message_bytes=2**20)
+        try:
+            await bus.publish(names.trajectories, make_trajectory(2, num_tokens=200_000))
+        finally:
+            await bus.redis.aclose()
+
+    with pytest.raises(MessageTooLargeError, match=rf"Trajectory of 1\.7 MiB for {names.trajectories} is over the 1\.0 MiB"):
+        asyncio.run(publish_big())

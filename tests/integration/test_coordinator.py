@@ -105,3 +105,27 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
         assert [p.policy_version for p in prompts(client, names)][9:] == [2, 2, 2, 2]
     finally:
         stop(proc)
+
+
+def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Path, tmp_path: Path, redis_url: str,
+                                                                  run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1=" * 100_000, "label": "2"}] + [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(20)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
+                             endpoint="tcp://127.0.0.1:1")  # fmt: skip
+    client.xadd(names.weights, {b"d": encode(ready)})
+    proc = start(recipe, run_id, f"--coordinator.dataset.path={data}", "--coordinator.dataset.shuffle=false",
+                 "--redis.max_message_mb=0.5")  # fmt: skip
+    try:
+        wait_for(lambda: client.xlen(names.prompts) >= 7, 30, "the first prompts")
+        time.sleep(1.0)
+        issued = prompts(client, names)
+        assert [p.prompt_text for p in issued[:3]] == ["0+1=", "1+1=", "2+1="]  # dataset rows 1.. (row 0 skipped)
+        assert client.scard(names.state("inflight")) == len(issued)
+    finally:
+        out = stop(proc)
+    assert "skipping dataset prompt 0: a PromptWorkItem of" in out and "over the 0.5 MiB limit" in out

@@ -29,6 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streamrl.common.codec import encode
+from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import Message
 
 logger = logging.getLogger(__name__)
@@ -156,14 +157,26 @@ def connect(url: str, *, outage_s: float = 60.0, max_connections: int = 256) -> 
 class Bus:
     """Publishing side of the bus, bound to one Redis client."""
 
-    def __init__(self, redis: aioredis.Redis, maxlen: int = 100_000) -> None:
+    def __init__(self, redis: aioredis.Redis, maxlen: int = 100_000, max_message_bytes: int = 32 * 2**20) -> None:
         self.redis = redis
         self.maxlen = maxlen
+        self.max_message_bytes = max_message_bytes
         self._commit = redis.register_script(COMMIT_LUA)
+
+    def encode(self, message: Message, stream: str) -> bytes:
+        """``message`` encoded for ``stream``; :class:`MessageTooLargeError` over ``max_message_bytes``."""
+        payload = encode(message)
+        if len(payload) > self.max_message_bytes:
+            raise MessageTooLargeError(
+                f"a {type(message).__name__} of {len(payload) / 2**20:.1f} MiB for {stream} is over the "
+                f"{self.max_message_bytes / 2**20:.1f} MiB limit (redis.max_message_mb)"
+            )
+        return payload
 
     async def publish(self, stream: str, message: Message) -> str:
         """Append one message to a bounded stream; returns the entry id."""
-        entry_id = await self.redis.xadd(stream, {PAYLOAD_FIELD: encode(message)}, maxlen=self.maxlen, approximate=True)
+        payload = self.encode(message, stream)
+        entry_id = await self.redis.xadd(stream, {PAYLOAD_FIELD: payload}, maxlen=self.maxlen, approximate=True)
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def commit(
@@ -204,7 +217,7 @@ class Bus:
         """The ARGV of one commit (see :data:`COMMIT_LUA`), to be sent alone or with others."""
         args: list[str | bytes | int] = [ack_stream, ack_group, ack_entry, dedupe_key, dedupe_ttl_s, self.maxlen, len(outputs)]  # fmt: skip
         for out in outputs:
-            payload = encode(out.message)
+            payload = self.encode(out.message, out.stream or out.key or "")
             if out.stream is not None:
                 args += ["x", out.stream, "", payload]
             else:

@@ -42,11 +42,20 @@ class RedisConfig(BaseConfig):
     """``redis://[:password@]host:port/db`` (``rediss://`` for TLS). None = the launcher starts an embedded redis-server."""
     maxlen: int = Field(100_000, ge=100)
     """Approximate MAXLEN of every stream (entries)."""
+    max_message_mb: float = Field(32.0, gt=0)
+    """Largest message (encoded) a service writes to or handles from a stream (MiB). A bigger output
+    fails the entry that produced it (dead-lettered with the sizes); a bigger entry read is
+    dead-lettered at once, its payload cut to the first 64 KiB."""
     outage_s: float = Field(60.0, gt=0)
     """How long a service rides out a Redis outage (a restart, a failover): its commands reconnect and
     retry with backoff for about this long, then the service stops with the error (s)."""
     max_connections: int = Field(256, ge=4)
     """Connections a service opens at most; a command that finds them all busy waits for one."""
+
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * 2**20)
 
 
 class ConsumerConfig(BaseConfig):

@@ -46,6 +46,8 @@ from streamrl.common.streams import StreamNames
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+DEAD_PAYLOAD_CUT = 64 * 2**10
+"""Bytes of an oversized entry's payload kept in its dead letter."""
 Handler = Callable[[M], Awaitable[list[Output]]]
 
 
@@ -81,6 +83,7 @@ class ConsumerLoop(Generic[M]):
         dedupe_key: Callable[[M], str | None] | None = None,
         ack: bool = True,
         on_committed: Callable[[str, M], Awaitable[None]] | None = None,
+        max_message_bytes: int | None = -1,
     ) -> None:
         self.bus = bus
         self.redis = bus.redis
@@ -94,6 +97,8 @@ class ConsumerLoop(Generic[M]):
         self.dedupe_key = dedupe_key if dedupe_key is not None else _message_id
         self.ack = ack
         self.on_committed = on_committed
+        self.max_message_bytes = bus.max_message_bytes if max_message_bytes == -1 else max_message_bytes
+        """Entries over this are dead-lettered unread (default: the bus's limit; None: no limit)."""
         self.stats = ConsumerStats()
         self._committer = CommitBatcher(bus)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -222,6 +227,11 @@ class ConsumerLoop(Generic[M]):
 
     async def _process(self, entry_id: str, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
         payload = (fields or {}).get(PAYLOAD_FIELD, b"")
+        if self.max_message_bytes is not None and len(payload) > self.max_message_bytes:
+            reason = (f"MessageTooLargeError: entry of {len(payload) / 2**20:.1f} MiB is over the "
+                      f"{self.max_message_bytes / 2**20:.1f} MiB limit (redis.max_message_mb); payload cut to 64 KiB")  # fmt: skip
+            await self._dead_letter(entry_id, payload[:DEAD_PAYLOAD_CUT], reason, deliveries)
+            return
         try:
             message: M = decode(payload, self.message_type)
         except PoisonMessageError as e:
@@ -279,6 +289,8 @@ class ConsumerLoop(Generic[M]):
             return
 
     async def _dead_letter(self, entry_id: str, payload: bytes, reason: str, deliveries: int) -> None:
+        if len(payload) > DEAD_PAYLOAD_CUT and len(payload) > self.bus.max_message_bytes // 2:  # the letter must fit
+            payload, reason = payload[:DEAD_PAYLOAD_CUT], f"{reason} (payload cut to 64 KiB)"
         letter = DeadLetter(
             stream=self.stream,
             entry_id=entry_id,

@@ -11,6 +11,10 @@ class PoisonMessageError(Exception):
     """The entry can never be handled (undecodable, unknown type or version): dead-letter it now."""
 
 
+class MessageTooLargeError(PoisonMessageError):
+    """A message over ``redis.max_message_mb``: never written to a stream, and dead-lettered when read."""
+
+
 class RetryableError(Exception):
     """A transient failure: leave the entry pending so it is delivered again after ``defer_s``."""
 

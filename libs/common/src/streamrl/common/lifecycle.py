@@ -160,7 +160,7 @@ async def _serve(
         service=service,
         instance=instance,
         config=config,
-        bus=Bus(redis, maxlen=config.redis.maxlen),
+        bus=Bus(redis, maxlen=config.redis.maxlen, max_message_bytes=config.redis.max_message_bytes),
         names=StreamNames(config.run_id),
         stop=asyncio.Event(),
         burst=burst,

@@ -29,7 +29,7 @@ from streamrl.common.aio import cancel_and_wait, wait_set
 from streamrl.common.bus import Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.consumer import ConsumerLoop
-from streamrl.common.errors import PoisonMessageError
+from streamrl.common.errors import MessageTooLargeError, PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import (
     DeadLetter,
@@ -397,17 +397,25 @@ class CoordinatorService:
         )  # fmt: skip
         cursor = await self._get_int("cursor")
         pipe = self.redis.pipeline(transaction=True)
+        issued = 0
         for i in range(budget):
             prompt = self.source.get(cursor + i)
-            needs = required_version(position=accepted + inflight + i, version=self.version,
+            needs = required_version(position=accepted + inflight + issued, version=self.version,
                                      max_staleness=cfg.max_staleness, prompts_per_step=cfg.prompts_per_step)  # fmt: skip
             item = PromptWorkItem(
                 id=f"p{cursor + i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
                 label=prompt.label, metadata=prompt.metadata, sampling=sampling, policy_version=needs,
                 issued_at=time.time(),
             )  # fmt: skip
-            pipe.xadd(self.names.prompts, {b"d": encode(item)}, maxlen=cfg.redis.maxlen, approximate=True)
+            try:
+                payload = self.ctx.bus.encode(item, self.names.prompts)
+            except MessageTooLargeError as e:
+                self.dead_reasons["prompt too large"] += 1
+                logger.warning("skipping dataset prompt %d: %s", (cursor + i) % len(self.source), e)
+                continue
+            pipe.xadd(self.names.prompts, {b"d": payload}, maxlen=cfg.redis.maxlen, approximate=True)
             pipe.sadd(self._state("inflight"), item.id)
+            issued += 1
         pipe.incrby(self._state("cursor"), budget)
         await pipe.execute()
 

@@ -75,6 +75,7 @@ class LearnerService:
                 update={"max_in_flight": 1, "count": 1, "max_deliveries": max(self.cfg.consumer.max_deliveries, 1)}
             ),
             dedupe_key=lambda _: None, ack=False, on_committed=self._on_committed,
+            max_message_bytes=None,  # a batch is many trajectories, each checked against the limit
         )  # fmt: skip
         self.ctx.loops.append(self.loop)
         self.ctx.mark_running()
