@@ -65,7 +65,11 @@ def pending(client: redis.Redis, names: StreamNames) -> int:
     return int(client.xpending(names.trajectories, "reward")["pending"])
 
 
-def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(redis_url: str, run_id: str) -> None:
+@pytest.mark.parametrize("claim_idle_ms", [500, 30_000], ids=["idle-claim", "heartbeat-expired"])
+def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(claim_idle_ms: int, redis_url: str, run_id: str) -> None:
+    """A replacement worker (another instance name) takes over a killed one's entries: after they
+    idle claim_idle_ms, or at once when the killed instance's heartbeat has expired (here well
+    before the 30 s claim_idle_ms)."""
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
     num = 60
@@ -78,9 +82,9 @@ def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(redis_url: str, 
     assert pending(client, names) > 0, "the killed consumer should have left entries pending"
     done_before = len(scored_ids(client, names))
     assert done_before < num
-    rescuer = start_worker(redis_url, run_id, "rescuer", "--consumer.claim_idle_ms=500")
+    rescuer = start_worker(redis_url, run_id, "rescuer", f"--consumer.claim_idle_ms={claim_idle_ms}")
     try:
-        wait_for(lambda: len(scored_ids(client, names)) >= num and pending(client, names) == 0, 60, "all outputs")
+        wait_for(lambda: len(scored_ids(client, names)) >= num and pending(client, names) == 0, 20, "all outputs")
         time.sleep(1.0)  # let any would-be duplicate land
         ids = scored_ids(client, names)
         assert len(ids) == num

@@ -204,22 +204,54 @@ class ConsumerLoop(Generic[M]):
             start = "(" + last
 
     async def _reclaim(self) -> None:
-        """Take over entries a dead consumer left pending longer than claim_idle_ms."""
+        """Take over what dead consumers left pending: at once for a consumer whose instance stopped
+        heartbeating, otherwise entries idle longer than claim_idle_ms."""
+        await self._reclaim_from_the_dead()
         start = "0-0"
         while True:
             reply = await self.redis.xautoclaim(
                 self.stream, self.group, self.consumer, self.config.claim_idle_ms, start_id=start, count=32
             )
             start, claimed = reply[0], reply[1]
-            for entry_id, fields in claimed:
-                if not fields:  # trimmed from the stream: nothing left to handle
-                    await self.redis.xack(self.stream, self.group, entry_id)
-                    continue
-                self.stats.reclaimed += 1
-                await self._slots.acquire()
-                self._spawn(entry_id, fields, await self._delivery_count(entry_id))
+            await self._take(claimed)
             if start in (b"0-0", "0-0"):
                 return
+
+    async def _take(self, claimed: list[Any]) -> None:
+        for entry_id, fields in claimed:
+            if not fields:  # trimmed from the stream: nothing left to handle
+                await self.redis.xack(self.stream, self.group, entry_id)
+                continue
+            self.stats.reclaimed += 1
+            await self._slots.acquire()
+            self._spawn(entry_id, fields, await self._delivery_count(entry_id))
+
+    async def _reclaim_from_the_dead(self) -> None:
+        """Claim the pending entries of consumers named after an instance whose heartbeat expired.
+
+        Only consumers registered as an instance (``{service}:{name}`` in the instances set) are
+        judged; others wait for claim_idle_ms. The claim needs the entries idle for one heartbeat
+        interval, so two live consumers never both take them (the first claim resets the idle time).
+        """
+        consumers = [c for c in await self.redis.xinfo_consumers(self.stream, self.group) if c["pending"]]
+        others = [_text(c["name"]) for c in consumers if _text(c["name"]) != self.consumer]
+        if not others:
+            return
+        members = [_text(m).split(":", 1) for m in await self.redis.smembers(self.names.instances)]
+        for name in others:
+            keys = [self.names.heartbeat(service, instance) for service, instance in members if instance == name]
+            if not keys or await self.redis.exists(*keys):
+                continue
+            held = await self.redis.xpending_range(
+                self.stream, self.group, min="-", max="+", count=1024, consumername=name
+            )
+            min_idle_ms = int(1000 * self.config.heartbeat_interval_s)
+            claimed = await self.redis.xclaim(
+                self.stream, self.group, self.consumer, min_idle_ms, [h["message_id"] for h in held]
+            )
+            if claimed:
+                logger.info("%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed), name)
+            await self._take(claimed)
 
     async def _delivery_count(self, entry_id: bytes | str) -> int:
         info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
@@ -309,6 +341,10 @@ class ConsumerLoop(Generic[M]):
         )
         self.stats.dead_lettered += 1
         logger.error("dead-lettered %s %s: %s", self.stream, entry_id, reason)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _message_id(message: Any) -> str | None:
