@@ -234,7 +234,8 @@ class IpcBuffer(msgspec.Struct, frozen=True):
 
 
 class IpcTensor(msgspec.Struct, frozen=True):
-    """Where one named tensor lies in the IPC buffers."""
+    """Where one named tensor lies in flat weight buffers: the CUDA IPC buffers, or the buckets of
+    the weight broadcast (:class:`WeightsBroadcast`)."""
 
     name: str
     """Hugging Face parameter name."""
@@ -242,7 +243,7 @@ class IpcTensor(msgspec.Struct, frozen=True):
     """torch dtype name, e.g. ``bfloat16``."""
     shape: list[int]
     buffer: int
-    """Index into :attr:`IpcWeights.buffers`."""
+    """Index into :attr:`IpcWeights.buffers` (broadcast: into :attr:`WeightsBroadcast.bucket_bytes`)."""
     offset_bytes: int
     """Start inside that buffer (a multiple of :attr:`IpcWeights.block_bytes`)."""
 
@@ -268,6 +269,38 @@ class IpcWeights(msgspec.Struct, frozen=True):
     """In publishing order (tied aliases such as ``lm_head.weight`` included)."""
 
 
+class WeightsBroadcast(msgspec.Struct, frozen=True):
+    """Rendezvous of the learner's weight-broadcast group (``learner.weights_transport = "broadcast"``).
+
+    Learner rank 0 hosts a TCP store at ``store``. A rollout worker (each tensor-parallel worker of a
+    vLLM engine on its own) registers there, joins a process group with rank 0, and from then on
+    receives every version as flat buckets laid out as ``tensors`` say, broadcast over NCCL (GPU)
+    or gloo (CPU). What is said over the store is :mod:`streamrl.common.weights_broadcast`.
+    ``WeightsPublished.checksum`` is the device-side block checksum of the CUDA IPC path, computed
+    over the buckets (``block_bytes`` blocks, the version included).
+
+    Example:
+        WeightsBroadcast(store="learner-0:29600", session="9b1f0c2e", backend="nccl", generation=2,
+                         block_bytes=4096, bucket_bytes=[536870912, 412090368],
+                         tensors=[IpcTensor("model.embed_tokens.weight", "bfloat16", [151936, 1536], 0, 0), ...])
+    """
+
+    store: str
+    """``host:port`` of the TCP store on learner rank 0."""
+    session: str
+    """Random id of the learner's publisher: a restarted learner has a new one, and a new store and group."""
+    backend: str
+    """``nccl`` (the learner's weights on CUDA: receivers need a CUDA device) or ``gloo`` (on CPU)."""
+    generation: int
+    """Group generation when the version was published (informational; members follow the store)."""
+    block_bytes: int
+    """Alignment of every tensor in its bucket and granularity of the checksum (bytes)."""
+    bucket_bytes: list[int]
+    """Size of each bucket (bytes), in broadcast order."""
+    tensors: list[IpcTensor]
+    """Where each tensor lies (``buffer`` = bucket index), in publishing order (tied aliases included)."""
+
+
 class WeightsPublished(_Message, tag="weights"):
     """The learner finished a step and serves new weights. learner -> weights -> rollout, coordinator."""
 
@@ -278,17 +311,21 @@ class WeightsPublished(_Message, tag="weights"):
     batch_id: str
     """The batch this step trained on."""
     checksum: str
-    """Digest over all buckets (IPC: over all buffers, with the version), checked by every receiver."""
+    """Digest over all buckets (IPC and broadcast: over all buffers, with the version), checked by every receiver."""
     num_bytes: int
     num_buckets: int
-    """ZMQ buckets, or IPC buffers."""
+    """ZMQ buckets, IPC buffers, or broadcast buckets."""
     endpoint: str
-    """ZMQ address serving the buckets (``tcp://host:port``); empty when the weights travel only over CUDA IPC."""
+    """ZMQ address serving the buckets (``tcp://host:port``); empty when the weights travel only over CUDA IPC
+    or only over the broadcast group."""
     metrics: dict[str, float] = {}
     """Learner metrics of the step (``learner/...``)."""
     published_at: float = 0.0
     ipc: IpcWeights | None = None
     """CUDA IPC buffers of this version (``learner.weights_transport = "ipc"``), for engines on the learner's GPU."""
+    broadcast: WeightsBroadcast | None = None
+    """Rendezvous of the weight-broadcast group (``learner.weights_transport = "broadcast"``); workers that
+    cannot join it fetch from ``endpoint`` when it is set."""
 
 
 class Heartbeat(_Message, tag="heartbeat"):

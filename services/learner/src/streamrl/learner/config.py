@@ -43,16 +43,32 @@ class LearnerConfig(ServiceConfig):
     weights_host: str = "127.0.0.1"
     """Interface the weight server binds."""
     weights_advertise_host: str | None = None
-    """Host name rollout workers use to reach the weight server (default: weights_host)."""
+    """Host name rollout workers use to reach the weight server and the broadcast rendezvous (default:
+    weights_host; this machine's host name when weights_host is 0.0.0.0)."""
     weights_port: int = Field(0, ge=0, le=65535)
     """Weight server port (0 = a free port)."""
     weights_bucket_mb: int = Field(64, ge=1)
-    """Target size of one weight bucket (MiB): a ZMQ bucket, or one CUDA IPC buffer."""
-    weights_transport: Literal["zmq", "ipc"] = "zmq"
+    """Target size of one weight bucket (MiB): a ZMQ bucket, one CUDA IPC buffer, or one broadcast bucket."""
+    weights_transport: Literal["zmq", "ipc", "broadcast"] = "zmq"
     """How new weights reach the rollout engines. ``zmq``: buckets served from host memory by the weight
     server (any engine, any host). ``ipc``: the rollout engines share the learner's GPU (colocated) and
     copy the weights from CUDA IPC buffers on it, with no host copy; the ZMQ server then is not fed, so
-    every engine must be a transformers engine on the learner's GPU."""
+    every engine must be a transformers engine on the learner's GPU. ``broadcast``: rank 0 hosts a TCP
+    store (``weights_store_port``) and broadcasts every version in buckets to the rollout workers that
+    joined its weight group - NCCL when the weights are on CUDA, gloo on CPU - from a background
+    thread (``streamrl.learner.broadcast_weights``); workers join and leave at any time. The store and
+    the group have no authentication: a private network only."""
+    weights_store_port: int = Field(0, ge=0, le=65535)
+    """``broadcast``: port of the TCP store rollout workers join through (0 = a free port; it listens on
+    every interface, advertised as weights_advertise_host)."""
+    weights_broadcast_timeout_s: float = Field(60.0, gt=0)
+    """``broadcast``: deadline of each step of the group (joining, one version's buckets and acknowledgements);
+    a worker that misses it is named in the log and dropped (it joins again when it can); training goes on."""
+    weights_zmq_fallback: bool = False
+    """``broadcast``: also serve every version from the ZMQ weight server, for workers that cannot join the
+    group (another network; a CPU engine when the learner broadcasts over NCCL). Costs a host copy and
+    a host hash of every byte per version (seconds for a 1.5B model), so off by default; without it such
+    a worker fails its update with an error that names this field."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per pass over a training batch: its groups are split into this many mini-batches
     (whole groups; each one step of ``ds.grad_accum`` micro-batches). Advantages are computed over the

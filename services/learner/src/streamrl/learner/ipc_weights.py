@@ -141,6 +141,16 @@ class IpcWeightPublisher:
     def num_buffers(self) -> int:
         return len(self._buffers)
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat uint8 buffers holding the last packed version (empty before the first)."""
+        return self._buffers
+
+    @property
+    def layout(self) -> list[IpcTensor]:
+        """Where each tensor lies in :attr:`buffers`, in publishing order (tied aliases last)."""
+        return self._layout
+
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[IpcWeights, str]:
         """Copy ``named_tensors`` (all on one CUDA device) in as ``version``; returns (description, checksum).
 

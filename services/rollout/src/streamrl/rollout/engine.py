@@ -8,8 +8,9 @@
 Both return, per sample, the token ids, the behaviour log-probs of the distribution actually
 sampled from (after temperature / top-k / top-p: what TIS and ICEPOP need), the finish reason and
 the policy versions that produced the first and the last token. Both take new weights from the
-learner's weight server (:mod:`streamrl.common.weights_wire`) and report the version they serve;
-the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
+learner's weight server (:mod:`streamrl.common.weights_wire`), or as members of the learner's
+weight-broadcast group (:mod:`streamrl.rollout.broadcast_receiver`), and report the version they
+serve; the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
 (:mod:`streamrl.rollout.ipc_weights`).
 
 Heavy imports (torch, vllm, transformers) happen only inside :func:`build_engine`.
@@ -21,7 +22,7 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from streamrl.common.messages import IpcWeights, SamplingParams
+from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcast
 from streamrl.rollout.engine_config import EngineConfig
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -73,6 +74,8 @@ class WeightUpdate:
     timeout_s: float
     ipc: IpcWeights | None = None
     """CUDA IPC buffers of the version (colocated with the learner); None = pull from ``endpoint``."""
+    broadcast: WeightsBroadcast | None = None
+    """Rendezvous of the learner's weight-broadcast group: receive the version as a member of it."""
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
@@ -98,14 +101,22 @@ class Engine(Protocol):
         ...
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: IpcWeights | None = None
+        self,
+        endpoint: str,
+        version: int,
+        checksum: str,
+        timeout_s: float,
+        ipc: IpcWeights | None = None,
+        broadcast: WeightsBroadcast | None = None,
     ) -> None:
         """Take ``version`` and serve it from now on: from the learner's CUDA IPC buffers ``ipc`` when
-        given (the engine shares the learner's GPU), else pulled from the weight server at ``endpoint``.
+        given (the engine shares the learner's GPU), as a member of the learner's weight-broadcast
+        group ``broadcast`` when given (the engine then serves the newest version it received, at
+        least ``version``: see :attr:`version`), else pulled from the weight server at ``endpoint``.
 
         Raises :class:`streamrl.common.errors.WeightSyncError` on a missed deadline, a checksum
-        mismatch, or ``ipc`` weights the engine cannot take; the engine then keeps serving its
-        previous version.
+        mismatch, or ``ipc`` / ``broadcast`` weights the engine cannot take; the engine then keeps
+        serving its previous version.
         """
         ...
 

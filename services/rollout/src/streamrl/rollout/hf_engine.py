@@ -22,7 +22,9 @@ One driver thread owns the model and runs a continuous-batching loop::
   whatever else is batched.
 * Weight updates are commands too: an update waits until the samples admitted before it finish,
   jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
-  failed transfer leaves the served weights untouched.
+  failed transfer leaves the served weights untouched. Over the learner's weight-broadcast group
+  a member (:class:`streamrl.rollout.broadcast_receiver.BroadcastReceiver`) receives in the
+  background while the engine decodes, and an update copies its newest verified version in.
 
 The asyncio side never blocks: commands go through a thread-safe queue, results come back as
 ``concurrent.futures.Future``s.
@@ -131,6 +133,8 @@ class HFEngine:
         self._targets = self._model.state_dict(keep_vars=True)
         self._ipc: Any = None
         self._flat: Any = None
+        self._member: Any = None
+        """BroadcastReceiver of the learner's weight group (one per learner session), once one is advertised."""
         self._decoder = self._build_decoder()
         self._state: _SlotState | None = None
         if self._decoder is not None:
@@ -172,9 +176,9 @@ class HFEngine:
         return await asyncio.wrap_future(job.future)
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: Any = None
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: Any = None, broadcast: Any = None
     ) -> None:
-        update = WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc)
+        update = WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, broadcast=broadcast)
         self._submit(update)
         seconds = await asyncio.wrap_future(update.future)
         logger.info("serving weights version %d (update took %.3f s)", version, seconds)
@@ -186,6 +190,8 @@ class HFEngine:
             self._closed = True
             self._commands.put(_Stop())
         self._thread.join()
+        if self._member is not None:
+            self._member.close()
 
     def _submit(self, command: _Job | WeightUpdate) -> None:
         with self._lock:
@@ -473,9 +479,12 @@ class HFEngine:
 
     def _update(self, update: WeightUpdate) -> None:
         start = time.perf_counter()
+        version = update.version
         try:
             if update.ipc is not None:
                 self._load_ipc(update)
+            elif update.broadcast is not None:
+                version = self._load_broadcast(update)
             else:
                 received = [
                     (t.name, to_torch(t))
@@ -485,7 +494,7 @@ class HFEngine:
         except Exception as e:  # noqa: BLE001 - the caller gets it; the old weights stay
             update.future.set_exception(e)
             return
-        self._version = update.version
+        self._version = version
         update.future.set_result(time.perf_counter() - start)
 
     def _load_ipc(self, update: WeightUpdate) -> None:
@@ -503,6 +512,20 @@ class HFEngine:
                 self._decoder.drop_graphs()  # they read the parameters' old storage
         self._flat.load(self._ipc.staging)
         torch.cuda.current_stream(self._device).synchronize()
+
+    def _load_broadcast(self, update: WeightUpdate) -> int:
+        """Copy the newest version the engine's member of the learner's weight group verified (at least
+        ``update.version``) into the parameters; returns that version."""
+        from streamrl.rollout.broadcast_receiver import member_for
+
+        assert update.broadcast is not None
+        self._member = member_for(self._member, update.broadcast, self._device, "hf", update.timeout_s)
+        version, received = self._member.acquire(update.version, update.timeout_s)
+        try:
+            self._load(version, received)
+        finally:
+            self._member.release()
+        return int(version)
 
     def _load(self, version: int, received: list[tuple[str, torch.Tensor]]) -> None:
         """Copy a whole verified version into the model's parameters (every parameter written)."""

