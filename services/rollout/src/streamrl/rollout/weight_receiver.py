@@ -1,4 +1,4 @@
-"""vLLM worker extension that pulls new weights over ZMQ and loads them in place.
+"""vLLM worker extension that receives new weights (over ZMQ, or the learner's broadcast group) and loads them.
 
 vLLM mixes this class into every worker (``worker_extension_cls``). The rollout engine calls its
 methods by name through ``collective_rpc``, so no Python function is shipped to the workers: each
@@ -8,6 +8,13 @@ to feed it to the model runner's ``reload_weights``. That entry point is what wo
 on the CPU backend, which repacks linear weights (calling the model's ``load_weights`` directly
 changes nothing there) - unless the engine was built with ``cpu_weight_packing`` off: then the
 kernels read the live parameters and ``load_weights`` copies the new values into them in place.
+
+Over the learner's weight-broadcast group (``learner.weights_transport = "broadcast"``) every worker
+- each tensor-parallel rank - is a member of its own
+(:class:`streamrl.rollout.broadcast_receiver.BroadcastReceiver`, built at the first such update):
+it receives every version into staging buffers on its device in the background, and the stage
+call only waits for a verified version and pins it; vLLM's loader then takes from the full tensors
+the shard its rank needs.
 
 Imported by vLLM inside the worker by qualified name; it imports torch, never vLLM.
 """
@@ -24,6 +31,7 @@ import numpy as np
 import torch
 
 from streamrl.common.errors import WeightSyncError
+from streamrl.common.weights_broadcast import decode_rendezvous
 from streamrl.common.weights_wire import BF16, ReceivedTensor, fetch_buckets
 
 logger = logging.getLogger(__name__)
@@ -67,7 +75,13 @@ class WeightReceiver:
     """
 
     model_runner: Any
+    device: torch.device
+    rank: int
     _streamrl_staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+    _streamrl_member: Any = None
+    """BroadcastReceiver of this worker (the learner's weight group), once one is advertised."""
+    _streamrl_pinned = False
+    """The staged version is the member's pinned staging buffers (released once loaded or discarded)."""
 
     def streamrl_fetch_weights(self, endpoint: str, version: int, checksum: str | None, timeout_s: float) -> str | None:
         """Receive and verify ``version``; keep it staged. Return None, or why it failed."""
@@ -79,6 +93,29 @@ class WeightReceiver:
         self._streamrl_staged = (version, weights)
         return None
 
+    def streamrl_stage_broadcast(self, broadcast: bytes, version: int, timeout_s: float) -> tuple[int, str | None]:
+        """Wait until this worker's member of the learner's weight group (``broadcast``: a msgpack
+        WeightsBroadcast) has verified a version >= ``version``, and stage it (pinned).
+        Return (staged version, None), or (-1, why it failed)."""
+        from streamrl.rollout.broadcast_receiver import member_for
+
+        self.streamrl_discard_weights()
+        info = decode_rendezvous(broadcast)
+        try:
+            self._streamrl_member = member_for(self._streamrl_member, info, self.device, f"tp{self.rank}", timeout_s)
+            staged, weights = self._streamrl_member.acquire(version, timeout_s)
+        except WeightSyncError as e:
+            return -1, str(e)
+        self._streamrl_staged, self._streamrl_pinned = (staged, weights), True
+        return staged, None
+
+    def streamrl_close_broadcast(self) -> None:
+        """Leave the learner's weight group (the engine is closing)."""
+        self.streamrl_discard_weights()
+        if self._streamrl_member is not None:
+            self._streamrl_member.close()
+            self._streamrl_member = None
+
     def streamrl_apply_weights(self, version: int, in_place: bool = False) -> int:
         """Load the staged ``version`` into the model; return the number of tensors loaded.
 
@@ -88,16 +125,18 @@ class WeightReceiver:
         """
         staged = self._streamrl_staged
         assert staged is not None and staged[0] == version, f"version {version} is not staged"
-        self._streamrl_staged = None
         start = time.perf_counter()
-        if in_place:
-            model = self.model_runner.model
-            loaded = model.load_weights(iter(staged[1]))
-            missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
-            if missing:
-                raise RuntimeError(f"version {version} left parameters unwritten: {sorted(missing)[:5]}")
-        else:
-            self.model_runner.reload_weights(weights_iterator=iter(staged[1]), is_checkpoint_format=True)
+        try:
+            if in_place:
+                model = self.model_runner.model
+                loaded = model.load_weights(iter(staged[1]))
+                missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
+                if missing:
+                    raise RuntimeError(f"version {version} left parameters unwritten: {sorted(missing)[:5]}")
+            else:
+                self.model_runner.reload_weights(weights_iterator=iter(staged[1]), is_checkpoint_format=True)
+        finally:
+            self.streamrl_discard_weights()
         logger.info(
             "loaded weights version %d (%d tensors) in %.3f s", version, len(staged[1]), time.perf_counter() - start
         )
@@ -115,5 +154,8 @@ class WeightReceiver:
         return True
 
     def streamrl_discard_weights(self) -> None:
-        """Drop a staged version (another worker failed to receive it)."""
+        """Drop a staged version (loaded, or another worker failed to receive it); unpin the member's buffers."""
         self._streamrl_staged = None
+        if self._streamrl_pinned:
+            self._streamrl_pinned = False
+            self._streamrl_member.release()
