@@ -110,7 +110,9 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
 def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Path, tmp_path: Path, redis_url: str,
                                                                   run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     data = tmp_path / "train.jsonl"
-    rows = [{"prompt": "1+1=" * 100_000, "label": "2"}] + [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(20)]
+    rows = [{"prompt": "1+1=" * 100_000, "label": "2"}] + [
+        {"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(20)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
     client = redis.Redis.from_url(redis_url)
@@ -129,3 +131,74 @@ def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Pat
     finally:
         out = stop(proc)
     assert "skipping dataset prompt 0: a PromptWorkItem of" in out and "over the 0.5 MiB limit" in out
+
+
+def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
+                                                 write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """The final version's evaluation round counts before the version does: the run cannot be found
+    complete in between (here that gap is widened: starting a round takes 0.5 s)."""
+    import asyncio
+
+    from streamrl.common.bus import Bus, connect
+    from streamrl.common.config import load_config
+    from streamrl.common.lifecycle import ServiceContext
+    from streamrl.common.messages import ScoredTrajectory
+    from streamrl.coordinator.config import CoordinatorConfig
+    from streamrl.coordinator.service import CoordinatorService
+
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    names = StreamNames(run_id)
+    client = redis.Redis.from_url(redis_url)
+
+    def weights(version: int) -> dict[bytes, bytes]:
+        return {b"d": encode(WeightsPublished(version=version, step=version, batch_id="", checksum="0", num_bytes=0,
+                                              num_buckets=0, endpoint="tcp://127.0.0.1:1"))}  # fmt: skip
+
+    def answer_round(version: int) -> None:
+        for item in prompts(client, names):
+            if item.is_eval and item.metadata.get("eval_version") == version:
+                traj = Trajectory(id=f"{item.id}/0", group_id=item.id, group_index=0, group_size=1,
+                                  prompt_ids=item.prompt_ids, response_ids=Tensor.from_list([5], "int32"),
+                                  logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"),
+                                  is_eval=True, metadata={"eval_version": version}, policy_version_end=version)  # fmt: skip
+                client.hset(
+                    names.group_buffer(f"eval-v{version}"),
+                    traj.id,
+                    encode(ScoredTrajectory(trajectory=traj, reward=1.0, score=1.0)),
+                )
+
+    async def scenario() -> tuple[bool, dict[bytes, bytes]]:
+        overrides = [f"--run_id={run_id}", "--total_steps=1", "--coordinator.eval.every_steps=1",
+                     "--coordinator.eval.num_prompts=2"]  # fmt: skip
+        config = load_config(CoordinatorConfig, str(recipe), overrides, section="coordinator")
+        bus = Bus(connect(redis_url))
+        ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
+                             stop=asyncio.Event())  # fmt: skip
+        real_hsetnx = bus.redis.hsetnx
+
+        async def slow_hsetnx(*args: object, **kwargs: object) -> object:
+            await asyncio.sleep(0.5)
+            return await real_hsetnx(*args, **kwargs)  # type: ignore[arg-type]
+
+        bus.redis.hsetnx = slow_hsetnx  # type: ignore[method-assign]
+        client.xadd(names.weights, weights(0))
+        run = asyncio.create_task(CoordinatorService(config, ctx).run())
+        while not any(p.is_eval for p in prompts(client, names)):
+            await asyncio.sleep(0.05)
+        answer_round(0)
+        while client.hget(names.state("eval_rounds"), "0").startswith(b"started"):
+            await asyncio.sleep(0.05)
+        client.xadd(names.weights, weights(1))
+        await asyncio.sleep(2.0)
+        ended_early = run.done()
+        rounds = client.hgetall(names.state("eval_rounds"))
+        answer_round(1)
+        await asyncio.wait_for(run, 30)
+        await bus.redis.aclose()
+        return ended_early, rounds
+
+    ended_early, rounds = asyncio.run(scenario())
+    assert not ended_early, "the run ended before its last evaluation round was read"
+    assert rounds[b"1"].startswith(b"started")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/acc"] for r in rows if "eval/acc" in r] == [1.0, 1.0]

@@ -184,10 +184,12 @@ class CoordinatorService:
             return
         self.wake.set()
         if msg.version > self.version:
+            # the version's evaluation round is registered before the version counts: otherwise a
+            # tick in between could find the run complete with no round pending, and end it
+            await self._maybe_start_eval(msg.version)
             self.version = msg.version
             await self.redis.set(self._state("policy_version"), self.version)
             self.ctx.policy_version = self.version
-            await self._maybe_start_eval()
         if msg.metrics:
             self.metrics.write(msg.version, dict(msg.metrics))
             self.progress.update({"loss": round(msg.metrics.get("learner/loss/policy", float("nan")), 4)})
@@ -199,7 +201,7 @@ class CoordinatorService:
             return
         self.dead_reasons[msg.error.split(":")[0]] += 1
         self.progress["dead"] = sum(self.dead_reasons.values())
-        self.progress["dead_reason"] = msg.error[:80]
+        self.progress["dead_reason"] = msg.error[:240]
         logger.error("dead letter from %s: %s", msg.stream, msg.error)
         self.metrics.write(self.version, {
             "coordinator/dead_letters": sum(self.dead_reasons.values()),
@@ -224,7 +226,7 @@ class CoordinatorService:
 
     # -- the tick ---------------------------------------------------------------------------
     async def _tick_forever(self, done: asyncio.Event, stop: asyncio.Event) -> None:
-        await self._maybe_start_eval()
+        await self._maybe_start_eval(self.version)
         while not stop.is_set():
             # Usually only the groups that received trajectories are looked at; every FULL_CHECK_S
             # all of them are (after a restart nothing is "touched" yet).
@@ -235,10 +237,10 @@ class CoordinatorService:
             await self._complete_groups(None if full else touched)
             await self._build_batches()
             await self._issue_prompts()
-            if (
-                await self._finish_eval_rounds(full or any(g.startswith("eval-") for g in touched))
-                and self._run_complete()
-            ):
+            evals_done = await self._finish_eval_rounds(full or any(g.startswith("eval-") for g in touched))
+            # the run ends on a fresh look at the rounds, never on the count remembered from an
+            # earlier look (a round may have been started since)
+            if evals_done and self._run_complete() and await self._finish_eval_rounds(look=True):
                 done.set()
                 return
             await self._publish_progress()
@@ -420,10 +422,10 @@ class CoordinatorService:
         await pipe.execute()
 
     # -- evaluation ---------------------------------------------------------------------------
-    async def _maybe_start_eval(self) -> None:
+    async def _maybe_start_eval(self, v: int) -> None:
+        """Start the evaluation round of version ``v`` if one is due and was not started before."""
         if self.eval_source is None:
             return
-        v = self.version
         if not (v % self.cfg.eval.every_steps == 0 or v == self.cfg.total_steps):
             return
         if not await self.redis.hsetnx(self._state("eval_rounds"), str(v), f"started@{time.time():.3f}"):
@@ -440,7 +442,6 @@ class CoordinatorService:
             )  # fmt: skip
             pipe.xadd(self.names.prompts, {b"d": encode(item)}, maxlen=self.cfg.redis.maxlen, approximate=True)
         await pipe.execute()
-        self.eval_pending += 1
         logger.info("evaluation round at version %d: %d greedy prompts issued", v, count)
 
     async def _finish_eval_rounds(self, look: bool = True) -> bool:
