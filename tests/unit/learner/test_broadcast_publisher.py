@@ -98,6 +98,14 @@ def test_a_member_that_leaves_costs_no_deadline(publisher: BroadcastWeightPublis
         publisher.publish(_weights(1), version=2)
         assert publisher.wait_delivered(2, timeout_s=10) == [staying.member]
         assert time.perf_counter() - started < 5  # the deadline is 30 s
+        timing = publisher.last_delivery
+        assert (timing["version"], timing["members"]) == (2, 1)
+        assert (
+            0
+            < timing["buckets_s"]
+            <= timing["total_s"]
+            == pytest.approx(timing["ready_s"] + timing["buckets_s"] + timing["acks_s"])
+        )
         assert staying.acquire(2, timeout_s=5)[0] == 2
         staying.release()
     finally:

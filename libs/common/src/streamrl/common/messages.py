@@ -275,9 +275,10 @@ class WeightsBroadcast(msgspec.Struct, frozen=True):
     Learner rank 0 hosts a TCP store at ``store``. A rollout worker (each tensor-parallel worker of a
     vLLM engine on its own) registers there, joins a process group with rank 0, and from then on
     receives every version as flat buckets laid out as ``tensors`` say, broadcast over NCCL (GPU)
-    or gloo (CPU). What is said over the store is :mod:`streamrl.common.weights_broadcast`.
-    ``WeightsPublished.checksum`` is the device-side block checksum of the CUDA IPC path, computed
-    over the buckets (``block_bytes`` blocks, the version included).
+    or gloo (CPU). What is said over the store is :mod:`streamrl.common.weights_broadcast`. Members
+    check every version against the device-side block checksum of the CUDA IPC path over the
+    buckets (``block_bytes`` blocks, the version included), which the learner sets in the store with
+    the version (and in ``WeightsPublished.checksum`` unless the ZMQ server is fed too).
 
     Example:
         WeightsBroadcast(store="learner-0:29600", session="9b1f0c2e", backend="nccl", generation=2,
@@ -311,7 +312,9 @@ class WeightsPublished(_Message, tag="weights"):
     batch_id: str
     """The batch this step trained on."""
     checksum: str
-    """Digest over all buckets (IPC and broadcast: over all buffers, with the version), checked by every receiver."""
+    """Digest over all buckets (IPC and broadcast: over all buffers, with the version), checked by every receiver.
+    With a broadcast rendezvous and ``endpoint`` set it is the ZMQ server's digest: group members check
+    the one the learner hands them in its store with each version."""
     num_bytes: int
     num_buckets: int
     """ZMQ buckets, IPC buffers, or broadcast buckets."""

@@ -150,6 +150,9 @@ class BroadcastWeightPublisher:
         """Members that missed the last op's deadline: left out of the next generation (alive, they register again)."""
         self._delivered = (-1, -1)
         """(generation, version) last received and acknowledged by every member."""
+        self.last_delivery: dict[str, float] = {}
+        """Seconds of the last delivered version: ``ready_s`` (members ready), ``buckets_s`` (the
+        broadcast calls), ``acks_s`` (acknowledgements), ``total_s``; plus ``version``, ``members``."""
         self._changed = threading.Condition()
         self._failure: BaseException | None = None
         self._stop = threading.Event()
@@ -257,6 +260,8 @@ class BroadcastWeightPublisher:
                 self._wake.clear()
                 if self._backend is None:  # nothing published: nobody can know the rendezvous yet
                     continue
+                if self._backend == "nccl":  # this thread's CUDA calls go to the buckets' device
+                    torch.cuda.set_device(self._packer.buffers[0].device)
                 joiners = self._new_joiners()
                 self._read_leaves()
                 if joiners or self._regroup_needed or self._left.intersection(self._members):
@@ -292,6 +297,7 @@ class BroadcastWeightPublisher:
     def _wait_keys(self, keys: Mapping[str, str], deadline: float) -> list[str]:
         """Wait until every key of ``{member: key}`` is set or ``deadline``; returns the members still
         missing (those that left are missing at once)."""
+        pause = 0.0002  # members usually answer within a millisecond: look often at first
         while True:
             self._read_leaves()
             gone = [m for m in keys if m in self._left]
@@ -300,7 +306,8 @@ class BroadcastWeightPublisher:
                 return gone
             if time.monotonic() > deadline or self._stop.is_set():
                 return gone + [m for m, key in keys.items() if m not in self._left and not self._store.check([key])]
-            time.sleep(wb.POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, wb.POLL_S)
 
     def _read_leaves(self) -> None:
         """Note who left since the last look (one round trip unless someone did)."""
@@ -379,9 +386,10 @@ class BroadcastWeightPublisher:
             missing = self._wait_keys(ranks, deadline)
             failure = f"not ready: {self._missing(missing)}" if missing else None
             self._unresponsive = missing
+            ready = time.perf_counter()
             if failure is None:
                 failure = self._broadcast_buckets(deadline)
-            broadcast_s = time.perf_counter() - started
+            sent = time.perf_counter()
         if failure is not None:
             self._store.set(wb.abort_key(generation, op), b"1")
             logger.warning("weight broadcast of version %d to generation %d failed: %s; re-forming the group",
@@ -403,11 +411,16 @@ class BroadcastWeightPublisher:
             self._unresponsive = missing
             self._regroup_needed = True
             return
+        done = time.perf_counter()
         with self._changed:
             self._delivered = (generation, version)
+            self.last_delivery = {
+                "version": version, "members": len(members), "ready_s": ready - started, "buckets_s": sent - ready,
+                "acks_s": done - sent, "total_s": done - started,
+            }  # fmt: skip
             self._changed.notify_all()
-        logger.info("weight broadcast: version %d to %d members in %.1f ms (generation %d)", version, len(members),
-                    broadcast_s * 1e3, generation)  # fmt: skip
+        logger.info("weight broadcast: version %d to %d members in %.1f ms (buckets %.1f ms; generation %d)", version,
+                    len(members), (done - started) * 1e3, (sent - ready) * 1e3, generation)  # fmt: skip
 
     def _broadcast_buckets(self, deadline: float) -> str | None:
         """Broadcast every bucket from rank 0; None, or why it failed (the group is then aborted)."""

@@ -190,6 +190,8 @@ class BroadcastReceiver:
 
     # ------------------------------------------------------------------ thread side
     def _run(self) -> None:
+        if self._device.type == "cuda":  # this thread's CUDA calls go to the staging device
+            torch.cuda.set_device(self._device)
         try:
             host, port = self.info.store.rsplit(":", 1)
             timeout = timedelta(seconds=min(self._timeout_s, STORE_CONNECT_TIMEOUT_S))
