@@ -1,5 +1,6 @@
 """A few steps of the demo through every real tier: vLLM rollout, function reward, DeepSpeed learner
-(one process, and a learner group of 2 data-parallel ranks on gloo).
+(one process serving weights over ZMQ, and a learner group of 2 data-parallel ranks on gloo that
+broadcasts them to the vLLM workers over its weight group).
 
 Checks what a user relies on: data flows through every stream, the policy version rises each step,
 after every weight sync the engine's greedy output is the learner's own greedy output for those
@@ -34,18 +35,24 @@ def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
     return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
-@pytest.mark.parametrize("learner_ranks", [1, 2], ids=["learner", "learner-group-of-2"])
-def test_demo_steps_end_to_end(learner_ranks: int, tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "learner_ranks,transport", [(1, "zmq"), (2, "broadcast")], ids=["learner-zmq", "group-of-2-broadcast"]
+)
+def test_demo_steps_end_to_end(learner_ranks: int, transport: str, tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]
     run_dir = tmp_path / "run"
     recipe = write_recipe(tiny_task, run_dir, redis_url, dense_reward=True)
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), f"--run_id={run_id}",
-         f"--learner.ranks={learner_ranks}"],
+         f"--learner.ranks={learner_ranks}", f"--learner.weights_transport={transport}"],
         env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     if learner_ranks > 1:
         assert f"learner group: {learner_ranks} ranks" in proc.stdout + proc.stderr
+    weights_events = [m for m in entries(redis.Redis.from_url(redis_url), StreamNames(run_id).weights)
+                      if isinstance(m, WeightsPublished)]  # fmt: skip
+    assert all((w.broadcast is not None) == (transport == "broadcast") for w in weights_events)
+    assert all((w.endpoint != "") == (transport == "zmq") for w in weights_events)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
     total_steps, group_size, prompts_per_step = 4, 4, 4

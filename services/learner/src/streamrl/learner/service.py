@@ -2,8 +2,9 @@
 
 * A consumer loop on ``batches`` (one at a time, in order). For batch ``k`` at step ``k``: train one
   step, serve the new weights (version ``k + 1``) from the ZMQ weight server, or with
-  ``weights_transport = "ipc"`` copy them into the CUDA IPC buffers on the learner's GPU, and publish
-  WeightsPublished (version, checksum, endpoint or IPC buffers, step metrics) to ``weights``.
+  ``weights_transport = "ipc"`` copy them into the CUDA IPC buffers on the learner's GPU, or with
+  ``"broadcast"`` into the buckets its weight group receives in the background, and publish
+  WeightsPublished (version, checksum, endpoint / IPC buffers / group rendezvous, step metrics).
 * Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps).
   A killed learner restarts from its last checkpoint and replays, in order, exactly the batches it
   had not checkpointed (they are still pending for it); batches older than the checkpoint are
@@ -27,6 +28,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.group import LearnerGroup
 from streamrl.learner.ipc_weights import IpcWeightPublisher
@@ -53,9 +55,12 @@ class LearnerService:
         """(entry id, batch index) of entries handled but not yet acknowledged."""
         self.server: WeightServer | None = None
         self.ipc: IpcWeightPublisher | None = None
+        self.broadcast: BroadcastWeightPublisher | None = None
         if config.weights_transport == "ipc":
             self.ipc = IpcWeightPublisher(bucket_bytes=config.weights_bucket_mb * 2**20)
-        else:
+        if config.weights_transport == "broadcast":
+            self.broadcast = BroadcastWeightPublisher.from_config(config)
+        if config.weights_transport == "zmq" or (self.broadcast is not None and config.weights_zmq_fallback):
             self.server = WeightServer(
                 host=config.weights_host, port=config.weights_port, advertise_host=config.weights_advertise_host,
                 bucket_bytes=config.weights_bucket_mb * 2**20,
@@ -84,6 +89,8 @@ class LearnerService:
         finally:
             if self.server is not None:
                 self.server.close()
+            if self.broadcast is not None:
+                self.broadcast.close()
         await asyncio.to_thread(self.group.stop)  # not on an exception: the group then dies with this rank
 
     async def handle(self, batch: TrainingBatch) -> list[Output]:
@@ -118,10 +125,18 @@ class LearnerService:
     async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
         started = time.perf_counter()
         params = self.group.full_weights()
-        ipc = None
+        ipc = broadcast = None
+        endpoint = ""
         if self.ipc is not None:
             ipc, checksum = await asyncio.to_thread(self.ipc.publish, params, self.step)
-            num_bytes, num_buckets, endpoint = self.ipc.num_bytes, self.ipc.num_buffers, ""
+            num_bytes, num_buckets = self.ipc.num_bytes, self.ipc.num_buffers
+        elif self.broadcast is not None:
+            # returns once the buckets hold this version; the group receives them in the background
+            broadcast, checksum = await asyncio.to_thread(self.broadcast.publish, params, self.step)
+            num_bytes, num_buckets = self.broadcast.num_bytes, self.broadcast.num_buckets
+            if self.server is not None:  # the ZMQ fallback: the event's checksum is then the ZMQ one
+                checksum, _, _ = await asyncio.to_thread(self.server.publish, self.broadcast.tensors(), self.step)
+                endpoint = self.server.endpoint
         else:
             assert self.server is not None
             checksum, num_bytes, num_buckets = await asyncio.to_thread(self.server.publish, params, self.step)
@@ -131,6 +146,7 @@ class LearnerService:
         return WeightsPublished(
             version=self.step, step=self.step, batch_id=batch_id, checksum=checksum, num_bytes=num_bytes,
             num_buckets=num_buckets, endpoint=endpoint, metrics=metrics, published_at=time.time(), ipc=ipc,
+            broadcast=broadcast,
         )  # fmt: skip
 
     def _checkpoint(self) -> None:
