@@ -41,10 +41,11 @@ def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
 def test_demo_steps_end_to_end(learner_ranks: int, transport: str, tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]
     run_dir = tmp_path / "run"
     recipe = write_recipe(tiny_task, run_dir, redis_url, dense_reward=True)
+    key = f"weights-key-{run_id}"  # every weights event signed with it; shown nowhere
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), f"--run_id={run_id}",
          f"--learner.ranks={learner_ranks}", f"--learner.weights_transport={transport}"],
-        env=ENV, capture_output=True, text=True, timeout=600,
+        env={**ENV, "STREAMRL_WEIGHTS_KEY": key}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     if learner_ranks > 1:
@@ -53,6 +54,9 @@ def test_demo_steps_end_to_end(learner_ranks: int, transport: str, tiny_task: Pa
                       if isinstance(m, WeightsPublished)]  # fmt: skip
     assert all((w.broadcast is not None) == (transport == "broadcast") for w in weights_events)
     assert all((w.endpoint != "") == (transport == "zmq") for w in weights_events)
+    assert all(w.signature for w in weights_events)
+    assert key not in proc.stdout + proc.stderr
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
     total_steps, group_size, prompts_per_step = 4, 4, 4

@@ -144,3 +144,46 @@ def test_a_dead_weight_follower_stops_the_worker(redis_url: str, run_id: str, mo
 
     with pytest.raises(RuntimeError, match="the weight follower died"):
         asyncio.run(scenario())
+
+
+def test_weights_events_signed_with_another_key_are_refused(
+    redis_url: str, run_id: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the run's weights key set, a worker applies only events the learner signed with it: a
+    forged event (another key, or none) pointing at other weights is refused with a clear error, and
+    the worker goes on to the next genuine version."""
+    from streamrl.common.weights_auth import KEY_ENV, sign
+
+    monkeypatch.setenv(KEY_ENV, "the-run-key-0123456789")
+    run_key, other_key = b"the-run-key-0123456789", b"someone-else-0123456789"
+
+    async def scenario() -> list[str]:
+        engine = _Recorder()
+        service, bus, names = _service(redis_url, run_id, engine)
+        endpoints: list[str] = []
+        real_update = engine.update_weights
+
+        async def update(endpoint: str, version: int, *args: object, **kwargs: object) -> None:
+            endpoints.append(endpoint)
+            await real_update(endpoint, version, *args, **kwargs)  # type: ignore[arg-type]
+
+        engine.update_weights = update  # type: ignore[method-assign]
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            forged = WeightsPublished(version=7, step=7, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
+                                      endpoint="tcp://attacker:6666")  # fmt: skip
+            await bus.publish(names.weights, sign(forged, other_key))
+            await bus.publish(names.weights, forged)
+            await bus.publish(names.weights, sign(_weights(1), run_key))
+            while engine.version < 1 and not tail.done():
+                await asyncio.sleep(0.01)
+        finally:
+            await cancel_and_wait([tail])
+            await bus.redis.aclose()
+        return endpoints
+
+    with caplog.at_level(logging.ERROR, logger="streamrl.rollout.service"):
+        assert asyncio.run(asyncio.wait_for(scenario(), timeout=20)) == ["tcp://learner:1"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("weights version 7 is signed with another key than this run's (STREAMRL_WEIGHTS_KEY)" in e for e in errors)
+    assert any("weights version 7 is not signed" in e for e in errors)

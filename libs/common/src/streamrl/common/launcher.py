@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from streamrl.common.config import BaseConfig, ConfigError, apply_overrides, rea
 from streamrl.common.health import live_heartbeats
 from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.common.weights_auth import KEY_ENV
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
 COLORS = {"coordinator": 36, "rollout": 32, "reward": 35, "learner": 33, "redis": 90}
@@ -145,6 +147,8 @@ class Launcher:
         self.children: list[Child] = []
         self.redis: RedisServer | None = None
         self.lock = threading.Lock()
+        self.weights_key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
+        """The run's weights key (:mod:`streamrl.common.weights_auth`): the environment's, else a new random one."""
         self.stop_requested = False
 
     def start(self) -> None:
@@ -170,6 +174,7 @@ class Launcher:
         cmd += [f"--instance={instance}"]
         gpus = self.cfg.up.cuda_devices(service, replica)
         env = child_env(os.environ, instance, self.cfg.up.threads.get(service), gpus)
+        env.setdefault(KEY_ENV, self.weights_key)  # signs the learner's weights events; never logged
         env["STREAMRL_REDIS__URL"] = self.redis_url or ""  # not on the command line: `ps` would show a password
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent

@@ -329,6 +329,9 @@ class WeightsPublished(_Message, tag="weights"):
     broadcast: WeightsBroadcast | None = None
     """Rendezvous of the weight-broadcast group (``learner.weights_transport = "broadcast"``); workers that
     cannot join it fetch from ``endpoint`` when it is set."""
+    signature: str = ""
+    """HMAC-SHA256 of this event with the run's weights key (:mod:`streamrl.common.weights_auth`); empty
+    when the learner has no key."""
 
 
 class Heartbeat(_Message, tag="heartbeat"):

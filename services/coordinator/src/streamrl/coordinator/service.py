@@ -41,6 +41,7 @@ from streamrl.common.messages import (
     Trajectory,
     WeightsPublished,
 )
+from streamrl.common.weights_auth import check, weights_key
 from streamrl.coordinator.admission import groups_admissible, required_version, staleness
 from streamrl.coordinator.batching import ReadyGroup, select_groups
 from streamrl.coordinator.config import CoordinatorConfig
@@ -103,6 +104,7 @@ class CoordinatorService:
         self.learner_ready = False
         self.said_waiting = False
         self.published_progress: dict[str, str] = {}
+        self.weights_key = weights_key()
 
     # -- state in redis -------------------------------------------------------------------
     def _state(self, name: str) -> str:
@@ -182,6 +184,7 @@ class CoordinatorService:
     async def on_weights(self, msg: Any) -> None:
         if not isinstance(msg, WeightsPublished):
             return
+        check(msg, self.weights_key)  # a forged version must not move the run (logged and skipped by the tail)
         self.wake.set()
         if msg.version > self.version:
             # the version's evaluation round is registered before the version counts: otherwise a

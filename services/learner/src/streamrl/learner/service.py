@@ -28,6 +28,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.common.weights_auth import sign, weights_key
 from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.group import LearnerGroup
@@ -56,6 +57,8 @@ class LearnerService:
         self.server: WeightServer | None = None
         self.ipc: IpcWeightPublisher | None = None
         self.broadcast: BroadcastWeightPublisher | None = None
+        self.weights_key = weights_key()
+        """Signs every WeightsPublished (rollout workers with the key refuse events without it)."""
         if config.weights_transport == "ipc":
             self.ipc = IpcWeightPublisher(bucket_bytes=config.weights_bucket_mb * 2**20)
         if config.weights_transport == "broadcast":
@@ -143,11 +146,12 @@ class LearnerService:
             endpoint = self.server.endpoint
         metrics = {**metrics, "learner/weights_publish_s": time.perf_counter() - started} if metrics else {}
         self.ctx.policy_version = self.step
-        return WeightsPublished(
+        event = WeightsPublished(
             version=self.step, step=self.step, batch_id=batch_id, checksum=checksum, num_bytes=num_bytes,
             num_buckets=num_buckets, endpoint=endpoint, metrics=metrics, published_at=time.time(), ipc=ipc,
             broadcast=broadcast,
         )  # fmt: skip
+        return sign(event, self.weights_key)
 
     def _checkpoint(self) -> None:
         self.group.checkpoint({"step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value})

@@ -29,6 +29,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyncError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
+from streamrl.common.weights_auth import KEY_ENV, check, weights_key
 from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.engine import Engine, GenerationRequest
 
@@ -47,6 +48,10 @@ class RolloutService:
         self.latest: WeightsPublished | None = None
         self.changed = asyncio.Condition()
         self.update_lock = asyncio.Lock()
+        self.weights_key = weights_key()
+        if self.weights_key is None:
+            logger.warning("weights events are not authenticated (%s is not set): any writer to the weights "
+                           "stream can point this worker at other weights", KEY_ENV)  # fmt: skip
 
     async def run(self) -> None:
         cursor = await self._load_latest_weights()
@@ -119,7 +124,7 @@ class RolloutService:
         last = await self.redis.xrevrange(self.ctx.names.weights, count=16)
         for entry_id, fields in last:
             try:
-                msg = decode(fields.get(b"d", b""), WeightsPublished)
+                msg = self._weights_event(fields)
             except PoisonMessageError as e:
                 logger.error("skipping weights entry %s: %s", entry_id.decode(), e)
                 continue
@@ -127,6 +132,12 @@ class RolloutService:
             return str(last[0][0].decode())
         self._report(self.engine.version)
         return str(last[0][0].decode()) if last else "0-0"
+
+    def _weights_event(self, fields: dict[bytes, bytes]) -> WeightsPublished:
+        """A weights stream entry, decoded and its signature checked (PoisonMessageError: never apply it)."""
+        event = decode(fields.get(b"d", b""), WeightsPublished)
+        check(event, self.weights_key)
+        return event
 
     def _on_follower_end(self, tail: asyncio.Task[None]) -> None:
         """The weight follower never ends on its own: if it died, stop the worker (it must not serve
@@ -143,7 +154,7 @@ class RolloutService:
                 for entry_id, fields in entries:
                     cursor = entry_id.decode()
                     try:
-                        newest = decode(fields.get(b"d", b""), WeightsPublished)
+                        newest = self._weights_event(fields)
                     except PoisonMessageError as e:  # one bad entry must not stop the follower
                         logger.error("skipping weights entry %s: %s", cursor, e)
                 if newest is not None:
@@ -163,7 +174,7 @@ class RolloutService:
         """Version of the newest WeightsPublished on the stream (-1 = none)."""
         for _, fields in await self.redis.xrevrange(self.ctx.names.weights, count=16):
             try:
-                return decode(fields.get(b"d", b""), WeightsPublished).version
+                return self._weights_event(fields).version
             except PoisonMessageError:
                 continue
         return -1

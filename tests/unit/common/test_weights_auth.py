@@ -1,0 +1,44 @@
+"""Signed weights events (streamrl.common.weights_auth)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from streamrl.common.codec import decode, encode
+from streamrl.common.messages import WeightsPublished
+from streamrl.common.weights_auth import KEY_ENV, WeightsAuthError, check, sign, weights_key
+
+KEY = b"a-run-key-of-some-length"
+EVENT = WeightsPublished(version=3, step=3, batch_id="batch-2", checksum="ab" * 32, num_bytes=10, num_buckets=1,
+                         endpoint="tcp://learner:5555", metrics={"learner/loss/policy": 0.125})  # fmt: skip
+
+
+def test_a_signed_event_passes_after_the_wire() -> None:
+    check(decode(encode(sign(EVENT, KEY)), WeightsPublished), KEY)
+
+
+@pytest.mark.parametrize("field,value", [("endpoint", "tcp://elsewhere:1"), ("checksum", "00" * 32), ("version", 4)])
+def test_any_change_to_a_signed_event_is_refused(field: str, value: object) -> None:
+    tampered = msgspec.structs.replace(sign(EVENT, KEY), **{field: value})
+    with pytest.raises(WeightsAuthError, match="signed with another key"):
+        check(tampered, KEY)
+
+
+def test_unsigned_or_foreign_events_are_refused_only_with_a_key() -> None:
+    with pytest.raises(WeightsAuthError, match="not signed"):
+        check(EVENT, KEY)
+    with pytest.raises(WeightsAuthError, match="another key"):
+        check(sign(EVENT, b"another-key-of-some-length"), KEY)
+    check(EVENT, None)  # no key configured: nothing to check against
+    assert sign(EVENT, None) == EVENT
+
+
+def test_the_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    assert weights_key() is None
+    monkeypatch.setenv(KEY_ENV, "short")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        weights_key()
+    monkeypatch.setenv(KEY_ENV, "x" * 16)
+    assert weights_key() == b"x" * 16
