@@ -35,7 +35,7 @@ class WeightsAuthError(PoisonMessageError):
 
 
 def weights_key() -> bytes | None:
-    """The run's weights key from the environment, or None when there is none."""
+    """The run's weights key from the environment, or None when there is none (unset or empty)."""
     value = os.environ.get(KEY_ENV, "")
     if not value:
         return None
