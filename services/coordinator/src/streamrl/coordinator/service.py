@@ -30,6 +30,7 @@ from streamrl.common.bus import Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import MessageTooLargeError, PoisonMessageError
+from streamrl.common.follower import StreamFollower
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import (
     DeadLetter,
@@ -161,16 +162,21 @@ class CoordinatorService:
     async def _tail(self, stream: str, cursor_name: str, handle: Any, stop: asyncio.Event) -> None:
         """Follow a broadcast stream from a cursor saved in redis (at-least-once, handlers idempotent)."""
         cursor = (await self.redis.get(self._state(cursor_name)) or b"0-0").decode()
-        while not stop.is_set():
-            reply = await self.redis.xread({stream: cursor}, count=64, block=200)
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    try:
-                        await handle(decode(fields[b"d"]))
-                    except PoisonMessageError as e:
-                        logger.error("skipping undecodable entry %s on %s: %s", entry_id, stream, e)
-                    cursor = entry_id.decode()
-                    await self.redis.set(self._state(cursor_name), cursor)
+
+        async def each(entries: list[tuple[str, Any]], last_id: str) -> str:
+            for _, msg in entries:
+                await handle(msg)
+            await self.redis.set(self._state(cursor_name), last_id)
+            return last_id
+
+        await StreamFollower(self.redis, stream, self._decode_followed, each, block_ms=200).run(cursor, stop)
+
+    def _decode_followed(self, fields: dict[bytes, bytes]) -> Any:
+        """An entry of a followed stream; a weights event must carry this run's signature (when there is a key)."""
+        msg = decode(fields.get(b"d", b""))
+        if isinstance(msg, WeightsPublished):
+            check(msg, self.weights_key)  # a forged version must not move the run
+        return msg
 
     # -- handlers ---------------------------------------------------------------------------
     async def handle_scored(self, msg: ScoredTrajectory) -> list[Output]:
@@ -184,7 +190,6 @@ class CoordinatorService:
     async def on_weights(self, msg: Any) -> None:
         if not isinstance(msg, WeightsPublished):
             return
-        check(msg, self.weights_key)  # a forged version must not move the run (logged and skipped by the tail)
         self.wake.set()
         if msg.version > self.version:
             # the version's evaluation round is registered before the version counts: otherwise a

@@ -27,6 +27,7 @@ from streamrl.common.bus import Output
 from streamrl.common.codec import decode
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyncError
+from streamrl.common.follower import StreamFollower, previous_id, supervise
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
 from streamrl.common.weights_auth import KEY_ENV, check, weights_key
@@ -62,7 +63,9 @@ class RolloutService:
         self.ctx.loops.append(loop)
         self.ctx.mark_running()
         tail = asyncio.create_task(self._tail_weights(cursor))
-        tail.add_done_callback(self._on_follower_end)
+        # a worker whose follower died must not serve stale weights with a healthy heartbeat: stop it
+        # (``run`` then raises, so the process exits non-zero)
+        supervise(tail, "the weight follower", lambda _: self.ctx.stop.set())
         try:
             await loop.run(self.ctx.stop, burst=self.ctx.burst)
             if tail.done() and not tail.cancelled() and tail.exception() is not None:
@@ -139,36 +142,27 @@ class RolloutService:
         check(event, self.weights_key)
         return event
 
-    def _on_follower_end(self, tail: asyncio.Task[None]) -> None:
-        """The weight follower never ends on its own: if it died, stop the worker (it must not serve
-        stale weights with a healthy heartbeat); ``run`` then raises, so the process exits non-zero."""
-        if not tail.cancelled() and tail.exception() is not None:
-            logger.error("the weight follower died (%r): stopping this rollout worker", tail.exception())
-            self.ctx.stop.set()
-
     async def _tail_weights(self, cursor: str) -> None:
-        while True:
-            reply = await self.redis.xread({self.ctx.names.weights: cursor}, count=16, block=1000)
-            for _, entries in reply or []:
-                newest = None
-                for entry_id, fields in entries:
-                    cursor = entry_id.decode()
-                    try:
-                        newest = self._weights_event(fields)
-                    except PoisonMessageError as e:  # one bad entry must not stop the follower
-                        logger.error("skipping weights entry %s: %s", cursor, e)
-                if newest is not None:
-                    try:
-                        await self._apply(newest)
-                    except WeightSyncError as e:
-                        latest = await self._latest_published()
-                        if latest > newest.version:  # superseded while it waited: the next read takes the newer one
-                            logger.warning("weight sync to version %d failed (%s); version %d is published: "
-                                           "taking that", newest.version, e, latest)  # fmt: skip
-                            continue
-                        logger.error("weight sync to version %d failed: %s", newest.version, e)  # retried
-                        cursor = "0-0" if cursor == "0-0" else _previous(cursor)
-                        await asyncio.sleep(1.0)
+        follower = StreamFollower(self.redis, self.ctx.names.weights, self._weights_event, self._on_weights, count=16)
+        await follower.run(cursor)
+
+    async def _on_weights(self, entries: list[tuple[str, WeightsPublished]], last_id: str) -> str:
+        """Apply the newest event of a read; the cursor to read on from (the same entry again to retry)."""
+        if not entries:
+            return last_id
+        entry_id, newest = entries[-1]
+        try:
+            await self._apply(newest)
+        except WeightSyncError as e:
+            latest = await self._latest_published()
+            if latest > newest.version:  # superseded while it waited: the next read takes the newer one
+                logger.warning("weight sync to version %d failed (%s); version %d is published: "
+                               "taking that", newest.version, e, latest)  # fmt: skip
+                return last_id
+            logger.error("weight sync to version %d failed: %s", newest.version, e)  # retried
+            await asyncio.sleep(1.0)
+            return previous_id(entry_id)
+        return last_id
 
     async def _latest_published(self) -> int:
         """Version of the newest WeightsPublished on the stream (-1 = none)."""
@@ -219,9 +213,3 @@ class RolloutService:
 
     def _report(self, version: int) -> None:
         self.ctx.policy_version = version
-
-
-def _previous(entry_id: str) -> str:
-    """The stream id just before ``entry_id`` (to read that entry again)."""
-    ms, seq = (int(x) for x in entry_id.split("-"))
-    return f"{ms}-{seq - 1}" if seq > 0 else f"{ms - 1}-18446744073709551615"
