@@ -18,6 +18,7 @@ from streamrl.common.streams import StreamNames
 from streamrl.learner.checkpoint_retention import prune_checkpoints
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.ds_config import DeepSpeedConfig
+from streamrl.learner.group import LearnerGroup
 from streamrl.learner.service import LearnerService
 from streamrl.learner.trainer import RLTrainer
 
@@ -67,7 +68,9 @@ def test_rl_learner_keeps_the_last_checkpoints_and_resumes_from_latest(tiny_qwen
         run_dir=str(tmp_path),
     )
     ctx = ServiceContext("learner", "learner-0", cfg, MagicMock(), StreamNames("r"), asyncio.Event())
-    service = LearnerService(cfg, ctx, RLTrainer(cfg))
+    trainer = RLTrainer(cfg)
+    group = LearnerGroup(trainer, tmp_path / "checkpoints", cfg.checkpoint_keep_last)
+    service = LearnerService(cfg, ctx, trainer, group)
     try:
         for k in range(1, 5):
             service.trainer.step(scored_batch(seed=k))
@@ -76,11 +79,11 @@ def test_rl_learner_keeps_the_last_checkpoints_and_resumes_from_latest(tiny_qwen
     finally:
         assert service.server is not None
         service.server.close()
-    assert left(service.ckpt_dir) == ["latest", "step_3", "step_4"]
-    assert (service.ckpt_dir / "latest").read_text() == "step_4"
+    assert left(group.ckpt_dir) == ["latest", "step_3", "step_4"]
+    assert (group.ckpt_dir / "latest").read_text() == "step_4"
 
     resumed = RLTrainer(cfg)
-    state = resumed.policy.load_checkpoint(service.ckpt_dir)
+    state = resumed.policy.load_checkpoint(group.ckpt_dir)
     assert state is not None and state["step"] == 4 and state["next_index"] == 4
     trained = dict(service.trainer.policy.module.named_parameters())
     for name, p in resumed.policy.module.named_parameters():
