@@ -34,7 +34,7 @@ def test_lr_schedule_shapes() -> None:
 
 def test_deepspeed_dict() -> None:
     ds = DeepSpeedConfig(zero_stage=3, dtype="bf16", betas=(0.9, 0.99)).to_deepspeed_dict()
-    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["betas"] == [0.9, 0.99]
     frozen = DeepSpeedConfig(zero_stage=2).to_deepspeed_dict(train=False)
     assert "optimizer" not in frozen and frozen["zero_optimization"]["stage"] == 0

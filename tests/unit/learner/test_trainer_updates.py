@@ -20,9 +20,10 @@ from streamrl.learner.algo.losses import normaliser_count
 from streamrl.learner.algo.objective import compute_advantages, policy_objective
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.ds_config import DeepSpeedConfig
-from streamrl.learner.logprobs import token_logprobs
+from streamrl.learner.lm_forward import rl_response_logprobs
 from streamrl.learner.rl_batch import collate, micro_batches, update_plan
-from streamrl.learner.trainer import RLTrainer, response_logits
+from streamrl.learner.trainer import RLTrainer
+from streamrl.learner.varlen_attention import register as varlen_attention
 
 
 def groups_of(sizes: list[int]) -> torch.Tensor:
@@ -85,18 +86,18 @@ def test_trainer_takes_each_planned_update_against_pi_old(tiny_qwen_dir: Path) -
     assert trainer.policy.global_steps == mini_batches
 
     # the same updates replayed with plain torch from the same initial weights
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32, attn_implementation=varlen_attention())
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=ds.betas, eps=ds.eps, weight_decay=0.0)
     rl = collate(batch, pad_id=0)
     with torch.no_grad():
-        old = token_logprobs(response_logits(model, rl), rl.response_ids)
+        old = rl_response_logprobs(model, rl, ds, with_entropy=False)[0]  # the trainer's forward (lm_forward)
     advantages, _ = compute_advantages(cfg.algo, rewards=rl.rewards, group_index=rl.group_index, mask=rl.mask)
     plan = update_plan(rl.group_index, mini_batches=mini_batches, epochs=1, grad_accum=1, seed=zlib.crc32(b"batch-3"))
     ratios = []
     for (rows,) in plan:
         mb = rl.select(rows)
-        logp = token_logprobs(response_logits(model, mb), mb.response_ids)
+        logp = rl_response_logprobs(model, mb, ds, with_entropy=False)[0]
         loss, m = policy_objective(
             cfg.algo, logprobs=logp, old_logprobs=old[rows], advantages=advantages[rows], mask=mb.mask,
             normaliser=float(normaliser_count(mb.mask, cfg.algo.loss.aggregation)), behaviour_logprobs=mb.behaviour_logprobs,

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from streamrl.learner.data import Pair, build_pairs, train_eval_records
+from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine, init_distributed, load_tokenizer
-from streamrl.learner.logprobs import IGNORE_INDEX, token_logprobs
+from streamrl.learner.lm_forward import rows_logprobs
 from streamrl.learner.offline_config import DPOConfig
 from streamrl.learner.offline_loop import LoopResult, rank_batches, run_training
 from streamrl.learner.offline_losses import masked_nll, preference_loss, sequence_logprob
-from streamrl.learner.packing import collate, sample_row
+from streamrl.learner.packing import sample_row
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,25 +37,25 @@ class RefPair:
 
 
 def pair_logprobs(
-    engine: ModelEngine, pairs: Sequence[Pair], pad_id: int
+    engine: ModelEngine, pairs: Sequence[Pair], cfg: DeepSpeedConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed response log-probs of chosen and rejected (one forward), plus per-token log-probs and mask."""
+    """Summed response log-probs of chosen and rejected (one flat varlen forward, fused head unless
+    ``cfg`` says not), plus per-token log-probs and mask."""
     rows = [sample_row(p.chosen) for p in pairs] + [sample_row(p.rejected) for p in pairs]
-    batch = collate(rows, pad_id, packed=False)
-    targets = batch.pop("targets").to(engine.device)
-    logprobs = token_logprobs(engine(**batch).logits, targets)
-    mask = targets != IGNORE_INDEX
+    logprobs, mask = rows_logprobs(engine, rows, cfg)
     seq = sequence_logprob(logprobs, mask)
     return seq[: len(pairs)], seq[len(pairs) :], logprobs, mask
 
 
-def reference_logprobs(engine: ModelEngine, pairs: Sequence[Pair], pad_id: int, micro_batch: int) -> torch.Tensor:
+def reference_logprobs(
+    engine: ModelEngine, pairs: Sequence[Pair], cfg: DeepSpeedConfig, micro_batch: int
+) -> torch.Tensor:
     """``(len(pairs), 2)`` summed reference log-probs of (chosen, rejected), computed sharded over ranks."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=engine.device)
     indices = list(range(len(pairs)))
     with torch.no_grad():
         for batch, real in rank_batches(indices, engine.rank, engine.world_size, micro_batch):
-            chosen, rejected, _, _ = pair_logprobs(engine, [pairs[i] for i in batch], pad_id)
+            chosen, rejected, _, _ = pair_logprobs(engine, [pairs[i] for i in batch], cfg)
             if real:
                 out[batch, 0] = chosen.double()
                 out[batch, 1] = rejected.double()
@@ -67,17 +68,16 @@ class DPOTask:
 
     default_best_metric = "loss"
 
-    def __init__(self, cfg: DPOConfig, pad_id: int, ref_engine: ModelEngine | None) -> None:
+    def __init__(self, cfg: DPOConfig, ref_engine: ModelEngine | None) -> None:
         self.cfg = cfg
-        self.pad_id = pad_id
         self.ref_engine = ref_engine
 
     def _forward(self, engine: ModelEngine, items: Sequence[RefPair]) -> tuple[Any, torch.Tensor]:
         pairs = [it.pair for it in items]
-        chosen, rejected, logprobs, mask = pair_logprobs(engine, pairs, self.pad_id)
+        chosen, rejected, logprobs, mask = pair_logprobs(engine, pairs, self.cfg.deepspeed)
         if self.ref_engine is not None:
             with torch.no_grad():
-                ref_c, ref_r, _, _ = pair_logprobs(self.ref_engine, pairs, self.pad_id)
+                ref_c, ref_r, _, _ = pair_logprobs(self.ref_engine, pairs, self.cfg.deepspeed)
         else:
             ref_c = torch.tensor([it.ref_chosen for it in items], device=chosen.device, dtype=chosen.dtype)
             ref_r = torch.tensor([it.ref_rejected for it in items], device=chosen.device, dtype=chosen.dtype)
@@ -133,7 +133,6 @@ def _with_reference(pairs: list[Pair], ref: torch.Tensor) -> list[RefPair]:
 def run_dpo(cfg: DPOConfig) -> LoopResult:
     """Run a DPO / cDPO / IPO job end to end (resuming from ``train.run_dir`` when it holds a checkpoint)."""
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-    pad_id = int(tokenizer.pad_token_id)
     train_records, eval_records = train_eval_records(cfg.data, cfg.deepspeed.seed)
     train_pairs = build_pairs(train_records, tokenizer, cfg.data)
     eval_pairs = build_pairs(eval_records, tokenizer, cfg.data) if eval_records else []
@@ -148,9 +147,11 @@ def run_dpo(cfg: DPOConfig) -> LoopResult:
     )
     if cfg.precompute_ref:
         micro = cfg.deepspeed.micro_batch_size
-        train_items = _with_reference(train_pairs, reference_logprobs(ref_engine, train_pairs, pad_id, micro))
+        train_items = _with_reference(train_pairs, reference_logprobs(ref_engine, train_pairs, cfg.deepspeed, micro))
         eval_items = (
-            _with_reference(eval_pairs, reference_logprobs(ref_engine, eval_pairs, pad_id, micro)) if eval_pairs else []
+            _with_reference(eval_pairs, reference_logprobs(ref_engine, eval_pairs, cfg.deepspeed, micro))
+            if eval_pairs
+            else []
         )
         del ref_engine
         gc.collect()
@@ -172,7 +173,7 @@ def run_dpo(cfg: DPOConfig) -> LoopResult:
         )
 
     return run_training(
-        DPOTask(cfg, pad_id, live_ref),
+        DPOTask(cfg, live_ref),
         make_engine,
         train_items,
         eval_items,

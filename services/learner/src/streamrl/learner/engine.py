@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
+from streamrl.learner.kernels import apply_kernels
+from streamrl.learner.varlen_attention import register as register_varlen_attention
 
 logger = logging.getLogger(__name__)
 ModelKind = Literal["causal_lm", "reward", "value"]
@@ -144,17 +146,23 @@ def training_device() -> torch.device:
 
 
 def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_prompts: bool = False) -> float:
-    """``torch.compile`` ``model`` in place (dynamic shapes; parameter names unchanged) and compile its
-    training and no-grad graphs now, on a right-padded random batch, leaving no gradient behind.
-    ``shared_prompts``: the graphs of the shared-prompt forward instead (prompts, then responses on
-    their KV cache). Every warm-up size differs from the others and from 1: equal sizes would be
-    assumed equal for good (a recompile at the first real step). Runs before DeepSpeed wraps the
-    model, on the device the model is on: the caller puts it on its training device first (inductor
-    builds kernels for the device of the warm-up). Returns the seconds it took."""
+    """``torch.compile`` the decoder body of ``model`` in place (dynamic shapes; parameter names
+    unchanged; every forward path runs through the body) and compile its training and no-grad graphs
+    now, leaving no gradient behind. The warm-up takes the path training will take: a causal LM the
+    flat varlen forward of :mod:`streamrl.learner.lm_forward` (three sequences end to end), or with
+    ``shared_prompts`` the shared-prompt forward (prompts, then responses on their KV cache); a
+    score or value model a right-padded random batch. Every warm-up size differs from the others and
+    from 1: equal sizes would be assumed equal for good (a recompile at the first real step). Runs
+    before DeepSpeed wraps the model, on the device the model is on: the caller puts it on its
+    training device first (inductor builds kernels for the device of the warm-up). Returns the
+    seconds it took."""
     from streamrl.learner.prompt_sharing import shared_prompt_logits
+    from streamrl.learner.varlen_attention import varlen_kwargs
 
     started = time.perf_counter()
-    model.compile(dynamic=True)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    body = getattr(base, base.base_model_prefix)
+    body.compile(dynamic=True)
     model.train()  # the training engine runs in train mode; a mode change would recompile
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
@@ -164,10 +172,17 @@ def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_pro
     prompt_len = 5  # 3 distinct prompts of 5 tokens, 2 rows each, responses up to 12 tokens
     prompt_lens = torch.full((batch,), prompt_len, dtype=torch.long)
     ids[1::2, :prompt_len] = ids[::2, :prompt_len]
+    flat = not shared_prompts and base.get_output_embeddings() is not None
+    lengths = [5, 7, 9]  # the flat row: 21 tokens, 4 boundaries, longest 9
+    cu = torch.tensor([0, 5, 12, 21], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None, :].to(device)
 
     def forward() -> torch.Tensor:
         if shared_prompts:
             return shared_prompt_logits(model, ids, mask, prompt_lens, length - prompt_len)  # type: ignore[no-any-return]
+        if flat:
+            out = body(input_ids=ids.flatten()[None, :21], position_ids=positions, **varlen_kwargs(cu, 9, device))
+            return out.last_hidden_state  # type: ignore[no-any-return]
         return model(input_ids=ids, attention_mask=mask).logits  # type: ignore[no-any-return]
 
     (forward().float().sum() * 0.0).backward()
@@ -178,9 +193,16 @@ def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_pro
 
 
 def _load_model(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraConfig | None) -> Any:
+    model = _from_pretrained(path, kind, ds_cfg, lora)
+    apply_kernels(model, ds_cfg.kernels)
+    return model
+
+
+def _from_pretrained(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraConfig | None) -> Any:
     import transformers
 
-    kwargs: dict[str, Any] = {"dtype": _DTYPES[ds_cfg.dtype], "attn_implementation": ds_cfg.attn_implementation}
+    attn = register_varlen_attention() if ds_cfg.attn_implementation == "varlen" else ds_cfg.attn_implementation
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[ds_cfg.dtype], "attn_implementation": attn}
     if lora is not None and lora.load_in_4bit:
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True,
@@ -279,7 +301,7 @@ class ModelEngine:
 
         seed_everything(ds_cfg.seed)
         tokenizer = load_tokenizer(tokenizer_path or model_path)
-        ds_dict = ds_cfg.to_deepspeed_dict(train)
+        ds_dict = ds_cfg.to_deepspeed_dict(train, cuda=torch.cuda.is_available())
         zero3_loading = None  # while alive, from_pretrained loads straight into ZeRO-3 shards
         if ds_dict["zero_optimization"]["stage"] == 3:
             from transformers.integrations import HfDeepSpeedConfig

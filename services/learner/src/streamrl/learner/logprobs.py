@@ -54,36 +54,3 @@ def shift_targets(labels: torch.Tensor) -> torch.Tensor:
     """Turn Hugging Face-style labels (aligned with input ids) into next-token targets: ``targets[t] = labels[t+1]``."""
     pad = torch.full_like(labels[..., :1], IGNORE_INDEX)
     return torch.cat([labels[..., 1:], pad], dim=-1)
-
-
-def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
-    logits = head(hidden).float()
-    valid = targets != IGNORE_INDEX
-    safe = torch.where(valid, targets, torch.zeros_like(targets))
-    picked = logits.gather(-1, safe[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return torch.where(valid, picked, torch.zeros_like(picked))
-
-
-def head_token_logprobs(
-    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int = 4096
-) -> torch.Tensor:
-    """log p(targets[t]) from final hidden states ``(..., T, H)`` through the output ``head``, in chunks.
-
-    Equal to ``token_logprobs(head(hidden), targets)``, but the ``[tokens, V]`` logits of a chunk
-    exist only while that chunk is processed: each chunk is checkpointed and its logits recomputed
-    in the backward pass. With a large vocabulary (151k for Qwen) this removes the biggest
-    activation of a training step at the price of one more output-head matmul.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} do not align")
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1)
-    pieces = [
-        checkpoint(_chunk_logprobs, flat_hidden[s : s + chunk_tokens], flat_targets[s : s + chunk_tokens], head,
-                   use_reentrant=False)  # fmt: skip
-        for s in range(0, flat_hidden.shape[0], chunk_tokens)
-    ]
-    out = torch.cat(pieces) if pieces else flat_hidden.new_zeros(0, dtype=torch.float32)
-    return out.reshape(targets.shape)

@@ -10,6 +10,10 @@ A packed row holds whole samples back to back. Isolation between them comes from
   last token of one sample is never trained to predict the first token of the next.
 
 With both, the summed loss of a packed row equals the summed loss of its samples run one by one.
+
+:func:`flatten_rows` lays rows end to end as the single row of a varlen forward
+(:mod:`streamrl.learner.varlen_attention`): every sample is a sequence of its own, delimited by
+``cu_seqlens``, and no position is padding except the tails that packed rows already carry.
 Placement is best-fit decreasing: samples are taken longest first (ties in input order) and each
 goes to the open row with the least room that still fits it. Deterministic, O(n log n), and close
 to optimal on mixed lengths.
@@ -18,6 +22,7 @@ to optimal on mixed lengths.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,3 +126,63 @@ def collate(rows: list[Row], pad_id: int, packed: bool) -> dict[str, torch.Tenso
         mask[i, :n] = 1
         targets[i, :n] = torch.tensor(r.targets)
     return {"input_ids": ids, "attention_mask": mask, "targets": targets}
+
+
+@dataclass(frozen=True)
+class FlatRows:
+    """Rows laid end to end: the inputs of one varlen forward, and where each row's tokens went."""
+
+    input_ids: torch.Tensor
+    """[1, n] int64: every row's tokens, row after row."""
+    position_ids: torch.Tensor
+    """[1, n] int64: restarting at 0 with every sample (and every packed padding tail)."""
+    targets: torch.Tensor
+    """[n] int64 next-token targets (IGNORE_INDEX where none)."""
+    cu_seqlens: torch.Tensor
+    """[sequences + 1] int32: where each sequence starts in the n tokens, then n."""
+    max_seqlen: int
+    """Length of the longest sequence."""
+    row_lengths: list[int]
+    """Tokens of each row, in order."""
+
+
+def segment_lengths(position_ids: Sequence[int]) -> list[int]:
+    """Lengths of the sequences of one row, split where the position ids restart at 0."""
+    starts = [i for i, p in enumerate(position_ids) if p == 0 or i == 0]
+    return [b - a for a, b in zip(starts, [*starts[1:], len(position_ids)], strict=True)]
+
+
+def flatten_rows(rows: Sequence[Row]) -> FlatRows:
+    """Lay ``rows`` (single samples or packed rows) end to end; a packed row's padding tail stays a sequence of its own."""
+    if not rows:
+        raise ValueError("flatten_rows needs at least one row")
+    ids: list[int] = []
+    positions: list[int] = []
+    targets: list[int] = []
+    lengths: list[int] = []
+    for r in rows:
+        ids += r.input_ids
+        positions += r.position_ids
+        targets += r.targets
+        lengths += segment_lengths(r.position_ids)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return FlatRows(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        cu_seqlens=cu,
+        max_seqlen=max(lengths),
+        row_lengths=[len(r.input_ids) for r in rows],
+    )
+
+
+def unflatten(values: torch.Tensor, row_lengths: Sequence[int], fill: float = 0.0) -> torch.Tensor:
+    """``[n]`` per-token values of flattened rows back to ``[rows, longest]``, ``fill`` after each row's end."""
+    width = max(row_lengths)
+    out = values.new_full((len(row_lengths), width), fill)
+    keep = torch.arange(width)[None, :] < torch.tensor(list(row_lengths))[:, None]
+    if values.device.type == "cuda":  # pinned and non-blocking: a pageable copy would wait for the GPU
+        keep = keep.pin_memory().to(values.device, non_blocking=True)
+    out[keep] = values
+    return out

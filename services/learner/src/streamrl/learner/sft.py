@@ -1,7 +1,8 @@
 """Supervised fine-tuning job: next-token loss on response (assistant) tokens, optionally packed.
 
 Loss: token mean over the response tokens of each micro-batch (algorithms.md 3.10). Eval metric:
-``loss`` (token mean over the whole eval set).
+``loss`` (token mean over the whole eval set). The rows of a micro-batch run as one flat varlen
+forward with a fused log-prob head (:mod:`streamrl.learner.lm_forward`).
 """
 
 from __future__ import annotations
@@ -12,47 +13,29 @@ from typing import Any
 import torch
 
 from streamrl.learner.data import build_sft_samples, train_eval_records
+from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine, load_tokenizer
-from streamrl.learner.logprobs import IGNORE_INDEX, head_token_logprobs, token_logprobs
+from streamrl.learner.lm_forward import rows_logprobs, rows_nll
 from streamrl.learner.offline_config import SFTConfig
 from streamrl.learner.offline_loop import LoopResult, run_training
-from streamrl.learner.offline_losses import masked_nll
-from streamrl.learner.packing import Row, Sample, collate, pack_samples, sample_row
-
-
-def response_logprobs(
-    engine: ModelEngine, rows: Sequence[Row], pad_id: int, packed: bool, chunked_head: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of the next-token targets of ``rows`` and the mask of positions that have one."""
-    batch = collate(list(rows), pad_id, packed)
-    targets = batch.pop("targets").to(engine.device)
-    model = engine.module
-    base = model.get_base_model() if hasattr(model, "peft_config") else model
-    head = base.get_output_embeddings()
-    if chunked_head and head is not None and hasattr(base, "model"):
-        # decoder body, then the output head chunk by chunk: the full [tokens, vocab] logits never exist
-        hidden = base.model(**{k: v.to(engine.device) for k, v in batch.items()}).last_hidden_state
-        return head_token_logprobs(hidden, head, targets), targets != IGNORE_INDEX
-    logits = engine(**batch).logits
-    return token_logprobs(logits, targets), targets != IGNORE_INDEX
+from streamrl.learner.packing import Row, Sample, pack_samples, sample_row
 
 
 class SFTTask:
-    """The SFT loss and eval statistics over rows (single samples or packed)."""
+    """The SFT loss and eval statistics over rows (single samples or packed), through the flat varlen
+    forward and the log-prob head of :mod:`streamrl.learner.lm_forward` (fused unless ``cfg`` says not)."""
 
     default_best_metric = "loss"
 
-    def __init__(self, pad_id: int, packed: bool, chunked_head: bool = True) -> None:
-        self.pad_id = pad_id
-        self.packed = packed
-        self.chunked_head = chunked_head
+    def __init__(self, cfg: DeepSpeedConfig) -> None:
+        self.cfg = cfg
 
     def train_loss(self, engine: ModelEngine, items: Sequence[Row]) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs, mask = response_logprobs(engine, items, self.pad_id, self.packed, self.chunked_head)
-        return masked_nll(logprobs, mask), {"tokens": float(mask.sum())}
+        loss, tokens = rows_nll(engine, items, self.cfg)
+        return loss, {"tokens": float(tokens)}
 
     def eval_sums(self, engine: ModelEngine, items: Sequence[Row]) -> dict[str, float]:
-        logprobs, mask = response_logprobs(engine, items, self.pad_id, self.packed)
+        logprobs, mask = rows_logprobs(engine, items, self.cfg)
         return {"nll": float(-(logprobs * mask).sum()), "tokens": float(mask.sum())}
 
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
@@ -88,7 +71,7 @@ def run_sft(cfg: SFTConfig) -> LoopResult:
         )
 
     return run_training(
-        SFTTask(pad_id, cfg.packing),
+        SFTTask(cfg.deepspeed),
         make_engine,
         train_rows,
         eval_rows,

@@ -101,6 +101,10 @@ class RLTrainer:
         self.world, self.rank = self.policy.world_size, self.policy.rank
 
     def _logprobs(self, engine: ModelEngine, mb: RLBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.cfg.share_prompts:  # unpadded varlen forward, fused log-prob head (lm_forward.py)
+            from streamrl.learner.lm_forward import rl_response_logprobs
+
+            return rl_response_logprobs(engine, mb, self.cfg.ds, with_entropy)
         logits = response_logits(engine, mb, self.cfg.share_prompts)
         targets = mb.response_ids.to(logits.device)
         logp = token_logprobs(logits, targets)
