@@ -11,7 +11,9 @@ positions that have a target go through the output head, fused with the log-soft
 (a bias, a ZeRO-3 partitioned weight), in which case the head module's logits are used.
 
 The body and head are called directly, not through the DeepSpeed engine's forward: ZeRO-1/2 hook
-gradients, not forwards, and ZeRO-3 gathers parameters in module hooks, which still run.
+gradients, not forwards. Under ZeRO-3 that gave wrong gradients (a 1-rank RL step's gradient norm
+1.56 instead of 2.60), so there the flat row goes through the engine's forward as one whole model
+call (varlen attention still) and the picked positions' logits are used.
 """
 
 from __future__ import annotations
@@ -86,18 +88,42 @@ def head_logprobs(
     targets = to_device(targets, hidden.device)
     if temperature is not None:
         temperature = to_device(temperature.float(), hidden.device)
-    if cfg.logprob_head == "fused" and fusable(head):
+    if zero3(engine):  # ``hidden`` are the logits already (:func:`features`)
+        logits = hidden
+    elif cfg.logprob_head == "fused" and fusable(head):
         return linear_logprobs(hidden, head.weight, targets, temperature, with_entropy, cfg.head_chunk_tokens)
-    logits = head(hidden)
+    else:
+        logits = head(hidden)
     if temperature is not None:
         logits = logits / temperature[:, None]
     return token_logprobs(logits, targets), (entropy(logits) if with_entropy else None)
 
 
+def zero3(engine: Engine) -> bool:
+    """Whether the engine's parameters are ZeRO-3 partitioned."""
+    return hasattr(next(_model(engine).parameters()), "ds_id")
+
+
+def features(
+    engine: Engine, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> torch.Tensor:
+    """``[n, H]`` final hidden states of one flat row; under ZeRO-3 ``[n, V]`` logits of the whole model
+    called through the engine (see the module docstring). :func:`head_logprobs` takes either."""
+    if not zero3(engine):
+        return body_hidden(engine, input_ids, position_ids, cu_seqlens, max_seqlen)
+    device = next(_model(engine).parameters()).device
+    attn = getattr(_model(engine).config, "_attn_implementation", None)
+    out = engine(
+        input_ids=to_device(input_ids, device), position_ids=to_device(position_ids, device),
+        **varlen_kwargs(to_device(cu_seqlens, device), max_seqlen, device, attn),
+    )  # fmt: skip
+    return out.logits[0]  # type: ignore[no-any-return]
+
+
 def _flat_targets(engine: Engine, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Hidden states of the positions of ``rows`` that have a target, those targets, and the layout."""
+    """Features (:func:`features`) of the positions of ``rows`` that have a target, those targets, and the layout."""
     flat = flatten_rows(rows)
-    hidden = body_hidden(engine, flat.input_ids, flat.position_ids, flat.cu_seqlens, flat.max_seqlen)
+    hidden = features(engine, flat.input_ids, flat.position_ids, flat.cu_seqlens, flat.max_seqlen)
     picked = (flat.targets != IGNORE_INDEX).nonzero().squeeze(-1)
     return hidden[to_device(picked, hidden.device)], flat.targets[picked], (flat, picked)
 
@@ -118,7 +144,7 @@ def rows_nll(engine: Engine, rows: Sequence[Row], cfg: DeepSpeedConfig) -> tuple
     hidden, targets, _ = _flat_targets(engine, rows)
     count = int(targets.numel())
     _, head = lm_parts(engine)
-    if cfg.logprob_head == "fused" and fusable(head):
+    if cfg.logprob_head == "fused" and fusable(head) and not zero3(engine):
         weights = torch.full((count,), 1.0 / max(count, 1), dtype=torch.float32, device=hidden.device)
         loss, _ = linear_nll(hidden, head.weight, to_device(targets, hidden.device), weights, cfg.head_chunk_tokens)
         return loss, count
@@ -152,7 +178,7 @@ def rl_response_logprobs(
     steps = torch.arange(width)[None, :]
     inside = steps < response_lens[:, None]
     where = (starts + mb.prompt_lens - 1)[:, None] + steps  # flat position whose output predicts response token t
-    hidden = body_hidden(engine, ids, positions, cu, int(lengths.max()))
+    hidden = features(engine, ids, positions, cu, int(lengths.max()))
     device = hidden.device
     temperature = mb.temperatures[:, None].expand(-1, width)[inside]
     logp, ent = head_logprobs(
