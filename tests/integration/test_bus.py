@@ -325,3 +325,72 @@ def test_messages_over_the_size_limit_are_refused_and_dead_lettered(redis_url: s
 
     with pytest.raises(MessageTooLargeError, match=rf"Trajectory of 1\.7 MiB for {names.trajectories} is over the 1\.0 MiB"):
         asyncio.run(publish_big())
+
+
+def _tls_redis(tmp_path: Path, password: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """A redis-server that takes only TLS connections with a password; its CA certificate for clients."""
+    from streamrl.common.redis_server import find_redis_server, free_port
+
+    d = tmp_path / "tls"
+    d.mkdir()
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+            "-subj", "/CN=streamrl-test-ca")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.crt", "-days", "1", "-extfile", "san.cnf")  # fmt: skip
+    port = free_port()
+    proc = subprocess.Popen(
+        [find_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+         "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no", "--requirepass", password,
+         "--save", "", "--appendonly", "no", "--dir", str(d)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    return proc, f"rediss://:{password}@127.0.0.1:{port}/0?ssl_ca_certs={d / 'ca.crt'}", d
+
+
+def test_a_worker_runs_over_tls_with_a_password(tmp_path: Path, run_id: str) -> None:
+    """``rediss://`` with the server's CA: the worker connects over TLS, handles entries, reports its
+    health, and its password shows in no log line."""
+    password = "tls-pass-4f9a"
+    try:
+        proc, url, _ = _tls_redis(tmp_path, password)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot make a TLS redis-server here: {e}")
+    time.sleep(0.5)
+    if proc.poll() is not None:
+        pytest.skip(f"this redis-server has no TLS support: {proc.stderr.read().decode()[-300:] if proc.stderr else ''}")
+    worker = None
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=5)
+        wait_for(lambda: _pings(client), 10, "the TLS redis-server")
+        names = StreamNames(run_id)
+        for i in range(5):
+            client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+        worker = start_worker(url, run_id, "tls-worker")
+        wait_for(lambda: len(scored_ids(client, names)) >= 5 and pending(client, names) == 0, 30, "the outputs")
+        check = subprocess.run(
+            [sys.executable, str(WORKER), f"--redis.url={url}", f"--run_id={run_id}", "--check", "--instance=tls-worker"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert check.returncode == 0 and "healthy" in check.stdout, check.stdout + check.stderr
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(20)
+        proc.terminate()
+        proc.wait(5)
+    assert worker.returncode == 0
+    assert password not in worker.log_path.read_text()  # type: ignore[attr-defined]
+
+
+def _pings(client: redis.Redis) -> bool:  # type: ignore[type-arg]
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
