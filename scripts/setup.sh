@@ -85,7 +85,7 @@ setup_cuda() {
   command -v redis-server >/dev/null 2>&1 || common="libs/common[redis-server]"
   DS_BUILD_OPS=0 $pip install -q -c "$keep" "deepspeed==$(pinned deepspeed)"
   $pip install -q -c "$keep" -e "$common" -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
-    -e "services/learner[lora,datasets]" pytest pytest-timeout hypothesis msgpack packaging
+    -e "services/learner[lora,datasets,gpu]" pytest pytest-timeout hypothesis msgpack packaging
   if [ "$vllm" = 0 ]; then
     echo "setup: no vllm (STREAMRL_VLLM=1 adds it); the transformers engine (rollout.engine.type=hf) runs on the GPU"
   else
