@@ -160,7 +160,7 @@ def test_zero3_trains_like_zero0_through_the_flat_forwards(tiny_qwen_dir: Path) 
             part_loss, _ = rows_nll(engine, part, cfg)
             engine.backward(part_loss)
             engine.step()
-            loss += float(part_loss)
+            loss += float(part_loss.detach())
         after, _ = rows_nll(engine, rows, cfg)
         results.append((loss, engine.grad_norm, float(after)))
     (loss0, norm0, after0), (loss3, norm3, after3) = results
