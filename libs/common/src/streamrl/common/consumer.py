@@ -144,6 +144,9 @@ class ConsumerLoop(Generic[M]):
     async def _read(self, stop: asyncio.Event, start_id: str) -> tuple[str, int]:
         """Read new entries (``>``) or this consumer's pending entries after ``start_id``."""
         await self._slots.acquire()
+        if stop.is_set():  # stopped while waiting for a free slot (e.g. by a handler): read nothing more
+            self._slots.release()
+            return start_id, 0
         free = 1
         while free < self.config.count and not self._slots.locked():
             await self._slots.acquire()

@@ -273,6 +273,8 @@ class ModelEngine:
         self.kind = kind
         self._train = train
         self._manual_grad_norm: float | None = None
+        self.backward_calls = 0
+        """Backward passes so far: a failed step that made any has changed gradients or weights."""
 
     @classmethod
     def from_config(
@@ -401,6 +403,7 @@ class ModelEngine:
         """Backward of one micro-batch's loss (DeepSpeed scales it by 1 / grad_accum)."""
         if not self._train:
             raise RuntimeError("this engine was built with train=False")
+        self.backward_calls += 1
         self._engine.backward(loss)
 
     def step(self) -> bool:

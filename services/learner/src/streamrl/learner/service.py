@@ -9,6 +9,12 @@
   A killed learner restarts from its last checkpoint and replays, in order, exactly the batches it
   had not checkpointed (they are still pending for it); batches older than the checkpoint are
   skipped by index, so none is trained on twice.
+* A step that fails after any backward pass has left gradients or weights half-updated: it is never
+  retried in this process (a retry would train part of the batch twice). The learner stops with the
+  error (exit 1), the batch still pending, and a restart resumes from the last checkpoint. Each such
+  failure is counted in Redis per batch; a batch that failed ``consumer.max_deliveries`` times is
+  dead-lettered with its last error instead of being trained again. A step that fails before any
+  backward pass is retried and dead-lettered by the consumer loop as usual.
 * At start the learner serves its current version (0, or the checkpoint's) so rollout workers know
   where to fetch weights; after the last step it exports the policy in Hugging Face format.
 * A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
@@ -69,6 +75,8 @@ class LearnerService:
                 bucket_bytes=config.weights_bucket_mb * 2**20,
             )  # fmt: skip
         self.loop: ConsumerLoop[TrainingBatch] | None = None
+        self.fatal: RuntimeError | None = None
+        """Set when a step failed half-way: the service stops and ``run`` raises it."""
 
     async def run(self) -> None:
         state = await asyncio.to_thread(self.group.resume)
@@ -94,6 +102,8 @@ class LearnerService:
                 self.server.close()
             if self.broadcast is not None:
                 self.broadcast.close()
+        if self.fatal is not None:
+            raise self.fatal  # the other ranks, if any, die with this one
         await asyncio.to_thread(self.group.stop)  # not on an exception: the group then dies with this rank
 
     async def handle(self, batch: TrainingBatch) -> list[Output]:
@@ -105,7 +115,26 @@ class LearnerService:
                          batch.index - 1, batch.id)  # fmt: skip
         if not batch.samples:
             raise PoisonMessageError(f"{batch.id} has no samples")
-        metrics = await asyncio.to_thread(self.group.step, batch)
+        failures = self.ctx.names.state(f"learner_failures:{batch.id}")
+        failed = await self.ctx.bus.redis.hgetall(failures)
+        if int(failed.get(b"count", 0)) >= self.cfg.consumer.max_deliveries:
+            raise PoisonMessageError(
+                f"{batch.id} failed mid-step {int(failed[b'count'])} times: {failed.get(b'error', b'').decode()}"
+            )
+        backward_calls = self.trainer.policy.backward_calls
+        try:
+            metrics = await asyncio.to_thread(self.group.step, batch)
+        except Exception as e:
+            if self.trainer.policy.backward_calls == backward_calls:
+                raise  # nothing trained yet: the consumer retries it, then dead-letters it
+            self.fatal = RuntimeError(
+                f"{batch.id}: the step failed after training part of the batch ({type(e).__name__}: {e}); "
+                "stopping: a restart resumes from the last checkpoint"
+            )
+            await self.ctx.bus.redis.hincrby(failures, "count", 1)
+            await self.ctx.bus.redis.hset(failures, "error", f"{type(e).__name__}: {e}"[:500])
+            self.ctx.stop.set()
+            raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
         self.step += 1
         self.next_index = batch.index + 1
         staleness = batch.staleness or [0]
