@@ -1,0 +1,57 @@
+"""One learner life for test_learner_failures.py, in its own process (a learner in the pytest
+process would leave a torch.distributed group behind for later tests). Batch ``fail_index``
+fails after its first backward pass, as an out-of-memory error in a later micro-batch would.
+
+    python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamrl.common.bus import Bus, connect
+from streamrl.common.config import ConsumerConfig
+from streamrl.common.lifecycle import ServiceContext
+from streamrl.common.messages import TrainingBatch
+from streamrl.common.streams import StreamNames
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.ds_config import DeepSpeedConfig
+from streamrl.learner.group import LearnerGroup
+from streamrl.learner.service import LearnerService
+from streamrl.learner.trainer import RLTrainer
+
+
+async def life(model: str, redis_url: str, run_id: str, run_dir: str, fail_index: int) -> None:
+    cfg = LearnerConfig(
+        model=model, run_id=run_id, run_dir=run_dir, total_steps=3, checkpoint_every=1,
+        ds=DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2),
+        consumer=ConsumerConfig(max_deliveries=2, retry_delay_s=0.0),
+    )  # fmt: skip
+    trainer = RLTrainer(cfg)
+    real_step = trainer.step
+
+    def step(batch: TrainingBatch) -> dict[str, Any]:
+        if batch.index == fail_index:
+            logits = trainer.policy(input_ids=torch.tensor([[5, 6, 7]])).logits
+            trainer.policy.backward(logits.sum() * 0.0)
+            raise RuntimeError("CUDA out of memory (simulated) in micro-batch 2")
+        return real_step(batch)
+
+    trainer.step = step  # type: ignore[method-assign]
+    group = LearnerGroup(trainer, Path(run_dir) / "checkpoints", cfg.checkpoint_keep_last)
+    bus = Bus(connect(redis_url))
+    ctx = ServiceContext("learner", "learner-0", cfg, bus, StreamNames(run_id), asyncio.Event(), burst=True)
+    try:
+        await LearnerService(cfg, ctx, trainer, group).run()
+    finally:
+        await bus.redis.aclose()
+
+
+if __name__ == "__main__":
+    model, url, run, folder, index = sys.argv[1:6]
+    asyncio.run(life(model, url, run, folder, int(index)))
