@@ -1,8 +1,9 @@
 """One learner life for test_learner_failures.py, in its own process (a learner in the pytest
 process would leave a torch.distributed group behind for later tests). Batch ``fail_index``
-fails after its first backward pass, as an out-of-memory error in a later micro-batch would.
+fails: after its first backward pass (``half``), as an out-of-memory error in a later micro-batch
+would, or before any (``before``), as a bad input would.
 
-    python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX
+    python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX [half|before] [TOTAL_STEPS] [CKPT_EVERY]
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from streamrl.learner.service import LearnerService
 from streamrl.learner.trainer import RLTrainer
 
 
-async def life(model: str, redis_url: str, run_id: str, run_dir: str, fail_index: int) -> None:
+async def life(
+    model: str, redis_url: str, run_id: str, run_dir: str, fail_index: int, mode: str, total_steps: int, every: int
+) -> None:
     cfg = LearnerConfig(
-        model=model, run_id=run_id, run_dir=run_dir, total_steps=3, checkpoint_every=1,
+        model=model, run_id=run_id, run_dir=run_dir, total_steps=total_steps, checkpoint_every=every,
         ds=DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2),
         consumer=ConsumerConfig(max_deliveries=2, retry_delay_s=0.0),
     )  # fmt: skip
@@ -36,6 +39,8 @@ async def life(model: str, redis_url: str, run_id: str, run_dir: str, fail_index
     real_step = trainer.step
 
     def step(batch: TrainingBatch) -> dict[str, Any]:
+        if batch.index == fail_index and mode == "before":
+            raise ValueError("a bad input (simulated)")
         if batch.index == fail_index:
             logits = trainer.policy(input_ids=torch.tensor([[5, 6, 7]])).logits
             trainer.policy.backward(logits.sum() * 0.0)
@@ -54,4 +59,5 @@ async def life(model: str, redis_url: str, run_id: str, run_dir: str, fail_index
 
 if __name__ == "__main__":
     model, url, run, folder, index = sys.argv[1:6]
-    asyncio.run(life(model, url, run, folder, int(index)))
+    mode, steps, every = sys.argv[6:9] + ["half", "3", "1"][len(sys.argv[6:9]) :]
+    asyncio.run(life(model, url, run, folder, int(index), mode, int(steps), int(every)))

@@ -1,6 +1,12 @@
-"""A learner step that fails half-way is never retried in the same process (it would train part of
-the batch twice): the learner stops with the error, the batch stays pending, a restart resumes from
-the checkpoint; a batch that keeps failing that way is dead-lettered with its error."""
+"""How the learner treats batches it cannot train, in order, once.
+
+* A step that fails half-way is never retried in the same process (it would train part of the batch
+  twice): the learner stops with the error, the batch stays pending, a restart resumes from the
+  checkpoint. A batch that keeps failing (half-way or before any backward pass) is skipped: dead-lettered
+  with its error, its version still published, so the run goes on.
+* A batch from the future is dead-lettered, never trained out of order.
+* A learner resumed from a checkpoint older than its last published version never republishes a version.
+"""
 
 from __future__ import annotations
 
@@ -22,10 +28,10 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("learner_failure_worker.py")
 
 
-def _life(model: Path, redis_url: str, run_id: str, run_dir: Path) -> subprocess.CompletedProcess[str]:
-    """One learner life; batch 1 fails after its first backward pass."""
+def _life(model: Path, redis_url: str, run_id: str, run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """One learner life; by default batch 1 fails after its first backward pass."""
     return subprocess.run(
-        [sys.executable, str(WORKER), str(model), redis_url, run_id, str(run_dir), "1"],
+        [sys.executable, str(WORKER), str(model), redis_url, run_id, str(run_dir), *(args or ("1",))],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -49,6 +55,72 @@ def test_a_step_failing_half_way_stops_the_learner_and_is_dead_lettered_when_it_
     assert done.returncode == 0, done.stderr[-3000:]
 
     (letter,) = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
-    assert "batch-1 failed mid-step 2 times: RuntimeError: CUDA out of memory (simulated)" in letter.error
-    trained = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
-    assert [w.batch_id for w in trained if w.metrics] == ["batch-0", "batch-2"]  # batch 1 never trained, nor twice
+    assert (
+        "batch-1 (20 samples) skipped untrained: its step failed 2 times, last: RuntimeError: CUDA out of memory"
+        in letter.error
+    )
+    assert decode(letter.payload).index == 1  # the coordinator counts its samples from the letter
+    events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
+    trained = [w.batch_id for w in events if w.metrics and "learner/batches_skipped" not in w.metrics]
+    assert trained == ["batch-0", "batch-2"]  # batch 1 never trained, nor twice
+    # batch 1's version is still published (same weights), so version = batches consumed; none reused
+    assert [w.version for w in events] == [0, 1, 1, 1, 2, 3]  # each restart re-serves the checkpointed version
+    assert [w.version for w in events if w.metrics] == [1, 2, 3]
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+
+
+def test_a_batch_failing_before_any_backward_pass_is_skipped_and_the_run_goes_on(
+    tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    model = build_tiny_qwen2(tmp_path / "model", hidden_size=64, vocab_size=384)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    for i in range(3):
+        client.xadd(names.batches, {"d": encode(training_batch(i))})
+    done = _life(model, redis_url, run_id, tmp_path / "run", "1", "before")
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
+    assert [w.version for w in events] == [0, 1, 2, 3]
+    assert events[2].metrics["learner/batches_skipped"] == 1.0 and events[2].batch_id == "batch-1"
+    (letter,) = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
+    assert (
+        "batch-1 (20 samples) skipped untrained: its step failed 2 times, last: ValueError: a bad input" in letter.error
+    )
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+
+
+def test_a_batch_from_the_future_is_dead_lettered_and_never_trained_out_of_order(
+    tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    model = build_tiny_qwen2(tmp_path / "model", hidden_size=64, vocab_size=384)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    for i in (0, 1000, 1, 2):
+        client.xadd(names.batches, {"d": encode(training_batch(i))})
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
+    assert [(w.version, w.batch_id) for w in events] == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
+    (letter,) = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
+    assert "batch-1000 is ahead of the learner, whose next batch is 1" in letter.error
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+
+
+def test_a_resumed_learner_never_republishes_a_version(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    model = build_tiny_qwen2(tmp_path / "model", hidden_size=64, vocab_size=384)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    for i in range(4):
+        client.xadd(names.batches, {"d": encode(training_batch(i))})
+    # life 1: checkpoint at step 2; batch 2 trained and version 3 published; batch 3 fails half-way
+    done = _life(model, redis_url, run_id, tmp_path / "run", "3", "half", "4", "2")
+    assert done.returncode != 0
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in client.xrange(names.weights)] == [0, 1, 2, 3]
+    # life 2 resumes at step 2: batch 2 is trained again, but version 3 is not published twice
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "4", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "versions up to 3 were published before the restart" in done.stderr
+    events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
+    assert [w.version for w in events] == [0, 1, 2, 3, 4]
+    assert events[-1].batch_id == "batch-3"
+    assert client.xpending(names.batches, "learner")["pending"] == 0

@@ -9,12 +9,20 @@
   A killed learner restarts from its last checkpoint and replays, in order, exactly the batches it
   had not checkpointed (they are still pending for it); batches older than the checkpoint are
   skipped by index, so none is trained on twice.
-* A step that fails after any backward pass has left gradients or weights half-updated: it is never
-  retried in this process (a retry would train part of the batch twice). The learner stops with the
-  error (exit 1), the batch still pending, and a restart resumes from the last checkpoint. Each such
-  failure is counted in Redis per batch; a batch that failed ``consumer.max_deliveries`` times is
-  dead-lettered with its last error instead of being trained again. A step that fails before any
-  backward pass is retried and dead-lettered by the consumer loop as usual.
+* Batches are trained strictly in index order. A batch ahead of the next index (from the future:
+  forged, or a bug upstream) is dead-lettered with the reason and never trained; one behind it (a
+  replay after a restart) is skipped as already trained.
+* Every failed step is counted in Redis per batch (so the count survives restarts). A step that
+  fails before any backward pass is retried; one that fails after has left gradients or weights
+  half-updated and is never retried in this process (a retry would train part of the batch twice):
+  the learner stops with the error (exit 1), the batch still pending, and a restart resumes from the
+  last checkpoint. A batch that failed ``consumer.max_deliveries`` times (or has no samples) is
+  skipped: dead-lettered with its last error, and its version still published (the same weights),
+  so versions keep counting batches and the coordinator's admission never waits for it.
+* Versions are never reused: the last published event is kept in Redis (written atomically with
+  it). A learner resumed from a checkpoint older than that version retrains the batches in between
+  without republishing their versions (rollout workers keep the weights they have, whose versions
+  were published once), and publishes again from the next new version on.
 * At start the learner serves its current version (0, or the checkpoint's) so rollout workers know
   where to fetch weights; after the last step it exports the policy in Hugging Face format.
 * A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
@@ -29,11 +37,14 @@ import logging
 import time
 from pathlib import Path
 
+import msgspec
+
 from streamrl.common.bus import Output
+from streamrl.common.codec import decode, encode
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.common.messages import DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.weights_auth import sign, weights_key
 from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.config import LearnerConfig
@@ -77,6 +88,14 @@ class LearnerService:
         self.loop: ConsumerLoop[TrainingBatch] | None = None
         self.fatal: RuntimeError | None = None
         """Set when a step failed half-way: the service stops and ``run`` raises it."""
+        self.published = -1
+        """The newest version this run's learner published (kept in Redis across restarts)."""
+        self.skipped: dict[str, str] = {}
+        """Batch id -> reason, for skipped batches whose dead letter is written once they are committed."""
+        self.num_skipped = 0
+
+    def _state(self, name: str) -> str:
+        return self.ctx.names.state(name)
 
     async def run(self) -> None:
         state = await asyncio.to_thread(self.group.resume)
@@ -84,11 +103,21 @@ class LearnerService:
             self.step = self.checkpointed_step = int(state["step"])
             self.next_index = self.checkpointed_index = int(state.get("next_index", self.step))
             logger.info("resumed from checkpoint at step %d", self.step)
-        await self.ctx.bus.publish(self.ctx.names.weights, await self._serve_weights(metrics={}))
+        raw = await self.ctx.bus.redis.hget(self._state("learner"), "published")
+        self.published = decode(raw, WeightsPublished).version if raw else -1
+        if self.step >= self.published:
+            await self.ctx.bus.commit(await self._publish(metrics={}))
+        else:
+            logger.warning(
+                "resumed at step %d, but versions up to %d were published before the restart: batches %d..%d "
+                "are trained again without republishing their versions (rollout workers keep those weights)",
+                self.step, self.published, self.next_index, self.next_index + self.published - self.step - 1,
+            )  # fmt: skip
         self.loop = ConsumerLoop(
             self.ctx.bus, self.ctx.names, stream=self.ctx.names.batches, group="learner", consumer="learner",
             handler=self.handle, message_type=TrainingBatch, config=self.cfg.consumer.model_copy(
-                update={"max_in_flight": 1, "count": 1, "max_deliveries": max(self.cfg.consumer.max_deliveries, 1)}
+                # failures are counted per batch in Redis by ``handle`` (which skips a batch at the limit)
+                update={"max_in_flight": 1, "count": 1, "max_deliveries": 2**31 - 1}
             ),
             dedupe_key=lambda _: None, ack=False, on_committed=self._on_committed,
             max_message_bytes=None,  # a batch is many trajectories, each checked against the limit
@@ -110,36 +139,50 @@ class LearnerService:
         if batch.index < self.next_index:
             logger.info("skipping %s: already trained (next batch index %d)", batch.id, self.next_index)
             return []
-        if batch.index > self.next_index:  # never wedge the run on a lost batch: say so and go on
-            logger.error("batches %d..%d never arrived (dead-lettered?): training %s", self.next_index,
-                         batch.index - 1, batch.id)  # fmt: skip
-        if not batch.samples:
-            raise PoisonMessageError(f"{batch.id} has no samples")
-        failures = self.ctx.names.state(f"learner_failures:{batch.id}")
-        failed = await self.ctx.bus.redis.hgetall(failures)
-        if int(failed.get(b"count", 0)) >= self.cfg.consumer.max_deliveries:
+        if batch.index > self.next_index:
             raise PoisonMessageError(
-                f"{batch.id} failed mid-step {int(failed[b'count'])} times: {failed.get(b'error', b'').decode()}"
+                f"{batch.id} is ahead of the learner, whose next batch is {self.next_index}: batches are "
+                "never trained out of order"
             )
+        failures = self._state(f"learner_failures:{batch.id}")
+        failed = await self.ctx.bus.redis.hgetall(failures)
+        if not batch.samples:
+            return await self._skip(batch, "it has no samples")
+        if int(failed.get(b"count", 0)) >= self.cfg.consumer.max_deliveries:
+            error = failed.get(b"error", b"").decode()
+            return await self._skip(batch, f"its step failed {int(failed[b'count'])} times, last: {error}")
         backward_calls = self.trainer.policy.backward_calls
         try:
             metrics = await asyncio.to_thread(self.group.step, batch)
         except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            await self.ctx.bus.redis.hincrby(failures, "count", 1)
+            await self.ctx.bus.redis.hset(failures, "error", error[:500])
             if self.trainer.policy.backward_calls == backward_calls:
-                raise  # nothing trained yet: the consumer retries it, then dead-letters it
+                raise  # nothing trained yet: the consumer retries it (skipped above once at the limit)
             self.fatal = RuntimeError(
-                f"{batch.id}: the step failed after training part of the batch ({type(e).__name__}: {e}); "
+                f"{batch.id}: the step failed after training part of the batch ({error}); "
                 "stopping: a restart resumes from the last checkpoint"
             )
-            await self.ctx.bus.redis.hincrby(failures, "count", 1)
-            await self.ctx.bus.redis.hset(failures, "error", f"{type(e).__name__}: {e}"[:500])
             self.ctx.stop.set()
             raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
-        self.step += 1
-        self.next_index = batch.index + 1
         staleness = batch.staleness or [0]
         metrics["learner/staleness_mean"] = sum(staleness) / len(staleness)
         metrics["learner/staleness_max"] = float(max(staleness))
+        return await self._advance(batch, metrics)
+
+    async def _skip(self, batch: TrainingBatch, reason: str) -> list[Output]:
+        """Consume ``batch`` without training it: its version is published with unchanged weights."""
+        logger.error("skipping %s untrained (its samples are dropped): %s", batch.id, reason)
+        self.skipped[batch.id] = reason
+        self.num_skipped += 1
+        return await self._advance(batch, {"learner/batches_skipped": float(self.num_skipped)})
+
+    async def _advance(self, batch: TrainingBatch, metrics: dict[str, float]) -> list[Output]:
+        """Count ``batch`` as consumed: checkpoint / export when due, publish its version (unless a
+        version this high was published before a restart)."""
+        self.step += 1
+        self.next_index = batch.index + 1
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.total_steps:
             await asyncio.to_thread(self._checkpoint)
         if self.cfg.export_every and self.step % self.cfg.export_every == 0:
@@ -152,7 +195,20 @@ class LearnerService:
             "step %d: %s", self.step,
             " ".join(f"{k.removeprefix('learner/')}={v:.4g}" for k, v in sorted(metrics.items())),
         )  # fmt: skip
-        return [Output(stream=self.ctx.names.weights, message=await self._serve_weights(metrics, batch.id))]
+        if self.step <= self.published:
+            logger.info("version %d was published before the restart: not republished", self.step)
+            return []
+        return await self._publish(metrics, batch.id)
+
+    async def _publish(self, metrics: dict[str, float], batch_id: str = "") -> list[Output]:
+        """The outputs that publish the current weights: the event, and the same event kept in Redis as
+        the newest published version (one atomic commit)."""
+        event = await self._serve_weights(metrics, batch_id)
+        self.published = event.version
+        return [
+            Output(stream=self.ctx.names.weights, message=event),
+            Output(key=self._state("learner"), field="published", message=event),
+        ]
 
     async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
         started = time.perf_counter()
@@ -190,6 +246,17 @@ class LearnerService:
     async def _on_committed(self, entry_id: str, batch: TrainingBatch) -> None:
         """Acknowledge exactly the handled entries a checkpoint covers (index below the checkpointed one);
         the others stay pending, so a killed learner replays them after its last checkpoint."""
+        reason = self.skipped.pop(batch.id, None)
+        if reason is not None and await self.ctx.bus.redis.set(self._state(f"learner_dead:{batch.id}"), 1, nx=True):
+            payload = encode(batch)
+            if len(payload) > self.ctx.bus.max_message_bytes // 2:  # the letter must fit: keep the batch's header
+                payload = encode(msgspec.structs.replace(batch, samples=[], staleness=[]))
+            letter = DeadLetter(
+                stream=self.ctx.names.batches, entry_id=entry_id, group="learner", consumer="learner",
+                error=f"{batch.id} ({len(batch.samples)} samples) skipped untrained: {reason}", deliveries=1,
+                payload=payload, ts=time.time(),
+            )  # fmt: skip
+            await self.ctx.bus.publish(self.ctx.names.dead, letter)  # once, even when replayed after a restart
         self.unacked.append((entry_id, batch.index))
         covered = [entry for entry, index in self.unacked if index < self.checkpointed_index]
         if covered:
