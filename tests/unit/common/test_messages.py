@@ -60,9 +60,13 @@ def test_tensor_layout_is_documented() -> None:
     assert t.shape == [1, 2] and t.to_numpy().tolist() == [[1.5, -2.0]]
 
 
-def test_wrong_expected_type_is_poison() -> None:
-    with pytest.raises(PoisonMessageError, match="expected"):
+def test_wrong_expected_type_is_poison_with_a_readable_reason() -> None:
+    with pytest.raises(PoisonMessageError) as e:
         decode(encode(traj()), PromptWorkItem)
+    assert str(e.value) == "expected a 'prompt' message, got a 'trajectory' message"  # no class reprs
+    with pytest.raises(PoisonMessageError) as e:
+        decode(encode(traj()), (PromptWorkItem, ScoredTrajectory))
+    assert str(e.value) == "expected a 'prompt' or 'scored' message, got a 'trajectory' message"
 
 
 def test_schema_violation_is_poison_not_crash() -> None:
