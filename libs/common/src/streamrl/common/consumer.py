@@ -216,6 +216,9 @@ class ConsumerLoop(Generic[M]):
                 self.stream, self.group, self.consumer, self.config.claim_idle_ms, start_id=start, count=32
             )
             start, claimed = reply[0], reply[1]
+            for gone in reply[2] if len(reply) > 2 else []:  # Redis 7 drops trimmed entries from the PEL itself
+                logger.warning("%s %s was trimmed from the stream before it was handled: its work is lost "
+                               "(redis.maxlen too small?)", self.stream, _text(gone))  # fmt: skip
             await self._take(claimed)
             if start in (b"0-0", "0-0"):
                 return
@@ -224,6 +227,8 @@ class ConsumerLoop(Generic[M]):
         for entry_id, fields in claimed:
             if not fields:  # trimmed from the stream: nothing left to handle
                 await self.redis.xack(self.stream, self.group, entry_id)
+                logger.warning("%s %s was trimmed from the stream before it was handled: acknowledged, its work is "
+                               "lost (redis.maxlen too small?)", self.stream, _text(entry_id))  # fmt: skip
                 continue
             self.stats.reclaimed += 1
             await self._slots.acquire()
