@@ -40,10 +40,10 @@ import torch  # noqa: E402
 from sft_gpu import FULL, PEAK_FLOPS, TINY, build_random_model  # noqa: E402
 
 from streamrl.common.messages import SamplingParams, ScoredTrajectory, Tensor, TrainingBatch, Trajectory  # noqa: E402
-from streamrl.learner.config import LearnerConfig  # noqa: E402
 from streamrl.learner.ds_config import DeepSpeedConfig  # noqa: E402
 from streamrl.learner.engine import init_distributed  # noqa: E402
-from streamrl.learner.trainer import RLTrainer  # noqa: E402
+from streamrl.learner.rl.config import LearnerConfig  # noqa: E402
+from streamrl.learner.rl.trainer import RLTrainer  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

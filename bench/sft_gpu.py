@@ -57,8 +57,8 @@ import torch  # noqa: E402
 from streamrl.learner.ds_config import DeepSpeedConfig  # noqa: E402
 from streamrl.learner.engine import ModelEngine, init_distributed  # noqa: E402
 from streamrl.learner.logprobs import IGNORE_INDEX  # noqa: E402
+from streamrl.learner.offline.sft import SFTTask  # noqa: E402
 from streamrl.learner.packing import Sample, pack_samples  # noqa: E402
-from streamrl.learner.sft import SFTTask  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 (= H100 SXM) dense bf16 tensor-core peak, per GPU
 FULL = {

@@ -80,7 +80,7 @@ def measure_zmq(size: str, engine_type: str, wire_dtype: torch.dtype, repeats: i
 
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.weights import WeightServer
+    from streamrl.learner.rl.weights import WeightServer
     from streamrl.rollout.engine import build_engine
     from streamrl.rollout.engine_config import EngineConfig
     from streamrl.rollout.tiny_model import build_tiny_qwen2
@@ -176,7 +176,7 @@ def _self_broadcast_seconds(sizes: list[int], device: torch.device, repeats: int
     """Broadcast calls of buckets of ``sizes`` on a 1-member NCCL group (see the module docstring)."""
     import torch.distributed as dist
 
-    from streamrl.learner.broadcast_weights import new_group
+    from streamrl.learner.rl.broadcast_weights import new_group
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group = new_group(dist.PrefixStore("self/", store), 0, 1, "nccl", 60.0, device)
@@ -209,7 +209,7 @@ def _start_receivers(rendezvous: bytes, count: int, device: torch.device) -> lis
 
 def _round(engine: Any, publisher: Any, version: int, device: torch.device, receivers: int) -> dict[str, float]:
     """One measurement of every part (versions ``version`` and ``version + 1``); seconds by part."""
-    from streamrl.learner.ipc_weights import weights_checksum
+    from streamrl.learner.rl.ipc_weights import weights_checksum
 
     _sync(device)
     started = time.perf_counter()
@@ -253,9 +253,9 @@ def _pick_device(args: argparse.Namespace) -> tuple[torch.device, int]:
 
 def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
     from streamrl.common.weights_broadcast import encode
-    from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
     from streamrl.learner.ds_config import DeepSpeedConfig
     from streamrl.learner.engine import ModelEngine
+    from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 
     device, receivers = _pick_device(args)
     shape = TINY if args.tiny else QWEN2_1_5B

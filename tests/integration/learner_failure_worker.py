@@ -20,11 +20,11 @@ from streamrl.common.config import ConsumerConfig
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch
 from streamrl.common.streams import StreamNames
-from streamrl.learner.config import LearnerConfig
 from streamrl.learner.ds_config import DeepSpeedConfig
-from streamrl.learner.group import LearnerGroup
-from streamrl.learner.service import LearnerService
-from streamrl.learner.trainer import RLTrainer
+from streamrl.learner.rl.config import LearnerConfig
+from streamrl.learner.rl.group import LearnerGroup
+from streamrl.learner.rl.service import LearnerService
+from streamrl.learner.rl.trainer import RLTrainer
 
 
 async def life(

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from streamrl.common.messages import SamplingParams
-from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
+from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.tiny_model import build_tiny_qwen2

@@ -28,7 +28,7 @@ PROMPT = [5, 6, 7, 8, 9]
 def _learner(conn: Connection) -> None:
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.ipc_weights import IpcWeightPublisher
+    from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
 
     publisher = IpcWeightPublisher(bucket_bytes=2**20)
     while (request := conn.recv()) is not None:

@@ -18,7 +18,7 @@ import torch
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import WeightsPublished
-from streamrl.learner.ipc_weights import IpcWeightPublisher
+from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
 from streamrl.rollout.ipc_weights import IpcWeightReceiver
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -42,7 +42,7 @@ def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
 
 def _publisher(conn: Connection) -> None:
     """("publish", v) -> (rendezvous bytes, checksum, seconds publish took); ("delivered", v, n) -> members."""
-    from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
+    from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 
     publisher = BroadcastWeightPublisher(bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
     while True:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
-from streamrl.learner.weights import WeightServer
+from streamrl.learner.rl.weights import WeightServer
 from streamrl.rollout.engine import Engine, GenerationRequest, Sample, build_engine
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.tiny_model import build_tiny_qwen2

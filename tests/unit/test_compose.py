@@ -21,7 +21,7 @@ from test_dockerfiles import copy_sources_and_destination, parse_dockerfile
 from streamrl.common.config import apply_overrides, load_config, read_recipe, validate
 from streamrl.common.lifecycle import ServiceConfig
 from streamrl.coordinator.config import CoordinatorConfig
-from streamrl.learner.config import LearnerConfig
+from streamrl.learner.rl.config import LearnerConfig
 from streamrl.reward.__main__ import RewardServiceConfig
 from streamrl.rollout.config import RolloutConfig
 

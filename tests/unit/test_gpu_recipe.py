@@ -11,7 +11,7 @@ import pytest
 from streamrl.common.config import load_config
 from streamrl.common.launcher import Launcher
 from streamrl.coordinator.config import CoordinatorConfig
-from streamrl.learner.config import LearnerConfig
+from streamrl.learner.rl.config import LearnerConfig
 from streamrl.reward.__main__ import RewardServiceConfig
 from streamrl.rollout.config import RolloutConfig
 

@@ -9,7 +9,7 @@ import pytest
 from streamrl.common.config import apply_overrides, load_config
 from streamrl.common.errors import ConfigError
 from streamrl.coordinator.config import CoordinatorConfig
-from streamrl.learner.config import LearnerConfig
+from streamrl.learner.rl.config import LearnerConfig
 
 RECIPES = sorted((Path(__file__).parents[3] / "recipes").glob("*.toml"))
 

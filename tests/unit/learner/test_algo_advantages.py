@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.learner.algo import advantages as A
-from streamrl.learner.algo.config import AlgoConfig
-from streamrl.learner.algo.objective import compute_advantages
+from streamrl.learner.rl.algo import advantages as A
+from streamrl.learner.rl.algo.config import AlgoConfig
+from streamrl.learner.rl.algo.objective import compute_advantages
 
 F64 = torch.float64
 

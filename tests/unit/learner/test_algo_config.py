@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.learner.algo.config import AlgoConfig
+from streamrl.learner.rl.algo.config import AlgoConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -83,7 +83,7 @@ def test_check_group_size() -> None:
 
 
 def test_config_imports_no_torch() -> None:
-    code = "import sys; sys.modules['torch'] = None; import streamrl.learner.algo.config as c; c.AlgoConfig()"
+    code = "import sys; sys.modules['torch'] = None; import streamrl.learner.rl.algo.config as c; c.AlgoConfig()"
     paths = [str(ROOT / p) for p in ("libs/common/src", "services/learner/src")]
     env = {"PYTHONPATH": ":".join(paths), "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)

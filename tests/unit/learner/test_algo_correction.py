@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from streamrl.learner.algo import correction as C
+from streamrl.learner.rl.algo import correction as C
 
 F64 = torch.float64
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from streamrl.learner.algo.kl import KLController, adaptive_kl_coef, kl_estimate, sequence_mean_kl
+from streamrl.learner.rl.algo.kl import KLController, adaptive_kl_coef, kl_estimate, sequence_mean_kl
 
 F64 = torch.float64
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.learner.algo.losses import (
+from streamrl.learner.rl.algo.losses import (
     aggregate,
     entropy_from_logits,
     gspo_loss,

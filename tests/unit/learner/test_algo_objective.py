@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.learner.algo.config import AlgoConfig
-from streamrl.learner.algo.correction import token_divergence
-from streamrl.learner.algo.kl import kl_estimate
-from streamrl.learner.algo.losses import normaliser_count
-from streamrl.learner.algo.objective import compute_advantages, policy_objective
+from streamrl.learner.rl.algo.config import AlgoConfig
+from streamrl.learner.rl.algo.correction import token_divergence
+from streamrl.learner.rl.algo.kl import kl_estimate
+from streamrl.learner.rl.algo.losses import normaliser_count
+from streamrl.learner.rl.algo.objective import compute_advantages, policy_objective
 
 F64 = torch.float64
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.learner.algo import shaping
-from streamrl.learner.algo.config import AlgoConfig
-from streamrl.learner.algo.objective import shape_rewards
+from streamrl.learner.rl.algo import shaping
+from streamrl.learner.rl.algo.config import AlgoConfig
+from streamrl.learner.rl.algo.objective import shape_rewards
 
 
 def test_overlong_penalty_hand() -> None:

@@ -16,11 +16,11 @@ from test_trainer_updates import scored_batch
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.streams import StreamNames
 from streamrl.learner.checkpoint_retention import prune_checkpoints
-from streamrl.learner.config import LearnerConfig
 from streamrl.learner.ds_config import DeepSpeedConfig
-from streamrl.learner.group import LearnerGroup
-from streamrl.learner.service import LearnerService
-from streamrl.learner.trainer import RLTrainer
+from streamrl.learner.rl.config import LearnerConfig
+from streamrl.learner.rl.group import LearnerGroup
+from streamrl.learner.rl.service import LearnerService
+from streamrl.learner.rl.trainer import RLTrainer
 
 
 def make_checkpoints(directory: Path, steps: list[int], latest: int | None) -> None:

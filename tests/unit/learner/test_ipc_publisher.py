@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.learner.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, plan_layout, tensor_views, weights_checksum
+from streamrl.learner.rl.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, plan_layout, tensor_views, weights_checksum
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:

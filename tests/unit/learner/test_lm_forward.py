@@ -15,10 +15,10 @@ from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine
 from streamrl.learner.lm_forward import flatten_padded, rl_response_logprobs, rows_logprobs, rows_nll
 from streamrl.learner.logprobs import IGNORE_INDEX, entropy, token_logprobs
-from streamrl.learner.offline_losses import masked_nll
+from streamrl.learner.offline.losses import masked_nll
 from streamrl.learner.packing import Sample, collate, pack_samples, sample_row
-from streamrl.learner.rl_batch import collate as rl_collate
-from streamrl.learner.trainer import response_logits
+from streamrl.learner.rl.batch import collate as rl_collate
+from streamrl.learner.rl.trainer import response_logits
 from streamrl.learner.varlen_attention import ATTN_NAME, register
 
 CFG = DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant")

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from streamrl.learner.data import build_pairs, build_sft_samples, load_records, train_eval_records
 from streamrl.learner.logprobs import IGNORE_INDEX
-from streamrl.learner.offline_config import DataConfig
+from streamrl.learner.offline.config import DataConfig
+from streamrl.learner.offline.data import build_pairs, build_sft_samples, load_records, train_eval_records
 
 
 @pytest.fixture(scope="module")

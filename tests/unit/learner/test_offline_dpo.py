@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from streamrl.learner.dpo import run_dpo
-from streamrl.learner.offline_config import DPOConfig
+from streamrl.learner.offline.config import DPOConfig
+from streamrl.learner.offline.dpo import run_dpo
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streamrl.learner.logprobs import IGNORE_INDEX, entropy, shift_targets, token_logprobs
-from streamrl.learner.offline_losses import bradley_terry_loss, masked_nll, preference_loss, sequence_logprob
+from streamrl.learner.offline.losses import bradley_terry_loss, masked_nll, preference_loss, sequence_logprob
 from streamrl.learner.packing import Sample, pack_row, pack_samples, plan_packing
 
 

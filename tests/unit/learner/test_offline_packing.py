@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamrl.learner.logprobs import IGNORE_INDEX, token_logprobs
-from streamrl.learner.offline_losses import masked_nll
+from streamrl.learner.offline.losses import masked_nll
 from streamrl.learner.packing import Sample, collate, pack_samples, sample_row
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.common.config import load_config
-from streamrl.learner.offline_config import DPOConfig, RMConfig, SFTConfig
+from streamrl.learner.offline.config import DPOConfig, RMConfig, SFTConfig
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 JOBS = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig}

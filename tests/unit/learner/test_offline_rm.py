@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from streamrl.learner.offline_config import RMConfig
-from streamrl.learner.rm import run_rm
+from streamrl.learner.offline.config import RMConfig
+from streamrl.learner.offline.rm import run_rm
 
 
 def test_reward_model_separates_held_out_pairs(kit: SimpleNamespace, tiny_qwen_dir: Path, tmp_path: Path) -> None:

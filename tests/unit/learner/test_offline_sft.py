@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.learner.jobs_cli import sft_main
-from streamrl.learner.offline_config import SFTConfig
-from streamrl.learner.sft import run_sft
+from streamrl.learner.offline.cli import sft_main
+from streamrl.learner.offline.config import SFTConfig
+from streamrl.learner.offline.sft import run_sft
 
 
 def _animal_accuracy(kit: SimpleNamespace, model_dir: Path, tokenizer_dir: Path) -> float:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from streamrl.learner.config import LearnerConfig
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine
 from streamrl.learner.prompt_sharing import distinct_prompts, shared_prompt_logits
-from streamrl.learner.rl_batch import response_logits_index
+from streamrl.learner.rl.batch import response_logits_index
+from streamrl.learner.rl.config import LearnerConfig
 
 PAD = 0
 

@@ -16,13 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamrl.common.messages import SamplingParams, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
-from streamrl.learner.algo.losses import normaliser_count
-from streamrl.learner.algo.objective import compute_advantages, policy_objective
-from streamrl.learner.config import LearnerConfig
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.lm_forward import rl_response_logprobs
-from streamrl.learner.rl_batch import collate, micro_batches, update_plan
-from streamrl.learner.trainer import RLTrainer
+from streamrl.learner.rl.algo.losses import normaliser_count
+from streamrl.learner.rl.algo.objective import compute_advantages, policy_objective
+from streamrl.learner.rl.batch import collate, micro_batches, update_plan
+from streamrl.learner.rl.config import LearnerConfig
+from streamrl.learner.rl.trainer import RLTrainer
 from streamrl.learner.varlen_attention import register as varlen_attention
 
 

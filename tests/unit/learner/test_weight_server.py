@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamrl.common.weights_wire import fetch_buckets
-from streamrl.learner.weights import WeightServer
+from streamrl.learner.rl.weights import WeightServer
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcTensor, WeightsBroadcast
-from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
+from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.rollout.broadcast_receiver import BroadcastReceiver, member_for, staging_device
 
 

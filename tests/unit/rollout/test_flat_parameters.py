@@ -8,7 +8,7 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcWeights
-from streamrl.learner.ipc_weights import plan_layout
+from streamrl.learner.rl.ipc_weights import plan_layout
 from streamrl.rollout.ipc_weights import FlatParameters, tensor_views
 
 

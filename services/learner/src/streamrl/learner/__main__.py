@@ -1,7 +1,7 @@
 """``streamrl learner RECIPE [--learner.field=value ...]``: run the RL learner service.
 
 With ``learner.ranks = N > 1`` (and no launcher's ``RANK`` in the environment) this process starts
-the N ranks of a learner group (:func:`streamrl.learner.group.launch`) and waits for them. Rank 0
+the N ranks of a learner group (:func:`streamrl.learner.rl.group.launch`) and waits for them. Rank 0
 runs the service; the other ranks follow it (:meth:`LearnerGroup.follow`) and never touch the bus.
 """
 
@@ -18,19 +18,19 @@ from streamrl.common.config import load_config
 from streamrl.common.errors import ConfigError
 from streamrl.common.lifecycle import ServiceContext, parse_args, service_main
 from streamrl.common.log import setup_logging
-from streamrl.learner.config import LearnerConfig
+from streamrl.learner.rl.config import LearnerConfig
 
 
 def _group(config: LearnerConfig):  # type: ignore[no-untyped-def]
-    from streamrl.learner.group import LearnerGroup
-    from streamrl.learner.trainer import RLTrainer
+    from streamrl.learner.rl.group import LearnerGroup
+    from streamrl.learner.rl.trainer import RLTrainer
 
     trainer = RLTrainer(config)
     return trainer, LearnerGroup(trainer, Path(config.run_dir) / "checkpoints", config.checkpoint_keep_last)
 
 
 async def _run(config: LearnerConfig, ctx: ServiceContext) -> None:
-    from streamrl.learner.service import LearnerService
+    from streamrl.learner.rl.service import LearnerService
 
     trainer, group = await asyncio.to_thread(_group, config)
     await LearnerService(config, ctx, trainer, group).run()
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         ranks = _configured_ranks(argv)
         if ranks > 1:
-            from streamrl.learner.group import launch
+            from streamrl.learner.rl.group import launch
 
             logging.basicConfig(level=logging.INFO, format="%(asctime)s learner-group %(message)s")
             return launch(ranks, argv)

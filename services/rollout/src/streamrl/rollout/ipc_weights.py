@@ -1,6 +1,6 @@
 """Receive the learner's weights over CUDA IPC, for an engine on the learner's own GPU (colocated mode).
 
-The learner (``streamrl.learner.ipc_weights``) keeps its weights in persistent flat buffers on its
+The learner (``streamrl.learner.rl.ipc_weights``) keeps its weights in persistent flat buffers on its
 GPU and describes them in ``WeightsPublished.ipc`` (:class:`IpcWeights`: CUDA IPC handles, tensor
 layout) with a checksum. :class:`IpcWeightReceiver` on the engine's side:
 

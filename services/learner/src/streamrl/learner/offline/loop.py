@@ -32,8 +32,8 @@ from tqdm import tqdm
 from streamrl.learner.checkpoint_retention import prune_checkpoints
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine, init_distributed
-from streamrl.learner.metric_sinks import MetricSink, build_sink
-from streamrl.learner.offline_config import LoggingConfig, TrainConfig
+from streamrl.learner.offline.config import LoggingConfig, TrainConfig
+from streamrl.learner.offline.metric_sinks import MetricSink, build_sink
 
 _EXPORT_FALLBACK_ITEMS = 256
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.learner.logprobs import IGNORE_INDEX
-from streamrl.learner.offline_config import DataConfig
+from streamrl.learner.offline.config import DataConfig
 from streamrl.learner.packing import Sample
 
 Record = dict[str, Any]

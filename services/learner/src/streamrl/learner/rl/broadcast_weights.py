@@ -10,7 +10,7 @@ With ``learner.weights_transport = "broadcast"``, learner rank 0 owns a
   is never touched. Rollout workers (``streamrl.rollout.broadcast_receiver``) are ranks 1..n.
 * :meth:`publish` copies the weights into flat device buckets of ``bucket_bytes`` and computes
   the device-side block checksum - the packing, layout and checksum of the CUDA IPC path
-  (:mod:`streamrl.learner.ipc_weights`) - then returns. A background thread broadcasts the
+  (:mod:`streamrl.learner.rl.ipc_weights`) - then returns. A background thread broadcasts the
   buckets: the training step waits only for the copy, and for a broadcast of the previous version
   that is still reading the buckets.
 * The thread also keeps the membership (protocol: :mod:`streamrl.common.weights_broadcast`): a
@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from streamrl.common import weights_broadcast as wb
 from streamrl.common.messages import WeightsBroadcast
-from streamrl.learner.config import LearnerConfig
-from streamrl.learner.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, tensor_views
-from streamrl.learner.weights import TIED_ALIASES
+from streamrl.learner.rl.config import LearnerConfig
+from streamrl.learner.rl.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, tensor_views
+from streamrl.learner.rl.weights import TIED_ALIASES
 
 logger = logging.getLogger(__name__)
 

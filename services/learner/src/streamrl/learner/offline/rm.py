@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from streamrl.learner.data import Pair, build_pairs, train_eval_records
 from streamrl.learner.engine import ModelEngine, load_tokenizer
-from streamrl.learner.offline_config import RMConfig
-from streamrl.learner.offline_loop import LoopResult, run_training
-from streamrl.learner.offline_losses import bradley_terry_loss
+from streamrl.learner.offline.config import RMConfig
+from streamrl.learner.offline.data import Pair, build_pairs, train_eval_records
+from streamrl.learner.offline.loop import LoopResult, run_training
+from streamrl.learner.offline.losses import bradley_terry_loss
 from streamrl.learner.packing import collate, sample_row
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import logsigmoid
 
-from streamrl.learner.offline_config import PreferenceLoss
+from streamrl.learner.offline.config import PreferenceLoss
 
 
 def masked_nll(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

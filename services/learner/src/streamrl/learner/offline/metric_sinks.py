@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from streamrl.learner.offline_config import LoggingConfig
+from streamrl.learner.offline.config import LoggingConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from streamrl.common.config import load_config, save_resolved
 from streamrl.common.errors import ConfigError
 from streamrl.common.redact import redact
-from streamrl.learner.offline_config import DPOConfig, RMConfig, SFTConfig
+from streamrl.learner.offline.config import DPOConfig, RMConfig, SFTConfig
 
 C = TypeVar("C", SFTConfig, RMConfig, DPOConfig)
 
@@ -63,14 +63,14 @@ def _main(argv: list[str], cls: type[C], job: str, runner: str) -> int:
 
 def sft_main(argv: list[str]) -> int:
     """``streamrl sft RECIPE [--key=value ...]``."""
-    return _main(argv, SFTConfig, "sft", "streamrl.learner.sft:run_sft")
+    return _main(argv, SFTConfig, "sft", "streamrl.learner.offline.sft:run_sft")
 
 
 def rm_main(argv: list[str]) -> int:
     """``streamrl rm RECIPE [--key=value ...]``."""
-    return _main(argv, RMConfig, "rm", "streamrl.learner.rm:run_rm")
+    return _main(argv, RMConfig, "rm", "streamrl.learner.offline.rm:run_rm")
 
 
 def dpo_main(argv: list[str]) -> int:
     """``streamrl dpo RECIPE [--key=value ...]``."""
-    return _main(argv, DPOConfig, "dpo", "streamrl.learner.dpo:run_dpo")
+    return _main(argv, DPOConfig, "dpo", "streamrl.learner.offline.dpo:run_dpo")

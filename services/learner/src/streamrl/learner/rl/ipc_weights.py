@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
-from streamrl.learner.weights import TIED_ALIASES
+from streamrl.learner.rl.weights import TIED_ALIASES
 
 logger = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from streamrl.learner.data import Pair, build_pairs, train_eval_records
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine, init_distributed, load_tokenizer
 from streamrl.learner.lm_forward import rows_logprobs
-from streamrl.learner.offline_config import DPOConfig
-from streamrl.learner.offline_loop import LoopResult, rank_batches, run_training
-from streamrl.learner.offline_losses import masked_nll, preference_loss, sequence_logprob
+from streamrl.learner.offline.config import DPOConfig
+from streamrl.learner.offline.data import Pair, build_pairs, train_eval_records
+from streamrl.learner.offline.loop import LoopResult, rank_batches, run_training
+from streamrl.learner.offline.losses import masked_nll, preference_loss, sequence_logprob
 from streamrl.learner.packing import sample_row
 
 

@@ -31,12 +31,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from streamrl.learner.algo import advantages as adv_fns
-from streamrl.learner.algo import correction as corr_fns
-from streamrl.learner.algo import shaping
-from streamrl.learner.algo.config import AlgoConfig, CorrectionConfig
-from streamrl.learner.algo.kl import kl_estimate
-from streamrl.learner.algo.losses import aggregate, gspo_loss, ppo_clip_loss, value_loss
+from streamrl.learner.rl.algo import advantages as adv_fns
+from streamrl.learner.rl.algo import correction as corr_fns
+from streamrl.learner.rl.algo import shaping
+from streamrl.learner.rl.algo.config import AlgoConfig, CorrectionConfig
+from streamrl.learner.rl.algo.kl import kl_estimate
+from streamrl.learner.rl.algo.losses import aggregate, gspo_loss, ppo_clip_loss, value_loss
 
 
 def shape_rewards(

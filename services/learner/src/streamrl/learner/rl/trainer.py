@@ -39,15 +39,15 @@ from typing import Any
 import torch
 
 from streamrl.common.messages import TrainingBatch
-from streamrl.learner.algo.kl import KLController, kl_estimate, sequence_mean_kl
-from streamrl.learner.algo.losses import aggregate, normaliser_count, value_loss
-from streamrl.learner.algo.objective import compute_advantages, policy_objective, shape_rewards
-from streamrl.learner.config import LearnerConfig
 from streamrl.learner.engine import ModelEngine
 from streamrl.learner.logprobs import entropy as entropy_fn
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.prompt_sharing import shared_prompt_logits
-from streamrl.learner.rl_batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
+from streamrl.learner.rl.algo.kl import KLController, kl_estimate, sequence_mean_kl
+from streamrl.learner.rl.algo.losses import aggregate, normaliser_count, value_loss
+from streamrl.learner.rl.algo.objective import compute_advantages, policy_objective, shape_rewards
+from streamrl.learner.rl.batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
+from streamrl.learner.rl.config import LearnerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@
   where to fetch weights; after the last step it exports the policy in Hugging Face format.
 * A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
   only; what every rank must do together (a step, gathering the weights, a checkpoint, an export)
-  goes through :class:`~streamrl.learner.group.LearnerGroup`, whose other ranks follow rank 0.
+  goes through :class:`~streamrl.learner.rl.group.LearnerGroup`, whose other ranks follow rank 0.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.weights_auth import sign, weights_key
-from streamrl.learner.broadcast_weights import BroadcastWeightPublisher
-from streamrl.learner.config import LearnerConfig
-from streamrl.learner.group import LearnerGroup
-from streamrl.learner.ipc_weights import IpcWeightPublisher
-from streamrl.learner.trainer import RLTrainer
-from streamrl.learner.weights import WeightServer
+from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
+from streamrl.learner.rl.config import LearnerConfig
+from streamrl.learner.rl.group import LearnerGroup
+from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
+from streamrl.learner.rl.trainer import RLTrainer
+from streamrl.learner.rl.weights import WeightServer
 
 logger = logging.getLogger(__name__)
 

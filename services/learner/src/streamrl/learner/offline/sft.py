@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from streamrl.learner.data import build_sft_samples, train_eval_records
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine, load_tokenizer
 from streamrl.learner.lm_forward import rows_logprobs, rows_nll
-from streamrl.learner.offline_config import SFTConfig
-from streamrl.learner.offline_loop import LoopResult, run_training
+from streamrl.learner.offline.config import SFTConfig
+from streamrl.learner.offline.data import build_sft_samples, train_eval_records
+from streamrl.learner.offline.loop import LoopResult, run_training
 from streamrl.learner.packing import Row, Sample, pack_samples, sample_row
 
 

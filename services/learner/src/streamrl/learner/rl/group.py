@@ -1,6 +1,6 @@
 """The learner group: N data-parallel ranks that train as one learner; rank 0 alone is on the bus.
 
-Rank 0 runs :class:`~streamrl.learner.service.LearnerService` (the one bus consumer, the one that
+Rank 0 runs :class:`~streamrl.learner.rl.service.LearnerService` (the one bus consumer, the one that
 publishes weights and acknowledges batches). Every operation the ranks must do together goes
 through :class:`LearnerGroup`: on rank 0 it first broadcasts the command (over a gloo group of its
 own, so an idle learner waiting for its next batch never trips a GPU collective's timeout), then
@@ -37,7 +37,7 @@ import torch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import TrainingBatch
 from streamrl.learner.checkpoint_retention import prune_checkpoints
-from streamrl.learner.trainer import RLTrainer
+from streamrl.learner.rl.trainer import RLTrainer
 
 logger = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=7)
