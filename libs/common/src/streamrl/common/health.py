@@ -56,7 +56,10 @@ def live_heartbeats(client: syncredis.Redis, names: StreamNames, service: str = 
     raws = client.mget([names.heartbeat(*m.split(":", 1)) for m in members])
     gone = [m for m, raw in zip(members, raws, strict=True) if not raw]
     if gone:
-        client.srem(names.instances, *gone)
+        try:
+            client.srem(names.instances, *gone)
+        except syncredis.exceptions.NoPermissionError:  # a read-only user (observer): the services clean up
+            pass
     return [decode(raw, Heartbeat) for raw in raws if raw]
 
 

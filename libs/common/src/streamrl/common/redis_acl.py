@@ -1,0 +1,213 @@
+"""Redis ACL users of a run: one per service, each allowed only the commands, on the keys, its job needs.
+
+Redis is started with the file :func:`acl_file` renders (``redis-server --aclfile users.acl``); the
+``default`` user is off, so every client logs in as one of these users
+(``redis://rollout:PASSWORD@redis:6379/0``). The file holds SHA-256 hashes of the passwords, never
+the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`streamrl.common.streams`):
+
+    user         consumes (group)        follows             writes
+    coordinator  scored (coordinator)    weights, dead       prompts, batches, dead, state:*, groups*
+    rollout      prompts (rollout)       weights             trajectories, dead, served
+    reward       trajectories (reward)   -                   scored, dead
+    learner      batches (learner)       -                   weights, dead, state:learner*
+    observer     -                       every key (reads)   nothing
+
+and every service: its de-duplication keys ``done:{group}:*``, its own heartbeats ``hb:{service}:*``,
+the ``instances`` set, and reading every heartbeat (to reclaim a dead instance's entries).
+
+Each grant is one ACL selector, ``(%R~key +xread ...)``: Redis allows a command when one selector
+lists the command *and* matches every key it touches with the access it needs. So a rollout
+worker may XACK and XCLAIM on ``prompts`` (a consumer needs write access to its stream for that)
+but not XADD there: XADD is granted on ``trajectories`` alone.
+
+Scripts grant nothing: Redis checks every command a Lua script calls against the caller's ACL, on
+the keys the command really touches. The shared commit script (:data:`streamrl.common.bus.COMMIT_LUA`,
+EVALSHA with no declared keys) writes each service's outputs, de-dup keys and acks as that
+service's user, so a rollout worker asking it to XADD to ``weights`` is refused like a direct XADD.
+The script commands themselves (EVAL, EVALSHA, SCRIPT LOAD / EXISTS) are allowed on the keys the
+user may write (the keys a script may declare); MULTI / EXEC too (each queued command is checked).
+
+Run ``python -m streamrl.common.redis_acl --help``: ``passwords`` prints new random passwords as
+``.env`` lines, ``acl --run-id RUN`` renders the file from ``STREAMRL_REDIS_PASSWORD_<USER>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import secrets
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from streamrl.common.streams import PREFIX, StreamNames
+
+SERVICES = ("coordinator", "rollout", "reward", "learner")
+"""The streamrl services; each logs in as the user of its own name and consumes as the group of that name."""
+USERS = (*SERVICES, "observer")
+"""Every ACL user: the services and ``observer`` (read-only, for status tools and health checks)."""
+PASSWORD_ENV = "STREAMRL_REDIS_PASSWORD_{user}"
+"""Environment variable holding a user's password (``{user}`` upper-cased)."""
+MIN_PASSWORD_CHARS = 16
+_PASSWORD = re.compile(r"^[A-Za-z0-9._~-]+$")
+"""Characters that go into a ``redis://user:password@host`` URL as they are."""
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
+"""As ``ServiceConfig.run_id``: no glob character can widen a key pattern."""
+
+CONNECTION = ("ping",)
+"""What a client sends besides AUTH (always allowed): the pool's health check. Not ``client|setinfo``,
+which redis-py also sends: Redis 7.0 does not know it (an ACL naming it fails to load) and the client
+ignores its refusal (on Redis >= 7.2 one line per user in ACL LOG)."""
+SCRIPTS = ("eval", "evalsha", "script|load", "script|exists")
+TRANSACTIONS = ("multi", "exec", "discard")
+CONSUME = ("xgroup|create", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xinfo|consumers")
+"""A :class:`streamrl.common.consumer.ConsumerLoop` on its stream."""
+FOLLOW = ("xread", "xrange", "xrevrange", "xlen")
+"""A :class:`streamrl.common.follower.StreamFollower` (and a look at the last entries)."""
+PUBLISH = ("xadd",)
+DEDUPE = ("set", "exists", "del")
+"""De-duplication marks: set by the commit script, looked up on redelivery, removed on a failed write."""
+HASH = ("hget", "hset", "hsetnx", "hdel", "hgetall", "hlen", "hincrby")
+RUN_STATE = ("get", "set", "incr", "incrby", "del", "exists", *HASH,
+             "sadd", "srem", "smembers", "scard", "sismember", "rpush", "lrange", "llen", "lrem")  # fmt: skip
+"""The coordinator's run state and group buffers: strings, counters, hashes, sets, lists."""
+READ_ONLY = ("get", "mget", "exists", "type", "ttl", "pttl", "strlen", "hget", "hmget", "hgetall", "hlen",
+             "hkeys", "smembers", "scard", "sismember", "lrange", "llen", "zrange", "zcard", "zscore",
+             "xlen", "xrange", "xrevrange", "xread", "xinfo|stream", "xinfo|groups", "xinfo|consumers",
+             "xpending")  # fmt: skip
+"""The observer's commands: reads of every data type, nothing that writes."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Some commands on some keys with one access: one ACL selector."""
+
+    access: Literal["R", "W", "RW"]
+    """What the commands may do to the keys: read, write, or both (Redis' ``%R~``, ``%W~``, ``~``)."""
+    keys: tuple[str, ...]
+    """Full key names or glob patterns (built from :class:`StreamNames`)."""
+    commands: tuple[str, ...]
+    """Commands or ``command|subcommand``, lower case."""
+
+    def rule(self) -> str:
+        prefix = {"R": "%R~", "W": "%W~", "RW": "~"}[self.access]
+        return "(" + " ".join([*(prefix + k for k in self.keys), *("+" + c for c in self.commands)]) + ")"
+
+
+def grants(user: str, run_id: str) -> list[Grant]:
+    """What ``user`` may do in run ``run_id``, one :class:`Grant` per selector."""
+    if user not in USERS:
+        raise ValueError(f"unknown Redis user {user!r}; known: {', '.join(USERS)}")
+    if not _RUN_ID.match(run_id):
+        raise ValueError(f"run_id {run_id!r}: use letters, digits, '_', '.' and '-' only")
+    names = StreamNames(run_id)
+    if user == "observer":
+        return [Grant("R", (f"{PREFIX}:{run_id}:*",), READ_ONLY)]
+    consumes = {"coordinator": names.scored, "rollout": names.prompts, "reward": names.trajectories,
+                "learner": names.batches}[user]  # fmt: skip
+    common = [
+        Grant("RW", (consumes,), CONSUME),
+        Grant("RW", (names.done(user, "*"),), DEDUPE),
+        Grant("W", (names.dead,), PUBLISH),
+        Grant("RW", (names.heartbeat(user, "*"),), ("set", "del")),
+        Grant("R", (names.heartbeat("*", "*"),), ("exists", "mget")),
+        Grant("RW", (names.instances,), ("sadd", "srem", "smembers")),
+    ]
+    if user == "coordinator":
+        own = [
+            Grant("W", (names.prompts, names.batches), PUBLISH),
+            Grant("R", (names.weights, names.dead), FOLLOW),
+            Grant("RW", (names.state("*"), names.group_buffer("*"), names.group_index), RUN_STATE),
+        ]
+    elif user == "rollout":
+        own = [
+            Grant("W", (names.trajectories,), PUBLISH),
+            Grant("R", (names.weights,), FOLLOW),
+            Grant("RW", (names.served_versions,), ("hset", "hdel")),
+        ]
+    elif user == "reward":
+        own = [Grant("W", (names.scored,), PUBLISH)]
+    else:
+        own = [
+            Grant("W", (names.weights,), PUBLISH),
+            Grant("RW", (names.state("learner*"),), ("get", "set", "del", "exists", *HASH)),
+        ]
+    return common + own
+
+
+def user_rule(user: str, run_id: str, password: str) -> str:
+    """The ACL file line of ``user``: enabled, its password's SHA-256, no default access, its selectors."""
+    check_password(user, password)
+    selectors = grants(user, run_id)
+    root = ["resetkeys", "resetchannels", "-@all", *("+" + c for c in CONNECTION)]
+    writable = sorted({k for g in selectors if g.access != "R" for k in g.keys})
+    if writable:  # services run scripts and transactions; a script may declare only keys the user writes
+        root += [*("+" + c for c in (*SCRIPTS, *TRANSACTIONS)), *("~" + k for k in writable)]
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    return " ".join(["user", user, "on", f"#{digest}", *root, *(g.rule() for g in selectors)])
+
+
+def check_password(user: str, password: str) -> None:
+    env = PASSWORD_ENV.format(user=user.upper())
+    if len(password) < MIN_PASSWORD_CHARS:
+        raise ValueError(f"{env}: the password of {user} needs at least {MIN_PASSWORD_CHARS} characters")
+    if not _PASSWORD.match(password):
+        raise ValueError(f"{env}: use letters, digits and '._~-' only (the password goes into a redis:// URL)")
+
+
+def acl_file(run_id: str, passwords: Mapping[str, str]) -> str:
+    """The ACL file of run ``run_id``: ``default`` off, then one line per user of :data:`USERS`."""
+    missing = [PASSWORD_ENV.format(user=u.upper()) for u in USERS if not passwords.get(u)]
+    if missing:
+        raise ValueError(f"no password for {', '.join(missing)}")
+    lines = ["user default off resetkeys resetchannels -@all"]
+    lines += [user_rule(user, run_id, passwords[user]) for user in USERS]
+    return "\n".join(lines) + "\n"
+
+
+def passwords_from_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each user's password from ``STREAMRL_REDIS_PASSWORD_<USER>`` (absent ones left out)."""
+    env = os.environ if env is None else env
+    found = {user: env.get(PASSWORD_ENV.format(user=user.upper()), "") for user in USERS}
+    return {user: password for user, password in found.items() if password}
+
+
+def new_passwords() -> dict[str, str]:
+    """A random password per user (48 hex digits each)."""
+    return {user: secrets.token_hex(24) for user in USERS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m streamrl.common.redis_acl", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("passwords", help="print a new random password per user, as .env lines")
+    acl = sub.add_parser("acl", help="render the ACL file from STREAMRL_REDIS_PASSWORD_<USER> variables")
+    acl.add_argument("--run-id", required=True, help="the run whose keys the users may touch")
+    acl.add_argument("--out", type=Path, help="write the file here (mode 0644) instead of printing it")
+    args = parser.parse_args(argv)
+    if args.command == "passwords":
+        for user, password in new_passwords().items():
+            print(f"{PASSWORD_ENV.format(user=user.upper())}={password}")
+        return 0
+    try:
+        text = acl_file(args.run_id, passwords_from_env())
+    except ValueError as e:
+        print(f"redis_acl: {e}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o644)  # read by the redis-server user; it holds hashes of random passwords only
+    tmp.replace(args.out)
+    print(f"redis_acl: wrote {len(USERS)} users of run {args.run_id} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
