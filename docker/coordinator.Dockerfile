@@ -24,12 +24,12 @@ COPY services/coordinator services/coordinator
 RUN pip install --no-deps --force-reinstall ./libs/common ./services/coordinator
 
 # /app mirrors the repository root: compose mounts recipes/ and the shared runs/ volume here, and the
-# Hugging Face cache at /cache/huggingface. Both are created owned by the service user so that fresh
-# named volumes inherit that owner; USER is numeric so orchestrators can verify that the image does
-# not run as root.
+# Hugging Face cache at /cache/huggingface; compose's one-shot `redis-acl` (this image) writes the Redis
+# ACL file into /acl. All are created owned by the service user so that fresh named volumes inherit
+# that owner; USER is numeric so orchestrators can verify that the image does not run as root.
 RUN useradd --create-home --uid 1000 --user-group streamrl \
-    && mkdir -p /app/runs /cache/huggingface \
-    && chown streamrl:streamrl /app/runs /cache/huggingface
+    && mkdir -p /app/runs /cache/huggingface /acl \
+    && chown streamrl:streamrl /app/runs /cache/huggingface /acl
 WORKDIR /app
 USER 1000:1000
 ENTRYPOINT ["streamrl", "coordinator"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from test_dockerfiles import copy_sources_and_destination, parse_dockerfile
 
 from streamrl.common.config import apply_overrides, load_config, read_recipe, validate
 from streamrl.common.lifecycle import ServiceConfig
+from streamrl.common.redis_acl import PASSWORD_ENV, SERVICES, USERS, acl_file
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.reward.__main__ import RewardServiceConfig
@@ -39,6 +41,9 @@ CONFIG_CLASSES: dict[str, type[ServiceConfig]] = {
 }
 APP = "/app"
 """The containers' working directory; it mirrors the repository root."""
+PASSWORDS = {user: f"test-{user}-password-0123456789" for user in USERS}
+"""The Redis users' passwords the tests give compose (it refuses to start without them)."""
+PASSWORD_VARS = {PASSWORD_ENV.format(user=user.upper()): password for user, password in PASSWORDS.items()}
 
 
 def _compose_binary() -> Path:
@@ -59,7 +64,7 @@ def run_compose(
     return subprocess.run(
         [str(_compose_binary()), *(arg for f in files for arg in ("-f", f)), *args],
         cwd=cwd,
-        env={**clean, **(env or {})},
+        env={**clean, **PASSWORD_VARS, **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,
@@ -134,8 +139,9 @@ def test_missing_references_names_what_is_absent(tmp_path: Path) -> None:
     assert result.returncode != 0 and "absent.env" in result.stderr
 
 
-def test_services_are_redis_prepare_and_the_four_streamrl_services(config: dict[str, Any]) -> None:
-    assert set(config["services"]) == {"redis", "prepare", *STREAMRL_SERVICES}
+def test_services_are_redis_its_acl_prepare_and_the_four_streamrl_services(config: dict[str, Any]) -> None:
+    assert set(config["services"]) == {"redis", "redis-acl", "prepare", *STREAMRL_SERVICES}
+    assert set(SERVICES) == set(STREAMRL_SERVICES), "a Redis ACL user per streamrl service"
 
 
 def test_redis_persists_with_aof_and_has_a_healthcheck(cpu: dict[str, Any]) -> None:
@@ -143,7 +149,46 @@ def test_redis_persists_with_aof_and_has_a_healthcheck(cpu: dict[str, Any]) -> N
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
     assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
-    assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+    # the default user is off: the check logs in as the read-only observer (password from REDISCLI_AUTH)
+    assert redis["healthcheck"]["test"] == ["CMD-SHELL", "redis-cli --user observer ping | grep -q PONG"]
+    assert redis["environment"]["REDISCLI_AUTH"] == PASSWORDS["observer"]
+
+
+def test_redis_loads_the_acl_file_that_redis_acl_writes_for_the_run(cpu: dict[str, Any]) -> None:
+    services = cpu["services"]
+    redis, writer = services["redis"], services["redis-acl"]
+    command = redis["command"]
+    path = command[command.index("--aclfile") + 1]
+    assert writer["entrypoint"] == ["python", "-m", "streamrl.common.redis_acl"]
+    assert writer["command"][0] == "acl" and writer["command"][writer["command"].index("--out") + 1] == path
+    run_id = writer["command"][writer["command"].index("--run-id") + 1]
+    assert {services[name]["environment"]["STREAMRL_RUN_ID"] for name in STREAMRL_SERVICES} == {run_id}
+    folder = str(Path(path).parent)
+    assert {"type": "volume", "target": folder, "read_only": True}.items() <= next(
+        v for v in redis["volumes"] if v["target"] == folder
+    ).items()
+    assert (
+        next(v for v in writer["volumes"] if v["target"] == folder)["source"]
+        == next(v for v in redis["volumes"] if v["target"] == folder)["source"]
+    )
+    assert redis["depends_on"]["redis-acl"]["condition"] == "service_completed_successfully"
+    assert writer["restart"] == "no" and writer["image"] == services["coordinator"]["image"]
+    # it gets every user's password, the file it renders from them loads (tests/integration/test_redis_acl.py)
+    passwords = {user: writer["environment"][PASSWORD_ENV.format(user=user.upper())] for user in USERS}
+    assert passwords == PASSWORDS and acl_file(run_id, passwords)
+
+
+def test_compose_refuses_to_start_without_a_redis_password() -> None:
+    result = run_compose(CPU, "config", "-q", env={PASSWORD_ENV.format(user="REWARD"): ""})
+    assert result.returncode != 0 and "STREAMRL_REDIS_PASSWORD_REWARD" in result.stderr
+
+
+@pytest.mark.parametrize("path", [*CPU, *GPU[1:]])
+def test_no_redis_password_is_written_in_the_compose_files(path: str) -> None:
+    text = (REPO / path).read_text()
+    for user, password in re.findall(r"redis://([^:/@\s]+):([^@\s]*)@", text):
+        assert password.startswith("${" + PASSWORD_ENV.format(user=user.upper()) + ":?"), f"{user}: {password}"
+    assert not re.search(r"requirepass|>[A-Za-z0-9]", text)
 
 
 @pytest.mark.parametrize("name", STREAMRL_SERVICES)
@@ -158,7 +203,7 @@ def test_service_waits_for_redis_and_prepare_and_is_wired_to_redis(config: dict[
     service = config["services"][name]
     assert service["depends_on"]["redis"]["condition"] == "service_healthy"
     assert service["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
-    assert service["environment"]["STREAMRL_REDIS__URL"] == "redis://redis:6379/0"
+    assert service["environment"]["STREAMRL_REDIS__URL"] == f"redis://{name}:{PASSWORDS[name]}@redis:6379/0"
     assert service["environment"]["STREAMRL_RUN_ID"]
     # Coordinator and learner exit 0 at the end of the run; "always" would start the run over.
     assert service["restart"] == "on-failure"
@@ -240,9 +285,7 @@ def test_gpu_override_builds_cuda_images_under_their_own_tags(cpu: dict[str, Any
 
 
 def _default_recipe(config: dict[str, Any]) -> str:
-    recipes = {
-        service["environment"]["STREAMRL_RECIPE"] for service in config["services"].values() if "environment" in service
-    }
+    recipes = {config["services"][name]["environment"]["STREAMRL_RECIPE"] for name in ("prepare", *STREAMRL_SERVICES)}
     (recipe,) = recipes
     return recipe
 
@@ -263,7 +306,7 @@ def test_default_recipe_parses_into_the_service_config_in_its_environment(
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     config = load_config(CONFIG_CLASSES[name], REPO / env["STREAMRL_RECIPE"], section=name)
-    assert config.redis.url == "redis://redis:6379/0"
+    assert config.redis.url == f"redis://{name}:{PASSWORDS[name]}@redis:6379/0"
     assert config.run_id == env["STREAMRL_RUN_ID"]
     assert config.run_dir.startswith("runs/"), "the run's outputs must land on the shared runs volume"
 
