@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
+import logging
 import socket
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
+from reward_server import ServerProcess
 
 from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
@@ -21,43 +17,24 @@ from streamrl.reward.scorers.base import ScorerError
 from streamrl.reward.scorers.http import HttpScorer
 from streamrl.reward.service import RewardService
 
-SERVER = Path(__file__).with_name("reward_server.py")
 TOKEN = "t0ken-for-tests"
 
-Server = Callable[..., str]
+Server = Callable[..., ServerProcess]
 
 
 @pytest.fixture
 def reward_server() -> Iterator[Server]:
-    """Start reward_server.py processes; returns the /get_reward URL of each."""
-    procs: list[subprocess.Popen[str]] = []
+    """Start reward_server.py processes (``reward_server(*args, token=...)``); killed at the end."""
+    servers: list[ServerProcess] = []
 
-    def start(*args: str, token: str = TOKEN) -> str:
-        env = {**os.environ, "REWARD_SERVER_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            [sys.executable, str(SERVER), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("listening on "), f"reward server did not start: {line!r}"
-        return f"http://127.0.0.1:{int(line.split()[-1])}/get_reward"
+    def start(*args: str, token: str = TOKEN) -> ServerProcess:
+        servers.append(ServerProcess(*args, token=token))
+        servers[-1].start()
+        return servers[-1]
 
     yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
-
-
-def server_stats(url: str) -> dict[str, int]:
-    with urllib.request.urlopen(url.replace("/get_reward", "/stats"), timeout=5) as resp:
-        return json.loads(resp.read())  # type: ignore[no-any-return]
+    for server in servers:
+        server.kill()
 
 
 def trajectory(i: int) -> Trajectory:
@@ -114,7 +91,8 @@ def free_port() -> int:
 
 
 def test_every_trajectory_scored_once_despite_faults(reward_server: Server) -> None:
-    url = reward_server("--faults", "500,drop,slow,500,drop,slow", "--slow-s", "3")
+    server = reward_server("--faults", "500,drop,slow,500,drop,slow", "--slow-s", "3")
+    url = server.url
     # A 1 s timeout: a slow answer (3 s) times out, a normal one never does, even on a busy machine.
     scorer = HttpScorer(http_config([url], timeout_s=1.0), env={"RM_TOKEN": TOKEN})
     config = RewardConfig(scorers=[http_config([url])], max_batch_size=8, max_wait_ms=20)
@@ -139,12 +117,12 @@ def test_every_trajectory_scored_once_despite_faults(reward_server: Server) -> N
     assert metrics["reward/http/timeouts"] == 2
     assert metrics["reward/http/failures"] == 0
     assert metrics["reward/http/requests"] == metrics["reward/batches"] * 2 + 6  # 8 per batch -> 2 requests
-    assert server_stats(url)["requests"] == metrics["reward/http/requests"]
+    assert server.stats()["requests"] == metrics["reward/http/requests"]
 
 
 def test_failover_to_a_live_url(reward_server: Server) -> None:
     dead = f"http://127.0.0.1:{free_port()}/get_reward"
-    live = reward_server()
+    live = reward_server().url
     scorer = HttpScorer(http_config([dead, live], load_balancing="round_robin"), env={"RM_TOKEN": TOKEN})
     batch = [trajectory(i) for i in range(32)]
 
@@ -162,7 +140,8 @@ def test_failover_to_a_live_url(reward_server: Server) -> None:
 
 
 def test_permanent_failure_raises_with_the_reason(reward_server: Server) -> None:
-    url = reward_server("--always", "500")
+    server = reward_server("--always", "500")
+    url = server.url
     scorer = HttpScorer(http_config([url], max_retries=2), env={"RM_TOKEN": TOKEN})
     with pytest.raises(
         ScorerError,
@@ -179,22 +158,103 @@ def test_unreachable_service_raises(reward_server: Server) -> None:
         http_config([f"http://127.0.0.1:{free_port()}/get_reward"], max_retries=1),
         env={"RM_TOKEN": TOKEN},
     )
-    with pytest.raises(ScorerError, match=r"not scored after 2 attempts .*ClientConnectorError"):
+    with pytest.raises(ScorerError, match=r"not scored after 2 attempts .*connection refused \(is the service up\?\)"):
         score_once(scorer, [trajectory(0)])
 
 
-def test_client_errors_are_not_retried(reward_server: Server) -> None:
-    url = reward_server()
+def test_a_refused_token_fails_at_once_naming_its_variable(reward_server: Server) -> None:
+    """401/403 are never retried and say which environment variable holds the token (before: "HTTP 401
+    (not retried)" with the server's body, nothing pointing at the token's variable)."""
+    server = reward_server()
+    url = server.url
     scorer = HttpScorer(http_config([url]), env={"RM_TOKEN": "wrong"})
-    with pytest.raises(ScorerError, match=r"HTTP 401 \(not retried\)"):
+    with pytest.raises(
+        ScorerError,
+        match=r"HTTP 403, not retried: the server refused the token in \$RM_TOKEN \(token_env\)",
+    ) as refused:
         score_once(scorer, [trajectory(0)])
+    assert refused.value.attempts == 1 and not refused.value.sample_specific
     assert scorer.metrics()["reward/http/requests"] == 1
     assert scorer.metrics()["reward/http/retries"] == 0
-    assert server_stats(url).get("unauthorized") == 1
+    assert server.stats().get("forbidden") == 1
+    anonymous = HttpScorer(http_config([url], token_env=None))
+    with pytest.raises(ScorerError, match=r"HTTP 401, not retried: the server wants a token: set token_env"):
+        score_once(anonymous, [trajectory(0)])
+    assert server.stats().get("unauthorized") == 1
+
+
+def test_other_client_errors_are_not_retried(reward_server: Server) -> None:
+    server = reward_server()
+    url = server.url
+    scorer = HttpScorer(http_config([url.replace("/get_reward", "/nowhere")]), env={"RM_TOKEN": TOKEN})
+    with pytest.raises(ScorerError, match=r"HTTP 404, not retried: 404: Not Found"):
+        score_once(scorer, [trajectory(0)])
+    assert scorer.metrics()["reward/http/retries"] == 0
+
+
+def test_a_server_failing_for_a_while_is_ridden_out_with_one_log_line_each_way(
+    reward_server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """500s for 1 s: every request retries with jittered backoff until the server answers; the result
+    says how many attempts each sample took; one WARNING when the URL starts failing and one INFO when
+    it answers again (before: a WARNING per failed attempt, and no attempt counts)."""
+    server = reward_server()
+    url = server.url
+    server.control("500", for_s=1.0)
+    config = http_config([url], max_retries=100, retry_timeout_s=10, backoff_base_s=0.05, backoff_max_s=0.3)
+    scorer = HttpScorer(config, env={"RM_TOKEN": TOKEN})
+    batch = [trajectory(i) for i in range(16)]  # 4 requests
+
+    async def main() -> list[int]:
+        try:
+            return (await scorer.score(batch)).attempts or []
+        finally:
+            await scorer.close()
+
+    with caplog.at_level(logging.DEBUG, logger="streamrl.reward.scorers.http"):
+        attempts = asyncio.run(main())
+    assert len(attempts) == 16 and min(attempts) >= 2
+    assert sum(attempts[::4]) == scorer.metrics()["reward/http/requests"] == server.stats()["requests"]
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(lines) == 2, lines
+    assert lines[0][0] == logging.WARNING and f"{url} is failing: HTTP 500: injected internal error" in lines[0][1]
+    assert lines[1][0] == logging.INFO and f"{url} answers again after" in lines[1][1]
+
+
+def test_retries_stop_at_the_retry_timeout_with_a_one_line_reason(reward_server: Server) -> None:
+    """A server failing for longer than retry_timeout_s: the request gives up then (not after
+    max_retries), with one line naming the attempts, the time, the URL and the flattened body."""
+    server = reward_server("--always", "500")
+    url = server.url
+    config = http_config([url], max_retries=1000, retry_timeout_s=0.5, backoff_base_s=0.05, backoff_max_s=0.1)
+    scorer = HttpScorer(config, env={"RM_TOKEN": TOKEN})
+    with pytest.raises(ScorerError) as failed:
+        score_once(scorer, [trajectory(0)])
+    message = str(failed.value)
+    assert failed.value.attempts >= 3 and scorer.metrics()["reward/http/requests"] == failed.value.attempts
+    assert f"not scored after {failed.value.attempts} attempts in 0." in message
+    assert message.endswith(
+        f"to {url}; last error: HTTP 500: injected internal error Traceback (most recent call last): ..."
+    )
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("fault", ["drop", "down"])
+def test_connection_faults_read_as_one_short_line(reward_server: Server, fault: str) -> None:
+    url = reward_server("--always", "drop").url if fault == "drop" else f"http://127.0.0.1:{free_port()}/get_reward"
+    scorer = HttpScorer(http_config([url], max_retries=1), env={"RM_TOKEN": TOKEN})
+    with pytest.raises(ScorerError) as failed:
+        score_once(scorer, [trajectory(0)])
+    expected = {
+        "drop": "the server closed the connection without answering",
+        "down": "connection refused (is the service up?)",
+    }[fault]
+    assert str(failed.value).endswith(f"last error: {expected}")
 
 
 def test_wrong_length_answer_is_an_error_not_zero(reward_server: Server) -> None:
-    url = reward_server("--always", "short")
+    server = reward_server("--always", "short")
+    url = server.url
     scorer = HttpScorer(http_config([url]), env={"RM_TOKEN": TOKEN})
     with pytest.raises(ScorerError, match="rewards has 2 values for a batch of 3 samples"):
         score_once(scorer, [trajectory(i) for i in range(3)])

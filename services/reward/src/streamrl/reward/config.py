@@ -48,8 +48,12 @@ class HttpScorerConfig(_ScorerBase):
     """Requests in flight at once, over all URLs."""
     timeout_s: float = Field(30.0, gt=0)
     """Total time allowed for one request (s)."""
-    max_retries: int = Field(3, ge=0)
-    """Extra attempts after a timeout, connection error, HTTP 5xx, 408 or 429 (never other 4xx)."""
+    max_retries: int = Field(20, ge=0)
+    """Extra attempts after a timeout, connection error, HTTP 5xx, 408 or 429 (never other 4xx), at most."""
+    retry_timeout_s: float = Field(60.0, gt=0)
+    """No retry of a request starts later than this after its first attempt (s): a remote service that
+    fails or is down for less is ridden out; past it the request fails and the consumer loop
+    delivers its entries again (``consumer.max_deliveries``), then dead-letters them with the reason."""
     backoff_base_s: float = Field(0.5, gt=0)
     """Backoff before retry k is ``min(backoff_max_s, backoff_base_s * 2**k)``, reduced by jitter (s)."""
     backoff_max_s: float = Field(10.0, gt=0)
@@ -61,7 +65,8 @@ class HttpScorerConfig(_ScorerBase):
     auth_scheme: str = "Bearer"
     """Prefix of the header value (``Bearer <token>``); empty = the raw token."""
     token_env: str | None = None
-    """Name of the environment variable holding the token (never the token itself); None = no auth."""
+    """Name of the environment variable holding the token (never the token itself); None = no auth.
+    A 401 or 403 answer is not retried: its entries are dead-lettered with a reason naming this variable."""
 
     @model_validator(mode="after")
     def _check(self) -> HttpScorerConfig:

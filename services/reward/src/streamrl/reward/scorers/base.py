@@ -3,7 +3,8 @@
 A scorer turns a batch of trajectories into one reward, one score and extra metrics per sample.
 Its output is checked here (right length, finite numbers, rewards present): a malformed answer is
 an error, never a silent 0. ``ScorerError`` carries the reason up to the consumer loop, which
-retries the entry and finally dead-letters it with that reason.
+retries the entry and finally dead-letters it with that reason. Both carry how many backend calls
+the samples took (``attempts``): the reward service reports them per trajectory.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ class ScorerError(RuntimeError):
     the failing calls.
     """
 
-    def __init__(self, message: str, *, sample_specific: bool = False) -> None:
+    def __init__(self, message: str, *, sample_specific: bool = False, attempts: int = 1) -> None:
         super().__init__(message)
         self.sample_specific = sample_specific
+        self.attempts = attempts
+        """Calls to the backend made for these samples before giving up (1 = no retry)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,12 @@ class ScorerResult:
     scores: list[float]
     extra: list[dict[str, float]]
     """One dict of extra metrics per sample."""
+    attempts: list[int] | None = None
+    """Per sample: calls to the backend it took (1 = first try); None = one each."""
+
+    def attempts_of(self, i: int) -> int:
+        """Backend calls sample ``i`` took."""
+        return 1 if self.attempts is None else self.attempts[i]
 
     @staticmethod
     def concat(parts: Sequence[ScorerResult]) -> ScorerResult:
@@ -50,6 +59,7 @@ class ScorerResult:
             rewards=[r for p in parts for r in p.rewards],
             scores=[s for p in parts for s in p.scores],
             extra=[e for p in parts for e in p.extra],
+            attempts=[p.attempts_of(i) for p in parts for i in range(len(p.rewards))],
         )
 
 

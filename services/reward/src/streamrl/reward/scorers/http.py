@@ -5,11 +5,17 @@
 * A micro-batch is cut into requests of at most ``batch_size`` samples, sent concurrently
   (at most ``max_concurrency`` in flight over all URLs).
 * Each request has a total timeout. Timeouts, connection errors, HTTP 5xx, 408 and 429 are
-  retried up to ``max_retries`` times with exponential backoff and jitter; other 4xx answers and
-  malformed bodies (no rewards, wrong length, not numbers) fail at once.
+  retried with capped exponential backoff and jitter (so the requests of a failed batch do not
+  retry in lockstep), up to ``max_retries`` times and no later than ``retry_timeout_s`` after
+  the first attempt: a service that fails or is down for less than that is ridden out. Other 4xx
+  answers and malformed bodies (no rewards, wrong length, not numbers) fail at once; 401 and 403
+  say which environment variable holds the token that was refused.
 * Several URLs: each attempt picks one by round-robin or least-loaded; a URL that just failed
   is avoided for a while and a retry prefers a URL the request has not tried (fail-over).
-* When every attempt failed, ``ScorerError`` says how often, where and the last reason.
+* When every attempt failed, ``ScorerError`` says how often, for how long, where and the last
+  reason, on one line (server bodies and client errors are flattened and cut).
+* Logging: one WARNING line when a URL starts failing and one INFO line when it answers again,
+  however many requests meet the fault; each failed attempt is logged at DEBUG.
 
 Counters (``metrics()``): ``reward/http/{requests,retries,failures,timeouts,connection_errors,
 server_errors,client_errors,bad_responses}``.
@@ -18,6 +24,7 @@ server_errors,client_errors,bad_responses}``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -43,11 +50,35 @@ logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429})
 """4xx answers that mean "try again later"; every 5xx is retried too."""
+AUTH_STATUS = frozenset({401, 403})
+"""The server refused the token (or its absence): never retried, the reason names ``token_env``."""
 SAMPLE_SPECIFIC_STATUS = frozenset({400, 413, 422})
 """4xx answers that may be caused by particular samples (malformed, too large)."""
-MAX_ERROR_BODY_CHARS = 300
+MAX_ERROR_BODY_CHARS = 200
 FAILED_URL_COOLDOWN_S = 2.0
 """After a failed attempt a URL is used only when no other URL is left, for this long."""
+
+
+def one_line(text: str, limit: int = MAX_ERROR_BODY_CHARS) -> str:
+    """``text`` with every run of whitespace (newlines included) made one space, cut to ``limit`` chars."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def describe_client_error(error: aiohttp.ClientError) -> str:
+    """A short phrase for a failed connection or exchange (aiohttp's own text holds reprs)."""
+    if isinstance(error, aiohttp.ClientConnectorError):
+        cause = error.os_error
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused (is the service up?)"
+        return f"cannot connect: {one_line(cause.strerror or type(cause).__name__)}"
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection without answering"
+    if isinstance(error, aiohttp.ClientPayloadError):
+        return "the answer was cut off"
+    if isinstance(error, aiohttp.ClientOSError):
+        return f"connection error: {one_line(error.strerror or type(error).__name__)}"
+    return one_line(f"{type(error).__name__}: {error}")
 
 
 def backoff_delay_s(retry: int, base_s: float, max_s: float, jitter: float, rng: random.Random) -> float:
@@ -57,12 +88,50 @@ def backoff_delay_s(retry: int, base_s: float, max_s: float, jitter: float, rng:
     return cap * (1.0 - jitter * rng.random())
 
 
+def next_retry_delay_s(
+    config: HttpScorerConfig, retries_done: int, elapsed_s: float, rng: random.Random
+) -> float | None:
+    """Backoff before the next retry of a request whose first attempt was ``elapsed_s`` ago, or None
+    when it gives up: ``max_retries`` done, or the retry would start past ``retry_timeout_s``."""
+    if retries_done >= config.max_retries:
+        return None
+    delay_s = backoff_delay_s(retries_done, config.backoff_base_s, config.backoff_max_s, config.jitter, rng)
+    return None if elapsed_s + delay_s > config.retry_timeout_s else delay_s
+
+
 @dataclass
 class _Endpoint:
     url: str
     in_flight: int = 0
     avoid_until: float = 0.0
     """Monotonic time until which this URL is only used when no other is available."""
+    failing_since: float | None = None
+    """Monotonic time of the first failed attempt since the URL last answered; None = healthy."""
+    failed_attempts: int = 0
+    """Failed attempts since ``failing_since``."""
+
+    def failed(self, reason: str, scorer: str, what_next: str, level: int = logging.WARNING) -> None:
+        """Note a failed attempt; the first one of an outage logs one line (at ``level``)."""
+        now = time.monotonic()
+        self.avoid_until = now + FAILED_URL_COOLDOWN_S
+        self.failed_attempts += 1
+        if self.failing_since is None:
+            self.failing_since = now
+            logger.log(
+                level, "reward http scorer %s: %s is failing: %s (%s)", scorer, self.url, reason, what_next,
+            )  # fmt: skip
+        else:
+            logger.debug("reward http scorer %s: %s failed again: %s", scorer, self.url, reason)
+
+    def answered(self, scorer: str) -> None:
+        """Note an answer; the first after an outage logs one INFO line."""
+        self.avoid_until = 0.0
+        if self.failing_since is not None:
+            logger.info(
+                "reward http scorer %s: %s answers again after %.1f s (%d failed attempts)",
+                scorer, self.url, time.monotonic() - self.failing_since, self.failed_attempts,
+            )  # fmt: skip
+            self.failing_since, self.failed_attempts = None, 0
 
 
 class EndpointPool:
@@ -155,80 +224,89 @@ class HttpScorer:
     async def _post(self, payload: dict[str, Any], n: int) -> ScorerResult:
         """One request with retries and fail-over; raises ScorerError when it cannot succeed."""
         cfg = self._config
+        started = time.monotonic()
         tried: set[str] = set()
-        reasons: list[str] = []
-        for attempt in range(cfg.max_retries + 1):
-            if attempt:
+        reason = ""
+        attempts = 0
+        while True:
+            if attempts:
+                delay_s = next_retry_delay_s(cfg, attempts - 1, time.monotonic() - started, self._rng)
+                if delay_s is None:
+                    break
                 self._counts["retries"] += 1
-                await asyncio.sleep(
-                    backoff_delay_s(
-                        attempt - 1,
-                        cfg.backoff_base_s,
-                        cfg.backoff_max_s,
-                        cfg.jitter,
-                        self._rng,
-                    )
-                )
+                await asyncio.sleep(delay_s)
+            attempts += 1
             async with self._slots:
                 endpoint = self._pool.pick(tried)
                 tried.add(endpoint.url)
                 endpoint.in_flight += 1
                 try:
-                    outcome = await self._attempt(endpoint.url, payload, n)
+                    outcome = await self._attempt(endpoint, payload, n)
+                except ScorerError as e:
+                    e.attempts = attempts
+                    raise
                 finally:
                     endpoint.in_flight -= 1
             if isinstance(outcome, ScorerResult):
-                endpoint.avoid_until = 0.0
-                return outcome
-            endpoint.avoid_until = time.monotonic() + FAILED_URL_COOLDOWN_S
-            reasons.append(outcome)
-            logger.warning(
-                "reward http scorer %s: attempt %d/%d failed: %s",
-                self.name,
-                attempt + 1,
-                cfg.max_retries + 1,
-                outcome,
-            )
+                return dataclasses.replace(outcome, attempts=[attempts] * n)
+            reason = outcome
         self._counts["failures"] += 1
         raise ScorerError(
-            f"http scorer {self.name!r}: {n} samples not scored after {cfg.max_retries + 1} attempts "
-            f"to {sorted(tried)}; last error: {reasons[-1]}",
+            f"http scorer {self.name!r}: {n} samples not scored after {attempts} attempts in "
+            f"{time.monotonic() - started:.1f} s to {', '.join(sorted(tried))}; last error: {reason}",
+            attempts=attempts,
         )
 
-    async def _attempt(self, url: str, payload: dict[str, Any], n: int) -> ScorerResult | str:
+    async def _attempt(self, endpoint: _Endpoint, payload: dict[str, Any], n: int) -> ScorerResult | str:
         """One POST: the result, or the reason of a retryable failure; raises ScorerError otherwise."""
         self._counts["requests"] += 1
+        url = endpoint.url
         source = f"http scorer {self.name!r} ({url})"
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
         try:
             async with self._get_session().post(url, json=payload, timeout=timeout) as resp:
-                if resp.status >= 500 or resp.status in RETRYABLE_STATUS:
-                    self._counts["server_errors"] += 1
-                    return f"{url}: HTTP {resp.status}: {(await resp.text())[:MAX_ERROR_BODY_CHARS]}"
-                if resp.status >= 400:
-                    self._counts["client_errors"] += 1
-                    body = (await resp.text())[:MAX_ERROR_BODY_CHARS]
-                    raise ScorerError(
-                        f"{source}: HTTP {resp.status} (not retried): {body}",
-                        sample_specific=resp.status in SAMPLE_SPECIFIC_STATUS,
-                    )
-                body_text = await resp.text()
+                status, body_text = resp.status, await resp.text()
         except TimeoutError:
             self._counts["timeouts"] += 1
-            return f"{url}: no answer within {self._config.timeout_s} s"
+            return self._retryable(endpoint, f"no answer within {self._config.timeout_s} s")
         except aiohttp.ClientError as e:
             self._counts["connection_errors"] += 1
-            return f"{url}: {type(e).__name__}: {e}"
+            return self._retryable(endpoint, describe_client_error(e))
+        if status >= 500 or status in RETRYABLE_STATUS:
+            self._counts["server_errors"] += 1
+            return self._retryable(endpoint, f"HTTP {status}: {one_line(body_text)}")
+        if status >= 400:
+            self._counts["client_errors"] += 1
+            detail = self._client_error(status, one_line(body_text))
+            endpoint.failed(detail, self.name, "entries fail until this is fixed", logging.ERROR)
+            raise ScorerError(f"{source}: {detail}", sample_specific=status in SAMPLE_SPECIFIC_STATUS)
+        endpoint.answered(self.name)
         try:
             data = json.loads(body_text)
         except json.JSONDecodeError as e:
             self._counts["bad_responses"] += 1
-            raise ScorerError(f"{source}: answer is not JSON ({e}): {body_text[:MAX_ERROR_BODY_CHARS]!r}") from e
+            raise ScorerError(f"{source}: answer is not JSON ({e}): {one_line(body_text)!r}") from e
         try:
             return parse_reward_output(data, n, source)
         except ScorerError:
             self._counts["bad_responses"] += 1
             raise
+
+    def _retryable(self, endpoint: _Endpoint, reason: str) -> str:
+        what_next = f"requests retry with backoff for up to {self._config.retry_timeout_s:.0f} s each"
+        endpoint.failed(reason, self.name, what_next)
+        return reason
+
+    def _client_error(self, status: int, body: str) -> str:
+        """What a 4xx answer that is not retried means; 401/403 name the token's variable."""
+        if status not in AUTH_STATUS:
+            return f"HTTP {status}, not retried: {body}"
+        env = self._config.token_env
+        if env is None:
+            hint = "the server wants a token: set token_env to the environment variable that holds it"
+        else:
+            hint = f"the server refused the token in ${env} (token_env): set the right one and restart the service"
+        return f"HTTP {status}, not retried: {hint}; server said: {body}"
 
     def metrics(self) -> dict[str, float]:
         keys = (
