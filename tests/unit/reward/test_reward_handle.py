@@ -82,6 +82,8 @@ def test_handle_scores_batches_and_publishes_to_scored(
             "b/reward": n,
             "b/score": min(1.0, n / 10),
             "b/len": n,
+            "reward/attempts": 1.0,
+            "reward/retried": 0.0,
         }
         assert scored.scorer == "a:function+b:function"
         assert scored.traceparent == traj(i).traceparent
@@ -105,8 +107,12 @@ def test_a_bad_sample_fails_alone(traj: Callable[..., Trajectory]) -> None:
 
     results = asyncio.run(main())
     assert isinstance(results[1], ScorerError) and "cannot score 'boom'" in str(results[1])
-    assert [r[0].message.reward for r in (results[0], results[2])] == [2.0, 4.0]  # type: ignore[index]
+    good = [r[0].message for r in (results[0], results[2])]  # type: ignore[index]
+    assert [s.reward for s in good] == [2.0, 4.0]
     assert scorer.batch_sizes == [3, 1, 1, 1]
+    # Their batch failed once before they were scored alone: two attempts each.
+    assert [(s.extra["reward/attempts"], s.extra["reward/retried"]) for s in good] == [(2.0, 1.0)] * 2
+    assert service.metrics()["reward/failed"] == 1 and service.metrics()["reward/retried"] == 2
 
 
 def test_backend_failure_fails_the_batch_without_splitting(
@@ -122,6 +128,80 @@ def test_backend_failure_fails_the_batch_without_splitting(
     results = asyncio.run(main())
     assert all(isinstance(r, ScorerError) for r in results)
     assert scorer.batch_sizes == [2]
+
+
+class FlakyBackend:
+    """Fails its first ``failures`` calls as a backend that gave up after 3 calls, then answers
+    after 2 calls (as an HTTP scorer reports its retries)."""
+
+    def __init__(self, failures: int) -> None:
+        self.name = "a"
+        self.failures = failures
+
+    async def score(self, batch: list[Trajectory]) -> ScorerResult:
+        if self.failures:
+            self.failures -= 1
+            raise ScorerError("a: backend down", attempts=3)
+        ones = [1.0] * len(batch)
+        return ScorerResult(rewards=ones, scores=ones, extra=[{} for _ in batch], attempts=[2] * len(batch))
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    async def close(self) -> None:
+        return None
+
+
+def test_attempts_of_earlier_deliveries_reach_the_scored_trajectory(traj: Callable[..., Trajectory]) -> None:
+    """The retry counters reach the metrics through each ScoredTrajectory's extra (the coordinator
+    averages every extra key per batch); before, nothing said a trajectory had been retried."""
+    service = RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[FlakyBackend(failures=1)])
+
+    async def main() -> ScoredTrajectory:
+        with pytest.raises(ScorerError, match="backend down"):
+            await service.handle(traj(0))  # the consumer loop delivers the entry again
+        (out,) = await service.handle(traj(0))
+        await service.close()
+        return out.message  # type: ignore[return-value]
+
+    scored = asyncio.run(main())
+    assert scored.extra["reward/attempts"] == 5.0 and scored.extra["reward/retried"] == 1.0
+    metrics = service.metrics()
+    assert (metrics["reward/failed"], metrics["reward/retried"], metrics["reward/scored"]) == (1, 1, 1)
+
+
+class NeverAnswers:
+    """A backend that never answers (a server hanging while the service stops)."""
+
+    name = "a"
+
+    async def score(self, batch: list[Trajectory]) -> ScorerResult:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    async def close(self) -> None:
+        return None
+
+
+def test_close_leaves_waiting_and_late_calls_cancelled_not_failed(traj: Callable[..., Trajectory]) -> None:
+    """On stop the entries being scored must stay pending (their handler task is cancelled), never
+    fail with "MicroBatcher is closed" (which the consumer loop counted and dead-lettered)."""
+    service = RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[NeverAnswers()])
+
+    async def main() -> list[asyncio.Task[object]]:
+        waiting = [asyncio.create_task(service.handle(traj(i))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        await service.close()
+        late = asyncio.create_task(service.handle(traj(9)))  # a retry that wakes up after close
+        await asyncio.wait([*waiting, late])
+        return [*waiting, late]
+
+    tasks = asyncio.run(main())
+    assert all(t.cancelled() for t in tasks)
+    assert service.metrics()["reward/failed"] == 0
 
 
 def test_built_from_config_with_a_reward_file(tmp_path: Path, traj: Callable[..., Trajectory]) -> None:

@@ -7,6 +7,11 @@ every waiter of the batch. With ``split_on`` set, a failed batch of several item
 satisfies it is retried item by item, so one bad item fails alone instead of taking its whole
 batch down with it (the consumer loop would otherwise dead-letter innocent neighbours).
 
+Closing cancels: a waiter not yet answered, and any later ``submit``, gets ``CancelledError``,
+never an error of its own. For the consumer loop that means the entry stays pending for the next
+consumer, instead of failing (and at last being dead-lettered) with a reason that only says the
+batcher was closed.
+
 Used by the reward service (trajectories -> scorers) and by ``serve-rm`` (texts -> model).
 """
 
@@ -59,9 +64,9 @@ class MicroBatcher(Generic[T, R]):
         """Items submitted so far."""
 
     async def submit(self, item: T) -> R:
-        """Queue ``item`` and wait for its result (or its batch's exception)."""
+        """Queue ``item`` and wait for its result (or its batch's exception); CancelledError once closed."""
         if self._closed:
-            raise RuntimeError("MicroBatcher is closed")
+            raise asyncio.CancelledError("the micro-batcher is closed: the service is stopping")
         if self._collector is None:
             self._collector = asyncio.create_task(self._collect(), name="micro-batcher")
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
@@ -119,7 +124,7 @@ class MicroBatcher(Generic[T, R]):
                 future.set_result(result)
 
     async def close(self) -> None:
-        """Stop batching; waiters not yet answered get CancelledError."""
+        """Stop batching; waiters not yet answered, and later submissions, get CancelledError."""
         self._closed = True
         tasks = [t for t in (self._collector, *self._running) if t is not None]
         await cancel_and_wait(tasks)

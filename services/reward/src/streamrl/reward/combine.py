@@ -7,6 +7,7 @@ For sample i with scorers k of weight w_k (w_k >= 0, at least one > 0):
 
 Every scorer's own values are kept as extra metrics, ``{name}/reward``, ``{name}/score`` and
 ``{name}/{metric}`` for its extra metrics, so a weight-0 scorer is logged without being trained on.
+A sample's ``attempts`` is the most backend calls any scorer needed for it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class CombinedScore:
     reward: float
     score: float
     extra: dict[str, float]
+    attempts: int = 1
+    """Backend calls the sample needed, the most over the scorers (1 = no retry)."""
 
 
 def combine(parts: Sequence[WeightedResult]) -> list[CombinedScore]:
@@ -63,6 +66,7 @@ def combine(parts: Sequence[WeightedResult]) -> list[CombinedScore]:
                 reward=sum(p.weight * p.result.rewards[i] for p in parts),
                 score=sum(p.weight * p.result.scores[i] for p in parts) / total_weight,
                 extra=extra,
+                attempts=max(p.result.attempts_of(i) for p in parts),
             )
         )
     return combined

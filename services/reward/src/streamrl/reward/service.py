@@ -10,6 +10,15 @@ micro-batches, so every scorer sees batches, not single samples. A scorer that f
 reason; nothing is ever scored 0 by default. When a batch fails for a reason that may be
 sample-specific (a user function raised), its trajectories are re-scored one by one so only the
 bad one fails. De-duplication by trajectory id is the loop's job.
+
+Per trajectory, the ScoredTrajectory carries the figures of its scoring (averaged per batch by the
+coordinator, like every ``extra`` key): ``reward_latency_ms`` (this delivery's wait for its
+scores), ``extra["reward/attempts"]`` (backend calls it took in this instance, counting those of
+earlier deliveries that failed, and of a batch that failed before it was scored alone) and
+``extra["reward/retried"]`` (1.0 when that is more than one).
+
+On stop, ``close`` cancels the calls still waiting for scores: their entries stay pending for the
+next consumer; they never fail with a reason that only says the service was stopping.
 """
 
 from __future__ import annotations
@@ -26,6 +35,10 @@ from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.combine import CombinedScore, WeightedResult, combine
 from streamrl.reward.config import RewardConfig
 from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_scorer
+
+MAX_TRACKED_FAILURES = 100_000
+"""Trajectories whose failed attempts are remembered for ``reward/attempts`` (the oldest are forgotten:
+entries that were dead-lettered never come back to claim theirs)."""
 
 
 def _is_sample_specific(error: BaseException) -> bool:
@@ -64,19 +77,29 @@ class RewardService:
         )
         self._latency_ms_sum = 0.0
         self._num_scored = 0
+        self._num_failed = 0
+        self._num_retried = 0
+        self._failed_attempts: dict[str, int] = {}
+        """Trajectory id -> backend calls of its failed attempts so far (popped when it is scored)."""
 
     async def handle(self, msg: Trajectory) -> list[Output]:
         """Score one trajectory (batched with concurrent calls); raises ScorerError on failure."""
         started = time.perf_counter()
-        combined = await self._batcher.submit(msg)
+        try:
+            combined = await self._batcher.submit(msg)
+        except Exception:
+            self._num_failed += 1
+            raise
         latency_ms = (time.perf_counter() - started) * 1e3
+        attempts = self._failed_attempts.pop(msg.id, 0) + combined.attempts
         self._latency_ms_sum += latency_ms
         self._num_scored += 1
+        self._num_retried += attempts > 1
         scored = ScoredTrajectory(
             trajectory=msg,
             reward=combined.reward,
             score=combined.score,
-            extra=combined.extra,
+            extra={**combined.extra, "reward/attempts": float(attempts), "reward/retried": float(attempts > 1)},
             scorer=self.provenance,
             reward_latency_ms=latency_ms,
             traceparent=msg.traceparent,
@@ -87,27 +110,39 @@ class RewardService:
         tasks = [asyncio.ensure_future(s.score(batch)) for s in self._scorers]
         try:
             results: list[ScorerResult] = await asyncio.gather(*tasks)
-        except BaseException:
+        except BaseException as e:
             for task in tasks:  # one scorer failed: the batch fails, stop the others
                 task.cancel()
+            if isinstance(e, Exception):
+                self._count_failed_attempts(batch, e.attempts if isinstance(e, ScorerError) else 1)
             raise
         return combine(
             [WeightedResult(s.name, self._weights[s.name], r) for s, r in zip(self._scorers, results, strict=True)]
         )
 
+    def _count_failed_attempts(self, batch: list[Trajectory], attempts: int) -> None:
+        for trajectory in batch:
+            self._failed_attempts[trajectory.id] = self._failed_attempts.pop(trajectory.id, 0) + attempts
+        while len(self._failed_attempts) > MAX_TRACKED_FAILURES:
+            del self._failed_attempts[next(iter(self._failed_attempts))]
+
     def metrics(self) -> dict[str, float]:
-        """Counters: scorers' own (``reward/http/retries``, ...) summed by name, plus batching and latency."""
+        """Counters: scorers' own (``reward/http/retries``, ...) summed by name, plus outcomes, batching
+        and latency."""
         totals: Counter[str] = Counter()
         for scorer in self._scorers:
             totals.update(scorer.metrics())
         batches = self._batcher.num_batches
         totals["reward/scored"] = float(self._num_scored)
+        totals["reward/failed"] = float(self._num_failed)
+        totals["reward/retried"] = float(self._num_retried)
         totals["reward/batches"] = float(batches)
         totals["reward/batch_size_mean"] = self._batcher.num_items / batches if batches else 0.0
         totals["reward/latency_ms_mean"] = self._latency_ms_sum / self._num_scored if self._num_scored else 0.0
         return dict(totals)
 
     async def close(self) -> None:
+        """Cancel the calls still waiting for scores (their entries stay pending), then close the scorers."""
         await self._batcher.close()
         for scorer in self._scorers:
             await scorer.close()
