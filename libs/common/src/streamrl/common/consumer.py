@@ -35,7 +35,7 @@ from typing import Any, Generic, TypeVar
 
 from redis.exceptions import ResponseError
 
-from streamrl.common.aio import cancel_and_wait
+from streamrl.common.aio import cancel_and_wait, timeout
 from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
@@ -143,7 +143,16 @@ class ConsumerLoop(Generic[M]):
 
     async def _read(self, stop: asyncio.Event, start_id: str) -> tuple[str, int]:
         """Read new entries (``>``) or this consumer's pending entries after ``start_id``."""
-        await self._slots.acquire()
+        # Wait for a free slot, looking at stop every block_ms: with every slot busy (entries waiting
+        # for a backend that is down), a SIGTERM must still reach drain() and its grace period.
+        while True:
+            try:
+                async with timeout(self.config.block_ms / 1000):
+                    await self._slots.acquire()
+                break
+            except TimeoutError:
+                if stop.is_set():
+                    return start_id, 0
         if stop.is_set():  # stopped while waiting for a free slot (e.g. by a handler): read nothing more
             self._slots.release()
             return start_id, 0
