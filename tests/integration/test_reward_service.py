@@ -1,4 +1,5 @@
-"""Reward replicas over a real redis-server: SIGKILL of one replica, failing scorers dead-lettered.
+"""Reward replicas over a real redis-server: SIGKILL of one replica, failing scorers dead-lettered,
+and a remote reward service (reward_server.py) failing a whole batch at the demo's in-flight settings.
 
 Runs the real entry point (``python -m streamrl.reward RECIPE``) as separate processes.
 """
@@ -10,13 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import redis
+from reward_server import ServerProcess
 
 from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
+from streamrl.common.health import live_heartbeats
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
 
@@ -63,7 +67,9 @@ def write_recipe(
     return recipe
 
 
-def start_replica(recipe: Path, instance: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+def start_replica(
+    recipe: Path, instance: str, tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     log = open(tmp_path / f"{instance}.log", "wb")
     cmd = [
         sys.executable,
@@ -74,7 +80,7 @@ def start_replica(recipe: Path, instance: str, tmp_path: Path) -> subprocess.Pop
     ]
     proc = subprocess.Popen(
         cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -212,3 +218,233 @@ def test_a_replica_added_mid_run_takes_load_at_once(tmp_path: Path, redis_url: s
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
+
+
+# --- A remote reward service failing a whole batch, at the demo's in-flight settings -------------
+#
+# recipes/demo.toml reads 256 entries at a time with 512 in flight, in micro-batches of up to 256.
+# The HTTP scorer's times are scaled down about tenfold from the defaults so each test takes
+# seconds: a fault lasts 3 s (the finding's outage was 30 s), a request retries for up to
+# retry_timeout_s = 6 s (default 60 s) with backoff from 0.05 s capped at 1 s (defaults 0.5 s and
+# 10 s), max_retries = 20 as by default. The logic is the same: the fault is shorter than a
+# request's retry window, so it is ridden out.
+
+TOKEN = "t0ken-for-tests"
+NUM_IN_FLIGHT = 512
+FAULT_S = 3.0
+
+
+SCALED_RETRIES = {"timeout_s": 5, "retry_timeout_s": 6, "max_retries": 20, "backoff_base_s": 0.05, "backoff_max_s": 1}
+
+
+def write_demo_recipe(
+    tmp_path: Path, redis_url: str, run_id: str, url: str, consumer: str = "", **scorer: float
+) -> Path:
+    recipe = tmp_path / "reward-demo.toml"
+    knobs = "".join(f"{k} = {v}\n" for k, v in {**SCALED_RETRIES, **scorer}.items())
+    recipe.write_text(
+        f'run_id = "{run_id}"\nrun_dir = "{tmp_path / "run"}"\n[redis]\nurl = "{redis_url}"\n'
+        "[consumer]\ncount = 256\nmax_in_flight = 512\n"  # recipes/demo.toml
+        f"claim_interval_s = 0.5\nheartbeat_interval_s = 0.5\n{consumer}\n"
+        "[reward]\nmax_batch_size = 256\nmax_wait_ms = 5\n"  # recipes/demo.toml
+        f'[[reward.scorers]]\ntype = "http"\nname = "remote"\nurls = ["{url}"]\ntoken_env = "RM_TOKEN"\n'
+        f"{knobs}"
+    )
+    return recipe
+
+
+@pytest.fixture
+def remote() -> Iterator[ServerProcess]:
+    server = ServerProcess(token=TOKEN)
+    server.start()
+    yield server
+    server.kill()
+
+
+def start_and_wait_running(
+    recipe: Path, tmp_path: Path, client: redis.Redis, names: StreamNames, token: str = TOKEN
+) -> subprocess.Popen[bytes]:
+    proc = start_replica(recipe, "r", tmp_path, env={"RM_TOKEN": token})
+
+    def running() -> bool:
+        assert proc.poll() is None, (tmp_path / "r.log").read_text()
+        return any(b.status == "running" for b in live_heartbeats(client, names, "reward"))
+
+    wait_for(
+        running,
+        30,
+        "the reward service to start",
+        lambda: (tmp_path / "r.log").read_text(),
+    )
+    return proc
+
+
+def publish(client: redis.Redis, names: StreamNames, num: int) -> None:
+    pipe = client.pipeline(transaction=False)
+    for i in range(num):
+        pipe.xadd(names.trajectories, encode_payload(trajectory(i)))
+    pipe.execute()
+
+
+def wait_all_accounted(
+    client: redis.Redis, names: StreamNames, num: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 25
+) -> tuple[list[ScoredTrajectory], list[DeadLetter]]:
+    """Every entry scored or dead-lettered (once), none pending, the service alive and heartbeating."""
+
+    def done() -> bool:
+        assert proc.poll() is None, f"the reward service exited ({proc.returncode})\n{log.read_text()[-3000:]}"
+        return client.xlen(names.scored) + client.xlen(names.dead) >= num and pending(client, names) == 0
+
+    wait_for(done, timeout_s, "every entry scored or dead-lettered", lambda: log.read_text()[-3000:])
+    time.sleep(0.3)  # a late duplicate would land now
+    results, letters = scored(client, names), dead_letters(client, names)
+    ids = [s.trajectory.id for s in results] + [decode(d.payload, Trajectory).id for d in letters]
+    assert sorted(ids) == sorted(trajectory(i).id for i in range(num))  # each once
+    assert pending(client, names) == 0
+    assert proc.poll() is None
+    (beat,) = live_heartbeats(client, names, "reward")
+    assert beat.status == "running" and time.time() - beat.ts < 2.0  # the heartbeat task is alive
+    return results, letters
+
+
+def stop(proc: subprocess.Popen[bytes], log: Path) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, log.read_text()[-3000:]
+
+
+def assert_one_line_reasons(letters: list[DeadLetter]) -> set[str]:
+    """Dead-letter reasons are short single lines, without class reprs or byte-string ids."""
+    reasons = {d.error for d in letters}
+    for reason in reasons:
+        assert "\n" not in reason and "<class" not in reason and "b'" not in reason, reason
+        assert len(reason) < 400, reason
+    return reasons
+
+
+@pytest.mark.parametrize("fault", ["500", "drop"])
+def test_remote_failing_a_while_at_demo_in_flight_is_ridden_out(
+    tmp_path: Path, redis_url: str, run_id: str, remote: ServerProcess, fault: str
+) -> None:
+    """HTTP 500s (or dropped connections) for 3 s while 512 entries are in flight: every entry is
+    scored, none dead-lettered, nothing pending, the service alive. Before: 501 of 512 were
+    dead-lettered by an 8 s burst of 500s (3 retries of at most 3.5 s, then 3 quick deliveries)."""
+    client, names = redis.Redis.from_url(redis_url), StreamNames(run_id)
+    recipe = write_demo_recipe(tmp_path, redis_url, run_id, remote.url)
+    proc = start_and_wait_running(recipe, tmp_path, client, names)
+    try:
+        remote.control(fault, for_s=FAULT_S)
+        publish(client, names, NUM_IN_FLIGHT)
+        results, letters = wait_all_accounted(client, names, NUM_IN_FLIGHT, proc, tmp_path / "r.log")
+        assert not letters, assert_one_line_reasons(letters)
+        assert remote.stats()[f"fault_{fault}"] >= 16  # the whole first round of requests failed
+        retried = [s for s in results if s.extra["reward/retried"] == 1.0]
+        assert len(retried) >= 256 and all(s.extra["reward/attempts"] >= 2 for s in retried)
+        assert all(s.extra["remote/reward"] == s.reward for s in results)
+    finally:
+        stop(proc, tmp_path / "r.log")
+    log = (tmp_path / "r.log").read_text()
+    assert log.count("is failing") == 1 and log.count("answers again") == 1, log[-3000:]
+
+
+def test_remote_down_then_back_at_demo_in_flight_is_ridden_out(
+    tmp_path: Path, redis_url: str, run_id: str, remote: ServerProcess
+) -> None:
+    """The remote service killed (connections refused) while 512 entries arrive, back on the same port
+    3 s later (the finding: 30 s): every entry scored, nothing dead-lettered or pending, the service
+    alive. Before: 450 of 512 were dead-lettered by a 6 s outage."""
+    client, names = redis.Redis.from_url(redis_url), StreamNames(run_id)
+    recipe = write_demo_recipe(tmp_path, redis_url, run_id, remote.url)
+    proc = start_and_wait_running(recipe, tmp_path, client, names)
+    try:
+        remote.kill()
+        publish(client, names, NUM_IN_FLIGHT)
+        time.sleep(FAULT_S)
+        remote.start()
+        results, letters = wait_all_accounted(client, names, NUM_IN_FLIGHT, proc, tmp_path / "r.log")
+        assert not letters, assert_one_line_reasons(letters)
+        assert all(s.extra["reward/retried"] == 1.0 for s in results)  # none got through while it was down
+    finally:
+        stop(proc, tmp_path / "r.log")
+    log = (tmp_path / "r.log").read_text()
+    assert "is failing: connection refused (is the service up?)" in log and log.count("answers again") == 1
+
+
+def test_wrong_token_at_demo_in_flight_dead_letters_fast_naming_the_variable(
+    tmp_path: Path, redis_url: str, run_id: str, remote: ServerProcess
+) -> None:
+    """A refused token is not retried by the scorer: 512 entries are dead-lettered within seconds
+    with one reason that names $RM_TOKEN, the service stays alive. Before: the reason was
+    'HTTP 403 (not retried): {"error": "invalid token"}', saying nothing of where the token comes from."""
+    client, names = redis.Redis.from_url(redis_url), StreamNames(run_id)
+    recipe = write_demo_recipe(tmp_path, redis_url, run_id, remote.url, consumer="retry_delay_s = 0.2")
+    proc = start_and_wait_running(recipe, tmp_path, client, names, token="wrong")
+    try:
+        started = time.monotonic()
+        publish(client, names, NUM_IN_FLIGHT)
+        results, letters = wait_all_accounted(client, names, NUM_IN_FLIGHT, proc, tmp_path / "r.log")
+        elapsed_s = time.monotonic() - started
+        assert not results and len(letters) == NUM_IN_FLIGHT
+        (reason,) = {r.split(" (http://")[0] + r.split(")", 1)[1] for r in assert_one_line_reasons(letters)}
+        assert reason == (
+            "ScorerError: http scorer 'remote': HTTP 403, not retried: the server refused the token in "
+            '$RM_TOKEN (token_env): set the right one and restart the service; server said: {"error": "invalid token"}'
+        )
+        assert all(d.deliveries == 3 for d in letters)  # consumer.max_deliveries, one request each
+        assert remote.stats()["forbidden"] < NUM_IN_FLIGHT  # one request per 32 samples per delivery
+        assert elapsed_s < 10
+    finally:
+        stop(proc, tmp_path / "r.log")
+    assert (tmp_path / "r.log").read_text().count("refused the token in $RM_TOKEN") >= 1
+
+
+def test_remote_failing_past_the_retry_window_dead_letters_with_a_one_line_reason(
+    tmp_path: Path, redis_url: str, run_id: str, remote: ServerProcess
+) -> None:
+    """500s for longer than retry_timeout_s x max_deliveries: every entry dead-lettered with one short
+    line (attempts, time, URL, the server's flattened body), nothing pending, the service alive.
+    Before: the reason carried the server's multi-line body as it came."""
+    client, names = redis.Redis.from_url(redis_url), StreamNames(run_id)
+    recipe = write_demo_recipe(
+        tmp_path, redis_url, run_id, remote.url, consumer="max_deliveries = 2\nretry_delay_s = 0.2",
+        retry_timeout_s=0.5, backoff_max_s=0.2,
+    )  # fmt: skip
+    remote.control("500")
+    proc = start_and_wait_running(recipe, tmp_path, client, names)
+    try:
+        publish(client, names, NUM_IN_FLIGHT)
+        results, letters = wait_all_accounted(client, names, NUM_IN_FLIGHT, proc, tmp_path / "r.log")
+        assert not results and len(letters) == NUM_IN_FLIGHT
+        for reason in assert_one_line_reasons(letters):
+            assert reason.startswith("ScorerError: http scorer 'remote': ") and " samples not scored after " in reason
+            assert reason.endswith(
+                f"to {remote.url}; last error: HTTP 500: injected internal error Traceback (most recent call last): ..."
+            )
+    finally:
+        stop(proc, tmp_path / "r.log")
+
+
+def test_sigterm_while_the_remote_is_down_leaves_entries_pending_for_the_next_replica(
+    tmp_path: Path, redis_url: str, run_id: str, remote: ServerProcess
+) -> None:
+    """Stopped while its 512 entries wait for a remote service that is down: the replica exits 0 after
+    its grace period with every entry still pending (none dead-lettered, no "MicroBatcher is closed"),
+    and a replica started once the service is back scores them all."""
+    client, names = redis.Redis.from_url(redis_url), StreamNames(run_id)
+    recipe = write_demo_recipe(
+        tmp_path, redis_url, run_id, remote.url, consumer="shutdown_grace_s = 0.5\nclaim_idle_ms = 500"
+    )
+    first = start_and_wait_running(recipe, tmp_path, client, names)
+    remote.kill()
+    publish(client, names, NUM_IN_FLIGHT)
+    wait_for(lambda: pending(client, names) == NUM_IN_FLIGHT, 10, "every entry read")
+    time.sleep(0.5)
+    stop(first, tmp_path / "r.log")
+    assert client.xlen(names.dead) == 0, assert_one_line_reasons(dead_letters(client, names))
+    assert pending(client, names) == NUM_IN_FLIGHT and client.xlen(names.scored) == 0
+    remote.start()
+    second = start_replica(recipe, "s", tmp_path, env={"RM_TOKEN": TOKEN})
+    try:
+        results, letters = wait_all_accounted(client, names, NUM_IN_FLIGHT, second, tmp_path / "s.log")
+        assert len(results) == NUM_IN_FLIGHT and not letters
+    finally:
+        stop(second, tmp_path / "s.log")
