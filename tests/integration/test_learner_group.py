@@ -105,7 +105,12 @@ def learner(recipe_path: Path, *extra: str) -> subprocess.Popen[str]:
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the launcher: its ranks die with it
+        out, _ = proc.communicate()
+        raise AssertionError(f"the learner did not finish within {timeout} s:\n{out[-6000:]}") from None
     assert proc.returncode == 0, out[-6000:]
     return out
 
@@ -216,3 +221,32 @@ def test_a_replayed_old_batch_acknowledges_nothing_uncheckpointed(
     finally:
         proc.kill()
         proc.communicate()
+
+
+def test_a_non_finite_loss_on_one_rank_fails_the_step_on_every_rank(
+    tmp_path: Path, model_dir: Path, redis_url: str, run_id: str
+) -> None:
+    """One group's rewards are NaN, so only the rank holding it sees a non-finite loss: every rank
+    raises together before any backward pass (none waits forever in a gradient reduction), the
+    batch is retried, then skipped with its error, and the next batches train."""
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    poisoned = training_batch(0, num_groups=2)  # one group per rank
+    for sample in poisoned.samples[:4]:
+        sample.reward = float("nan")
+    client.xadd(names.batches, {"d": encode(poisoned)})
+    feed(client, names, range(1, 3))
+    path = recipe(tmp_path / "r.toml", model_dir, redis_url, run_id, ranks=2)
+    path.write_text(
+        path.read_text()
+        .replace(f"total_steps = {STEPS}", "total_steps = 3")
+        .replace("heartbeat_interval_s = 0.5", "heartbeat_interval_s = 0.5\nmax_deliveries = 2\nretry_delay_s = 0.0")
+    )
+    out = finish(learner(path, "--burst"), timeout=240)
+    assert "batch-0: non-finite policy loss" in out
+    events = [decode(fields[b"d"], WeightsPublished) for _, fields in client.xrange(names.weights)]
+    assert [(w.version, w.batch_id) for w in events] == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
+    assert events[1].metrics["learner/batches_skipped"] == 1.0
+    (letter,) = [decode(fields[b"d"]) for _, fields in client.xrange(names.dead)]
+    assert "batch-0 (8 samples) skipped untrained: its step failed 2 times" in letter.error
+    assert "non-finite policy loss" in letter.error

@@ -108,7 +108,10 @@ class LearnerGroup:
             torch.distributed.broadcast_object_list(box, src=0, group=self._control)
             command, argument = box[0]
             if command == "step":
-                self.trainer.step(decode(argument))
+                try:
+                    self.trainer.step(decode(argument))
+                except FloatingPointError as e:  # raised on every rank together (trainer._check_finite):
+                    logger.warning("rank %d: %s", self.rank, e)  # rank 0 retries, skips or stops the group
             elif command == "weights":
                 for _ in self.trainer.policy.iter_full_params():
                     pass

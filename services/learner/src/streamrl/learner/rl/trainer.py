@@ -100,7 +100,9 @@ class RLTrainer:
         self.kl_ctl = KLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
         self.world, self.rank = self.policy.world_size, self.policy.rank
 
-    def _logprobs(self, engine: ModelEngine, mb: RLBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(
+        self, engine: ModelEngine, mb: RLBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.cfg.share_prompts:  # unpadded varlen forward, fused log-prob head (lm_forward.py)
             from streamrl.learner.lm_forward import rl_response_logprobs
 
@@ -111,7 +113,9 @@ class RLTrainer:
         return logp, (entropy_fn(logits) if with_entropy else None)
 
     @torch.no_grad()
-    def _no_grad_pass(self, engine: ModelEngine, rl: RLBatch, chunks: list[list[int]], values: bool = False) -> torch.Tensor:
+    def _no_grad_pass(
+        self, engine: ModelEngine, rl: RLBatch, chunks: list[list[int]], values: bool = False
+    ) -> torch.Tensor:
         """Log-probs (or values) of this rank's rows ``chunks``, summed over the ranks into the whole batch's."""
         out = torch.zeros_like(rl.mask, device=self.device)
         for rows in chunks:
@@ -234,6 +238,7 @@ class RLTrainer:
         out: dict[str, float] = {"learner/tokens": 0.0}
         for rows in update:
             if not rows:
+                self._check_finite(None, f"{batch_id}: non-finite policy loss")
                 self._empty_micro_step(self.policy, rl)
                 continue
             mb = rl.select(rows)
@@ -245,8 +250,7 @@ class RLTrainer:
                 behaviour_logprobs=mb.behaviour_logprobs.to(dev), ref_logprobs=None if ref is None else ref[rows].to(dev),
                 entropy=ent, kl_coef=self.kl_ctl.value,
             )  # fmt: skip
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"{batch_id}: non-finite policy loss {float(loss)}")
+            self._check_finite(loss, f"{batch_id}: non-finite policy loss")
             self.policy.backward(loss * gas)
             self.policy.step()
             tokens = m.pop("learner/tokens")
@@ -264,6 +268,7 @@ class RLTrainer:
         total = 0.0
         for rows in chunks:
             if not rows:
+                self._check_finite(None, "non-finite value loss")
                 self._empty_micro_step(self.critic, rl, values=True)
                 continue
             mb = rl.select(rows)
@@ -273,10 +278,26 @@ class RLTrainer:
             loss = crit.value_coef * aggregate(
                 per_token, mb.mask.to(dev), self.cfg.algo.loss.aggregation, normaliser, self.cfg.algo.loss.norm_constant
             )
+            self._check_finite(loss, "non-finite value loss")
             self.critic.backward(loss * self.cfg.ds.grad_accum)
             self.critic.step()
             total += float(loss.detach())
         return total
+
+    def _check_finite(self, loss: torch.Tensor | None, what: str) -> None:
+        """Raise FloatingPointError before a backward pass when the loss is not finite on any rank
+        (``None``: this rank has no rows in the micro-batch). Every rank of a group checks the same
+        micro-batch together, so all of them raise, and none waits in a gradient reduction for a rank
+        that stopped."""
+        finite = loss is None or bool(torch.isfinite(loss))
+        everywhere = finite
+        if self.world > 1:
+            flag = torch.tensor([1.0 if finite else 0.0], device=self.policy.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            everywhere = bool(flag.item() == 1.0)
+        if not everywhere:
+            where = f"{float(loss)} on rank {self.rank}" if not finite and loss is not None else "on another rank"
+            raise FloatingPointError(f"{what} ({where})")
 
     def _empty_micro_step(self, engine: ModelEngine, rl: RLBatch, values: bool = False) -> None:
         """A micro-batch with no rows on this rank: one row's forward and backward with zero loss, so that
