@@ -13,8 +13,11 @@ before their weights exist, so generation starts the moment the weights land (no
 trip on the critical path). max_staleness = 0 is the synchronous mode: every sample is generated
 by the version that trains on it.
 
-Dropped groups (dynamic filtering, staleness) leave both counts, so replacement prompts are
-issued automatically.
+Dropped groups (dynamic filtering, staleness, a dead-lettered member, a timeout) leave both
+counts, so replacement prompts are issued automatically. A replacement takes the version *owed* by
+the group it replaces, not one from its own position: issued later, behind groups of the next
+batches, its position would place it in a later batch - with prefetch, one needing the version that
+only the incomplete batch itself can produce, and the run would wait forever.
 """
 
 from __future__ import annotations
@@ -39,6 +42,25 @@ def required_version(*, position: int, version: int, max_staleness: int, prompts
     """The policy version a group must be generated at: the ``position``-th group in issue order
     (``accepted + in_flight`` before it) lands in batch ``position // prompts_per_step``."""
     return max(version, position // prompts_per_step - max_staleness)
+
+
+def new_group_versions(
+    count: int, *, owed: list[int], position: int, version: int, max_staleness: int, prompts_per_step: int
+) -> list[int]:
+    """Required versions of the next ``count`` groups: the owed versions first (lowest first: the
+    earliest batch waits for them), then by position (``position`` = ``accepted + in_flight``).
+
+    The first ``min(count, len(owed))`` entries are owed versions, unchanged (the caller removes
+    them from its list); one at or below the current ``version`` is served at once.
+    """
+    replacing = sorted(owed)[:count]
+    fresh = [
+        required_version(
+            position=position + i, version=version, max_staleness=max_staleness, prompts_per_step=prompts_per_step
+        )
+        for i in range(len(replacing), count)
+    ]
+    return replacing + fresh
 
 
 def staleness(learner_version: int, generation_version: int) -> int:

@@ -78,6 +78,14 @@ class CoordinatorConfig(ServiceConfig):
     """DAPO dynamic sampling: drop groups without reward spread and issue replacement prompts."""
     min_group_size: int = Field(2, ge=1)
     """A baseline over groups needs at least this many samples (the learner's algorithm decides)."""
+    group_timeout_s: float = Field(900.0, gt=0)
+    """A training group not complete this long after it could start (issued, and the policy version it
+    asks for published) is failed like a dead-lettered one and replaced; an evaluation round this long
+    after it started closes with the answers it has (the rest counted missing). It catches work lost
+    without a dead letter (an entry trimmed from a stream, a bug). 15 min is far past a group's normal
+    life with the default settings - generation, a function scorer's or an HTTP scorer's retries, and
+    a dead worker's entries reclaimed after consumer.claim_idle_ms - so only lost work reaches it; a
+    group failed while still running costs only its compute (its late samples are dropped, counted)."""
     wait_for_learner: bool = True
     """Issue the first prompts only once a learner has published its weights (it is ready to train):
     samples generated while the learner still loads (or compiles) its model would only grow stale."""

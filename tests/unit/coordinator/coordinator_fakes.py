@@ -1,0 +1,45 @@
+"""Hand-made inputs for the coordinator's pieces: a config, a prompt source, scored samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamrl.common.codec import encode
+from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
+from streamrl.coordinator.config import CoordinatorConfig, DatasetConfig
+from streamrl.coordinator.prompts import Prompt
+from streamrl.coordinator.state import RunState
+
+
+def config(**fields: Any) -> CoordinatorConfig:
+    """A coordinator config for tests that never read its dataset."""
+    return CoordinatorConfig(dataset=DatasetConfig(path="unused.jsonl", tokenizer="unused"), **fields)
+
+
+class Prompts:
+    """A stand-in for :class:`PromptSource`: prompt ``i`` is ``"{i}+1="``."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def get(self, cursor: int) -> Prompt:
+        return self.encode(cursor % len(self))
+
+    def encode(self, index: int) -> Prompt:
+        return Prompt(index=index, text=f"{index}+1=", ids=[1, 2, 3], label=str(index + 1), metadata={})
+
+
+def sample(group: str, index: int, score: float = 1.0, *, version: int = 0, is_eval: bool = False,
+           eval_version: int = 0, **scored: Any) -> ScoredTrajectory:  # fmt: skip
+    traj = Trajectory(id=f"{group}/{index}", group_id=group, group_index=index, group_size=2,
+                      prompt_ids=Tensor.from_list([1], "int32"), response_ids=Tensor.from_list([5, 6], "int32"),
+                      logprobs=Tensor.from_list([-1.0, -1.0], "float32"), loss_mask=Tensor.from_list([1, 1], "uint8"),
+                      policy_version_start=version, policy_version_end=version, is_eval=is_eval,
+                      metadata={"eval_version": eval_version} if is_eval else {})  # fmt: skip
+    return ScoredTrajectory(trajectory=traj, reward=score, score=score, **scored)
+
+
+async def store(state: RunState, buffer: str, *samples: ScoredTrajectory) -> None:
+    """Write samples into a buffer as the scored consumer does."""
+    for s in samples:
+        await state.redis.hset(state.names.group_buffer(buffer), s.trajectory.id, encode(s))

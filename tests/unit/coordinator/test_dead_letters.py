@@ -1,0 +1,43 @@
+"""What a dead letter lost: a training group, an evaluation prompt of a round, or a batch (pure)."""
+
+from __future__ import annotations
+
+from coordinator_fakes import Prompts, sample
+
+from streamrl.common.codec import encode
+from streamrl.common.messages import DeadLetter, Message, PromptWorkItem, Tensor, TrainingBatch, WeightsPublished
+from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, what_was_lost
+
+BATCHES = "streamrl:r:batches"
+
+
+def letter(payload: Message | bytes, stream: str = "streamrl:r:trajectories") -> DeadLetter:
+    raw = payload if isinstance(payload, bytes) else encode(payload)
+    return DeadLetter(stream=stream, entry_id="5-0", group="g", consumer="c", error="E: x", deliveries=3,
+                      payload=raw, ts=0.0)  # fmt: skip
+
+
+def prompt(id: str, **fields: object) -> PromptWorkItem:
+    p = Prompts().get(0)
+    return PromptWorkItem(id=id, prompt_ids=Tensor.from_list(p.ids, "int32"), **fields)  # type: ignore[arg-type]
+
+
+def test_training_groups_evaluation_prompts_and_batches() -> None:
+    scored = sample("p7", 1)
+    assert what_was_lost(letter(prompt("p7")), batches_stream=BATCHES) == LostGroup("p7")
+    assert what_was_lost(letter(scored.trajectory), batches_stream=BATCHES) == LostGroup("p7")
+    assert what_was_lost(letter(scored), batches_stream=BATCHES) == LostGroup("p7")
+    evaluation = prompt("eval-v4-1", is_eval=True, metadata={"eval_version": 4})
+    assert what_was_lost(letter(evaluation), batches_stream=BATCHES) == LostEvalPrompt(4, "eval-v4-1")
+    answer = sample("eval-v4-1", 0, is_eval=True, eval_version=4)
+    assert what_was_lost(letter(answer), batches_stream=BATCHES) == LostEvalPrompt(4, "eval-v4-1")
+    batch = TrainingBatch(id="batch-3", index=3, samples=[scored, scored], policy_version=3, staleness=[0, 0])
+    assert what_was_lost(letter(batch, BATCHES), batches_stream=BATCHES) == LostBatch("batch-3", 2)
+
+
+def test_unreadable_payloads_and_other_messages() -> None:
+    cut = encode(sample("p1", 0))[:20]  # an oversized entry's payload, cut
+    assert what_was_lost(letter(cut, BATCHES), batches_stream=BATCHES) == LostBatch("entry 5-0", 0)
+    assert what_was_lost(letter(cut), batches_stream=BATCHES) is None
+    weights = WeightsPublished(version=1, step=1, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="")
+    assert what_was_lost(letter(weights, "streamrl:r:weights"), batches_stream=BATCHES) is None
