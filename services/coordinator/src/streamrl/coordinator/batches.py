@@ -1,0 +1,116 @@
+"""The batch builder: ready groups become training batches on the ``batches`` stream, and batches
+the learner gave up on are accounted for.
+
+Which groups go into batch ``k`` is the pure rule of ``batching.py``. Here it meets Redis: groups over
+the staleness bound are dropped (their replacements owed the version batch ``k`` needs), and a batch
+is published in the same transaction that removes its groups from ``ready`` and advances
+``batch_index``, so a restart never sends a batch twice nor loses one.
+
+A batch the learner cannot train (it failed ``max_deliveries`` times, or came from the future) reaches
+the ``dead`` stream as a DeadLetter holding the TrainingBatch. The learner still publishes a version
+for it (version = batches consumed), so admission goes on; here it is counted once per batch id
+(``batches_dead``, ``samples_dead``) with one error line - its groups are not in flight any more and
+are never failed or replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from streamrl.common.bus import PAYLOAD_FIELD, Bus
+from streamrl.common.codec import encode
+from streamrl.common.messages import TrainingBatch
+from streamrl.coordinator import state as st
+from streamrl.coordinator.admission import staleness
+from streamrl.coordinator.batching import ReadyGroup, select_groups
+from streamrl.coordinator.groups import GroupBuffer
+from streamrl.coordinator.state import RunState
+
+logger = logging.getLogger(__name__)
+
+DEAD_BATCH_LUA = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('INCR', KEYS[2]); redis.call('INCRBY', KEYS[3], ARGV[2])
+return 1
+"""
+"""Count a dead-lettered batch once. KEYS: dead_batch_ids, batches_dead, samples_dead; ARGV: id, samples."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """A batch published, with the samples dropped as too stale while it was built."""
+
+    batch: TrainingBatch
+    num_too_stale: int
+
+
+class BatchBuilder:
+    """Builds every batch the ready groups allow (see the module docstring)."""
+
+    def __init__(
+        self, state: RunState, bus: Bus, groups: GroupBuffer, *, prompts_per_step: int, max_staleness: int,
+        drop_stale: bool,
+    ) -> None:  # fmt: skip
+        self.state = state
+        self.bus = bus
+        self.groups = groups
+        self.per_step = prompts_per_step
+        self.max_staleness = max_staleness
+        self.drop_stale = drop_stale
+        self._dead_batch = state.redis.register_script(DEAD_BATCH_LUA)
+        self.too_stale_since_batch = 0
+        """Samples dropped as too stale since the last batch was built (reported with the next one)."""
+
+    async def build(self, version: int) -> list[Built]:
+        """Publish every batch that can be built now; ``version`` = the policy version now."""
+        redis = self.state.redis
+        built: list[Built] = []
+        while await redis.llen(self.state.key(st.READY)) >= self.per_step:
+            index = await self.state.get_int(st.BATCH_INDEX)
+            ready_ids = await self.groups.ready()
+            members = await self.groups.samples(ready_ids)
+            ready = [ReadyGroup(g, min(s.trajectory.policy_version_start for s in members[g])) for g in ready_ids]
+            pick = select_groups(ready, index=index, max_staleness=self.max_staleness, per_step=self.per_step,
+                                 drop_stale=self.drop_stale)  # fmt: skip
+            if pick.too_stale:
+                num = sum(len(members[g.group_id]) for g in pick.too_stale)
+                pipe = redis.pipeline(transaction=True)
+                self.groups.queue_drop_ready(
+                    pipe, [g.group_id for g in pick.too_stale], max(index - self.max_staleness, 0)
+                )
+                pipe.incrby(self.state.key(st.SAMPLES_TOO_STALE), num)
+                await pipe.execute()
+                self.too_stale_since_batch += num
+                logger.warning("dropped %d groups (%d samples) over max_staleness=%d for batch %d",
+                               len(pick.too_stale), num, self.max_staleness, index)  # fmt: skip
+            if not pick.chosen:
+                break
+            samples = [s for g in pick.chosen for s in members[g.group_id]]
+            batch = TrainingBatch(
+                id=f"batch-{index}", index=index, samples=samples, policy_version=version,
+                staleness=[staleness(index, s.trajectory.policy_version_start) for s in samples],
+                created_at=time.time(),
+            )  # fmt: skip
+            pipe = redis.pipeline(transaction=True)
+            # not bus.encode: a batch is many trajectories, each already checked against the size limit
+            pipe.xadd(
+                self.state.names.batches, {PAYLOAD_FIELD: encode(batch)}, maxlen=self.bus.maxlen, approximate=True
+            )
+            self.groups.queue_batched(pipe, [g.group_id for g in pick.chosen])
+            pipe.incr(self.state.key(st.BATCH_INDEX))
+            await pipe.execute()
+            built.append(Built(batch, self.too_stale_since_batch))
+            self.too_stale_since_batch = 0
+        return built
+
+    async def record_dead(self, batch_id: str, num_samples: int, reason: str) -> bool:
+        """Count a batch the learner dead-lettered (once per id); False when it was counted before."""
+        k = self.state.key
+        fresh = bool(await self._dead_batch([k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD)],
+                                            [batch_id, num_samples]))  # fmt: skip
+        if fresh:
+            logger.error("%s (%d samples) was dead-lettered by the learner and will not be trained: %s",
+                         batch_id, num_samples, reason)  # fmt: skip
+        return fresh

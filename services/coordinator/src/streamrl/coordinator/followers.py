@@ -1,0 +1,51 @@
+"""The coordinator's tails of the ``weights`` and ``dead`` streams, each resumed from a cursor in Redis.
+
+Both are broadcast streams the coordinator must see whole and in order (no consumer group shares
+them out), so each is read with the shared :class:`~streamrl.common.follower.StreamFollower`: an
+undecodable entry, or a weights event not signed with the run's key, is logged and passed over
+without stopping the tail. The cursor is saved after each read's entries are handled: a restarted
+coordinator handles the last read again (at-least-once), so the handlers are idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from streamrl.common.bus import PAYLOAD_FIELD
+from streamrl.common.codec import decode
+from streamrl.common.follower import StreamFollower
+from streamrl.common.messages import WeightsPublished
+from streamrl.common.weights_auth import check
+from streamrl.coordinator.state import RunState
+
+BLOCK_MS = 200
+"""Longest wait of one read: the tail notices ``stop`` this often."""
+
+
+async def follow(
+    state: RunState,
+    stream: str,
+    cursor_name: str,
+    handle: Callable[[Any], Awaitable[None]],
+    stop: asyncio.Event,
+    *,
+    weights_key: bytes | None,
+) -> None:
+    """Hand every entry of ``stream`` to ``handle``, from the cursor kept in ``state:{cursor_name}``."""
+    cursor = (await state.redis.get(state.key(cursor_name)) or b"0-0").decode()
+
+    def decode_entry(fields: dict[bytes, bytes]) -> Any:
+        msg = decode(fields.get(PAYLOAD_FIELD, b""))
+        if isinstance(msg, WeightsPublished):
+            check(msg, weights_key)  # a forged version must not move the run
+        return msg
+
+    async def each(entries: list[tuple[str, Any]], last_id: str) -> str:
+        for _, msg in entries:
+            await handle(msg)
+        await state.redis.set(state.key(cursor_name), last_id)
+        return last_id
+
+    await StreamFollower(state.redis, stream, decode_entry, each, block_ms=BLOCK_MS).run(cursor, stop)

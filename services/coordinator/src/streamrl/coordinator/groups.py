@@ -1,0 +1,238 @@
+"""The group buffer: training prompt groups from issue to batch, kept in Redis.
+
+A group (the ``group_size`` samples answering one prompt) moves through::
+
+    issued      in ``inflight``, with the version it requires and its issue time (``inflight_info``),
+                written in the same transaction as its prompt (``issuing.py``)
+    collecting  its scored samples land in the hash ``groups:{id}`` (written by the scored consumer)
+    complete    every sample in: to ``ready`` (counted in ``accepted``), or dropped by dynamic filtering
+    failed      a member was dead-lettered, or the group outlived ``group_timeout_s``: buffer deleted
+    batched     taken into a training batch (``batches.py``)
+
+A group that leaves without reaching ``ready`` (filtered or failed) pushes the version it required
+onto ``owed_versions``, and its replacement takes that version (``admission.py`` says why). Every
+transition out of ``inflight`` is one server-side script that first removes the group from it, so
+it happens once even when two paths race (a dead letter and a timeout). Samples that arrive for a
+group neither in flight nor ready (the other members of a failed group) are deleted and counted,
+never left in Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from redis.asyncio.client import Pipeline
+
+from streamrl.common.codec import decode
+from streamrl.common.messages import ScoredTrajectory
+from streamrl.coordinator import state as st
+from streamrl.coordinator.filtering import has_spread
+from streamrl.coordinator.state import RunState
+
+logger = logging.getLogger(__name__)
+
+LEAVE_LUA = """
+if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+local info = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if ARGV[2] == 'ready' then
+  redis.call('RPUSH', KEYS[3], ARGV[1]); redis.call('INCR', KEYS[4])
+else
+  redis.call('DEL', KEYS[5]); redis.call('INCR', KEYS[6])
+  if info then redis.call('RPUSH', KEYS[7], string.match(info, '^(-?%d+)@')) end
+end
+return 1
+"""
+"""A group leaves ``inflight`` once: to ``ready`` (ARGV[2] = 'ready'), or dropped, its required version
+owed. KEYS: inflight, inflight_info, ready, accepted, its buffer, the drop counter, owed_versions."""
+DROP_LATE_LUA = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 end
+local n = redis.call('HLEN', KEYS[3])
+if n > 0 then redis.call('DEL', KEYS[3]); redis.call('INCRBY', KEYS[4], n) end
+return n
+"""
+"""Delete the buffer of a group neither in flight nor ready; returns the samples dropped.
+KEYS: inflight, ready, its buffer, late_samples_dropped."""
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What is recorded of an in-flight group when it is issued."""
+
+    required_version: int
+    """The policy version its prompt asks for."""
+    issued_at: float
+    """Unix time (s) of issue."""
+
+    def encode(self) -> str:
+        return f"{self.required_version}@{self.issued_at:.3f}"
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> InFlight:
+        version, _, issued_at = (raw.decode() if isinstance(raw, bytes) else raw).partition("@")
+        return cls(int(version), float(issued_at))
+
+
+def overdue(
+    groups: dict[str, InFlight], *, version: int, version_seen_at: dict[int, float], now: float, timeout_s: float
+) -> list[str]:
+    """The groups past their timeout (pure). A group's clock starts when it could start: at issue,
+    or when the version it requires was published if that came later. A group still waiting for its
+    version (prefetched) is never overdue: its wait is the learner's time, not lost work."""
+    out = []
+    for group, info in groups.items():
+        if info.required_version > version:
+            continue
+        started = max(info.issued_at, version_seen_at.get(info.required_version, 0.0))
+        if now - started > timeout_s:
+            out.append(group)
+    return out
+
+
+class GroupBuffer:
+    """The in-flight and ready groups of one run (see the module docstring)."""
+
+    def __init__(self, state: RunState, *, group_size: int, dynamic_filtering: bool) -> None:
+        self.state = state
+        self.redis = state.redis
+        self.group_size = group_size
+        self.dynamic_filtering = dynamic_filtering
+        self._leave = self.redis.register_script(LEAVE_LUA)
+        self._drop_late = self.redis.register_script(DROP_LATE_LUA)
+
+    def buffer(self, group: str) -> str:
+        return self.state.names.group_buffer(group)
+
+    # -- issue -----------------------------------------------------------------------------------
+    def queue_issue(self, pipe: Pipeline, group: str, required_version: int, issued_at: float) -> None:
+        """Add to ``pipe`` (the transaction that XADDs the prompt): ``group`` is in flight."""
+        pipe.sadd(self.state.key(st.INFLIGHT), group)
+        pipe.hset(self.state.key(st.INFLIGHT_INFO), group, InFlight(required_version, issued_at).encode())
+
+    async def in_flight(self) -> int:
+        return int(await self.redis.scard(self.state.key(st.INFLIGHT)))
+
+    async def owed(self) -> list[int]:
+        """Versions owed to replacements (the required versions of lost groups)."""
+        return [int(v) for v in await self.redis.lrange(self.state.key(st.OWED_VERSIONS), 0, -1)]
+
+    def queue_repay(self, pipe: Pipeline, versions: Iterable[int]) -> None:
+        """Add to ``pipe``: these owed versions were given to replacements."""
+        for v in versions:
+            pipe.lrem(self.state.key(st.OWED_VERSIONS), 1, v)
+
+    async def adopt_untracked(self, version: int, now: float) -> int:
+        """Record groups in flight with no ``inflight_info`` (issued by an older coordinator) as
+        requiring the current ``version``, issued ``now``. A version too low is harmless (the group
+        is too stale at batching and replaced again); one too high could deadlock."""
+        groups = {g.decode() for g in await self.redis.smembers(self.state.key(st.INFLIGHT))}
+        known = {g.decode() for g in await self.redis.hkeys(self.state.key(st.INFLIGHT_INFO))}
+        for group in groups - known:
+            await self.redis.hsetnx(self.state.key(st.INFLIGHT_INFO), group, InFlight(version, now).encode())
+        if groups - known:
+            logger.info("recorded %d in-flight groups of an older coordinator as requiring version %d",
+                        len(groups - known), version)  # fmt: skip
+        return len(groups - known)
+
+    # -- complete, fail, time out ----------------------------------------------------------------
+    def _leave_keys(self, group: str, counter: str) -> list[str]:
+        k = self.state.key
+        return [k(st.INFLIGHT), k(st.INFLIGHT_INFO), k(st.READY), k(st.ACCEPTED), self.buffer(group), k(counter),
+                k(st.OWED_VERSIONS)]  # fmt: skip
+
+    async def complete(self, candidates: Iterable[str] | None) -> None:
+        """Move complete groups to ``ready`` (or drop them: dynamic filtering). Only ``candidates``
+        are checked, or every in-flight group when None."""
+        if candidates is None:
+            groups = [g.decode() for g in await self.redis.smembers(self.state.key(st.INFLIGHT))]
+        else:
+            groups = list(candidates)
+        if not groups:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for g in groups:
+            pipe.hlen(self.buffer(g))
+            pipe.sismember(self.state.key(st.INFLIGHT), g)
+        replies = await pipe.execute()
+        complete = [g for g, size, in_flight in zip(groups, replies[::2], replies[1::2], strict=True)
+                    if size >= self.group_size and in_flight]  # fmt: skip
+        if not complete:
+            return
+        members = await self.samples(complete) if self.dynamic_filtering else {}
+        pipe = self.redis.pipeline(transaction=False)
+        for group in complete:
+            keep = has_spread([s.score for s in members[group]]) if self.dynamic_filtering else True
+            await self._leave(self._leave_keys(group, st.GROUPS_FILTERED), [group, "ready" if keep else "drop"],
+                              client=pipe)  # fmt: skip
+        await pipe.execute()
+
+    async def fail(self, group: str, counter: str) -> bool:
+        """Fail an in-flight group (its buffer deleted, its version owed, ``counter`` incremented);
+        False when it was not in flight (already complete, failed or batched)."""
+        return bool(await self._leave(self._leave_keys(group, counter), [group, "drop"]))
+
+    async def version_published(self, version: int, at: float) -> None:
+        """Note when ``version`` was first seen: the clock of the groups requiring it starts there."""
+        await self.redis.hsetnx(self.state.key(st.VERSION_SEEN_AT), str(version), f"{at:.3f}")
+
+    async def time_out(self, *, version: int, now: float, timeout_s: float) -> list[str]:
+        """Fail the groups past ``timeout_s`` (one warning line each); returns them."""
+        raw = await self.redis.hgetall(self.state.key(st.INFLIGHT_INFO))
+        groups = {g.decode(): InFlight.parse(v) for g, v in raw.items()}
+        seen = {int(v): float(t) for v, t in (await self.redis.hgetall(self.state.key(st.VERSION_SEEN_AT))).items()}
+        failed = []
+        for group in overdue(groups, version=version, version_seen_at=seen, now=now, timeout_s=timeout_s):
+            if await self.fail(group, st.GROUPS_TIMED_OUT):
+                info = groups[group]
+                logger.warning("group %s timed out: issued %.0f s ago for version %d, not complete after "
+                               "group_timeout_s=%.0f s; a replacement prompt will be issued",
+                               group, now - info.issued_at, info.required_version, timeout_s)  # fmt: skip
+                failed.append(group)
+        return failed
+
+    async def drop_late(self, groups: Iterable[str]) -> int:
+        """Delete the samples stored for groups no longer in flight nor ready; returns how many."""
+        groups = list(groups)
+        if not groups:
+            return 0
+        k = self.state.key
+        pipe = self.redis.pipeline(transaction=False)
+        for group in groups:
+            keys = [k(st.INFLIGHT), k(st.READY), self.buffer(group), k(st.LATE_SAMPLES_DROPPED)]
+            await self._drop_late(keys, [group], client=pipe)
+        counts = [int(n) for n in await pipe.execute()]
+        for group, n in zip(groups, counts, strict=True):
+            if n:
+                logger.info("dropped %d late samples of group %s (no longer in flight)", n, group)
+        return sum(counts)
+
+    # -- ready groups ----------------------------------------------------------------------------
+    async def ready(self) -> list[str]:
+        return [g.decode() for g in await self.redis.lrange(self.state.key(st.READY), 0, -1)]
+
+    async def samples(self, groups: list[str]) -> dict[str, list[ScoredTrajectory]]:
+        """The stored samples of each group (one round trip), in sample order."""
+        pipe = self.redis.pipeline(transaction=False)
+        for group in groups:
+            pipe.hgetall(self.buffer(group))
+        out = {}
+        for group, raw in zip(groups, await pipe.execute(), strict=True):
+            samples = [decode(v, ScoredTrajectory) for v in raw.values()]
+            out[group] = sorted(samples, key=lambda s: s.trajectory.group_index)
+        return out
+
+    def queue_batched(self, pipe: Pipeline, groups: Iterable[str]) -> None:
+        """Add to ``pipe`` (the transaction that XADDs the batch): these ready groups are batched."""
+        for group in groups:
+            pipe.lrem(self.state.key(st.READY), 1, group)
+            pipe.delete(self.buffer(group))
+
+    def queue_drop_ready(self, pipe: Pipeline, groups: list[str], owed_version: int) -> None:
+        """Add to ``pipe``: drop these ready groups; their replacements are owed ``owed_version``."""
+        self.queue_batched(pipe, groups)
+        pipe.decrby(self.state.key(st.ACCEPTED), len(groups))
+        for _ in groups:
+            pipe.rpush(self.state.key(st.OWED_VERSIONS), owed_version)

@@ -1,0 +1,105 @@
+"""Prompt issuing: training prompts go out as admission control allows, each tagged with the policy
+version it must be generated at.
+
+How many and at which version is the pure rule of ``admission.py``; replacements for lost groups take
+the versions they are owed first. Each prompt is XADDed in the same transaction that records its group
+in flight (with that version and the issue time) and advances the dataset cursor, so a restart never
+issues a prompt twice nor forgets one in flight. No prompt goes out before a learner has published its
+weights (``coordinator.wait_for_learner``): samples generated while it loads would only grow stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from streamrl.common.bus import PAYLOAD_FIELD, Bus
+from streamrl.common.errors import MessageTooLargeError
+from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor
+from streamrl.coordinator import state as st
+from streamrl.coordinator.admission import groups_admissible, new_group_versions
+from streamrl.coordinator.config import CoordinatorConfig
+from streamrl.coordinator.groups import GroupBuffer
+from streamrl.coordinator.prompts import PromptSource
+from streamrl.coordinator.state import RunState
+
+logger = logging.getLogger(__name__)
+
+
+class PromptIssuer:
+    """Issues training prompts under admission control (see the module docstring)."""
+
+    def __init__(
+        self, config: CoordinatorConfig, state: RunState, bus: Bus, groups: GroupBuffer, source: PromptSource
+    ) -> None:
+        self.cfg = config
+        self.state = state
+        self.bus = bus
+        self.groups = groups
+        self.source = source
+        s = config.sampling
+        self.sampling = SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+            min_new_tokens=s.min_new_tokens, n=config.group_size, seed=s.seed,
+        )  # fmt: skip
+        self.learner_ready = False
+        self.said_waiting = False
+
+    async def _learner_is_ready(self, version: int) -> bool:
+        """A learner has published weights (any version): it can train what the prompts produce."""
+        if not self.learner_ready:
+            self.learner_ready = (
+                not self.cfg.wait_for_learner
+                or version > 0
+                or await self.state.redis.xlen(self.state.names.weights) > 0
+            )
+            if self.learner_ready:
+                logger.info("a learner is ready: issuing prompts")
+            elif not self.said_waiting:
+                self.said_waiting = True
+                logger.info("waiting for a learner to publish its weights before issuing prompts "
+                            "(coordinator.wait_for_learner = false issues them at once)")  # fmt: skip
+        return self.learner_ready
+
+    async def issue(self, version: int) -> int:
+        """Issue every prompt admission allows at policy ``version``; returns how many were issued."""
+        if not await self._learner_is_ready(version):
+            return 0
+        cfg = self.cfg
+        in_flight = await self.groups.in_flight()
+        accepted = await self.state.get_int(st.ACCEPTED)
+        budget = groups_admissible(
+            accepted=accepted, in_flight=in_flight, version=version, max_staleness=cfg.max_staleness,
+            prompts_per_step=cfg.prompts_per_step, total_steps=cfg.total_steps, prefetch_steps=cfg.prefetch_steps,
+        )  # fmt: skip
+        if budget == 0:
+            return 0
+        owed = await self.groups.owed()
+        versions = new_group_versions(budget, owed=owed, position=accepted + in_flight, version=version,
+                                      max_staleness=cfg.max_staleness, prompts_per_step=cfg.prompts_per_step)  # fmt: skip
+        num_owed = min(budget, len(owed))
+        cursor = await self.state.get_int(st.CURSOR)
+        pipe = self.state.redis.pipeline(transaction=True)
+        issued = too_large = 0
+        for i in range(budget):
+            prompt = self.source.get(cursor + i)
+            now = time.time()
+            item = PromptWorkItem(
+                id=f"p{cursor + i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
+                label=prompt.label, metadata=prompt.metadata, sampling=self.sampling,
+                policy_version=versions[issued], issued_at=now,
+            )  # fmt: skip
+            try:
+                payload = self.bus.encode(item, self.state.names.prompts)
+            except MessageTooLargeError as e:
+                too_large += 1
+                logger.warning("skipping dataset prompt %d: %s", (cursor + i) % len(self.source), e)
+                continue
+            pipe.xadd(self.state.names.prompts, {PAYLOAD_FIELD: payload}, maxlen=self.bus.maxlen, approximate=True)
+            self.groups.queue_issue(pipe, item.id, item.policy_version, now)
+            issued += 1
+        self.groups.queue_repay(pipe, versions[: min(issued, num_owed)])
+        pipe.incrby(self.state.key(st.CURSOR), budget)
+        pipe.incrby(self.state.key(st.PROMPTS_TOO_LARGE), too_large)
+        await pipe.execute()
+        return issued

@@ -1,0 +1,80 @@
+"""The batch builder against a real Redis: batches leave ``ready`` in the transaction that publishes
+them, too-stale groups owe their replacement the batch's version, dead batches are counted once."""
+
+from __future__ import annotations
+
+import time
+
+from coordinator_fakes import sample, store
+
+from streamrl.common.bus import Bus
+from streamrl.common.codec import decode
+from streamrl.common.messages import TrainingBatch
+from streamrl.coordinator import state as st
+from streamrl.coordinator.batches import BatchBuilder
+from streamrl.coordinator.groups import GroupBuffer
+from streamrl.coordinator.state import RunState
+
+
+async def ready_groups(groups: GroupBuffer, *wanted: tuple[str, int]) -> None:
+    """Groups issued and complete (each of 2 samples generated at the given version)."""
+    pipe = groups.redis.pipeline(transaction=True)
+    for group, version in wanted:
+        groups.queue_issue(pipe, group, version, time.time())
+    await pipe.execute()
+    for group, version in wanted:
+        await store(groups.state, group, sample(group, 0, 1.0, version=version), sample(group, 1, 0.0, version=version))
+    await groups.complete(None)
+
+
+def builder(state: RunState, max_staleness: int = 0) -> BatchBuilder:
+    groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
+    return BatchBuilder(
+        state, Bus(state.redis), groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True
+    )
+
+
+async def batches(state: RunState) -> list[TrainingBatch]:
+    return [decode(f[b"d"], TrainingBatch) for _, f in await state.redis.xrange(state.names.batches)]
+
+
+def test_a_batch_takes_its_groups_in_one_transaction(in_redis) -> None:  # type: ignore[no-untyped-def]
+    async def scenario(state: RunState) -> None:
+        build = builder(state)
+        await ready_groups(build.groups, ("a", 0), ("b", 0), ("c", 0))
+        (built,) = await build.build(version=0)
+        assert (built.batch.index, len(built.batch.samples), built.num_too_stale) == (0, 4, 0)
+        assert [b.id for b in await batches(state)] == ["batch-0"]
+        taken = {s.trajectory.group_id for s in built.batch.samples}
+        (left,) = await build.groups.ready()
+        assert taken | {left} == {"a", "b", "c"} and await state.get_int(st.BATCH_INDEX) == 1
+        assert not any([await state.redis.exists(state.names.group_buffer(g)) for g in taken])
+
+    in_redis(scenario)
+
+
+def test_too_stale_groups_are_dropped_and_owe_the_batchs_version(in_redis) -> None:  # type: ignore[no-untyped-def]
+    async def scenario(state: RunState) -> None:
+        build = builder(state)
+        await state.redis.set(state.key(st.BATCH_INDEX), 3)
+        await ready_groups(build.groups, ("old", 1), ("a", 3))
+        assert await build.build(version=3) == []  # "old" dropped; one group is not a batch
+        assert await build.groups.owed() == [3] and await state.get_int(st.ACCEPTED) == 1
+        await ready_groups(build.groups, ("b", 3))
+        (built,) = await build.build(version=3)
+        assert built.num_too_stale == 2 and built.batch.staleness == [0, 0, 0, 0]
+        assert await state.get_int(st.SAMPLES_TOO_STALE) == 2
+
+    in_redis(scenario)
+
+
+def test_a_dead_lettered_batch_is_counted_once(in_redis) -> None:  # type: ignore[no-untyped-def]
+    async def scenario(state: RunState) -> None:
+        build = builder(state)
+        assert await build.record_dead("batch-4", 8, "RuntimeError: loss is not finite")
+        assert not await build.record_dead("batch-4", 8, "RuntimeError: loss is not finite")
+        assert await build.record_dead("batch-5", 6, "from the future")
+        counters = await state.counters()
+        assert (counters[st.BATCHES_DEAD], counters[st.SAMPLES_DEAD]) == (2, 14)
+
+    in_redis(scenario)
