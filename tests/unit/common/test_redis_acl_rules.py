@@ -52,6 +52,15 @@ def test_each_service_consumes_its_own_input_only() -> None:
     assert not allowed("xreadgroup", NAMES.weights) and not allowed("xreadgroup", NAMES.dead)
 
 
+def test_categories_of_commands_are_granted_on_a_service_own_state_only() -> None:
+    streams = {NAMES.prompts, NAMES.trajectories, NAMES.scored, NAMES.batches, NAMES.weights, NAMES.dead}
+    for user in SERVICES:
+        for g in grants(user, "r1"):
+            if any("@" in c for c in g.commands):
+                assert not streams & set(g.keys) and all(":state:" in k or ":groups" in k for k in g.keys), g
+                assert "-@dangerous" in g.commands and "-scan" in g.commands
+
+
 def test_the_observer_reads_and_runs_nothing_else() -> None:
     assert all(g.access == "R" for g in grants("observer", "r1"))
     rule = user_rule("observer", "r1", "p" * 16)

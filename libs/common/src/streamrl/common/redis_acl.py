@@ -13,7 +13,10 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
     observer     -                       every key (reads)   nothing
 
 and every service: its de-duplication keys ``done:{group}:*``, its own heartbeats ``hb:{service}:*``,
-the ``instances`` set, and reading every heartbeat (to reclaim a dead instance's entries).
+the ``instances`` set, and reading every heartbeat (to reclaim a dead instance's entries). On the
+streams a user gets exactly the commands of its role there; on its own state keys (the
+coordinator's ``state:*`` and group buffers, the learner's ``state:learner*``) every data command
+(:data:`OWN_STATE`), so that how a service keeps its own state is its own business.
 
 Each grant is one ACL selector, ``(%R~key +xread ...)``: Redis allows a command when one selector
 lists the command *and* matches every key it touches with the access it needs. So a rollout
@@ -71,15 +74,14 @@ FOLLOW = ("xread", "xrange", "xrevrange", "xlen")
 PUBLISH = ("xadd",)
 DEDUPE = ("set", "exists", "del")
 """De-duplication marks: set by the commit script, looked up on redelivery, removed on a failed write."""
-HASH = ("hget", "hset", "hsetnx", "hdel", "hgetall", "hlen", "hincrby")
-RUN_STATE = ("get", "set", "incr", "incrby", "del", "exists", *HASH,
-             "sadd", "srem", "smembers", "scard", "sismember", "rpush", "lrange", "llen", "lrem")  # fmt: skip
-"""The coordinator's run state and group buffers: strings, counters, hashes, sets, lists."""
-READ_ONLY = ("get", "mget", "exists", "type", "ttl", "pttl", "strlen", "hget", "hmget", "hgetall", "hlen",
-             "hkeys", "smembers", "scard", "sismember", "lrange", "llen", "zrange", "zcard", "zscore",
-             "xlen", "xrange", "xrevrange", "xread", "xinfo|stream", "xinfo|groups", "xinfo|consumers",
-             "xpending")  # fmt: skip
-"""The observer's commands: reads of every data type, nothing that writes."""
+SERVER_WIDE = ("-@dangerous", "-scan", "-randomkey", "-dbsize", "-lolwut")
+"""Taken out of every category grant: administration, and the reads that name no key (they would see
+every key of the server, e.g. ``KEYS``, ``SCAN``)."""
+OWN_STATE = ("@read", "@write", *SERVER_WIDE)
+"""Every data command on a service's own state keys: the ACL guards what services share (the streams,
+each other's keys), not which data types one uses for its own state."""
+READ_ONLY = ("@read", *SERVER_WIDE)
+"""The observer's commands: every read, nothing that writes."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,13 @@ class Grant:
     keys: tuple[str, ...]
     """Full key names or glob patterns (built from :class:`StreamNames`)."""
     commands: tuple[str, ...]
-    """Commands or ``command|subcommand``, lower case."""
+    """Commands, ``command|subcommand`` or ``@category``, lower case, applied in order; a leading ``-``
+    takes one out again."""
 
     def rule(self) -> str:
         prefix = {"R": "%R~", "W": "%W~", "RW": "~"}[self.access]
-        return "(" + " ".join([*(prefix + k for k in self.keys), *("+" + c for c in self.commands)]) + ")"
+        commands = (c if c.startswith("-") else "+" + c for c in self.commands)
+        return "(" + " ".join([*(prefix + k for k in self.keys), *commands]) + ")"
 
 
 def grants(user: str, run_id: str) -> list[Grant]:
@@ -121,7 +125,7 @@ def grants(user: str, run_id: str) -> list[Grant]:
         own = [
             Grant("W", (names.prompts, names.batches), PUBLISH),
             Grant("R", (names.weights, names.dead), FOLLOW),
-            Grant("RW", (names.state("*"), names.group_buffer("*"), names.group_index), RUN_STATE),
+            Grant("RW", (names.state("*"), names.group_buffer("*"), names.group_index), OWN_STATE),
         ]
     elif user == "rollout":
         own = [
@@ -134,7 +138,7 @@ def grants(user: str, run_id: str) -> list[Grant]:
     else:
         own = [
             Grant("W", (names.weights,), PUBLISH),
-            Grant("RW", (names.state("learner*"),), ("get", "set", "del", "exists", *HASH)),
+            Grant("RW", (names.state("learner*"),), OWN_STATE),
         ]
     return common + own
 
