@@ -66,7 +66,9 @@ def pending(client: redis.Redis, names: StreamNames) -> int:
 
 
 @pytest.mark.parametrize("claim_idle_ms", [500, 30_000], ids=["idle-claim", "heartbeat-expired"])
-def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(claim_idle_ms: int, redis_url: str, run_id: str) -> None:
+def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(
+    claim_idle_ms: int, redis_url: str, run_id: str
+) -> None:
     """A replacement worker (another instance name) takes over a killed one's entries: after they
     idle claim_idle_ms, or at once when the killed instance's heartbeat has expired (here well
     before the 30 s claim_idle_ms)."""
@@ -121,6 +123,38 @@ def test_work_slower_than_claim_idle_is_not_claimed_again(redis_url: str, run_id
     finally:
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(20) == 0
+
+
+def test_work_held_with_every_slot_busy_is_not_claimed_by_another_consumer(redis_url: str, run_id: str) -> None:
+    """A consumer whose every in-flight slot is busy (here its one slot, on work slower than
+    claim_idle_ms) still keeps what it holds alive: a second consumer never takes it over."""
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    client.xadd(names.trajectories, encode_payload(make_trajectory(0)))
+    settings = ("--echo.delay_s=3.0", "--consumer.claim_idle_ms=800", "--consumer.max_deliveries=1")
+    busy = start_worker(redis_url, run_id, "busy", *settings, "--consumer.max_in_flight=1")
+    other = None
+    try:
+        wait_for(lambda: client.exists(names.trajectories) and _held(client, names) == 1, 20, "the entry to be taken")
+        other = start_worker(redis_url, run_id, "other", *settings)
+        time.sleep(2.0)  # the entry would idle past 800 ms twice over
+        held = client.xpending_range(names.trajectories, "reward", min="-", max="+", count=10)
+        assert [(h["consumer"], h["times_delivered"]) for h in held] == [(b"busy", 1)]  # never claimed by "other"
+        wait_for(lambda: len(scored_ids(client, names)) >= 1 and pending(client, names) == 0, 30, "the output")
+        assert scored_ids(client, names) == ["g0/0"]
+        assert client.xlen(names.dead) == 0
+    finally:
+        for worker in (busy, other):
+            if worker is not None:
+                worker.send_signal(signal.SIGTERM)
+                assert worker.wait(20) == 0
+
+
+def _held(client: redis.Redis, names: StreamNames) -> int:  # type: ignore[type-arg]
+    try:
+        return pending(client, names)
+    except redis.ResponseError:  # the group is not created yet
+        return 0
 
 
 def test_poison_and_failing_entries_are_dead_lettered_while_the_loop_keeps_running(redis_url: str, run_id: str) -> None:
@@ -323,7 +357,9 @@ def test_messages_over_the_size_limit_are_refused_and_dead_lettered(redis_url: s
         finally:
             await bus.redis.aclose()
 
-    with pytest.raises(MessageTooLargeError, match=rf"Trajectory of 1\.7 MiB for {names.trajectories} is over the 1\.0 MiB"):
+    with pytest.raises(
+        MessageTooLargeError, match=rf"Trajectory of 1\.7 MiB for {names.trajectories} is over the 1\.0 MiB"
+    ):
         asyncio.run(publish_big())
 
 
@@ -339,7 +375,9 @@ def _tls_redis(tmp_path: Path, password: str) -> tuple[subprocess.Popen[bytes], 
 
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
             "-subj", "/CN=streamrl-test-ca")  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"
+    )
     (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", "server.crt", "-days", "1", "-extfile", "san.cnf")  # fmt: skip
@@ -364,7 +402,9 @@ def test_a_worker_runs_over_tls_with_a_password(tmp_path: Path, run_id: str) -> 
         pytest.skip(f"cannot make a TLS redis-server here: {e}")
     time.sleep(0.5)
     if proc.poll() is not None:
-        pytest.skip(f"this redis-server has no TLS support: {proc.stderr.read().decode()[-300:] if proc.stderr else ''}")
+        pytest.skip(
+            f"this redis-server has no TLS support: {proc.stderr.read().decode()[-300:] if proc.stderr else ''}"
+        )
     worker = None
     try:
         client = redis.Redis.from_url(url, socket_timeout=5)

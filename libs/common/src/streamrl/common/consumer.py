@@ -114,18 +114,21 @@ class ConsumerLoop(Generic[M]):
     async def run(self, stop: asyncio.Event, *, burst: bool = False) -> None:
         """Consume until ``stop`` is set (or, with ``burst``, until the stream has nothing left)."""
         await self.ensure_group()
-        # First finish, in order, what this consumer name left pending in a previous life.
-        cursor = "0-0"
-        while not stop.is_set():
-            cursor, got = await self._read(stop, start_id=cursor)
-            if got == 0:
-                break
+        # First finish, in order, what this consumer name left pending in a previous life; then new
+        # entries. Whatever it waits for, the loop comes round every claim_interval_s to keep what it
+        # holds from being claimed as idle (and, once replayed, to claim what dead consumers left).
+        cursor, replaying = "0-0", True
         next_claim = 0.0
         while not stop.is_set():
             if time.monotonic() >= next_claim:
                 await self._keep_alive()
-                await self._reclaim()
+                if not replaying:
+                    await self._reclaim()
                 next_claim = time.monotonic() + self.config.claim_interval_s
+            if replaying:
+                cursor, got = await self._read(stop, start_id=cursor)
+                replaying = got != 0
+                continue
             _, got = await self._read(stop, start_id=">")
             if burst and got == 0 and not self._tasks:
                 break
@@ -142,17 +145,17 @@ class ConsumerLoop(Generic[M]):
             logger.warning("%s: cancelled %d entries after the grace period", self.stream, len(pending))
 
     async def _read(self, stop: asyncio.Event, start_id: str) -> tuple[str, int]:
-        """Read new entries (``>``) or this consumer's pending entries after ``start_id``."""
-        # Wait for a free slot, looking at stop every block_ms: with every slot busy (entries waiting
-        # for a backend that is down), a SIGTERM must still reach drain() and its grace period.
-        while True:
-            try:
-                async with timeout(self.config.block_ms / 1000):
-                    await self._slots.acquire()
-                break
-            except TimeoutError:
-                if stop.is_set():
-                    return start_id, 0
+        """Read new entries (``>``) or this consumer's pending entries after ``start_id``: the cursor and
+        how many were read; -1 when no in-flight slot came free within block_ms / claim_interval_s.
+
+        With every slot busy (entries waiting for a backend that is down) the caller's loop must still
+        come round: to keep the held entries alive, and to see a stop (SIGTERM reaches drain()).
+        """
+        try:
+            async with timeout(min(self.config.block_ms / 1000, self.config.claim_interval_s)):
+                await self._slots.acquire()
+        except TimeoutError:
+            return start_id, -1
         if stop.is_set():  # stopped while waiting for a free slot (e.g. by a handler): read nothing more
             self._slots.release()
             return start_id, 0
