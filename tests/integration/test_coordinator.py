@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import DeadLetter, PromptWorkItem, Tensor, Trajectory, WeightsPublished
+from streamrl.common.messages import (
+    DeadLetter,
+    PromptWorkItem,
+    ScoredTrajectory,
+    Tensor,
+    TrainingBatch,
+    Trajectory,
+    WeightsPublished,
+)
 from streamrl.common.streams import StreamNames
 
 
@@ -85,7 +99,9 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
                             error="ScorerError: reward server said HTTP 500", deliveries=3, payload=encode(traj), ts=0.0)  # fmt: skip
         client.xadd(names.dead, {b"d": encode(letter)})
         wait_for(lambda: client.xlen(names.prompts) >= 9, 10, "a replacement prompt")
-        assert prompts(client, names)[8].policy_version == 1, "the replacement fills batch 1's place"
+        # the replacement asks for the version its group needed (batch 0's), not its position's (batch 1's:
+        # that version needs batch 0 trained first, which needs the replacement - the run would wait forever)
+        assert prompts(client, names)[8].policy_version == 0
         progress = {k.decode(): v.decode() for k, v in client.hgetall(names.state("progress")).items()}
         assert progress["dead"] == "1" and "HTTP 500" in progress["dead_reason"]
         assert victim.id.encode() not in client.smembers(names.state("inflight"))
@@ -134,16 +150,15 @@ def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Pat
 
 
 def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
-                                                 write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+                                                 write_recipe, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     """The final version's evaluation round counts before the version does: the run cannot be found
     complete in between (here that gap is widened: starting a round takes 0.5 s)."""
-    import asyncio
-
     from streamrl.common.bus import Bus, connect
     from streamrl.common.config import load_config
     from streamrl.common.lifecycle import ServiceContext
     from streamrl.common.messages import ScoredTrajectory
     from streamrl.coordinator.config import CoordinatorConfig
+    from streamrl.coordinator.evaluation import EvalRounds
     from streamrl.coordinator.service import CoordinatorService
 
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
@@ -174,13 +189,13 @@ def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path
         bus = Bus(connect(redis_url))
         ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
                              stop=asyncio.Event())  # fmt: skip
-        real_hsetnx = bus.redis.hsetnx
+        real_start = EvalRounds.maybe_start
 
-        async def slow_hsetnx(*args: object, **kwargs: object) -> object:
+        async def slow_start(self: EvalRounds, version: int) -> None:
             await asyncio.sleep(0.5)
-            return await real_hsetnx(*args, **kwargs)  # type: ignore[arg-type]
+            await real_start(self, version)
 
-        bus.redis.hsetnx = slow_hsetnx  # type: ignore[method-assign]
+        monkeypatch.setattr(EvalRounds, "maybe_start", slow_start)
         client.xadd(names.weights, weights(0))
         run = asyncio.create_task(CoordinatorService(config, ctx).run())
         while not any(p.is_eval for p in prompts(client, names)):
@@ -202,3 +217,281 @@ def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path
     assert rounds[b"1"].startswith(b"started")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval/acc"] for r in rows if "eval/acc" in r] == [1.0, 1.0]
+
+
+# -- the coordinator in this process, driven through its streams (real Redis) -----------------------
+
+
+class Harness:
+    """A running coordinator service and the streams around it, seen from the other tiers' side."""
+
+    def __init__(self, client: redis.Redis, names: StreamNames, run_dir: Path) -> None:
+        self.client = client
+        self.names = names
+        self.run_dir = run_dir
+        self.service_task: asyncio.Task[None] | None = None
+
+    def prompts(self) -> list[PromptWorkItem]:
+        return prompts(self.client, self.names)
+
+    def weights(self, version: int) -> None:
+        event = WeightsPublished(version=version, step=version, batch_id="", checksum="0", num_bytes=0,
+                                 num_buckets=0, endpoint="tcp://127.0.0.1:1")  # fmt: skip
+        self.client.xadd(self.names.weights, {b"d": encode(event)})
+
+    def answer(self, item: PromptWorkItem, scores: list[float] | None = None, **scored: Any) -> None:
+        """Every sample of ``item``'s group scored and on the scored stream, as the reward tier writes it."""
+        n = item.sampling.n
+        for i, score in enumerate(scores if scores is not None else [float(i % 2) for i in range(n)]):
+            self.client.xadd(self.names.scored, {b"d": encode(score_sample(item, i, score, **scored))})
+
+    def dead_letter(self, stream: str, message: Any, error: str = "ScorerError: HTTP 500") -> None:
+        letter = DeadLetter(stream=stream, entry_id="1-0", group="g", consumer="c", error=error, deliveries=3,
+                            payload=encode(message), ts=0.0)  # fmt: skip
+        self.client.xadd(self.names.dead, {b"d": encode(letter)})
+
+    def counter(self, name: str) -> int:
+        return int(self.client.get(self.names.state(name)) or 0)
+
+    def progress(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.client.hgetall(self.names.state("progress")).items()}
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return metric_rows(self.run_dir)
+
+    async def until(self, predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert self.service_task is None or not self.service_task.done(), f"the coordinator ended: {what}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+
+
+def score_sample(item: PromptWorkItem, index: int, score: float, version: int | None = None,
+                 **scored: Any) -> ScoredTrajectory:  # fmt: skip
+    traj = Trajectory(id=f"{item.id}/{index}", group_id=item.id, group_index=index, group_size=item.sampling.n,
+                      prompt_ids=item.prompt_ids, response_ids=Tensor.from_list([5], "int32"),
+                      logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"),
+                      is_eval=item.is_eval, metadata=item.metadata,
+                      policy_version_start=item.policy_version if version is None else version,
+                      policy_version_end=item.policy_version if version is None else version)  # fmt: skip
+    return ScoredTrajectory(trajectory=traj, reward=score, score=score, **scored)
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def a_trajectory(item: PromptWorkItem) -> Trajectory:
+    return score_sample(item, 0, 0.0).trajectory
+
+
+@contextlib.asynccontextmanager
+async def coordinator(recipe: Path, run_id: str, redis_url: str, *overrides: str,
+                      evaluation: bool = False) -> AsyncIterator[Harness]:  # fmt: skip
+    """The coordinator service running in this event loop (the recipe's evaluation only with ``evaluation``)."""
+    from streamrl.common.bus import Bus, connect
+    from streamrl.common.config import load_config
+    from streamrl.common.lifecycle import ServiceContext
+    from streamrl.coordinator.config import CoordinatorConfig
+    from streamrl.coordinator.service import CoordinatorService
+
+    args = [f"--run_id={run_id}", *([] if evaluation else ["--coordinator.eval.dataset=null"]), *overrides]
+    config = load_config(CoordinatorConfig, str(recipe), args, section="coordinator")
+    names = StreamNames(run_id)
+    bus = Bus(connect(redis_url), maxlen=config.redis.maxlen, max_message_bytes=config.redis.max_message_bytes)
+    ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names, stop=asyncio.Event())
+    harness = Harness(redis.Redis.from_url(redis_url), names, Path(config.run_dir))
+    harness.service_task = asyncio.create_task(CoordinatorService(config, ctx).run())
+    try:
+        yield harness
+    finally:
+        ctx.stop.set()
+        await asyncio.wait_for(harness.service_task, 30)
+        await bus.redis.aclose()
+
+
+@pytest.mark.parametrize("loss", ["dead-lettered", "filtered", "timed out"])
+def test_a_lost_group_is_replaced_for_its_own_batch(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
+                                                    write_recipe, loss: str) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Synchronous, one batch prefetched: batch 1's groups wait for version 1 while a group of batch 0
+    is lost. Its replacement must ask for version 0 - one asking for version 1 (its position in issue
+    order) could only be generated after batch 0 trained, which needs it: the run would stop for good."""
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    extra = ["--coordinator.dynamic_filtering=true"] if loss == "filtered" else []
+    extra += ["--coordinator.group_timeout_s=1.0"] if loss == "timed out" else []
+
+    async def scenario() -> None:
+        async with coordinator(recipe, run_id, redis_url, *extra) as h:
+            h.weights(0)
+            await h.until(lambda: len(h.prompts()) >= 8, "the prompts of batches 0 and 1")
+            issued = h.prompts()
+            assert [p.policy_version for p in issued] == [0, 0, 0, 0, 1, 1, 1, 1]
+            for item in issued[:3]:
+                h.answer(item)
+            lost = issued[3]
+            if loss == "dead-lettered":
+                h.dead_letter(h.names.trajectories, a_trajectory(lost))
+            elif loss == "filtered":
+                h.answer(lost, scores=[1.0, 1.0, 1.0, 1.0])  # no spread: dropped by dynamic filtering
+            await h.until(lambda: len(h.prompts()) >= 9, "a replacement prompt")
+            replacement = h.prompts()[8]
+            assert replacement.policy_version == 0, "the replacement asks for the version its batch needs"
+            h.answer(replacement)
+            await h.until(lambda: h.client.xlen(h.names.batches) == 1, "batch 0")
+            assert len(h.prompts()) == 9  # batch 1's groups (waiting for version 1) were not timed out
+            counter = {"dead-lettered": "groups_dead", "filtered": "groups_filtered", "timed out": "groups_timed_out"}
+            assert h.counter(counter[loss]) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_timed_out_group_is_logged_counted_and_its_late_samples_dropped(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+
+    async def scenario() -> None:
+        async with coordinator(recipe, run_id, redis_url, "--coordinator.group_timeout_s=1.0") as h:
+            h.weights(0)
+            await h.until(lambda: len(h.prompts()) >= 8, "the first prompts")
+            late = h.prompts()[0]
+            h.client.xadd(h.names.scored, {b"d": encode(score_sample(late, 0, 1.0))})  # 1 of 4 samples, then silence
+            await h.until(lambda: h.counter("groups_timed_out") == 4, "batch 0's groups to time out", 5.0)
+            await h.until(lambda: len(h.prompts()) == 12, "their replacements")
+            assert [p.policy_version for p in h.prompts()[8:]] == [0, 0, 0, 0]
+            for item in h.prompts()[8:]:
+                h.answer(item)
+            assert not h.client.exists(h.names.group_buffer(late.id))
+            h.client.xadd(h.names.scored, {b"d": encode(score_sample(late, 1, 1.0))})  # a straggler
+            await h.until(lambda: h.counter("late_samples_dropped") == 1, "the late sample to be dropped")
+            assert not h.client.exists(h.names.group_buffer(late.id))
+            await h.until(lambda: h.progress().get("groups_timed_out") == "4", "the count in the progress hash")
+
+    asyncio.run(scenario())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "timed out" in r.getMessage()]
+    assert len(warned) == 4 and any("group p0 " in w for w in warned), warned
+
+
+def test_a_dead_lettered_batch_is_counted_never_taken_for_a_group(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+
+    async def scenario() -> None:
+        async with coordinator(recipe, run_id, redis_url) as h:
+            h.weights(0)
+            await h.until(lambda: len(h.prompts()) >= 8, "the first prompts")
+            item = h.prompts()[0]
+            batch = TrainingBatch(id="batch-0", index=0, samples=[score_sample(item, i, 1.0) for i in range(4)],
+                                  policy_version=0, staleness=[0, 0, 0, 0])  # fmt: skip
+            for _ in range(2):  # the same batch twice (a learner restarted mid-way): counted once
+                h.dead_letter(h.names.batches, batch, "RuntimeError: loss is not finite")
+            await h.until(lambda: h.progress().get("batches_dead") == "1", "the dead batch in the progress hash")
+            assert (h.counter("batches_dead"), h.counter("samples_dead")) == (1, 4)
+            assert h.counter("groups_dead") == 0 and item.id.encode() in h.client.smembers(h.names.state("inflight"))
+            assert h.progress()["samples_dead"] == "4"
+            await asyncio.sleep(0.3)
+            assert len(h.prompts()) == 8, "no replacement: the batch's groups were not in flight"
+
+    asyncio.run(scenario())
+    rows = metric_rows(tmp_path / "run")
+    assert any(r.get("coordinator/batches_dead") == 1 and r.get("coordinator/samples_dead") == 4 for r in rows)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "batch-0" in r.getMessage()]
+    assert errors and "loss is not finite" in errors[0] and "4 samples" in errors[0], errors
+
+
+def test_batch_metrics_carry_the_reward_tiers_figures(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
+                                                      write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+
+    async def scenario() -> None:
+        async with coordinator(recipe, run_id, redis_url) as h:
+            h.weights(0)
+            await h.until(lambda: len(h.prompts()) >= 8, "the first prompts")
+            issued = h.prompts()
+            h.dead_letter(h.names.trajectories, a_trajectory(issued[4]))
+            await h.until(lambda: h.counter("groups_dead") == 1, "the dead letter")
+            for k, item in enumerate(issued[:4]):
+                h.answer(item, reward_latency_ms=10.0 * (k + 1), extra={"reward/attempts": float(k % 2 + 1)})
+            await h.until(lambda: h.client.xlen(h.names.batches) == 1, "batch 0")
+            await h.until(lambda: any("rollout/acc" in r for r in h.metrics()), "batch 0's metrics")
+
+    asyncio.run(scenario())
+    rows = metric_rows(tmp_path / "run")
+    (batch,) = [r for r in rows if "rollout/acc" in r]
+    assert batch["reward/latency_ms_mean"] == pytest.approx(25.0) and batch["reward/latency_ms_max"] == 40.0
+    assert batch["reward/attempts"] == pytest.approx(1.5)
+    assert batch["reward/dead_lettered"] == 1 and batch["coordinator/groups_dead"] == 1
+    assert any(r.get("reward/dead_lettered") == 1 for r in rows if "coordinator/dead_reason" in r)
+
+
+def test_evaluation_rounds_close_with_dead_and_missing_prompts(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """Round 0: one prompt answered, one dead-lettered - it closes on what it has. Round 1 (the last):
+    no answer at all - it closes after group_timeout_s with both missing, and the run ends."""
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+
+    async def scenario() -> None:
+        async with coordinator(recipe, run_id, redis_url, "--total_steps=1", "--coordinator.eval.num_prompts=2",
+                               "--coordinator.group_timeout_s=3", evaluation=True) as h:  # fmt: skip
+            h.weights(0)
+            await h.until(lambda: sum(p.is_eval for p in h.prompts()) == 2, "round 0's prompts")
+            first, second = [p for p in h.prompts() if p.is_eval]
+            h.answer(first, scores=[1.0])
+            h.dead_letter(h.names.prompts, second, "WeightSyncError: deadline passed")
+            await h.until(lambda: not h.client.hget(h.names.state("eval_rounds"), "0").startswith(b"started"),
+                          "round 0 to close", 2.0)  # before its timeout  # fmt: skip
+            h.weights(1)
+            assert h.service_task is not None
+            await asyncio.wait_for(asyncio.shield(h.service_task), 10)  # the run ends: round 1 timed out
+            assert h.progress().get("eval_dead") == "1"
+
+    asyncio.run(scenario())
+    rows = [r for r in metric_rows(tmp_path / "run") if "eval/num_prompts" in r]
+    assert [(r["step"], r.get("eval/acc"), r["eval/num_dead"], r["eval/num_missing"]) for r in rows] == [
+        (0, 1.0, 1, 0),
+        (1, None, 0, 2),
+    ]
+    assert any("version 1" in r.getMessage() and "no accuracy" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.WARNING)  # fmt: skip
+
+
+def test_a_trimmed_entry_is_acknowledged_with_a_warning(redis_url: str, run_id: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """An entry trimmed from its stream before it was handled (its group then times out at the
+    coordinator) is acknowledged by the consumer that claims it, with one warning line."""
+    from streamrl.common.bus import Bus, connect
+    from streamrl.common.config import ConsumerConfig
+    from streamrl.common.consumer import ConsumerLoop
+
+    names = StreamNames(run_id)
+    client = redis.Redis.from_url(redis_url)
+    client.xgroup_create(names.prompts, "rollout", id="0", mkstream=True)
+    entry = client.xadd(names.prompts, {b"d": b"x"})
+    client.xreadgroup("rollout", "gone", {names.prompts: ">"})  # delivered to a consumer that died
+    client.xtrim(names.prompts, maxlen=0)
+
+    async def handler(message: Any) -> list[Any]:
+        raise AssertionError("a trimmed entry has nothing to handle")
+
+    async def scenario() -> None:
+        bus = Bus(connect(redis_url))
+        config = ConsumerConfig(claim_idle_ms=100, claim_interval_s=0.1, block_ms=50)
+        loop = ConsumerLoop(bus, names, stream=names.prompts, group="rollout", consumer="live", handler=handler,
+                            message_type=PromptWorkItem, config=config)  # fmt: skip
+        stop = asyncio.Event()
+        running = asyncio.create_task(loop.run(stop))
+        deadline = time.monotonic() + 5.0
+        while client.xpending(names.prompts, "rollout")["pending"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await running
+        await bus.redis.aclose()
+
+    asyncio.run(scenario())
+    assert client.xpending(names.prompts, "rollout")["pending"] == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(entry.decode() in w and "trimmed" in w for w in warned), warned
