@@ -14,7 +14,7 @@ What it owns, in order of use:
   (:func:`lr_multiplier`), DeepSpeed's accumulation boundary and gradient clipping.
 * resumable checkpoints (DeepSpeed model/optimizer/scheduler states, per-rank RNG states, and the
   caller's ``client_state`` such as the data position); the ``latest`` pointer is written last, so a
-  kill during a save leaves the previous checkpoint in force.
+  kill during a save leaves the previous checkpoint in force; files are loaded as data, never as code.
 * full parameters in Hugging Face naming (:meth:`ModelEngine.iter_full_params`, ZeRO-3 shards
   gathered in groups, LoRA merged) and Hugging Face export (safetensors + tokenizer).
 """
@@ -39,6 +39,7 @@ import torch
 
 from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.kernels import apply_kernels
+from streamrl.learner.safe_checkpoint import SafeLoads, load_checkpoint_file
 from streamrl.learner.varlen_attention import register as register_varlen_attention
 
 logger = logging.getLogger(__name__)
@@ -435,12 +436,18 @@ class ModelEngine:
         return tag
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any] | None:
-        """Restore the checkpoint ``latest`` points to; returns its ``client_state``, or None if there is none."""
+        """Restore the checkpoint ``latest`` points to; returns its ``client_state``, or None if there is none.
+
+        Every file is loaded as data (:mod:`streamrl.learner.safe_checkpoint`): one holding other
+        objects than tensors, plain values and DeepSpeed's few types raises UnsafeCheckpointError.
+        """
         directory = Path(directory)
         latest = directory / "latest"
         if not latest.is_file():
             return None
         tag = latest.read_text().strip()
+        if not isinstance(self._engine.checkpoint_engine, SafeLoads):
+            self._engine.checkpoint_engine = SafeLoads(self._engine.checkpoint_engine)
         path, client_state = self._engine.load_checkpoint(
             str(directory), tag=tag, load_optimizer_states=self._train, load_lr_scheduler_states=self._train
         )
@@ -448,7 +455,7 @@ class ModelEngine:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {directory / tag}")
         rng = directory / tag / f"rng_rank{self.rank}.pt"
         if rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=True))
+            _set_rng_state(load_checkpoint_file(rng))
         return dict((client_state or {}).get(_CLIENT_KEY, {}))
 
     # ---------------------------------------------------------- full weights
