@@ -110,6 +110,8 @@ def test_a_round_closes_when_each_prompt_is_answered_or_dead(in_redis, tmp_path:
         assert await status(state, 0) == "0.500000" and evals.last_acc == 0.5
         assert await state.get_int(st.EVAL_DEAD) == 1
         assert not await state.redis.exists(state.key(st.eval_dead(0)), state.names.group_buffer(round_buffer_id(0)))
+        await evals.record_dead(0, third)  # a letter seen again after the round closed: nothing kept
+        assert not await state.redis.exists(state.key(st.eval_dead(0)))
 
     in_redis(scenario)
     (row,) = metric_rows(tmp_path)

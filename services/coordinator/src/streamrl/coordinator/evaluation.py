@@ -46,6 +46,13 @@ if n > 0 then redis.call('DEL', KEYS[2]); redis.call('INCRBY', KEYS[3], n) end
 return n
 """
 """Delete the buffer of a round no longer open. KEYS: eval_rounds, its buffer, late_samples_dropped."""
+RECORD_DEAD_LUA = """
+local status = redis.call('HGET', KEYS[1], ARGV[1])
+if not status or string.sub(status, 1, 7) ~= 'started' then return 0 end
+return redis.call('SADD', KEYS[2], ARGV[2])
+"""
+"""Record a dead-lettered prompt of an open round (a closed round keeps nothing). KEYS: eval_rounds,
+eval_dead:{v}; ARGV: version, prompt id."""
 ROUND_PREFIX = "eval-v"
 
 
@@ -77,6 +84,7 @@ class EvalRounds:
         """Accuracy of the last round closed with answers."""
         self._start = state.redis.register_script(START_ROUND_LUA)
         self._drop_late = state.redis.register_script(DROP_LATE_LUA)
+        self._record_dead = state.redis.register_script(RECORD_DEAD_LUA)
 
     def due(self, version: int) -> bool:
         return version % self.cfg.eval.every_steps == 0 or version == self.cfg.total_steps
@@ -108,7 +116,8 @@ class EvalRounds:
 
     async def record_dead(self, version: int, prompt_id: str) -> None:
         """One prompt of round ``version`` was dead-lettered: it counts as answered-without-a-sample."""
-        await self.state.redis.sadd(self.state.key(st.eval_dead(version)), prompt_id)
+        await self._record_dead([self.state.key(st.EVAL_ROUNDS), self.state.key(st.eval_dead(version))],
+                                [version, prompt_id])  # fmt: skip
 
     async def drop_late(self, versions: set[int]) -> int:
         """Delete answers that arrived for rounds already closed; returns how many."""
