@@ -37,8 +37,6 @@ import logging
 import time
 from pathlib import Path
 
-import msgspec
-
 from streamrl.common.bus import Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.consumer import ConsumerLoop
@@ -250,7 +248,10 @@ class LearnerService:
         if reason is not None and await self.ctx.bus.redis.set(self._state(f"learner_dead:{batch.id}"), 1, nx=True):
             payload = encode(batch)
             if len(payload) > self.ctx.bus.max_message_bytes // 2:  # the letter must fit: keep the batch's header
-                payload = encode(msgspec.structs.replace(batch, samples=[], staleness=[]))
+                header = TrainingBatch(
+                    id=batch.id, index=batch.index, samples=[], policy_version=batch.policy_version, staleness=[]
+                )
+                payload = encode(header)
             letter = DeadLetter(
                 stream=self.ctx.names.batches, entry_id=entry_id, group="learner", consumer="learner",
                 error=f"{batch.id} ({len(batch.samples)} samples) skipped untrained: {reason}", deliveries=1,
