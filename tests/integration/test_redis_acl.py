@@ -143,10 +143,17 @@ def weights_event(version: int) -> WeightsPublished:
 
 
 async def consume(
-    acl: AclRedis, user: str, stream: str, message_type: type[M], outputs: Callable[[M], list[Output]], **kwargs: Any
+    acl: AclRedis,
+    user: str,
+    stream: str,
+    message_type: type[M],
+    outputs: Callable[[M], list[Output]],
+    until: Callable[[], bool] | None = None,
+    **kwargs: Any,
 ) -> ConsumerLoop[M]:
-    """Run ``user``'s consumer loop over ``stream`` to its end, as the service does, with its heartbeat
-    beating; then its health check and the clean-up of its heartbeat."""
+    """Run ``user``'s consumer loop over ``stream`` as the service does, with its heartbeat beating,
+    to the stream's end (or, given ``until``, until it holds); then its health check and the clean-up
+    of its heartbeat."""
     client = connect(acl.url(user), outage_s=2)
     bus = Bus(client)
     instance = f"{user}-0"
@@ -157,7 +164,17 @@ async def consume(
     loop = ConsumerLoop(bus, acl.names, stream=stream, group=user, consumer=instance, handler=handle,
                         message_type=message_type, config=FAST, **kwargs)  # fmt: skip
     beat = asyncio.create_task(heartbeat_forever(client, acl.names, user, instance, 0.2, lambda: {}))
-    await loop.run(asyncio.Event(), burst=True)
+    if until is None:
+        await loop.run(asyncio.Event(), burst=True)
+    else:
+        stop = asyncio.Event()
+        running = asyncio.create_task(loop.run(stop))
+        for _ in range(200):
+            if await asyncio.to_thread(until):
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await running
     assert await asyncio.to_thread(check, acl.url(user), acl.names, user, instance) == 0
     beat.cancel()
     await client.delete(acl.names.heartbeat(user, instance))
@@ -220,8 +237,13 @@ def test_reward_user_does_the_reward_job(acl: AclRedis) -> None:
     admin.xreadgroup("reward", "reward-9", {names.trajectories: ">"}, count=1)
     admin.sadd(names.instances, "reward:reward-9")
     time.sleep(2 * FAST.heartbeat_interval_s)  # idle long enough to be taken over
+
+    def done() -> bool:
+        return admin.xlen(names.scored) == 2 and admin.xpending(names.trajectories, "reward")["pending"] == 0
+
     loop = asyncio.run(consume(acl, "reward", names.trajectories, Trajectory,
-                        lambda t: [Output(stream=names.scored, message=ScoredTrajectory(trajectory=t, reward=1.0))]))  # fmt: skip
+                        lambda t: [Output(stream=names.scored, message=ScoredTrajectory(trajectory=t, reward=1.0))],
+                        until=done))  # fmt: skip
     assert loop.stats.reclaimed == 1
     assert admin.xlen(names.scored) == 2 and len(dead_letters(acl)) == 1
     assert admin.xpending(names.trajectories, "reward")["pending"] == 0
