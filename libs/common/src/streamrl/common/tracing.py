@@ -149,7 +149,7 @@ class Span(ABC):
 
     @abstractmethod
     def end(self, end_s: float | None = None) -> None:
-        """End the span, now or at ``end_s`` (Unix time, s)."""
+        """End the span, now or at ``end_s`` (Unix time, s); later calls change nothing."""
 
     def __enter__(self) -> Span:
         return self

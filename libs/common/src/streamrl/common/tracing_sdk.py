@@ -124,11 +124,12 @@ def build_exporter(config: TracingConfig, *, service: str, instance: str, run_di
 class SdkSpan(Span):
     """A span of the SDK (recording, or not when its trace is unsampled)."""
 
-    __slots__ = ("_config", "_span")
+    __slots__ = ("_config", "_ended", "_span")
 
     def __init__(self, span: trace_api.Span, config: TracingConfig) -> None:
         self._span = span
         self._config = config
+        self._ended = False
 
     @property
     def traceparent(self) -> str:
@@ -161,7 +162,9 @@ class SdkSpan(Span):
         self.mark_keep(failed=True)
 
     def end(self, end_s: float | None = None) -> None:
-        self._span.end(end_time=None if end_s is None else int(end_s * 1e9))
+        if not self._ended:  # a span ended explicitly inside its ``with`` block stays as it was ended
+            self._ended = True
+            self._span.end(end_time=None if end_s is None else int(end_s * 1e9))
 
 
 class SdkTracing(Tracing):
