@@ -1,0 +1,274 @@
+"""The counting invariants of a finished run, read from its Redis streams and state keys only.
+
+* **issued**: training prompt groups on ``prompts`` (PromptWorkItem, not evaluation), less what the
+  scenario wrote itself.
+* **trained**: groups whose samples are in a batch the learner trained. The trained batches are
+  the ``batch_id`` of every WeightsPublished signed with the run's key, along the learner's
+  surviving history (an event without a batch is a learner (re)start serving its checkpoint's
+  ``step``: steps after that checkpoint published by the previous life were rolled back and are
+  trained again), less the batches the learner dead-lettered (skipped untrained: their version is
+  published with unchanged weights).
+* **dropped, with a reason**: groups named by a dead letter (a prompt, one of its trajectories or
+  scored trajectories, or a training batch holding it, dead-lettered by the learner), by the
+  dead letter's stream and error type; and the coordinator's drop counters, which name no group:
+  ``state:groups_filtered`` (dynamic filtering), ``state:samples_too_stale`` / group size
+  (staleness), and any ``state:groups_timed_out``-like counter (group timeout).
+* **lost** = issued groups neither trained nor named by a dead letter, beyond what the counters
+  account for. **over-counted** = counters beyond those groups (a group with two fates).
+* **trained twice**: trajectory ids that occur more than once in the trained batches.
+* **pending at end**: XPENDING of every consumer group of every stream of the run, plus the
+  coordinator's in-flight set.
+* **steps**: the policy version reached (coordinator's ``state:policy_version``, and the last
+  signed event's version).
+* **recovery**: seconds from the end of the fault (a restart, a healed network) to the next trained
+  batch (``published_at`` of the next WeightsPublished with a batch).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis as syncredis
+
+from streamrl.common.codec import decode
+from streamrl.common.errors import PoisonMessageError
+from streamrl.common.messages import (
+    DeadLetter,
+    PromptWorkItem,
+    ScoredTrajectory,
+    TrainingBatch,
+    Trajectory,
+    WeightsPublished,
+)
+from streamrl.common.streams import StreamNames
+from streamrl.common.weights_auth import check
+
+ERROR_TYPE = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b")
+TIMEOUT_COUNTER = re.compile(r"groups?_(timed_out|timeouts?|expired)$")
+"""State counters of groups given up on by the coordinator's group timeout."""
+
+
+@dataclass
+class Counts:
+    """What :func:`count_run` found; one row of the fault table."""
+
+    issued: int = 0
+    trained: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Reason -> groups."""
+    lost: int = 0
+    over_counted: int = 0
+    trained_twice: int = 0
+    pending_end: int = 0
+    steps: int = 0
+    eval_rounds_open: int = 0
+    trajectories: dict[str, int] = field(default_factory=dict)
+    """generated / scored / trained (training trajectories, unique ids)."""
+    dead_letters: int = 0
+    recovery_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+    """Where the lost, pending or twice-trained items are (for failure messages)."""
+
+
+def _entries(client: syncredis.Redis, stream: str) -> list[tuple[str, bytes]]:
+    """Every entry of ``stream`` as (id, payload)."""
+    return [(eid.decode(), fields.get(b"d", b"")) for eid, fields in client.xrange(stream)]
+
+
+def _decode(payload: bytes) -> Any:
+    try:
+        return decode(payload)
+    except PoisonMessageError:
+        return None
+
+
+def _batch_groups(batch: TrainingBatch) -> set[str]:
+    return {s.trajectory.group_id for s in batch.samples if not s.trajectory.is_eval}
+
+
+def _dead_groups(letter: DeadLetter) -> tuple[set[str], bool]:
+    """Training groups a dead letter names, and whether it is an evaluation item."""
+    inner = _decode(letter.payload)
+    if isinstance(inner, PromptWorkItem):
+        return (set() if inner.is_eval else {inner.id}), inner.is_eval
+    if isinstance(inner, Trajectory):
+        return (set() if inner.is_eval else {inner.group_id}), inner.is_eval
+    if isinstance(inner, ScoredTrajectory):
+        t = inner.trajectory
+        return (set() if t.is_eval else {t.group_id}), t.is_eval
+    if isinstance(inner, TrainingBatch):
+        return _batch_groups(inner), False
+    return set(), False
+
+
+def trained_history(events: list[WeightsPublished]) -> list[str]:
+    """Batch ids trained along the learner's surviving history (see the module docstring)."""
+    history: list[tuple[int, str]] = []
+    for ev in events:
+        if not ev.batch_id:
+            history = [(step, b) for step, b in history if step <= ev.step]
+        else:
+            history.append((ev.step, ev.batch_id))
+    return [b for _, b in history]
+
+
+def count_run(
+    client: syncredis.Redis,
+    names: StreamNames,
+    *,
+    group_size: int,
+    weights_key: str,
+    injected: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
+    fault_end: float | None = None,
+) -> Counts:
+    """Count a finished run (see the module docstring)."""
+    c = Counts()
+
+    issued: set[str] = set()
+    for eid, payload in _entries(client, names.prompts):
+        msg = _decode(payload)
+        if isinstance(msg, PromptWorkItem) and not msg.is_eval and (names.prompts, eid) not in injected:
+            issued.add(msg.id)
+    c.issued = len(issued)
+
+    events: list[WeightsPublished] = []
+    for eid, payload in _entries(client, names.weights):
+        msg = _decode(payload)
+        if isinstance(msg, WeightsPublished) and (names.weights, eid) not in injected:
+            try:
+                check(msg, weights_key.encode())
+            except PoisonMessageError:
+                continue
+            events.append(msg)
+    batches: dict[str, TrainingBatch] = {}
+    for eid, payload in _entries(client, names.batches):
+        msg = _decode(payload)
+        if isinstance(msg, TrainingBatch) and (names.batches, eid) not in injected:
+            if msg.id in batches and encode_ids(batches[msg.id]) != encode_ids(msg):
+                c.notes.append(f"two different batches named {msg.id}")
+            batches.setdefault(msg.id, msg)
+
+    learner_dead = _learner_dead_batches(client, names, injected)
+    history = [b for b in trained_history(events) if b not in learner_dead]
+    twice_batches = [b for b, n in Counter(history).items() if n > 1]
+    if twice_batches:
+        c.notes.append(f"batches trained twice: {twice_batches}")
+    trained_ids: Counter[str] = Counter()
+    trained_groups: set[str] = set()
+    for batch_id in history:
+        batch = batches.get(batch_id)
+        if batch is None:
+            c.notes.append(f"trained batch {batch_id} is not on the batches stream")
+            continue
+        trained_ids.update(s.trajectory.id for s in batch.samples if not s.trajectory.is_eval)
+        trained_groups |= _batch_groups(batch)
+    twice = {t: n for t, n in trained_ids.items() if n > 1}
+    c.trained_twice = sum(n - 1 for n in twice.values())
+    if twice:
+        c.notes.append(f"trajectories trained twice: {sorted(twice)[:8]}")
+    strays = trained_groups - issued
+    if strays:
+        c.notes.append(f"trained groups never issued by the coordinator: {sorted(strays)[:8]}")
+    c.trained = len(trained_groups & issued)
+
+    dropped: Counter[str] = Counter()
+    named_dead: set[str] = set()
+    for _, payload in _entries(client, names.dead):
+        letter = _decode(payload)
+        if not isinstance(letter, DeadLetter) or (letter.stream, letter.entry_id) in injected:
+            continue  # the scenario's own poison entries are not the run's work
+        c.dead_letters += 1
+        groups, _ = _dead_groups(letter)
+        reason = f"dead {letter.stream.rsplit(':', 1)[-1]}: {error_kind(letter.error)}"
+        for g in (groups & issued) - trained_groups - named_dead:
+            dropped[reason] += 1
+            named_dead.add(g)
+    unexplained = issued - trained_groups - named_dead
+
+    counters: dict[str, int] = {}
+    for key in client.scan_iter(match=names.state("*")):
+        name = key.decode().rsplit(":", 1)[-1]
+        if name == "groups_filtered" or TIMEOUT_COUNTER.match(name):
+            counters[name] = int(client.get(key) or 0)
+        elif name == "samples_too_stale":
+            counters["too stale"] = int(client.get(key) or 0) // group_size
+    for name, n in counters.items():
+        if n:
+            dropped[name] += n
+    c.dropped = dict(dropped)
+    accounted = sum(counters.values())
+    c.lost = max(0, len(unexplained) - accounted)
+    c.over_counted = max(0, accounted - len(unexplained))
+    if c.lost:
+        inflight = {g.decode() for g in client.smembers(names.state("inflight"))}
+        ready = {g.decode() for g in client.lrange(names.state("ready"), 0, -1)}
+        c.notes.append(
+            f"{len(unexplained)} groups neither trained nor dead-lettered, {accounted} counted by the coordinator "
+            f"({counters}); of them {len(unexplained & inflight)} still in flight, {len(unexplained & ready)} "
+            f"complete but never batched: {sorted(unexplained)[:10]}"
+        )
+
+    generated = {m.id for _, p in _entries(client, names.trajectories)
+                 if isinstance(m := _decode(p), Trajectory) and not m.is_eval}  # fmt: skip
+    scored = {m.trajectory.id for _, p in _entries(client, names.scored)
+              if isinstance(m := _decode(p), ScoredTrajectory) and not m.trajectory.is_eval}  # fmt: skip
+    c.trajectories = {"generated": len(generated), "scored": len(scored), "trained": sum(trained_ids.values())}
+
+    c.pending_end = _pending(client, names, c.notes)
+    raw_version = client.get(names.state("policy_version"))
+    c.steps = max(int(raw_version or 0), max((e.version for e in events), default=0))
+    rounds = {k.decode(): v.decode() for k, v in client.hgetall(names.state("eval_rounds")).items()}
+    c.eval_rounds_open = sum(1 for v in rounds.values() if v.startswith("started"))
+    if c.eval_rounds_open:
+        c.notes.append(
+            f"evaluation rounds never closed: {sorted(k for k, v in rounds.items() if v.startswith('started'))}"
+        )
+
+    if fault_end is not None:
+        after = [e.published_at for e in events if e.batch_id and e.published_at >= fault_end]
+        c.recovery_s = round(min(after) - fault_end, 1) if after else None
+    return c
+
+
+def error_kind(error: str) -> str:
+    """The exception type a dead letter's reason names (``ScorerError``, ``FloatingPointError``...)."""
+    match = ERROR_TYPE.search(error)
+    return match.group(0) if match else error[:40]
+
+
+def _learner_dead_batches(client: syncredis.Redis, names: StreamNames, injected: set[tuple[str, str]]) -> set[str]:
+    """Ids of the batches the learner dead-lettered (not counting the scenario's own entries)."""
+    out = set()
+    for _, payload in _entries(client, names.dead):
+        letter = _decode(payload)
+        if (
+            isinstance(letter, DeadLetter)
+            and letter.stream == names.batches
+            and (letter.stream, letter.entry_id) not in injected
+        ):
+            inner = _decode(letter.payload)
+            if isinstance(inner, TrainingBatch):
+                out.add(inner.id)
+    return out
+
+
+def encode_ids(batch: TrainingBatch) -> list[str]:
+    return [s.trajectory.id for s in batch.samples]
+
+
+def _pending(client: syncredis.Redis, names: StreamNames, notes: list[str]) -> int:
+    total = 0
+    for stream in (names.prompts, names.trajectories, names.scored, names.batches, names.weights, names.dead):
+        if not client.exists(stream):
+            continue
+        for group in client.xinfo_groups(stream):
+            if group["pending"]:
+                total += int(group["pending"])
+                notes.append(f"{group['pending']} pending on {stream.rsplit(':', 1)[-1]} for {group['name'].decode()}")
+    inflight = client.scard(names.state("inflight"))
+    if inflight:
+        notes.append(f"{inflight} groups still in the coordinator's in-flight set")
+    return total + int(inflight)

@@ -1,0 +1,325 @@
+"""One run of the four real services for a fault scenario, and the faults the suite injects.
+
+A :class:`FaultRun` owns, under its own folder:
+
+* a real ``redis-server`` with AOF (``appendfsync always``) on a fixed free port, which
+  :meth:`FaultRun.kill_redis` SIGKILLs and :meth:`FaultRun.start_redis` brings back on the same
+  port with the same data;
+* each service as its own OS process and process group, started the way ``streamrl up`` starts
+  it (``python -m streamrl.common.cli SERVICE RECIPE --instance=NAME``, the Redis URL and the run's
+  weights key in the environment), so any one can be SIGKILLed, stopped or restarted alone;
+* a supervisor thread that plays the orchestrator (compose ``restart: on-failure``): a service that
+  exits non-zero when the scenario did not kill it is recorded as an unexpected exit (with the last
+  lines of its log) and started again; the coordinator exiting 0 means the run is complete.
+
+Every run starts from ``recipes/smoke.toml`` (the tiny random model and data of the ``tiny_task``
+fixture) with the transformers rollout engine, which starts in ~12 s here against ~45 s for vLLM,
+plus the scenario's overrides (given to every service on the command line, as ``streamrl up`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis as syncredis
+
+from streamrl.common.launcher import child_env
+from streamrl.common.redis_server import RedisServer, free_port
+from streamrl.common.streams import StreamNames
+from streamrl.common.weights_auth import KEY_ENV
+
+SERVICES = ("coordinator", "rollout", "reward", "learner")
+ROOT = Path(__file__).resolve().parents[2]
+BASE_OVERRIDES = [
+    "--rollout.engine.type=hf",
+    "--total_steps=12",
+    "--coordinator.eval.every_steps=4",
+]
+"""Settings of every scenario on top of recipes/smoke.toml (a scenario adds its own after these)."""
+SERVICE_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+RESTART_DELAY_S = 1.0
+"""The supervisor restarts a service that failed after this pause."""
+STOP_GRACE_S = 20.0
+LOG_TAIL_LINES = 5
+
+
+@dataclass
+class ServiceProcess:
+    """One life of one service instance."""
+
+    service: str
+    instance: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started_at: float
+    expected_exit: bool = False
+    """The scenario killed or stopped it: its exit is not a failure."""
+
+
+@dataclass
+class UnexpectedExit:
+    """A service process that ended on its own with a non-zero code."""
+
+    instance: str
+    code: int
+    at: float
+    log_tail: str
+
+    def __str__(self) -> str:
+        return f"{self.instance} exited with code {self.code}: {self.log_tail}"
+
+
+@dataclass
+class FaultRun:
+    """See the module docstring. Use as a context manager; :meth:`close` leaves no process behind."""
+
+    name: str
+    task: Path
+    """The ``tiny_task`` folder: train/eval data and the model."""
+    workdir: Path
+    overrides: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every service (e.g. a reward server's token)."""
+    restart_on_failure: bool = True
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.run_id = f"f{secrets.token_hex(4)}"
+        self.names = StreamNames(self.run_id)
+        self.port = free_port()
+        self.redis_server = RedisServer(self.workdir / "redis", port=self.port, appendonly=True, appendfsync="always")
+        self.url = self.redis_server.url
+        self.recipe = self._write_recipe()
+        self.weights_key = secrets.token_hex(32)
+        self.procs: dict[str, ServiceProcess] = {}
+        """Current process of each instance (by instance name)."""
+        self.exits: list[UnexpectedExit] = []
+        self.done = threading.Event()
+        """The coordinator exited 0: the run is complete."""
+        self.injected: set[tuple[str, str]] = set()
+        """(stream, entry id) of every entry the scenario wrote itself (poison): not the services' work."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, name=f"supervise-{self.name}", daemon=True)
+        self.client = syncredis.Redis(port=self.port, socket_timeout=5)
+        self.started_at = 0.0
+        self.concluded = False
+        """A row was recorded for this run."""
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _write_recipe(self) -> Path:
+        text = (ROOT / "recipes" / "smoke.toml").read_text().replace("{root}", str(self.task))
+        text = text.replace(f'run_dir = "{self.task}/run"', f'run_dir = "{self.workdir / "run"}"')
+        path = self.workdir / "recipe.toml"
+        path.write_text(text)
+        return path
+
+    @property
+    def all_overrides(self) -> list[str]:
+        return [*BASE_OVERRIDES, f"--run_id={self.run_id}", *self.overrides]
+
+    def _setting(self, key: str, default: int) -> int:
+        """The last ``--key=N`` of the overrides (the recipe's ``default`` without one)."""
+        values = [o.split("=", 1)[1] for o in self.all_overrides if o.startswith(f"--{key}=")]
+        return int(values[-1]) if values else default
+
+    @property
+    def total_steps(self) -> int:
+        return self._setting("total_steps", 4)
+
+    @property
+    def group_size(self) -> int:
+        return self._setting("coordinator.group_size", 4)
+
+    def __enter__(self) -> FaultRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> FaultRun:
+        """Start redis, every service, and the supervisor."""
+        self.start_redis()
+        self.started_at = time.time()
+        for service in SERVICES:
+            self.start_service(service)
+        self._supervisor.start()
+        return self
+
+    def start_redis(self) -> None:
+        self.redis_server = RedisServer(self.workdir / "redis", port=self.port, appendonly=True, appendfsync="always")
+        self.redis_server.start()
+
+    def kill_redis(self) -> None:
+        """SIGKILL the redis-server (no shutdown, no final fsync)."""
+        proc = self.redis_server.proc
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+
+    def start_service(self, service: str, instance: str | None = None, env: dict[str, str] | None = None) -> str:
+        """Start one instance of ``service`` (default name ``{service}-0``); returns the instance name."""
+        instance = instance or f"{service}-0"
+        log = self.workdir / "logs" / f"{instance}.log"
+        log.parent.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "streamrl.common.cli", service, str(self.recipe), *self.all_overrides,
+               f"--instance={instance}"]  # fmt: skip
+        full_env = child_env({**os.environ, **SERVICE_ENV, **self.env, **(env or {})}, instance, None)
+        full_env[KEY_ENV] = self.weights_key
+        full_env["STREAMRL_REDIS__URL"] = self.url
+        with log.open("ab") as out:
+            out.write(f"=== {time.strftime('%H:%M:%S')} start {' '.join(cmd[2:])}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
+                                    start_new_session=True)  # fmt: skip
+        with self._lock:
+            self.procs[instance] = ServiceProcess(service, instance, proc, log, time.time())
+        return instance
+
+    def instances(self, service: str) -> list[str]:
+        with self._lock:
+            return [i for i, p in self.procs.items() if p.service == service and p.proc.poll() is None]
+
+    # -- faults -----------------------------------------------------------------------------
+    def kill(self, instance: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Send ``sig`` to the instance's process group (SIGKILL by default) and wait for it to end."""
+        with self._lock:
+            sp = self.procs[instance]
+            sp.expected_exit = True
+        _signal_group(sp.proc, sig)
+        sp.proc.wait(timeout=STOP_GRACE_S + 10)
+
+    def pause(self, instance: str) -> None:
+        """SIGSTOP the instance's process group (frozen: no heartbeat, no replies)."""
+        _signal_group(self.procs[instance].proc, signal.SIGSTOP)
+
+    def resume(self, instance: str) -> None:
+        _signal_group(self.procs[instance].proc, signal.SIGCONT)
+
+    def dump_stacks(self) -> None:
+        """SIGUSR1 every live service: each logs where its asyncio tasks wait (for a wedged run)."""
+        with self._lock:
+            live = [sp for sp in self.procs.values() if sp.proc.poll() is None]
+        for sp in live:
+            sp.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+
+    # -- watching ---------------------------------------------------------------------------
+    def version(self) -> int:
+        """The coordinator's policy version (-1 while redis is unreachable)."""
+        try:
+            raw = self.client.get(self.names.state("policy_version"))
+        except (syncredis.ConnectionError, syncredis.TimeoutError):
+            return -1
+        return int(raw) if raw is not None else 0
+
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self.done.is_set():
+                raise AssertionError(f"{self.name}: the run ended before {what}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no {what} within {timeout_s:.0f} s; {self.describe()}")
+            time.sleep(0.1)
+
+    def wait_version(self, version: int, timeout_s: float = 120.0) -> None:
+        self.wait_until(f"policy version {version}", lambda: self.version() >= version, timeout_s)
+
+    def wait_done(self, timeout_s: float, stall_s: float = 45.0) -> bool:
+        """Wait until the run completes; False after ``timeout_s``, or when nothing moved on any
+        stream nor in the policy version for ``stall_s`` (a wedged run)."""
+        deadline = time.monotonic() + timeout_s
+        last, moved_at = None, time.monotonic()
+        while not self.done.wait(0.5):
+            now = time.monotonic()
+            mark = self._progress_mark()
+            if mark != last:
+                last, moved_at = mark, now
+            if now > deadline or now - moved_at > stall_s:
+                return False
+        return True
+
+    def _progress_mark(self) -> tuple[int, ...]:
+        n = self.names
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for stream in (n.prompts, n.trajectories, n.scored, n.batches, n.weights, n.dead):
+                pipe.xlen(stream)
+            return (*pipe.execute(), self.version())
+        except (syncredis.ConnectionError, syncredis.TimeoutError):
+            return (-1,)
+
+    def describe(self) -> str:
+        """One line: version, stream lengths and the last exits (for failure messages)."""
+        mark = self._progress_mark()
+        exits = "; ".join(str(e) for e in self.exits[-3:]) or "none"
+        return f"version {self.version()}, stream lengths {mark[:-1]}, unexpected exits: {exits}"
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.2):
+            with self._lock:
+                ended = [sp for sp in self.procs.values() if sp.proc.poll() is not None and not sp.expected_exit]
+            for sp in ended:
+                code = sp.proc.returncode
+                sp.expected_exit = True  # handled once
+                if sp.service == "coordinator" and code == 0:
+                    self.done.set()
+                    continue
+                if code == 0 and self.done.is_set():
+                    continue
+                self.exits.append(UnexpectedExit(sp.instance, code, time.time(), _tail(sp.log)))
+                if self.restart_on_failure and not self.done.is_set():
+                    time.sleep(RESTART_DELAY_S)
+                    self.start_service(sp.service, sp.instance)
+
+    # -- tear-down --------------------------------------------------------------------------
+    def stop_services(self) -> None:
+        """SIGTERM every live service (they drain), SIGKILL what is left after the grace period."""
+        self._stop.set()
+        if self._supervisor.is_alive():
+            self._supervisor.join()
+        with self._lock:
+            live = [sp for sp in self.procs.values() if sp.proc.poll() is None]
+            for sp in live:
+                sp.expected_exit = True
+        for sp in live:
+            _signal_group(sp.proc, signal.SIGCONT)  # a paused one must be able to stop
+            _signal_group(sp.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for sp in live:
+            try:
+                sp.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(sp.proc, signal.SIGKILL)
+                sp.proc.wait()
+
+    def close(self) -> None:
+        self.stop_services()
+        self.client.close()
+        self.redis_server.stop()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return " | ".join(ln[:300] for ln in lines[-LOG_TAIL_LINES:])
