@@ -17,7 +17,9 @@ interpolate linearly, e.g. generation over [100, 200, 300, 400, 500]: p95 = 400 
 from __future__ import annotations
 
 import base64
+import enum
 import json
+import math
 import os
 import subprocess
 import sys
@@ -273,3 +275,20 @@ def test_without_matplotlib_the_report_is_text_only(
     out = capsys.readouterr().out
     assert "no plot: matplotlib is not installed" in out and row(out, "train") == ["4", "500.0", "500.0", "500.0"]
     assert not (run_dir / "trace_report.png").exists()
+
+
+def test_attribute_values_round_trip_through_the_file(tmp_path: Path) -> None:
+    class Transport(enum.IntEnum):
+        ZMQ = 3
+
+    values = {"s": "x", "b": True, "i": -7, "f": 0.25, "nan": float("nan"), "inf": float("-inf"), "ints": [1, 2],
+              "strs": ["a", "b"], "enum": Transport.ZMQ}  # fmt: skip
+    tracing = setup_tracing(TracingConfig(sampling="all", dir=str(tmp_path)), service="s", instance="i", run_id="r",
+                            run_dir="x")  # fmt: skip
+    tracing.record("one", start_s=T0, end_s=T0 + 1, attributes=values)  # type: ignore[arg-type]
+    tracing.shutdown()
+    (span,), _ = read_spans(tmp_path)
+    got = span.attributes
+    assert math.isnan(got.pop("nan"))
+    assert got == {"s": "x", "b": True, "i": -7, "f": 0.25, "inf": float("-inf"), "ints": [1, 2], "strs": ["a", "b"],
+                   "enum": 3}  # fmt: skip

@@ -38,18 +38,24 @@ _ENCODER = msgspec.json.Encoder()
 
 
 def _value(value: Any) -> dict[str, Any]:
-    if isinstance(value, bool):
+    kind = type(value)  # exact types first: this runs for every attribute of every span
+    if kind is str:
+        return {"stringValue": value}
+    if kind is bool:
         return {"boolValue": value}
-    if isinstance(value, int):
+    if kind is int:
         return {"intValue": str(value)}
-    if isinstance(value, float):
+    if kind is float:
         if math.isfinite(value):
             return {"doubleValue": value}
         return {"doubleValue": "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")}
+    if kind is tuple or kind is list:
+        return {"arrayValue": {"values": [_value(v) for v in value]}}
     if isinstance(value, bytes):
         return {"bytesValue": base64.b64encode(value).decode()}
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return {"arrayValue": {"values": [_value(v) for v in value]}}
+    for base in (bool, int, float, str):  # a subclass (an IntEnum member): as its base type
+        if isinstance(value, base):
+            return _value(base(value))
     return {"stringValue": str(value)}
 
 
