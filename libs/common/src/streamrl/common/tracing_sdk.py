@@ -148,9 +148,8 @@ class SdkSpan(Span):
         if not reasons or not self._span.is_recording():
             return
         assert isinstance(self._span, SdkSpanImpl)
-        earlier = str((self._span.attributes or {}).get(KEEP, ""))
-        merged = [r for r in earlier.split(",") if r] + [r for r in reasons if r not in earlier.split(",")]
-        self._span.set_attribute(KEEP, ",".join(merged))
+        earlier = [r for r in str((self._span.attributes or {}).get(KEEP, "")).split(",") if r]
+        self._span.set_attribute(KEEP, ",".join(earlier + [r for r in reasons if r not in earlier]))
 
     def fail(self, error: BaseException | str) -> None:
         if isinstance(error, BaseException) and not isinstance(error, Exception):  # cancelled: not a failure
