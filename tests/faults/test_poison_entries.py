@@ -1,0 +1,97 @@
+"""Poison entries in every stream mid-run (the kinds of tests/faults/poison.py): each one a consumer
+group reads is dead-lettered with a reason naming its defect, the followed streams' readers pass
+over theirs, no out-of-order batch is trained, and the run goes on to the end with nothing lost.
+
+``redis.max_message_mb = 1`` so that an oversized entry is 1.5 MiB, not 33.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from harness import FaultRun
+from poison import Poison, first_message, forged_weights, malformed, out_of_order_batches
+from scenario import conclude
+
+from streamrl.common.codec import decode
+from streamrl.common.errors import PoisonMessageError
+from streamrl.common.messages import (
+    DeadLetter,
+    PromptWorkItem,
+    ScoredTrajectory,
+    TrainingBatch,
+    Trajectory,
+    WeightsPublished,
+)
+
+pytestmark = pytest.mark.slow
+TOTAL_STEPS = 12
+INJECT_AT_VERSION = 3
+RECOVERY_BOUND_S = 20.0
+"""Poison must not stop the run: from the injection to the next trained batch (s)."""
+
+
+def _write(run: FaultRun, stream: str, poisons: list[Poison]) -> list[tuple[str, str, Poison]]:
+    written = []
+    for p in poisons:
+        entry_id = run.client.xadd(stream, {b"d": p.payload}).decode()
+        run.injected.add((stream, entry_id))
+        written.append((stream, entry_id, p))
+    return written
+
+
+def _dead_letter_failures(run: FaultRun, written: list[tuple[str, str, Poison]]) -> list[str]:
+    letters: dict[tuple[str, str], str] = {}
+    for _, fields in run.client.xrange(run.names.dead):
+        try:
+            letter = decode(fields.get(b"d", b""), DeadLetter)
+        except PoisonMessageError:
+            continue
+        letters[(letter.stream, letter.entry_id)] = letter.error
+    failures = []
+    for stream, entry_id, p in written:
+        short = stream.rsplit(":", 1)[-1]
+        if p.reason is None:
+            continue
+        error = letters.get((stream, entry_id))
+        if error is None:
+            failures.append(f"{p.kind} entry on {short} was not dead-lettered")
+        elif p.reason not in error:
+            failures.append(f"{p.kind} entry on {short} dead-lettered with {error[:120]!r} (want {p.reason!r})")
+    return failures
+
+
+def test_poison_in_every_stream(fault_run) -> None:  # type: ignore[no-untyped-def]
+    run: FaultRun = fault_run("poison", [f"--total_steps={TOTAL_STEPS}", "--redis.max_message_mb=1"]).start()
+    run.wait_version(INJECT_AT_VERSION)
+    n, client = run.names, run.client
+    prompt, _ = first_message(client.xrange(n.prompts), PromptWorkItem)
+    traj, _ = first_message(client.xrange(n.trajectories), Trajectory)
+    scored, _ = first_message(client.xrange(n.scored), ScoredTrajectory)
+    batch, batch_payload = first_message(client.xrange(n.batches), TrainingBatch)  # batch-0: trained by now
+    weights, _ = first_message(client.xrange(n.weights), WeightsPublished)
+    letter = DeadLetter(stream=n.trajectories, entry_id="0-1", group="reward", consumer="faults", error="template",
+                        deliveries=1, payload=b"", ts=time.time())  # fmt: skip
+    written = []
+    written += _write(run, n.prompts, malformed(prompt))
+    written += _write(run, n.trajectories, malformed(traj))
+    written += _write(run, n.scored, malformed(scored))
+    # the learner reads batches of any size (a batch is many trajectories, each under the limit): its
+    # oversized entry is one from the future, which must be dead-lettered either way
+    written += _write(run, n.batches, malformed(batch, oversized=False) + out_of_order_batches(batch, batch_payload))
+    # followed streams: no consumer group, so no dead letter; the readers must skip them and go on
+    written += _write(run, n.weights, [p.__class__(p.kind, p.payload, None) for p in malformed(weights)])
+    written += _write(run, n.weights, [forged_weights(weights)])
+    written += _write(run, n.dead, [p.__class__(p.kind, p.payload, None) for p in malformed(letter)])
+    injected_at = time.time()
+
+    def checks() -> list[str]:
+        failures = _dead_letter_failures(run, written)
+        version = int(client.get(n.state("policy_version")) or 0)
+        if version > TOTAL_STEPS:
+            failures.append(f"the coordinator's policy version is {version}: a forged weights event moved it")
+        return failures
+
+    conclude(run, "poison in every stream", total_steps=TOTAL_STEPS, fault_end=injected_at,
+             recovery_bound_s=RECOVERY_BOUND_S, checks=checks)  # fmt: skip
