@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis as syncredis
 
-from streamrl.common.redis_server import RedisServer
+from streamrl.common.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "arithmetic"))
@@ -26,6 +28,26 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield os.environ["STREAMRL_TEST_REDIS_URL"]
         return
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server in cluster mode: one node serving all 16384 slots. It refuses, as any
+    cluster does, a script or transaction whose keys are not in one slot (CROSSSLOT)."""
+    server = RedisServer(
+        tmp_path_factory.mktemp("redis-cluster"), appendonly=False,
+        extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-port", str(free_port())),  # (else port + 10000, maybe taken or > 65535)
+    ).start()  # fmt: skip
+    client = syncredis.Redis(port=server.port)
+    client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+    deadline = time.monotonic() + 10
+    while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+        assert time.monotonic() < deadline, "the one-node cluster did not come up"
+        time.sleep(0.05)
+    client.close()
     yield server.url
     server.stop()
 
@@ -55,7 +77,9 @@ def _write_recipe(task_root: Path, out: Path, redis_url: str | None, dense_rewar
     """
     text = (ROOT / "recipes" / "smoke.toml").read_text().replace("{root}", str(task_root))
     if dense_reward:
-        text = text.replace('path = "examples/arithmetic/task.py"', f'path = "{Path(__file__).parent / "e2e" / "digit_reward.py"}"')
+        text = text.replace(
+            'path = "examples/arithmetic/task.py"', f'path = "{Path(__file__).parent / "e2e" / "digit_reward.py"}"'
+        )
     text = text.replace(f'run_dir = "{task_root}/run"', f'run_dir = "{out}"')
     if redis_url:
         text = text.replace("[up]", f'[redis]\nurl = "{redis_url}"\n\n[up]', 1)

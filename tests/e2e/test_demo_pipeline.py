@@ -1,6 +1,6 @@
 """A few steps of the demo through every real tier: vLLM rollout, function reward, DeepSpeed learner
-(one process serving weights over ZMQ, and a learner group of 2 data-parallel ranks on gloo that
-broadcasts them to the vLLM workers over its weight group).
+(one process serving weights over ZMQ, on a one-node Redis Cluster; and a learner group of 2
+data-parallel ranks on gloo that broadcasts them to the vLLM workers over its weight group).
 
 Checks what a user relies on: data flows through every stream, the policy version rises each step,
 after every weight sync the engine's greedy output is the learner's own greedy output for those
@@ -36,9 +36,22 @@ def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
 
 
 @pytest.mark.parametrize(
-    "learner_ranks,transport", [(1, "zmq"), (2, "broadcast")], ids=["learner-zmq", "group-of-2-broadcast"]
-)
-def test_demo_steps_end_to_end(learner_ranks: int, transport: str, tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]
+    "learner_ranks,transport,cluster", [(1, "zmq", True), (2, "broadcast", False)],
+    ids=["learner-zmq-on-redis-cluster", "group-of-2-broadcast"],
+)  # fmt: skip
+def test_demo_steps_end_to_end(
+    learner_ranks: int,
+    transport: str,
+    cluster: bool,
+    tiny_task: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    run_id: str,
+    write_recipe,
+) -> None:  # type: ignore[no-untyped-def]
+    # a Redis Cluster node refuses any script or transaction whose keys span slots: every service's
+    # use of Redis must keep a run's keys in one slot
+    redis_url = request.getfixturevalue("redis_cluster_url" if cluster else "redis_url")
     run_dir = tmp_path / "run"
     recipe = write_recipe(tiny_task, run_dir, redis_url, dense_reward=True)
     key = f"weights-key-{run_id}"  # every weights event signed with it; shown nowhere
@@ -108,7 +121,9 @@ def test_demo_steps_end_to_end(learner_ranks: int, transport: str, tiny_task: Pa
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             learner_tokens = out[0, ids.shape[1] :].tolist()
-            matches += learner_tokens == engine_tokens[: len(learner_tokens)] and len(learner_tokens) == len(engine_tokens)
+            matches += learner_tokens == engine_tokens[: len(learner_tokens)] and len(learner_tokens) == len(
+                engine_tokens
+            )
         assert matches >= 0.9 * len(evals[version]), f"version {version}: engine matches learner on {matches}/16"
         if previous is not None and evals[version] != previous:
             changed += 1

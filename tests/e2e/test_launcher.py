@@ -15,6 +15,7 @@ import redis
 
 from streamrl.common.codec import decode
 from streamrl.common.messages import Heartbeat
+from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
 SERVICES = ("coordinator", "rollout", "reward", "learner")
@@ -42,7 +43,10 @@ def wait_for_heartbeats(url: str, log: Path, timeout_s: float = 240) -> list[Hea
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        beats = [decode(client.get(k) or b"", Heartbeat) for k in client.scan_iter(match="streamrl:up:hb:*")]
+        beats = [
+            decode(client.get(k) or b"", Heartbeat)
+            for k in client.scan_iter(match=StreamNames("up").heartbeat("*", "*"))
+        ]
         running = {b.service for b in beats if b.status == "running"}
         if running >= set(SERVICES):
             return beats

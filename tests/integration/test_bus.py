@@ -429,6 +429,33 @@ def test_a_worker_runs_over_tls_with_a_password(tmp_path: Path, run_id: str) -> 
     assert password not in worker.log_path.read_text()  # type: ignore[attr-defined]
 
 
+def test_a_wrong_password_stops_a_worker_at_once_with_a_clear_line(tmp_path: Path, run_id: str) -> None:
+    """A refused login is not an outage: no minute of retries, one line saying what to check, and
+    the (wrong) password shown nowhere."""
+    from streamrl.common.redis_server import find_redis_server, free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--requirepass", "the-right-one-1234", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        time.sleep(0.5)
+        started = time.monotonic()
+        worker = start_worker(f"redis://:not-this-5678@127.0.0.1:{port}/0", run_id, "w", "--redis.outage_s=60")
+        code = worker.wait(30)
+        elapsed = time.monotonic() - started
+    finally:
+        server.terminate()
+        server.wait(5)
+    log = worker.log_path.read_text()  # type: ignore[attr-defined]
+    assert code != 0 and elapsed < 20, (code, elapsed, log[-2000:])
+    assert "redis refused the login" in log and "check the user and password in redis.url" in log, log[-2000:]
+    assert "not-this-5678" not in log
+    assert "Traceback" not in log
+
+
 def _pings(client: redis.Redis) -> bool:  # type: ignore[type-arg]
     try:
         return bool(client.ping())

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import AuthenticationError, BusyLoadingError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -91,12 +91,18 @@ return replies
 """
 """ARGV: the number of commits, then per commit ``stream group entry dedupe_key ttl maxlen n_outputs``
 and 4 values per output (``x stream - payload`` or ``h key field payload``). Reply per commit: 1
-(written), 0 (a duplicate: skipped, acknowledged) or an error string (nothing acknowledged)."""
+(written), 0 (a duplicate: skipped, acknowledged) or an error string (nothing acknowledged).
+KEYS: every key the call touches (:func:`commit_keys`), declared as Redis Cluster requires; they
+share the run's hash tag (:mod:`streamrl.common.streams`), so one call stays on one slot."""
 MAX_COMMITS_PER_CALL = 256
 """Commits in one script call (the server runs a call without interruption)."""
 
 
 RECONNECT_BACKOFF_CAP_S = 2.0
+
+
+class RedisLoginError(RedisError):
+    """Redis refused the user or password (never retried: waiting does not fix a wrong password)."""
 
 
 class OutageRetry(Retry):
@@ -129,7 +135,15 @@ class OutageRetry(Retry):
                 logger.warning("redis unreachable (%s); retrying for up to %.0f s", _one_line(error), self.outage_s)
             return await fail(error, *rest)
 
-        result = await super().call_with_retry(do, noted_fail, *args, **kwargs)
+        async def once() -> T:
+            try:
+                return await do()
+            except AuthenticationError as e:  # a wrong password is not an outage: say so at once
+                raise RedisLoginError(
+                    f"redis refused the login ({_one_line(e)}): check the user and password in redis.url"
+                ) from None
+
+        result = await super().call_with_retry(once, noted_fail, *args, **kwargs)
         if failed_here and OutageRetry._down_since is not None:  # a command that went through the outage
             logger.info("redis is back after %.1f s", time.monotonic() - OutageRetry._down_since)
             OutageRetry._down_since = None
@@ -201,7 +215,7 @@ class Bus:
             dedupe_key=dedupe_key,
             dedupe_ttl_s=dedupe_ttl_s,
         )
-        (reply,) = await self._commit(keys=[], args=[1, *args])
+        (reply,) = await self._commit(keys=commit_keys([args]), args=[1, *args])
         return _fresh(reply)
 
     def commit_args(
@@ -223,6 +237,18 @@ class Bus:
             else:
                 args += ["h", out.key or "", out.field or "", payload]
         return args
+
+
+def commit_keys(commits: Sequence[Sequence[str | bytes | int]]) -> list[str]:
+    """The keys a call of :data:`COMMIT_LUA` touches, from the ARGV of each of its commits: the acked
+    stream, the de-dup key and every output's stream or hash (each once, in order)."""
+    keys: dict[str, None] = {}
+    for args in commits:
+        stream, _, _, dedupe = (str(a) for a in args[:4])
+        keys.update({k: None for k in (stream, dedupe) if k})
+        for o in range(int(args[6])):
+            keys[str(args[8 + 4 * o])] = None
+    return list(keys)
 
 
 def _fresh(reply: Any) -> bool:
@@ -257,7 +283,7 @@ class CommitBatcher:
             for commit_args, _ in batch:
                 args += commit_args
             try:
-                replies = await self.bus._commit(keys=[], args=args)
+                replies = await self.bus._commit(keys=commit_keys([a for a, _ in batch]), args=args)
             except Exception as e:  # noqa: BLE001 - the call failed as a whole: every waiter gets the error
                 for _, future in batch:
                     if not future.done():

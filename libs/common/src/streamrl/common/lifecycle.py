@@ -27,7 +27,7 @@ from pydantic import Field
 from redis.exceptions import RedisError
 
 from streamrl.common.aio import cancel_and_wait
-from streamrl.common.bus import Bus, connect
+from streamrl.common.bus import Bus, RedisLoginError, connect
 from streamrl.common.config import BaseConfig, ConsumerConfig, RedisConfig, load_config, save_resolved
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import ConfigError
@@ -172,8 +172,22 @@ async def _serve(
     beat = asyncio.create_task(
         heartbeat_forever(redis, ctx.names, service, instance, config.consumer.heartbeat_interval_s, ctx.snapshot)
     )
+    beat_error: list[BaseException] = []
+
+    def beat_ended(task: asyncio.Task[None]) -> None:
+        """Without its heartbeat the instance counts as dead (its entries get claimed): it stops too."""
+        if not task.cancelled() and task.exception() is not None:
+            beat_error.append(task.exception())  # type: ignore[arg-type]
+            ctx.stop.set()
+
+    beat.add_done_callback(beat_ended)
     try:
         await run(config, ctx)
+        if beat_error:
+            raise beat_error[0]
+    except RedisLoginError as e:
+        logger.error("%s: %s", service, e)
+        return 1
     except RedisError as e:  # past the client's outage window: one line, the traceback at debug level
         logger.debug("%s: redis error", service, exc_info=True)
         logger.error("%s: lost redis for more than %.0f s, stopping: %s", service, config.redis.outage_s, e)
@@ -182,8 +196,9 @@ async def _serve(
         await cancel_and_wait([beat])
         try:
             await asyncio.wait_for(_unregister(redis, ctx.names, service, instance), timeout=5)
-        except (RedisError, asyncio.TimeoutError):
-            logger.warning("%s: could not remove its heartbeat (redis unreachable); it expires by itself", service)
+        except (RedisError, asyncio.TimeoutError) as e:
+            logger.warning("%s: could not remove its heartbeat (%s); it expires by itself", service,
+                           type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)  # fmt: skip
         await redis.aclose()
     logger.info("%s/%s stopped", service, instance)
     return 0

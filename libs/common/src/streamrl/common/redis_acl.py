@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from streamrl.common.streams import PREFIX, StreamNames
+from streamrl.common.streams import StreamNames
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
 """The streamrl services; each logs in as the user of its own name and consumes as the group of that name."""
@@ -110,7 +110,7 @@ def grants(user: str, run_id: str) -> list[Grant]:
         raise ValueError(f"run_id {run_id!r}: use letters, digits, '_', '.' and '-' only")
     names = StreamNames(run_id)
     if user == "observer":
-        return [Grant("R", (f"{PREFIX}:{run_id}:*",), READ_ONLY)]
+        return [Grant("R", (names.all_keys,), READ_ONLY)]
     consumes = {"coordinator": names.scored, "rollout": names.prompts, "reward": names.trajectories,
                 "learner": names.batches}[user]  # fmt: skip
     common = [

@@ -65,9 +65,16 @@ class RedisServer:
     """A redis-server child process with its data under ``data_dir`` (AOF persistence optional)."""
 
     def __init__(
-        self, data_dir: str | Path, port: int | None = None, appendonly: bool = True, appendfsync: str = "everysec"
+        self,
+        data_dir: str | Path,
+        port: int | None = None,
+        appendonly: bool = True,
+        appendfsync: str = "everysec",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.extra_args = extra_args
+        """More ``redis-server`` arguments (e.g. ``("--cluster-enabled", "yes")``)."""
         self.port = port or free_port()
         self.appendonly = appendonly
         self.appendfsync = appendfsync
@@ -95,6 +102,7 @@ class RedisServer:
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync,
             "--logfile", "redis.log",
+            *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s

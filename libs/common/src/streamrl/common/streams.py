@@ -9,6 +9,9 @@
     streamrl:{run}:hb:{service}:{instance}   Heartbeat key with TTL
     streamrl:{run}:instances      set of "{service}:{instance}" that have heartbeated (readers look
                                   keys up from it: a SCAN would walk every de-duplication key)
+
+The braces are literal: ``{run}`` is a Redis Cluster hash tag, so every key of a run hashes to one
+slot and the commit script and transactions, which touch several keys at once, work on a cluster.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class StreamNames:
     run_id: str
 
     def _key(self, *parts: str) -> str:
-        return ":".join((PREFIX, self.run_id, *parts))
+        return ":".join((PREFIX, "{" + self.run_id + "}", *parts))
 
     @property
     def prompts(self) -> str:
@@ -50,6 +53,11 @@ class StreamNames:
     @property
     def dead(self) -> str:
         return self._key("dead")
+
+    @property
+    def all_keys(self) -> str:
+        """Glob pattern of every key of the run (``SCAN MATCH``, ACL key patterns)."""
+        return self._key("*")
 
     def heartbeat(self, service: str, instance: str) -> str:
         return self._key("hb", service, instance)
