@@ -42,6 +42,7 @@ from streamrl.common.config import ConsumerConfig
 from streamrl.common.errors import PoisonMessageError, RetryableError
 from streamrl.common.messages import DeadLetter, Message
 from streamrl.common.streams import StreamNames
+from streamrl.common.tracing import set_delivery_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,7 @@ class ConsumerLoop(Generic[M]):
         dedupe = self.names.done(self.group, key) if key else ""
         while True:
             started = time.perf_counter()
+            set_delivery_attempt(deliveries)  # a span the handler starts records which delivery it is
             try:
                 # a redelivered entry may already be done: skip the work (the commit de-dups anyway)
                 if dedupe and deliveries > 1 and await self.redis.exists(dedupe):

@@ -33,8 +33,12 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import ConfigError
 from streamrl.common.health import check, default_instance, heartbeat_forever
 from streamrl.common.log import setup_logging
+from streamrl.common.prom import NULL_METRICS, Metrics, setup_metrics
+from streamrl.common.prom_config import PromConfig
 from streamrl.common.redact import redact
 from streamrl.common.streams import StreamNames
+from streamrl.common.tracing import NULL_TRACING, Tracing, setup_tracing
+from streamrl.common.tracing_config import TracingConfig
 
 logger = logging.getLogger(__name__)
 GC_YOUNG_THRESHOLD = 10_000
@@ -50,6 +54,10 @@ class ServiceConfig(BaseConfig):
     """Directory for the resolved config, checkpoints, metrics and plots."""
     redis: RedisConfig = RedisConfig()
     consumer: ConsumerConfig = ConsumerConfig()
+    tracing: TracingConfig = TracingConfig()
+    """OpenTelemetry traces of the samples this service handles (:mod:`streamrl.common.tracing`)."""
+    prometheus: PromConfig = PromConfig()
+    """This service's Prometheus endpoint (``port`` 0: none)."""
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -69,6 +77,8 @@ class ServiceContext:
     loops: list[ConsumerLoop] = field(default_factory=list)  # type: ignore[type-arg]
     status: str = "starting"
     policy_version: int = -1
+    tracing: Tracing = NULL_TRACING
+    metrics: Metrics = NULL_METRICS
 
     def mark_running(self) -> None:
         """Start-up is over (model, tokenizer, dataset loaded): report ``running`` and move every
@@ -148,11 +158,29 @@ def service_main(
         return 2
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     save_resolved(config, config.run_dir, service)
-    return asyncio.run(_serve(service, instance, config, run, burst=args.burst))
+    try:
+        metrics = setup_metrics(config.prometheus)
+        tracing = setup_tracing(
+            config.tracing, service=service, instance=instance, run_id=config.run_id, run_dir=config.run_dir
+        )
+    except ConfigError as e:
+        print(f"streamrl {service}: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(service, instance, config, run, burst=args.burst, tracing=tracing, metrics=metrics))
+    finally:
+        tracing.shutdown()  # flushes the spans still queued
+        metrics.close()
 
 
 async def _serve(
-    service: str, instance: str, config: C, run: Callable[[C, ServiceContext], Awaitable[None]], burst: bool
+    service: str,
+    instance: str,
+    config: C,
+    run: Callable[[C, ServiceContext], Awaitable[None]],
+    burst: bool,
+    tracing: Tracing = NULL_TRACING,
+    metrics: Metrics = NULL_METRICS,
 ) -> int:
     assert config.redis.url is not None
     redis = connect(config.redis.url, outage_s=config.redis.outage_s, max_connections=config.redis.max_connections)
@@ -164,7 +192,10 @@ async def _serve(
         names=StreamNames(config.run_id),
         stop=asyncio.Event(),
         burst=burst,
+        tracing=tracing,
+        metrics=metrics,
     )
+    metrics.watch_consumers(ctx.snapshot)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _request_stop, ctx, sig)
