@@ -89,20 +89,21 @@ def test_a_batch_failing_before_any_backward_pass_is_skipped_and_the_run_goes_on
     assert client.xpending(names.batches, "learner")["pending"] == 0
 
 
-def test_a_batch_from_the_future_is_dead_lettered_and_never_trained_out_of_order(
+def test_batches_from_the_future_or_the_past_are_dead_lettered_and_never_trained_out_of_order(
     tmp_path: Path, redis_url: str, run_id: str
 ) -> None:
     model = build_tiny_qwen2(tmp_path / "model", hidden_size=64, vocab_size=384)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    for i in (0, 1000, 1, 2):
+    for i in (0, 1000, 1, 0, 2):  # a batch from the future, and a second copy of batch 0
         client.xadd(names.batches, {"d": encode(training_batch(i))})
     done = _life(model, redis_url, run_id, tmp_path / "run", "-1")
     assert done.returncode == 0, done.stderr[-3000:]
     events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
     assert [(w.version, w.batch_id) for w in events] == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
-    (letter,) = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
-    assert "batch-1000 is ahead of the learner, whose next batch is 1" in letter.error
+    future, past = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
+    assert "batch-1000 is ahead of the learner, whose next batch is 1" in future.error
+    assert "batch-0 is behind the learner, whose next batch is 2: a copy of a batch already trained" in past.error
     assert client.xpending(names.batches, "learner")["pending"] == 0
 
 

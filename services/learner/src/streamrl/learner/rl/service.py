@@ -10,8 +10,9 @@
   had not checkpointed (they are still pending for it); batches older than the checkpoint are
   skipped by index, so none is trained on twice.
 * Batches are trained strictly in index order. A batch ahead of the next index (from the future:
-  forged, or a bug upstream) is dead-lettered with the reason and never trained; one behind it (a
-  replay after a restart) is skipped as already trained.
+  forged, or a bug upstream) is dead-lettered with the reason and never trained. One behind it is
+  skipped as already trained when it is a redelivery of an entry the learner held (a replay after
+  a restart), and dead-lettered as a copy when it is delivered for the first time.
 * Every failed step is counted in Redis per batch (so the count survives restarts). A step that
   fails before any backward pass is retried; one that fails after has left gradients or weights
   half-updated and is never retried in this process (a retry would train part of the batch twice):
@@ -43,6 +44,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import DeadLetter, TrainingBatch, WeightsPublished
+from streamrl.common.tracing import delivery_attempt
 from streamrl.common.weights_auth import sign, weights_key
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.rl.config import LearnerConfig
@@ -135,6 +137,11 @@ class LearnerService:
 
     async def handle(self, batch: TrainingBatch) -> list[Output]:
         if batch.index < self.next_index:
+            if delivery_attempt() <= 1:  # not a replay of an entry it held: a second copy of a trained batch
+                raise PoisonMessageError(
+                    f"{batch.id} is behind the learner, whose next batch is {self.next_index}: a copy of a "
+                    "batch already trained, not trained again"
+                )
             logger.info("skipping %s: already trained (next batch index %d)", batch.id, self.next_index)
             return []
         if batch.index > self.next_index:
