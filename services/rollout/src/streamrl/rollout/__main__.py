@@ -13,6 +13,8 @@ async def _run(config: RolloutConfig, ctx: ServiceContext) -> None:
     from streamrl.rollout.engine import build_engine
     from streamrl.rollout.service import RolloutService
 
+    assert config.redis.url is not None  # service_main refuses to start without one
+    ctx.metrics.watch_streams(config.redis.url, {"prompts": ctx.names.prompts})
     engine = await asyncio.to_thread(build_engine, config.engine)
     await RolloutService(config, ctx, engine).run()
 

@@ -12,11 +12,20 @@
   serves one; then loaded. The version the engine serves (over the broadcast, possibly newer than
   the message's) is reported in the heartbeat and in the ``served`` hash. A worker that joins late
   loads the latest published version before it takes prompts.
+
+Observability (:mod:`streamrl.common.tracing`, :mod:`streamrl.common.prom`): per prompt a
+``rollout.queue`` span from its issue to the start of its generation (under the prompt's
+traceparent), under it one ``rollout.generate`` span per sample whose traceparent the Trajectory
+carries; per version a worker loads a ``rollout.weights_load`` span under that version's weights
+context. Spans of a prompt whose trace was not sampled cost a null object each; nothing is done per
+token. Metrics: samples and tokens generated, prompts waiting in or running on the engine, weight
+sync seconds per path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -30,9 +39,27 @@ from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyn
 from streamrl.common.follower import StreamFollower, previous_id, supervise
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
+from streamrl.common.trace_schema import (
+    ENGINE,
+    FINISH_REASON,
+    GENERATE,
+    GROUP_ID,
+    NUM_BYTES,
+    NUM_PROMPT_TOKENS,
+    NUM_RESPONSE_TOKENS,
+    PARTIAL,
+    POLICY_VERSION,
+    QUEUE,
+    TRAJECTORY_ID,
+    VERSION_END,
+    VERSION_START,
+    WEIGHTS_LOAD,
+    WEIGHTS_PATH,
+)
+from streamrl.common.tracing import weights_traceparent
 from streamrl.common.weights_auth import KEY_ENV, check, weights_key
 from streamrl.rollout.config import RolloutConfig
-from streamrl.rollout.engine import Engine, GenerationRequest
+from streamrl.rollout.engine import Engine, GenerationRequest, Sample
 
 logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 10.0
@@ -50,6 +77,8 @@ class RolloutService:
         self.changed = asyncio.Condition()
         self.update_lock = asyncio.Lock()
         self.weights_key = weights_key()
+        self.in_engine = 0
+        """Prompts waiting in or running on the engine now (``streamrl_engine_queue_depth``)."""
         if self.weights_key is None:
             logger.warning("weights events are not authenticated (%s is not set): any writer to the weights "
                            "stream can point this worker at other weights", KEY_ENV)  # fmt: skip
@@ -81,28 +110,44 @@ class RolloutService:
 
     async def handle(self, item: PromptWorkItem) -> list[Output]:
         await self._wait_for_version(item.policy_version)
+        tracing = self.ctx.tracing
         started = time.time()
+        queued = tracing.record(QUEUE, item.traceparent, start_s=item.issued_at, end_s=started,
+                                attributes={GROUP_ID: item.id})  # fmt: skip
         request = GenerationRequest(prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling)
-        (samples,) = await self.engine.generate([request])
-        elapsed = time.time() - started
-        outputs = []
-        for j, sample in enumerate(samples):
-            num_tokens = len(sample.token_ids)
-            traj = Trajectory(
-                id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n,
-                prompt_ids=item.prompt_ids,
-                response_ids=Tensor.from_numpy(np.asarray(sample.token_ids, dtype=np.int32)),
-                logprobs=Tensor.from_numpy(np.asarray(sample.logprobs, dtype=np.float32)),
-                loss_mask=Tensor.from_numpy(np.ones(num_tokens, dtype=np.uint8)),
-                prompt_text=item.prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
-                truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
-                policy_version_end=sample.version_end, label=item.label, metadata=item.metadata,
-                images=item.images, is_eval=item.is_eval,
-                timings={"queue_s": max(0.0, started - item.issued_at), "generate_s": elapsed, "started_at": started},
-                traceparent=item.traceparent,
-            )  # fmt: skip
-            outputs.append(Output(stream=self.ctx.names.trajectories, message=traj))
-        return outputs
+        with contextlib.ExitStack() as stack:  # an engine error fails every sample's span
+            spans = [
+                stack.enter_context(tracing.span(GENERATE, queued, start_s=started)) for _ in range(request.sampling.n)
+            ]
+            samples = await self._generate(request)
+            ended = time.time()
+            for j, (sample, span) in enumerate(zip(samples, spans, strict=True)):
+                span.set_attributes({
+                    TRAJECTORY_ID: f"{item.id}/{j}", ENGINE: self.cfg.engine.type,
+                    VERSION_START: sample.version_start, VERSION_END: sample.version_end,
+                    PARTIAL: sample.version_start != sample.version_end,
+                    NUM_PROMPT_TOKENS: len(request.prompt_ids), NUM_RESPONSE_TOKENS: len(sample.token_ids),
+                    FINISH_REASON: sample.finish_reason,
+                })  # fmt: skip
+                span.end(ended)
+        self.ctx.metrics.count_samples("generated", len(samples), sum(len(x.token_ids) for x in samples))
+        timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
+        return [
+            Output(stream=self.ctx.names.trajectories, message=_trajectory(item, j, sample, timings, span.traceparent))
+            for j, (sample, span) in enumerate(zip(samples, spans, strict=True))
+        ]
+
+    async def _generate(self, request: GenerationRequest) -> list[Sample]:
+        """The samples of one prompt, counted in the engine queue depth while they are generated."""
+        metrics = self.ctx.metrics
+        self.in_engine += 1
+        metrics.set_engine_queue_depth(self.in_engine)
+        try:
+            (samples,) = await self.engine.generate([request])
+        finally:
+            self.in_engine -= 1
+            metrics.set_engine_queue_depth(self.in_engine)
+        return samples
 
     async def _wait_for_version(self, version: int) -> None:
         """Block until the engine serves ``version`` or newer (pulling it if it is published)."""
@@ -178,24 +223,30 @@ class RolloutService:
             if msg.version <= self.engine.version:
                 return
             started = time.perf_counter()
-            if msg.broadcast is None:
-                await self.engine.update_weights(
-                    msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s, ipc=msg.ipc
-                )
-            else:
-                await self._update_over_broadcast(msg)
-            version = self.engine.version
-            logger.info(
-                "now serving policy version %d (sync took %.0f ms)", version, (time.perf_counter() - started) * 1e3
-            )
+            parent = weights_traceparent(self.cfg.run_id, msg.version)
+            attributes = {POLICY_VERSION: msg.version, NUM_BYTES: msg.num_bytes}
+            with self.ctx.tracing.span(WEIGHTS_LOAD, parent, attributes=attributes) as span:
+                if msg.broadcast is None:
+                    path = "zmq" if msg.ipc is None else "ipc"
+                    await self.engine.update_weights(
+                        msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s, ipc=msg.ipc
+                    )
+                else:
+                    path = await self._update_over_broadcast(msg)
+                version = self.engine.version  # over the broadcast: possibly newer than asked
+                span.set_attributes({POLICY_VERSION: version, WEIGHTS_PATH: path})
+            seconds = time.perf_counter() - started
+            self.ctx.metrics.observe_weight_sync(seconds, path)
+            logger.info("now serving policy version %d (sync took %.0f ms over %s)", version, seconds * 1e3, path)
         self._report(version)
         await self.redis.hset(self.ctx.names.served_versions, self.ctx.instance, version)
         async with self.changed:
             self.changed.notify_all()
 
-    async def _update_over_broadcast(self, msg: WeightsPublished) -> None:
+    async def _update_over_broadcast(self, msg: WeightsPublished) -> str:
         """Take ``msg``'s version as a member of the learner's broadcast group; over ZMQ if that fails
-        and the learner serves the version there too (``learner.weights_zmq_fallback``)."""
+        and the learner serves the version there too (``learner.weights_zmq_fallback``). Returns the
+        path the weights came by: ``broadcast`` or ``zmq``."""
         assert msg.broadcast is not None
         timeout_s = self.cfg.weight_sync_timeout_s
         try:
@@ -210,6 +261,25 @@ class RolloutService:
                 ) from e
             logger.warning("weight broadcast failed (%s): fetching version %d over ZMQ", e, msg.version)
             await self.engine.update_weights(msg.endpoint, msg.version, msg.checksum, timeout_s)
+            return "zmq"
+        return "broadcast"
 
     def _report(self, version: int) -> None:
         self.ctx.policy_version = version
+
+
+def _trajectory(
+    item: PromptWorkItem, j: int, sample: Sample, timings: dict[str, float], traceparent: str
+) -> Trajectory:
+    """Sample ``j`` of ``item`` as the message to the reward tier."""
+    num_tokens = len(sample.token_ids)
+    return Trajectory(
+        id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n, prompt_ids=item.prompt_ids,
+        response_ids=Tensor.from_numpy(np.asarray(sample.token_ids, dtype=np.int32)),
+        logprobs=Tensor.from_numpy(np.asarray(sample.logprobs, dtype=np.float32)),
+        loss_mask=Tensor.from_numpy(np.ones(num_tokens, dtype=np.uint8)),
+        prompt_text=item.prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
+        truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
+        policy_version_end=sample.version_end, label=item.label, metadata=item.metadata,
+        images=item.images, is_eval=item.is_eval, timings=dict(timings), traceparent=traceparent,
+    )  # fmt: skip
