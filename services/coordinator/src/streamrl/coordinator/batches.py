@@ -11,6 +11,9 @@ the ``dead`` stream as a DeadLetter holding the TrainingBatch. The learner still
 for it (version = batches consumed), so admission goes on; here it is counted once per batch id
 (``batches_dead``, ``samples_dead``) with one error line - its groups are not in flight any more and
 are never failed or replaced.
+
+Each batch is the root of a trace of its own (``coordinator.batch``, its traceparent the batch's), and
+the traced samples' waits in their group and for the batch are recorded as it is built (``traces.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from dataclasses import dataclass
 from streamrl.common.bus import PAYLOAD_FIELD, Bus
 from streamrl.common.codec import encode
 from streamrl.common.messages import TrainingBatch
+from streamrl.common.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
+from streamrl.common.tracing import NULL_TRACING, Attributes, Tracing
 from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import staleness
 from streamrl.coordinator.batching import ReadyGroup, select_groups
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.state import RunState
+from streamrl.coordinator.traces import record_waits
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +57,7 @@ class BatchBuilder:
 
     def __init__(
         self, state: RunState, bus: Bus, groups: GroupBuffer, *, prompts_per_step: int, max_staleness: int,
-        drop_stale: bool,
+        drop_stale: bool, tracing: Tracing = NULL_TRACING,
     ) -> None:  # fmt: skip
         self.state = state
         self.bus = bus
@@ -59,6 +65,7 @@ class BatchBuilder:
         self.per_step = prompts_per_step
         self.max_staleness = max_staleness
         self.drop_stale = drop_stale
+        self.tracing = tracing
         self._dead_batch = state.redis.register_script(DEAD_BATCH_LUA)
         self.too_stale_since_batch = 0
         """Samples dropped as too stale since the last batch was built (reported with the next one)."""
@@ -88,10 +95,16 @@ class BatchBuilder:
             if not pick.chosen:
                 break
             samples = [s for g in pick.chosen for s in members[g.group_id]]
+            batch_id = f"batch-{index}"
+            attributes: Attributes = {BATCH_ID: batch_id, STEP_INDEX: index, POLICY_VERSION: version,
+                                      NUM_SAMPLES: len(samples)}  # fmt: skip
+            span = self.tracing.span(BATCH, attributes=attributes)
+            created = time.time()
+            record_waits(self.tracing, samples, batch_id=batch_id, built_at=created)
             batch = TrainingBatch(
-                id=f"batch-{index}", index=index, samples=samples, policy_version=version,
+                id=batch_id, index=index, samples=samples, policy_version=version,
                 staleness=[staleness(index, s.trajectory.policy_version_start) for s in samples],
-                created_at=time.time(),
+                created_at=created, traceparent=span.traceparent,
             )  # fmt: skip
             pipe = redis.pipeline(transaction=True)
             # not bus.encode: a batch is many trajectories, each already checked against the size limit
@@ -101,6 +114,7 @@ class BatchBuilder:
             self.groups.queue_batched(pipe, [g.group_id for g in pick.chosen])
             pipe.incr(self.state.key(st.BATCH_INDEX))
             await pipe.execute()
+            span.end()
             built.append(Built(batch, self.too_stale_since_batch))
             self.too_stale_since_batch = 0
         return built

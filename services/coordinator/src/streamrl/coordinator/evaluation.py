@@ -7,7 +7,8 @@ with no prompts - until each of its prompts is accounted for: answered (the scor
 the round's buffer ``groups:eval-v{v}``) or dead-lettered (recorded in ``eval_dead:{v}``). It then
 closes with the accuracy over the answered prompts (a round with none closes with a warning and no
 accuracy), and a round open longer than ``group_timeout_s`` closes with what it has, the rest
-counted missing. The run ends only when no round is open, so every round must close.
+counted missing. The run ends only when no round is open, so every round must close. Evaluation
+prompts are not traced (``traces.py`` says why).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.metrics import MetricsWriter
 from streamrl.coordinator.prompts import PromptSource
 from streamrl.coordinator.state import RunState
+from streamrl.coordinator.traces import untraced
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class EvalRounds:
                 id=f"{round_buffer_id(version)}-{i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"),
                 prompt_text=prompt.text, label=prompt.label, metadata={**prompt.metadata, "eval_version": version},
                 sampling=sampling, policy_version=version, issued_at=time.time(), is_eval=True,
+                traceparent=untraced(),
             )  # fmt: skip
             try:
                 payloads.append(self.bus.encode(item, self.state.names.prompts))

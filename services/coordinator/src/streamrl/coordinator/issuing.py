@@ -6,6 +6,7 @@ the versions they are owed first. Each prompt is XADDed in the same transaction 
 in flight (with that version and the issue time) and advances the dataset cursor, so a restart never
 issues a prompt twice nor forgets one in flight. No prompt goes out before a learner has published its
 weights (``coordinator.wait_for_learner``): samples generated while it loads would only grow stale.
+Each prompt starts its group's trace (``traces.py``): an issue span, ended once the prompt is out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from streamrl.common.bus import PAYLOAD_FIELD, Bus
 from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor
+from streamrl.common.trace_schema import GROUP_ID, ISSUE, POLICY_VERSION
+from streamrl.common.tracing import NULL_TRACING, Span, Tracing
 from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import groups_admissible, new_group_versions
 from streamrl.coordinator.config import CoordinatorConfig
@@ -30,13 +33,15 @@ class PromptIssuer:
     """Issues training prompts under admission control (see the module docstring)."""
 
     def __init__(
-        self, config: CoordinatorConfig, state: RunState, bus: Bus, groups: GroupBuffer, source: PromptSource
-    ) -> None:
+        self, config: CoordinatorConfig, state: RunState, bus: Bus, groups: GroupBuffer, source: PromptSource,
+        tracing: Tracing = NULL_TRACING,
+    ) -> None:  # fmt: skip
         self.cfg = config
         self.state = state
         self.bus = bus
         self.groups = groups
         self.source = source
+        self.tracing = tracing
         s = config.sampling
         self.sampling = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
@@ -81,20 +86,26 @@ class PromptIssuer:
         cursor = await self.state.get_int(st.CURSOR)
         pipe = self.state.redis.pipeline(transaction=True)
         issued = too_large = 0
+        spans: list[Span] = []
         for i in range(budget):
             prompt = self.source.get(cursor + i)
             now = time.time()
+            group, version = f"p{cursor + i}", versions[issued]
+            span = self.tracing.span(ISSUE, attributes={GROUP_ID: group, POLICY_VERSION: version}, start_s=now)
             item = PromptWorkItem(
-                id=f"p{cursor + i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
+                id=group, prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
                 label=prompt.label, metadata=prompt.metadata, sampling=self.sampling,
-                policy_version=versions[issued], issued_at=now,
+                policy_version=version, issued_at=now, traceparent=span.traceparent,
             )  # fmt: skip
             try:
                 payload = self.bus.encode(item, self.state.names.prompts)
             except MessageTooLargeError as e:
                 too_large += 1
                 logger.warning("skipping dataset prompt %d: %s", (cursor + i) % len(self.source), e)
+                span.fail(e)
+                span.end()
                 continue
+            spans.append(span)
             pipe.xadd(self.state.names.prompts, {PAYLOAD_FIELD: payload}, maxlen=self.bus.maxlen, approximate=True)
             self.groups.queue_issue(pipe, item.id, item.policy_version, now)
             issued += 1
@@ -102,4 +113,6 @@ class PromptIssuer:
         pipe.incrby(self.state.key(st.CURSOR), budget)
         pipe.incrby(self.state.key(st.PROMPTS_TOO_LARGE), too_large)
         await pipe.execute()
+        for span in spans:
+            span.end()
         return issued

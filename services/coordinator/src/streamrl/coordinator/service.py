@@ -7,7 +7,9 @@ The pieces, one concept per module, wired here:
 * ``batches.BatchBuilder``: ready groups into training batches (``batching.py``), dead batches counted;
 * ``evaluation.EvalRounds``: evaluation rounds, started atomically, always closed;
 * ``followers.follow``: the tails of ``weights`` and ``dead``; ``dead_letters`` says what a letter lost;
-* ``progress.Progress`` and ``metrics.MetricsWriter``: what a user sees.
+* ``progress.Progress`` and ``metrics.MetricsWriter``: what a user sees;
+* ``traces``: where each prompt group's trace starts and what its samples waited for (``ctx.tracing``);
+  ``ctx.metrics`` exports the ``scored`` stream's lag and the staleness of each batch's samples.
 
 Tasks of :meth:`CoordinatorService.run`:
 
@@ -50,6 +52,7 @@ from streamrl.coordinator.metrics import MetricsWriter, plot
 from streamrl.coordinator.progress import REASON_CHARS, Progress, counter_metrics
 from streamrl.coordinator.prompts import PromptSource
 from streamrl.coordinator.state import RunState
+from streamrl.coordinator.traces import note_arrival
 
 logger = logging.getLogger(__name__)
 TICK_S = 0.05
@@ -76,10 +79,12 @@ class CoordinatorService:
         self.metrics = MetricsWriter(config.run_dir)
         self.progress = Progress(self.state)
         self.groups = GroupBuffer(self.state, group_size=config.group_size, dynamic_filtering=config.dynamic_filtering)
-        self.issuer = PromptIssuer(config, self.state, ctx.bus, self.groups, PromptSource(config.dataset))
+        self.issuer = PromptIssuer(
+            config, self.state, ctx.bus, self.groups, PromptSource(config.dataset), tracing=ctx.tracing
+        )
         self.batches = BatchBuilder(
             self.state, ctx.bus, self.groups, prompts_per_step=config.prompts_per_step,
-            max_staleness=config.max_staleness, drop_stale=config.staleness_policy == "drop",
+            max_staleness=config.max_staleness, drop_stale=config.staleness_policy == "drop", tracing=ctx.tracing,
         )  # fmt: skip
         self.evals = (
             EvalRounds(config, self.state, ctx.bus, PromptSource(config.eval.dataset), self.metrics)
@@ -112,6 +117,8 @@ class CoordinatorService:
             dedupe_key=lambda m: m.trajectory.id, on_committed=self._on_scored_committed,
         )  # fmt: skip
         self.ctx.loops.append(scored_loop)
+        if self.cfg.redis.url is not None:  # always under service_main; tests may hand the service a bus
+            self.ctx.metrics.watch_streams(self.cfg.redis.url, {"scored": self.names.scored})
         self.ctx.mark_running()
         self.ctx.policy_version = self.version
         done = asyncio.Event()
@@ -149,6 +156,7 @@ class CoordinatorService:
     # -- handlers ---------------------------------------------------------------------------
     async def handle_scored(self, msg: ScoredTrajectory) -> list[Output]:
         traj = msg.trajectory
+        note_arrival(msg, time.time())
         return [Output(key=self.names.group_buffer(buffer_id(traj)), field=traj.id, message=msg)]
 
     async def _on_scored_committed(self, entry_id: str, msg: ScoredTrajectory) -> None:
@@ -249,6 +257,8 @@ class CoordinatorService:
         now = time.monotonic()
         stats = batch_stats(batch, elapsed_s=now - self.last_batch_time, num_too_stale=built.num_too_stale)
         self.last_batch_time = now
+        self.ctx.metrics.observe_staleness(batch.staleness)
+        self.ctx.metrics.count_samples("batched", len(batch.samples))
         counters = await self.progress.refresh_counters()
         self.metrics.write(batch.index, {**stats, **counter_metrics(counters)})
         self.progress.update({
