@@ -17,7 +17,9 @@ class RewardServiceConfig(ServiceConfig, RewardConfig):
 async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
     from streamrl.reward.service import RewardService
 
-    service = RewardService(config, ctx.names)
+    assert config.redis.url is not None  # service_main refuses to start without one
+    ctx.metrics.watch_streams(config.redis.url, {"trajectories": ctx.names.trajectories})
+    service = RewardService(config, ctx.names, tracing=ctx.tracing, metrics=ctx.metrics)
     loop: ConsumerLoop[Trajectory] = ConsumerLoop(
         ctx.bus, ctx.names, stream=ctx.names.trajectories, group="reward", consumer=ctx.instance,
         handler=service.handle, message_type=Trajectory, config=config.consumer,

@@ -19,6 +19,13 @@ earlier deliveries that failed, and of a batch that failed before it was scored 
 
 On stop, ``close`` cancels the calls still waiting for scores: their entries stay pending for the
 next consumer; they never fail with a reason that only says the service was stopping.
+
+Observability: each delivery of a trajectory is one ``reward.score`` span under the trajectory's
+traceparent (a redelivery's span is a sibling, ``streamrl.attempt`` tells them apart); it carries the
+provenance, the reward, the retries (``reward/attempts`` - 1) and ``reward_latency_ms``, and is
+marked failed when the delivery fails; the ScoredTrajectory carries its traceparent, so only the
+delivery that committed has children. Each scorer call on a micro-batch is observed in the
+Prometheus metrics by scorer name: its latency, the backend calls it retried, whether it failed.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ from collections.abc import Sequence
 
 from streamrl.common.bus import Output
 from streamrl.common.messages import ScoredTrajectory, Trajectory
+from streamrl.common.prom import NULL_METRICS, Metrics
 from streamrl.common.streams import StreamNames
+from streamrl.common.trace_schema import REMOTE_LATENCY_MS, RETRIES, REWARD, REWARD_VALUE, SCORER, TRAJECTORY_ID
+from streamrl.common.tracing import NULL_TRACING, Tracing
 from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.combine import CombinedScore, WeightedResult, combine
 from streamrl.reward.config import RewardConfig
@@ -59,8 +69,13 @@ class RewardService:
         config: RewardConfig,
         names: StreamNames,
         scorers: Sequence[Scorer] | None = None,
+        *,
+        tracing: Tracing = NULL_TRACING,
+        metrics: Metrics = NULL_METRICS,
     ) -> None:
         self._names = names
+        self._tracing = tracing
+        self._metrics = metrics
         self._scorers = list(scorers) if scorers is not None else [build_scorer(c) for c in config.scorers]
         self._weights = {c.name: c.weight for c in config.scorers}
         if sorted(s.name for s in self._scorers) != sorted(self._weights):
@@ -85,13 +100,17 @@ class RewardService:
     async def handle(self, msg: Trajectory) -> list[Output]:
         """Score one trajectory (batched with concurrent calls); raises ScorerError on failure."""
         started = time.perf_counter()
-        try:
-            combined = await self._batcher.submit(msg)
-        except Exception:
-            self._num_failed += 1
-            raise
-        latency_ms = (time.perf_counter() - started) * 1e3
-        attempts = self._failed_attempts.pop(msg.id, 0) + combined.attempts
+        attributes = {TRAJECTORY_ID: msg.id, SCORER: self.provenance}
+        with self._tracing.span(REWARD, msg.traceparent, attributes=attributes) as span:
+            try:
+                combined = await self._batcher.submit(msg)
+            except Exception:  # counted and re-raised; the span is marked failed on the way out
+                self._num_failed += 1
+                span.set(RETRIES, max(0, self._failed_attempts.get(msg.id, 0) - 1))
+                raise
+            latency_ms = (time.perf_counter() - started) * 1e3
+            attempts = self._failed_attempts.pop(msg.id, 0) + combined.attempts
+            span.set_attributes({REWARD_VALUE: combined.reward, RETRIES: attempts - 1, REMOTE_LATENCY_MS: latency_ms})
         self._latency_ms_sum += latency_ms
         self._num_scored += 1
         self._num_retried += attempts > 1
@@ -102,12 +121,12 @@ class RewardService:
             extra={**combined.extra, "reward/attempts": float(attempts), "reward/retried": float(attempts > 1)},
             scorer=self.provenance,
             reward_latency_ms=latency_ms,
-            traceparent=msg.traceparent,
+            traceparent=span.traceparent,
         )
         return [Output(stream=self._names.scored, message=scored)]
 
     async def _score_batch(self, batch: list[Trajectory]) -> list[CombinedScore]:
-        tasks = [asyncio.ensure_future(s.score(batch)) for s in self._scorers]
+        tasks = [asyncio.ensure_future(self._call(s, batch)) for s in self._scorers]
         try:
             results: list[ScorerResult] = await asyncio.gather(*tasks)
         except BaseException as e:
@@ -119,6 +138,18 @@ class RewardService:
         return combine(
             [WeightedResult(s.name, self._weights[s.name], r) for s, r in zip(self._scorers, results, strict=True)]
         )
+
+    async def _call(self, scorer: Scorer, batch: list[Trajectory]) -> ScorerResult:
+        """One scorer's call on a micro-batch, observed in the metrics (a cancelled call is not)."""
+        started = time.perf_counter()
+        try:
+            result = await scorer.score(batch)
+        except ScorerError as e:
+            latency_s = time.perf_counter() - started
+            self._metrics.observe_reward(scorer.name, latency_s=latency_s, retries=e.attempts - 1, failed=True)
+            raise
+        self._metrics.observe_reward(scorer.name, latency_s=time.perf_counter() - started, retries=result.retries)
+        return result
 
     def _count_failed_attempts(self, batch: list[Trajectory], attempts: int) -> None:
         for trajectory in batch:

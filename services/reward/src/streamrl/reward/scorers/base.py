@@ -47,6 +47,8 @@ class ScorerResult:
     """One dict of extra metrics per sample."""
     attempts: list[int] | None = None
     """Per sample: calls to the backend it took (1 = first try); None = one each."""
+    retries: int = 0
+    """Backend calls retried to produce this result, over all of its requests (0 = none)."""
 
     def attempts_of(self, i: int) -> int:
         """Backend calls sample ``i`` took."""
@@ -60,6 +62,7 @@ class ScorerResult:
             scores=[s for p in parts for s in p.scores],
             extra=[e for p in parts for e in p.extra],
             attempts=[p.attempts_of(i) for p in parts for i in range(len(p.rewards))],
+            retries=sum(p.retries for p in parts),
         )
 
 

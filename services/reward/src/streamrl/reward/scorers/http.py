@@ -248,7 +248,7 @@ class HttpScorer:
                 finally:
                     endpoint.in_flight -= 1
             if isinstance(outcome, ScorerResult):
-                return dataclasses.replace(outcome, attempts=[attempts] * n)
+                return dataclasses.replace(outcome, attempts=[attempts] * n, retries=attempts - 1)
             reason = outcome
         self._counts["failures"] += 1
         raise ScorerError(
