@@ -21,6 +21,7 @@ import redis
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import (
+    BATCH_SKIPPED,
     DeadLetter,
     PromptWorkItem,
     ScoredTrajectory,
@@ -387,7 +388,11 @@ def test_a_dead_lettered_batch_is_counted_never_taken_for_a_group(
             batch = TrainingBatch(id="batch-0", index=0, samples=[score_sample(item, i, 1.0) for i in range(4)],
                                   policy_version=0, staleness=[0, 0, 0, 0])  # fmt: skip
             for _ in range(2):  # the same batch twice (a learner restarted mid-way): counted once
-                h.dead_letter(h.names.batches, batch, "RuntimeError: loss is not finite")
+                h.dead_letter(
+                    h.names.batches,
+                    batch,
+                    f"batch-0 ({len(batch.samples)} samples) {BATCH_SKIPPED}: its step failed 3 times, last: FloatingPointError: nan",
+                )
             await h.until(lambda: h.progress().get("batches_dead") == "1", "the dead batch in the progress hash")
             assert (h.counter("batches_dead"), h.counter("samples_dead")) == (1, 4)
             assert h.counter("groups_dead") == 0 and item.id.encode() in h.client.smembers(h.names.state("inflight"))
@@ -399,7 +404,7 @@ def test_a_dead_lettered_batch_is_counted_never_taken_for_a_group(
     rows = metric_rows(tmp_path / "run")
     assert any(r.get("coordinator/batches_dead") == 1 and r.get("coordinator/samples_dead") == 4 for r in rows)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "batch-0" in r.getMessage()]
-    assert errors and "loss is not finite" in errors[0] and "4 samples" in errors[0], errors
+    assert errors and "FloatingPointError: nan" in errors[0] and "4 samples" in errors[0], errors
 
 
 def test_batch_metrics_carry_the_reward_tiers_figures(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,

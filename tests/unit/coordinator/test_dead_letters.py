@@ -5,15 +5,23 @@ from __future__ import annotations
 from coordinator_fakes import Prompts, sample
 
 from streamrl.common.codec import encode
-from streamrl.common.messages import DeadLetter, Message, PromptWorkItem, Tensor, TrainingBatch, WeightsPublished
+from streamrl.common.messages import (
+    BATCH_SKIPPED,
+    DeadLetter,
+    Message,
+    PromptWorkItem,
+    Tensor,
+    TrainingBatch,
+    WeightsPublished,
+)
 from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, what_was_lost
 
 BATCHES = "streamrl:r:batches"
 
 
-def letter(payload: Message | bytes, stream: str = "streamrl:r:trajectories") -> DeadLetter:
+def letter(payload: Message | bytes, stream: str = "streamrl:r:trajectories", error: str = "E: x") -> DeadLetter:
     raw = payload if isinstance(payload, bytes) else encode(payload)
-    return DeadLetter(stream=stream, entry_id="5-0", group="g", consumer="c", error="E: x", deliveries=3,
+    return DeadLetter(stream=stream, entry_id="5-0", group="g", consumer="c", error=error, deliveries=3,
                       payload=raw, ts=0.0)  # fmt: skip
 
 
@@ -32,12 +40,24 @@ def test_training_groups_evaluation_prompts_and_batches() -> None:
     answer = sample("eval-v4-1", 0, is_eval=True, eval_version=4)
     assert what_was_lost(letter(answer), batches_stream=BATCHES) == LostEvalPrompt(4, "eval-v4-1")
     batch = TrainingBatch(id="batch-3", index=3, samples=[scored, scored], policy_version=3, staleness=[0, 0])
-    assert what_was_lost(letter(batch, BATCHES), batches_stream=BATCHES) == LostBatch("batch-3", 2)
+    skipped = f"batch-3 (2 samples) {BATCH_SKIPPED}: its step failed 3 times, last: FloatingPointError: nan"
+    assert what_was_lost(letter(batch, BATCHES, skipped), batches_stream=BATCHES) == LostBatch("batch-3", 2)
+    header = TrainingBatch(id="batch-3", index=3, samples=[], policy_version=3, staleness=[])  # a large batch's letter
+    assert what_was_lost(letter(header, BATCHES, skipped), batches_stream=BATCHES) == LostBatch("batch-3", 2)
+
+
+def test_batches_the_learner_refused_lost_nothing_of_the_run() -> None:
+    """A copy of a trained batch or one from the future is dead-lettered by the learner, yet none of
+    the coordinator's samples went untrained."""
+    batch = TrainingBatch(id="batch-3", index=3, samples=[sample("p7", 1)], policy_version=3, staleness=[0])
+    for error in ("PoisonMessageError: batch-3 is ahead of the learner, whose next batch is 1: ...",
+                  "PoisonMessageError: batch-3 is behind the learner, whose next batch is 9: a copy ..."):  # fmt: skip
+        assert what_was_lost(letter(batch, BATCHES, error), batches_stream=BATCHES) is None
 
 
 def test_unreadable_payloads_and_other_messages() -> None:
     cut = encode(sample("p1", 0))[:20]  # an oversized entry's payload, cut
-    assert what_was_lost(letter(cut, BATCHES), batches_stream=BATCHES) == LostBatch("entry 5-0", 0)
+    assert what_was_lost(letter(cut, BATCHES), batches_stream=BATCHES) is None  # bytes that are no batch of the run
     assert what_was_lost(letter(cut), batches_stream=BATCHES) is None
     weights = WeightsPublished(version=1, step=1, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="")
     assert what_was_lost(letter(weights, "streamrl:r:weights"), batches_stream=BATCHES) is None

@@ -369,6 +369,11 @@ class DeadLetter(_Message, tag="dead"):
     ts: float
 
 
+BATCH_SKIPPED = "skipped untrained"
+"""In the error of the learner's dead letter for a batch it consumed without training (its samples are
+lost to the run). Other dead letters of batches (a copy of a trained one, one from the future, bytes
+that are no batch) lost nothing the coordinator issued."""
+
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
     for cls in (PromptWorkItem, Trajectory, ScoredTrajectory, TrainingBatch, WeightsPublished, Heartbeat, DeadLetter)

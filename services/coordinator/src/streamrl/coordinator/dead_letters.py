@@ -7,10 +7,11 @@ coordinator that is one of:
   issue a replacement (``groups.py``);
 * the same for an evaluation prompt (``is_eval``; its round is ``metadata["eval_version"]``): the
   prompt counts against its round, which closes without it (``evaluation.py``);
-* a training batch (the learner could not train it): counted, never taken for a group (``batches.py``).
+* a training batch the learner consumed untrained (its letter says ``BATCH_SKIPPED``): counted, never
+  taken for a group (``batches.py``).
 
-Anything else (a weights event, an entry too large or undecodable from another stream) only counts
-as a dead letter.
+Anything else (a weights event, an undecodable entry, a batch the learner refused as a copy or as
+one from the future) only counts as a dead letter: nothing the coordinator issued was lost.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from dataclasses import dataclass
 
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import DeadLetter, PromptWorkItem, ScoredTrajectory, TrainingBatch, Trajectory
+from streamrl.common.messages import (
+    BATCH_SKIPPED,
+    DeadLetter,
+    PromptWorkItem,
+    ScoredTrajectory,
+    TrainingBatch,
+    Trajectory,
+)
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,6 @@ class LostEvalPrompt:
 @dataclass(frozen=True)
 class LostBatch:
     batch_id: str
-    """The batch id, or ``entry {id}`` when the payload could not be read (cut as too large)."""
     num_samples: int
 
 
@@ -49,9 +56,10 @@ def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
     try:
         inner = decode(letter.payload)
     except PoisonMessageError:
-        return LostBatch(f"entry {letter.entry_id}", 0) if letter.stream == batches_stream else None
+        return None
     if isinstance(inner, TrainingBatch):
-        return LostBatch(inner.id, len(inner.samples))
+        skipped = letter.stream == batches_stream and BATCH_SKIPPED in letter.error
+        return LostBatch(inner.id, _num_samples(letter.error, len(inner.samples))) if skipped else None
     if isinstance(inner, PromptWorkItem):
         group, is_eval, metadata = inner.id, inner.is_eval, inner.metadata
     elif isinstance(inner, Trajectory | ScoredTrajectory):
@@ -62,3 +70,11 @@ def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
     if is_eval:
         return LostEvalPrompt(int(metadata.get("eval_version", 0)), group)
     return LostGroup(group)
+
+
+def _num_samples(error: str, in_payload: int) -> int:
+    """The batch's samples: the learner's letter names them (``batch-7 (64 samples) ...``) since a large
+    batch's payload keeps only its header."""
+    head, _, rest = error.partition(" (")
+    count, _, unit = rest.partition(" ")
+    return int(count) if head and count.isdigit() and unit.startswith("samples)") else in_payload

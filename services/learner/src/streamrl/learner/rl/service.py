@@ -43,7 +43,7 @@ from streamrl.common.codec import decode, encode
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.messages import DeadLetter, TrainingBatch, WeightsPublished
+from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.tracing import delivery_attempt
 from streamrl.common.weights_auth import sign, weights_key
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
@@ -261,7 +261,7 @@ class LearnerService:
                 payload = encode(header)
             letter = DeadLetter(
                 stream=self.ctx.names.batches, entry_id=entry_id, group="learner", consumer="learner",
-                error=f"{batch.id} ({len(batch.samples)} samples) skipped untrained: {reason}", deliveries=1,
+                error=f"{batch.id} ({len(batch.samples)} samples) {BATCH_SKIPPED}: {reason}", deliveries=1,
                 payload=payload, ts=time.time(),
             )  # fmt: skip
             await self.ctx.bus.publish(self.ctx.names.dead, letter)  # once, even when replayed after a restart
