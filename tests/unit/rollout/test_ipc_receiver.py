@@ -9,7 +9,7 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcTensor, IpcWeights
-from streamrl.learner import ipc_weights as learner_ipc
+from streamrl.learner.rl import ipc_weights as learner_ipc
 from streamrl.rollout import ipc_weights as rollout_ipc
 
 
