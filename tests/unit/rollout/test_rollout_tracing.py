@@ -48,6 +48,7 @@ from streamrl.common.trace_schema import (
     WEIGHTS_PATH,
 )
 from streamrl.common.tracing import (
+    NULL_TRACING,
     SAMPLED,
     Tracing,
     format_traceparent,
@@ -190,8 +191,11 @@ def test_a_prompt_gets_a_queue_span_and_a_generate_span_per_sample(harness: Harn
     assert harness.engine.depth_seen == [1.0] and harness.metric("streamrl_engine_queue_depth") == 0
 
 
-def test_an_unsampled_prompt_records_nothing_and_passes_its_traceparent_on(harness: Harness) -> None:
-    item = prompt(flags=0)
+@pytest.mark.parametrize("case", ["unsampled", "tracing off"])
+def test_an_untraced_prompt_records_nothing_and_passes_its_traceparent_on(harness: Harness, case: str) -> None:
+    if case == "tracing off":
+        harness.ctx.tracing = NULL_TRACING
+    item = prompt(flags=0 if case == "unsampled" else SAMPLED)
     trajectories = handle(harness, item)
     assert harness.spans(QUEUE) == [] and harness.spans(GENERATE) == []
     assert {t.traceparent for t in trajectories} == {item.traceparent}

@@ -115,13 +115,15 @@ class RolloutService:
         queued = tracing.record(QUEUE, item.traceparent, start_s=item.issued_at, end_s=started,
                                 attributes={GROUP_ID: item.id})  # fmt: skip
         request = GenerationRequest(prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling)
+        # a span not recorded passes its parent's traceparent on: tracing is off or this trace was left
+        # out, and the samples' spans would record nothing either (skipping them saves ~4 us a sample)
+        traced = queued != item.traceparent
         with contextlib.ExitStack() as stack:  # an engine error fails every sample's span
-            spans = [
-                stack.enter_context(tracing.span(GENERATE, queued, start_s=started)) for _ in range(request.sampling.n)
-            ]
+            n = request.sampling.n if traced else 0
+            spans = [stack.enter_context(tracing.span(GENERATE, queued, start_s=started)) for _ in range(n)]
             samples = await self._generate(request)
             ended = time.time()
-            for j, (sample, span) in enumerate(zip(samples, spans, strict=True)):
+            for j, (sample, span) in enumerate(zip(samples, spans, strict=traced)):
                 span.set_attributes({
                     TRAJECTORY_ID: f"{item.id}/{j}", ENGINE: self.cfg.engine.type,
                     VERSION_START: sample.version_start, VERSION_END: sample.version_end,
@@ -132,9 +134,10 @@ class RolloutService:
                 span.end(ended)
         self.ctx.metrics.count_samples("generated", len(samples), sum(len(x.token_ids) for x in samples))
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
+        traceparents = [span.traceparent for span in spans] if traced else [queued] * len(samples)
         return [
-            Output(stream=self.ctx.names.trajectories, message=_trajectory(item, j, sample, timings, span.traceparent))
-            for j, (sample, span) in enumerate(zip(samples, spans, strict=True))
+            Output(stream=self.ctx.names.trajectories, message=_trajectory(item, j, sample, timings, traceparent))
+            for j, (sample, traceparent) in enumerate(zip(samples, traceparents, strict=True))
         ]
 
     async def _generate(self, request: GenerationRequest) -> list[Sample]:
