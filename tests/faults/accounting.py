@@ -18,6 +18,8 @@
 * **trained twice**: trajectory ids that occur more than once in the trained batches.
 * **pending at end**: XPENDING of every consumer group of every stream of the run, plus the
   coordinator's in-flight set.
+* **versions reused**: policy versions published with two different checksums (other weights under
+  a number rollout workers already hold).
 * **steps**: the policy version reached (coordinator's ``state:policy_version``, and the last
   signed event's version).
 * **recovery**: seconds from the end of the fault (a restart, a healed network) to the next trained
@@ -62,6 +64,7 @@ class Counts:
     lost: int = 0
     over_counted: int = 0
     trained_twice: int = 0
+    versions_reused: int = 0
     pending_end: int = 0
     steps: int = 0
     eval_rounds_open: int = 0
@@ -151,6 +154,13 @@ def count_run(
                 c.notes.append(f"two different batches named {msg.id}")
             batches.setdefault(msg.id, msg)
 
+    checksums: dict[int, set[str]] = {}
+    for ev in events:
+        checksums.setdefault(ev.version, set()).add(ev.checksum)
+    reused = sorted(v for v, sums in checksums.items() if len(sums) > 1)
+    c.versions_reused = len(reused)
+    if reused:
+        c.notes.append(f"versions published with different weights: {reused[:8]}")
     learner_dead = _learner_dead_batches(client, names, injected)
     history = [b for b in trained_history(events) if b not in learner_dead]
     twice_batches = [b for b, n in Counter(history).items() if n > 1]

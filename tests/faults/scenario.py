@@ -97,6 +97,8 @@ def _check(row: Row, run: FaultRun, allowed_exits: tuple[str, ...]) -> list[str]
         failed.append(f"{c.over_counted} groups counted as dropped beyond those neither trained nor dead-lettered")
     if c.trained_twice:
         failed.append(f"{c.trained_twice} trajectories trained twice")
+    if c.versions_reused:
+        failed.append(f"{c.versions_reused} policy versions published with different weights")
     if c.pending_end:
         failed.append(f"{c.pending_end} entries/groups pending at the end")
     if c.steps < row.total_steps:

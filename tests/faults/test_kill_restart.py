@@ -15,7 +15,8 @@ from scenario import conclude
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 12
-KILL_AT_VERSION = 4
+KILL_AT_VERSION = 5
+"""An odd version: the learner checkpoints every 2 steps, so a killed learner has a step to redo."""
 DOWN_S = 3.0
 RECOVERY_BOUND_S = {"coordinator": 30.0, "rollout": 30.0, "reward": 30.0, "learner": 45.0}
 """From the restart to the next trained batch (s). A restarted learner or rollout worker loads the
