@@ -48,6 +48,7 @@ from streamrl.common.messages import (
     Trajectory,
     WeightsPublished,
 )
+from streamrl.common.prom import StreamGroupsCollector
 from streamrl.common.redis_acl import SERVICES, USERS, acl_file, new_passwords
 from streamrl.common.redis_server import find_redis_server, free_port
 from streamrl.common.streams import StreamNames
@@ -225,6 +226,11 @@ def test_rollout_user_does_the_rollout_job(acl: AclRedis) -> None:
     assert admin.xlen(names.trajectories) == 1
     assert [d.stream for d in dead_letters(acl)] == [names.prompts]
     assert admin.xpending(names.prompts, "rollout")["pending"] == 0
+    # its Prometheus endpoint reads the lag of the stream it consumes
+    collector = StreamGroupsCollector(acl.url("rollout"), {"prompts": names.prompts})
+    _, pending = collector.collect()
+    collector.close()
+    assert [(s.labels, s.value) for s in pending.samples] == [({"stream": "prompts", "group": "rollout"}, 0.0)]
     assert refusals(acl) == []
 
 
