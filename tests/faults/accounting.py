@@ -6,8 +6,8 @@
   the ``batch_id`` of every WeightsPublished signed with the run's key, along the learner's
   surviving history (an event without a batch is a learner (re)start serving its checkpoint's
   ``step``: steps after that checkpoint published by the previous life were rolled back and are
-  trained again), less the batches the learner dead-lettered (skipped untrained: their version is
-  published with unchanged weights).
+  trained again), less the batches the learner consumed untrained (its dead letter says
+  ``BATCH_SKIPPED``; their version is published with unchanged weights).
 * **dropped, with a reason**: groups named by a dead letter (a prompt, one of its trajectories or
   scored trajectories, or a training batch holding it, dead-lettered by the learner), by the
   dead letter's stream and error type; and the coordinator's drop counters, which name no group:
@@ -38,6 +38,7 @@ import redis as syncredis
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
+    BATCH_SKIPPED,
     DeadLetter,
     PromptWorkItem,
     ScoredTrajectory,
@@ -250,18 +251,16 @@ def error_kind(error: str) -> str:
 
 
 def _learner_dead_batches(client: syncredis.Redis, names: StreamNames, injected: set[tuple[str, str]]) -> set[str]:
-    """Ids of the batches the learner dead-lettered (not counting the scenario's own entries)."""
+    """Ids of the batches the learner consumed untrained (its dead letter says ``BATCH_SKIPPED``). A letter
+    for a copy of a trained batch, or one from the future, does not make a trained batch untrained."""
     out = set()
     for _, payload in _entries(client, names.dead):
         letter = _decode(payload)
-        if (
-            isinstance(letter, DeadLetter)
-            and letter.stream == names.batches
-            and (letter.stream, letter.entry_id) not in injected
-        ):
-            inner = _decode(letter.payload)
-            if isinstance(inner, TrainingBatch):
-                out.add(inner.id)
+        if not isinstance(letter, DeadLetter) or (letter.stream, letter.entry_id) in injected:
+            continue
+        inner = _decode(letter.payload)
+        if letter.stream == names.batches and BATCH_SKIPPED in letter.error and isinstance(inner, TrainingBatch):
+            out.add(inner.id)
     return out
 
 

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import FaultRun
+from harness import FaultRun, MakeRun
 from scenario import ROWS, format_table, record
 
 ROWS_ENV = "STREAMRL_FAULTS_ROWS"
 
 
 @pytest.fixture
-def fault_run(tiny_task: Path, tmp_path: Path) -> Iterator[Callable[..., FaultRun]]:
+def fault_run(tiny_task: Path, tmp_path: Path) -> Iterator[MakeRun]:
     """``fault_run(name, overrides=[...], env={...})``: a run of the real services on the tiny task,
     not started yet; every run made is closed (no process left) when the test ends."""
     made: list[FaultRun] = []

@@ -313,6 +313,10 @@ class FaultRun:
         self.redis_server.stop()
 
 
+MakeRun = Callable[..., FaultRun]
+"""The ``fault_run`` fixture: ``fault_run(name, overrides=None, env=None) -> FaultRun`` (not started)."""
+
+
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     try:
         os.killpg(proc.pid, sig)

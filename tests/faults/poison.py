@@ -43,7 +43,8 @@ PAD_FIELD_BYTES = 3 * 2**19
 
 @dataclass(frozen=True)
 class Poison:
-    """One entry to write, and what its dead letter's reason must contain (None: no dead letter expected)."""
+    """One entry to write, and what its dead letter's reason must contain ("": any reason; None: no dead
+    letter expected, the stream has no consumer group)."""
 
     kind: str
     payload: bytes

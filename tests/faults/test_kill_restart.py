@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from harness import FaultRun
+from harness import FaultRun, MakeRun
 from scenario import conclude
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ last checkpoint does not cover."""
 
 
 @pytest.mark.parametrize("service", ["coordinator", "rollout", "reward", "learner"])
-def test_sigkill_and_restart(service: str, fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_and_restart(service: str, fault_run: MakeRun) -> None:
     run: FaultRun = fault_run(f"kill-{service}", [f"--total_steps={TOTAL_STEPS}"]).start()
     run.wait_version(KILL_AT_VERSION)
     run.kill(f"{service}-0")

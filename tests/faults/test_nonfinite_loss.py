@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from harness import FaultRun
+from harness import FaultRun, MakeRun
 from huge_reward import FILE_ENV
 from scenario import conclude
 
@@ -46,7 +46,7 @@ def _batch_dead_letters(run: FaultRun, group: str) -> list[DeadLetter]:
     return out
 
 
-def test_nonfinite_loss(fault_run, tiny_task: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_nonfinite_loss(fault_run: MakeRun, tiny_task: Path, tmp_path: Path) -> None:
     rows = (tiny_task / "train.jsonl").read_text().splitlines()
     huge = tmp_path / "huge_prompts.txt"
     huge.write_text(json.loads(rows[POISONED_PROMPT])["prompt"] + "\n")

@@ -8,9 +8,10 @@ over theirs, no out-of-order batch is trained, and the run goes on to the end wi
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
-from harness import FaultRun
+from harness import FaultRun, MakeRun
 from poison import Poison, first_message, forged_weights, malformed, out_of_order_batches
 from scenario import conclude
 
@@ -62,7 +63,7 @@ def _dead_letter_failures(run: FaultRun, written: list[tuple[str, str, Poison]])
     return failures
 
 
-def test_poison_in_every_stream(fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     run: FaultRun = fault_run("poison", [f"--total_steps={TOTAL_STEPS}", "--redis.max_message_mb=1"]).start()
     run.wait_version(INJECT_AT_VERSION)
     n, client = run.names, run.client
@@ -81,9 +82,9 @@ def test_poison_in_every_stream(fault_run) -> None:  # type: ignore[no-untyped-d
     # oversized entry is one from the future, which must be dead-lettered either way
     written += _write(run, n.batches, malformed(batch, oversized=False) + out_of_order_batches(batch, batch_payload))
     # followed streams: no consumer group, so no dead letter; the readers must skip them and go on
-    written += _write(run, n.weights, [p.__class__(p.kind, p.payload, None) for p in malformed(weights)])
+    written += _write(run, n.weights, [replace(p, reason=None) for p in malformed(weights)])
     written += _write(run, n.weights, [forged_weights(weights)])
-    written += _write(run, n.dead, [p.__class__(p.kind, p.payload, None) for p in malformed(letter)])
+    written += _write(run, n.dead, [replace(p, reason=None) for p in malformed(letter)])
     injected_at = time.time()
 
     def checks() -> list[str]:

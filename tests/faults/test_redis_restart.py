@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from harness import FaultRun
+from harness import FaultRun, MakeRun
 from scenario import conclude
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ RECOVERY_BOUND_S = 30.0
 """From redis answering again to the next trained batch (s): the clients back off up to 2 s between tries."""
 
 
-def test_redis_killed_and_restarted(fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_redis_killed_and_restarted(fault_run: MakeRun) -> None:
     run: FaultRun = fault_run("redis-restart", [f"--total_steps={TOTAL_STEPS}"]).start()
     run.wait_version(KILL_AT_VERSION)
     run.kill_redis()

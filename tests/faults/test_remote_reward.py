@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import FaultRun
+from harness import FaultRun, MakeRun
 from scenario import conclude
 from scorer_server import ScorerServer
 
@@ -50,7 +51,7 @@ RECOVERY_BOUND_S = 45.0
 """From the server answering again (or the reward service restarted) to the next trained batch (s)."""
 
 
-def _remote_run(fault_run, name: str, scorer: ScorerServer, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
+def _remote_run(fault_run: MakeRun, name: str, scorer: ScorerServer, timeout_s: float = 30.0) -> FaultRun:
     scorer_cfg = {
         "name": "remote",
         "type": "http",
@@ -63,7 +64,7 @@ def _remote_run(fault_run, name: str, scorer: ScorerServer, timeout_s: float = 3
 
 
 @pytest.fixture
-def scorer(tmp_path: Path):  # type: ignore[no-untyped-def]
+def scorer(tmp_path: Path) -> Iterator[ScorerServer]:
     server = ScorerServer(free_port(), tmp_path / "scorer.log", token=secrets.token_hex(16)).start()
     yield server
     server.kill()
@@ -80,7 +81,7 @@ def _dead_reasons(run: FaultRun) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["500", "drop"])
-def test_reward_fails_whole_batches_for_a_while(mode: str, scorer: ScorerServer, fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_reward_fails_whole_batches_for_a_while(mode: str, scorer: ScorerServer, fault_run: MakeRun) -> None:
     run: FaultRun = _remote_run(fault_run, f"reward-{mode}", scorer).start()
     run.wait_version(FAULT_AT_VERSION)
     scorer.set_mode(mode)
@@ -94,7 +95,7 @@ def test_reward_fails_whole_batches_for_a_while(mode: str, scorer: ScorerServer,
              checks=lambda: [] if faulted else [f"no request met the {mode} fault"])  # fmt: skip
 
 
-def test_reward_token_rotated(scorer: ScorerServer, fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_reward_token_rotated(scorer: ScorerServer, fault_run: MakeRun) -> None:
     run: FaultRun = _remote_run(fault_run, "reward-token", scorer).start()
     old = scorer.token
     run.wait_version(FAULT_AT_VERSION)
@@ -124,7 +125,7 @@ def test_reward_token_rotated(scorer: ScorerServer, fault_run) -> None:  # type:
              checks=checks)  # fmt: skip
 
 
-def test_reward_down_and_back(scorer: ScorerServer, fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_reward_down_and_back(scorer: ScorerServer, fault_run: MakeRun) -> None:
     run: FaultRun = _remote_run(fault_run, "reward-down", scorer).start()
     run.wait_version(FAULT_AT_VERSION)
     scorer.kill()
@@ -135,7 +136,7 @@ def test_reward_down_and_back(scorer: ScorerServer, fault_run) -> None:  # type:
              fault_end=back, recovery_bound_s=RECOVERY_BOUND_S)  # fmt: skip
 
 
-def test_reward_slow(scorer: ScorerServer, fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_reward_slow(scorer: ScorerServer, fault_run: MakeRun) -> None:
     scorer.set_mode("slow", slow_s=1.5)
     run: FaultRun = _remote_run(fault_run, "reward-slow", scorer, timeout_s=5.0).start()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from harness import FaultRun
+from harness import FaultRun, MakeRun
 from scenario import conclude
 from weights_proxy import LISTEN_HOST, WeightsProxy
 
@@ -27,7 +27,7 @@ RECOVERY_BOUND_S = 20.0
 """From the network healing to the next trained batch (s): one retry pause plus a fetch."""
 
 
-def test_weight_transfer_hangs_past_its_deadline(fault_run) -> None:  # type: ignore[no-untyped-def]
+def test_weight_transfer_hangs_past_its_deadline(fault_run: MakeRun) -> None:
     port = free_port()
     proxy = WeightsProxy(port).start()
     overrides = [f"--total_steps={TOTAL_STEPS}", f"--learner.weights_port={port}",
