@@ -29,6 +29,11 @@
 * A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
   only; what every rank must do together (a step, gathering the weights, a checkpoint, an export)
   goes through :class:`~streamrl.learner.rl.group.LearnerGroup`, whose other ranks follow rank 0.
+* Traced (``traces.py``; rank 0 only): a step span per batch linked to its traced samples, a training
+  span per traced sample with its staleness (learner version - behaviour version, the figures logged
+  as ``learner/staleness_*``) and correction figures, a publish span per version; ``ctx.metrics``
+  exports the staleness histogram, samples and tokens trained, weight-publish seconds per path and
+  the ``batches`` stream's lag.
 """
 
 from __future__ import annotations
@@ -44,12 +49,14 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
-from streamrl.common.tracing import delivery_attempt
+from streamrl.common.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
+from streamrl.common.tracing import delivery_attempt, weights_traceparent
 from streamrl.common.weights_auth import sign, weights_key
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
 from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
+from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
 from streamrl.learner.rl.trainer import RLTrainer
 from streamrl.learner.rl.weights import WeightServer
 
@@ -123,6 +130,8 @@ class LearnerService:
             max_message_bytes=None,  # a batch is many trajectories, each checked against the limit
         )  # fmt: skip
         self.ctx.loops.append(self.loop)
+        if self.cfg.redis.url is not None:  # always under service_main; tests may hand the service a bus
+            self.ctx.metrics.watch_streams(self.cfg.redis.url, {"batches": self.ctx.names.batches})
         self.ctx.mark_running()
         try:
             await self.loop.run(self.ctx.stop, burst=self.ctx.burst)
@@ -157,9 +166,14 @@ class LearnerService:
             error = failed.get(b"error", b"").decode()
             return await self._skip(batch, f"its step failed {int(failed[b'count'])} times, last: {error}")
         backward_calls = self.trainer.policy.backward_calls
+        traced = traced_rows(batch)
+        span = start_step(self.ctx.tracing, batch, traced, version=self.step)
+        started = time.time()
         try:
             metrics = await asyncio.to_thread(self.group.step, batch)
         except Exception as e:
+            span.fail(e)
+            span.end()
             error = f"{type(e).__name__}: {e}"
             await self.ctx.bus.redis.hincrby(failures, "count", 1)
             await self.ctx.bus.redis.hset(failures, "error", error[:500])
@@ -171,14 +185,25 @@ class LearnerService:
             )
             self.ctx.stop.set()
             raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
-        staleness = batch.staleness or [0]
+        ended = time.time()
+        staleness = [self.step - s.trajectory.policy_version_start for s in batch.samples]
         metrics["learner/staleness_mean"] = sum(staleness) / len(staleness)
         metrics["learner/staleness_max"] = float(max(staleness))
+        span.set_attributes(step_figures(metrics))
+        record_train_spans(
+            self.ctx.tracing, batch, traced, version=self.step, staleness=staleness,
+            corrections=self.trainer.sample_corrections, start_s=started, end_s=ended,
+        )  # fmt: skip
+        span.end(ended)
+        self.ctx.metrics.observe_staleness(staleness)
+        self.ctx.metrics.count_samples("trained", len(batch.samples), int(metrics["learner/tokens"]))
         return await self._advance(batch, metrics)
 
     async def _skip(self, batch: TrainingBatch, reason: str) -> list[Output]:
         """Consume ``batch`` without training it: its version is published with unchanged weights."""
         logger.error("skipping %s untrained (its samples are dropped): %s", batch.id, reason)
+        with start_step(self.ctx.tracing, batch, traced_rows(batch), version=self.step) as span:
+            span.fail(f"{BATCH_SKIPPED}: {reason}")
         self.skipped[batch.id] = reason
         self.num_skipped += 1
         return await self._advance(batch, {"learner/batches_skipped": float(self.num_skipped)})
@@ -217,6 +242,11 @@ class LearnerService:
 
     async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
         started = time.perf_counter()
+        path = "ipc" if self.ipc is not None else "broadcast" if self.broadcast is not None else "zmq"
+        span = self.ctx.tracing.span(
+            WEIGHTS_PUBLISH, weights_traceparent(self.cfg.run_id, self.step),
+            attributes={POLICY_VERSION: self.step, STEP_INDEX: self.step, WEIGHTS_PATH: path},
+        )  # fmt: skip
         params = self.group.full_weights()
         ipc = broadcast = None
         endpoint = ""
@@ -234,7 +264,11 @@ class LearnerService:
             assert self.server is not None
             checksum, num_bytes, num_buckets = await asyncio.to_thread(self.server.publish, params, self.step)
             endpoint = self.server.endpoint
-        metrics = {**metrics, "learner/weights_publish_s": time.perf_counter() - started} if metrics else {}
+        span.set(NUM_BYTES, num_bytes)
+        span.end()
+        seconds = time.perf_counter() - started
+        self.ctx.metrics.observe_weight_sync(seconds, path)
+        metrics = {**metrics, "learner/weights_publish_s": seconds} if metrics else {}
         self.ctx.policy_version = self.step
         event = WeightsPublished(
             version=self.step, step=self.step, batch_id=batch_id, checksum=checksum, num_bytes=num_bytes,

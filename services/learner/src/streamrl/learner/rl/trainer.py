@@ -27,6 +27,10 @@ The normaliser is the whole update's divided by W, so DeepSpeed's mean over rank
 gradient of the 1-rank loss. No-grad passes run on each rank's share and are summed over ranks;
 a rank with nothing to do in a micro-batch still runs one row with zero loss, so every rank joins
 every collective (ZeRO-3 gathers parameters inside each forward). Metrics are summed over ranks.
+
+For the samples whose trace is recorded (``traces.traced_rows``) and with an off-policy correction on,
+the step also keeps each one's mean correction weight and masked fraction (``sample_corrections``,
+gathered from the rank that trained it) for the learner's training spans; other samples cost nothing.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.prompt_sharing import shared_prompt_logits
 from streamrl.learner.rl.algo.kl import KLController, kl_estimate, sequence_mean_kl
 from streamrl.learner.rl.algo.losses import aggregate, normaliser_count, value_loss
-from streamrl.learner.rl.algo.objective import compute_advantages, policy_objective, shape_rewards
+from streamrl.learner.rl.algo.objective import compute_advantages, policy_objective, sample_correction, shape_rewards
 from streamrl.learner.rl.batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
 from streamrl.learner.rl.config import LearnerConfig
+from streamrl.learner.rl.traces import SampleCorrection, traced_rows
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +104,8 @@ class RLTrainer:
         self.policy_algo = algo.model_copy(update={"critic": None})  # value loss is trained on the critic engine
         self.kl_ctl = KLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
         self.world, self.rank = self.policy.world_size, self.policy.rank
+        self.sample_corrections: dict[int, SampleCorrection] = {}
+        """Row -> correction figures of the last step's traced samples (empty without a correction)."""
 
     def _logprobs(
         self, engine: ModelEngine, mb: RLBatch, with_entropy: bool
@@ -172,7 +179,11 @@ class RLTrainer:
             algo, rewards=rewards, group_index=rl.group_index, mask=mask, kl=kl, values=old_values,
             kl_coef=self.kl_ctl.value,
         )  # fmt: skip
-        metrics = self._train_updates(rl, plan, old, ref, advantages, old_values, returns, batch.id)
+        wanted = set(traced_rows(batch)) if algo.correction.type != "none" else set()
+        corrections: dict[int, SampleCorrection] = {}
+        metrics = self._train_updates(rl, plan, old, ref, advantages, old_values, returns, batch.id, wanted,
+                                      corrections)  # fmt: skip
+        self.sample_corrections = self._gather(corrections) if wanted and self.world > 1 else corrections
         if old_values is not None:
             metrics["learner/value_mean"] = float((old_values * mask).sum() / mask.sum())
         if kl is not None:
@@ -193,8 +204,10 @@ class RLTrainer:
     def _train_updates(
         self, rl: RLBatch, plan: list[list[list[int]]], old: torch.Tensor | None, ref: torch.Tensor | None,
         advantages: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor | None, batch_id: str,
+        wanted: set[int], corrections: dict[int, SampleCorrection],
     ) -> dict[str, float]:  # fmt: skip
-        """Every update of ``plan`` on this rank's share (policy, then critic); losses and metrics of the whole group."""
+        """Every update of ``plan`` on this rank's share (policy, then critic); losses and metrics of the whole group.
+        The correction figures of this rank's ``wanted`` rows go into ``corrections``."""
         mask = rl.mask
         sums: dict[str, float] = {}
         weighted: dict[str, float] = {}
@@ -202,7 +215,9 @@ class RLTrainer:
         mine = [self._my_micro_batches(rl, [r for chunk in update for r in chunk]) for update in plan]
         for update, local in zip(plan, mine, strict=True):
             normaliser = self._normaliser(mask, update)
-            for k, v in self._policy_update(rl, local, normaliser, old, ref, advantages, batch_id).items():
+            update_sums = self._policy_update(rl, local, normaliser, old, ref, advantages, batch_id, wanted,
+                                              corrections)  # fmt: skip
+            for k, v in update_sums.items():
                 if k == "learner/tokens":
                     num_tokens += v
                 elif k.startswith("learner/loss/"):
@@ -230,9 +245,11 @@ class RLTrainer:
 
     def _policy_update(
         self, rl: RLBatch, update: list[list[int]], normaliser: float, old: torch.Tensor | None,
-        ref: torch.Tensor | None, advantages: torch.Tensor, batch_id: str,
+        ref: torch.Tensor | None, advantages: torch.Tensor, batch_id: str, wanted: set[int],
+        corrections: dict[int, SampleCorrection],
     ) -> dict[str, float]:  # fmt: skip
-        """One optimizer step on the micro-batches of ``update``: loss sums, token-weighted metric sums, tokens."""
+        """One optimizer step on the micro-batches of ``update``: loss sums, token-weighted metric sums, tokens.
+        Notes the correction figures of the ``wanted`` rows not noted yet in ``corrections``."""
         algo = self.cfg.algo
         gas = self.cfg.ds.grad_accum
         out: dict[str, float] = {"learner/tokens": 0.0}
@@ -244,8 +261,11 @@ class RLTrainer:
             mb = rl.select(rows)
             logp, ent = self._logprobs(self.policy, mb, with_entropy=algo.loss.entropy_coef > 0)
             dev = logp.device
+            old_mb = old[rows].to(dev) if old is not None else logp.detach()
+            if wanted:
+                self._note_corrections(rows, old_mb, mb, wanted, corrections)
             loss, m = policy_objective(
-                self.policy_algo, logprobs=logp, old_logprobs=(old[rows].to(dev) if old is not None else logp.detach()),
+                self.policy_algo, logprobs=logp, old_logprobs=old_mb,
                 advantages=advantages[rows].to(dev), mask=mb.mask.to(dev), normaliser=normaliser,
                 behaviour_logprobs=mb.behaviour_logprobs.to(dev), ref_logprobs=None if ref is None else ref[rows].to(dev),
                 entropy=ent, kl_coef=self.kl_ctl.value,
@@ -258,6 +278,28 @@ class RLTrainer:
             for k, v in m.items():
                 out[k] = out.get(k, 0.0) + (v if k.startswith("learner/loss/") else v * tokens)
         return out
+
+    def _note_corrections(
+        self, rows: list[int], old: torch.Tensor, mb: RLBatch, wanted: set[int], corrections: dict[int, SampleCorrection],
+    ) -> None:  # fmt: skip
+        """Correction figures of the ``wanted`` rows of micro-batch ``rows`` not noted yet (those of their first
+        update: with several, every update corrects against the same pi_old)."""
+        picked = [j for j, row in enumerate(rows) if row in wanted and row not in corrections]
+        if not picked:
+            return
+        index = torch.tensor(picked, device=old.device)
+        weight, masked = sample_correction(
+            self.cfg.algo.correction, old_logprobs=old[index], mask=mb.mask.to(old.device)[index],
+            behaviour_logprobs=mb.behaviour_logprobs.to(old.device)[index],
+        )  # fmt: skip
+        for j, w, m in zip(picked, weight.tolist(), masked.tolist(), strict=True):
+            corrections[rows[j]] = SampleCorrection(w, m)
+
+    def _gather(self, corrections: dict[int, SampleCorrection]) -> dict[int, SampleCorrection]:
+        """Every rank's correction figures (each row is trained on one rank), on every rank."""
+        gathered: list[dict[int, SampleCorrection] | None] = [None] * self.world
+        torch.distributed.all_gather_object(gathered, corrections)
+        return {row: SampleCorrection(*figures) for part in gathered for row, figures in (part or {}).items()}
 
     def _critic_step(
         self, rl: RLBatch, chunks: list[list[int]], old_values: torch.Tensor, returns: torch.Tensor, normaliser: float

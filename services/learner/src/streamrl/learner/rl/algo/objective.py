@@ -147,6 +147,20 @@ def _correct(
     raise ValueError(f"unknown correction type {c.type!r}")
 
 
+def sample_correction(
+    c: CorrectionConfig, *, old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Per sample ([B] each): the mean correction weight and the fraction of tokens masked, over its valid
+    tokens. These are ``policy_objective``'s ``learner/correction/weight_mean`` and ``masked_frac`` taken
+    per row instead of over the micro-batch (their token-weighted mean over the rows is those figures)."""
+    valid = mask.bool()
+    corrected = _correct(c, old_logprobs.detach(), behaviour_logprobs.detach(), mask)
+    count = valid.sum(dim=1).clamp(min=1)
+    weight = torch.where(valid, corrected.weights.detach().float(), 0.0).sum(dim=1) / count
+    masked = (~corrected.kept & valid).sum(dim=1) / count
+    return weight, masked
+
+
 def _masked_mean(x: Tensor, valid: Tensor) -> float:
     return float(torch.where(valid, x.detach().float(), 0.0).sum() / valid.sum().clamp(min=1))
 
