@@ -114,6 +114,7 @@ class RewardService:
         self._latency_ms_sum += latency_ms
         self._num_scored += 1
         self._num_retried += attempts > 1
+        self._metrics.count_samples("scored", 1)
         scored = ScoredTrajectory(
             trajectory=msg,
             reward=combined.reward,
