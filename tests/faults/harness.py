@@ -236,6 +236,24 @@ class FaultRun:
                 raise AssertionError(f"{self.name}: no {what} within {timeout_s:.0f} s; {self.describe()}")
             time.sleep(0.1)
 
+    def served(self) -> dict[str, int]:
+        """Policy version each live rollout worker serves (its ``served`` entry; none while redis is down)."""
+        try:
+            raw = self.client.hgetall(self.names.served_versions)
+        except (syncredis.ConnectionError, syncredis.TimeoutError):
+            return {}
+        live = set(self.instances("rollout"))
+        return {k.decode(): int(v) for k, v in raw.items() if k.decode() in live}
+
+    def wait_served(self, version: int, timeout_s: float = 120.0) -> None:
+        """Wait until the policy version is ``version`` and every live rollout worker serves it."""
+        self.wait_version(version, timeout_s)
+        self.wait_until(
+            f"every rollout worker serving version {version}",
+            lambda: bool(self.served()) and min(self.served().values()) >= version,
+            timeout_s,
+        )
+
     def wait_version(self, version: int, timeout_s: float = 120.0) -> None:
         self.wait_until(f"policy version {version}", lambda: self.version() >= version, timeout_s)
 

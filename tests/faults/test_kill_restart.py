@@ -2,7 +2,12 @@
 
 The coordinator and the learner come back under their own name (one per run: their state and
 their consumer name are the run's); a rollout or reward worker comes back under a new instance
-name, as a replacement pod would, so its predecessor's pending entries must be taken over.
+name, as a replacement pod would, so its predecessor's pending entries must be taken over. Each is
+killed once the rollout worker serves version 5 (the learner's newest).
+
+One more learner case: killed after publishing a version that no rollout worker has fetched yet
+(the worker is paused with SIGSTOP from the moment the batch is built until the learner is dead,
+then resumed): the worker must still get a version to serve and the run must finish.
 """
 
 from __future__ import annotations
@@ -27,10 +32,27 @@ last checkpoint does not cover."""
 @pytest.mark.parametrize("service", ["coordinator", "rollout", "reward", "learner"])
 def test_sigkill_and_restart(service: str, fault_run: MakeRun) -> None:
     run: FaultRun = fault_run(f"kill-{service}", [f"--total_steps={TOTAL_STEPS}"]).start()
-    run.wait_version(KILL_AT_VERSION)
+    run.wait_served(KILL_AT_VERSION)
     run.kill(f"{service}-0")
     time.sleep(DOWN_S)
     run.start_service(service, f"{service}-0" if service in ("coordinator", "learner") else f"{service}-1")
     restarted = time.time()
     conclude(run, f"SIGKILL {service}", total_steps=TOTAL_STEPS, fault_end=restarted,
              recovery_bound_s=RECOVERY_BOUND_S[service])  # fmt: skip
+
+
+def test_learner_killed_before_its_last_version_is_fetched(fault_run: MakeRun) -> None:
+    run: FaultRun = fault_run("kill-learner-unfetched", [f"--total_steps={TOTAL_STEPS}"]).start()
+    run.wait_served(KILL_AT_VERSION - 1)
+    # the batch the learner trains into version KILL_AT_VERSION is built: pause the worker before it
+    # can fetch that version, and kill the learner once it is published
+    run.wait_until(f"batch {KILL_AT_VERSION - 1}", lambda: run.client.xlen(run.names.batches) >= KILL_AT_VERSION, 60)
+    run.pause("rollout-0")
+    run.wait_version(KILL_AT_VERSION, timeout_s=60)
+    run.kill("learner-0")
+    run.resume("rollout-0")
+    time.sleep(DOWN_S)
+    run.start_service("learner", "learner-0")
+    restarted = time.time()
+    conclude(run, "SIGKILL learner, its last version unfetched", total_steps=TOTAL_STEPS, fault_end=restarted,
+             recovery_bound_s=RECOVERY_BOUND_S["learner"])  # fmt: skip
