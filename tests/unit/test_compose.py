@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -344,3 +345,124 @@ def test_reward_functions_of_the_default_recipe_are_in_the_reward_images(
         for path in paths:
             assert (REPO / path).is_file()
             assert any(path.startswith(folder + "/") for folder in in_app), f"{path} is not in {dockerfile.name}"
+
+
+# -- the observability profile (docs/observability.md) ----------------------------------------------
+
+OBSERVABILITY_ENV = "deploy/observability/observability.env"
+OBSERVABILITY_SERVICES = ("jaeger", "prometheus")
+METRICS_TOKEN = "test-metrics-token-0123456789"
+
+
+def with_observability(files: tuple[str, ...]) -> dict[str, Any]:
+    """The resolved configuration with the profile's env file, as docs/observability.md starts it."""
+    result = run_compose(
+        files,
+        "--env-file",
+        OBSERVABILITY_ENV,
+        "config",
+        "--format",
+        "json",
+        env={"STREAMRL_METRICS_TOKEN": METRICS_TOKEN},
+    )
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
+
+
+@pytest.fixture(scope="module")
+def observed() -> dict[str, Any]:
+    return with_observability(CPU)
+
+
+def service_config(env: dict[str, str], name: str, monkeypatch: pytest.MonkeyPatch) -> ServiceConfig:
+    """``name``'s config as it loads in its container: the default recipe under the container's environment."""
+    for var in [v for v in os.environ if v.startswith(("STREAMRL_", "OTEL_"))]:
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    return load_config(CONFIG_CLASSES[name], REPO / env["STREAMRL_RECIPE"], section=name)
+
+
+@pytest.mark.parametrize("files", [CPU, GPU], ids=["cpu", "gpu"])
+def test_the_observability_profile_is_valid_and_adds_jaeger_and_prometheus(files: tuple[str, ...]) -> None:
+    result = run_compose(files, "--profile", "observability", "config", "-q")
+    assert result.returncode == 0, result.stderr
+    config = with_observability(files)
+    assert set(config["services"]) == {"redis", "redis-acl", "prepare", *STREAMRL_SERVICES, *OBSERVABILITY_SERVICES}
+    assert not missing_references(config)
+
+
+@pytest.mark.parametrize("name", STREAMRL_SERVICES)
+def test_without_the_profile_services_trace_to_files_and_serve_no_metrics(
+    cpu: dict[str, Any], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not set(OBSERVABILITY_SERVICES) & set(cpu["services"])
+    config = service_config(cpu["services"][name]["environment"], name, monkeypatch)
+    assert config.tracing.exporter == "file" and config.tracing.dir is None  # {run_dir}/traces, on the runs volume
+    assert config.prometheus.port == 0, "no endpoint, so no token needed"
+
+
+@pytest.mark.parametrize("name", STREAMRL_SERVICES)
+def test_with_the_profile_services_export_to_jaeger_and_serve_metrics_to_prometheus(
+    observed: dict[str, Any], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    services = observed["services"]
+    env = services[name]["environment"]
+    config = service_config(env, name, monkeypatch)
+    # spans over OTLP/HTTP to the endpoint the OpenTelemetry exporter reads: Jaeger's OTLP/HTTP receiver
+    assert config.tracing.exporter == "otlp-http" and config.tracing.endpoint is None
+    jaeger = services["jaeger"]
+    url = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert url == "http://jaeger:4318"
+    assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in jaeger["command"]
+    assert "4318" in jaeger["expose"]
+    # a metrics endpoint on every interface of the container, behind the token the container holds
+    assert config.prometheus.port == 9464 and config.prometheus.host == "0.0.0.0"
+    assert config.prometheus.token_env is not None and env[config.prometheus.token_env] == METRICS_TOKEN
+    assert str(config.prometheus.port) in services[name]["expose"]
+
+
+@pytest.mark.parametrize("name", [*STREAMRL_SERVICES, *OBSERVABILITY_SERVICES])
+def test_metrics_and_otlp_ports_stay_on_the_compose_network(observed: dict[str, Any], name: str) -> None:
+    published = observed["services"][name].get("ports", [])
+    if name in STREAMRL_SERVICES:
+        assert not published, f"{name} publishes {published} on the host"
+        return
+    # the UIs only, on the host's loopback: Jaeger 16686, Prometheus 9090; never OTLP or a metrics port
+    (port,) = published
+    assert port["host_ip"] == "127.0.0.1"
+    assert port["target"] == {"jaeger": 16686, "prometheus": 9090}[name]
+
+
+def test_prometheus_scrapes_every_service_replica_with_the_token(observed: dict[str, Any]) -> None:
+    import yaml
+
+    services = observed["services"]
+    prometheus = services["prometheus"]
+    (mount,) = [v for v in prometheus["volumes"] if v["type"] == "bind"]
+    assert mount["read_only"] and mount["source"] == str(REPO / "deploy" / "observability" / "prometheus.yml")
+    assert f"--config.file={mount['target']}" in prometheus["command"]
+    scrape = yaml.safe_load(Path(mount["source"]).read_text())
+    (job,) = scrape["scrape_configs"]
+    # every streamrl service, each replica (the service name resolves to all of them), on its metrics port
+    (dns,) = job["dns_sd_configs"]
+    assert dns["type"] == "A" and sorted(dns["names"]) == sorted(STREAMRL_SERVICES)
+    assert {dns["port"]} == {
+        int(services[name]["environment"]["STREAMRL_PROMETHEUS__PORT"]) for name in STREAMRL_SERVICES
+    }
+    # with the services' token: the secret compose fills from the variable the services check scrapes against
+    (secret,) = prometheus["secrets"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": secret["target"]}
+    token_vars = {services[name]["environment"]["STREAMRL_PROMETHEUS__TOKEN_ENV"] for name in STREAMRL_SERVICES}
+    assert token_vars == {observed["secrets"][secret["source"]]["environment"]}
+
+
+def test_prometheus_configuration_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    path = REPO / "deploy" / "observability" / "prometheus.yml"
+    # --syntax-only: the token file exists only inside the container
+    result = subprocess.run([promtool, "check", "config", "--syntax-only", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
