@@ -383,3 +383,35 @@ def test_otlp_http_export_reaches_a_receiver(via: str, monkeypatch: pytest.Monke
     (span,) = resource_spans.scope_spans[0].spans
     assert span.name == REWARD and span.span_id.hex() == traceparent.split("-")[2]
     assert span.end_time_unix_nano - span.start_time_unix_nano == 500_000_000
+
+
+def test_otlp_grpc_export_reaches_a_plaintext_receiver_at_an_http_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gRPC form tracing.endpoint documents for a collector without TLS (``http://host:4317``);
+    a bare ``host:4317`` would make the exporter speak TLS and fail every handshake."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc", reason="the otlp-grpc extra is not installed")
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: ExportTraceServiceRequest, context: object) -> object:  # noqa: N802 (gRPC's name)
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_INSECURE", raising=False)
+    config = TracingConfig(sampling="all", exporter="otlp-grpc", endpoint=f"http://127.0.0.1:{port}")
+    tracing = setup_tracing(config, service="learner", instance="l-0", run_id="r1", run_dir="unused")
+    traceparent = tracing.record(TRAIN, start_s=T0, end_s=T0 + 0.25, attributes={STALENESS: 2})
+    tracing.shutdown()
+    server.stop(0)
+    (request,) = received
+    (span,) = request.resource_spans[0].scope_spans[0].spans
+    assert span.name == TRAIN and span.span_id.hex() == traceparent.split("-")[2]
+    assert {a.key: a.value.int_value for a in span.attributes}[STALENESS] == 2

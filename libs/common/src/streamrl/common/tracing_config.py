@@ -39,8 +39,9 @@ class TracingConfig(BaseConfig):
     dir: str | None = None
     """Folder of the ``file`` exporter; None = ``{run_dir}/traces``."""
     endpoint: str | None = None
-    """Collector for the OTLP exporters: ``http://host:4318`` (``/v1/traces`` is appended) or
-    ``host:4317`` for gRPC. None = ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
+    """Collector for the OTLP exporters: ``http://host:4318`` (``/v1/traces`` is appended), or for gRPC
+    ``http://host:4317`` (plaintext) / ``https://host:4317`` (TLS; a bare ``host:4317`` is TLS too,
+    unless ``OTEL_EXPORTER_OTLP_INSECURE=true``). None = ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
     ``OTEL_EXPORTER_OTLP_ENDPOINT``, else the exporter's default (localhost)."""
     service_name: str | None = None
     """``service.name`` of the spans; None = ``OTEL_SERVICE_NAME``, else ``streamrl-{service}``."""
