@@ -185,5 +185,63 @@ def test_weights_events_signed_with_another_key_are_refused(
     with caplog.at_level(logging.ERROR, logger="streamrl.rollout.service"):
         assert asyncio.run(asyncio.wait_for(scenario(), timeout=20)) == ["tcp://learner:1"]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any("weights version 7 is signed with another key than this run's (STREAMRL_WEIGHTS_KEY)" in e for e in errors)
+    assert any(
+        "weights version 7 is signed with another key than this run's (STREAMRL_WEIGHTS_KEY)" in e for e in errors
+    )
     assert any("weights version 7 is not signed" in e for e in errors)
+
+
+class _Loads:
+    """Records every load (endpoint, version, checksum); the old learner's endpoint is dead."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.loads: list[tuple[str, int, str]] = []
+
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+    ) -> None:
+        if endpoint == "tcp://dead-learner:1":
+            await asyncio.sleep(0.2)
+            raise WeightSyncError(f"version {version}: no answer from {endpoint} within the deadline")
+        self.loads.append((endpoint, version, checksum))
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_version_republished_by_a_restarted_learner_replaces_the_lost_one(redis_url: str, run_id: str) -> None:
+    """The learner published version 2 and died before any worker fetched it (its endpoint is gone);
+    restarted, it publishes version 2 again with retrained weights (another checksum, another endpoint).
+    A worker stuck on the lost one takes the new one; a worker that held the old version 2 reloads;
+    the same version with the same checksum is never loaded twice."""
+    engine = _Loads()
+
+    def event(version: int, checksum: str, endpoint: str) -> WeightsPublished:
+        return WeightsPublished(version=version, step=version, batch_id="", checksum=checksum, num_bytes=1,
+                                num_buckets=1, endpoint=endpoint)  # fmt: skip
+
+    async def scenario() -> None:
+        service, bus, names = _service(redis_url, run_id, engine)
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            await bus.publish(names.weights, event(1, "a", "tcp://old-learner:1"))
+            await bus.publish(names.weights, event(2, "b", "tcp://dead-learner:1"))
+            await asyncio.sleep(0.5)  # the worker keeps failing on the lost version 2
+            assert engine.version == 1
+            await bus.publish(names.weights, event(2, "c", "tcp://new-learner:1"))
+            while engine.version < 2:
+                await asyncio.sleep(0.01)
+            await bus.publish(names.weights, event(2, "c", "tcp://new-learner:1"))  # nothing new
+            await bus.publish(names.weights, event(2, "d", "tcp://newer-learner:1"))  # restarted once more
+            while len(engine.loads) < 3:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+        finally:
+            await cancel_and_wait([tail])
+            await bus.redis.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=20))
+    assert engine.loads == [("tcp://old-learner:1", 1, "a"), ("tcp://new-learner:1", 2, "c"),
+                            ("tcp://newer-learner:1", 2, "d")]  # fmt: skip

@@ -76,6 +76,8 @@ class RolloutService:
         self.latest: WeightsPublished | None = None
         self.changed = asyncio.Condition()
         self.update_lock = asyncio.Lock()
+        self.served_checksum: str | None = None
+        """Checksum of the weights the engine serves, None while they are the model's own (not loaded)."""
         self.weights_key = weights_key()
         self.in_engine = 0
         """Prompts waiting in or running on the engine now (``streamrl_engine_queue_depth``)."""
@@ -202,28 +204,34 @@ class RolloutService:
         try:
             await self._apply(newest)
         except WeightSyncError as e:
-            latest = await self._latest_published()
-            if latest > newest.version:  # superseded while it waited: the next read takes the newer one
-                logger.warning("weight sync to version %d failed (%s); version %d is published: "
-                               "taking that", newest.version, e, latest)  # fmt: skip
+            if _stream_order(await self._newest_event_id()) > _stream_order(entry_id):
+                # superseded while it waited (a newer version, or this one published again by a
+                # restarted learner): the next read takes the newer event
+                logger.warning("weight sync to version %d failed (%s); a newer weights event is published: "
+                               "taking that", newest.version, e)  # fmt: skip
                 return last_id
             logger.error("weight sync to version %d failed: %s", newest.version, e)  # retried
             await asyncio.sleep(1.0)
             return previous_id(entry_id)
         return last_id
 
-    async def _latest_published(self) -> int:
-        """Version of the newest WeightsPublished on the stream (-1 = none)."""
-        for _, fields in await self.redis.xrevrange(self.ctx.names.weights, count=16):
+    async def _newest_event_id(self) -> str:
+        """Stream id of the newest valid WeightsPublished ("0-0" = none)."""
+        for entry_id, fields in await self.redis.xrevrange(self.ctx.names.weights, count=16):
             try:
-                return self._weights_event(fields).version
+                self._weights_event(fields)
             except PoisonMessageError:
                 continue
-        return -1
+            return str(entry_id.decode())
+        return "0-0"
 
     async def _apply(self, msg: WeightsPublished) -> None:
         async with self.update_lock:
-            if msg.version <= self.engine.version:
+            if msg.version < self.engine.version:
+                return
+            # the same version again: the same weights, unless a restarted learner republished it
+            # with weights retrained from its checkpoint (another checksum): then reload
+            if msg.version == self.engine.version and self.served_checksum in (None, msg.checksum):
                 return
             started = time.perf_counter()
             parent = weights_traceparent(self.cfg.run_id, msg.version)
@@ -237,6 +245,7 @@ class RolloutService:
                 else:
                     path = await self._update_over_broadcast(msg)
                 version = self.engine.version  # over the broadcast: possibly newer than asked
+                self.served_checksum = msg.checksum if version == msg.version else None
                 span.set_attributes({POLICY_VERSION: version, WEIGHTS_PATH: path})
             seconds = time.perf_counter() - started
             self.ctx.metrics.observe_weight_sync(seconds, path)
@@ -269,6 +278,11 @@ class RolloutService:
 
     def _report(self, version: int) -> None:
         self.ctx.policy_version = version
+
+
+def _stream_order(entry_id: str) -> tuple[int, int]:
+    millis, _, seq = entry_id.partition("-")
+    return int(millis), int(seq or 0)
 
 
 def _trajectory(

@@ -20,10 +20,11 @@
   last checkpoint. A batch that failed ``consumer.max_deliveries`` times (or has no samples) is
   skipped: dead-lettered with its last error, and its version still published (the same weights),
   so versions keep counting batches and the coordinator's admission never waits for it.
-* Versions are never reused: the last published event is kept in Redis (written atomically with
-  it). A learner resumed from a checkpoint older than that version retrains the batches in between
-  without republishing their versions (rollout workers keep the weights they have, whose versions
-  were published once), and publishes again from the next new version on.
+* The last published event is kept in Redis (written atomically with it). A learner resumed from a
+  checkpoint older than that version retrains the batches in between without republishing their
+  versions, except the newest one: its weights died with the old learner if no worker had fetched
+  them, so it is published again with the retrained weights (same version, another checksum;
+  workers serving the lost weights reload) and the run goes on from there.
 * At start the learner serves its current version (0, or the checkpoint's) so rollout workers know
   where to fetch weights; after the last step it exports the policy in Hugging Face format.
 * A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
@@ -117,7 +118,7 @@ class LearnerService:
         else:
             logger.warning(
                 "resumed at step %d, but versions up to %d were published before the restart: batches %d..%d "
-                "are trained again without republishing their versions (rollout workers keep those weights)",
+                "are trained again, and only the last version is published again",
                 self.step, self.published, self.next_index, self.next_index + self.published - self.step - 1,
             )  # fmt: skip
         self.loop = ConsumerLoop(
@@ -225,9 +226,13 @@ class LearnerService:
             "step %d: %s", self.step,
             " ".join(f"{k.removeprefix('learner/')}={v:.4g}" for k, v in sorted(metrics.items())),
         )  # fmt: skip
-        if self.step <= self.published:
+        if self.step < self.published:
             logger.info("version %d was published before the restart: not republished", self.step)
             return []
+        if self.step == self.published:  # the newest version before the restart, retrained: its old
+            # weights may have died with the old learner (no worker fetched them); workers that hold
+            # them see the new checksum and reload
+            logger.warning("publishing version %d again: its weights were lost with the restart", self.step)
         return await self._publish(metrics, batch.id)
 
     async def _publish(self, metrics: dict[str, float], batch_id: str = "") -> list[Output]:
