@@ -6,7 +6,8 @@
   the ``batch_id`` of every WeightsPublished signed with the run's key, along the learner's
   surviving history (an event without a batch is a learner (re)start serving its checkpoint's
   ``step``: steps after that checkpoint published by the previous life were rolled back and are
-  trained again), less the batches the learner consumed untrained (its dead letter says
+  trained again; an event for a step already in the history, the restarted learner publishing its
+  last pre-restart version again, replaces it and the steps after it), less the batches the learner consumed untrained (its dead letter says
   ``BATCH_SKIPPED``; their version is published with unchanged weights).
 * **dropped, with a reason**: groups named by a dead letter (a prompt, one of its trajectories or
   scored trajectories, or a training batch holding it, dead-lettered by the learner), by the
@@ -19,7 +20,8 @@
 * **pending at end**: XPENDING of every consumer group of every stream of the run, plus the
   coordinator's in-flight set.
 * **versions reused**: policy versions published with two different checksums (other weights under
-  a number rollout workers already hold).
+  a number rollout workers already hold), except the newest version published again by a restarted
+  learner (its retrained weights; workers reload a version whose checksum changed).
 * **steps**: the policy version reached (coordinator's ``state:policy_version``, and the last
   signed event's version).
 * **recovery**: seconds from the end of the fault (a restart, a healed network) to the next trained
@@ -115,7 +117,7 @@ def trained_history(events: list[WeightsPublished]) -> list[str]:
         if not ev.batch_id:
             history = [(step, b) for step, b in history if step <= ev.step]
         else:
-            history.append((ev.step, ev.batch_id))
+            history = [(step, b) for step, b in history if step < ev.step] + [(ev.step, ev.batch_id)]
     return [b for _, b in history]
 
 
@@ -156,9 +158,17 @@ def count_run(
             batches.setdefault(msg.id, msg)
 
     checksums: dict[int, set[str]] = {}
+    reused_set: set[int] = set()
+    newest = -1
     for ev in events:
+        if ev.version in checksums and ev.checksum not in checksums[ev.version] and ev.version != newest:
+            reused_set.add(ev.version)  # other weights under an older version: not the restart's republish
         checksums.setdefault(ev.version, set()).add(ev.checksum)
-    reused = sorted(v for v, sums in checksums.items() if len(sums) > 1)
+        newest = max(newest, ev.version)
+    republished = sorted(v for v, sums in checksums.items() if len(sums) > 1 and v not in reused_set)
+    if republished:
+        c.notes.append(f"versions published again by a restarted learner: {republished[:8]}")
+    reused = sorted(reused_set)
     c.versions_reused = len(reused)
     if reused:
         c.notes.append(f"versions published with different weights: {reused[:8]}")

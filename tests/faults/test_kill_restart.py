@@ -41,8 +41,15 @@ def test_sigkill_and_restart(service: str, fault_run: MakeRun) -> None:
              recovery_bound_s=RECOVERY_BOUND_S[service])  # fmt: skip
 
 
+SYNC_DEADLINE_S = 10.0
+"""``rollout.weight_sync_timeout_s`` in the unfetched-version case: the worker's fetch from the dead
+learner's endpoint fails only at this deadline, then it takes the version the restarted learner
+publishes again (recovery within about the restart, one deadline and the retrained step)."""
+
+
 def test_learner_killed_before_its_last_version_is_fetched(fault_run: MakeRun) -> None:
-    run: FaultRun = fault_run("kill-learner-unfetched", [f"--total_steps={TOTAL_STEPS}"]).start()
+    overrides = [f"--total_steps={TOTAL_STEPS}", f"--rollout.weight_sync_timeout_s={SYNC_DEADLINE_S}"]
+    run: FaultRun = fault_run("kill-learner-unfetched", overrides).start()
     run.wait_served(KILL_AT_VERSION - 1)
     # the batch the learner trains into version KILL_AT_VERSION is built: pause the worker before it
     # can fetch that version, and kill the learner once it is published
