@@ -50,7 +50,7 @@ TARGET_RATIO = 1.5
 """TRL seconds per step / streamrl seconds per step, at least (issue 14)."""
 ENGINE_UPDATE = re.compile(r"serving weights version (\d+) \(update took ([0-9.]+) s\)")
 """The rollout engine's log line for one weight update (the update itself)."""
-ROLLOUT_SYNC = re.compile(r"now serving policy version (\d+) \(sync took ([0-9.]+) ms\)")
+ROLLOUT_SYNC = re.compile(r"now serving policy version (\d+) \(sync took ([0-9.]+) ms")
 """The rollout service's log line for one weight update (from the message to serving it, waits included)."""
 
 TINY_OVERRIDES = [

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .gpukit/ (gitignored) with what a run on the GPU machine needs and that machine lacks: it has
 # Python 3.12, CUDA torch, transformers, numpy, pyarrow, ... but no registry and none of msgspec,
-# pyzmq, redis-py, pydantic, DeepSpeed, TRL, datasets nor a redis-server (shared/environment.md,
+# pyzmq, redis-py, pydantic, DeepSpeed, TRL, datasets, OpenTelemetry nor a redis-server (shared/environment.md,
 # "The GPU machine"). Runs here; idempotent (what is there already is kept). bench/gpu_device.sh
 # installs the kit there. Layout:
 #   .gpukit/wheels/      cp312 manylinux x86_64 wheels, one version each (versions from constraints.txt),
@@ -21,7 +21,10 @@ mkdir -p "$WHEELS"
 # package list: /work/.library/device/KINDS.md). The check below fails when a pyproject declares
 # something that is neither here nor in GPU_IMAGE (environment markers evaluated for Python 3.12).
 CARRIED=(msgspec pyzmq redis hiredis pydantic pydantic_core annotated-types typing-inspection
-         typing_extensions hjson trl datasets dill multiprocess)
+         typing_extensions hjson trl datasets dill multiprocess
+         opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto
+         opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common
+         opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common googleapis-common-protos)
 # On the GPU image already (the subset streamrl, DeepSpeed and TRL need).
 GPU_IMAGE=(torch transformers accelerate safetensors tokenizers numpy msgpack pyarrow pandas xxhash fsspec
            aiohttp rich psutil prometheus-client pyyaml setuptools matplotlib tensorboard tqdm packaging
