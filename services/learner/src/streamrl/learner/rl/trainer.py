@@ -183,6 +183,7 @@ class RLTrainer:
         corrections: dict[int, SampleCorrection] = {}
         metrics = self._train_updates(rl, plan, old, ref, advantages, old_values, returns, batch.id, wanted,
                                       corrections)  # fmt: skip
+        corrections = _to_host(corrections)
         self.sample_corrections = self._gather(corrections) if wanted and self.world > 1 else corrections
         if old_values is not None:
             metrics["learner/value_mean"] = float((old_values * mask).sum() / mask.sum())
@@ -292,8 +293,8 @@ class RLTrainer:
             self.cfg.algo.correction, old_logprobs=old[index], mask=mb.mask.to(old.device)[index],
             behaviour_logprobs=mb.behaviour_logprobs.to(old.device)[index],
         )  # fmt: skip
-        for j, w, m in zip(picked, weight.tolist(), masked.tolist(), strict=True):
-            corrections[rows[j]] = SampleCorrection(w, m)
+        for k, j in enumerate(picked):  # still on the device: read once the step is done (no sync here)
+            corrections[rows[j]] = SampleCorrection(weight[k], masked[k])  # type: ignore[arg-type]
 
     def _gather(self, corrections: dict[int, SampleCorrection]) -> dict[int, SampleCorrection]:
         """Every rank's correction figures (each row is trained on one rank), on every rank."""
@@ -349,3 +350,12 @@ class RLTrainer:
         out = response_values(engine, mb) if values else self._logprobs(engine, mb, with_entropy=False)[0]
         engine.backward(out.sum() * 0.0)
         engine.step()
+
+
+def _to_host(corrections: dict[int, SampleCorrection]) -> dict[int, SampleCorrection]:
+    """The figures noted on the device during the step as floats, read in one transfer."""
+    if not corrections:
+        return corrections
+    rows = list(corrections)
+    values = torch.stack([torch.stack([corrections[r][0], corrections[r][1]]).float() for r in rows]).tolist()  # type: ignore[list-item]
+    return {r: SampleCorrection(w, m) for r, (w, m) in zip(rows, values, strict=True)}
