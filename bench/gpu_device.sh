@@ -6,7 +6,8 @@
 #   2. the five streamrl packages, editable, into the image's python (the `streamrl.commands` entry
 #      points need their metadata);
 #   3. the carried redis-server (with the shared libraries it was packed with) first on PATH;
-#   4. python3 bench/gpu.py "$@", its output also in $OUT/gpu-device.log; the report lands in $OUT.
+#   4. python3 bench/gpu.py "$@" (or the script in $GPU_BENCH), its output also in $OUT/gpu-device.log;
+#      the report lands in $OUT.
 #     bash bench/gpu_device.sh --parts c
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,4 +52,4 @@ for command in up coordinator rollout reward learner; do
 done
 "$PY" -c "import streamrl.common.config, msgspec, zmq, redis, pydantic" || fail "the kit's packages do not import"
 
-"$PY" bench/gpu.py "$@" 2>&1 | tee "$OUT/gpu-device.log"
+"$PY" "${GPU_BENCH:-bench/gpu.py}" "$@" 2>&1 | tee "$OUT/gpu-device.log"
