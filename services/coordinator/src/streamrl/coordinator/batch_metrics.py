@@ -1,7 +1,8 @@
 """The metrics of one training batch, from its samples alone (pure).
 
 What the rollout and reward tiers measured travels in the samples: rewards and scores, response
-lengths, partial-rollout versions, the reward tier's latency (``ScoredTrajectory.reward_latency_ms``)
+lengths, partial-rollout versions, how long prompts queued before generation
+(``timings["queue_s"]``), the reward tier's latency (``ScoredTrajectory.reward_latency_ms``)
 and its extra figures (``ScoredTrajectory.extra``, e.g. ``reward/attempts``: each key's mean over the
 samples that carry it). The coordinator is where they meet a step number, so they are reported here.
 """
@@ -39,6 +40,7 @@ def batch_stats(batch: TrainingBatch, *, elapsed_s: float, num_too_stale: int) -
         "rollout/generation_started_min": min(
             (s.trajectory.timings.get("started_at", 0.0) for s in samples), default=0.0
         ),
+        "rollout/queue_s_mean": mean([s.trajectory.timings.get("queue_s", 0.0) for s in samples]),
         "reward/latency_ms_mean": mean(latencies),
         "reward/latency_ms_max": float(max(latencies, default=0.0)),
     }

@@ -266,6 +266,7 @@ class CoordinatorService:
             "reward": round(stats["rollout/reward_mean"], 3),
             "acc": round(stats["rollout/acc"], 3),
             "staleness": round(stats["coordinator/staleness_mean"], 2),
+            "queue_s": round(stats["rollout/queue_s_mean"], 2),
             "tok/s": round(stats["rollout/tokens_per_s"], 1),
         })  # fmt: skip
         logger.info("batch %d: %s", batch.index, " ".join(f"{k}={v:.3g}" for k, v in stats.items()))
