@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -93,9 +94,19 @@ class CoordinatorConfig(ServiceConfig):
     """Redraw the PNG plot of reward and accuracy at most this often (after a step or an
     evaluation), and at the end. Drawing reads the whole metrics file: every few steps it cost
     the coordinator more CPU than batching."""
+    wandb_project: str | None = None
+    """Weights & Biases project for the run's metrics (every row of metrics.jsonl, by step); None = no
+    W&B. Needs ``pip install 'streamrl-coordinator[wandb]'``; the usual ``WANDB_*`` variables apply
+    (``WANDB_API_KEY``, ``WANDB_MODE=offline``)."""
+    wandb_run_name: str | None = None
+    """The W&B run's name (default: the run id)."""
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:
         if self.dynamic_filtering and self.group_size < 2:
             raise ValueError("dynamic_filtering needs group_size >= 2 (a group of one has no reward spread)")
+        if self.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError(
+                "wandb_project is set but wandb is not installed: pip install 'streamrl-coordinator[wandb]'"
+            )
         return self

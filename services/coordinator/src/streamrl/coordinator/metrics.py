@@ -1,4 +1,5 @@
-"""Run metrics: one JSONL file, TensorBoard scalars, and a PNG plot of reward and accuracy per step."""
+"""Run metrics: one JSONL file, TensorBoard scalars, optionally a Weights & Biases run, and a PNG plot
+of reward and accuracy per step."""
 
 from __future__ import annotations
 
@@ -12,27 +13,47 @@ logger = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    """Append ``{"step", "time", **metrics}`` lines to ``{run_dir}/metrics.jsonl`` and to TensorBoard."""
+    """Append ``{"step", "time", **metrics}`` lines to ``{run_dir}/metrics.jsonl``, to TensorBoard and,
+    with ``wandb`` (an initialised W&B run: :func:`wandb_run`), to Weights & Biases."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, wandb: Any = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         from tensorboard.summary import Writer
 
         self.tb = Writer(str(self.run_dir / "tensorboard"))
+        self.wandb = wandb
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time(), 3), **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.tb.add_scalar(name, float(value), step)
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        for name, value in scalars.items():
+            self.tb.add_scalar(name, value, step)
         self.tb.flush()
+        if self.wandb is not None and scalars:
+            # rows of one step arrive apart (batch, learner step, evaluation): W&B merges them by step, and a
+            # row for an older step (an evaluation finishing late) must not be dropped as out of order
+            self.wandb.log({**scalars, "trainer/step": step})
 
     def close(self) -> None:
         self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def wandb_run(project: str | None, name: str, config: dict[str, Any]) -> Any:
+    """A Weights & Biases run for ``project`` (None: no run), its x axis the training step."""
+    if project is None:
+        return None
+    import wandb  # the config checked it is installed
+
+    run = wandb.init(project=project, name=name, config=config)
+    run.define_metric("trainer/step")
+    run.define_metric("*", step_metric="trainer/step")
+    return run
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ from streamrl.common.bus import Output
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Trajectory, WeightsPublished
+from streamrl.common.redact import redact
 from streamrl.common.weights_auth import weights_key
 from streamrl.coordinator import state as st
 from streamrl.coordinator.batch_metrics import batch_stats
@@ -48,7 +49,7 @@ from streamrl.coordinator.evaluation import EvalRounds, round_buffer_id, round_o
 from streamrl.coordinator.followers import follow
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.issuing import PromptIssuer
-from streamrl.coordinator.metrics import MetricsWriter, plot
+from streamrl.coordinator.metrics import MetricsWriter, plot, wandb_run
 from streamrl.coordinator.progress import REASON_CHARS, Progress, counter_metrics
 from streamrl.coordinator.prompts import PromptSource
 from streamrl.coordinator.state import RunState
@@ -76,7 +77,9 @@ class CoordinatorService:
         self.ctx = ctx
         self.names = ctx.names
         self.state = RunState(ctx.bus.redis, ctx.names)
-        self.metrics = MetricsWriter(config.run_dir)
+        self.metrics = MetricsWriter(config.run_dir, wandb=wandb_run(
+            config.wandb_project, config.wandb_run_name or config.run_id, redact(config.model_dump(mode="json")),
+        ))  # fmt: skip
         self.progress = Progress(self.state)
         self.groups = GroupBuffer(self.state, group_size=config.group_size, dynamic_filtering=config.dynamic_filtering)
         self.issuer = PromptIssuer(
