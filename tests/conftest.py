@@ -32,6 +32,17 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server.stop()
 
 
+DIST_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torch.distributed reads from the environment. A test that initialised DeepSpeed in the pytest
+process left them there; a worker process inheriting them would rendezvous on that process's port."""
+
+
+@pytest.fixture
+def worker_env() -> dict[str, str]:
+    """The environment for a worker subprocess: this one less the torch.distributed variables."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_VARIABLES}
+
+
 @pytest.fixture(scope="session")
 def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server in cluster mode: one node serving all 16384 slots. It refuses, as any

@@ -7,7 +7,6 @@ figures. The learner (DeepSpeed, torch.distributed) runs in its own process: tra
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -72,7 +71,7 @@ def ids(traceparent: str) -> list[int]:
 
 
 def test_step_links_and_train_staleness_match_the_steps_metrics(
-    tiny_qwen_dir: Path, tmp_path: Path, redis_url: str, run_id: str
+    tiny_qwen_dir: Path, tmp_path: Path, redis_url: str, run_id: str, worker_env: dict[str, str]
 ) -> None:
     # batch 0: traced, unsampled and untraced samples; batch 1: every sample traced, 0 to 1 versions behind
     first = batch(0, [context(True), context(False), "", context(True)] * 2, [0] * 8, slow=3)
@@ -84,7 +83,7 @@ def test_step_links_and_train_staleness_match_the_steps_metrics(
     out = tmp_path / "recorded.json"
     done = subprocess.run(
         [sys.executable, str(WORKER), str(tiny_qwen_dir), redis_url, run_id, str(tmp_path / "run"), str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+        env={**worker_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     recorded = json.loads(out.read_text())

@@ -9,7 +9,6 @@ loss scaler, ZeRO stage, fragment addresses) still resumes exactly. DeepSpeed ru
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,10 +76,12 @@ def test_safe_loads_routes_loads_and_keeps_the_rest(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_a_checkpoint_resumes_and_a_tampered_file_of_it_is_refused(tmp_path: Path, zero_stage: int) -> None:
+def test_a_checkpoint_resumes_and_a_tampered_file_of_it_is_refused(
+    tmp_path: Path, zero_stage: int, worker_env: dict[str, str]
+) -> None:
     done = subprocess.run(
         [sys.executable, str(WORKER), str(tmp_path), str(zero_stage)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+        env={**worker_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
