@@ -1,11 +1,13 @@
 """A minimal streamrl service for bus tests: trajectories -> scored (reward = response length).
 
-Run as ``python bus_worker.py --redis.url=... --run_id=... --echo.delay_s=0.05``.
+Run as ``python bus_worker.py --redis.url=... --run_id=... --echo.delay_s=0.05``; it runs as the
+service named by ``BUS_WORKER_SERVICE`` (default ``echo``; e.g. ``coordinator`` to test its lease).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 from pydantic import Field
@@ -41,4 +43,4 @@ async def run(config: EchoConfig, ctx: ServiceContext) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(service_main("echo", EchoConfig, run))
+    sys.exit(service_main(os.environ.get("BUS_WORKER_SERVICE", "echo"), EchoConfig, run))

@@ -5,8 +5,9 @@ For one (stream, consumer group, consumer name)::
     XGROUP CREATE (from the start of the stream, tolerating BUSYGROUP)
     loop until stop:
         XREADGROUP > (up to the free in-flight slots)  -> one task per entry
-        every claim_interval_s: refresh the idle time of what this consumer holds, then
-            XAUTOCLAIM entries idle > claim_idle_ms (their consumer died)
+        every claim_idle_ms / 3 at most: refresh the idle time of what this consumer holds (also
+            while every slot is busy: a saturated consumer keeps its entries)
+        every claim_interval_s: XAUTOCLAIM entries idle > claim_idle_ms (their consumer died)
     per entry:
         decode            -- PoisonMessageError: dead-letter at once
         already done?     -- the de-dup key exists: ack, skip the handler
@@ -104,6 +105,10 @@ class ConsumerLoop(Generic[M]):
         self._committer = CommitBatcher(bus)
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.max_in_flight)
+        self.keep_alive_s = min(config.claim_interval_s, config.claim_idle_ms / 3000)
+        """How often what this consumer holds is marked alive: three times per ``claim_idle_ms`` at
+        least, so that another consumer never finds it idle while this one lives, whatever
+        ``claim_interval_s`` says (that one paces the look for entries of dead consumers)."""
 
     async def ensure_group(self) -> None:
         try:
@@ -116,16 +121,18 @@ class ConsumerLoop(Generic[M]):
         """Consume until ``stop`` is set (or, with ``burst``, until the stream has nothing left)."""
         await self.ensure_group()
         # First finish, in order, what this consumer name left pending in a previous life; then new
-        # entries. Whatever it waits for, the loop comes round every claim_interval_s to keep what it
+        # entries. Whatever it waits for, the loop comes round every keep_alive_s to keep what it
         # holds from being claimed as idle (and, once replayed, to claim what dead consumers left).
         cursor, replaying = "0-0", True
-        next_claim = 0.0
+        next_keep, next_claim = 0.0, 0.0
         while not stop.is_set():
-            if time.monotonic() >= next_claim:
+            now = time.monotonic()
+            if now >= next_keep:
                 await self._keep_alive()
-                if not replaying:
-                    await self._reclaim()
-                next_claim = time.monotonic() + self.config.claim_interval_s
+                next_keep = now + self.keep_alive_s
+            if not replaying and now >= next_claim:
+                await self._reclaim()
+                next_claim = now + self.config.claim_interval_s
             if replaying:
                 cursor, got = await self._read(stop, start_id=cursor)
                 replaying = got != 0
@@ -147,13 +154,13 @@ class ConsumerLoop(Generic[M]):
 
     async def _read(self, stop: asyncio.Event, start_id: str) -> tuple[str, int]:
         """Read new entries (``>``) or this consumer's pending entries after ``start_id``: the cursor and
-        how many were read; -1 when no in-flight slot came free within block_ms / claim_interval_s.
+        how many were read; -1 when no in-flight slot came free within block_ms / keep_alive_s.
 
         With every slot busy (entries waiting for a backend that is down) the caller's loop must still
         come round: to keep the held entries alive, and to see a stop (SIGTERM reaches drain()).
         """
         try:
-            async with timeout(min(self.config.block_ms / 1000, self.config.claim_interval_s)):
+            async with timeout(min(self.config.block_ms / 1000, self.keep_alive_s)):
                 await self._slots.acquire()
         except TimeoutError:
             return start_id, -1
@@ -170,7 +177,7 @@ class ConsumerLoop(Generic[M]):
                 self.consumer,
                 {self.stream: start_id},
                 count=free,
-                block=self.config.block_ms if start_id == ">" else None,
+                block=min(self.config.block_ms, max(1, int(1000 * self.keep_alive_s))) if start_id == ">" else None,
             )
         except BaseException:
             for _ in range(free):
@@ -224,9 +231,9 @@ class ConsumerLoop(Generic[M]):
         heartbeating, otherwise entries idle longer than claim_idle_ms."""
         await self._reclaim_from_the_dead()
         start = "0-0"
-        while True:
+        while (free := self._free_slots()) > 0:  # a saturated consumer leaves them to one with room
             reply = await self.redis.xautoclaim(
-                self.stream, self.group, self.consumer, self.config.claim_idle_ms, start_id=start, count=32
+                self.stream, self.group, self.consumer, self.config.claim_idle_ms, start_id=start, count=min(32, free)
             )
             start, claimed = reply[0], reply[1]
             for gone in reply[2] if len(reply) > 2 else []:  # Redis 7 drops trimmed entries from the PEL itself
@@ -263,8 +270,10 @@ class ConsumerLoop(Generic[M]):
             keys = [self.names.heartbeat(service, instance) for service, instance in members if instance == name]
             if not keys or await self.redis.exists(*keys):
                 continue
+            if (free := self._free_slots()) <= 0:
+                return  # no room: the rest is taken at a later round (or by a consumer with room)
             held = await self.redis.xpending_range(
-                self.stream, self.group, min="-", max="+", count=1024, consumername=name
+                self.stream, self.group, min="-", max="+", count=free, consumername=name
             )
             min_idle_ms = int(1000 * self.config.heartbeat_interval_s)
             claimed = await self.redis.xclaim(
@@ -273,6 +282,10 @@ class ConsumerLoop(Generic[M]):
             if claimed:
                 logger.info("%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed), name)
             await self._take(claimed)
+
+    def _free_slots(self) -> int:
+        """In-flight slots free now (claims take no more: claimed entries never wait for a slot)."""
+        return self.config.max_in_flight - len(self._tasks)
 
     async def _delivery_count(self, entry_id: bytes | str) -> int:
         info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)

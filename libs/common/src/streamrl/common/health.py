@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis as syncredis
 import redis.asyncio as aioredis
@@ -28,12 +28,16 @@ async def heartbeat_forever(
     instance: str,
     interval_s: float,
     snapshot: Callable[[], dict[str, int | str]],
+    before_beat: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Write the heartbeat every ``interval_s`` with TTL ``2 * interval_s`` until cancelled; the
-    instance is (re-)registered in ``names.instances`` with every beat."""
+    instance is (re-)registered in ``names.instances`` with every beat. ``before_beat`` (renewing the
+    instance's leases) runs first each time: if it raises, the beats stop with its error."""
     key = names.heartbeat(service, instance)
     ttl_ms = int(2 * interval_s * 1000)
     while True:
+        if before_beat is not None:
+            await before_beat()
         beat = Heartbeat(service=service, instance=instance, pid=os.getpid(), ts=time.time(), **snapshot())  # type: ignore[arg-type]
         pipe = redis.pipeline(transaction=False)
         pipe.set(key, encode(beat), px=ttl_ms)

@@ -32,6 +32,7 @@ from streamrl.common.config import BaseConfig, ConsumerConfig, RedisConfig, load
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import ConfigError
 from streamrl.common.health import check, default_instance, heartbeat_forever
+from streamrl.common.lease import Lease, LeaseHeldError, LeaseLostError, holder_token
 from streamrl.common.log import setup_logging
 from streamrl.common.prom import NULL_METRICS, Metrics, setup_metrics
 from streamrl.common.prom_config import PromConfig
@@ -41,6 +42,8 @@ from streamrl.common.tracing import NULL_TRACING, Tracing, setup_tracing
 from streamrl.common.tracing_config import TracingConfig
 
 logger = logging.getLogger(__name__)
+SINGLETONS = ("coordinator", "learner")
+"""Services with one instance per run: each leases its role (:mod:`streamrl.common.lease`)."""
 GC_YOUNG_THRESHOLD = 10_000
 """Allocations between two collections of the youngest generation once a service runs (default 700)."""
 
@@ -58,6 +61,9 @@ class ServiceConfig(BaseConfig):
     """OpenTelemetry traces of the samples this service handles (:mod:`streamrl.common.tracing`)."""
     prometheus: PromConfig = PromConfig()
     """This service's Prometheus endpoint (``port`` 0: none)."""
+    standby: bool = False
+    """Coordinator and learner (one of each per run): if another instance holds the run's lease, wait
+    as a standby and take over when its lease expires, instead of refusing to start."""
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -200,23 +206,42 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _request_stop, ctx, sig)
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks, service)
-    beat = asyncio.create_task(
-        heartbeat_forever(redis, ctx.names, service, instance, config.consumer.heartbeat_interval_s, ctx.snapshot)
-    )
+    interval_s = config.consumer.heartbeat_interval_s
+    token = holder_token(instance)  # one per process: its leases name it
+    held: list[Lease] = []
+
+    async def renew() -> None:
+        for lease in held:
+            await lease.renew()
+
+    beat: asyncio.Task[None] | None = None
     beat_error: list[BaseException] = []
 
     def beat_ended(task: asyncio.Task[None]) -> None:
-        """Without its heartbeat the instance counts as dead (its entries get claimed): it stops too."""
+        """Without its heartbeat (or a lease) the instance counts as dead (its entries get claimed): it stops too."""
         if not task.cancelled() and task.exception() is not None:
             beat_error.append(task.exception())  # type: ignore[arg-type]
             ctx.stop.set()
 
-    beat.add_done_callback(beat_ended)
     try:
+        # the instance name is its consumer name: one live process per name (a killed predecessor's
+        # lease expires within one TTL; a live one makes this process refuse to start)
+        name = await _lease(ctx, token, ("instance", service, instance), f"instance name {service}/{instance}")
+        held.extend([name] if name else [])
+        beat = asyncio.create_task(
+            heartbeat_forever(redis, ctx.names, service, instance, interval_s, ctx.snapshot, before_beat=renew)
+        )
+        beat.add_done_callback(beat_ended)
+        if service in SINGLETONS:
+            role = await _lease(ctx, token, ("singleton", service), f"the {service} of run {config.run_id!r}")
+            if role is None:
+                logger.info("%s/%s: stopped while standing by", service, instance)
+                return 0
+            held.append(role)
         await run(config, ctx)
         if beat_error:
             raise beat_error[0]
-    except RedisLoginError as e:
+    except (LeaseHeldError, LeaseLostError, RedisLoginError) as e:  # said in one line: the user acts on it
         logger.error("%s: %s", service, e)
         return 1
     except RedisError as e:  # past the client's outage window: one line, the traceback at debug level
@@ -224,20 +249,45 @@ async def _serve(
         logger.error("%s: lost redis for more than %.0f s, stopping: %s", service, config.redis.outage_s, e)
         return 1
     finally:
-        await cancel_and_wait([beat])
-        try:
-            await asyncio.wait_for(_unregister(redis, ctx.names, service, instance), timeout=5)
-        except (RedisError, asyncio.TimeoutError) as e:
-            logger.warning("%s: could not remove its heartbeat (%s); it expires by itself", service,
-                           type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)  # fmt: skip
-        await redis.aclose()
+        await _leave(ctx, [beat] if beat else [], held)
     logger.info("%s/%s stopped", service, instance)
     return 0
 
 
-async def _unregister(redis: aioredis.Redis, names: StreamNames, service: str, instance: str) -> None:
+async def _leave(ctx: ServiceContext, tasks: list[asyncio.Task[None]], held: list[Lease]) -> None:
+    """Stop the heartbeat, remove it and give the leases up (else they expire by themselves), close Redis."""
+    await cancel_and_wait(tasks)
+    redis = ctx.bus.redis
+    try:
+        await asyncio.wait_for(_unregister(redis, ctx.names, ctx.service, ctx.instance, held), timeout=5)
+    except (RedisError, asyncio.TimeoutError) as e:
+        logger.warning("%s: could not remove its heartbeat (%s); it expires by itself", ctx.service,
+                       type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)  # fmt: skip
+    await redis.aclose()
+
+
+async def _lease(ctx: ServiceContext, token: str, parts: tuple[str, ...], what: str) -> Lease | None:
+    """Take the lease ``names.lease(*parts)``: wait up to one TTL for a predecessor's to expire (it
+    may have just died), then refuse (LeaseHeldError); a singleton with ``standby`` waits until it is
+    free or the service is stopped (None)."""
+    interval_s = ctx.config.consumer.heartbeat_interval_s
+    lease = Lease(ctx.bus.redis, ctx.names.lease(*parts), token, 2 * interval_s, what)
+    standby = parts[0] == "singleton" and ctx.config.standby
+    if standby:
+        ctx.status = "standby"
+    if not await lease.acquire(wait_s=None if standby else 2.5 * interval_s, stop=ctx.stop):
+        return None
+    ctx.status = "starting"
+    return lease
+
+
+async def _unregister(
+    redis: aioredis.Redis, names: StreamNames, service: str, instance: str, leases: list[Lease]
+) -> None:
     await redis.delete(names.heartbeat(service, instance))
     await redis.srem(names.instances, f"{service}:{instance}")
+    for lease in reversed(leases):  # the role first: a standby takes over at once
+        await lease.release()
 
 
 def _dump_tasks(service: str) -> None:

@@ -12,7 +12,8 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
     learner      batches (learner)       -                   weights, dead, state:learner*
     observer     -                       every key (reads)   nothing
 
-and every service: its de-duplication keys ``done:{group}:*``, its own heartbeats ``hb:{service}:*``,
+and every service: its de-duplication keys ``done:{group}:*``, its own heartbeats ``hb:{service}:*``
+and leases ``lease:instance:{service}:*`` (the coordinator and learner also ``lease:singleton:{service}``),
 the ``instances`` set, and reading every heartbeat (to reclaim a dead instance's entries). On the
 streams a user gets exactly the commands of its role there; on its own state keys (the
 coordinator's ``state:*`` and group buffers, the learner's ``state:learner*``) every data command
@@ -72,6 +73,8 @@ CONSUME = ("xgroup|create", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpend
 FOLLOW = ("xread", "xrange", "xrevrange", "xlen")
 """A :class:`streamrl.common.follower.StreamFollower` (and a look at the last entries)."""
 PUBLISH = ("xadd",)
+LEASE = ("set", "get", "pexpire", "del")
+"""A :class:`streamrl.common.lease.Lease` on its instance name (and, for the coordinator and the learner, its role)."""
 DEDUPE = ("set", "exists", "del")
 """De-duplication marks: set by the commit script, looked up on redelivery, removed on a failed write."""
 SERVER_WIDE = ("-@dangerous", "-scan", "-randomkey", "-dbsize", "-lolwut")
@@ -120,7 +123,10 @@ def grants(user: str, run_id: str) -> list[Grant]:
         Grant("RW", (names.heartbeat(user, "*"),), ("set", "del")),
         Grant("R", (names.heartbeat("*", "*"),), ("exists", "mget")),
         Grant("RW", (names.instances,), ("sadd", "srem", "smembers")),
+        Grant("RW", (names.lease("instance", user, "*"),), LEASE),
     ]
+    if user in ("coordinator", "learner"):  # one per run (streamrl.common.lifecycle.SINGLETONS)
+        common.append(Grant("RW", (names.lease("singleton", user),), LEASE))
     if user == "coordinator":
         own = [
             Grant("W", (names.prompts, names.batches), PUBLISH),

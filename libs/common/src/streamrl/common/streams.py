@@ -67,6 +67,10 @@ class StreamNames:
         """Set of ``{service}:{instance}`` members, one per instance that wrote a heartbeat."""
         return self._key("instances")
 
+    def lease(self, *parts: str) -> str:
+        """A lease one process holds at a time (:mod:`streamrl.common.lease`), e.g. ``lease("singleton", "coordinator")``."""
+        return self._key("lease", *parts)
+
     def done(self, group: str, message_key: str) -> str:
         """De-duplication marker: consumer group ``group`` already handled ``message_key``."""
         return self._key("done", group, message_key)

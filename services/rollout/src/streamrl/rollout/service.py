@@ -173,7 +173,9 @@ class RolloutService:
                     pass
 
     async def _load_latest_weights(self) -> str:
-        """Load the newest published weights (late joiners); returns the stream cursor after it."""
+        """Load the newest published weights (late joiners); returns the stream cursor to follow from:
+        after it, or just before it when loading failed (the follower then retries it, or takes a
+        newer version, while the worker runs: prompts for newer versions wait for it)."""
         last = await self.redis.xrevrange(self.ctx.names.weights, count=16)
         for entry_id, fields in last:
             try:
@@ -181,7 +183,13 @@ class RolloutService:
             except PoisonMessageError as e:
                 logger.error("skipping weights entry %s: %s", entry_id.decode(), e)
                 continue
-            await self._apply(msg)
+            try:
+                await self._apply(msg)
+            except WeightSyncError as e:
+                logger.error("joining: loading policy version %d failed (%s); the weight follower retries it",
+                             msg.version, e)  # fmt: skip
+                self._report(self.engine.version)
+                return previous_id(entry_id.decode())
             return str(last[0][0].decode())
         self._report(self.engine.version)
         return str(last[0][0].decode()) if last else "0-0"

@@ -1,0 +1,122 @@
+"""Leases: a Redis key that one process holds at a time, kept alive while it runs.
+
+Two uses, both taken in :mod:`streamrl.common.lifecycle` before a service starts work:
+
+* every instance leases its **name** (``lease:instance:{service}:{instance}``): the name is its
+  consumer name in every group, so two live processes under one name would share pending entries
+  silently. A second process under a live name waits up to one lease TTL (the first may have just
+  been killed: its lease then expires) and then refuses to start;
+* the **coordinator** and the **learner** (its rank 0) lease their role (``lease:singleton:{service}``):
+  there is one of each per run. A second one refuses to start, naming the holder, or with
+  ``standby`` waits and takes over when the holder's lease expires (it stopped or died).
+
+A lease is a ``SET NX PX`` of a token naming its holder; renewing and releasing check the token (a
+Lua script), so a holder that stalled past its TTL and lost the lease to another process learns it at
+its next renewal and stops instead of working beside its successor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+
+import redis.asyncio as aioredis
+
+logger = logging.getLogger(__name__)
+
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class LeaseHeldError(RuntimeError):
+    """Another live process holds the lease."""
+
+
+class LeaseLostError(RuntimeError):
+    """The lease expired or was taken over while this process held it."""
+
+
+def holder_token(instance: str) -> str:
+    """``{instance}@{host}:{pid}/{random}``: unique per process, readable in an error message."""
+    return f"{instance}@{socket.gethostname()}:{os.getpid()}/{secrets.token_hex(4)}"
+
+
+def holder_of(token: str) -> str:
+    """The readable part of a token (without its random suffix)."""
+    return token.rsplit("/", 1)[0]
+
+
+class Lease:
+    """One lease: ``await acquire()``, then ``await renew()`` more often than ``ttl_s``, ``await release()``."""
+
+    def __init__(self, redis: aioredis.Redis, key: str, token: str, ttl_s: float, what: str) -> None:
+        self.redis = redis
+        self.key = key
+        self.token = token
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.what = what
+        """What is leased, for messages (e.g. ``the coordinator of run demo``)."""
+
+    async def try_acquire(self) -> str | None:
+        """Take the lease if it is free: None, else the current holder's token."""
+        if await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            return None
+        holder = await self.redis.get(self.key)
+        if holder is None:  # expired between the two calls: try again at once
+            return await self.try_acquire()
+        text = _text(holder)
+        return None if text == self.token else text
+
+    async def acquire(self, wait_s: float | None, stop: asyncio.Event | None = None) -> bool:
+        """Take the lease, waiting up to ``wait_s`` (None: until it is free or ``stop`` is set) for the
+        holder's to expire. True once held; False if ``stop`` was set first. LeaseHeldError after ``wait_s``."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        holder = await self.try_acquire()
+        if holder is not None:
+            logger.warning("%s is held by %s: waiting for its lease to expire%s", self.what, holder_of(holder),
+                           "" if wait_s is None else f" (up to {wait_s:.1f} s)")  # fmt: skip
+        while holder is not None:
+            if stop is not None and stop.is_set():
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LeaseHeldError(
+                    f"{self.what} is held by a live process ({holder_of(holder)}): refusing to start a second one"
+                )
+            await asyncio.sleep(min(0.2, self.ttl_ms / 4000))
+            holder = await self.try_acquire()
+        return True
+
+    async def renew(self) -> None:
+        """Extend the lease by its TTL; LeaseLostError if another process holds it now.
+
+        A lease that expired with nobody taking it (Redis restarted, or this process stalled past the
+        TTL with no standby waiting) is taken again: still only one holder."""
+        if not await self.redis.eval(RENEW_LUA, 1, self.key, self.token, self.ttl_ms):
+            if await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
+                logger.warning("the lease on %s had expired with nobody taking it: holding it again", self.what)
+                return
+            holder = await self.redis.get(self.key)
+            now = "free" if holder is None else f"held by {holder_of(_text(holder))}"
+            raise LeaseLostError(f"lost the lease on {self.what} (it expired; now {now}): stopping")
+
+    async def release(self) -> None:
+        """Give the lease up (only if still held: never deletes a successor's)."""
+        await self.redis.eval(RELEASE_LUA, 1, self.key, self.token)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
