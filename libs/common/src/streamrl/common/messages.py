@@ -104,6 +104,24 @@ class Image(msgspec.Struct, frozen=True):
     """Object-store reference when not inline."""
 
 
+class Turn(msgspec.Struct, frozen=True):
+    """One model turn of a multi-turn episode: where its tokens lie in the trajectory's ``response_ids``.
+
+    The model's tokens of turn ``k`` are ``response_ids[start:end]`` (``loss_mask`` 1); what the
+    environment answered after it (tool output, observation) follows up to the next turn's ``start``
+    (``loss_mask`` 0, behaviour log-probs 0).
+    """
+
+    start: int
+    """Index in ``response_ids`` of the turn's first model token."""
+    end: int
+    """One past its last model token."""
+    policy_version: int
+    """Policy version that generated this turn (the version at its first token)."""
+    reward: float = 0.0
+    """Reward the environment gave after this turn (0 when it gives none)."""
+
+
 class _Message(msgspec.Struct, tag_field="type", kw_only=True):
     v: int = SCHEMA_VERSION
     """Schema version of this message type."""
@@ -174,6 +192,13 @@ class Trajectory(_Message, tag="trajectory"):
     timings: dict[str, float] = {}
     """Seconds per phase, e.g. ``queue_s``, ``generate_s``."""
     traceparent: str = ""
+    turns: list[Turn] = []
+    """Multi-turn episodes: the model's turns in order (environment tokens lie between them); empty
+    for a single prompt and completion."""
+    stop_reason: str = ""
+    """Why a multi-turn episode ended: ``done`` (the environment said so), ``max_turns``,
+    ``max_tokens`` (the episode's token budget), ``length`` (a turn hit max_new_tokens or the
+    context), ``error`` (the environment raised; its message in ``metadata["env_error"]``)."""
 
 
 class ScoredTrajectory(_Message, tag="scored"):
