@@ -1,15 +1,24 @@
-"""``streamrl up RECIPE``: run a whole streamrl job on one machine.
+"""``streamrl up RECIPE``: run a whole streamrl job, on this machine or on a Ray cluster.
 
 1. If the recipe names no Redis (``redis.url``), start an embedded real ``redis-server`` on a free
-   port with its data (AOF) under ``{run_dir}/redis``.
-2. Start every service of ``[up]`` as a child process (``streamrl <service> RECIPE ...``), each in
-   its own process group, with replicas as configured; interleave their output prefixed by name.
-   ``[up] gpus`` places them: each child's ``CUDA_VISIBLE_DEVICES`` (rollout and learner on the
-   same device = the colocated mode).
-3. Show a live progress display (heartbeats + the coordinator's progress hash).
-4. Stop: Ctrl-C / SIGTERM, or the ``until`` service exiting 0 (the run is done), stops everything
-   cleanly (SIGTERM, grace, SIGKILL) and exits 0. Any child failing stops the rest and exits 1,
-   naming the failing service. No process is left behind.
+   port with its data (AOF) under ``{run_dir}/redis``. Write ``{run_dir}/up.json``
+   (:mod:`streamrl.common.run_info`) so ``streamrl scale`` finds the run.
+2. Start every service of ``[up]`` with replicas as configured, on the backend of ``[up] backend``:
+   ``local`` (:class:`LocalReplicas`, this module): each replica a child process
+   (``streamrl <service> RECIPE ...``) in its own process group, its output interleaved prefixed by
+   its instance name, ``[up] gpus`` giving each its ``CUDA_VISIBLE_DEVICES`` (rollout and learner
+   on the same device = the colocated mode); ``ray`` (:mod:`streamrl.common.ray_backend`): each
+   replica a Ray actor running the same command as its child.
+3. Watch: show a live progress display (heartbeats + the coordinator's progress hash), and every
+   ``reconcile_interval_s`` bring rollout and reward to the replica counts asked for in the run's
+   replicas hash (:mod:`streamrl.common.scaling`): new replicas at the next free index, removed
+   ones drained (SIGTERM, ``grace_s``, then SIGKILL). A removed replica's exit is not a failure.
+4. A crashed replica (non-zero exit, or any exit but the ``until`` service's exit 0) is restarted
+   under a new instance name if ``[up] max_restarts`` allows it for its service (local: after
+   ``restart_backoff_s``, doubling; Ray: Ray's own actor restart); otherwise it stops the run.
+5. Stop: Ctrl-C / SIGTERM, or the ``until`` service exiting 0 (the run is done), stops everything
+   cleanly (SIGTERM, grace, SIGKILL) and exits 0. A service failing for good stops the rest and
+   exits 1, naming it. No process is left behind.
 """
 
 from __future__ import annotations
@@ -23,84 +32,67 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import redis as syncredis
-from pydantic import Field, PositiveInt, model_validator
 
-from streamrl.common.config import BaseConfig, ConfigError, apply_overrides, read_recipe, validate
+from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.health import live_heartbeats
 from streamrl.common.redis_server import RedisServer
+from streamrl.common.run_info import RunInfo, write_run_info
+from streamrl.common.scaling import desired_replicas, instance_name, plan, request_replicas
 from streamrl.common.streams import StreamNames
+from streamrl.common.up_config import SCALABLE, SERVICES, LaunchRecipe, UpConfig
 from streamrl.common.weights_auth import KEY_ENV
 
-SERVICES = ("coordinator", "rollout", "reward", "learner")
 COLORS = {"coordinator": 36, "rollout": 32, "reward": 35, "learner": 33, "redis": 90}
+Say = Callable[..., None]
 
 
-class UpConfig(BaseConfig):
-    """The ``[up]`` section: what the local launcher starts."""
+@dataclass(frozen=True)
+class Ended:
+    """A replica gone for good: no restart follows."""
 
-    services: list[str] = list(SERVICES)
-    """Services to start, in order."""
-    replicas: dict[str, int] = {}
-    """Instances per service (default 1), e.g. ``{reward = 2}``."""
-    threads: dict[str, PositiveInt] = {}
-    """CPU threads per service (its ``OMP_NUM_THREADS``), e.g. ``{learner = 2, rollout = 1}``; default:
-    inherited from the environment."""
-    until: str = "coordinator"
-    """The run is over when this service exits 0."""
-    grace_s: float = Field(20.0, ge=0)
-    """On stop, time children get after SIGTERM before SIGKILL (s)."""
-    display: bool = True
-    """Show the live progress display (a line every few seconds when not a terminal)."""
-    display_interval_s: float = Field(2.0, gt=0)
-    gpus: dict[str, str | list[str]] = {}
-    """GPU placement: service -> the ``CUDA_VISIBLE_DEVICES`` of its processes. A string applies to every
-    replica, a list gives one entry per replica (as many as ``replicas``). A service without an entry
-    inherits the launcher's environment. E.g. ``{rollout = ["0", "1"], learner = "2"}``; the colocated
-    mode is rollout and learner on one device: ``{rollout = "0", learner = "0"}``."""
-
-    @model_validator(mode="after")
-    def _check_gpus(self) -> UpConfig:
-        for service, devices in self.gpus.items():
-            if service not in SERVICES:
-                raise ValueError(f"up.gpus.{service}: unknown service; known: {list(SERVICES)}")
-            replicas = self.replicas.get(service, 1)
-            if isinstance(devices, list) and len(devices) != replicas:
-                raise ValueError(
-                    f"up.gpus.{service}: {len(devices)} entries for {replicas} replica(s); give one per replica "
-                    "or a single string for all"
-                )
-        return self
-
-    def cuda_devices(self, service: str, replica: int) -> str | None:
-        """``CUDA_VISIBLE_DEVICES`` of replica ``replica`` of ``service`` (None = inherited)."""
-        devices = self.gpus.get(service)
-        return devices[replica] if isinstance(devices, list) else devices
-
-
-class _LaunchRecipe(BaseConfig):
-    """Top level of a recipe as the launcher sees it (service sections are validated by each service)."""
-
-    model_config = BaseConfig.model_config | {"extra": "allow"}
-    run_id: str = "default"
-    run_dir: str = "runs/default"
-    up: UpConfig = UpConfig()
-
-
-@dataclass
-class Child:
+    service: str
+    index: int
     name: str
-    proc: subprocess.Popen[bytes]
-    pump: threading.Thread
+    code: int | None
+    """Exit code of the service process (None: not known, e.g. its Ray actor died)."""
+    removed: bool
+    """It was drained on purpose (scaled down)."""
+    detail: str = ""
+    """Why, when the exit code does not say it."""
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher dies (no orphans even on SIGKILL of the launcher)."""
+class Replicas(Protocol):
+    """What the launcher needs of a backend: start, drain and watch the replicas of each service."""
+
+    def start(self, service: str, index: int) -> None: ...
+
+    def drain(self, service: str, index: int) -> None:
+        """Remove a replica: SIGTERM its service, SIGKILL after ``grace_s``; reported by :meth:`poll` once gone."""
+
+    def poll(self) -> list[Ended]:
+        """Replicas gone for good since the last call; restarts what may restart."""
+
+    def active(self, service: str) -> list[int]:
+        """Indices of replicas running or about to (re)start, not being drained."""
+
+    def occupied(self, service: str) -> list[int]:
+        """Indices not free: active ones and those still draining."""
+
+    def stop_all(self) -> None:
+        """SIGTERM every replica, wait ``grace_s``, SIGKILL the rest."""
+
+
+def die_with_parent() -> None:
+    """In the child: get SIGTERM if its parent dies (no orphans even on SIGKILL of the launcher or actor).
+
+    The signal follows the death of the *thread* that started the child: start it from a thread that
+    lives as long as the child (the main thread, or one that waits for it)."""
     os.setsid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -121,7 +113,14 @@ def child_env(
     return env
 
 
-def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+def service_command(python: str, service: str, recipe: str, overrides: list[str], instance: str) -> list[str]:
+    """The command line of one replica (the Redis URL and keys travel in its environment, never here: ``ps``
+    shows command lines)."""
+    return [python, "-m", "streamrl.common.cli", service, recipe, *overrides, f"--instance={instance}"]
+
+
+def pump_lines(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+    """Copy ``stream`` to ``out`` line by line, each prefixed by ``name`` (coloured on a terminal)."""
     color = COLORS.get(name.split("-")[0], 37)
     prefix = f"\x1b[{color}m{name:<14}\x1b[0m| " if out.isatty() else f"{name:<14}| "
     for raw in iter(stream.readline, b""):
@@ -131,27 +130,160 @@ def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> N
             out.flush()
 
 
+def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class LocalReplica:
+    service: str
+    index: int
+    name: str
+    proc: subprocess.Popen[bytes]
+    pump: threading.Thread
+    kill_at: float | None = None
+    """Set once it is being drained: when it gets SIGKILL."""
+
+
+class LocalReplicas:
+    """The local backend: every replica a child process of the launcher, restarted by the launcher.
+
+    A crashed replica restarts after ``restart_backoff_s * 2**k`` (k = its restarts so far) while it has
+    ``max_restarts`` left, as ``{service}-{index}.{n}``.
+    """
+
+    def __init__(
+        self, up: UpConfig, recipe: str, overrides: list[str], env: Mapping[str, str], say: Say, lock: threading.Lock
+    ) -> None:
+        self.up = up
+        self.recipe = recipe
+        self.overrides = overrides
+        self.env = dict(env)
+        """Environment every replica starts from (the Redis URL and weights key in it)."""
+        self.say = say
+        self.lock = lock
+        """Held while a line is written to the terminal."""
+        self.running: list[LocalReplica] = []
+        self.incarnations: dict[tuple[str, int], int] = {}
+        self.restarts: dict[tuple[str, int], int] = {}
+        self.due: dict[tuple[str, int], float] = {}
+        """Replicas waiting for their restart: when."""
+
+    def start(self, service: str, index: int) -> None:
+        incarnation = self.incarnations.get((service, index), 0)
+        self.incarnations[(service, index)] = incarnation + 1
+        name = instance_name(service, index, incarnation)
+        gpus = self.up.cuda_devices(service, index)
+        env = child_env(self.env, name, self.up.threads.get(service), gpus)
+        cmd = service_command(sys.executable, service, self.recipe, self.overrides, name)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
+        )
+        assert proc.stdout is not None
+        pump = threading.Thread(target=pump_lines, args=(name, proc.stdout, sys.stdout, self.lock), daemon=True)
+        pump.start()
+        self.running.append(LocalReplica(service, index, name, proc, pump))
+        placed = "inherited" if gpus is None else f"CUDA_VISIBLE_DEVICES={gpus!r}"
+        self.say(f"started {name} (pid {proc.pid}; GPUs: {placed})")
+
+    def drain(self, service: str, index: int) -> None:
+        if self.due.pop((service, index), None) is not None:
+            self.say(f"{service}-{index}: restart cancelled (scaled down)")
+            return
+        for replica in self.running:
+            if (replica.service, replica.index) == (service, index) and replica.kill_at is None:
+                replica.kill_at = time.monotonic() + self.up.grace_s
+                signal_group(replica.proc, signal.SIGTERM)
+                self.say(f"draining {replica.name} (scaled down)")
+
+    def poll(self) -> list[Ended]:
+        now = time.monotonic()
+        ended: list[Ended] = []
+        for replica in list(self.running):
+            code = replica.proc.poll()
+            if code is None:
+                if replica.kill_at is not None and now >= replica.kill_at:
+                    self.say(f"{replica.name} did not stop within {self.up.grace_s} s: killing it", error=True)
+                    signal_group(replica.proc, signal.SIGKILL)
+                    replica.kill_at = float("inf")
+                continue
+            self.running.remove(replica)
+            replica.pump.join(timeout=2)
+            key = (replica.service, replica.index)
+            if replica.kill_at is not None or (code == 0 and replica.service == self.up.until):
+                ended.append(Ended(*key, replica.name, code, removed=replica.kill_at is not None))
+                continue
+            used = self.restarts.get(key, 0)
+            if used < self.up.max_restarts.get(replica.service, 0):
+                delay = self.up.restart_backoff_s * 2**used
+                self.restarts[key] = used + 1
+                self.due[key] = now + delay
+                self.say(f"{replica.name} exited with code {code}: restart {used + 1} of "
+                         f"{self.up.max_restarts[replica.service]} in {delay:.1f} s", error=True)  # fmt: skip
+                continue
+            ended.append(Ended(*key, replica.name, code, removed=False))
+        for key, when in list(self.due.items()):
+            if now >= when:
+                del self.due[key]
+                self.start(*key)
+        return ended
+
+    def active(self, service: str) -> list[int]:
+        running = [r.index for r in self.running if r.service == service and r.kill_at is None]
+        return running + [i for s, i in self.due if s == service]
+
+    def occupied(self, service: str) -> list[int]:
+        return self.active(service) + [r.index for r in self.running if r.service == service and r.kill_at is not None]
+
+    def stop_all(self) -> None:
+        self.due.clear()
+        for replica in self.running:
+            signal_group(replica.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.up.grace_s
+        for replica in self.running:
+            try:
+                replica.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{replica.name} did not stop within {self.up.grace_s} s: killing it", error=True)
+        for replica in self.running:
+            signal_group(replica.proc, signal.SIGKILL)  # also reaps grandchildren left in the group
+            replica.proc.wait()
+            replica.pump.join(timeout=2)
+        self.running.clear()
+
+
 class Launcher:
-    """Starts, watches and stops the processes of one local run."""
+    """Starts, watches, scales and stops the replicas of one run."""
 
     def __init__(self, recipe: str, overrides: list[str]) -> None:
         data = apply_overrides(read_recipe(recipe), overrides)
-        self.cfg = validate(_LaunchRecipe, data, source=f"recipe {recipe}")
+        self.cfg = validate(LaunchRecipe, data, source=f"recipe {recipe}")
         unknown = [s for s in self.cfg.up.services if s not in SERVICES]
         if unknown:
             raise ConfigError(f"up.services: unknown service(s) {unknown}; known: {list(SERVICES)}")
         self.recipe = recipe
         self.overrides = overrides
         self.redis_url: str | None = (data.get("redis") or {}).get("url")
+        self.learner_ranks = int((data.get("learner") or {}).get("ranks", 1))
         self.names = StreamNames(self.cfg.run_id)
-        self.children: list[Child] = []
+        self.replicas: Replicas | None = None
         self.redis: RedisServer | None = None
+        self.client: syncredis.Redis | None = None
         self.lock = threading.Lock()
         self.weights_key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
         """The run's weights key (:mod:`streamrl.common.weights_auth`): the environment's, else a new random one."""
         self.stop_requested = False
 
     def start(self) -> None:
+        up = self.cfg.up
+        if up.backend == "ray" and up.ray_address and up.ray_address.startswith("ray://") and not self.redis_url:
+            raise ConfigError(
+                "redis.url: a Ray cluster reached through ray:// cannot reach the embedded redis-server (it listens "
+                "on 127.0.0.1 of this machine); set redis.url to a Redis every node reaches"
+            )
         run_dir = Path(self.cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if not self.redis_url:
@@ -164,44 +296,58 @@ class Launcher:
                 f"embedded redis-server at {self.redis_url} (data: {run_dir / 'redis'}); "
                 f"binary {self.redis.binary}: {self.redis.version}"
             )
-        for service in self.cfg.up.services:
-            for i in range(self.cfg.up.replicas.get(service, 1)):
-                self._spawn(service, i)
-
-    def _spawn(self, service: str, replica: int) -> None:
-        instance = f"{service}-{replica}"
-        cmd = [sys.executable, "-m", "streamrl.common.cli", service, self.recipe, *self.overrides]
-        cmd += [f"--instance={instance}"]
-        gpus = self.cfg.up.cuda_devices(service, replica)
-        env = child_env(os.environ, instance, self.cfg.up.threads.get(service), gpus)
+            if up.backend == "ray" and up.ray_address:
+                self._say("note: the embedded redis-server listens on 127.0.0.1: Ray workers on other nodes cannot "
+                          "reach it (set redis.url for a multi-node cluster)", error=True)  # fmt: skip
+        self.client = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
+        scalable = {s: up.replicas.get(s, 1) for s in SCALABLE if s in up.services}
+        if scalable:  # the recipe's counts are the run's desired counts until `streamrl scale` changes them
+            request_replicas(self.client, self.names, scalable, max_replicas=up.max_replicas)
+        info = RunInfo(run_id=self.cfg.run_id, redis_url=self.redis_url, backend=up.backend,
+                       max_replicas=dict(up.max_replicas), recipe=str(Path(self.recipe).resolve()), pid=os.getpid())  # fmt: skip
+        write_run_info(run_dir, info)
+        # the URL is not on the command line: `ps` would show a password
+        env = {**os.environ, "STREAMRL_REDIS__URL": self.redis_url}
         env.setdefault(KEY_ENV, self.weights_key)  # signs the learner's weights events; never logged
-        env["STREAMRL_REDIS__URL"] = self.redis_url or ""  # not on the command line: `ps` would show a password
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-        )
-        assert proc.stdout is not None
-        pump = threading.Thread(target=_pump, args=(instance, proc.stdout, sys.stdout, self.lock), daemon=True)
-        pump.start()
-        self.children.append(Child(instance, proc, pump))
-        placed = "inherited" if gpus is None else f"CUDA_VISIBLE_DEVICES={gpus!r}"
-        self._say(f"started {instance} (pid {proc.pid}; GPUs: {placed})")
+        self.replicas = self._backend(env)
+        for service in up.services:
+            for i in range(up.replicas.get(service, 1)):
+                self.replicas.start(service, i)
+
+    def _backend(self, env: dict[str, str]) -> Replicas:
+        up = self.cfg.up
+        if up.backend == "local":
+            for field in ("resources", "ray_address", "ray_num_cpus"):
+                if getattr(up, field):
+                    self._say(f"note: up.{field} has no effect with up.backend = 'local'", error=True)
+            return LocalReplicas(up, self.recipe, self.overrides, env, self._say, self.lock)
+        try:
+            from streamrl.common.ray_backend import RayReplicas
+        except ImportError as e:
+            raise ConfigError(f"up.backend = 'ray' needs Ray: pip install 'streamrl-common[ray]' ({e})") from e
+        return RayReplicas(up, self.cfg.run_id, self.recipe, self.overrides, env, self.learner_ranks, self._say)
 
     def watch(self) -> int:
-        """Wait until the run ends, a child fails, or a stop is requested. Returns the exit code."""
+        """Wait until the run ends, a service fails for good, or a stop is requested. Returns the exit code."""
+        assert self.replicas is not None
         next_display = time.monotonic()
+        next_reconcile = time.monotonic() + self.cfg.up.reconcile_interval_s
         until = self.cfg.up.until
         while not self.stop_requested:
-            for child in self.children:
-                code = child.proc.poll()
-                if code is None:
+            for gone in self.replicas.poll():
+                if gone.removed:
+                    self._say(f"{gone.name} removed (exit code {gone.code})")
                     continue
-                if code == 0 and child.name.startswith(until + "-"):
-                    self._say(f"{child.name} finished: the run is complete")
+                if gone.code == 0 and gone.service == until:
+                    self._say(f"{gone.name} finished: the run is complete")
                     return 0
-                if code != 0 or not child.name.startswith(until + "-"):
-                    self._say(f"{child.name} exited with code {code}: stopping the run", error=True)
-                    print(f"streamrl up: service {child.name} failed (exit code {code})", file=sys.stderr)
-                    return 1
+                why = gone.detail or f"exit code {gone.code}"
+                self._say(f"{gone.name} exited ({why}): stopping the run", error=True)
+                print(f"streamrl up: service {gone.name} failed ({why})", file=sys.stderr)
+                return 1
+            if time.monotonic() >= next_reconcile:
+                self._reconcile()
+                next_reconcile = time.monotonic() + self.cfg.up.reconcile_interval_s
             if self.cfg.up.display and time.monotonic() >= next_display:
                 self._display()
                 next_display = time.monotonic() + self.cfg.up.display_interval_s
@@ -209,29 +355,38 @@ class Launcher:
         self._say("stop requested")
         return 0
 
+    def _reconcile(self) -> None:
+        """Start or drain rollout and reward replicas to match the run's replicas hash."""
+        assert self.replicas is not None and self.client is not None
+        try:
+            desired = desired_replicas(self.client, self.names)
+        except (syncredis.RedisError, OSError):
+            return  # Redis briefly away: the next round catches up
+        for service, count in desired.items():
+            if service not in SCALABLE or service not in self.cfg.up.services:
+                continue
+            start, drain = plan(count, self.replicas.active(service), self.replicas.occupied(service))
+            if start or drain:
+                self._say(f"scaling {service}: {len(self.replicas.active(service))} -> {count} replicas")
+            for index in drain:
+                self.replicas.drain(service, index)
+            for index in start:
+                self.replicas.start(service, index)
+
     def stop(self) -> None:
-        """SIGTERM every child's process group, wait ``grace_s``, SIGKILL the rest, stop redis."""
-        for child in self.children:
-            _signal_group(child.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.up.grace_s
-        for child in self.children:
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._say(f"{child.name} did not stop within {self.cfg.up.grace_s} s: killing it", error=True)
-        for child in self.children:
-            _signal_group(child.proc, signal.SIGKILL)  # also reaps grandchildren left in the group
-            child.proc.wait()
-            child.pump.join(timeout=2)
+        """Stop every replica (SIGTERM, ``grace_s``, SIGKILL), then the embedded redis."""
+        if self.replicas is not None:
+            self.replicas.stop_all()
+        if self.client is not None:
+            self.client.close()
         if self.redis is not None:
             self.redis.stop()
 
     def _display(self) -> None:
+        assert self.client is not None
         try:
-            client = syncredis.Redis.from_url(self.redis_url or "", socket_timeout=1)
-            beats = live_heartbeats(client, self.names)
-            progress = {k.decode(): v.decode() for k, v in client.hgetall(self.names.state("progress")).items()}
-            client.close()
+            beats = live_heartbeats(self.client, self.names)
+            progress = {k.decode(): v.decode() for k, v in self.client.hgetall(self.names.state("progress")).items()}
         except (syncredis.RedisError, ValueError, OSError):
             return
         alive = ", ".join(sorted(f"{b.instance}:{b.status}" for b in beats))
@@ -245,15 +400,8 @@ class Launcher:
             stream.flush()
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="streamrl up", description="Run a streamrl job locally (embedded Redis).")
+    parser = argparse.ArgumentParser(prog="streamrl up", description="Run a streamrl job (local processes or Ray).")
     parser.add_argument("recipe")
     args, overrides = parser.parse_known_args(argv)
     try:

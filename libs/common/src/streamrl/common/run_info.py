@@ -1,0 +1,68 @@
+"""``{run_dir}/up.json``: where a run started by ``streamrl up`` can be reached, for ``streamrl scale``.
+
+Written by the launcher when it starts: the run id, the Redis URL (the embedded server's, or the
+recipe's), the backend and the scaling bounds. A password in the URL is never written: the file
+then says so, and a reader must take the URL from ``STREAMRL_REDIS__URL``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from streamrl.common.errors import ConfigError
+
+UP_FILE = "up.json"
+REDIS_URL_ENV = "STREAMRL_REDIS__URL"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What ``up.json`` holds."""
+
+    run_id: str
+    redis_url: str
+    """The URL without its password (if it had one: ``redis_password`` is true)."""
+    redis_password: bool = False
+    backend: str = "local"
+    max_replicas: dict[str, int] = field(default_factory=dict)
+    recipe: str = ""
+    pid: int = 0
+    """Process id of the launcher."""
+
+    def url(self) -> str:
+        """The URL to connect with: ``STREAMRL_REDIS__URL`` if set, else the stored one (a config error if the
+        stored one lost its password)."""
+        if os.environ.get(REDIS_URL_ENV):
+            return os.environ[REDIS_URL_ENV]
+        if self.redis_password:
+            raise ConfigError(f"the run's Redis URL has a password, which {UP_FILE} does not keep: set {REDIS_URL_ENV}")
+        return self.redis_url
+
+
+def without_password(url: str) -> tuple[str, bool]:
+    """``url`` less its password, and whether it had one."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, False
+    host = parts.hostname or ""
+    netloc = (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc)), True
+
+
+def write_run_info(run_dir: str | Path, info: RunInfo) -> Path:
+    path = Path(run_dir) / UP_FILE
+    url, had_password = without_password(info.redis_url)
+    data = asdict(info) | {"redis_url": url, "redis_password": had_password or info.redis_password}
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def read_run_info(run_dir: str | Path) -> RunInfo:
+    path = Path(run_dir) / UP_FILE
+    if not path.exists():
+        raise ConfigError(f"{path} not found: was this run started with `streamrl up`?")
+    return RunInfo(**json.loads(path.read_text()))

@@ -1,0 +1,145 @@
+"""The ``[up]`` section of a recipe: which services ``streamrl up`` starts, how many, where, and how
+it restarts and scales them, on either backend (local processes or Ray actors).
+
+Pydantic only (no Ray import): a recipe is validated before any backend is touched.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt, field_validator, model_validator
+
+from streamrl.common.config import BaseConfig
+
+SERVICES = ("coordinator", "rollout", "reward", "learner")
+SCALABLE = ("rollout", "reward")
+"""Services whose replica count can change while a run is live (they share their stream's consumer group)."""
+
+
+class ServiceResources(BaseConfig):
+    """What one replica of a service asks the Ray scheduler for (``[up] backend = "ray"``)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    """Logical CPUs reserved for the replica's actor (fractions allowed)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs reserved for the replica's actor; a fraction below 1 shares one GPU with other actors (colocation,
+    e.g. ``0.5`` for a rollout and a learner on one device). Above 1 it must be whole. The service process sees
+    exactly the GPUs Ray assigned (``CUDA_VISIBLE_DEVICES``); with 0 it sees none."""
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_above_one(cls, value: float) -> float:
+        if value > 1 and not float(value).is_integer():
+            raise ValueError(f"{value} is neither a fraction of one GPU nor a whole number of GPUs")
+        return value
+
+
+class UpConfig(BaseConfig):
+    """The ``[up]`` section: what ``streamrl up`` starts and how it keeps it running."""
+
+    services: list[str] = list(SERVICES)
+    """Services to start, in order."""
+    replicas: dict[str, int] = {}
+    """Instances per service at start (default 1), e.g. ``{reward = 2}``. Rollout and reward can be changed while
+    the run is live with ``streamrl scale``."""
+    threads: dict[str, PositiveInt] = {}
+    """CPU threads per service (its ``OMP_NUM_THREADS``), e.g. ``{learner = 2, rollout = 1}``; default:
+    inherited from the environment."""
+    until: str = "coordinator"
+    """The run is over when this service exits 0."""
+    grace_s: float = Field(20.0, ge=0)
+    """On stop, and when a replica is removed by scaling, time it gets after SIGTERM before SIGKILL (s)."""
+    display: bool = True
+    """Show the live progress display (a line every few seconds when not a terminal)."""
+    display_interval_s: float = Field(2.0, gt=0)
+    gpus: dict[str, str | list[str]] = {}
+    """Local backend: GPU placement, service -> the ``CUDA_VISIBLE_DEVICES`` of its processes. A string applies to
+    every replica, a list gives one entry per replica (as many as ``replicas``; a replica added by scaling beyond
+    the list takes entry ``index % len``). A service without an entry inherits the launcher's environment. E.g.
+    ``{rollout = ["0", "1"], learner = "2"}``; the colocated mode is rollout and learner on one device:
+    ``{rollout = "0", learner = "0"}``. The Ray backend places GPUs with ``resources`` instead."""
+    max_restarts: dict[str, int] = {}
+    """Restarts allowed per replica after it crashes (exits non-zero, or exits at all unless it is the ``until``
+    service exiting 0), e.g. ``{rollout = 3, reward = 3}``. Default 0: a crash stops the whole run, naming the
+    service. Local backend: the launcher restarts the process after ``restart_backoff_s``; Ray: the actor's
+    ``max_restarts`` (Ray restarts it). A restarted replica gets a new instance name (``rollout-1.1``)."""
+    restart_backoff_s: float = Field(1.0, ge=0)
+    """Local backend: wait before a crashed replica's first restart (s); it doubles with each further restart of
+    that replica."""
+    reconcile_interval_s: float = Field(1.0, gt=0)
+    """How often the launcher reads the run's desired replica counts (``streamrl scale``) and starts or drains
+    replicas to match (s)."""
+    max_replicas: dict[str, int] = {}
+    """Upper bound per scalable service on what ``streamrl scale`` may request, e.g. ``{rollout = 8}``; default:
+    no bound."""
+    backend: Literal["local", "ray"] = "local"
+    """``local``: every replica a child process of the launcher on this machine. ``ray``: every replica a Ray actor
+    running the service as its child process (``pip install 'streamrl-common[ray]'``)."""
+    ray_address: str | None = None
+    """Ray backend: None starts a local Ray on this machine; ``auto`` joins the cluster this machine belongs to;
+    ``ray://host:10001`` connects as a Ray client. The recipe and data paths must exist on every node."""
+    ray_num_cpus: int | None = Field(None, ge=1)
+    """Ray backend, local Ray only: logical CPUs it offers (None = this machine's count)."""
+    ray_object_store_mb: int = Field(128, ge=80)
+    """Ray backend, local Ray only: its object store (MiB). streamrl moves no data through it (the data rides on
+    Redis and the weights on their own transport), so it stays small."""
+    resources: dict[str, ServiceResources] = {}
+    """Ray backend: per-service resources of each replica, e.g. ``{rollout = {num_cpus = 1, num_gpus = 0.5},
+    learner = {num_gpus = 1}}``; default ``num_cpus = 1, num_gpus = 0``. The learner with ``learner.ranks = N``
+    reserves N times its entry (one actor runs the learner, which starts its N ranks)."""
+
+    @model_validator(mode="after")
+    def _check_services(self) -> UpConfig:
+        for field in ("replicas", "threads", "gpus", "max_restarts", "resources"):
+            for service in getattr(self, field):
+                if service not in SERVICES:
+                    raise ValueError(f"up.{field}.{service}: unknown service; known: {list(SERVICES)}")
+        for service in self.max_replicas:
+            if service not in SCALABLE:
+                raise ValueError(f"up.max_replicas.{service}: only {list(SCALABLE)} can be scaled")
+        return self
+
+    @model_validator(mode="after")
+    def _check_counts(self) -> UpConfig:
+        for field in ("replicas", "max_restarts"):
+            for service, count in getattr(self, field).items():
+                if count < 0:
+                    raise ValueError(f"up.{field}.{service}: {count} < 0")
+        for service, bound in self.max_replicas.items():
+            if self.replicas.get(service, 1) > bound:
+                raise ValueError(
+                    f"up.max_replicas.{service}: {bound} is below up.replicas.{service} = {self.replicas[service]}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _check_gpus(self) -> UpConfig:
+        for service, devices in self.gpus.items():
+            replicas = self.replicas.get(service, 1)
+            if isinstance(devices, list) and len(devices) != replicas:
+                raise ValueError(
+                    f"up.gpus.{service}: {len(devices)} entries for {replicas} replica(s); give one per replica "
+                    "or a single string for all"
+                )
+        if self.backend == "ray" and self.gpus:
+            raise ValueError("up.gpus: the ray backend places GPUs by up.resources (num_gpus per replica)")
+        return self
+
+    def cuda_devices(self, service: str, replica: int) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` of replica ``replica`` of ``service`` (None = inherited)."""
+        devices = self.gpus.get(service)
+        return devices[replica % len(devices)] if isinstance(devices, list) else devices
+
+    def resources_of(self, service: str) -> ServiceResources:
+        """Resources of one replica of ``service`` on the Ray backend."""
+        return self.resources.get(service, ServiceResources())
+
+
+class LaunchRecipe(BaseConfig):
+    """Top level of a recipe as the launcher sees it (service sections are validated by each service)."""
+
+    model_config = BaseConfig.model_config | {"extra": "allow"}
+    run_id: str = "default"
+    run_dir: str = "runs/default"
+    up: UpConfig = UpConfig()

@@ -1,0 +1,231 @@
+"""Scaling a live run: the replicas hash and its checks, ``streamrl scale``, ``up.json``, the ``[up]`` fields of
+scaling and Ray, and the local launcher's reconcile, drain and restarts (stand-in services: small processes that
+only record that they run)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis as syncredis
+
+from streamrl.common import launcher as launcher_lib
+from streamrl.common.config import validate
+from streamrl.common.errors import ConfigError
+from streamrl.common.launcher import Launcher
+from streamrl.common.run_info import RunInfo, read_run_info, without_password, write_run_info
+from streamrl.common.scale_cli import main as scale_main
+from streamrl.common.scale_cli import parse_counts
+from streamrl.common.scaling import desired_replicas, instance_name, plan, request_replicas
+from streamrl.common.streams import StreamNames
+from streamrl.common.up_config import LaunchRecipe, ServiceResources, UpConfig
+
+STAND_IN = """
+import os, pathlib, signal, sys, time
+service, instance, folder = sys.argv[1:4]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+pathlib.Path(folder, instance).write_text(str(os.getpid()))
+while not (service == "coordinator" and pathlib.Path(folder, "finish").exists()):
+    time.sleep(0.05)
+"""
+"""A service that writes ``{folder}/{instance}`` (its pid) when it starts, exits 0 on SIGTERM, and (the
+coordinator) exits 0 once ``{folder}/finish`` exists."""
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[syncredis.Redis]:
+    c = syncredis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def test_counts_round_trip_through_the_run_hash(client: syncredis.Redis, run_id: str) -> None:
+    names = StreamNames(run_id)
+    assert desired_replicas(client, names) == {}
+    request_replicas(client, names, {"rollout": 3, "reward": 2})
+    request_replicas(client, names, {"rollout": 0})
+    assert desired_replicas(client, names) == {"rollout": 0, "reward": 2}
+    assert client.hgetall(names.state("replicas")) == {b"rollout": b"0", b"reward": b"2"}
+
+
+@pytest.mark.parametrize(
+    "counts,match",
+    [({"coordinator": 2}, "coordinator: a single-instance service cannot be scaled"),
+     ({"learner": 2}, "learner: a single-instance service"), ({"rollot": 2}, "rollot: unknown service"),
+     ({"rollout": -1}, "rollout: replica count must be an integer >= 0"), ({"reward": 1.5}, "integer"),
+     ({"rollout": 9}, r"rollout: 9 replicas is over the maximum of 8"), ({}, "no replica count")],
+)  # fmt: skip
+def test_refused_counts_name_the_service_and_write_nothing(
+    client: syncredis.Redis, run_id: str, counts: dict[str, int], match: str
+) -> None:
+    names = StreamNames(run_id)
+    with pytest.raises(ValueError, match=match):
+        # beside a valid count: nothing is written when any is refused
+        request_replicas(client, names, {"reward": 1, **counts} if counts else {}, max_replicas={"rollout": 8})
+    assert desired_replicas(client, names) == {}
+
+
+def test_plan_starts_at_the_next_free_index_and_drains_the_highest() -> None:
+    assert plan(3, active=[0], occupied=[0]) == ([1, 2], [])
+    assert plan(1, active=[0, 1, 2], occupied=[0, 1, 2]) == ([], [2, 1])
+    assert plan(3, active=[0, 2], occupied=[0, 1, 2]) == ([3], [])  # 1 still draining: not free
+    assert plan(2, active=[0, 1], occupied=[0, 1]) == ([], [])
+    assert plan(0, active=[0], occupied=[0]) == ([], [0])
+
+
+def test_instance_names_are_new_for_each_incarnation() -> None:
+    assert [instance_name("rollout", 2, n) for n in range(3)] == ["rollout-2", "rollout-2.1", "rollout-2.2"]
+
+
+def test_up_json_never_holds_a_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert without_password("redis://:s3cret@host:6380/0") == ("redis://host:6380/0", True)
+    assert without_password("rediss://user:s3cret@host/1") == ("rediss://user@host/1", True)
+    assert without_password("redis://127.0.0.1:1234/0") == ("redis://127.0.0.1:1234/0", False)
+    write_run_info(tmp_path, RunInfo(run_id="r", redis_url="redis://:s3cret@host:6380/0"))
+    assert "s3cret" not in (tmp_path / "up.json").read_text()
+    info = read_run_info(tmp_path)
+    monkeypatch.delenv("STREAMRL_REDIS__URL", raising=False)
+    with pytest.raises(ConfigError, match="set STREAMRL_REDIS__URL"):
+        info.url()
+    monkeypatch.setenv("STREAMRL_REDIS__URL", "redis://:s3cret@host:6380/0")
+    assert info.url() == "redis://:s3cret@host:6380/0"
+    with pytest.raises(ConfigError, match=r"up\.json not found"):
+        read_run_info(tmp_path / "elsewhere")
+
+
+def test_scale_command_on_a_run_dir_and_on_a_recipe(
+    tmp_path: Path, redis_url: str, run_id: str, client: syncredis.Redis, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.delenv("STREAMRL_REDIS__URL", raising=False)
+    write_run_info(tmp_path, RunInfo(run_id=run_id, redis_url=redis_url, max_replicas={"rollout": 4}))
+    assert scale_main([str(tmp_path), "rollout=3", "reward=2"]) == 0
+    out = capsys.readouterr().out
+    assert "requested: rollout=3 reward=2" in out and "desired:   reward=2 rollout=3" in out
+    assert "live now:  rollout=0 (-) reward=0 (-)" in out
+    assert scale_main([str(tmp_path), "rollout=5"]) == 2
+    assert "rollout: 5 replicas is over the maximum of 4" in capsys.readouterr().err
+    assert scale_main([str(tmp_path), "learner=2"]) == 2
+    assert "learner: a single-instance service cannot be scaled" in capsys.readouterr().err
+    assert scale_main([str(tmp_path), "rollout=two"]) == 2
+    recipe = tmp_path / "r.toml"  # no redis.url: the embedded server's, from {run_dir}/up.json
+    recipe.write_text(f'run_id = "{run_id}"\nrun_dir = "{tmp_path}"\n')
+    assert scale_main([str(recipe), "rollout=1"]) == 0
+    assert desired_replicas(client, StreamNames(run_id)) == {"rollout": 1, "reward": 2}
+    assert parse_counts(["rollout=2", "reward=0"]) == {"rollout": 2, "reward": 0}
+
+
+def test_up_config_checks_the_scaling_and_ray_fields() -> None:
+    cases = [
+        ({"resources": {"rolout": {"num_cpus": 1}}}, r"up\.resources\.rolout: unknown service"),
+        ({"resources": {"learner": {"num_gpus": 1.5}}}, r"resources\.learner\.num_gpus: .*1\.5 is neither"),
+        ({"resources": {"learner": {"num_gpu": 1}}}, r"up\.resources\.learner\.num_gpu: Extra inputs"),
+        ({"max_replicas": {"learner": 2}}, r"up\.max_replicas\.learner: only"),
+        ({"replicas": {"rollout": 3}, "max_replicas": {"rollout": 2}}, r"up\.max_replicas\.rollout: 2 is below"),
+        ({"max_restarts": {"reward": -1}}, r"up\.max_restarts\.reward: -1 < 0"),
+        ({"backend": "ray", "gpus": {"rollout": "0"}}, r"up\.gpus: the ray backend places GPUs by up\.resources"),
+        ({"backend": "slurm"}, r"up\.backend: Input should be 'local' or 'ray'"),
+    ]
+    for data, match in cases:  # as `streamrl up` reports them: one line naming the field
+        with pytest.raises(ConfigError, match=match):
+            validate(LaunchRecipe, {"up": data}, source="recipe")
+    up = UpConfig.model_validate({"resources": {"rollout": {"num_gpus": 0.5}}, "gpus": {"rollout": ["0", "1"]},
+                                  "replicas": {"rollout": 2}})  # fmt: skip
+    assert up.resources_of("rollout").num_gpus == 0.5 and up.resources_of("reward") == ServiceResources()
+    assert up.cuda_devices("rollout", 2) == "0"  # a replica added by scaling beyond the list: round robin
+
+
+class StandIns:
+    """A launcher (local backend) running stand-in services, watched in a thread."""
+
+    def __init__(self, tmp_path: Path, redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.folder = tmp_path / "alive"
+        self.folder.mkdir()
+        script = tmp_path / "stand_in.py"
+        script.write_text(STAND_IN)
+        monkeypatch.setattr(
+            launcher_lib, "service_command",
+            lambda python, service, recipe, overrides, instance: [python, str(script), service, instance,
+                                                                  str(self.folder)],
+        )  # fmt: skip
+        recipe = tmp_path / "run.toml"
+        recipe.write_text(
+            f'run_id = "{run_id}"\nrun_dir = "{tmp_path / "run"}"\n[redis]\nurl = "{redis_url}"\n'
+            '[up]\nservices = ["coordinator", "rollout"]\ndisplay = false\ngrace_s = 5\n'
+            "reconcile_interval_s = 0.1\nrestart_backoff_s = 0.1\nmax_restarts = {rollout = 2}\n"
+        )
+        self.launcher = Launcher(str(recipe), [])
+        self.client = syncredis.Redis.from_url(redis_url)
+        self.names = StreamNames(run_id)
+        self.code: list[int] = []
+        self.launcher.start()
+        self.thread = threading.Thread(target=lambda: self.code.append(self.launcher.watch()), daemon=True)
+        self.thread.start()
+
+    def wait_for(self, condition, what: str, timeout_s: float = 20) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def started(self) -> set[str]:
+        return {p.name for p in self.folder.iterdir()}
+
+    def pid(self, instance: str) -> int:
+        return int((self.folder / instance).read_text())
+
+    def running(self) -> list[str]:
+        assert self.launcher.replicas is not None
+        return sorted(r.name for r in self.launcher.replicas.running if r.kill_at is None)  # type: ignore[attr-defined]
+
+    def finish(self) -> int:
+        self.thread.join(timeout=20)
+        self.launcher.stop()
+        self.client.close()
+        assert self.code, "the launcher did not return"
+        return self.code[0]
+
+
+def test_local_launcher_scales_drains_and_restarts_under_new_names(
+    tmp_path: Path, redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = StandIns(tmp_path, redis_url, run_id, monkeypatch)
+    try:
+        assert desired_replicas(run.client, run.names) == {"rollout": 1}  # the recipe's count, written at start
+        assert read_run_info(tmp_path / "run").run_id == run_id
+        run.wait_for(lambda: {"coordinator-0", "rollout-0"} <= run.started(), "the first replicas")
+        request_replicas(run.client, run.names, {"rollout": 3})
+        run.wait_for(lambda: run.running() == ["coordinator-0", "rollout-0", "rollout-1", "rollout-2"], "scale up")
+        request_replicas(run.client, run.names, {"rollout": 1})
+        run.wait_for(lambda: run.running() == ["coordinator-0", "rollout-0"], "scale down")
+        seen: list[str] = []
+        run.wait_for(lambda: seen.append(capsys.readouterr().out) or "rollout-2 removed (exit code 0)" in seen[-1],
+                     "the drained replica")  # fmt: skip
+        os.kill(run.pid("rollout-0"), signal.SIGKILL)  # a crash: restarted under a new name
+        run.wait_for(lambda: "rollout-0.1" in run.started(), "the restart")
+        request_replicas(run.client, run.names, {"rollout": 2})  # index 1 again: its second incarnation
+        run.wait_for(lambda: run.running() == ["coordinator-0", "rollout-0.1", "rollout-1.1"], "re-creation")
+        (run.folder / "finish").touch()
+    finally:
+        code = run.finish()
+    assert code == 0
+    assert "rollout-0 exited with code -9: restart 1 of 2 in 0.1 s" in capsys.readouterr().err
+
+
+def test_local_launcher_fails_the_run_once_a_replica_has_no_restart_left(
+    tmp_path: Path, redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = StandIns(tmp_path, redis_url, run_id, monkeypatch)
+    try:
+        for name in ("rollout-0", "rollout-0.1", "rollout-0.2"):
+            run.wait_for(lambda name=name: name in run.started(), name)  # type: ignore[misc]
+            os.kill(run.pid(name), signal.SIGKILL)
+    finally:
+        code = run.finish()
+    assert code == 1
+    assert "service rollout-0.2 failed (exit code -9)" in capsys.readouterr().err
