@@ -11,6 +11,12 @@ reason; nothing is ever scored 0 by default. When a batch fails for a reason tha
 sample-specific (a user function raised), its trajectories are re-scored one by one so only the
 bad one fails. De-duplication by trajectory id is the loop's job.
 
+Multi-turn episodes (``Trajectory.turns``): the scorers give the final (outcome) reward, and the
+environment gave one after each turn (``Turn.reward``). ``turn_rewards`` is the environment's rewards
+with the final reward added to the last turn's, and ``reward`` their sum: the whole return, which the
+learner's outcome estimators use; its token-level ones credit each turn's reward at that turn's end
+(docs/multiturn.md). ``score`` stays the scorers' (0-1, for accuracy and dynamic filtering).
+
 Per trajectory, the ScoredTrajectory carries the figures of its scoring (averaged per batch by the
 coordinator, like every ``extra`` key): ``reward_latency_ms`` (this delivery's wait for its
 scores), ``extra["reward/attempts"]`` (backend calls it took in this instance, counting those of
@@ -49,6 +55,15 @@ from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_sco
 MAX_TRACKED_FAILURES = 100_000
 """Trajectories whose failed attempts are remembered for ``reward/attempts`` (the oldest are forgotten:
 entries that were dead-lettered never come back to claim theirs)."""
+
+
+def episode_rewards(trajectory: Trajectory, final_reward: float) -> list[float]:
+    """Per-turn rewards of a multi-turn episode: each turn's environment reward, the scorers'
+    ``final_reward`` added to the last; ``[]`` for a single prompt and completion."""
+    rewards = [turn.reward for turn in trajectory.turns]
+    if rewards:
+        rewards[-1] += final_reward
+    return rewards
 
 
 def _is_sample_specific(error: BaseException) -> bool:
@@ -115,9 +130,11 @@ class RewardService:
         self._num_scored += 1
         self._num_retried += attempts > 1
         self._metrics.count_samples("scored", 1)
+        turn_rewards = episode_rewards(msg, combined.reward)
         scored = ScoredTrajectory(
             trajectory=msg,
-            reward=combined.reward,
+            reward=sum(turn_rewards) if turn_rewards else combined.reward,
+            turn_rewards=turn_rewards,
             score=combined.score,
             extra={**combined.extra, "reward/attempts": float(attempts), "reward/retried": float(attempts > 1)},
             scorer=self.provenance,
