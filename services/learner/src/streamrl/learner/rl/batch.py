@@ -3,6 +3,14 @@
 Layout: one row per sample, ``input_ids = prompt + response`` right-padded to the longest row.
 Response-space tensors are ``[B, T]`` with ``T`` = the longest response: position ``t`` is the
 ``t``-th response token, predicted by the logits at input position ``P_i + t - 1``.
+
+Multi-turn episodes (``Trajectory.turns``): the response holds the model's turns and the environment's
+tokens between them; ``mask`` is the trajectory's loss mask (0 on environment tokens), and the
+per-turn rewards (``ScoredTrajectory.turn_rewards``, the final reward already added to the last turn)
+become ``turn_rewards``: every turn's reward but the last, on the last model token at or before that
+turn's end. The scalar ``rewards`` stays the whole return; the estimators put what the earlier turns
+did not receive on the last model token (``advantages.token_rewards``), so the final turn gets the
+shaped return minus the earlier turns' rewards. docs/multiturn.md has the whole rule.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamrl.common.messages import TrainingBatch
+from streamrl.common.messages import ScoredTrajectory, TrainingBatch
 
 
 @dataclass
@@ -32,7 +40,10 @@ class RLBatch:
     behaviour_logprobs: torch.Tensor
     """[B, T] float32 log-probs from the rollout engine."""
     rewards: torch.Tensor
-    """[B] float32."""
+    """[B] float32 scalar return of each sample (the sum of its turn rewards in multi-turn episodes)."""
+    turn_rewards: torch.Tensor
+    """[B, T] float32 rewards of each multi-turn sample's turns before the last, each on the last model
+    token (``mask`` 1) at or before its turn's end; 0 elsewhere and for single-turn samples."""
     group_index: torch.Tensor
     """[B] int64 group ids (dense, 0..num_groups-1)."""
     temperatures: torch.Tensor
@@ -64,6 +75,7 @@ def collate(batch: TrainingBatch, pad_id: int) -> RLBatch:
     response_ids = np.zeros((b, width), dtype=np.int64)
     mask = np.zeros((b, width), dtype=np.float32)
     behaviour = np.zeros((b, width), dtype=np.float32)
+    turn_rewards = np.zeros((b, width), dtype=np.float32)
     groups: dict[str, int] = {}
     for i, s in enumerate(samples):
         p, r = prompts[i], responses[i]
@@ -73,6 +85,7 @@ def collate(batch: TrainingBatch, pad_id: int) -> RLBatch:
         response_ids[i, : len(r)] = r
         mask[i, : len(r)] = s.trajectory.loss_mask.to_numpy()
         behaviour[i, : len(r)] = s.trajectory.logprobs.to_numpy()
+        _place_turn_rewards(s, mask[i, : len(r)], turn_rewards[i])
         groups.setdefault(s.trajectory.group_id, len(groups))
     return RLBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -82,10 +95,39 @@ def collate(batch: TrainingBatch, pad_id: int) -> RLBatch:
         mask=torch.from_numpy(mask),
         behaviour_logprobs=torch.from_numpy(behaviour),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        turn_rewards=torch.from_numpy(turn_rewards),
         group_index=torch.tensor([groups[s.trajectory.group_id] for s in samples], dtype=torch.long),
         temperatures=torch.tensor([s.trajectory.sampling.temperature or 1.0 for s in samples], dtype=torch.float32),
         truncated=torch.tensor([s.trajectory.truncated for s in samples], dtype=torch.bool),
     )
+
+
+def _place_turn_rewards(sample: ScoredTrajectory, mask: np.ndarray, out: np.ndarray) -> None:
+    """Write the rewards of ``sample``'s turns before the last into ``out`` (its row of ``turn_rewards``).
+
+    Turn ``k``'s reward goes on the last position ``p < turns[k].end`` with ``mask[p] = 1``: its last
+    model token, or an earlier turn's when all of its own tokens are masked. A turn with no model token
+    at or before its end leaves its reward in the final remainder (``rewards - turn_rewards.sum()``).
+    """
+    rewards, turns = sample.turn_rewards, sample.trajectory.turns
+    if not rewards:
+        return
+    tid = sample.trajectory.id
+    if len(rewards) != len(turns):
+        raise ValueError(f"{tid}: {len(rewards)} turn_rewards for {len(turns)} turns (one reward per turn)")
+    previous_end = 0
+    for turn in turns:
+        if not previous_end <= turn.start <= turn.end <= len(mask):
+            raise ValueError(
+                f"{tid}: turn [{turn.start}, {turn.end}) must follow the previous turn's end {previous_end} "
+                f"and lie inside the response of {len(mask)} tokens"
+            )
+        previous_end = turn.end
+    model_positions = np.flatnonzero(mask)
+    for turn, reward in zip(turns[:-1], rewards[:-1], strict=True):
+        before_end = model_positions[model_positions < turn.end]
+        if before_end.size:
+            out[before_end[-1]] += reward
 
 
 def response_logits_index(prompt_lens: torch.Tensor, width: int) -> torch.Tensor:

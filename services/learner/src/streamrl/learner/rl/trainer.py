@@ -14,6 +14,10 @@ One step, in order::
             backward(loss * grad_accum); step()                      # DeepSpeed divides by grad_accum
     (critic: the same updates on the value loss)
 
+Multi-turn trajectories need nothing else: the loss mask (0 on environment tokens) is the ``mask`` of
+every log-prob, KL, entropy, correction, aggregation and metric, and their per-turn rewards reach the
+estimator as ``rl.turn_rewards`` (docs/multiturn.md).
+
 With one update per batch (the default) the proximal policy ``pi_old`` equals ``pi_theta`` before
 the step, so when nothing else needs a separate pass the trainer uses ``logp.detach()`` as ``old``
 and saves a forward pass. A no-grad pass over the batch is made first when there are several
@@ -177,7 +181,7 @@ class RLTrainer:
         rewards = shape_rewards(algo, rewards=rl.rewards, response_lengths=lengths, truncated=rl.truncated)
         advantages, returns = compute_advantages(
             algo, rewards=rewards, group_index=rl.group_index, mask=mask, kl=kl, values=old_values,
-            kl_coef=self.kl_ctl.value,
+            kl_coef=self.kl_ctl.value, turn_rewards=rl.turn_rewards,
         )  # fmt: skip
         wanted = set(traced_rows(batch)) if algo.correction.type != "none" else set()
         corrections: dict[int, SampleCorrection] = {}

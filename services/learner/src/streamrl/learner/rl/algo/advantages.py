@@ -28,7 +28,14 @@ Deliberate choices and simplifications:
   valid token; with KL in the reward ``A[i,t] = s_i - sum_{k>=t} kl_penalty[i,k]``.
 * Tokens with ``m = 0`` inside a response (tool output) are skipped by every recursion: the running
   return / next value / running GAE are carried across them unchanged (verl 2026-08), so padding
-  needs no special values. Outputs are 0 wherever ``m = 0``.
+  needs no special values. Outputs are 0 wherever ``m = 0``. Discounting therefore counts model
+  tokens only: a multi-turn trajectory gets exactly the advantages of its model tokens laid end to
+  end without the environment's (tests check this).
+* Multi-turn rewards (docs/multiturn.md): the token-level estimators (gae, reinforce) take
+  ``turn_rewards`` [B,T], the rewards of the turns before the last on their last model tokens, and
+  put the rest of the return, ``R_i - sum_t turn_rewards[i,t]``, on the last valid token
+  (``token_rewards``); the others use the scalar return ``R_i`` alone. Without turn rewards this is
+  the front end above, bit for bit.
 * Whitening is token weighted over the whole batch with the **biased** variance and a variance floor
   of 1e-8 (OpenRLHF): ``(A - mu) / sqrt(max(var, 1e-8))``. It needs at least 2 valid tokens. It runs
   after group centering, so an all-equal group of the REINFORCE++-baseline family can end with a
@@ -145,19 +152,45 @@ def group_statistics(rewards: Tensor, group_index: Tensor, *, min_group_size: in
     return mean[inverse], std[inverse], n[inverse]
 
 
-def shaped_returns(scores: Tensor, mask: Tensor, kl_penalty: Tensor | None, gamma: float = 1.0) -> Tensor:
-    """Return-to-go of ``scores`` placed on the last valid token minus the per-token ``kl_penalty``. [B,T]."""
-    token_rewards = terminal_rewards(scores, mask)
+def token_rewards(returns: Tensor, mask: Tensor, turn_rewards: Tensor | None = None) -> Tensor:
+    """Per-token rewards [B,T] that sum to ``returns`` [B] over each row's valid tokens.
+
+    Without ``turn_rewards`` the whole return sits on the last valid token (:func:`terminal_rewards`).
+    With them ([B,T], the earlier turns' rewards on model tokens), each stays where it is and the last
+    valid token gets the rest, ``returns - sum_t turn_rewards``: the final turn's reward, and whatever
+    shaping did to the scalar. Rewards on ``m = 0`` positions are dropped (none are placed there).
+    """
+    if turn_rewards is None:
+        return terminal_rewards(returns, mask)
+    if turn_rewards.shape != mask.shape:
+        raise ValueError(f"turn_rewards {tuple(turn_rewards.shape)} must match the mask {tuple(mask.shape)}")
+    earlier = torch.where(mask.bool(), turn_rewards.to(returns.dtype), 0.0)
+    return terminal_rewards(returns - earlier.sum(dim=1), mask) + earlier
+
+
+def shaped_returns(
+    scores: Tensor, mask: Tensor, kl_penalty: Tensor | None, gamma: float = 1.0, turn_rewards: Tensor | None = None
+) -> Tensor:
+    """Return-to-go of ``scores`` (on the last valid token, earlier ``turn_rewards`` where they lie) minus
+    the per-token ``kl_penalty``. [B,T]."""
+    rew = token_rewards(scores, mask, turn_rewards)
     if kl_penalty is not None:
-        token_rewards = token_rewards - torch.where(mask.bool(), kl_penalty, 0.0)
-    return discounted_returns(token_rewards, mask, gamma)
+        rew = rew - torch.where(mask.bool(), kl_penalty, 0.0)
+    return discounted_returns(rew, mask, gamma)
 
 
 def reinforce_plus_plus(
-    rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None, *, gamma: float = 1.0, scale: bool = True
+    rewards: Tensor,
+    mask: Tensor,
+    kl_penalty: Tensor | None,
+    *,
+    gamma: float = 1.0,
+    scale: bool = True,
+    turn_rewards: Tensor | None = None,
 ) -> Tensor:
-    """REINFORCE++ (1.3): KL-shaped return-to-go, whitened over all valid tokens of the batch. [B,T]."""
-    return masked_whiten(shaped_returns(rewards, mask, kl_penalty, gamma), mask, scale=scale)
+    """REINFORCE++ (1.3): KL-shaped return-to-go (per-turn rewards where they lie), whitened over all
+    valid tokens of the batch. [B,T]."""
+    return masked_whiten(shaped_returns(rewards, mask, kl_penalty, gamma, turn_rewards), mask, scale=scale)
 
 
 def reinforce_baseline(

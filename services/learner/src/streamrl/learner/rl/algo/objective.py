@@ -76,11 +76,12 @@ def compute_advantages(
     kl: Tensor | None = None,
     values: Tensor | None = None,
     kl_coef: float | None = None,
+    turn_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Advantages [B,T] (and critic returns [B,T] for gae, else None) over the WHOLE learner batch.
 
     Args:
-        rewards: [B] scalar (already shaped) reward per sequence.
+        rewards: [B] scalar (already shaped) reward per sequence: the whole return of a multi-turn episode.
         group_index: [B] integer group ids; samples answering the same prompt share an id. Group
             estimators (reinforce_baseline, rloo, grpo, dr_grpo) raise ``ValueError`` on a group of 1.
         mask: [B,T] loss mask (1 on generated response tokens; 0 on padding and tool tokens).
@@ -88,6 +89,11 @@ def compute_advantages(
             ``cfg.kl.estimator``); required when ``cfg.kl.placement == "reward"``, ignored otherwise.
         values: [B,T] critic values ``V(s_t)`` of the rollout; required by gae, ignored otherwise.
         kl_coef: the current KL coefficient (``KLController.value``); None uses ``cfg.kl.coef``.
+        turn_rewards: [B,T] rewards of the turns before the last, on their last model tokens
+            (``RLBatch.turn_rewards``). gae and reinforce credit them there and the rest of ``rewards``
+            on the last valid token (``advantages.token_rewards``); the outcome estimators
+            (reinforce_baseline, rloo, grpo, dr_grpo, flash_reinforce) use the scalar ``rewards``
+            alone and ignore them. None = all of ``rewards`` on the last valid token.
 
     Returns:
         ``(advantages, returns)``: both 0 wherever ``mask`` is 0; detached. Call this BEFORE splitting
@@ -106,13 +112,16 @@ def compute_advantages(
     if a.estimator == "gae":
         if values is None:
             raise ValueError("advantage.estimator=gae: pass the critic values [B, T]")
-        token_rewards = adv_fns.terminal_rewards(rewards, mask)
+        token_rewards = adv_fns.token_rewards(rewards, mask, turn_rewards)
         if kl_penalty is not None:
             token_rewards = token_rewards - torch.where(mask.bool(), kl_penalty, 0.0)
         advantages, returns = adv_fns.gae(token_rewards, values, mask, a.gamma, a.lam)
         return adv_fns.masked_whiten(advantages, mask, scale=a.std_normalize), returns
     if a.estimator == "reinforce":
-        return adv_fns.reinforce_plus_plus(rewards, mask, kl_penalty, gamma=a.gamma, scale=a.std_normalize), None
+        advantages = adv_fns.reinforce_plus_plus(
+            rewards, mask, kl_penalty, gamma=a.gamma, scale=a.std_normalize, turn_rewards=turn_rewards
+        )
+        return advantages, None
     if a.estimator == "reinforce_baseline":
         return adv_fns.reinforce_baseline(rewards, group_index, mask, kl_penalty, scale=a.std_normalize), None
 
