@@ -22,7 +22,8 @@ def batch_stats(batch: TrainingBatch, *, elapsed_s: float, num_too_stale: int) -
     def mean(values: list[float]) -> float:
         return float(np.mean(values)) if values else 0.0
 
-    lengths = [float(len(s.trajectory.response_ids)) for s in samples]
+    # the model's tokens: a multi-turn response also holds the environment's (loss mask 0)
+    lengths = [float(s.trajectory.loss_mask.to_numpy().sum()) for s in samples]
     latencies = [s.reward_latency_ms for s in samples]
     stats = {
         "rollout/reward_mean": mean([s.reward for s in samples]),
