@@ -238,3 +238,11 @@ def test_local_launcher_fails_the_run_once_a_replica_has_no_restart_left(
         code = run.finish()
     assert code == 1
     assert "service rollout-0.2 failed (exit code -9)" in capsys.readouterr().err
+
+
+def test_a_ray_client_address_needs_a_redis_the_cluster_reaches(tmp_path: Path) -> None:
+    recipe = tmp_path / "run.toml"
+    recipe.write_text(f'run_dir = "{tmp_path / "run"}"\n[up]\nbackend = "ray"\nray_address = "ray://head:10001"\n')
+    with pytest.raises(ConfigError, match=r"redis\.url: a Ray cluster reached through ray:// cannot reach"):
+        Launcher(str(recipe), []).start()
+    assert not (tmp_path / "run").exists()  # refused before anything started
