@@ -1,0 +1,185 @@
+"""Multi-turn environments: the plug-in interface, its loader, and calling it safely.
+
+An environment is a class named by ``rollout.environment.path``: a file (``/path/env.py[:Class]``)
+or a module (``pkg.mod[:Class]``), the class name ``Environment`` by default - found the way
+reward functions are. Each episode gets its own instance::
+
+    env = Class(**options)                            # rollout.environment.options
+    text = env.reset(prompt, label, metadata)         # shown before the first turn, or None
+    result = env.step(response_text)                  # after every model turn: a StepResult
+    env.close()                                       # optional: when the episode ends
+
+Any of them may be ``async def``; a plain one runs in a worker thread, so it never blocks the
+rollout worker's event loop. ``step`` returns a :class:`StepResult`, or a mapping with the same
+keys, so a plug-in file needs no streamrl import. The interface follows OpenRLHF's agent API in
+spirit (reset / step with the environment's feedback text, a per-step reward and a done flag),
+with typed results instead of dicts.
+
+What a plug-in does wrong - raising, overrunning ``step_timeout_s``, returning a malformed result -
+becomes an :class:`EnvironmentCallError` naming the call: the episode runner
+(:mod:`streamrl.rollout.episode`) ends that episode with stop reason ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from streamrl.common.aio import timeout
+
+DEFAULT_CLASS_NAME = "Environment"
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What an environment answers to one model turn.
+
+    Example:
+        StepResult(observation="<result>19</result>", reward=0.0, done=False)
+    """
+
+    observation: str = ""
+    """Text appended after the turn as environment tokens (loss-masked); ignored when ``done``."""
+    reward: float = 0.0
+    """The environment's reward for this turn (``Turn.reward``); the reward tier adds the final one."""
+    done: bool = False
+    """True ends the episode (stop reason ``done``)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Anything else, kept in the trajectory's ``metadata["env_info"]`` (one dict per step): plain
+    values only (numbers, strings, lists, dicts), as the message goes over msgpack."""
+
+
+class Environment(Protocol):
+    """What a plug-in class provides (``async def`` versions of these methods are accepted too)."""
+
+    def reset(self, prompt: str, label: str | None, metadata: dict[str, Any]) -> str | None:
+        """Start an episode for ``prompt``; the text to show before the first turn, or None."""
+        ...
+
+    def step(self, response: str) -> StepResult | Mapping[str, Any]:
+        """React to the model's turn ``response`` (its text)."""
+        ...
+
+
+class EnvironmentCallError(Exception):
+    """An environment raised, overran its deadline or returned a malformed result."""
+
+
+@dataclass(frozen=True)
+class EnvironmentFactory:
+    """Builds one environment per episode: the loaded class and its constructor options."""
+
+    cls: type
+    options: dict[str, Any]
+
+    def __call__(self) -> Any:
+        return self.cls(**self.options)
+
+
+def load_environment(spec: str, options: Mapping[str, Any] | None = None) -> EnvironmentFactory:
+    """Import the class named by ``spec`` and check it: ``reset`` and ``step`` methods, a constructor
+    that takes ``options``. Raises ValueError naming what is missing."""
+    target, name = _split_spec(spec)
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _load_file(Path(target).expanduser())
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"rollout.environment.path: module {target!r} not found: {e}") from e
+    cls = getattr(module, name, None)
+    if not inspect.isclass(cls):
+        what = "nothing" if cls is None else f"a {type(cls).__name__}"
+        raise ValueError(f"rollout.environment.path: {target}:{name} is {what}, not a class")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"rollout.environment.path: {target}:{name} has no {' or '.join(missing)} method")
+    options = dict(options or {})
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as e:
+        raise ValueError(
+            f"rollout.environment.options {sorted(options)} do not fit {name}{inspect.signature(cls)}: {e}"
+        ) from e
+    return EnvironmentFactory(cls, options)
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    """``a/b.py:C`` -> (``a/b.py``, ``C``); without a class name, the default."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not name or "/" in name or "\\" in name or not target:
+        return spec, DEFAULT_CLASS_NAME
+    return target, name
+
+
+def _load_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ValueError(f"rollout.environment.path: file not found: {path}")
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]  # two env.py files do not collide
+    spec = importlib.util.spec_from_file_location(f"streamrl_user_env_{digest}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"rollout.environment.path: {path} is not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return module
+
+
+async def call(method: Any, *args: Any, timeout_s: float, what: str) -> Any:
+    """``method(*args)`` awaited (async) or in a worker thread (sync), within ``timeout_s``.
+
+    Raises EnvironmentCallError naming ``what`` when it raises or overruns (a sync method overrunning
+    keeps running in its thread: the plug-in should bound its own work).
+    """
+    try:
+        async with timeout(timeout_s):
+            if inspect.iscoroutinefunction(method):
+                return await method(*args)
+            result = await asyncio.to_thread(method, *args)
+            if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine
+                result = await result
+            return result
+    except TimeoutError as e:
+        raise EnvironmentCallError(f"{what} timed out after {timeout_s} s") from e
+    except Exception as e:  # the plug-in's own error, re-raised as the domain error
+        raise EnvironmentCallError(f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def as_step_result(value: Any) -> StepResult:
+    """A ``step`` return value checked and normalised; EnvironmentCallError when it is malformed."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"observation", "reward", "done", "info"}
+        if unknown:
+            raise EnvironmentCallError(f"step returned unknown keys {sorted(unknown)}")
+        value = StepResult(**value)
+    if not isinstance(value, StepResult):
+        raise EnvironmentCallError(f"step returned a {type(value).__name__}, not a StepResult or a mapping")
+    observation = "" if value.observation is None else value.observation
+    if not isinstance(observation, str):
+        raise EnvironmentCallError(f"step returned an observation of type {type(observation).__name__}, not str")
+    if isinstance(value.reward, bool) or not isinstance(value.reward, int | float) or not math.isfinite(value.reward):
+        raise EnvironmentCallError(f"step returned reward {value.reward!r}, not a finite number")
+    if not isinstance(value.done, bool):
+        raise EnvironmentCallError(f"step returned done={value.done!r}, not a bool")
+    if not isinstance(value.info, dict):
+        raise EnvironmentCallError(f"step returned info of type {type(value.info).__name__}, not dict")
+    try:
+        msgspec.msgpack.encode(value.info)
+    except (TypeError, msgspec.EncodeError) as e:
+        raise EnvironmentCallError(f"step returned info that cannot go in a message: {e}") from e
+    return StepResult(observation, float(value.reward), value.done, value.info)
