@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 
 from streamrl.common.lifecycle import ServiceContext, service_main
 from streamrl.rollout.config import RolloutConfig
@@ -11,12 +12,32 @@ from streamrl.rollout.config import RolloutConfig
 
 async def _run(config: RolloutConfig, ctx: ServiceContext) -> None:
     from streamrl.rollout.engine import build_engine
+    from streamrl.rollout.environments import load_environment
+    from streamrl.rollout.episode import EpisodeRunner
     from streamrl.rollout.service import RolloutService
 
     assert config.redis.url is not None  # service_main refuses to start without one
     ctx.metrics.watch_streams(config.redis.url, {"prompts": ctx.names.prompts})
+    env = config.environment
+    # before the engine: a wrong environment path fails in seconds, not after the model loads
+    factory = None if env is None else load_environment(env.path, env.options)
     engine = await asyncio.to_thread(build_engine, config.engine)
-    await RolloutService(config, ctx, engine).run()
+    episodes = None
+    if env is not None and factory is not None:
+        tokenize = await asyncio.to_thread(_tokenizer, config)
+        episodes = EpisodeRunner(engine, factory, tokenize, env, config.engine.max_model_len)
+    await RolloutService(config, ctx, engine, episodes).run()
+
+
+def _tokenizer(config: RolloutConfig) -> Callable[[str], list[int]]:
+    """The engine's tokenizer (the same folder it loads) as text -> ids, no special tokens added."""
+    from transformers import AutoTokenizer
+
+    engine = config.engine
+    tokenizer = AutoTokenizer.from_pretrained(
+        engine.tokenizer or engine.model, trust_remote_code=engine.trust_remote_code
+    )
+    return lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,9 @@
   serves one; then loaded. The version the engine serves (over the broadcast, possibly newer than
   the message's) is reported in the heartbeat and in the ``served`` hash. A worker that joins late
   loads the latest published version before it takes prompts.
+* With ``rollout.environment`` set, each sample is a multi-turn episode with that environment
+  (:mod:`streamrl.rollout.episode`): the Trajectory then carries the turns, the loss mask (0 on the
+  environment's tokens), the stop reason and - when the environment failed - ``metadata["env_error"]``.
 
 Observability (:mod:`streamrl.common.tracing`, :mod:`streamrl.common.prom`): per prompt a
 ``rollout.queue`` span from its issue to the start of its generation (under the prompt's
@@ -60,6 +63,7 @@ from streamrl.common.tracing import weights_traceparent
 from streamrl.common.weights_auth import KEY_ENV, check, weights_key
 from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.engine import Engine, GenerationRequest, Sample
+from streamrl.rollout.episode import Episode, EpisodeRunner
 
 logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 10.0
@@ -68,11 +72,15 @@ ENGINE_CLOSE_TIMEOUT_S = 10.0
 class RolloutService:
     """See the module docstring."""
 
-    def __init__(self, config: RolloutConfig, ctx: ServiceContext, engine: Engine) -> None:
+    def __init__(
+        self, config: RolloutConfig, ctx: ServiceContext, engine: Engine, episodes: EpisodeRunner | None = None
+    ) -> None:
         self.cfg = config
         self.ctx = ctx
         self.redis = ctx.bus.redis
         self.engine = engine
+        self.episodes = episodes
+        """Runs each sample as a multi-turn episode (``rollout.environment``); None = one completion each."""
         self.latest: WeightsPublished | None = None
         self.changed = asyncio.Condition()
         self.update_lock = asyncio.Lock()
@@ -123,7 +131,7 @@ class RolloutService:
         with contextlib.ExitStack() as stack:  # an engine error fails every sample's span
             n = request.sampling.n if traced else 0
             spans = [stack.enter_context(tracing.span(GENERATE, queued, start_s=started)) for _ in range(n)]
-            samples = await self._generate(request)
+            samples = await (self._generate(request) if self.episodes is None else self._run_episodes(item))
             ended = time.time()
             for j, (sample, span) in enumerate(zip(samples, spans, strict=traced)):
                 span.set_attributes({
@@ -134,7 +142,7 @@ class RolloutService:
                     FINISH_REASON: sample.finish_reason,
                 })  # fmt: skip
                 span.end(ended)
-        self.ctx.metrics.count_samples("generated", len(samples), sum(len(x.token_ids) for x in samples))
+        self.ctx.metrics.count_samples("generated", len(samples), sum(_num_generated(x) for x in samples))
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
         traceparents = [span.traceparent for span in spans] if traced else [queued] * len(samples)
         return [
@@ -153,6 +161,18 @@ class RolloutService:
             self.in_engine -= 1
             metrics.set_engine_queue_depth(self.in_engine)
         return samples
+
+    async def _run_episodes(self, item: PromptWorkItem) -> list[Episode]:
+        """The episodes of one prompt, counted in the engine queue depth while they run."""
+        assert self.episodes is not None
+        metrics = self.ctx.metrics
+        self.in_engine += 1
+        metrics.set_engine_queue_depth(self.in_engine)
+        try:
+            return await self.episodes.run_group(item)
+        finally:
+            self.in_engine -= 1
+            metrics.set_engine_queue_depth(self.in_engine)
 
     async def _wait_for_version(self, version: int) -> None:
         """Block until the engine serves ``version`` or newer (pulling it if it is published)."""
@@ -293,18 +313,30 @@ def _stream_order(entry_id: str) -> tuple[int, int]:
     return int(millis), int(seq or 0)
 
 
+def _num_generated(sample: Sample | Episode) -> int:
+    """Tokens the model generated (an episode's environment tokens are not counted)."""
+    return len(sample.token_ids) if isinstance(sample, Sample) else sample.num_model_tokens
+
+
 def _trajectory(
-    item: PromptWorkItem, j: int, sample: Sample, timings: dict[str, float], traceparent: str
+    item: PromptWorkItem, j: int, sample: Sample | Episode, timings: dict[str, float], traceparent: str
 ) -> Trajectory:
-    """Sample ``j`` of ``item`` as the message to the reward tier."""
-    num_tokens = len(sample.token_ids)
+    """Sample (or episode) ``j`` of ``item`` as the message to the reward tier."""
+    if isinstance(sample, Sample):
+        loss_mask, turns, stop_reason, metadata = np.ones(len(sample.token_ids), dtype=np.uint8), [], "", item.metadata
+    else:
+        loss_mask, turns, stop_reason = np.asarray(sample.loss_mask, dtype=np.uint8), sample.turns, sample.stop_reason
+        metadata = {**item.metadata, "env_info": sample.env_infos}
+        if sample.env_error is not None:
+            metadata["env_error"] = sample.env_error
     return Trajectory(
         id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n, prompt_ids=item.prompt_ids,
         response_ids=Tensor.from_numpy(np.asarray(sample.token_ids, dtype=np.int32)),
         logprobs=Tensor.from_numpy(np.asarray(sample.logprobs, dtype=np.float32)),
-        loss_mask=Tensor.from_numpy(np.ones(num_tokens, dtype=np.uint8)),
+        loss_mask=Tensor.from_numpy(loss_mask),
         prompt_text=item.prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
         truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
-        policy_version_end=sample.version_end, label=item.label, metadata=item.metadata,
+        policy_version_end=sample.version_end, label=item.label, metadata=metadata,
         images=item.images, is_eval=item.is_eval, timings=dict(timings), traceparent=traceparent,
+        turns=turns, stop_reason=stop_reason,
     )  # fmt: skip
