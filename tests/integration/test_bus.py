@@ -17,6 +17,7 @@ import redis
 
 from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
+from streamrl.common.health import live_heartbeats
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
@@ -84,6 +85,8 @@ def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(
     assert pending(client, names) > 0, "the killed consumer should have left entries pending"
     done_before = len(scored_ids(client, names))
     assert done_before < num
+    time.sleep(0.5)  # the heartbeat (TTL 0.4 s) has expired: a status display lists the live ones meanwhile
+    assert "echo:victim" not in {b.instance for b in live_heartbeats(client, names)}
     rescuer = start_worker(redis_url, run_id, "rescuer", f"--consumer.claim_idle_ms={claim_idle_ms}")
     try:
         wait_for(lambda: len(scored_ids(client, names)) >= num and pending(client, names) == 0, 20, "all outputs")
@@ -92,6 +95,9 @@ def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(
         assert len(ids) == num
         assert sorted(ids) == sorted(f"g{i}/0" for i in range(num))
         assert pending(client, names) == 0
+        consumers = [c["name"] for c in client.xinfo_consumers(names.trajectories, "reward")]
+        assert b"victim" not in consumers, "the dead consumer is forgotten once its entries are taken over"
+        assert b"echo:victim" not in client.smembers(names.instances)
     finally:
         rescuer.send_signal(signal.SIGTERM)
         assert rescuer.wait(20) == 0

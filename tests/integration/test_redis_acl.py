@@ -346,8 +346,7 @@ def test_observer_reads_everything_of_the_run(acl: AclRedis) -> None:
     assert observer.xinfo_groups(names.batches)[0]["name"] == b"learner"
     assert observer.xpending(names.batches, "learner")["pending"] == 0
     assert observer.hgetall(names.state("progress")) == {b"step": b"3"}
-    # it could not drop the expired instance (the services do that); nothing else was refused
-    assert [r.split(":")[0] + " " + r.split()[-1] for r in refusals(acl)] == ["observer srem"]
+    assert refusals(acl) == []  # reading the live heartbeats writes nothing
 
 
 @dataclass(frozen=True)

@@ -143,11 +143,17 @@ class ConsumerLoop(Generic[M]):
         await self.drain()
 
     async def drain(self) -> None:
-        """Give in-flight entries ``shutdown_grace_s`` to finish, then cancel them (they stay pending)."""
+        """Give in-flight entries ``shutdown_grace_s`` to finish, then cancel them (they stay pending).
+        What it holds is kept alive meanwhile: no other consumer takes it while this one still works on it."""
         if not self._tasks:
             return
         logger.info("%s: draining %d in-flight entries", self.stream, len(self._tasks))
-        _, pending = await asyncio.wait(set(self._tasks), timeout=self.config.shutdown_grace_s)
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        pending = set(self._tasks)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            _, pending = await asyncio.wait(pending, timeout=min(left, self.keep_alive_s))
+            if pending:
+                await self._keep_alive()
         if pending:
             await cancel_and_wait(pending)
             logger.warning("%s: cancelled %d entries after the grace period", self.stream, len(pending))
@@ -282,6 +288,12 @@ class ConsumerLoop(Generic[M]):
             if claimed:
                 logger.info("%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed), name)
             await self._take(claimed)
+            left = await self.redis.xpending_range(
+                self.stream, self.group, min="-", max="+", count=1, consumername=name
+            )
+            if not left:  # all taken: forget the dead consumer (deleting one that held entries would drop them)
+                await self.redis.xgroup_delconsumer(self.stream, self.group, name)
+                await self.redis.srem(self.names.instances, *(f"{s}:{i}" for s, i in members if i == name))
 
     def _free_slots(self) -> int:
         """In-flight slots free now (claims take no more: claimed entries never wait for a slot)."""

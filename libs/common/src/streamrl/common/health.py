@@ -50,20 +50,16 @@ def live_heartbeats(client: syncredis.Redis, names: StreamNames, service: str = 
     """Live heartbeats of ``service`` (``*`` = every service), sorted by service and instance.
 
     Looked up through the ``instances`` set, so the cost does not grow with the keyspace (a run
-    holds one de-duplication key per handled message). Instances whose key expired are dropped
-    from the set; a live one re-registers with its next beat."""
+    holds one de-duplication key per handled message). An instance whose key expired is left out
+    but stays in the set: a consumer loop judges its entries by it (the one that takes them over
+    removes it, :meth:`streamrl.common.consumer.ConsumerLoop._reclaim_from_the_dead`); one that
+    stopped cleanly removed itself."""
     members = sorted(m.decode() for m in client.smembers(names.instances))
     if service != "*":
         members = [m for m in members if m.split(":", 1)[0] == service]
     if not members:
         return []
     raws = client.mget([names.heartbeat(*m.split(":", 1)) for m in members])
-    gone = [m for m, raw in zip(members, raws, strict=True) if not raw]
-    if gone:
-        try:
-            client.srem(names.instances, *gone)
-        except syncredis.exceptions.NoPermissionError:  # a read-only user (observer): the services clean up
-            pass
     return [decode(raw, Heartbeat) for raw in raws if raw]
 
 

@@ -68,7 +68,17 @@ which redis-py also sends: Redis 7.0 does not know it (an ACL naming it fails to
 ignores its refusal (on Redis >= 7.2 one line per user in ACL LOG)."""
 SCRIPTS = ("eval", "evalsha", "script|load", "script|exists")
 TRANSACTIONS = ("multi", "exec", "discard")
-CONSUME = ("xgroup|create", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xinfo|consumers", "xinfo|groups")
+CONSUME = (
+    "xgroup|create",
+    "xgroup|delconsumer",
+    "xreadgroup",
+    "xack",
+    "xclaim",
+    "xautoclaim",
+    "xpending",
+    "xinfo|consumers",
+    "xinfo|groups",
+)
 """A :class:`streamrl.common.consumer.ConsumerLoop` on its stream."""
 FOLLOW = ("xread", "xrange", "xrevrange", "xlen")
 """A :class:`streamrl.common.follower.StreamFollower` (and a look at the last entries)."""
