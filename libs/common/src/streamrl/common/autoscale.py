@@ -21,7 +21,6 @@ writes them (:func:`streamrl.common.scaling.request_replicas`); the launcher's b
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ from pydantic import Field, PositiveInt, model_validator
 
 from streamrl.common.config import BaseConfig
 from streamrl.common.streams import StreamNames
-
-logger = logging.getLogger(__name__)
 
 INPUTS = {"rollout": ("prompts", "rollout"), "reward": ("trajectories", "reward")}
 """Autoscalable services -> (their input stream's name in :class:`StreamNames`, their consumer group)."""
@@ -130,9 +127,22 @@ def backlog(client: syncredis.Redis, names: StreamNames, service: str) -> int:  
     return int(client.xlen(stream))  # no group yet: every entry waits
 
 
+@dataclass(frozen=True)
+class Change:
+    """One decided change of a service's replica count."""
+
+    service: str
+    old: int
+    new: int
+    backlog: int
+
+    def __str__(self) -> str:
+        return f"autoscale {self.service}: {self.old} -> {self.new} replicas (backlog {self.backlog})"
+
+
 @dataclass
 class Autoscaler:
-    """The control loop's state: ``tick()`` every ``config.interval_s`` returns the counts to request."""
+    """The control loop's state: ``tick()`` as often as convenient; it looks every ``config.interval_s``."""
 
     config: AutoscaleConfig
     names: StreamNames
@@ -144,19 +154,17 @@ class Autoscaler:
         client: syncredis.Redis,  # type: ignore[type-arg]
         current: dict[str, int],
         now_s: float | None = None,
-    ) -> dict[str, int]:
-        """The services whose count should change, with their new count (empty between two intervals)."""
+    ) -> list[Change]:
+        """The changes to make to the ``current`` counts (none between two intervals)."""
         now_s = time.monotonic() if now_s is None else now_s
         if not self.config.enabled or now_s < self.next_tick_s:
-            return {}
+            return []
         self.next_tick_s = now_s + self.config.interval_s
-        changes = {}
+        changes = []
         for service, policy in self.config.services.items():
             have = current.get(service, 0)
             waiting = backlog(client, self.names, service)
             target = decide(policy, waiting, have, self.states.setdefault(service, ScaleState()), now_s)
             if target != have:
-                logger.info("autoscale %s: %d -> %d replicas (backlog %d, %d per replica)", service, have, target,
-                            waiting, policy.target_backlog)  # fmt: skip
-                changes[service] = target
+                changes.append(Change(service, have, target, waiting))
         return changes

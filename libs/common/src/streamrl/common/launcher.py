@@ -39,6 +39,7 @@ from typing import IO, Protocol
 
 import redis as syncredis
 
+from streamrl.common.autoscale import Autoscaler
 from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.health import live_heartbeats
 from streamrl.common.redis_server import RedisServer
@@ -276,6 +277,7 @@ class Launcher:
         self.weights_key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
         """The run's weights key (:mod:`streamrl.common.weights_auth`): the environment's, else a new random one."""
         self.stop_requested = False
+        self.autoscaler = Autoscaler(self.cfg.autoscale, self.names)
 
     def start(self) -> None:
         up = self.cfg.up
@@ -356,10 +358,18 @@ class Launcher:
         return 0
 
     def _reconcile(self) -> None:
-        """Start or drain rollout and reward replicas to match the run's replicas hash."""
+        """Start or drain rollout and reward replicas to match the run's replicas hash (which the
+        autoscaler, when enabled, sets first from the backlogs)."""
         assert self.replicas is not None and self.client is not None
         try:
             desired = desired_replicas(self.client, self.names)
+            changes = self.autoscaler.tick(self.client, desired)
+            if changes:
+                request_replicas(self.client, self.names, {c.service: c.new for c in changes},
+                                 max_replicas=self.cfg.up.max_replicas)  # fmt: skip
+                for change in changes:
+                    self._say(str(change))
+                desired = desired_replicas(self.client, self.names)
         except (syncredis.RedisError, OSError):
             return  # Redis briefly away: the next round catches up
         for service, count in desired.items():

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
+from streamrl.common.autoscale import AutoscaleConfig
 from streamrl.common.config import BaseConfig
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
@@ -143,3 +144,18 @@ class LaunchRecipe(BaseConfig):
     run_id: str = "default"
     run_dir: str = "runs/default"
     up: UpConfig = UpConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    """Replica counts of rollout and reward from their backlog (:mod:`streamrl.common.autoscale`)."""
+
+    @model_validator(mode="after")
+    def _check_autoscale(self) -> LaunchRecipe:
+        if not self.autoscale.enabled:
+            return self
+        for service, policy in self.autoscale.services.items():
+            if service not in self.up.services:
+                raise ValueError(f"autoscale.services.{service}: the service is not in up.services")
+            bound = self.up.max_replicas.get(service)
+            if bound is not None and policy.max_replicas > bound:
+                raise ValueError(f"autoscale.services.{service}.max_replicas ({policy.max_replicas}) is above "
+                                 f"up.max_replicas.{service} ({bound})")  # fmt: skip
+        return self
