@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from streamrl.common.lifecycle import ServiceContext, service_main
+from streamrl.rollout.agent_config import agent_token
 from streamrl.rollout.config import RolloutConfig
+
+if TYPE_CHECKING:
+    from streamrl.rollout.engine import Engine
 
 
 async def _run(config: RolloutConfig, ctx: ServiceContext) -> None:
@@ -21,12 +26,33 @@ async def _run(config: RolloutConfig, ctx: ServiceContext) -> None:
     env = config.environment
     # before the engine: a wrong environment path fails in seconds, not after the model loads
     factory = None if env is None else load_environment(env.path, env.options)
+    token = None if config.agent is None else agent_token(config.agent)
     engine = await asyncio.to_thread(build_engine, config.engine)
     episodes = None
     if env is not None and factory is not None:
         tokenize = await asyncio.to_thread(_tokenizer, config)
         episodes = EpisodeRunner(engine, factory, tokenize, env, config.engine.max_model_len)
+    if token is not None:
+        await _run_with_agents(config, ctx, engine, token)
+        return
     await RolloutService(config, ctx, engine, episodes).run()
+
+
+async def _run_with_agents(config: RolloutConfig, ctx: ServiceContext, engine: Engine, token: str) -> None:
+    """The worker with the OpenAI endpoint in front (``rollout.agent``): agents drive every sample."""
+    from transformers import AutoTokenizer
+
+    from streamrl.rollout import openai_server
+    from streamrl.rollout.service import RolloutService
+
+    agent, cfg = config.agent, config.engine
+    assert agent is not None
+    tokenizer = await asyncio.to_thread(
+        AutoTokenizer.from_pretrained, cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code
+    )
+    server, gateway = openai_server.build(engine, tokenizer, agent, cfg.max_model_len, cfg.model, token)
+    async with openai_server.serve(server, gateway, agent):
+        await RolloutService(config, ctx, engine, gateway).run()
 
 
 def _tokenizer(config: RolloutConfig) -> Callable[[str], list[int]]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from streamrl.common.config import BaseConfig
 from streamrl.common.lifecycle import ServiceConfig
+from streamrl.rollout.agent_config import AgentEndpointConfig
 from streamrl.rollout.engine_config import EngineConfig
 
 
@@ -37,8 +38,16 @@ class RolloutConfig(ServiceConfig):
     engine: EngineConfig
     environment: EnvironmentConfig | None = None
     """Multi-turn episodes with this environment; None = one completion per sample."""
+    agent: AgentEndpointConfig | None = None
+    """Serve an OpenAI-compatible endpoint: external agents drive every sample (docs/agents.md)."""
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """Deadline of one weight update; a miss is a loud WeightSyncError (the prompt is retried)."""
     version_wait_s: float = Field(1800.0, gt=0)
     """How long a prompt that asks for a newer policy version waits for those weights (s): prompts are
     issued ahead (coordinator.prefetch_steps), so this must exceed a learner step."""
+
+    @model_validator(mode="after")
+    def _one_driver(self) -> RolloutConfig:
+        if self.agent is not None and self.environment is not None:
+            raise ValueError("rollout.agent and rollout.environment exclude each other: agents drive the samples")
+        return self

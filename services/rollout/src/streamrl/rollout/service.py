@@ -61,7 +61,9 @@ from streamrl.common.trace_schema import (
 )
 from streamrl.common.tracing import weights_traceparent
 from streamrl.common.weights_auth import KEY_ENV, check, weights_key
+from streamrl.rollout.agent_gateway import AgentGateway
 from streamrl.rollout.config import RolloutConfig
+from streamrl.rollout.conversation import AgentEpisode
 from streamrl.rollout.engine import Engine, GenerationRequest, Sample
 from streamrl.rollout.episode import Episode, EpisodeRunner
 
@@ -73,14 +75,19 @@ class RolloutService:
     """See the module docstring."""
 
     def __init__(
-        self, config: RolloutConfig, ctx: ServiceContext, engine: Engine, episodes: EpisodeRunner | None = None
+        self,
+        config: RolloutConfig,
+        ctx: ServiceContext,
+        engine: Engine,
+        episodes: EpisodeRunner | AgentGateway | None = None,
     ) -> None:
         self.cfg = config
         self.ctx = ctx
         self.redis = ctx.bus.redis
         self.engine = engine
         self.episodes = episodes
-        """Runs each sample as a multi-turn episode (``rollout.environment``); None = one completion each."""
+        """Runs each sample as a multi-turn episode (``rollout.environment``) or hands it to an external
+        agent (``rollout.agent``); None = one completion each."""
         self.latest: WeightsPublished | None = None
         self.changed = asyncio.Condition()
         self.update_lock = asyncio.Lock()
@@ -329,12 +336,16 @@ def _trajectory(
         metadata = {**item.metadata, "env_info": sample.env_infos}
         if sample.env_error is not None:
             metadata["env_error"] = sample.env_error
+    prompt_ids, prompt_text = item.prompt_ids, item.prompt_text
+    if isinstance(sample, AgentEpisode):  # the agent's conversation has its own prompt
+        prompt_ids = Tensor.from_numpy(np.asarray(sample.prompt_ids, dtype=np.int32))
+        prompt_text, metadata["agent_reward"] = sample.prompt_text, sample.reward
     return Trajectory(
-        id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n, prompt_ids=item.prompt_ids,
+        id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n, prompt_ids=prompt_ids,
         response_ids=Tensor.from_numpy(np.asarray(sample.token_ids, dtype=np.int32)),
         logprobs=Tensor.from_numpy(np.asarray(sample.logprobs, dtype=np.float32)),
         loss_mask=Tensor.from_numpy(loss_mask),
-        prompt_text=item.prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
+        prompt_text=prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
         truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
         policy_version_end=sample.version_end, label=item.label, metadata=metadata,
         images=item.images, is_eval=item.is_eval, timings=dict(timings), traceparent=traceparent,
