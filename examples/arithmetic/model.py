@@ -65,9 +65,9 @@ PRESETS = {
 }
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer: every character of :data:`CHARS` is one token."""
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS])}
+def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: every character of ``chars`` (default :data:`CHARS`) is one token."""
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *chars])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # join characters without spaces
