@@ -1,8 +1,8 @@
 """Prepare the multi-turn demo: data, tokenizer, tiny policy and its warm start on tool episodes.
 
-    python examples/multiturn/prepare.py [recipe.toml] [--field=value ...]
+    python examples/multiturn/prepare.py [recipe.toml] [--prepare.field=value ...]
 
-Settings come from the recipe's ``[prepare]`` table, then ``--field=value`` overrides. It reuses the
+Settings come from the recipe's ``[prepare]`` table, then ``--prepare.field=value`` overrides. It reuses the
 arithmetic demo (``examples/arithmetic``): its problems and JSONL files, its tiny Llama with the
 character tokenizer (more characters here: the tags and ``Answer:``), and its warm-start loss and
 teacher-forced greedy accuracy. What differs is the warm-start data: whole episodes of
