@@ -7,18 +7,20 @@ learner (``fleet_sim.py``: real bus traffic - PromptWorkItems taken through the 
 8k-token Trajectory messages committed, TrainingBatches consumed, WeightsPublished versions).
 Model and sizing: ``fleet_model.py`` (tokens/s per GPU, why 5,000, what an H200-equivalent is).
 
-Each step starts everything afresh, waits out the warm-up, then for ``--window-s`` seconds samples
+Each step waits (up to ``--quiet-wait-s``) for other people's work on this shared machine to fall
+under 0.25 cores, starts everything afresh, waits out the warm-up, then for ``--window-s`` seconds samples
 every 2 s each stream's consumer-group backlog (``XINFO GROUPS``: entries not yet delivered +
 pending), Redis memory and traffic, and reads at both ends the CPU time of every process from /proc.
 The step is **sustained** when the simulated GPUs finish >= 95% of their capacity in the window and
 the backlogs downstream of them (trajectories, scored, batches) do not grow (least-squares growth over
 the window <= 5% of what the stream's group handled, or 1 entry), with no process dead, no dead letter
 and Redis under ``--max-redis-gb`` (``fleet_model.judge``). Prompts waiting for a GPU are by design
-(admission issues 1.25x what the fleet decodes at once); a coordinator too slow to issue them shows as
+(admission lets 2x what the fleet decodes at once be issued); a coordinator too slow to issue them shows as
 starved GPUs. Sizes double from ``--start`` until a step fails, then ``--refine`` bisections
 narrow the limit. The largest sustained step is measured again when the 1-minute load average was
-above 1.5 at its start (other people's work on this machine); of the two, the one that started at
-the lower load counts.
+above 1.5 at its start and other people's work was using the machine then (>= 0.25 cores; the load
+average also remembers this bench's previous step); of two measurements of a size, the one during
+which other work used less CPU counts.
 
 Like a retention job, the driver trims what every consumer group has consumed (``XTRIM MINID``): by
 entry count alone (``redis.maxlen``) the streams would hold ~11 GB each at 100,000 8k-token entries.
@@ -63,6 +65,8 @@ SAMPLE_EVERY_S = 2.0
 SINGLE_THREADED = {"redis", "coordinator", "reward", "learner_sim"}
 """Components that are one process with one busy thread (the CPU they can use is one core)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+QUIET_CORES = 0.25
+"""Other work under this many cores (over 5 s, before a step) counts as a quiet machine."""
 
 
 # -- the task -----------------------------------------------------------------------------------------
@@ -176,10 +180,11 @@ def run_step(
     sizing = fm.size_run(num_gpus, spec, max_staleness=args.max_staleness, learner_step_s=args.learner_step_s)
     folder = logs / f"n{num_gpus}-{int(time.time())}"
     folder.mkdir(parents=True)
+    others_before, waited_s = wait_quiet(args.quiet_wait_s)
     load_before = os.getloadavg()[0]
     capacity = fm.trajectories_per_s(num_gpus, spec)
     print(f"-- {num_gpus} GPUs: capacity {capacity:.1f} trajectories/s, {sizing.prompts_per_step} groups/batch, "
-          f"load {load_before:.2f}", flush=True)  # fmt: skip
+          f"load {load_before:.2f}, other work {others_before:.2f} cores (waited {waited_s:.0f} s)", flush=True)  # fmt: skip
     server = RedisServer(folder / "redis", appendonly=False).start()
     client = syncredis.Redis.from_url(server.url)
     client.config_set("slowlog-max-len", probes.SLOWLOG_LEN)
@@ -199,9 +204,24 @@ def run_step(
     if window is None:
         return {"num_gpus": num_gpus, "sustained": False, "reasons": problems, "logs": str(folder)}
     result = summarize(num_gpus, spec, sizing, window, load_before, os.getloadavg()[0], folder)
+    result["other_cores_before"] = round(others_before, 2)
     if profile:
         result["coordinator_profile"] = coordinator_split(folder / "coordinator.prof", *final)
     return result
+
+
+def wait_quiet(max_wait_s: float, threshold_cores: float = QUIET_CORES, sample_s: float = 5.0) -> tuple[float, float]:
+    """Wait (at most ``max_wait_s``) until other work on the machine used under ``threshold_cores`` over
+    ``sample_s``: (the cores it used in the last sample, seconds waited). Nothing of this bench runs
+    between steps, so all busy CPU is someone else's."""
+    started = time.monotonic()
+    while True:
+        busy0 = fm.machine_ticks(Path("/proc/stat").read_text())[0]
+        time.sleep(sample_s)
+        cores = (fm.machine_ticks(Path("/proc/stat").read_text())[0] - busy0) / CLK_TCK / sample_s
+        waited = time.monotonic() - started
+        if cores < threshold_cores or waited >= max_wait_s:
+            return cores, waited
 
 
 def dead_processes(procs: dict[str, subprocess.Popen[bytes]]) -> list[str]:
@@ -358,15 +378,17 @@ def sweep(
     return steps
 
 
+def disturbance(step: dict[str, Any]) -> tuple[float, float]:
+    """How much other people's work disturbed a step: their cores in its window, then the load at its start."""
+    return step.get("cpu_cores", {}).get("others", 0.0), step.get("load_1m_before", 0.0)
+
+
 def largest(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The largest sustained step; a size measured twice counts by the measurement that started at the
-    lower load (the one less disturbed by other work on the machine)."""
+    """The largest sustained step; a size measured twice counts by its less disturbed measurement."""
     cleanest: dict[int, dict[str, Any]] = {}
     for step in steps:
         seen = cleanest.get(step["num_gpus"])
-        if not step.get("diagnostic") and (
-            seen is None or step.get("load_1m_before", 0) < seen.get("load_1m_before", 0)
-        ):
+        if not step.get("diagnostic") and (seen is None or disturbance(step) < disturbance(seen)):
             cleanest[step["num_gpus"]] = step
     ok = [s for s in cleanest.values() if s["sustained"]]
     return max(ok, key=lambda s: s["num_gpus"]) if ok else None
@@ -385,6 +407,10 @@ def main() -> None:
     parser.add_argument(
         "--warmup-s", type=float, default=0.0, help="warm-up before the window (s); 0 = generation time + 10"
     )
+    parser.add_argument(
+        "--quiet-wait-s", type=float, default=45.0,
+        help="before each step, wait up to this long for other work on the machine to drop under 0.25 cores",
+    )  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=540.0, help="search: no new step starts after this (s)")
     parser.add_argument("--tokens-per-s", type=float, default=fm.H200_TOKENS_PER_S, help="per simulated GPU")
     parser.add_argument("--response-tokens", type=int, default=8192)
@@ -393,7 +419,7 @@ def main() -> None:
     parser.add_argument("--seqs-per-gpu", type=int, default=8, help="sequences a simulated GPU decodes at once")
     parser.add_argument("--gpus-per-worker", type=int, default=8, help="simulated GPUs behind one rollout consumer")
     parser.add_argument("--sim-procs", type=int, default=0, help="processes for the rollout simulators; 0 = auto")
-    parser.add_argument("--max-staleness", type=int, default=4)
+    parser.add_argument("--max-staleness", type=int, default=8)
     parser.add_argument("--learner-step-s", type=float, default=2.0, help="simulated learner step (s)")
     parser.add_argument("--max-redis-gb", type=float, default=4.0, help="a step whose Redis grows past this fails")
     parser.add_argument(
@@ -408,9 +434,10 @@ def main() -> None:
     )
     parser.add_argument("--out", default="", help="result file (default bench/results/fleet-<date>.json)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every step's finally stops its processes
     if args.quick:
         args.sizes, args.window_s, args.refine, args.profile = args.sizes or "64", min(args.window_s, 20.0), 0, False
-        args.per_gpu_consumers = 0
+        args.per_gpu_consumers, args.quiet_wait_s = 0, 0.0
     spec = fm.FleetSpec(tokens_per_s=args.tokens_per_s, response_tokens=args.response_tokens,
                         prompt_tokens=args.prompt_tokens, group_size=args.group_size, seqs_per_gpu=args.seqs_per_gpu)  # fmt: skip
     now = datetime.now(timezone.utc)
@@ -420,7 +447,12 @@ def main() -> None:
     task = build_task(logs, spec)
     steps = sweep(args, spec, task, logs, started + args.budget_s)
     best = largest(steps)
-    if best is not None and best["load_1m_before"] > 1.5 and not args.quick:
+    if (
+        best is not None
+        and best["load_1m_before"] > 1.5
+        and best["other_cores_before"] >= QUIET_CORES
+        and not args.quick
+    ):
         print(
             f"-- load was {best['load_1m_before']} at the start of {best['num_gpus']} GPUs: measuring it again",
             flush=True,

@@ -88,14 +88,16 @@ def size_run(
     *,
     max_staleness: int,
     learner_step_s: float,
-    in_flight_margin: float = 1.25,
+    in_flight_margin: float = 2.0,
     learner_headroom: float = 1.25,
 ) -> RunSizing:
     """Batch size such that (1) the learner, one batch per ``learner_step_s``, trains ``learner_headroom``
-    times the fleet's capacity, and (2) admission (``max_staleness + 1`` batches of groups, one of them
-    possibly complete and waiting for its batch) lets ``in_flight_margin`` times the fleet's concurrent
-    groups be issued: prompts always wait in the stream for a free GPU. No prefetch: every prompt
-    issued can start at once (its required version is the current one)."""
+    times the fleet's capacity, and (2) admission (groups for ``max_staleness + 1`` batches) lets
+    ``in_flight_margin`` times the fleet's concurrent groups be issued besides one batch's worth: groups
+    complete but not yet trained (waiting for their batch, queued at or in the learner, scored but not
+    yet stored) hold admission too, and with a margin of 1.25 the fleet starved at 640 GPUs with no
+    process saturated. No prefetch: every prompt issued can start at once (its required version is the
+    current one)."""
     if max_staleness < 1:
         raise ValueError(
             "max_staleness must be >= 1 (0 is the synchronous mode: the fleet idles while the learner trains)"
