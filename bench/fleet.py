@@ -489,6 +489,7 @@ def reclaim_cost(step: dict[str, Any], consumers: int, logs: Path) -> dict[str, 
             "redis_cores": round(rate * trip["redis_us_per_request"] / 1e6, 2),
         }
     return {
+        "where": "streamrl.common.consumer.ConsumerLoop._reclaim_from_the_dead: one EXISTS round trip per peer",
         "consumers": consumers, "claim_interval_s": interval_s,
         "exists_per_s_measured": commands.get("exists", {}).get("calls_per_s"),
         "exists_per_s_expected": round(consumers * (consumers - 1) / interval_s),

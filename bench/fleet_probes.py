@@ -151,4 +151,7 @@ def payload_costs(folder: Path, payload_bytes: int, num: int = 3000) -> dict[str
     finally:
         client.close()
         server.stop()
-    return {"payload_bytes": payload_bytes, "xadd_us": xadd, "commit_script_us": script, "xrange_us": read}
+    return {
+        "where": "streamrl.common.bus.COMMIT_LUA (Bus.commit, CommitBatcher): every output's payload is a script argument",
+        "payload_bytes": payload_bytes, "xadd_us": xadd, "commit_script_us": script, "xrange_us": read,
+    }  # fmt: skip
