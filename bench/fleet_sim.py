@@ -2,10 +2,11 @@
 
 ``python bench/fleet_sim.py rollout ...`` runs ``--workers`` rollout workers in one process. Each is
 what a real rollout replica is on the bus: a ConsumerLoop on ``prompts`` (group ``rollout``, its own
-consumer name, ``max_in_flight`` = the groups its GPUs decode at once), a heartbeat (key + instances
-set), its served version in the ``served`` hash; per PromptWorkItem it waits for the prompt's policy
-version, "generates" for ``seqs_per_gpu * response_tokens / tokens_per_s`` seconds (an asyncio sleep;
-the first group of each slot a random fraction of that, as if the fleet were already running), then
+consumer name, ``max_in_flight`` one eighth above the groups its GPUs decode at once, as an engine
+queues a few requests past its batch), a heartbeat (key + instances set), its served version in the
+``served`` hash; per PromptWorkItem it waits for the prompt's policy version and a free GPU slot,
+"generates" for ``seqs_per_gpu * response_tokens / tokens_per_s`` seconds (an asyncio sleep; the
+first group of each slot a random fraction of that, as if the fleet were already running), then
 commits ``group_size`` Trajectory messages shaped as the real worker's (``{group}/{j}`` ids, int32
 response ids, float32 behaviour log-probs, uint8 loss mask, the response text at
 ``text_chars_per_token`` characters a token, versions, timings, the prompt's traceparent).
@@ -93,10 +94,17 @@ class SimWorker:
         self.payload = payload
         self.generation_s = args.seqs_per_gpu * args.response_tokens / args.tokens_per_s
         slots = args.gpus_per_worker * (args.seqs_per_gpu // args.group_size)
+        self.gpus = asyncio.Semaphore(slots)
+        """One permit per group the worker's GPUs decode at once."""
         self.first = slots
         """Slots whose first group is still to start (it takes a random fraction of generation_s)."""
         self.generated = 0
-        self.config = ConsumerConfig(max_in_flight=slots, count=slots, heartbeat_interval_s=args.heartbeat_interval_s)
+        # a few prompts more than the GPUs hold, as an engine queues requests past its batch: a group
+        # whose commit is in flight frees its GPU at once
+        in_flight = slots + max(1, slots // 8)
+        self.config = ConsumerConfig(
+            max_in_flight=in_flight, count=in_flight, heartbeat_interval_s=args.heartbeat_interval_s
+        )
         self.loop: ConsumerLoop[PromptWorkItem] = ConsumerLoop(
             bus, names, stream=names.prompts, group="rollout", consumer=name, handler=self.handle,
             message_type=PromptWorkItem, config=self.config,
@@ -104,14 +112,15 @@ class SimWorker:
 
     async def handle(self, item: PromptWorkItem) -> list[Output]:
         await self.board.wait_for(item.policy_version)
-        version_start = self.board.version
-        started = time.time()
-        seconds = self.generation_s
-        if self.first > 0:
-            self.first -= 1
-            seconds *= random.random()
-        await asyncio.sleep(seconds)
-        ended = time.time()
+        async with self.gpus:
+            version_start = self.board.version
+            started = time.time()
+            seconds = self.generation_s
+            if self.first > 0:
+                self.first -= 1
+                seconds *= random.random()
+            await asyncio.sleep(seconds)
+            ended = time.time()
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
         n = item.sampling.n
         self.generated += n
