@@ -75,7 +75,7 @@ def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(
     before the 30 s claim_idle_ms)."""
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    num = 60
+    num = 200  # ~3.8 s of work for the victim: a loaded machine cannot let it finish before the kill
     for i in range(num):
         client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
     victim = start_worker(redis_url, run_id, "victim", "--echo.delay_s=0.3", "--consumer.max_in_flight=16")
