@@ -23,20 +23,16 @@ becomes an :class:`EnvironmentCallError` naming the call: the episode runner
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 
 from streamrl.common.aio import timeout
+from streamrl.common.plugins import import_target, split_spec
 
 DEFAULT_CLASS_NAME = "Environment"
 
@@ -90,14 +86,8 @@ class EnvironmentFactory:
 def load_environment(spec: str, options: Mapping[str, Any] | None = None) -> EnvironmentFactory:
     """Import the class named by ``spec`` and check it: ``reset`` and ``step`` methods, a constructor
     that takes ``options``. Raises ValueError naming what is missing."""
-    target, name = _split_spec(spec)
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _load_file(Path(target).expanduser())
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"rollout.environment.path: module {target!r} not found: {e}") from e
+    target, name = split_spec(spec, DEFAULT_CLASS_NAME)
+    module = import_target(target, "rollout.environment.path:")
     cls = getattr(module, name, None)
     if not inspect.isclass(cls):
         what = "nothing" if cls is None else f"a {type(cls).__name__}"
@@ -113,31 +103,6 @@ def load_environment(spec: str, options: Mapping[str, Any] | None = None) -> Env
             f"rollout.environment.options {sorted(options)} do not fit {name}{inspect.signature(cls)}: {e}"
         ) from e
     return EnvironmentFactory(cls, options)
-
-
-def _split_spec(spec: str) -> tuple[str, str]:
-    """``a/b.py:C`` -> (``a/b.py``, ``C``); without a class name, the default."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not name or "/" in name or "\\" in name or not target:
-        return spec, DEFAULT_CLASS_NAME
-    return target, name
-
-
-def _load_file(path: Path) -> Any:
-    if not path.is_file():
-        raise ValueError(f"rollout.environment.path: file not found: {path}")
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]  # two env.py files do not collide
-    spec = importlib.util.spec_from_file_location(f"streamrl_user_env_{digest}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"rollout.environment.path: {path} is not a Python source file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return module
 
 
 async def call(method: Any, *args: Any, timeout_s: float, what: str) -> Any:

@@ -11,18 +11,14 @@ the event loop.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import logging
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from streamrl.common.aio import timeout
 from streamrl.common.messages import Trajectory
+from streamrl.common.plugins import import_target, split_spec
 from streamrl.reward.config import FunctionScorerConfig
 from streamrl.reward.scorers.base import (
     ScorerError,
@@ -36,46 +32,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_FUNC_NAME = "reward_func"
 
 
-def _split_spec(spec: str) -> tuple[str, str]:
-    """``a/b.py:f`` -> (``a/b.py``, ``f``); a Windows drive colon is not a separator."""
-    target, sep, func = spec.rpartition(":")
-    if not sep or not func or "/" in func or "\\" in func or not target:
-        return spec, DEFAULT_FUNC_NAME
-    return target, func
-
-
-def _load_module_from_file(path: Path) -> Any:
-    if not path.is_file():
-        raise ValueError(f"reward function file not found: {path}")
-    # A name unique per file, so two reward files called rewards.py do not collide.
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(f"streamrl_user_reward_{digest}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot load reward function file {path}: not a Python source file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return module
-
-
 def load_reward_function(spec: str) -> Callable[..., Any]:
     """Import the function named by ``spec`` and check it can be called with (queries, prompts, labels).
 
     Raises ValueError naming the file, module or function when any of them is missing or has the
     wrong signature, TypeError when the name is not a function.
     """
-    target, func_name = _split_spec(spec)
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _load_module_from_file(Path(target).expanduser())
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"reward function module {target!r} not found: {e}") from e
+    target, func_name = split_spec(spec, DEFAULT_FUNC_NAME)
+    module = import_target(target, "reward function")
     func = getattr(module, func_name, None)
     if func is None:
         raise ValueError(f"{target} has no function {func_name!r}")
