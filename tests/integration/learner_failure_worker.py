@@ -1,14 +1,16 @@
 """One learner life for test_learner_failures.py, in its own process (a learner in the pytest
 process would leave a torch.distributed group behind for later tests). Batch ``fail_index``
 fails: after its first backward pass (``half``), as an out-of-memory error in a later micro-batch
-would, or before any (``before``), as a bad input would.
+would, or before any (``before``), as a bad input would; or the process dies right after the
+checkpoint of its step, before its version is published (``die``), as a SIGKILL there would.
 
-    python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX [half|before] [TOTAL_STEPS] [CKPT_EVERY]
+    python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX [half|before|die] [TOTAL_STEPS] [CKPT_EVERY]
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ async def life(
     def step(batch: TrainingBatch) -> dict[str, Any]:
         if batch.index == fail_index and mode == "before":
             raise ValueError("a bad input (simulated)")
-        if batch.index == fail_index:
+        if batch.index == fail_index and mode == "half":
             logits = trainer.policy(input_ids=torch.tensor([[5, 6, 7]])).logits
             trainer.policy.backward(logits.sum() * 0.0)
             raise RuntimeError("CUDA out of memory (simulated) in micro-batch 2")
@@ -49,6 +51,14 @@ async def life(
 
     trainer.step = step  # type: ignore[method-assign]
     group = LearnerGroup(trainer, Path(run_dir) / "checkpoints", cfg.checkpoint_keep_last)
+    real_checkpoint = group.checkpoint
+
+    def checkpoint(client_state: dict[str, Any]) -> None:
+        real_checkpoint(client_state)
+        if mode == "die" and client_state["next_index"] == fail_index + 1:
+            os._exit(9)
+
+    group.checkpoint = checkpoint  # type: ignore[method-assign]
     bus = Bus(connect(redis_url))
     ctx = ServiceContext("learner", "learner-0", cfg, bus, StreamNames(run_id), asyncio.Event(), burst=True)
     try:

@@ -6,6 +6,8 @@
   with its error, its version still published, so the run goes on.
 * A batch from the future is dead-lettered, never trained out of order.
 * A learner resumed from a checkpoint older than its last published version never republishes a version.
+* A learner killed between a checkpoint and its version's commit publishes that version on restart,
+  naming its batch and with its step's metrics: the batch is trained once and never forgotten.
 """
 
 from __future__ import annotations
@@ -128,4 +130,28 @@ def test_a_resumed_learner_republishes_only_its_last_version(tmp_path: Path, red
     assert [(w.version, w.batch_id) for w in events] == [
         (0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2"), (3, "batch-2"), (4, "batch-3")
     ]  # fmt: skip
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+
+
+def test_a_learner_killed_between_checkpoint_and_publish_publishes_that_step_on_restart(
+    tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    model = build_tiny_qwen2(tmp_path / "model", hidden_size=64, vocab_size=384)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    for i in range(4):
+        client.xadd(names.batches, {"d": encode(training_batch(i))})
+    # life 1: batch 1's step (2) is checkpointed, then the process dies before version 2 is committed
+    died = _life(model, redis_url, run_id, tmp_path / "run", "1", "die", "4", "2")
+    assert died.returncode == 9, died.stderr[-3000:]
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in client.xrange(names.weights)] == [0, 1]
+    # life 2 resumes at step 2: version 2 is published for batch 1 (not trained again), then 3 and 4
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "4", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "version 2 was checkpointed but not published before the restart" in done.stderr
+    events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
+    assert [(w.version, w.batch_id) for w in events] == [
+        (0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2"), (4, "batch-3")
+    ]  # fmt: skip
+    assert "learner/loss/total" in events[2].metrics and "learner/staleness_max" in events[2].metrics
     assert client.xpending(names.batches, "learner")["pending"] == 0

@@ -75,7 +75,7 @@ def test_rl_learner_keeps_the_last_checkpoints_and_resumes_from_latest(tiny_qwen
         for k in range(1, 5):
             service.trainer.step(scored_batch(seed=k))
             service.step = service.next_index = k
-            service._checkpoint()
+            service._checkpoint(f"batch-{k - 1}", {"learner/loss/total": 0.5}, "")
     finally:
         assert service.server is not None
         service.server.close()
@@ -85,6 +85,7 @@ def test_rl_learner_keeps_the_last_checkpoints_and_resumes_from_latest(tiny_qwen
     resumed = RLTrainer(cfg)
     state = resumed.policy.load_checkpoint(group.ckpt_dir)
     assert state is not None and state["step"] == 4 and state["next_index"] == 4
+    assert state["batch_id"] == "batch-3" and state["metrics"] == {"learner/loss/total": 0.5}  # the step's event
     trained = dict(service.trainer.policy.module.named_parameters())
     for name, p in resumed.policy.module.named_parameters():
         torch.testing.assert_close(p.detach(), trained[name].detach(), msg=name)

@@ -113,7 +113,14 @@ class LearnerService:
             logger.info("resumed from checkpoint at step %d", self.step)
         raw = await self.ctx.bus.redis.hget(self._state("learner"), "published")
         self.published = decode(raw, WeightsPublished).version if raw else -1
-        if self.step >= self.published:
+        if state is not None and self.step > self.published:
+            # killed between the checkpoint and its version's commit: publish that step's event now,
+            # naming its batch (the replayed entry is then skipped as trained) with the step's metrics
+            logger.warning("version %d was checkpointed but not published before the restart: publishing it", self.step)
+            if state.get("skipped"):
+                self.skipped[state["batch_id"]] = state["skipped"]
+            await self.ctx.bus.commit(await self._publish(dict(state.get("metrics", {})), state.get("batch_id", "")))
+        elif self.step >= self.published:
             await self.ctx.bus.commit(await self._publish(metrics={}))
         else:
             logger.warning(
@@ -215,7 +222,7 @@ class LearnerService:
         self.step += 1
         self.next_index = batch.index + 1
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.total_steps:
-            await asyncio.to_thread(self._checkpoint)
+            await asyncio.to_thread(self._checkpoint, batch.id, metrics, self.skipped.get(batch.id, ""))
         if self.cfg.export_every and self.step % self.cfg.export_every == 0:
             await asyncio.to_thread(self.group.export, Path(self.cfg.run_dir) / "exports" / f"step-{self.step}")
         if self.step == self.cfg.total_steps:
@@ -282,8 +289,13 @@ class LearnerService:
         )  # fmt: skip
         return sign(event, self.weights_key)
 
-    def _checkpoint(self) -> None:
-        self.group.checkpoint({"step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value})
+    def _checkpoint(self, batch_id: str, metrics: dict[str, float], skipped: str) -> None:
+        """Save the group's state after ``batch_id``'s step, with what its version's event needs should
+        the learner die before the event is committed (see :meth:`run`)."""
+        self.group.checkpoint({
+            "step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value,
+            "batch_id": batch_id, "metrics": {k: float(v) for k, v in metrics.items()}, "skipped": skipped,
+        })  # fmt: skip
         self.checkpointed_step = self.step
         self.checkpointed_index = self.next_index
 
