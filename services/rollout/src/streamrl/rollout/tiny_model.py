@@ -1,4 +1,4 @@
-"""A tiny random Qwen2 checkpoint with a locally trained tokenizer, for tests and CPU demos.
+"""A tiny random Qwen2 (and Idefics3 vision-language) checkpoint with a locally trained tokenizer, for tests and CPU demos.
 
 No model hub is needed: the tokenizer is a byte-level BPE trained on a few hundred generated
 sentences with the ``tokenizers`` library and saved as a ``PreTrainedTokenizerFast`` (vLLM and
@@ -89,4 +89,93 @@ def build_tiny_qwen2(
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id)
     model.save_pretrained(str(path))
+    return path
+
+
+
+
+IMAGE_TOKEN = "<image>"
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""An image is one ``<image>`` in the template; the processor (and vLLM) expand it into the image's
+tokens: ``<fake_token_around_image><global-img>``, ``<image>`` once per image embedding, then
+``<fake_token_around_image>``."""
+
+
+def build_tiny_idefics3(
+    path: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vision_layers: int = 2,
+    vision_hidden_size: int = 64,
+    image_size: int = 64,
+    patch_size: int = 16,
+    vocab_size: int = 384,
+    initializer_range: float = 0.1,
+    seed: int = 0,
+) -> Path:
+    """Save a random Idefics3-shaped vision-language model (float32: a SigLIP vision tower, a
+    pixel-shuffle connector, a Llama language model) with its tokenizer, chat template and image
+    processor under ``path`` (``AutoProcessor`` and vLLM load them); return ``path``.
+
+    Every image is resized to ``image_size`` (no tiling) and becomes (image_size / patch_size / 2)^2
+    ``<image>`` embeddings (4 by default). Idefics3 rather than Qwen2-VL or LLaVA: theirs need
+    torchvision (transformers' processor, vLLM's model module), which has no working build beside
+    this CPU torch. Same arguments + seed = same weights.
+    """
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+    )
+
+    if hidden_size % HEAD_DIM or vision_hidden_size % HEAD_DIM:
+        raise ValueError(f"hidden sizes must be multiples of {HEAD_DIM} (vLLM CPU head sizes), got "
+                         f"{hidden_size} and {vision_hidden_size}")  # fmt: skip
+    if image_size % (2 * patch_size):
+        raise ValueError(f"image_size must be a multiple of 2 * patch_size, got {image_size} and {patch_size}")
+    path = Path(path)
+    build_tokenizer(path, vocab_size, seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    special = ["<|im_start|>", "<|im_end|>", "<fake_token_around_image>", IMAGE_TOKEN, "<global-img>", "<end_of_utterance>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    eos_id = tokenizer.eos_token_id
+    config = Idefics3Config(
+        text_config={
+            "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size, "num_hidden_layers": num_layers,
+            "num_attention_heads": hidden_size // HEAD_DIM, "num_key_value_heads": hidden_size // HEAD_DIM,
+            "max_position_embeddings": 1024, "tie_word_embeddings": True, "initializer_range": initializer_range,
+            "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
+        },
+        vision_config={
+            "hidden_size": vision_hidden_size, "intermediate_size": 2 * vision_hidden_size,
+            "num_hidden_layers": vision_layers, "num_attention_heads": vision_hidden_size // HEAD_DIM,
+            "image_size": image_size, "patch_size": patch_size, "initializer_range": initializer_range,
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=2,
+        tie_word_embeddings=True,
+        pad_token_id=eos_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id)
+    model.save_pretrained(str(path))
+    images = Idefics3ImageProcessor(
+        do_image_splitting=False, size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}
+    )
+    seq_len = (image_size // patch_size // 2) ** 2
+    Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=seq_len, chat_template=VL_CHAT_TEMPLATE
+    ).save_pretrained(str(path))
     return path
