@@ -24,6 +24,11 @@ class DatasetConfig(BaseConfig):
     """Field holding the reference answer handed to the reward function (None = no label)."""
     apply_chat_template: bool = False
     """Wrap a string prompt as one user message and apply the tokenizer's chat template."""
+    images_key: str | None = "images"
+    """Field holding a row's images (vision-language policies): a path or a list of paths (relative to
+    the dataset file's folder), or ``{"bytes": ...}`` as a Hugging Face ``Image`` column stores them.
+    A row with images always gets the chat template; each image becomes one image part before the
+    text (a string prompt) or stays where the row's chat messages put it. None = ignore images."""
     tokenizer: str
     """Tokenizer folder or hub id (usually the policy model's)."""
     shuffle: bool = True

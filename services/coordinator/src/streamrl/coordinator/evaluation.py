@@ -102,7 +102,7 @@ class EvalRounds:
         for i in range(self.num_prompts):
             prompt = self.source.encode(i)
             item = PromptWorkItem(
-                id=f"{round_buffer_id(version)}-{i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"),
+                id=f"{round_buffer_id(version)}-{i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), images=list(prompt.images),
                 prompt_text=prompt.text, label=prompt.label, metadata={**prompt.metadata, "eval_version": version},
                 sampling=sampling, policy_version=version, issued_at=time.time(), is_eval=True,
                 traceparent=untraced(),

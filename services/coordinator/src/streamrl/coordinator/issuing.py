@@ -93,7 +93,7 @@ class PromptIssuer:
             group, version = f"p{cursor + i}", versions[issued]
             span = self.tracing.span(ISSUE, attributes={GROUP_ID: group, POLICY_VERSION: version}, start_s=now)
             item = PromptWorkItem(
-                id=group, prompt_ids=Tensor.from_list(prompt.ids, "int32"), prompt_text=prompt.text,
+                id=group, prompt_ids=Tensor.from_list(prompt.ids, "int32"), images=list(prompt.images), prompt_text=prompt.text,
                 label=prompt.label, metadata=prompt.metadata, sampling=self.sampling,
                 policy_version=version, issued_at=now, traceparent=span.traceparent,
             )  # fmt: skip

@@ -1,5 +1,9 @@
 """Prompt datasets: JSONL / Parquet / Hugging Face dataset folders -> tokenized prompts.
 
+A row's images (``dataset.images_key``) are read as encoded bytes and travel with the prompt; its
+token ids hold one image placeholder per image, as the chat template writes it (the rollout engine
+expands each into the image's tokens).
+
 The source is addressed by a cursor (an integer that only grows): prompt ``i`` is row
 ``order[i % N]`` of epoch ``i // N``, with a fresh seeded shuffle per epoch. The cursor lives in
 Redis, so a restarted coordinator continues with the same next prompt.
@@ -15,8 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.common.errors import ConfigError
+from streamrl.common.messages import Image
 from streamrl.coordinator.config import DatasetConfig
 
+MEDIA_TYPES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF87a": "image/gif",
+               b"GIF89a": "image/gif"}  # fmt: skip
+"""Leading bytes -> media type of the image formats accepted in datasets (WebP is checked apart)."""
 ENCODED_CACHE_SIZE = 65_536
 """Tokenized prompts kept per source: an evaluation set is issued every few steps and a small training
 set every epoch; tokenizing them again was ~10% of the coordinator's CPU."""
@@ -32,6 +40,57 @@ class Prompt:
     ids: list[int]
     label: str | None
     metadata: dict[str, Any]
+    images: tuple[Image, ...] = ()
+    """The row's images, in the order of their placeholders in ``ids``."""
+
+
+def media_type(data: bytes) -> str | None:
+    """The media type of encoded image bytes (PNG, JPEG, GIF, WebP), None for anything else."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((kind for magic, kind in MEDIA_TYPES.items() if data.startswith(magic)), None)
+
+
+def read_images(value: Any, folder: Path, where: str) -> tuple[Image, ...]:
+    """A row's image field as images: a path, a list of paths (relative to ``folder``), or dicts with
+    ``bytes`` (a Hugging Face ``Image`` column). ``where`` names the row in errors."""
+    if value is None:
+        return ()
+    images = []
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, dict) and isinstance(item.get("bytes"), bytes):
+            data, name = item["bytes"], item.get("path") or "inline bytes"
+        elif isinstance(item, str):
+            path = folder / item
+            if not path.is_file():
+                raise ConfigError(f"{where}: image {item!r} not found (looked for {path})")
+            data, name = path.read_bytes(), item
+        else:
+            raise ConfigError(f"{where}: an image must be a path or {{'bytes': ...}}, got {type(item).__name__}")
+        kind = media_type(data)
+        if kind is None:
+            raise ConfigError(f"{where}: image {name!r} is not PNG, JPEG, GIF or WebP")
+        images.append(Image(media_type=kind, data=data))
+    return tuple(images)
+
+
+def with_image_parts(messages: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """``messages`` with ``count`` image parts before the first user message's text, unless the
+    messages already hold image parts (the row placed them)."""
+    placed = sum(
+        1 for m in messages if isinstance(m.get("content"), list) for part in m["content"] if part.get("type") == "image"
+    )  # fmt: skip
+    if placed:
+        if placed != count:
+            raise ValueError(f"the messages hold {placed} image parts but the row has {count} images")
+        return messages
+    out = [dict(m) for m in messages]
+    first = next((m for m in out if m.get("role") == "user"), None)
+    if first is None:
+        raise ValueError("a row with images needs a user message to put them in")
+    text = first["content"]
+    first["content"] = [{"type": "image"}] * count + [{"type": "text", "text": str(text)}]
+    return out
 
 
 def read_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
@@ -115,13 +174,21 @@ class PromptSource:
         """Row ``index`` tokenized (use :attr:`encode`, its cached form)."""
         row = self.rows[index]
         raw = row[self.cfg.prompt_key]
-        templated = isinstance(raw, list) or self.cfg.apply_chat_template
+        where = f"dataset {self.cfg.path} row {index}"
+        images = read_images(row.get(self.cfg.images_key), Path(self.cfg.path).parent, where) if self.cfg.images_key else ()
+        templated = isinstance(raw, list) or self.cfg.apply_chat_template or bool(images)
         if templated:
             messages = raw if isinstance(raw, list) else [{"role": "user", "content": str(raw)}]
+            if images:
+                try:
+                    messages = with_image_parts(messages, len(images))
+                except ValueError as e:
+                    raise ConfigError(f"{where}: {e}") from e
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
             text = str(raw)
         ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
         label = row.get(self.cfg.label_key) if self.cfg.label_key else None
-        meta = {k: v for k, v in row.items() if k not in (self.cfg.prompt_key, self.cfg.label_key)}
-        return Prompt(index=index, text=text, ids=list(ids), label=None if label is None else str(label), metadata=meta)
+        meta = {k: v for k, v in row.items() if k not in (self.cfg.prompt_key, self.cfg.label_key, self.cfg.images_key)}
+        return Prompt(index=index, text=text, ids=list(ids), label=None if label is None else str(label), metadata=meta,
+                      images=images)  # fmt: skip
