@@ -19,7 +19,7 @@ demo: setup
 
 ## test: set up if needed, then run the whole test suite (CPU, real Redis, real vLLM/DeepSpeed).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
