@@ -11,9 +11,11 @@ reward functions are. Each episode gets its own instance::
 
 Any of them may be ``async def``; a plain one runs in a worker thread, so it never blocks the
 rollout worker's event loop. ``step`` returns a :class:`StepResult`, or a mapping with the same
-keys, so a plug-in file needs no streamrl import. The interface follows OpenRLHF's agent API in
-spirit (reset / step with the environment's feedback text, a per-step reward and a done flag),
-with typed results instead of dicts.
+keys, so a plug-in file needs no streamrl import. With a vision-language policy a step may also
+return images (``images``: PIL images or streamrl ``Image`` messages), each shown where the
+observation's text holds an image token; a text-only plug-in never mentions them. The interface
+follows OpenRLHF's agent API in spirit (reset / step with the environment's feedback text, a
+per-step reward and a done flag), with typed results instead of dicts.
 
 What a plug-in does wrong - raising, overrunning ``step_timeout_s``, returning a malformed result -
 becomes an :class:`EnvironmentCallError` naming the call: the episode runner
@@ -32,7 +34,9 @@ from typing import Any, Protocol
 import msgspec
 
 from streamrl.common.aio import timeout
+from streamrl.common.messages import Image
 from streamrl.common.plugins import import_target, split_spec
+from streamrl.rollout.vision import to_image
 
 DEFAULT_CLASS_NAME = "Environment"
 
@@ -54,6 +58,10 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
     """Anything else, kept in the trajectory's ``metadata["env_info"]`` (one dict per step): plain
     values only (numbers, strings, lists, dicts), as the message goes over msgpack."""
+    images: list[Any] = field(default_factory=list)
+    """Images shown with ``observation`` (vision-language policies): PIL images (kept as PNG) or
+    streamrl ``Image`` messages with inline bytes; ``observation`` holds the model's image token (e.g.
+    ``<image>``) once per image, in order. Checked results hold ``Image`` messages."""
 
 
 class Environment(Protocol):
@@ -128,7 +136,7 @@ async def call(method: Any, *args: Any, timeout_s: float, what: str) -> Any:
 def as_step_result(value: Any) -> StepResult:
     """A ``step`` return value checked and normalised; EnvironmentCallError when it is malformed."""
     if isinstance(value, Mapping):
-        unknown = set(value) - {"observation", "reward", "done", "info"}
+        unknown = set(value) - {"observation", "reward", "done", "info", "images"}
         if unknown:
             raise EnvironmentCallError(f"step returned unknown keys {sorted(unknown)}")
         value = StepResult(**value)
@@ -147,4 +155,14 @@ def as_step_result(value: Any) -> StepResult:
         msgspec.msgpack.encode(value.info)
     except (TypeError, msgspec.EncodeError) as e:
         raise EnvironmentCallError(f"step returned info that cannot go in a message: {e}") from e
-    return StepResult(observation, float(value.reward), value.done, value.info)
+    return StepResult(observation, float(value.reward), value.done, value.info, _images(value.images))
+
+
+def _images(images: Any) -> list[Image]:
+    """A step's images as messages; EnvironmentCallError naming a bad one."""
+    if not isinstance(images, list | tuple):
+        raise EnvironmentCallError(f"step returned images of type {type(images).__name__}, not a list")
+    try:
+        return [to_image(image) for image in images]
+    except ValueError as e:
+        raise EnvironmentCallError(f"step returned a bad image: {e}") from e

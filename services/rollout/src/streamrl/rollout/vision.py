@@ -1,0 +1,174 @@
+"""Images for vision-language policies: decoding, the model's processor, and image-token expansion.
+
+A prompt with images holds one image token per image (the *collapsed* form: what the chat template
+renders and what the engines take); the model sees each of them replaced by that image's tokens
+(the *expanded* form: ``<fake_token_around_image><global-img>`` + ``<image>`` x 4 +
+``<fake_token_around_image>`` for the tiny Idefics3, a number of ``<|image_pad|>`` that depends on
+the image size for Qwen2-VL). Engines always get the collapsed form (vLLM expands it itself;
+expanded ids given to it would be expanded again); trajectories record the expanded form, which
+is what the learner feeds its model next to the pixel values of the same images.
+
+The expansion of an image is the model's own processor run on that image's token alone: an
+image's tokens do not depend on the text around them (the processor splits the text at image
+tokens), so a prompt's expansion is the concatenation of its pieces. :func:`encode` checks that
+claim for every prompt the transformers engine runs, against the processor's output for all of
+the prompt's images at once.
+
+Images travel as :class:`streamrl.common.messages.Image` (encoded bytes) everywhere; every
+consumer decodes them with :func:`decode_image` (PIL, converted to RGB as the processors do
+anyway), so the rollout engines and the learner see the same pixels.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import PIL.Image
+
+from streamrl.common.messages import Image
+
+if TYPE_CHECKING:
+    import torch
+
+MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF", "image/bmp": "BMP"}
+"""Media types an :class:`Image` may carry, and the PIL format its bytes must be in."""
+
+
+def decode_image(image: Image) -> PIL.Image.Image:
+    """The pixels of ``image`` (RGB), or a ValueError naming what is wrong with it."""
+    if image.data is None:
+        where = f" (uri {image.uri!r})" if image.uri else ""
+        raise ValueError(f"image{where} has no inline data: only images with their bytes in the message are supported")
+    fmt = MEDIA_TYPES.get(image.media_type.lower())
+    if fmt is None:
+        raise ValueError(f"image media_type {image.media_type!r} is not one of {sorted(MEDIA_TYPES)}")
+    try:
+        with PIL.Image.open(io.BytesIO(image.data), formats=[fmt]) as opened:
+            opened.load()
+            return opened.convert("RGB")
+    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:  # PIL: not a readable image
+        raise ValueError(f"image of media_type {image.media_type!r} ({len(image.data)} bytes) "
+                         f"cannot be decoded as {fmt}: {e}") from e  # fmt: skip
+
+
+def to_image(value: Any) -> Image:
+    """An :class:`Image` message from an ``Image`` (returned as it is, once its bytes decode) or a PIL
+    image (stored as PNG: lossless, so what is decoded later is exactly these pixels, as RGB)."""
+    if isinstance(value, Image):
+        decode_image(value)
+        return value
+    if isinstance(value, PIL.Image.Image):
+        buffer = io.BytesIO()
+        value.convert("RGB").save(buffer, format="PNG")
+        return Image(media_type="image/png", data=buffer.getvalue())
+    raise ValueError(f"an image must be a streamrl Image or a PIL image, not a {type(value).__name__}")
+
+
+def is_vision_language(model: str | Path, trust_remote_code: bool = False) -> bool:
+    """Whether the checkpoint at ``model`` is a vision-language model (its config has a vision tower)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(model: str | Path, trust_remote_code: bool = False) -> Any:
+    """The model's processor (tokenizer + image processor) when ``model`` is a vision-language model,
+    else None."""
+    if not is_vision_language(model, trust_remote_code):
+        return None
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(model), trust_remote_code=trust_remote_code)
+    if getattr(processor, "image_token", None) is None:
+        raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
+    return processor
+
+
+def image_token_id(processor: Any) -> int:
+    """Id of the token that stands for one image in the collapsed form."""
+    token_id = getattr(processor, "image_token_id", None)
+    if token_id is None:
+        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return int(token_id)
+
+
+def check_image_count(ids: Sequence[int], num_images: int, token_id: int | None) -> None:
+    """ValueError unless ``ids`` hold exactly one image token per image."""
+    if token_id is None:
+        if num_images:
+            raise ValueError(f"a request with {num_images} image(s) for a model that is not a vision-language model")
+        return
+    found = sum(1 for t in ids if t == token_id)
+    if found != num_images:
+        raise ValueError(f"the prompt holds {found} image token(s) (id {token_id}) for {num_images} image(s): "
+                         "give one image token per image, not expanded")  # fmt: skip
+
+
+class ImageExpander:
+    """Collapsed ids and their :class:`Image` messages -> the ids the model sees, with the model's processor."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.token_id = image_token_id(processor)
+        """The image token."""
+
+    def __call__(self, ids: Sequence[int], images: Sequence[Image]) -> list[int]:
+        """ValueError for a bad image or when the image tokens do not match the images."""
+        return expand_image_tokens(self.processor, ids, [decode_image(image) for image in images])
+
+
+def load_expander(model: str | Path, trust_remote_code: bool = False) -> ImageExpander | None:
+    """The expander of a vision-language model's processor; None for a text model."""
+    processor = load_processor(model, trust_remote_code)
+    return None if processor is None else ImageExpander(processor)
+
+
+def image_expansion(processor: Any, image: PIL.Image.Image) -> list[int]:
+    """The tokens the model sees for ``image`` in place of its one image token."""
+    out = processor(text=processor.image_token, images=[image], add_special_tokens=False)
+    return [int(t) for t in out["input_ids"][0]]
+
+
+def expand_image_tokens(processor: Any, ids: Sequence[int], images: Sequence[PIL.Image.Image]) -> list[int]:
+    """``ids`` with its ``k``-th image token replaced by the expansion of ``images[k]``.
+
+    Raises ValueError when the number of image tokens is not the number of images.
+    """
+    return _expand(processor, ids, images)[0]
+
+
+def encode(
+    processor: Any, ids: Sequence[int], images: Sequence[PIL.Image.Image]
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The expanded ids of a prompt and the model's pixel inputs for its images (``pixel_values`` and
+    whatever else the processor makes for them, batch of one), as the transformers model takes them.
+
+    The processor runs once more on all the images together, and its tokens must be the images'
+    expansions one after the other (else ValueError: the expansion would depend on the context).
+    """
+    expanded, pieces = _expand(processor, ids, images)
+    joint = processor(text=[processor.image_token * len(images)], images=[list(images)], return_tensors="pt")
+    if joint["input_ids"][0].tolist() != [t for piece in pieces for t in piece]:
+        raise ValueError(f"{type(processor).__name__} expands an image differently next to another image: "
+                         "token-exact image prompts are not supported for this model")  # fmt: skip
+    return expanded, {k: v for k, v in joint.items() if k not in ("input_ids", "attention_mask")}
+
+
+def _expand(processor: Any, ids: Sequence[int], images: Sequence[PIL.Image.Image]) -> tuple[list[int], list[list[int]]]:
+    """(expanded ids, the expansion of each image)."""
+    token_id = image_token_id(processor)
+    check_image_count(ids, len(images), token_id)
+    pieces = [image_expansion(processor, image) for image in images]
+    out: list[int] = []
+    k = 0
+    for t in ids:
+        if t == token_id:
+            out.extend(pieces[k])
+            k += 1
+        else:
+            out.append(int(t))
+    return out, pieces
