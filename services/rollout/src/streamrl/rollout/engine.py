@@ -5,6 +5,10 @@
 * :class:`streamrl.rollout.hf_engine.HFEngine` - plain transformers, one request at a time: for
   debugging, and for machines without vLLM (the GPU test machine).
 
+A request may carry images (vision-language models, :mod:`streamrl.rollout.vision`): its prompt then
+holds one image token per image (collapsed) and each sample reports the prompt as the model saw it,
+every image token expanded into that image's tokens.
+
 Both return, per sample, the token ids, the behaviour log-probs of the distribution actually
 sampled from (after temperature / top-k / top-p: what TIS and ICEPOP need), the finish reason and
 the policy versions that produced the first and the last token. Both take new weights from the
@@ -22,8 +26,9 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcast
+from streamrl.common.messages import Image, IpcWeights, SamplingParams, WeightsBroadcast
 from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.vision import check_image_count
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -37,8 +42,10 @@ class GenerationRequest:
     """
 
     prompt_ids: list[int]
-    """[P] prompt token ids (chat template already applied)."""
+    """[P] prompt token ids (chat template already applied); one image token per image (collapsed)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    images: list[Image] = field(default_factory=list)
+    """The images of the prompt, in the order of its image tokens (vision-language models only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,9 @@ class Sample:
     """Policy version that generated the first token."""
     version_end: int
     """Policy version that generated the last token (newer when an update landed mid-generation)."""
+    prompt_ids: list[int] | None = None
+    """The prompt as the model saw it when the request had images (each image token expanded by the
+    model's processor: what a trajectory records); None for a text prompt (the request's ids)."""
 
     @property
     def truncated(self) -> bool:
@@ -79,13 +89,18 @@ class WeightUpdate:
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
-def check_requests(requests: list[GenerationRequest], max_model_len: int) -> None:
-    """Reject requests no engine can serve, with a message naming the problem."""
+def check_requests(requests: list[GenerationRequest], config: EngineConfig, image_token_id: int | None) -> None:
+    """Reject requests no engine can serve, with a message naming the problem. ``image_token_id``:
+    the model's image token (None: not a vision-language model, so no request may hold images)."""
     for r in requests:
         if r.sampling.n < 1:
             raise ValueError(f"sampling.n must be >= 1, got {r.sampling.n}")
-        if not 0 < len(r.prompt_ids) < max_model_len:
-            raise ValueError(f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={max_model_len}")
+        if not 0 < len(r.prompt_ids) < config.max_model_len:
+            raise ValueError(f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={config.max_model_len}")
+        if len(r.images) > config.max_images_per_prompt:
+            raise ValueError(f"a prompt with {len(r.images)} images: more than "
+                             f"rollout.engine.max_images_per_prompt={config.max_images_per_prompt}")  # fmt: skip
+        check_image_count(r.prompt_ids, len(r.images), image_token_id)
 
 
 class Engine(Protocol):

@@ -54,6 +54,9 @@ class EngineConfig(BaseConfig):
     cuda_graphs: bool = True
     """hf engine on CUDA: capture each decode step as a CUDA graph (per batch and length bucket) and
     replay it; False = eager kernels (slower: the step is then bound by Python and launch overhead)."""
+    max_images_per_prompt: int = Field(4, ge=1)
+    """Vision-language models: images one request may hold (the prompt's and, in multi-turn episodes,
+    the environment's so far); vLLM reserves memory for this many."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the hf engine (auto = cuda when available)."""
     trust_remote_code: bool = False

@@ -20,6 +20,12 @@ One driver thread owns the model and runs a continuous-batching loop::
   decided per token: a sample's result never depends on when the host looked).
 * A request with a seed samples from generators of its own (one per sample), so it repeats
   whatever else is batched.
+* Vision-language models (a ``vision_config`` in the model's config) load as
+  ``AutoModelForImageTextToText`` with their processor (:mod:`streamrl.rollout.vision`) and run on
+  the plain forward. A request with images is expanded and its pixel inputs made (off the event
+  loop) when it is submitted; its samples then decode as a batch of their own - the prefill takes
+  the pixel inputs, the positions are the model's own (no padding in such a batch) - and report the
+  expanded prompt. Sampling and log-probs are the text path's.
 * Weight updates are commands too: an update waits until the samples admitted before it finish,
   jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
   failed transfer leaves the served weights untouched. Over the learner's weight-broadcast group
@@ -43,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
@@ -52,6 +58,7 @@ from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, Wei
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason
 from streamrl.rollout.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
+from streamrl.rollout.vision import decode_image, encode, image_token_id, load_processor
 from streamrl.rollout.weight_receiver import to_torch
 
 __all__ = ["HFEngine", "processed_logprobs"]
@@ -71,10 +78,22 @@ class _Job:
     """One ``generate`` call."""
 
     requests: list[GenerationRequest]
+    inputs: list[_Inputs | None]
+    """Per request: its expanded prompt and pixel inputs when it has images, else None."""
     future: concurrent.futures.Future[list[list[Sample]]] = field(default_factory=concurrent.futures.Future)
     results: list[list[Sample | None]] = field(default_factory=list)
     left: int = 0
     """Samples not finished yet."""
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """A request with images as the model takes it."""
+
+    prompt: list[int]
+    """The prompt, image tokens expanded."""
+    pixels: dict[str, torch.Tensor]
+    """The processor's pixel inputs (on the engine's device and dtype), batch of one."""
 
 
 class _Stop:
@@ -93,6 +112,8 @@ class _Row:
     max_new: int
     generator: torch.Generator | None
     """The sample's own generator (seeded requests), else None (the engine's)."""
+    inputs: _Inputs | None = None
+    """Images of the request (``prompt`` is then the expanded prompt)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str | None = None
@@ -117,7 +138,10 @@ class HFEngine:
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        self._processor = load_processor(config.model, config.trust_remote_code)
+        self._image_token_id = None if self._processor is None else image_token_id(self._processor)
+        auto = AutoModelForCausalLM if self._processor is None else AutoModelForImageTextToText
+        self._model: PreTrainedModel = auto.from_pretrained(
             config.model, dtype=_DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
         ).to(self._device)
         self._model.eval()
@@ -147,7 +171,7 @@ class HFEngine:
         self._thread.start()
 
     def _build_decoder(self) -> KVDecoder | None:
-        reason = unsupported_reason(self._model)
+        reason = "a vision-language model" if self._processor is not None else unsupported_reason(self._model)
         if reason is not None:
             logger.warning("transformers engine: plain forward per batch (%s)", reason)
             return None
@@ -168,10 +192,11 @@ class HFEngine:
         return self._version
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        check_requests(requests, self._config.max_model_len)
+        check_requests(requests, self._config, self._image_token_id)
         if not requests:
             return []
-        job = _Job(requests)
+        inputs = [None if not r.images else await asyncio.to_thread(self._encode, r) for r in requests]
+        job = _Job(requests, inputs)
         self._submit(job)
         return await asyncio.wrap_future(job.future)
 
@@ -192,6 +217,17 @@ class HFEngine:
         self._thread.join()
         if self._member is not None:
             self._member.close()
+
+    def _encode(self, request: GenerationRequest) -> _Inputs:
+        """Expand a request's image tokens and make its pixel inputs (ValueError naming a problem)."""
+        images = [decode_image(image) for image in request.images]
+        prompt, pixels = encode(self._processor, request.prompt_ids, images)
+        if len(prompt) >= self._config.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens with its images expanded does not fit "
+                             f"max_model_len={self._config.max_model_len}")  # fmt: skip
+        dtype = next(self._model.parameters()).dtype
+        moved = {k: v.to(self._device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in pixels.items()}
+        return _Inputs(prompt, moved)
 
     def _submit(self, command: _Job | WeightUpdate) -> None:
         with self._lock:
@@ -226,7 +262,7 @@ class HFEngine:
             try:
                 with torch.inference_mode():
                     if self._decoder is None:
-                        self._run_plain(list(waiting))
+                        self._run_batches(list(waiting))
                         waiting.clear()
                     else:
                         self._fill(live, waiting)
@@ -261,14 +297,15 @@ class HFEngine:
     def _admit(self, job: _Job) -> list[_Row]:
         rows: list[_Row] = []
         job.results = [[None] * r.sampling.n for r in job.requests]
-        for i, request in enumerate(job.requests):
+        for i, (request, inputs) in enumerate(zip(job.requests, job.inputs, strict=True)):
             sp = request.sampling
-            max_new = min(sp.max_new_tokens, self._config.max_model_len - len(request.prompt_ids))
+            prompt = list(request.prompt_ids) if inputs is None else inputs.prompt
+            max_new = min(sp.max_new_tokens, self._config.max_model_len - len(prompt))
             for k in range(sp.n):
                 generator = None
                 if sp.seed is not None:  # one stream per sample: independent of what else is batched
                     generator = torch.Generator(device=self._device).manual_seed(sp.seed * 1_000_003 + k)
-                rows.append(_Row(job, i, k, list(request.prompt_ids), sp, max_new, generator))
+                rows.append(_Row(job, i, k, prompt, sp, max_new, generator, inputs))
         job.left = len(rows)
         return rows
 
@@ -277,6 +314,7 @@ class HFEngine:
         row.job.results[row.request][row.index] = Sample(
             token_ids=row.tokens, logprobs=row.logprobs, text=text, finish_reason=row.reason or "length",
             version_start=self._version, version_end=self._version,
+            prompt_ids=None if row.inputs is None else row.prompt,
         )  # fmt: skip
         row.job.left -= 1
         if row.job.left == 0 and not row.job.future.done():
@@ -401,8 +439,25 @@ class HFEngine:
 
     # --- plain forward (other architectures) ---------------------------------------------
 
-    def _run_plain(self, rows: list[_Row]) -> None:
-        """Generate ``rows`` to their end with the model's own forward and cache (one batch)."""
+    def _run_batches(self, rows: list[_Row]) -> None:
+        """Generate ``rows`` with the model's own forward: the text rows as one batch, the samples of
+        each request with images as a batch of their own."""
+        text = [r for r in rows if r.inputs is None]
+        if text:
+            self._run_plain(text)
+        requests: dict[int, list[_Row]] = {}
+        for r in rows:
+            if r.inputs is not None:
+                requests.setdefault(id(r.inputs), []).append(r)
+        for group in requests.values():
+            self._run_plain(group, group[0].inputs)
+
+    def _run_plain(self, rows: list[_Row], inputs: _Inputs | None = None) -> None:
+        """Generate ``rows`` to their end with the model's own forward and cache (one batch).
+
+        ``inputs``: the pixel inputs of the one prompt every row shares; the model then places its
+        tokens itself (no padding: no positions are passed).
+        """
         distinct: dict[tuple[int, ...], int] = {}
         source = torch.tensor([distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows])
         prompts = list(distinct)
@@ -414,7 +469,10 @@ class HFEngine:
             attention[b, width - len(prompt) :] = 1
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         input_ids, attention, positions = (t.to(self._device) for t in (input_ids, attention, positions))
-        out = self._model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        pixels = {} if inputs is None else inputs.pixels
+        explicit_positions = inputs is None
+        out = self._model(input_ids=input_ids, attention_mask=attention, use_cache=True, **pixels,
+                          position_ids=positions if explicit_positions else None)  # fmt: skip
         past = out.past_key_values
         source = source.to(self._device)
         logits = out.logits[:, -1, :].float()[source]
@@ -456,8 +514,8 @@ class HFEngine:
                 attention, positions, next_ids = attention[index], positions[index], next_ids[index]
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = self._model(input_ids=next_ids[:, None], attention_mask=attention, position_ids=positions,
-                              past_key_values=past, use_cache=True)  # fmt: skip
+            out = self._model(input_ids=next_ids[:, None], attention_mask=attention, past_key_values=past,
+                              position_ids=positions if explicit_positions else None, use_cache=True)  # fmt: skip
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
 

@@ -15,6 +15,9 @@
 * With ``rollout.environment`` set, each sample is a multi-turn episode with that environment
   (:mod:`streamrl.rollout.episode`): the Trajectory then carries the turns, the loss mask (0 on the
   environment's tokens), the stop reason and - when the environment failed - ``metadata["env_error"]``.
+* A prompt's images go to the engine with its prompt (one image token per image); the Trajectory
+  records the prompt as the model saw it (image tokens expanded, as the engine reports it) and every
+  image in order: the prompt's, then those an environment returned.
 
 Observability (:mod:`streamrl.common.tracing`, :mod:`streamrl.common.prom`): per prompt a
 ``rollout.queue`` span from its issue to the start of its generation (under the prompt's
@@ -131,7 +134,9 @@ class RolloutService:
         started = time.time()
         queued = tracing.record(QUEUE, item.traceparent, start_s=item.issued_at, end_s=started,
                                 attributes={GROUP_ID: item.id})  # fmt: skip
-        request = GenerationRequest(prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling)
+        request = GenerationRequest(
+            prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling, images=list(item.images)
+        )
         # a span not recorded passes its parent's traceparent on: tracing is off or this trace was left
         # out, and the samples' spans would record nothing either (skipping them saves ~4 us a sample)
         traced = queued != item.traceparent
@@ -336,7 +341,11 @@ def _trajectory(
         metadata = {**item.metadata, "env_info": sample.env_infos}
         if sample.env_error is not None:
             metadata["env_error"] = sample.env_error
-    prompt_ids, prompt_text = item.prompt_ids, item.prompt_text
+    prompt_ids, prompt_text, images = item.prompt_ids, item.prompt_text, item.images
+    if sample.prompt_ids is not None:  # the prompt had images: as the model saw them (expanded)
+        prompt_ids = Tensor.from_numpy(np.asarray(sample.prompt_ids, dtype=np.int32))
+    if isinstance(sample, Episode) and sample.images:
+        images = [*item.images, *sample.images]
     if isinstance(sample, AgentEpisode):  # the agent's conversation has its own prompt
         prompt_ids = Tensor.from_numpy(np.asarray(sample.prompt_ids, dtype=np.int32))
         prompt_text, metadata["agent_reward"] = sample.prompt_text, sample.reward
@@ -348,6 +357,6 @@ def _trajectory(
         prompt_text=prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
         truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
         policy_version_end=sample.version_end, label=item.label, metadata=metadata,
-        images=item.images, is_eval=item.is_eval, timings=dict(timings), traceparent=traceparent,
+        images=images, is_eval=item.is_eval, timings=dict(timings), traceparent=traceparent,
         turns=turns, stop_reason=stop_reason,
     )  # fmt: skip

@@ -10,7 +10,8 @@ process, as vLLM is configured) and runs this loop::
 * A weight update waits until the running requests finish; requests submitted after it wait for
   it (every sample comes from one version). The worker extension
   (:mod:`streamrl.rollout.weight_receiver`) pulls and verifies the buckets on every worker, then
-  loads them (a failed transfer leaves the served weights untouched) and the prefix cache is reset.
+  loads them (a failed transfer leaves the served weights untouched) and the prefix cache (and a
+  vision-language model's cache of image embeddings) is reset.
   Over the learner's weight-broadcast group every worker (tensor-parallel rank) is a member of its
   own and receives in the background; an update stages the same verified version on every worker
   (the newest one, at least the version asked for) and loads it - each rank's loader keeps its
@@ -22,6 +23,10 @@ process, as vLLM is configured) and runs this loop::
   version of its first and of its last token.
 * A request is one vLLM request with ``n`` children (sample ``j`` seeded ``seed + j``: the prompt
   is processed once), streamed as deltas so the version of each sample's first token is exact.
+* Vision-language models (a ``vision_config`` in the model's config): the engine is built with room
+  for ``max_images_per_prompt`` images per request; a request's images go to vLLM as PIL images
+  next to its collapsed prompt ids (one image token per image), vLLM expands them with the model's
+  processor, and each sample reports that expanded prompt.
 * Log-probs come from ``logprobs_mode="processed_logprobs"``: those of the distribution actually
   sampled from (after temperature, top-k, top-p).
 
@@ -53,6 +58,7 @@ from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcas
 from streamrl.common.weights_broadcast import encode as encode_rendezvous
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.vision import decode_image, image_token_id, load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,8 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     version_start: int | None = None
+    prompt_ids: list[int] | None = None
+    """The prompt vLLM expanded (requests with images)."""
 
 
 @dataclass
@@ -147,6 +155,9 @@ class VLLMEngine:
         """Without partial_rollout: a weight update waiting for the running requests, then the
         commands that came after it, in order."""
         self._tokenizer: Any = None
+        processor = load_processor(config.model, config.trust_remote_code)
+        self._image_token_id = None if processor is None else image_token_id(processor)
+        """The model's image token; None: not a vision-language model."""
         self._fatal: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -164,7 +175,7 @@ class VLLMEngine:
         return self._version
 
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        check_requests(requests, self._config.max_model_len)
+        check_requests(requests, self._config, self._image_token_id)
         if not requests:
             return []
         job = _Job(requests)
@@ -235,6 +246,7 @@ class VLLMEngine:
 
     def _new_llm(self, on_cpu: bool) -> LLM:
         c = self._config
+        vision = {} if self._image_token_id is None else {"limit_mm_per_prompt": {"image": c.max_images_per_prompt}}
         return LLM(
             model=c.model,
             tokenizer=c.tokenizer or c.model,
@@ -250,6 +262,7 @@ class VLLMEngine:
             trust_remote_code=c.trust_remote_code,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            **vision,
         )
 
     def _drive(self, built: concurrent.futures.Future[None]) -> None:
@@ -316,7 +329,7 @@ class VLLMEngine:
         self._num_jobs += 1
         try:
             # One render per request; its n samples share the rendered prompt.
-            rendered = engine.renderer.render_cmpl([{"prompt_token_ids": list(r.prompt_ids)} for r in job.requests])
+            rendered = engine.renderer.render_cmpl([_prompt(r) for r in job.requests])
             for i, (request, engine_input) in enumerate(zip(job.requests, rendered, strict=True)):
                 request_id = f"{self._num_jobs}-{i}"
                 engine.add_request(request_id, engine_input, to_vllm_params(request.sampling))
@@ -341,6 +354,8 @@ class VLLMEngine:
                     run.text.append(completion.text)
                 if completion.finish_reason is not None:
                     del self._running[key]
+                    if run.job.requests[run.slot[0]].images:
+                        run.prompt_ids = list(out.prompt_token_ids)
                     self._finish(run, completion.finish_reason)
 
     def _finish(self, run: _Running, finish_reason: str) -> None:
@@ -357,6 +372,7 @@ class VLLMEngine:
                 finish_reason=reason,
                 version_start=self._version if run.version_start is None else run.version_start,
                 version_end=self._version,
+                prompt_ids=run.prompt_ids,
             ),
         )
 
@@ -376,6 +392,8 @@ class VLLMEngine:
         self._llm.collective_rpc(APPLY_METHOD, args=(version, self._in_place))
         # Cached KV was computed with the old weights; running requests recompute theirs.
         self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+        if self._image_token_id is not None:  # and so were cached image embeddings (vision tower)
+            self._llm.llm_engine.reset_encoder_cache()
         self._version = version
         update.future.set_result(time.perf_counter() - start)
 
@@ -432,6 +450,15 @@ class VLLMEngine:
         for command in waiting:
             if isinstance(command, _Job | WeightUpdate) and not command.future.done():
                 command.future.set_exception(error)
+
+
+def _prompt(request: GenerationRequest) -> dict[str, Any]:
+    """The prompt of ``request`` as vLLM takes it: collapsed ids, and the decoded images (ValueError
+    naming a bad image)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
+    if request.images:
+        prompt["multi_modal_data"] = {"image": [decode_image(image) for image in request.images]}
+    return prompt
 
 
 CPU_KV_CACHE_GIB = 2.0
