@@ -30,8 +30,11 @@ async def _run(config: RolloutConfig, ctx: ServiceContext) -> None:
     engine = await asyncio.to_thread(build_engine, config.engine)
     episodes = None
     if env is not None and factory is not None:
+        from streamrl.rollout.vision import load_expander
+
         tokenize = await asyncio.to_thread(_tokenizer, config)
-        episodes = EpisodeRunner(engine, factory, tokenize, env, config.engine.max_model_len)
+        expand = await asyncio.to_thread(load_expander, config.engine.model, config.engine.trust_remote_code)
+        episodes = EpisodeRunner(engine, factory, tokenize, env, config.engine.max_model_len, expand)
     if token is not None:
         await _run_with_agents(config, ctx, engine, token)
         return
