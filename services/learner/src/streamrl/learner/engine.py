@@ -9,14 +9,17 @@ What it owns, in order of use:
   ``TORCH_EXTENSIONS_DIR``, which defaults to ``{sys.prefix}/torch_extensions`` (one per venv).
 * the model: causal LM, reward model (sequence classification, one label: the score at the last
   non-pad token) or value model (token classification, one label per token); optional LoRA (peft),
-  QLoRA only on CUDA.
+  QLoRA only on CUDA. A causal-LM checkpoint whose config has a ``vision_config`` is loaded as a
+  vision-language model (``AutoModelForImageTextToText``, with its ``AutoProcessor``; its vision
+  tower optionally frozen), see :mod:`streamrl.learner.vision`.
 * AdamW with decay on matrices only, linear warmup then constant / linear / cosine decay
   (:func:`lr_multiplier`), DeepSpeed's accumulation boundary and gradient clipping.
 * resumable checkpoints (DeepSpeed model/optimizer/scheduler states, per-rank RNG states, and the
   caller's ``client_state`` such as the data position); the ``latest`` pointer is written last, so a
   kill during a save leaves the previous checkpoint in force; files are loaded as data, never as code.
 * full parameters in Hugging Face naming (:meth:`ModelEngine.iter_full_params`, ZeRO-3 shards
-  gathered in groups, LoRA merged) and Hugging Face export (safetensors + tokenizer).
+  gathered in groups, LoRA merged) and Hugging Face export (safetensors + tokenizer, and the
+  processor of a vision-language model).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.kernels import apply_kernels
 from streamrl.learner.safe_checkpoint import SafeLoads, load_checkpoint_file
 from streamrl.learner.varlen_attention import register as register_varlen_attention
+from streamrl.learner.vision import is_vision_language, load_processor, vision_tower
 
 logger = logging.getLogger(__name__)
 ModelKind = Literal["causal_lm", "reward", "value"]
@@ -167,7 +171,8 @@ def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_pro
     model.train()  # the training engine runs in train mode; a mode change would recompile
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
+    vocab_size = model.config.get_text_config().vocab_size  # a vision-language config keeps it in text_config
+    ids = torch.randint(0, vocab_size, (batch, length), generator=generator).to(device)
     mask = torch.ones_like(ids)
     mask[0, length // 2 :] = 0  # training batches are right-padded
     prompt_len = 5  # 3 distinct prompts of 5 tokens, 2 rows each, responses up to 12 tokens
@@ -193,13 +198,17 @@ def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_pro
     return time.perf_counter() - started
 
 
-def _load_model(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraConfig | None) -> Any:
-    model = _from_pretrained(path, kind, ds_cfg, lora)
+def _load_model(
+    path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraConfig | None, vision: bool = False
+) -> Any:
+    model = _from_pretrained(path, kind, ds_cfg, lora, vision)
     apply_kernels(model, ds_cfg.kernels)
     return model
 
 
-def _from_pretrained(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraConfig | None) -> Any:
+def _from_pretrained(
+    path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: LoraConfig | None, vision: bool = False
+) -> Any:
     import transformers
 
     attn = register_varlen_attention() if ds_cfg.attn_implementation == "varlen" else ds_cfg.attn_implementation
@@ -212,6 +221,8 @@ def _from_pretrained(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: 
             bnb_4bit_compute_dtype=_DTYPES[ds_cfg.dtype],
         )
         kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0"))}
+    if kind == "causal_lm" and vision:
+        return transformers.AutoModelForImageTextToText.from_pretrained(path, **kwargs)
     if kind == "causal_lm":
         return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if kind == "reward":
@@ -221,6 +232,23 @@ def _from_pretrained(path: str, kind: ModelKind, ds_cfg: DeepSpeedConfig, lora: 
         config.classifier_dropout = 0.0  # token classifiers default to dropout 0.1 on the hidden states
         return transformers.AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
     raise ValueError(f"unknown model kind {kind!r}; expected 'causal_lm', 'reward' or 'value'")
+
+
+def _vision_checkpoint(model_path: str, kind: ModelKind, freeze_vision_tower: bool) -> bool:
+    """Whether ``model_path`` loads as a vision-language model; ValueError for ``freeze_vision_tower`` on another."""
+    import transformers
+
+    vision = kind == "causal_lm" and is_vision_language(transformers.AutoConfig.from_pretrained(model_path))
+    if freeze_vision_tower and not vision:
+        raise ValueError(f"freeze_vision_tower = true needs a vision-language model; {model_path} has no vision_config")
+    return vision
+
+
+def _set_use_cache(config: Any, value: bool) -> None:
+    """Set ``use_cache`` on a model config and on its language model's (vision-language models read that one)."""
+    config.use_cache = value
+    if getattr(config, "text_config", None) is not None:
+        config.text_config.use_cache = value
 
 
 def _apply_lora(model: Any, lora: LoraConfig, kind: ModelKind, gradient_checkpointing: bool) -> Any:
@@ -267,10 +295,12 @@ def _group_key(name: str) -> str:
 class ModelEngine:
     """A Hugging Face model under a DeepSpeed engine. Build with :meth:`from_config`."""
 
-    def __init__(self, ds_engine: Any, tokenizer: Any, kind: ModelKind, train: bool) -> None:
+    def __init__(self, ds_engine: Any, tokenizer: Any, kind: ModelKind, train: bool, processor: Any = None) -> None:
         self._engine = ds_engine
         self.tokenizer = tokenizer
         """The model's tokenizer (pad token set: the eos token when the tokenizer has none)."""
+        self.processor = processor
+        """A vision-language model's ``AutoProcessor`` (image processor and tokenizer); None for a text model."""
         self.kind = kind
         self._train = train
         self._manual_grad_norm: float | None = None
@@ -289,16 +319,19 @@ class ModelEngine:
         total_steps: int | None = None,
         tokenizer_path: str | None = None,
         shared_prompts: bool = False,
+        freeze_vision_tower: bool = False,
     ) -> ModelEngine:
         """Load ``model_path`` (local folder or hub id) and wrap it in DeepSpeed.
 
         ``train=False`` builds a frozen engine (no optimizer; ZeRO-3 still shards it), e.g. a
         reference policy. ``total_steps`` sizes the linear/cosine schedules. ``shared_prompts``: the
         forwards will be shared-prompt ones (a compiled model is warmed up on those).
+        ``freeze_vision_tower``: a vision-language model's vision encoder is not trained.
         """
         _check_qlora(lora, ds_cfg)
         if train and ds_cfg.scheduler != "constant" and total_steps is None:
             raise ValueError(f"scheduler={ds_cfg.scheduler!r} needs total_steps")
+        vision = _vision_checkpoint(model_path, kind, freeze_vision_tower)
         init_distributed()
         import deepspeed
 
@@ -313,13 +346,16 @@ class ModelEngine:
                 ds_cfg.micro_batch_size * ds_cfg.grad_accum * torch.distributed.get_world_size()
             )
             zero3_loading = HfDeepSpeedConfig(ds_dict)
-        model = _load_model(model_path, kind, ds_cfg, lora)
+        model = _load_model(model_path, kind, ds_cfg, lora, vision)
         del zero3_loading  # later from_pretrained calls in this process must load plain models
+        processor = load_processor(tokenizer_path or model_path) if vision else None
+        if freeze_vision_tower:
+            vision_tower(model).requires_grad_(False)
         if model.config.pad_token_id is None or kind != "causal_lm":
             model.config.pad_token_id = tokenizer.pad_token_id  # score heads pool at the last non-pad token
         # no KV cache in training/scoring forwards: with a cache, transformers ignores the position-id
         # restarts that isolate packed samples (export writes use_cache=True back)
-        model.config.use_cache = False
+        _set_use_cache(model.config, False)
         if train and ds_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
@@ -328,7 +364,7 @@ class ModelEngine:
             model.requires_grad_(False)
             model.eval()
             engine, *_ = deepspeed.initialize(model=model, config=ds_dict)
-            return cls(engine, tokenizer, kind, train=False)
+            return cls(engine, tokenizer, kind, train=False, processor=processor)
 
         if ds_cfg.compile:
             # Warm up where training runs. deepspeed.initialize moves a ZeRO <= 2 model to this same
@@ -354,7 +390,7 @@ class ModelEngine:
             lr_scheduler=make_scheduler,
         )
         engine.train()
-        return cls(engine, tokenizer, kind, train=True)
+        return cls(engine, tokenizer, kind, train=True, processor=processor)
 
     # ----------------------------------------------------------------- training
     @property
@@ -521,7 +557,8 @@ class ModelEngine:
         return merged
 
     def export_hf(self, directory: str | Path, extra_config: dict[str, Any] | None = None) -> Path:
-        """Write a Hugging Face folder (safetensors weights, config, tokenizer) that transformers and vLLM load.
+        """Write a Hugging Face folder (safetensors weights, config, tokenizer; a vision-language model's
+        processor) that transformers and vLLM load.
 
         ZeRO-3 shards are gathered and LoRA merged; ``extra_config`` entries are set on the saved
         config (e.g. a reward model's ``reward_mean`` / ``reward_std``). All ranks call it.
@@ -533,10 +570,12 @@ class ModelEngine:
             directory.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(directory, state_dict=state)
             config = copy.deepcopy(model.config)
-            config.use_cache = True
+            _set_use_cache(config, True)
             for key, value in (extra_config or {}).items():
                 setattr(config, key, value)
             config.save_pretrained(directory)
+            if self.processor is not None:  # image processor and chat template; the tokenizer below
+                self.processor.save_pretrained(directory)
             self.tokenizer.save_pretrained(directory)
         torch.distributed.barrier()
         return directory

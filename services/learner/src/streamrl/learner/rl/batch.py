@@ -11,16 +11,27 @@ become ``turn_rewards``: every turn's reward but the last, on the last model tok
 turn's end. The scalar ``rewards`` stays the whole return; the estimators put what the earlier turns
 did not receive on the last model token (``advantages.token_rewards``), so the final turn gets the
 shaped return minus the earlier turns' rewards. docs/multiturn.md has the whole rule.
+
+Vision-language policies: ``collate`` is handed the policy's image preparation
+(:class:`streamrl.learner.vision.ImageInputs`) and keeps each row's pixel inputs in ``pixels``; a
+text-only policy gets none, and a trajectory with images is then an error (never silently dropped).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from streamrl.common.messages import ScoredTrajectory, TrainingBatch
+from streamrl.common.messages import ScoredTrajectory, TrainingBatch, Trajectory
+
+PixelInputs = dict[str, torch.Tensor]
+"""One row's model inputs besides ``input_ids``: the processor's image tensors (a batch of one) and any
+per-token input rebuilt for the row's ids."""
+ImagePreparer = Callable[[Sequence[Trajectory]], list[PixelInputs | None]]
+"""Turns trajectories into their rows' pixel inputs (None for a row without images), in order."""
 
 
 @dataclass
@@ -50,21 +61,43 @@ class RLBatch:
     """[B] float32 sampling temperature of each sample."""
     truncated: torch.Tensor
     """[B] bool."""
+    pixels: tuple[PixelInputs | None, ...] = ()
+    """Per row, the model's image inputs besides the ids (``pixel_values`` ...; None for a row without
+    images); empty when no row has images."""
 
     @property
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def has_images(self) -> bool:
+        """Whether a row holds images (its forward needs the pixel inputs)."""
+        return any(p is not None for p in self.pixels)
+
     def select(self, rows: torch.Tensor | list[int]) -> RLBatch:
         idx = torch.as_tensor(rows, dtype=torch.long)
-        return RLBatch(**{name: getattr(self, name)[idx] for name in self.__dataclass_fields__})
+        tensors = {name: getattr(self, name)[idx] for name in self.__dataclass_fields__ if name != "pixels"}
+        pixels = tuple(self.pixels[i] for i in idx.tolist()) if self.pixels else ()
+        return RLBatch(**tensors, pixels=pixels)
 
 
-def collate(batch: TrainingBatch, pad_id: int) -> RLBatch:
-    """Pad every sample of ``batch`` into one :class:`RLBatch`."""
+def collate(batch: TrainingBatch, pad_id: int, images: ImagePreparer | None = None) -> RLBatch:
+    """Pad every sample of ``batch`` into one :class:`RLBatch`; ``images`` prepares the pixel inputs of a
+    vision-language policy (None: a text-only policy, which takes no trajectory with images)."""
     samples = batch.samples
     if not samples:
         raise ValueError(f"{batch.id} has no samples")
+    trajectories = [s.trajectory for s in samples]
+    pixels: tuple[PixelInputs | None, ...] = ()
+    if images is not None:
+        pixels = tuple(images(trajectories))
+    else:
+        with_images = next((t for t in trajectories if t.images), None)
+        if with_images is not None:
+            raise ValueError(
+                f"trajectory {with_images.id} carries {len(with_images.images)} image(s) but the policy is a "
+                "text-only model: train image trajectories with a vision-language checkpoint"
+            )
     prompts = [s.trajectory.prompt_ids.to_numpy().astype(np.int64) for s in samples]
     responses = [s.trajectory.response_ids.to_numpy().astype(np.int64) for s in samples]
     total = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
@@ -99,6 +132,7 @@ def collate(batch: TrainingBatch, pad_id: int) -> RLBatch:
         group_index=torch.tensor([groups[s.trajectory.group_id] for s in samples], dtype=torch.long),
         temperatures=torch.tensor([s.trajectory.sampling.temperature or 1.0 for s in samples], dtype=torch.float32),
         truncated=torch.tensor([s.trajectory.truncated for s in samples], dtype=torch.bool),
+        pixels=pixels,
     )
 
 
