@@ -77,6 +77,13 @@ class LearnerConfig(ServiceConfig):
     learner time that would otherwise be spent waiting for the next batch."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each training batch (``mini_batches`` optimizer steps each; groups reshuffled)."""
+    freeze_vision_tower: bool = False
+    """Vision-language policies: keep the vision encoder's weights as loaded (its parameters get no gradient
+    and no optimizer state); the connector that maps image features into the language model and the
+    language model still train. Off by default, as in verl and EasyR1 (``freeze_vision_tower``) and TRL,
+    which train the whole policy in RL: the rollout engines get every weight either way. Setting it on a
+    text-only checkpoint is an error. (LLaMA-Factory and ms-swift freeze the tower by default for
+    supervised fine-tuning.)"""
     share_prompts: bool = False
     """Compute each distinct prompt of a micro-batch once (policy and reference): the n samples of a
     group run their responses on the prompt's KV cache. Same log-probs; for n samples of a long prompt

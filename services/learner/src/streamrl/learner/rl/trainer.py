@@ -18,6 +18,10 @@ Multi-turn trajectories need nothing else: the loss mask (0 on environment token
 every log-prob, KL, entropy, correction, aggregation and metric, and their per-turn rewards reach the
 estimator as ``rl.turn_rewards`` (docs/multiturn.md).
 
+Vision-language policies (:mod:`streamrl.learner.vision`): collate prepares each image row's pixel
+inputs once per step, and every log-prob pass of a micro-batch holding an image row (policy, pi_old,
+reference) runs its rows with them; the loss and masks are the same.
+
 With one update per batch (the default) the proximal policy ``pi_old`` equals ``pi_theta`` before
 the step, so when nothing else needs a separate pass the trainer uses ``logp.detach()`` as ``old``
 and saves a forward pass. A no-grad pass over the batch is made first when there are several
@@ -57,6 +61,8 @@ from streamrl.learner.rl.algo.objective import compute_advantages, policy_object
 from streamrl.learner.rl.batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.traces import SampleCorrection, traced_rows
+from streamrl.learner.vision import check_learner, image_inputs
+from streamrl.learner.vision import response_logprobs as image_response_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +98,13 @@ class RLTrainer:
         algo = cfg.algo
         optimizer_steps = cfg.total_steps * cfg.updates_per_batch  # what the lr schedules count
         self.policy = ModelEngine.from_config(
-            cfg.model, cfg.ds, "causal_lm", total_steps=optimizer_steps, shared_prompts=cfg.share_prompts
-        )
+            cfg.model, cfg.ds, "causal_lm", total_steps=optimizer_steps, shared_prompts=cfg.share_prompts,
+            freeze_vision_tower=cfg.freeze_vision_tower,
+        )  # fmt: skip
+        self.images = image_inputs(self.policy)
+        """Pixel inputs of image trajectories (None for a text-only policy)."""
+        if self.images is not None:
+            check_learner(cfg, self.policy.world_size)
         self.device = self.policy.device
         self.pad_id = int(self.policy.tokenizer.pad_token_id)
         uses_ref = algo.kl.placement != "none" and algo.kl.coef > 0
@@ -114,6 +125,8 @@ class RLTrainer:
     def _logprobs(
         self, engine: ModelEngine, mb: RLBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if mb.has_images:  # row by row with the pixel inputs (vision.py)
+            return image_response_logprobs(engine, mb, self.cfg.ds, with_entropy)
         if not self.cfg.share_prompts:  # unpadded varlen forward, fused log-prob head (lm_forward.py)
             from streamrl.learner.lm_forward import rl_response_logprobs
 
@@ -159,7 +172,7 @@ class RLTrainer:
         """Train on ``batch`` (``updates_per_batch`` optimizer steps); returns the step's metrics."""
         started = time.perf_counter()
         algo = self.cfg.algo
-        rl = collate(batch, self.pad_id)
+        rl = collate(batch, self.pad_id, self.images)
         chunks = self._my_micro_batches(rl, list(range(rl.size)))
         plan = update_plan(
             rl.group_index, mini_batches=self.cfg.mini_batches, epochs=self.cfg.ppo_epochs,
