@@ -113,7 +113,7 @@ class BroadcastWeightPublisher:
         port: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
-        tied_aliases: Mapping[str, str] = TIED_ALIASES,
+        tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
-from streamrl.learner.rl.weights import TIED_ALIASES
+from streamrl.learner.rl.weights import TIED_ALIASES, tied_copies
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class IpcWeightPublisher:
     """
 
     def __init__(
-        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tied_aliases: Mapping[str, str] = TIED_ALIASES
+        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES
     ) -> None:
         self._bucket_bytes = bucket_bytes
         self._tied_aliases = tied_aliases
@@ -184,7 +184,7 @@ class IpcWeightPublisher:
     def _allocate(self, named: list[tuple[str, torch.Tensor]]) -> None:
         names = {name: i for i, (name, _) in enumerate(named)}
         self._num_streamed = len(named)
-        aliases = [(a, names[s]) for a, s in self._tied_aliases.items() if a not in names and s in names]
+        aliases = [(a, names[s]) for a, s in tied_copies(names, self._tied_aliases)]
         self._layout, sizes = plan_layout(named + [(a, named[i][1]) for a, i in aliases], self._bucket_bytes)
         device = named[0][1].device
         self._buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for size in sizes]

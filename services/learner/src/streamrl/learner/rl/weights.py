@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -24,8 +24,25 @@ from streamrl.common.weights_wire import BF16, DEFAULT_BUCKET_BYTES, BucketServe
 
 logger = logging.getLogger(__name__)
 
-TIED_ALIASES: Mapping[str, str] = {"lm_head.weight": "model.embed_tokens.weight"}
-"""Names sent as a copy of another tensor when the caller's tensors lack them (tied weights)."""
+TIED_ALIASES: Mapping[str, tuple[str, ...]] = {
+    "lm_head.weight": (
+        "model.embed_tokens.weight",  # causal LMs
+        "model.text_model.embed_tokens.weight",  # vision-language models: Idefics3, SmolVLM
+        "model.language_model.embed_tokens.weight",  # LLaVA, Qwen2-VL
+    ),
+}
+"""Names sent as a copy of another tensor when the caller's tensors lack them (tied weights): the
+first of the candidate sources that is present."""
+
+
+def tied_copies(names: Collection[str], aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES) -> list[tuple[str, str]]:
+    """(alias, source) for each alias missing from ``names`` whose source is there."""
+    copies = []
+    for alias, sources in aliases.items():
+        source = next((s for s in sources if s in names), None)
+        if alias not in names and source is not None:
+            copies.append((alias, source))
+    return copies
 
 
 def to_wire(name: str, tensor: torch.Tensor) -> WireTensor:
@@ -70,7 +87,7 @@ class WeightServer:
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
-        tied_aliases: Mapping[str, str] = TIED_ALIASES,
+        tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES,
     ) -> tuple[str, int, int]:
         """Serve ``named_tensors`` as ``version`` (replacing the previous one).
 
@@ -83,9 +100,8 @@ class WeightServer:
         start = time.perf_counter()
         wire = [to_wire(name, t) for name, t in named_tensors]
         names = {t.name: t for t in wire}
-        for alias, source in tied_aliases.items():
-            if alias not in names and source in names:
-                wire.append(WireTensor(alias, names[source].dtype, names[source].array))
+        for alias, source in tied_copies(names, tied_aliases):
+            wire.append(WireTensor(alias, names[source].dtype, names[source].array))
         encoded = encode_version(wire, version, self._bucket_bytes)
         self._server.set_current(encoded)
         logger.info(
