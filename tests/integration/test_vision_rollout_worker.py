@@ -24,7 +24,7 @@ from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Tens
 from streamrl.common.streams import StreamNames
 from streamrl.learner.rl.weights import WeightServer
 from streamrl.rollout.tiny_model import build_tiny_idefics3
-from streamrl.rollout.vision import decode_image, encode, expand_image_tokens, load_processor
+from streamrl.rollout.vision import decode_image, encode, expand_image_tokens, expansion_token_ids, load_processor
 
 IMAGE = 387
 OBSERVATION = "<|im_end|>\n<|im_start|>user\nand now <image>?"
@@ -136,6 +136,7 @@ max_tokens = 100
         _, both = encode(processor, [IMAGE, IMAGE], [decode_image(i) for i in t.images])
         with torch.no_grad():
             logits = learner(input_ids=torch.tensor([full]), **both).logits[0, len(prompt) - 1 : -1]
+        logits[:, expansion_token_ids(processor)] = float("-inf")  # the engine never samples them
         logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
         trained = torch.tensor(mask, dtype=torch.bool)
         torch.testing.assert_close(t.logprobs.to_numpy()[trained.numpy()], logp[trained].numpy(), atol=1e-3, rtol=0)

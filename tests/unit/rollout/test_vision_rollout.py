@@ -33,7 +33,13 @@ from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.service import RolloutService
 from streamrl.rollout.tiny_model import build_tiny_idefics3
-from streamrl.rollout.vision import ImageExpander, decode_image, expand_image_tokens, load_processor
+from streamrl.rollout.vision import (
+    ImageExpander,
+    decode_image,
+    expand_image_tokens,
+    expansion_token_ids,
+    load_processor,
+)
 from streamrl.rollout.vision import encode as encode_images
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -108,10 +114,13 @@ def reference_logprobs(
     model: PreTrainedModel, processor: Any, ids: list[int], images: list[Image], tokens: list[int], temperature: float
 ) -> torch.Tensor:
     """What a learner computes: the model on the expanded ids with the images' pixel values,
-    log-probs of ``tokens`` (the last ones of ``ids``) at ``temperature`` (0: raw)."""
+    log-probs of ``tokens`` (the last ones of ``ids``) at ``temperature`` (0: raw) - over the tokens
+    the engines may sample (not an image's: a learner's full-vocabulary log-probs differ by
+    log(1 - p(image tokens)), 1-2% for this random model)."""
     _, pixels = encode_images(processor, [IMAGE] * len(images), [decode_image(i) for i in images])
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), **pixels).logits[0, len(ids) - len(tokens) - 1 : -1]
+    logits[:, expansion_token_ids(processor)] = float("-inf")
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
@@ -260,5 +269,6 @@ def test_an_episode_records_the_environments_image_expanded_and_masked(
     _, pixels = encode_images(processor, [IMAGE, IMAGE], [decode_image(i) for i in t.images])
     with torch.no_grad():
         logits = models[0](input_ids=torch.tensor([full]), **pixels).logits[0]
+    logits[:, expansion_token_ids(processor)] = float("-inf")  # the engines never sample them
     logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(logprobs)[trained], logp[trained], atol=1e-3, rtol=0)

@@ -32,9 +32,10 @@ its observation, whose text holds one image token per image. The engine's contex
 as that one token (the collapsed form the engines take, with every image of the episode so far);
 the episode records it expanded into the image's tokens (loss mask 0, log-prob 0), as the model saw
 it, and budgets count the expanded tokens. The next turn's engine-reported prompt must equal the
-prompt and the episode so far, expanded. A model turn holding the image token cannot go back to an
-engine as context (it would stand for an image that is not there): the episode then stops with
-``error`` before the next turn.
+prompt and the episode so far, expanded. The engines never sample an image's tokens; should an
+engine still return the image token in a model turn, that turn cannot go back to an engine as
+context (it would stand for an image that is not there): the episode then stops with ``error``
+before the next turn.
 
 A turn cut by a limit is not shown to the environment. ``reset`` failing (or the environment's
 constructor) fails the whole prompt instead (the consumer loop retries it, then dead-letters it, and

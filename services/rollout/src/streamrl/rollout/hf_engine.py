@@ -25,7 +25,9 @@ One driver thread owns the model and runs a continuous-batching loop::
   the plain forward. A request with images is expanded and its pixel inputs made (off the event
   loop) when it is submitted; its samples then decode as a batch of their own - the prefill takes
   the pixel inputs, the positions are the model's own (no padding in such a batch) - and report the
-  expanded prompt. Sampling and log-probs are the text path's.
+  expanded prompt. Sampling and log-probs are the text path's, with the ids of an image's expansion
+  (:func:`streamrl.rollout.vision.expansion_token_ids`) at a logit of -inf first: they are never
+  sampled, and the log-probs are those of the distribution over the other tokens (as vLLM's).
 * Weight updates are commands too: an update waits until the samples admitted before it finish,
   jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
   failed transfer leaves the served weights untouched. Over the learner's weight-broadcast group
@@ -58,7 +60,7 @@ from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, Wei
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason
 from streamrl.rollout.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
-from streamrl.rollout.vision import decode_image, encode, image_token_id, load_processor
+from streamrl.rollout.vision import decode_image, encode, expansion_token_ids, image_token_id, load_processor
 from streamrl.rollout.weight_receiver import to_torch
 
 __all__ = ["HFEngine", "processed_logprobs"]
@@ -140,6 +142,10 @@ class HFEngine:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._processor = load_processor(config.model, config.trust_remote_code)
         self._image_token_id = None if self._processor is None else image_token_id(self._processor)
+        self._banned: torch.Tensor | None = None
+        """Ids of an image's expansion, never sampled (on the device); None for a text model."""
+        if self._processor is not None:
+            self._banned = torch.tensor(expansion_token_ids(self._processor), device=self._device)
         auto = AutoModelForCausalLM if self._processor is None else AutoModelForImageTextToText
         self._model: PreTrainedModel = auto.from_pretrained(
             config.model, dtype=_DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
@@ -486,6 +492,8 @@ class HFEngine:
             for r, row in enumerate(live_rows):
                 if step < row.sampling.min_new_tokens and self._eos.numel():
                     logits[r, self._eos] = float("-inf")
+            if self._banned is not None:  # vision-language models: only ever on this path
+                logits[:, self._banned] = float("-inf")
             params = RowParams(
                 torch.tensor([r.sampling.temperature for r in live_rows], device=self._device),
                 torch.tensor([r.sampling.top_k for r in live_rows], device=self._device),

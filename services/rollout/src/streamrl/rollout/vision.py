@@ -17,6 +17,16 @@ the prompt's images at once.
 Images travel as :class:`streamrl.common.messages.Image` (encoded bytes) everywhere; every
 consumer decodes them with :func:`decode_image` (PIL, converted to RGB as the processors do
 anyway), so the rollout engines and the learner see the same pixels.
+
+A policy never samples an image's tokens (:func:`expansion_token_ids`: ``<image>``,
+``<fake_token_around_image>`` and ``<global-img>`` for the tiny Idefics3): a response holding one
+would stand for an image that is not there, and the learner refuses such a trajectory (an image
+token with loss mask 1, or more image tokens than its images make), which costs a whole batch.
+Both engines give those ids a logit of -inf before sampling, so the behaviour log-probs they record
+are those of the distribution restricted to the other tokens. The learner recomputes log-probs
+over the full vocabulary: for a sampled token the two differ by ``log(1 - p(image tokens))``, tiny
+for a trained policy (it practically never writes them unprompted), and truncated importance
+sampling corrects it like any other mismatch between the engine and the learner.
 """
 
 from __future__ import annotations
@@ -94,6 +104,20 @@ def image_token_id(processor: Any) -> int:
     if token_id is None:
         token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     return int(token_id)
+
+
+def expansion_token_ids(processor: Any) -> list[int]:
+    """The ids a policy must never sample: the image token and the other added tokens (never ordinary
+    text, such as a row's line break) of one image's expansion, sorted.
+
+    One square image stands for all: what an image expands into depends on its size only in how
+    many tokens there are (Qwen2-VL: more ``<|image_pad|>``) and, for processors that tile images,
+    in which tile tags appear (Idefics3 / SmolVLM: ``<row_i_col_j>``; they rescale an image's
+    longest side to their largest, so a square one gets the largest grid).
+    """
+    expansion = image_expansion(processor, PIL.Image.new("RGB", (64, 64)))
+    added = set(processor.tokenizer.added_tokens_decoder)
+    return sorted({t for t in expansion if t in added} | {image_token_id(processor)})
 
 
 def check_image_count(ids: Sequence[int], num_images: int, token_id: int | None) -> None:

@@ -26,9 +26,15 @@ process, as vLLM is configured) and runs this loop::
 * Vision-language models (a ``vision_config`` in the model's config): the engine is built with room
   for ``max_images_per_prompt`` images per request; a request's images go to vLLM as PIL images
   next to its collapsed prompt ids (one image token per image), vLLM expands them with the model's
-  processor, and each sample reports that expanded prompt.
+  processor, and each sample reports that expanded prompt. The ids of an image's expansion
+  (:func:`streamrl.rollout.vision.expansion_token_ids`, read once from the processor) are never
+  sampled: every request carries them as ``logit_bias`` of -inf (given to SamplingParams directly:
+  not clamped to +-100 as from vLLM's OpenAI server). Both of vLLM's model runners add the bias to
+  the logits before temperature, top-k and top-p, hence before the processed log-probs; a text
+  model's requests carry none. Not ``allowed_token_ids``: that would be the rest of the vocabulary
+  on every request, and the second runner takes at most 1024 ids.
 * Log-probs come from ``logprobs_mode="processed_logprobs"``: those of the distribution actually
-  sampled from (after temperature, top-k, top-p).
+  sampled from (after the image tokens' bias, temperature, top-k, top-p).
 
 The asyncio side never blocks: commands go through a thread-safe queue and results come back
 as ``concurrent.futures.Future``s.
@@ -58,7 +64,7 @@ from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcas
 from streamrl.common.weights_broadcast import encode as encode_rendezvous
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.vision import decode_image, image_token_id, load_processor
+from streamrl.rollout.vision import decode_image, expansion_token_ids, image_token_id, load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +81,11 @@ RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
 
 
-def to_vllm_params(sampling: SamplingParams) -> VLLMSamplingParams:
+def to_vllm_params(sampling: SamplingParams, banned: Mapping[int, float] | None = None) -> VLLMSamplingParams:
     """vLLM parameters of a request (streamrl SamplingParams): its ``n`` samples are vLLM's
     children of one request (sample ``j`` seeded ``seed + j``). vLLM detokenizes incrementally only
-    when stop strings need it; otherwise the text is decoded once per finished sample."""
+    when stop strings need it; otherwise the text is decoded once per finished sample. ``banned``:
+    the logit bias of the token ids never to sample (-inf), or None."""
     return VLLMSamplingParams(
         n=sampling.n,
         temperature=sampling.temperature,
@@ -92,6 +99,7 @@ def to_vllm_params(sampling: SamplingParams) -> VLLMSamplingParams:
         logprobs=0,
         flat_logprobs=True,
         output_kind=RequestOutputKind.DELTA,
+        logit_bias=None if banned is None else dict(banned),
     )
 
 
@@ -158,6 +166,8 @@ class VLLMEngine:
         processor = load_processor(config.model, config.trust_remote_code)
         self._image_token_id = None if processor is None else image_token_id(processor)
         """The model's image token; None: not a vision-language model."""
+        self._banned = None if processor is None else dict.fromkeys(expansion_token_ids(processor), float("-inf"))
+        """Logit bias of the ids of an image's expansion (-inf: never sampled); None for a text model."""
         self._fatal: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -332,7 +342,7 @@ class VLLMEngine:
             rendered = engine.renderer.render_cmpl([_prompt(r) for r in job.requests])
             for i, (request, engine_input) in enumerate(zip(job.requests, rendered, strict=True)):
                 request_id = f"{self._num_jobs}-{i}"
-                engine.add_request(request_id, engine_input, to_vllm_params(request.sampling))
+                engine.add_request(request_id, engine_input, to_vllm_params(request.sampling, self._banned))
                 for j in range(request.sampling.n):
                     self._running[(request_id, j)] = _Running(job, (i, j))
         except (ValueError, VLLMValidationError) as e:  # a request vLLM refuses: fail this call only
