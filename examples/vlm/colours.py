@@ -36,8 +36,15 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[str], **kwa
     """OpenRLHF-compatible reward: 1.0 when the response (after the prompt) names the label's colour."""
     if not len(queries) == len(prompts) == len(labels):
         raise ValueError(f"queries, prompts and labels differ in length: {len(queries)}, {len(prompts)}, {len(labels)}")
-    rewards = [1.0 if label in query[len(prompt):].lower() else 0.0 for query, prompt, label in zip(queries, prompts, labels, strict=True)]
-    return {"rewards": rewards, "scores": list(rewards), "extra_logs": {"vlm/accuracy": sum(rewards) / max(len(rewards), 1)}}
+    rewards = [
+        1.0 if label in query[len(prompt) :].lower() else 0.0
+        for query, prompt, label in zip(queries, prompts, labels, strict=True)
+    ]
+    return {
+        "rewards": rewards,
+        "scores": list(rewards),
+        "extra_logs": {"vlm/accuracy": sum(rewards) / max(len(rewards), 1)},
+    }
 
 
 class Environment:

@@ -99,9 +99,13 @@ def test_vlm_recipe_trains_on_image_episodes_with_the_same_pixels_in_every_tier(
             t = s.trajectory
             with_env_image += check_images(t, processor)
             check_behaviour_logprobs(t, policy, processor)
-    print(f"{with_env_image} of {len(ids)} trajectories got the environment's image; mismatch KL "
-          f"{[round(w.metrics['learner/mismatch/kl'], 8) for w in trained]}")
-    assert with_env_image >= len(ids) // 2, f"only {with_env_image} of {len(ids)} trajectories got the environment's image"
+    print(
+        f"{with_env_image} of {len(ids)} trajectories got the environment's image; mismatch KL "
+        f"{[round(w.metrics['learner/mismatch/kl'], 8) for w in trained]}"
+    )
+    assert with_env_image >= len(ids) // 2, (
+        f"only {with_env_image} of {len(ids)} trajectories got the environment's image"
+    )
 
 
 def pixels(t: Trajectory, processor: AutoProcessor) -> dict[str, torch.Tensor]:

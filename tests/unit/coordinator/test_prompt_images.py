@@ -51,7 +51,12 @@ def test_a_row_with_images_gets_its_bytes_and_one_placeholder_per_image(tmp_path
 
 
 def test_images_placed_by_chat_messages_stay_where_they_are(tmp_path: Path, vl_dir: str) -> None:
-    messages = [{"role": "user", "content": [{"type": "text", "text": "left"}, {"type": "image"}, {"type": "text", "text": "right"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "left"}, {"type": "image"}, {"type": "text", "text": "right"}],
+        }
+    ]
     path = dataset(tmp_path, [{"prompt": messages, "images": "img/red.png"}])
     prompt = PromptSource(DatasetConfig(path=path, tokenizer=vl_dir, label_key=None)).encode(0)
     assert "left" + IMAGE_TOKEN + "right" in prompt.text and len(prompt.images) == 1
@@ -61,7 +66,7 @@ def test_images_placed_by_chat_messages_stay_where_they_are(tmp_path: Path, vl_d
     ("images", "error"),
     [
         ("img/missing.png", "row 0: image 'img/missing.png' not found"),
-        ("data.jsonl", "row 0: image 'data.jsonl' is not PNG, JPEG, GIF or WebP"),
+        ("data.jsonl", "row 0: image 'data.jsonl' is not PNG, JPEG, GIF, WebP or BMP"),
         ([3], "row 0: an image must be a path or {'bytes': ...}, got int"),
     ],
 )

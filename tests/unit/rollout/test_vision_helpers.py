@@ -50,23 +50,6 @@ def processor(vl_dir: Path) -> object:
     return load_processor(vl_dir)
 
 
-def test_decode_image_gives_rgb_pixels_and_names_what_is_wrong() -> None:
-    rgba = pixels(0, mode="RGBA")
-    decoded = decode_image(Image("image/png", encoded(rgba)))
-    assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), np.asarray(rgba.convert("RGB")))
-    assert decode_image(Image("image/jpeg", encoded(pixels(1), "JPEG"))).size == (50, 40)
-    with pytest.raises(ValueError, match=r"image \(uri 's3://bucket/a\.png'\) has no inline data"):
-        decode_image(Image("image/png", uri="s3://bucket/a.png"))
-    with pytest.raises(ValueError, match="media_type 'image/tiff' is not one of"):
-        decode_image(Image("image/tiff", encoded(pixels(0), "TIFF")))
-    with pytest.raises(ValueError, match=r"'image/png' \(10 bytes\) cannot be decoded as PNG"):
-        decode_image(Image("image/png", b"not a png!"))
-    with pytest.raises(ValueError, match="cannot be decoded as PNG"):  # a JPEG labelled PNG
-        decode_image(Image("image/png", encoded(pixels(0), "JPEG")))
-    with pytest.raises(ValueError, match="cannot be decoded as PNG"):  # cut short
-        decode_image(Image("image/png", encoded(pixels(0))[:200]))
-
-
 def test_to_image_keeps_messages_and_stores_pil_images_as_png() -> None:
     message = Image("image/jpeg", encoded(pixels(2), "JPEG"))
     assert to_image(message) is message

@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.common.errors import ConfigError
+from streamrl.common.images import sniff_media_type
 from streamrl.common.messages import Image
 from streamrl.coordinator.config import DatasetConfig
 
-MEDIA_TYPES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF87a": "image/gif",
-               b"GIF89a": "image/gif"}  # fmt: skip
-"""Leading bytes -> media type of the image formats accepted in datasets (WebP is checked apart)."""
 ENCODED_CACHE_SIZE = 65_536
 """Tokenized prompts kept per source: an evaluation set is issued every few steps and a small training
 set every epoch; tokenizing them again was ~10% of the coordinator's CPU."""
@@ -44,13 +42,6 @@ class Prompt:
     """The row's images, in the order of their placeholders in ``ids``."""
 
 
-def media_type(data: bytes) -> str | None:
-    """The media type of encoded image bytes (PNG, JPEG, GIF, WebP), None for anything else."""
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    return next((kind for magic, kind in MEDIA_TYPES.items() if data.startswith(magic)), None)
-
-
 def read_images(value: Any, folder: Path, where: str) -> tuple[Image, ...]:
     """A row's image field as images: a path, a list of paths (relative to ``folder``), or dicts with
     ``bytes`` (a Hugging Face ``Image`` column). ``where`` names the row in errors."""
@@ -67,9 +58,9 @@ def read_images(value: Any, folder: Path, where: str) -> tuple[Image, ...]:
             data, name = path.read_bytes(), item
         else:
             raise ConfigError(f"{where}: an image must be a path or {{'bytes': ...}}, got {type(item).__name__}")
-        kind = media_type(data)
+        kind = sniff_media_type(data)
         if kind is None:
-            raise ConfigError(f"{where}: image {name!r} is not PNG, JPEG, GIF or WebP")
+            raise ConfigError(f"{where}: image {name!r} is not PNG, JPEG, GIF, WebP or BMP")
         images.append(Image(media_type=kind, data=data))
     return tuple(images)
 
@@ -175,7 +166,9 @@ class PromptSource:
         row = self.rows[index]
         raw = row[self.cfg.prompt_key]
         where = f"dataset {self.cfg.path} row {index}"
-        images = read_images(row.get(self.cfg.images_key), Path(self.cfg.path).parent, where) if self.cfg.images_key else ()
+        images = (
+            read_images(row.get(self.cfg.images_key), Path(self.cfg.path).parent, where) if self.cfg.images_key else ()
+        )
         templated = isinstance(raw, list) or self.cfg.apply_chat_template or bool(images)
         if templated:
             messages = raw if isinstance(raw, list) else [{"role": "user", "content": str(raw)}]

@@ -49,24 +49,20 @@ Simplifications, and why:
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import PIL.Image
 import torch
 
-from streamrl.common.messages import Image, Trajectory
+from streamrl.common.images import decode_image
+from streamrl.common.messages import Trajectory
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.lm_forward import head_logprobs, lm_parts, to_device, zero3
 from streamrl.learner.rl.batch import PixelInputs, RLBatch
 
 if TYPE_CHECKING:
     from streamrl.learner.rl.config import LearnerConfig
-
-MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF", "image/bmp": "BMP"}
-"""Media types an image may carry, and the PIL format its bytes must be in (as the rollout tier reads them)."""
 
 _TEXT_KEYS = ("input_ids", "attention_mask")
 
@@ -121,23 +117,6 @@ def check_learner(cfg: LearnerConfig, world_size: int) -> None:
             "with ZeRO 1-3 the ranks' gradient reductions or parameter gathers would not match when only some "
             "ranks' micro-batches hold images; on one rank every stage works"
         )
-
-
-def decode_image(image: Image, where: str) -> PIL.Image.Image:
-    """The RGB pixels of ``image``; ValueError naming ``where`` (trajectory and image index) when it has
-    no inline bytes, an unknown media type or bytes that do not decode."""
-    if image.data is None:
-        uri = f" (uri {image.uri!r})" if image.uri else ""
-        raise ValueError(f"{where}{uri} has no inline bytes: the learner reads images carried in the message only")
-    fmt = MEDIA_TYPES.get(image.media_type.lower())
-    if fmt is None:
-        raise ValueError(f"{where}: media_type {image.media_type!r} is not one of {sorted(MEDIA_TYPES)}")
-    try:
-        with PIL.Image.open(io.BytesIO(image.data), formats=[fmt]) as opened:
-            opened.load()
-            return opened.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:  # what PIL raises for bytes that are not such an image
-        raise ValueError(f"{where}: {len(image.data)} bytes of {image.media_type} do not decode: {e}") from e
 
 
 def token_types(ids: np.ndarray, expansion_ids: np.ndarray, expansion_values: np.ndarray) -> np.ndarray:

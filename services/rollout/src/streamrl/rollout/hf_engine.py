@@ -54,13 +54,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
 
 from streamrl.common.errors import WeightSyncError
+from streamrl.common.images import decode_image
 from streamrl.common.messages import SamplingParams
 from streamrl.common.weights_wire import fetch_buckets
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason
 from streamrl.rollout.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
-from streamrl.rollout.vision import decode_image, encode, expansion_token_ids, image_token_id, load_processor
+from streamrl.rollout.vision import encode, expansion_token_ids, image_token_id, load_processor
 from streamrl.rollout.weight_receiver import to_torch
 
 __all__ = ["HFEngine", "processed_logprobs"]

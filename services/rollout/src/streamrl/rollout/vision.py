@@ -15,7 +15,7 @@ claim for every prompt the transformers engine runs, against the processor's out
 the prompt's images at once.
 
 Images travel as :class:`streamrl.common.messages.Image` (encoded bytes) everywhere; every
-consumer decodes them with :func:`decode_image` (PIL, converted to RGB as the processors do
+consumer decodes them with :func:`streamrl.common.images.decode_image` (PIL, converted to RGB as the processors do
 anyway), so the rollout engines and the learner see the same pixels.
 
 A policy never samples an image's tokens (:func:`expansion_token_ids`: ``<image>``,
@@ -31,38 +31,17 @@ sampling corrects it like any other mismatch between the engine and the learner.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import PIL.Image
 
+from streamrl.common.images import decode_image, encode_png
 from streamrl.common.messages import Image
 
 if TYPE_CHECKING:
     import torch
-
-MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF", "image/bmp": "BMP"}
-"""Media types an :class:`Image` may carry, and the PIL format its bytes must be in."""
-
-
-def decode_image(image: Image) -> PIL.Image.Image:
-    """The pixels of ``image`` (RGB), or a ValueError naming what is wrong with it."""
-    if image.data is None:
-        where = f" (uri {image.uri!r})" if image.uri else ""
-        raise ValueError(f"image{where} has no inline data: only images with their bytes in the message are supported")
-    fmt = MEDIA_TYPES.get(image.media_type.lower())
-    if fmt is None:
-        raise ValueError(f"image media_type {image.media_type!r} is not one of {sorted(MEDIA_TYPES)}")
-    try:
-        with PIL.Image.open(io.BytesIO(image.data), formats=[fmt]) as opened:
-            opened.load()
-            return opened.convert("RGB")
-    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:  # PIL: not a readable image
-        raise ValueError(f"image of media_type {image.media_type!r} ({len(image.data)} bytes) "
-                         f"cannot be decoded as {fmt}: {e}") from e  # fmt: skip
-
 
 def to_image(value: Any) -> Image:
     """An :class:`Image` message from an ``Image`` (returned as it is, once its bytes decode) or a PIL
@@ -71,9 +50,7 @@ def to_image(value: Any) -> Image:
         decode_image(value)
         return value
     if isinstance(value, PIL.Image.Image):
-        buffer = io.BytesIO()
-        value.convert("RGB").save(buffer, format="PNG")
-        return Image(media_type="image/png", data=buffer.getvalue())
+        return encode_png(value)
     raise ValueError(f"an image must be a streamrl Image or a PIL image, not a {type(value).__name__}")
 
 
