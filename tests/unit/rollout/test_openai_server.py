@@ -8,6 +8,7 @@ character-level one with role tokens and a chat template (examples/agent/chat_mo
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -86,9 +87,9 @@ async def take(url: str, token: str = TOKEN, wait_s: float = 5.0) -> httpx.Respo
         return await http.post(f"{url}/streamrl/episodes", json={"wait_s": wait_s})
 
 
-async def report(url: str, episode: str, reward: float) -> httpx.Response:
+async def report(url: str, episode: str, reward: float, **extra: Any) -> httpx.Response:
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
-        return await http.post(f"{url}/streamrl/episodes/{episode}/reward", json={"reward": reward})
+        return await http.post(f"{url}/streamrl/episodes/{episode}/reward", json={"reward": reward, **extra})
 
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:
@@ -247,6 +248,28 @@ def test_a_conversation_without_a_reply_cannot_be_finished_and_a_full_one_gets_n
             await group
 
     run(main)
+
+
+def test_per_turn_rewards_become_the_turns_rewards_and_must_match_the_replies() -> None:
+    async def main() -> Any:
+        async with endpoint(ScriptEngine(lambda context: "7")) as (url, gateway):
+            group = asyncio.create_task(gateway.run_group(item()))
+            task = (await take(url)).json()
+            messages = [{"role": "user", "content": "1"}]
+            first = await chat(task, messages)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "2"}]  # fmt: skip
+            await chat(task, messages)
+            for bad, error in (([0.5], "turn_rewards has 1 values but the conversation has 2 model turns"),
+                               ([0.5, "x"], "turn_rewards\\[\\] must be a finite number, got 'x'"),
+                               (0.5, "turn_rewards must be a list of numbers")):  # fmt: skip
+                refused = await report(url, task["id"], 1.0, turn_rewards=bad)
+                assert refused.status_code == 400 and re.search(error, refused.json()["error"]["message"]), refused.text
+            assert (await report(url, task["id"], 1.0, turn_rewards=[0.25, -0.5])).status_code == 200
+            return await group
+
+    (episode,) = run(main)
+    assert [t.reward for t in episode.turns] == [0.25, -0.5] and episode.reward == 1.0
 
 
 def test_an_idle_conversation_times_out_and_its_sample_is_offered_again(caplog: pytest.LogCaptureFixture) -> None:

@@ -161,11 +161,13 @@ class AgentGateway:
             conversation.record(plan, sample, text)
         return Reply(plan=plan, sample=sample, text=text)
 
-    def finish(self, live: Live, reward: float, info: dict[str, Any]) -> AgentEpisode:
-        """End ``live`` with the agent's ``reward``: its sample is done."""
+    def finish(
+        self, live: Live, reward: float, info: dict[str, Any], turn_rewards: list[float] | None = None
+    ) -> AgentEpisode:
+        """End ``live`` with the agent's ``reward`` (and per-turn rewards, if given): its sample is done."""
         if live.busy:
             raise ConversationBusyError(f"conversation {live.id} is answering a request")
-        episode = live.conversation.finish(reward, info)
+        episode = live.conversation.finish(reward, info, turn_rewards)
         del self.live[live.id]
         if not live.slot.done.done():
             live.slot.done.set_result(episode)

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from streamrl.common.messages import Turn
 from streamrl.rollout.engine import Sample
 from streamrl.rollout.episode import Episode
@@ -133,14 +135,21 @@ class Conversation:
         self.turns.append(Turn(start=start, end=len(self.token_ids), policy_version=sample.version_start))
         self.samples.append(sample)
 
-    def finish(self, reward: float, info: dict[str, Any]) -> AgentEpisode:
-        """The conversation as a finished episode with the agent's ``reward``."""
+    def finish(self, reward: float, info: dict[str, Any], turn_rewards: list[float] | None = None) -> AgentEpisode:
+        """The conversation as a finished episode with the agent's ``reward``, and ``turn_rewards`` (one
+        per model turn, in order) when the agent gives them: they become the turns' rewards."""
         if not self.samples:
             raise ValueError("the conversation has no reply yet: a trajectory needs at least one model turn")
+        turns = list(self.turns)
+        if turn_rewards is not None:
+            if len(turn_rewards) != len(turns):
+                raise ValueError(f"turn_rewards has {len(turn_rewards)} values but the conversation has "
+                                 f"{len(turns)} model turns (one per reply)")  # fmt: skip
+            turns = [msgspec.structs.replace(t, reward=float(r)) for t, r in zip(turns, turn_rewards, strict=True)]
         first, last = self.samples[0], self.samples[-1]
         return AgentEpisode(
             token_ids=list(self.token_ids), logprobs=list(self.logprobs), loss_mask=list(self.loss_mask),
-            text=self.text[len(self.prompt_text) :], turns=list(self.turns), stop_reason="done",
+            text=self.text[len(self.prompt_text) :], turns=turns, stop_reason="done",
             finish_reason=last.finish_reason, version_start=first.version_start, version_end=last.version_end,
             env_infos=[info] if info else [], prompt_ids=list(self.prompt_ids), prompt_text=self.prompt_text,
             reward=reward,

@@ -8,7 +8,7 @@ variable ``rollout.agent.token_env``; docs/agents.md has examples)::
     POST /v1/streamrl/episodes/{id}/v1/chat/completions   the conversation's requests (base_url)
     POST /v1/streamrl/episodes/{id}/v1/completions
     POST /v1/chat/completions, /v1/completions      the same, the id in the X-Streamrl-Episode header
-    POST /v1/streamrl/episodes/{id}/reward          {reward, info?}: the conversation becomes a trajectory
+    POST /v1/streamrl/episodes/{id}/reward          {reward, turn_rewards?, info?}: the conversation becomes a trajectory
     DELETE /v1/streamrl/episodes/{id}               give the task back (offered again)
     GET  /v1/models
 
@@ -140,7 +140,12 @@ class OpenAIServer:
         info = body.get("info", {})
         if not isinstance(info, dict):
             raise BadRequestError("info must be an object")
-        episode = self.gateway.finish(live, reward, info)
+        turn_rewards = body.get("turn_rewards")
+        if turn_rewards is not None:
+            if not isinstance(turn_rewards, list):
+                raise BadRequestError(f"turn_rewards must be a list of numbers, got {turn_rewards!r}")
+            turn_rewards = [_number({"turn_rewards[]": r}, "turn_rewards[]", None) for r in turn_rewards]
+        episode = self.gateway.finish(live, reward, info, turn_rewards)
         item = live.slot.item
         return web.json_response({
             "trajectory_id": f"{item.id}/{live.slot.index}", "num_turns": len(episode.turns),
