@@ -1,7 +1,9 @@
 """Each advantage estimator and off-policy correction through the whole CPU pipeline.
 
-Every run is ``streamrl up`` on the smoke recipe (vLLM rollout, function reward, DeepSpeed learner,
-real Redis) with the algorithm swapped by command-line overrides. Estimators run 3 synchronous
+Every run is ``streamrl up`` on the smoke recipe (function reward, DeepSpeed learner, real Redis)
+with the algorithm swapped by command-line overrides; the corrections run the vLLM rollout engine
+(the mismatch they correct is vLLM's), the estimators the transformers engine (~35 s less a run here:
+their pipeline is the same tokens either way). Estimators run 3 synchronous
 steps with finite losses (PPO also with 4 optimizer updates per batch); TIS / ICEPOP / Seq-Mask-TIS run with async staleness 1 and must report
 their mismatch metrics.
 """
@@ -39,6 +41,8 @@ CASES = {
     "icepop": [f"{A}correction.type=icepop", "--coordinator.max_staleness=1"],
     "seq_mask_tis": [f"{A}correction.type=seq_mask_tis", "--coordinator.max_staleness=1"],
 }
+CORRECTIONS = ("tis", "icepop", "seq_mask_tis")
+"""Cases that need vLLM's behaviour log-probs (the engine/learner mismatch they correct)."""
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -47,6 +51,8 @@ def test_algorithm_runs_in_the_pipeline(case: str, tiny_task: Path, tmp_path: Pa
     run_id = f"algo-{case}-{os.getpid()}"
     overrides = [f"--run_id={run_id}", f"--total_steps={STEPS}", "--coordinator.eval.dataset=null",
                  "--learner.export_every=null", *CASES[case]]  # fmt: skip
+    if case not in CORRECTIONS:  # the estimators' pipeline is the engine's tokens: the transformers engine starts in seconds
+        overrides.append("--rollout.engine.type=hf")
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],
         env=ENV, capture_output=True, text=True, timeout=600,
@@ -63,10 +69,10 @@ def test_algorithm_runs_in_the_pipeline(case: str, tiny_task: Path, tmp_path: Pa
         if case in ("gae", "ppo_updates"):
             assert math.isfinite(w.metrics["learner/loss/value"]) and w.metrics["learner/loss/value"] > 0
         assert w.metrics["learner/updates"] == (4 if case == "ppo_updates" else 1), (case, w.metrics)
-        if case in ("tis", "icepop", "seq_mask_tis"):
+        if case in CORRECTIONS:
             for key in ("learner/mismatch/kl", "learner/correction/masked_frac", "learner/correction/weight_mean"):
                 assert math.isfinite(w.metrics[key]), (case, key)
-    if case in ("tis", "icepop", "seq_mask_tis"):
+    if case in CORRECTIONS:
         batches = [decode(f[b"d"], TrainingBatch) for _, f in client.xrange(names.batches)]
         assert max(max(b.staleness) for b in batches) == 1, "async mode should train on one-step-stale samples"
         stale = [w for w in trained if w.metrics["learner/staleness_max"] == 1]
