@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from recipe_run import entries
 
-from streamrl.common.codec import decode
 from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.common.redis_server import free_port
 from streamrl.common.streams import StreamNames
@@ -39,10 +39,6 @@ import chat_model  # noqa: E402
 STEPS, GROUP_SIZE, PROMPTS_PER_STEP = 3, 4, 2
 TOKEN = "agent-e2e-token"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "STREAMRL_AGENT_TOKEN": TOKEN}
-
-
-def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
-    return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
 def test_an_openai_client_agent_drives_a_run_and_each_conversation_is_trained_once(

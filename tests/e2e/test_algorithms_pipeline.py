@@ -32,11 +32,19 @@ CASES = {
     "grpo": [f"{A}advantage.estimator=grpo"],
     "rloo": [f"{A}advantage.estimator=rloo"],
     "reinforce_baseline": [f"{A}advantage.estimator=reinforce_baseline"],
-    "dr_grpo": [f"{A}advantage.estimator=dr_grpo", f"{A}loss.aggregation=seq-mean-token-sum-norm",
-                f"{A}loss.norm_constant=5"],  # fmt: skip
+    "dr_grpo": [
+        f"{A}advantage.estimator=dr_grpo",
+        f"{A}loss.aggregation=seq-mean-token-sum-norm",
+        f"{A}loss.norm_constant=5",
+    ],
     "gae": [f"{A}advantage.estimator=gae", f"{A}advantage.lam=0.95", f"{A}critic={{}}"],
     # PPO with 2 epochs of 2 mini-batches: 4 optimizer updates per batch, on the policy and the critic
-    "ppo_updates": [f"{A}advantage.estimator=gae", f"{A}critic={{}}", "--learner.mini_batches=2", "--learner.ppo_epochs=2"],
+    "ppo_updates": [
+        f"{A}advantage.estimator=gae",
+        f"{A}critic={{}}",
+        "--learner.mini_batches=2",
+        "--learner.ppo_epochs=2",
+    ],
     "tis": [f"{A}correction.type=tis", "--coordinator.max_staleness=1"],
     "icepop": [f"{A}correction.type=icepop", "--coordinator.max_staleness=1"],
     "seq_mask_tis": [f"{A}correction.type=seq_mask_tis", "--coordinator.max_staleness=1"],
@@ -46,12 +54,16 @@ CORRECTIONS = ("tis", "icepop", "seq_mask_tis")
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_algorithm_runs_in_the_pipeline(case: str, tiny_task: Path, tmp_path: Path, redis_url: str, write_recipe) -> None:  # type: ignore[no-untyped-def]
+def test_algorithm_runs_in_the_pipeline(
+    case: str, tiny_task: Path, tmp_path: Path, redis_url: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url, dense_reward=True)
     run_id = f"algo-{case}-{os.getpid()}"
     overrides = [f"--run_id={run_id}", f"--total_steps={STEPS}", "--coordinator.eval.dataset=null",
                  "--learner.export_every=null", *CASES[case]]  # fmt: skip
-    if case not in CORRECTIONS:  # the estimators' pipeline is the engine's tokens: the transformers engine starts in seconds
+    if (
+        case not in CORRECTIONS
+    ):  # the estimators' pipeline is the engine's tokens: the transformers engine starts in seconds
         overrides.append("--rollout.engine.type=hf")
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],

@@ -20,19 +20,15 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from recipe_run import entries
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.common.codec import decode
 from streamrl.common.messages import ScoredTrajectory, TrainingBatch, Trajectory, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
        "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-
-
-def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
-    return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
 @pytest.mark.parametrize(

@@ -16,27 +16,20 @@ then, from the streams and the learner's exports:
 
 from __future__ import annotations
 
-import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
 import torch
+from recipe_run import check_finished, entries, prepare, up
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.common.codec import decode
-from streamrl.common.messages import TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.messages import TrainingBatch, Trajectory
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 STEPS, GROUP_SIZE, PROMPTS_PER_STEP = 3, 4, 8
 OBSERVATIONS = re.compile(r"(<result>[^<]*</result>)+")
 """What the calculator says between two turns."""
@@ -46,48 +39,25 @@ OBSERVATIONS = re.compile(r"(<result>[^<]*</result>)+")
 def calc_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Data and a policy warm-started just long enough to write calls and answers (not to be right)."""
     root = tmp_path_factory.mktemp("calc_task")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "multiturn" / "prepare.py"), str(ROOT / "recipes" / "multiturn.toml"),
-         f"--prepare.out_dir={root}", "--prepare.num_eval=32", "--prepare.max_steps=40", "--prepare.batch_size=64",
-         "--prepare.eval_every_steps=1000"],
-        env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    prepare("multiturn", "multiturn", root, "--prepare.num_eval=32", "--prepare.max_steps=40",
+            "--prepare.batch_size=64", "--prepare.eval_every_steps=1000")  # fmt: skip
     return root
-
-
-def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
-    return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
 def test_multiturn_recipe_trains_on_episodes_with_masked_environment_tokens(
     calc_task: Path, tmp_path: Path, redis_url: str, run_id: str
 ) -> None:
     run_dir = tmp_path / "run"
-    recipe = tmp_path / "multiturn.toml"
-    recipe.write_text((ROOT / "recipes" / "multiturn.toml").read_text().replace("runs/multiturn_task", str(calc_task)))
     overrides = [
         f"--run_id={run_id}", f"--run_dir={run_dir}", f"--redis.url={redis_url}", f"--total_steps={STEPS}",
         f"--coordinator.group_size={GROUP_SIZE}", f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
         "--coordinator.max_staleness=0", "--coordinator.eval.dataset=null", "--learner.export_every=1",
         "--learner.ds.compile=false", "--learner.checkpoint_every=100", "--up.grace_s=30",
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],
-        env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    up("multiturn", calc_task, tmp_path, overrides)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    assert client.xlen(names.dead) == 0, entries(client, names.dead)
-    for stream, group in ((names.prompts, "rollout"), (names.trajectories, "reward"), (names.scored, "coordinator"),
-                          (names.batches, "learner")):  # fmt: skip
-        assert client.xpending(stream, group)["pending"] == 0, f"{stream}/{group} has pending entries"
-
-    trained = [w for w in entries(client, names.weights) if isinstance(w, WeightsPublished) and w.metrics]
-    assert [w.version for w in trained] == list(range(1, STEPS + 1))
-    for w in trained:
-        assert math.isfinite(w.metrics["learner/loss/policy"]) and math.isfinite(w.metrics["learner/grad_norm"])
+    for w in check_finished(client, names, STEPS):
         # the learner's recomputed log-probs against the engine's, over trained tokens only (a single
         # environment token in there would add ~|log-prob| / tokens)
         assert abs(w.metrics["learner/mismatch/kl"]) < 1e-4, w.metrics

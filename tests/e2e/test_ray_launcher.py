@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from recipe_run import entries
 
-from streamrl.common.codec import decode
 from streamrl.common.health import live_heartbeats
 from streamrl.common.messages import ScoredTrajectory, TrainingBatch
 from streamrl.common.streams import StreamNames
@@ -46,10 +46,6 @@ UP = [
     '--up.resources={"coordinator": {"num_cpus": 0.5}, "rollout": {"num_cpus": 0.5}, "reward": {"num_cpus": 0.5},'
     ' "learner": {"num_cpus": 0.5}}',
 ]
-
-
-def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
-    return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
 class Run:

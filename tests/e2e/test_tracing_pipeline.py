@@ -30,8 +30,8 @@ import pytest
 import redis
 from otlp_receiver import OtlpReceiver
 from prometheus_client.parser import text_string_to_metric_families
+from recipe_run import entries
 
-from streamrl.common.codec import decode
 from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.common.redis_server import free_port
 from streamrl.common.streams import StreamNames
@@ -164,10 +164,6 @@ def scrape_while_running(proc: subprocess.Popen[bytes], ports: dict[str, int], t
         time.sleep(0.5)
     proc.wait(max(1.0, deadline - time.monotonic()))
     return kept
-
-
-def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
-    return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
 def span_id(traceparent: str) -> tuple[str, str]:

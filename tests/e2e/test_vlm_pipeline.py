@@ -19,71 +19,43 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import redis
 import torch
 from PIL import Image as PILImage
+from recipe_run import check_finished, entries, prepare, up
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from streamrl.common.codec import decode
-from streamrl.common.messages import TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.messages import TrainingBatch, Trajectory
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 STEPS, GROUP_SIZE, PROMPTS_PER_STEP = 3, 4, 4
 
 
 @pytest.fixture(scope="module")
 def vlm_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("vlm_task")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "vlm" / "prepare.py"), str(ROOT / "recipes" / "vlm.toml"),
-         f"--prepare.out_dir={root}", "--prepare.num_train=16", "--prepare.num_eval=4"],
-        env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    prepare("vlm", "vlm", root, "--prepare.num_train=16", "--prepare.num_eval=4")
     return root
-
-
-def entries(client: redis.Redis, stream: str) -> list:  # type: ignore[type-arg]
-    return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
 
 
 def test_vlm_recipe_trains_on_image_episodes_with_the_same_pixels_in_every_tier(
     vlm_task: Path, tmp_path: Path, redis_url: str, run_id: str
 ) -> None:
     run_dir = tmp_path / "run"
-    recipe = tmp_path / "vlm.toml"
-    recipe.write_text((ROOT / "recipes" / "vlm.toml").read_text().replace("runs/vlm_task", str(vlm_task)))
     overrides = [
         f"--run_id={run_id}", f"--run_dir={run_dir}", f"--redis.url={redis_url}", f"--total_steps={STEPS}",
         f"--coordinator.group_size={GROUP_SIZE}", f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
         "--coordinator.eval.dataset=null", "--learner.export_every=1", "--learner.checkpoint_every=100",
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],
-        env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    up("vlm", vlm_task, tmp_path, overrides)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    assert client.xlen(names.dead) == 0, entries(client, names.dead)
-    for stream, group in ((names.prompts, "rollout"), (names.trajectories, "reward"), (names.scored, "coordinator"),
-                          (names.batches, "learner")):  # fmt: skip
-        assert client.xpending(stream, group)["pending"] == 0, f"{stream}/{group} has pending entries"
-
-    trained = [w for w in entries(client, names.weights) if isinstance(w, WeightsPublished) and w.metrics]
-    assert [w.version for w in trained] == list(range(1, STEPS + 1))
+    trained = check_finished(client, names, STEPS)
     for w in trained:
-        assert math.isfinite(w.metrics["learner/loss/policy"]) and math.isfinite(w.metrics["learner/grad_norm"])
         assert abs(w.metrics["learner/mismatch/kl"]) < 1e-2, w.metrics  # log(1 - p(image tokens)) per token
 
     batches = [b for b in entries(client, names.batches) if isinstance(b, TrainingBatch)]
