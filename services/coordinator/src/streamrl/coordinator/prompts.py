@@ -11,6 +11,7 @@ Redis, so a restarted coordinator continues with the same next prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -142,7 +143,7 @@ class PromptSource:
         self.rows = rows
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
         self._epoch_order: tuple[int, list[int]] = (-1, [])
-        self.encode = functools.lru_cache(maxsize=ENCODED_CACHE_SIZE)(self._encode)
+        self._tokenized = functools.lru_cache(maxsize=ENCODED_CACHE_SIZE)(self._tokenize)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -161,20 +162,32 @@ class PromptSource:
         index = self._order(epoch)[offset]
         return self.encode(index)
 
-    def _encode(self, index: int) -> Prompt:
-        """Row ``index`` tokenized (use :attr:`encode`, its cached form)."""
+    def encode(self, index: int) -> Prompt:
+        """Row ``index`` tokenized (cached) with its images (read each time: a cache of tokenized
+        prompts holding their images would hold an image dataset in memory)."""
+        prompt = self._tokenized(index)
+        value = self.rows[index].get(self.cfg.images_key) if self.cfg.images_key else None
+        if value is None:
+            return prompt
+        images = read_images(value, Path(self.cfg.path).parent, self._where(index))
+        return dataclasses.replace(prompt, images=images)
+
+    def _where(self, index: int) -> str:
+        return f"dataset {self.cfg.path} row {index}"
+
+    def _tokenize(self, index: int) -> Prompt:
+        """Row ``index`` tokenized, without its images (use :meth:`encode`)."""
         row = self.rows[index]
         raw = row[self.cfg.prompt_key]
-        where = f"dataset {self.cfg.path} row {index}"
-        images = (
-            read_images(row.get(self.cfg.images_key), Path(self.cfg.path).parent, where) if self.cfg.images_key else ()
-        )
-        templated = isinstance(raw, list) or self.cfg.apply_chat_template or bool(images)
+        where = self._where(index)
+        value = row.get(self.cfg.images_key) if self.cfg.images_key else None
+        num_images = 0 if value is None else len(value) if isinstance(value, list) else 1
+        templated = isinstance(raw, list) or self.cfg.apply_chat_template or num_images > 0
         if templated:
             messages = raw if isinstance(raw, list) else [{"role": "user", "content": str(raw)}]
-            if images:
+            if num_images:
                 try:
-                    messages = with_image_parts(messages, len(images))
+                    messages = with_image_parts(messages, num_images)
                 except ValueError as e:
                     raise ConfigError(f"{where}: {e}") from e
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -183,5 +196,4 @@ class PromptSource:
         ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
         label = row.get(self.cfg.label_key) if self.cfg.label_key else None
         meta = {k: v for k, v in row.items() if k not in (self.cfg.prompt_key, self.cfg.label_key, self.cfg.images_key)}
-        return Prompt(index=index, text=text, ids=list(ids), label=None if label is None else str(label), metadata=meta,
-                      images=images)  # fmt: skip
+        return Prompt(index=index, text=text, ids=list(ids), label=None if label is None else str(label), metadata=meta)
