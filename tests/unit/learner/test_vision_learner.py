@@ -21,6 +21,7 @@ import PIL.Image
 import pytest
 import torch
 from safetensors import safe_open
+from test_multiturn_gradient import learner_gradient
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from streamrl.common.messages import Image, SamplingParams, ScoredTrajectory, Tensor, TrainingBatch, Trajectory, Turn
@@ -191,22 +192,6 @@ ALGO: dict[str, Any] = {
     "kl": {"placement": "loss", "estimator": "k3", "coef": 0.1},
     "loss": {"aggregation": "token-mean", "entropy_coef": 0.01},
 }
-
-
-def learner_gradient(trainer: RLTrainer, batch: TrainingBatch) -> dict[str, torch.Tensor]:
-    """The gradient the trainer's step hands its optimizer (the step itself skipped: weights unchanged)."""
-    grads: dict[str, torch.Tensor] = {}
-    module = trainer.policy.module
-
-    def capture() -> bool:
-        for name, p in module.named_parameters():
-            grads[name] = p.grad.detach().clone()
-        module.zero_grad(set_to_none=True)
-        return True
-
-    trainer.policy.step = capture  # type: ignore[method-assign]
-    trainer.step(batch)
-    return grads
 
 
 def reference_gradient(
