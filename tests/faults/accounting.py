@@ -1,4 +1,8 @@
-"""The counting invariants of a finished run, read from its Redis streams and state keys only.
+"""The counting invariants of a finished run, read from its streams and state keys only.
+
+The streams' entries are what the run's :class:`tap.StreamTap` saw written (streams are trimmed once
+consumed: Redis no longer holds them at the end); without a tap, what Redis holds (XRANGE). State
+keys, pending lists and the coordinator's in-flight set are read from Redis at the end.
 
 * **issued**: training prompt groups on ``prompts`` (PromptWorkItem, not evaluation), less what the
   scenario wrote itself.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,9 +84,17 @@ class Counts:
     """Where the lost, pending or twice-trained items are (for failure messages)."""
 
 
-def _entries(client: syncredis.Redis, stream: str) -> list[tuple[str, bytes]]:
-    """Every entry of ``stream`` as (id, payload)."""
-    return [(eid.decode(), fields.get(b"d", b"")) for eid, fields in client.xrange(stream)]
+Entries = Callable[[str], list[tuple[str, bytes]]]
+"""``entries(stream)``: every entry written to ``stream`` as (id, payload), in order."""
+
+
+def redis_entries(client: syncredis.Redis) -> Entries:
+    """The entries Redis still holds (XRANGE): complete only where nothing was trimmed."""
+
+    def entries(stream: str) -> list[tuple[str, bytes]]:
+        return [(eid.decode(), fields.get(b"d", b"")) for eid, fields in client.xrange(stream)]
+
+    return entries
 
 
 def _decode(payload: bytes) -> Any:
@@ -129,19 +142,22 @@ def count_run(
     weights_key: str,
     injected: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
     fault_end: float | None = None,
+    entries: Entries | None = None,
 ) -> Counts:
-    """Count a finished run (see the module docstring)."""
+    """Count a finished run (see the module docstring); ``entries`` is the tap's
+    :meth:`tap.StreamTap.entries` (default: what Redis holds)."""
     c = Counts()
+    read = entries or redis_entries(client)
 
     issued: set[str] = set()
-    for eid, payload in _entries(client, names.prompts):
+    for eid, payload in read(names.prompts):
         msg = _decode(payload)
         if isinstance(msg, PromptWorkItem) and not msg.is_eval and (names.prompts, eid) not in injected:
             issued.add(msg.id)
     c.issued = len(issued)
 
     events: list[WeightsPublished] = []
-    for eid, payload in _entries(client, names.weights):
+    for eid, payload in read(names.weights):
         msg = _decode(payload)
         if isinstance(msg, WeightsPublished) and (names.weights, eid) not in injected:
             try:
@@ -150,7 +166,7 @@ def count_run(
                 continue
             events.append(msg)
     batches: dict[str, TrainingBatch] = {}
-    for eid, payload in _entries(client, names.batches):
+    for eid, payload in read(names.batches):
         msg = _decode(payload)
         if isinstance(msg, TrainingBatch) and (names.batches, eid) not in injected:
             if msg.id in batches and encode_ids(batches[msg.id]) != encode_ids(msg):
@@ -172,7 +188,7 @@ def count_run(
     c.versions_reused = len(reused)
     if reused:
         c.notes.append(f"versions published with different weights: {reused[:8]}")
-    learner_dead = _learner_dead_batches(client, names, injected)
+    learner_dead = _learner_dead_batches(read, names, injected)
     history = [b for b in trained_history(events) if b not in learner_dead]
     twice_batches = [b for b, n in Counter(history).items() if n > 1]
     if twice_batches:
@@ -197,7 +213,7 @@ def count_run(
 
     dropped: Counter[str] = Counter()
     named_dead: set[str] = set()
-    for _, payload in _entries(client, names.dead):
+    for _, payload in read(names.dead):
         letter = _decode(payload)
         if not isinstance(letter, DeadLetter) or (letter.stream, letter.entry_id) in injected:
             continue  # the scenario's own poison entries are not the run's work
@@ -232,9 +248,9 @@ def count_run(
             f"complete but never batched: {sorted(unexplained)[:10]}"
         )
 
-    generated = {m.id for _, p in _entries(client, names.trajectories)
+    generated = {m.id for _, p in read(names.trajectories)
                  if isinstance(m := _decode(p), Trajectory) and not m.is_eval}  # fmt: skip
-    scored = {m.trajectory.id for _, p in _entries(client, names.scored)
+    scored = {m.trajectory.id for _, p in read(names.scored)
               if isinstance(m := _decode(p), ScoredTrajectory) and not m.trajectory.is_eval}  # fmt: skip
     c.trajectories = {"generated": len(generated), "scored": len(scored), "trained": sum(trained_ids.values())}
 
@@ -260,11 +276,11 @@ def error_kind(error: str) -> str:
     return match.group(0) if match else error[:40]
 
 
-def _learner_dead_batches(client: syncredis.Redis, names: StreamNames, injected: set[tuple[str, str]]) -> set[str]:
+def _learner_dead_batches(read: Entries, names: StreamNames, injected: set[tuple[str, str]]) -> set[str]:
     """Ids of the batches the learner consumed untrained (its dead letter says ``BATCH_SKIPPED``). A letter
     for a copy of a trained batch, or one from the future, does not make a trained batch untrained."""
     out = set()
-    for _, payload in _entries(client, names.dead):
+    for _, payload in read(names.dead):
         letter = _decode(payload)
         if not isinstance(letter, DeadLetter) or (letter.stream, letter.entry_id) in injected:
             continue

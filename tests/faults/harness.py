@@ -12,6 +12,11 @@ A :class:`FaultRun` owns, under its own folder:
   exits non-zero when the scenario did not kill it is recorded as an unexpected exit (with the last
   lines of its log) and started again; the coordinator exiting 0 means the run is complete.
 
+Optionally (:meth:`FaultRun.use_proxy`) some services reach Redis through a fault-injecting proxy
+(tests/faults/redis_proxy.py) that can lose the replies of their writes. A :class:`tap.StreamTap`
+records every entry of every stream as it is written, so a run is counted from what was written
+even though streams are trimmed once consumed (``redis.retain_consumed_s``, kept small here).
+
 Every run starts from ``recipes/smoke.toml`` (the tiny random model and data of the ``tiny_task``
 fixture) with the transformers rollout engine, which starts in ~12 s here against ~45 s for vLLM,
 plus the scenario's overrides (given to every service on the command line, as ``streamrl up`` does).
@@ -31,7 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis as syncredis
+from redis_proxy import FaultProxy
+from resp import ScriptNames
+from tap import StreamTap
 
+from streamrl.common.config import RedisConfig
 from streamrl.common.launcher import child_env
 from streamrl.common.redis_server import RedisServer, free_port
 from streamrl.common.streams import StreamNames
@@ -39,10 +48,14 @@ from streamrl.common.weights_auth import KEY_ENV
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
 ROOT = Path(__file__).resolve().parents[2]
+RETAIN_CONSUMED_S = 2
+"""``redis.retain_consumed_s`` of every scenario: consumed entries are trimmed within seconds, so the
+counting cannot lean on them (it reads the tap)."""
 BASE_OVERRIDES = [
     "--rollout.engine.type=hf",
     "--total_steps=12",
     "--coordinator.eval.every_steps=4",
+    *([f"--redis.retain_consumed_s={RETAIN_CONSUMED_S}"] if "retain_consumed_s" in RedisConfig.model_fields else []),
 ]
 """Settings of every scenario on top of recipes/smoke.toml (a scenario adds its own after these)."""
 SERVICE_ENV = {
@@ -116,6 +129,12 @@ class FaultRun:
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name=f"supervise-{self.name}", daemon=True)
         self.client = syncredis.Redis(port=self.port, socket_timeout=5)
+        self.tap = StreamTap(self.port, self.names)
+        self.proxy: FaultProxy | None = None
+        self.proxied: tuple[str, ...] = ()
+        """Services whose Redis URL is the proxy's (:meth:`use_proxy`)."""
+        self.details: dict[str, object] = {}
+        """What the scenario wants in its row besides the counts (tests/faults/scenario.py)."""
         self.started_at = 0.0
         self.concluded = False
         """A row was recorded for this run."""
@@ -151,9 +170,24 @@ class FaultRun:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def use_proxy(self, services: tuple[str, ...] = SERVICES) -> FaultProxy:
+        """Put a fault proxy (passing everything through until given a policy) between ``services`` and
+        Redis, each on its own listener. Call before :meth:`start`."""
+        if self.proxy is None:
+            self.proxy = FaultProxy(self.port, ScriptNames.from_sources(ROOT / "libs", ROOT / "services"))
+        self.proxied = services
+        return self.proxy
+
+    def redis_url_of(self, service: str) -> str:
+        """The Redis URL ``service`` is given: the proxy's listener for a proxied service."""
+        if self.proxy is not None and service in self.proxied:
+            return self.proxy.listen(service)
+        return self.url
+
     def start(self) -> FaultRun:
-        """Start redis, every service, and the supervisor."""
+        """Start redis, the stream tap, every service, and the supervisor."""
         self.start_redis()
+        self.tap.start()
         self.started_at = time.time()
         for service in SERVICES:
             self.start_service(service)
@@ -180,7 +214,7 @@ class FaultRun:
                f"--instance={instance}"]  # fmt: skip
         full_env = child_env({**os.environ, **SERVICE_ENV, **self.env, **(env or {})}, instance, None)
         full_env[KEY_ENV] = self.weights_key
-        full_env["STREAMRL_REDIS__URL"] = self.url
+        full_env["STREAMRL_REDIS__URL"] = self.redis_url_of(service)
         with log.open("ab") as out:
             out.write(f"=== {time.strftime('%H:%M:%S')} start {' '.join(cmd[2:])}\n".encode())
             out.flush()
@@ -202,6 +236,21 @@ class FaultRun:
             sp.expected_exit = True
         _signal_group(sp.proc, sig)
         sp.proc.wait(timeout=STOP_GRACE_S + 10)
+
+    def kill_rank(self, instance: str, rank: int, sig: signal.Signals = signal.SIGKILL) -> int:
+        """Send ``sig`` to the process of learner rank ``rank`` inside ``instance``'s process group (a
+        child the learner group started, ``RANK`` in its environment); returns its pid."""
+        with self._lock:
+            group = self.procs[instance].proc.pid
+        for pid in _group_pids(group):
+            if _environ(pid).get("RANK") == str(rank):
+                os.kill(pid, sig)
+                return pid
+        raise AssertionError(f"{self.name}: no process of rank {rank} in {instance}'s group")
+
+    def written(self, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Every entry written to ``stream`` so far (the tap's record), shaped as XRANGE returns them."""
+        return [(eid.encode(), {b"d": payload}) for eid, payload in self.tap.entries(stream)]
 
     def pause(self, instance: str) -> None:
         """SIGSTOP the instance's process group (frozen: no heartbeat, no replies)."""
@@ -327,6 +376,9 @@ class FaultRun:
 
     def close(self) -> None:
         self.stop_services()
+        self.tap.close()
+        if self.proxy is not None:
+            self.proxy.close()
         self.client.close()
         self.redis_server.stop()
 
@@ -340,6 +392,28 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    out.append(int(entry.name))
+            except ProcessLookupError:
+                continue
+    return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
 def _tail(log: Path) -> str:

@@ -31,6 +31,8 @@ class Row:
     unexpected_exits: list[str]
     wall_s: float
     failures: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    """What the scenario adds (the proxy's lost replies by kind, the write points seen, ...)."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -76,11 +78,17 @@ def record(
     """Stop ``run``, count it and record its row; then assert the invariants (see :func:`conclude`)."""
     run.stop_services()
     run.concluded = True
+    run.tap.stop()
     counts = count_run(run.client, run.names, group_size=group_size, weights_key=run.weights_key,
-                       injected=run.injected, fault_end=fault_end)  # fmt: skip
+                       injected=run.injected, fault_end=fault_end, entries=run.tap.entries)  # fmt: skip
     exits = [str(e) for e in run.exits]
     row = Row(scenario, completed, total_steps, counts, recovery_bound_s, exits, round(time.time() - run.started_at, 1))
-    row.failures = ([early_stop] if early_stop else []) + _check(row, run, allowed_exits) + (checks() if checks else [])
+    row.details = dict(run.details)
+    if run.proxy is not None:
+        row.details["lost_replies"] = run.proxy.lost_by_kind()
+        row.details["writes_seen"] = run.proxy.writes_by_service()
+    row.failures = ([early_stop] if early_stop else []) + _check(row, run, allowed_exits) + run.tap.missed()
+    row.failures += checks() if checks else []
     ROWS.append(row)
     assert not row.failures, f"{scenario}: " + "; ".join(row.failures + counts.notes)
     return row
@@ -137,4 +145,8 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         if r.failures:
             text.append(f"FAIL {r.scenario}: " + "; ".join(r.failures + r.counts.notes))
+    for r in rows:
+        lost = r.details.get("lost_replies")
+        if lost:
+            text.append(f"{r.scenario}: replies lost: " + ", ".join(f"{k} x{n}" for k, n in sorted(lost.items())))
     return "\n".join(text)

@@ -35,7 +35,7 @@ REWARD_FILE = Path(__file__).with_name("huge_reward.py")
 
 def _batch_dead_letters(run: FaultRun, group: str) -> list[DeadLetter]:
     out = []
-    for _, fields in run.client.xrange(run.names.dead):
+    for _, fields in run.written(run.names.dead):
         try:
             letter = decode(fields.get(b"d", b""), DeadLetter)
             inner = decode(letter.payload)

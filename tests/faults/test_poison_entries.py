@@ -44,7 +44,7 @@ def _write(run: FaultRun, stream: str, poisons: list[Poison]) -> list[tuple[str,
 
 def _dead_letter_failures(run: FaultRun, written: list[tuple[str, str, Poison]]) -> list[str]:
     letters: dict[tuple[str, str], str] = {}
-    for _, fields in run.client.xrange(run.names.dead):
+    for _, fields in run.written(run.names.dead):
         try:
             letter = decode(fields.get(b"d", b""), DeadLetter)
         except PoisonMessageError:
@@ -67,11 +67,11 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     run: FaultRun = fault_run("poison", [f"--total_steps={TOTAL_STEPS}", "--redis.max_message_mb=1"]).start()
     run.wait_version(INJECT_AT_VERSION)
     n, client = run.names, run.client
-    prompt, _ = first_message(client.xrange(n.prompts), PromptWorkItem)
-    traj, _ = first_message(client.xrange(n.trajectories), Trajectory)
-    scored, _ = first_message(client.xrange(n.scored), ScoredTrajectory)
-    batch, batch_payload = first_message(client.xrange(n.batches), TrainingBatch)  # batch-0: trained by now
-    weights, _ = first_message(client.xrange(n.weights), WeightsPublished)
+    prompt, _ = first_message(run.written(n.prompts), PromptWorkItem)
+    traj, _ = first_message(run.written(n.trajectories), Trajectory)
+    scored, _ = first_message(run.written(n.scored), ScoredTrajectory)
+    batch, batch_payload = first_message(run.written(n.batches), TrainingBatch)  # batch-0: trained by now
+    weights, _ = first_message(run.written(n.weights), WeightsPublished)
     letter = DeadLetter(stream=n.trajectories, entry_id="0-1", group="reward", consumer="faults", error="template",
                         deliveries=1, payload=b"", ts=time.time())  # fmt: skip
     written = []

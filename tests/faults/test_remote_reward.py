@@ -72,7 +72,7 @@ def scorer(tmp_path: Path) -> Iterator[ScorerServer]:
 
 def _dead_reasons(run: FaultRun) -> list[str]:
     reasons = []
-    for _, fields in run.client.xrange(run.names.dead):
+    for _, fields in run.written(run.names.dead):
         try:
             reasons.append(decode(fields.get(b"d", b""), DeadLetter).error)
         except PoisonMessageError:
