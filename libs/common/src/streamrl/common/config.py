@@ -59,7 +59,7 @@ class RedisConfig(BaseConfig):
 
 
 class ConsumerConfig(BaseConfig):
-    """Delivery knobs of the consumer loop (design section 3)."""
+    """Delivery knobs of the consumer loop (docs/design.md section 3)."""
 
     block_ms: int = Field(200, ge=1, le=4000)
     """XREADGROUP block time per read (ms); below the Redis client's 5 s socket read timeout."""

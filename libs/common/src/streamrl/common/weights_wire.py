@@ -1,4 +1,4 @@
-"""Wire protocol of the portable weight path (design section 5): learner -> rollout over ZMQ.
+"""Wire protocol of the portable weight path (docs/design.md section 5): learner -> rollout over ZMQ.
 
 The learner serves the weights of one version as a list of **buckets**. A bucket is one flat
 byte buffer holding many tensors back to back (each aligned to ``ALIGN_BYTES``) plus a msgpack

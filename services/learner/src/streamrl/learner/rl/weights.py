@@ -1,4 +1,4 @@
-"""Serve the learner's weights to rollout engines over ZMQ (the portable path of design section 5).
+"""Serve the learner's weights to rollout engines over ZMQ (the portable path of docs/design.md section 5).
 
 :class:`WeightServer` turns named torch tensors into the buckets of
 :mod:`streamrl.common.weights_wire` and serves the latest published version from a background

@@ -2,7 +2,6 @@
 
 Modules, one concept each: ``advantages``, ``kl``, ``losses``, ``correction``, ``shaping``;
 ``config`` (``AlgoConfig``, no torch) selects them by name and ``objective`` composes them for the
-learner service. The formulas and their sources are in ``/work/shared/algorithms.md`` and the
-option table in ``docs/algorithms.md``. Nothing is re-exported here so that importing the config
-never imports torch.
+learner service. The formulas, their sources and the option table are in ``docs/algorithms.md``.
+Nothing is re-exported here so that importing the config never imports torch.
 """

@@ -5,7 +5,7 @@ without the learner's dependencies. Sections: ``advantage`` (estimator, gamma, l
 (estimator, placement, coefficient, adaptive target), ``loss`` (policy loss, clip bounds, dual clip,
 aggregation, entropy), ``critic`` (present only for GAE), ``correction`` (engine-vs-trainer
 off-policy correction), ``shaping`` (scalar reward shaping). The option table with formula
-references is ``docs/algorithms.md``; the formulas are in ``/work/shared/algorithms.md``.
+references and the formulas is ``docs/algorithms.md``.
 
 Cross-field rules reject combinations that cannot work or settings that would be silently ignored
 (e.g. GAE without a critic, a lambda with a critic-free estimator, k1 as a loss). The group size is
