@@ -18,6 +18,10 @@ For one (stream, consumer group, consumer name)::
     on stop (SIGTERM): no new reads; in-flight entries get shutdown_grace_s to finish, then are
     cancelled and stay pending for another consumer to reclaim.
 
+A handler that waits for something other than its own work (a prompt for weights not yet served)
+parks its entry (:meth:`ConsumerLoop.parked`): the entry then holds no in-flight slot, so waiting
+entries never keep those that can run now from being read.
+
 With ``ack=False`` the outputs are committed but the entry stays pending until the service acks it
 itself (the learner acks batches once a checkpoint covers them); ``on_committed`` is called after
 each commit.
@@ -28,9 +32,10 @@ At-least-once delivery to the handler, exactly-once effect downstream thanks to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -104,6 +109,8 @@ class ConsumerLoop(Generic[M]):
         self.stats = ConsumerStats()
         self._committer = CommitBatcher(bus)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._holding: set[asyncio.Task[None]] = set()
+        """Tasks holding an in-flight slot: all but the :meth:`parked` ones."""
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self.keep_alive_s = min(config.claim_interval_s, config.claim_idle_ms / 3000)
         """How often what this consumer holds is marked alive: three times per ``claim_idle_ms`` at
@@ -202,11 +209,14 @@ class ConsumerLoop(Generic[M]):
     def _spawn(self, entry_id: bytes, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
         task = asyncio.create_task(self._process(entry_id.decode(), fields, deliveries))
         self._tasks.add(task)
+        self._holding.add(task)
         self.stats.in_flight = len(self._tasks)
 
         def _done(t: asyncio.Task[None]) -> None:
             self._tasks.discard(t)
-            self._slots.release()
+            if t in self._holding:
+                self._holding.discard(t)
+                self._slots.release()
             self.stats.in_flight = len(self._tasks)
 
         task.add_done_callback(_done)
@@ -297,7 +307,25 @@ class ConsumerLoop(Generic[M]):
 
     def _free_slots(self) -> int:
         """In-flight slots free now (claims take no more: claimed entries never wait for a slot)."""
-        return self.config.max_in_flight - len(self._tasks)
+        return self.config.max_in_flight - len(self._holding)
+
+    @contextlib.asynccontextmanager
+    async def parked(self) -> AsyncIterator[None]:
+        """For a handler that waits for something other than its own work (a prompt for weights not yet
+        served): inside, its entry gives its in-flight slot back, so entries that can run now are still
+        read however many wait; on the way out it takes a slot again (waiting its turn) before it goes
+        on. The entry stays pending under this consumer, kept alive. Outside this loop's tasks: a no-op."""
+        task = asyncio.current_task()
+        if task not in self._holding:
+            yield
+            return
+        self._holding.discard(task)  # type: ignore[arg-type]
+        self._slots.release()
+        try:
+            yield
+        finally:
+            await self._slots.acquire()  # cancelled here: the task holds no slot, _done releases none
+            self._holding.add(task)  # type: ignore[arg-type]
 
     async def _delivery_count(self, entry_id: bytes | str) -> int:
         info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
