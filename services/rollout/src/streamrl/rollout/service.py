@@ -3,7 +3,11 @@
 * A consumer loop on ``prompts``: for each PromptWorkItem, wait until the engine serves at least
   the prompt's policy version, generate ``n`` samples, publish one Trajectory per sample (the
   outputs and the ack are one atomic step, de-duplicated by the work item id). Many prompts are in
-  flight at once; the engine batches them.
+  flight at once (``consumer.max_in_flight``); the engine batches them. A prompt waiting for a
+  version not served yet (issued ahead, ``coordinator.prefetch_steps``) is parked: it holds no
+  in-flight slot while it waits, so a prompt that can run now - the replacement of a filtered or
+  failed group, owed the current version - is still read and generated, however many wait; once
+  their version lands the waiting prompts take slots again in the order they came.
 * A tail of ``weights``: every WeightsPublished newer than what the engine serves is pulled from
   the learner's weight server (ZMQ, checksum verified, with a deadline), or copied from the
   learner's CUDA IPC buffers when the message carries them (colocated), or - when it advertises a
@@ -99,6 +103,8 @@ class RolloutService:
         self.weights_key = weights_key()
         self.in_engine = 0
         """Prompts waiting in or running on the engine now (``streamrl_engine_queue_depth``)."""
+        self.loop: ConsumerLoop[PromptWorkItem] | None = None
+        """The consumer loop on ``prompts`` (set by :meth:`run`): prompts park in it while they wait for weights."""
         if self.weights_key is None:
             logger.warning("weights events are not authenticated (%s is not set): any writer to the weights "
                            "stream can point this worker at other weights", KEY_ENV)  # fmt: skip
@@ -109,6 +115,7 @@ class RolloutService:
             self.ctx.bus, self.ctx.names, stream=self.ctx.names.prompts, group="rollout",
             consumer=self.ctx.instance, handler=self.handle, message_type=PromptWorkItem, config=self.cfg.consumer,
         )  # fmt: skip
+        self.loop = loop
         self.ctx.loops.append(loop)
         self.ctx.mark_running()
         tail = asyncio.create_task(self._tail_weights(cursor))
@@ -129,7 +136,9 @@ class RolloutService:
                 logger.error("the engine did not close within %.0f s", ENGINE_CLOSE_TIMEOUT_S)
 
     async def handle(self, item: PromptWorkItem) -> list[Output]:
-        await self._wait_for_version(item.policy_version)
+        if self.engine.version < item.policy_version:  # its slot goes to prompts that can run meanwhile
+            async with self.loop.parked() if self.loop is not None else contextlib.nullcontext():
+                await self._wait_for_version(item.policy_version)
         tracing = self.ctx.tracing
         started = time.time()
         queued = tracing.record(QUEUE, item.traceparent, start_s=item.issued_at, end_s=started,
