@@ -47,8 +47,14 @@ TARGET = {
 }
 """Marker environment of the GPU machine's Python."""
 
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64"]  # fmt: skip
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_26_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 LOCAL_PREFIX = "streamrl-"
 """Our own packages: installed editable from the checkout, never carried."""
 
@@ -98,9 +104,7 @@ def read_pins(path: Path) -> dict[str, str]:
     return pins
 
 
-def to_carry(
-    requirements: Iterable[Requirement], image: set[str], extras: Iterable[str] = ()
-) -> dict[str, set[str]]:
+def to_carry(requirements: Iterable[Requirement], image: set[str], extras: Iterable[str] = ()) -> dict[str, set[str]]:
     """``name -> extras`` of the requirements that apply on the target (for a package installed with
     ``extras``) and that the image lacks."""
     carry: dict[str, set[str]] = {}
@@ -170,14 +174,31 @@ class Kit:
             stale.unlink()
         if keep:
             return keep[0]
-        download = [self.python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp", "-d", str(self.folder), spec]  # fmt: skip
+        download = [
+            self.python,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            "-d",
+            str(self.folder),
+            spec,
+        ]
         for platform in PLATFORMS:
             download[-1:-1] = ["--platform", platform]
         if subprocess.run(download, stdout=sys.stderr).returncode != 0:
             print(f"gpu_kit: no wheel of {spec} for the target: building one from its source", file=sys.stderr)
-            subprocess.run([self.python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(self.folder), spec],
-                           stdout=sys.stderr, check=True)  # fmt: skip
+            subprocess.run(
+                [self.python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(self.folder), spec],
+                stdout=sys.stderr,
+                check=True,
+            )
         (got,) = [w for w in self.folder.glob("*.whl") if wheel_name(w)[0] == name]
         return got
 

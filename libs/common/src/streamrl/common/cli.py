@@ -3,17 +3,70 @@
 Subcommands are entry points in the ``streamrl.commands`` group (``name = "module:function"``,
 the function takes ``argv: list[str]`` and returns an exit code), so ``streamrl.common`` never
 imports a service.
+
+``streamrl up RECIPE [overrides] --dry-run`` validates the launch recipe and asks each service it
+would start for its resolved config (``streamrl <service> RECIPE [overrides] --dry-run``, one
+process each, in parallel), prints them as one JSON object (``{"up": ..., "coordinator": ...}``,
+secrets masked) and exits: 0 when every service accepts the recipe, 2 otherwise (each refusal on
+stderr). Nothing is started and nothing is written.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from importlib.metadata import entry_points
+from typing import Any
 
 
 def commands() -> dict[str, str]:
     """Registered subcommands: name -> ``module:function``."""
     return {ep.name: ep.value for ep in entry_points(group="streamrl.commands")}
+
+
+def split_dry_run(argv: list[str]) -> tuple[str, list[str]]:
+    """``(recipe, overrides)`` of ``streamrl up`` arguments with ``--dry-run`` removed."""
+    rest = [a for a in argv if a != "--dry-run"]
+    positional = [a for a in rest if not a.startswith("-")]
+    if len(positional) != 1:
+        raise ValueError(f"streamrl up --dry-run takes one recipe and --section.field=value overrides, got {rest}")
+    recipe = positional[0]
+    return recipe, [a for a in rest if a != recipe]
+
+
+def up_dry_run(argv: list[str]) -> int:
+    """``streamrl up ... --dry-run``: print the launch config and every service's resolved config."""
+    from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
+    from streamrl.common.redact import redact
+    from streamrl.common.up_config import SERVICES, LaunchRecipe
+
+    try:
+        recipe, overrides = split_dry_run(argv)
+        launch = validate(LaunchRecipe, apply_overrides(read_recipe(recipe), overrides), source=f"recipe {recipe}")
+        unknown = [s for s in launch.up.services if s not in SERVICES]
+        if unknown:
+            raise ConfigError(f"up.services: unknown service(s) {unknown}; known: {list(SERVICES)}")
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        print(f"streamrl up: {e}", file=sys.stderr)
+        return 2
+    resolved: dict[str, Any] = {"up": redact(launch.model_dump(mode="json"))}
+    procs = {}
+    for service in launch.up.services:
+        command = [sys.executable, "-m", "streamrl.common.cli", service, recipe, *overrides, "--dry-run"]
+        procs[service] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = 0
+    for service, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            print(
+                f"streamrl up: {service} refuses the recipe (exit {proc.returncode}):\n{err.strip()}", file=sys.stderr
+            )
+            code = 2
+            continue
+        resolved[service] = json.loads(out)
+    print(json.dumps(resolved, indent=2))
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if name == "up" and "--dry-run" in rest:
+        return up_dry_run(rest)
     if name not in available:
         print(f"streamrl: unknown command {name!r}; known: {', '.join(sorted(available))}", file=sys.stderr)
         return 2

@@ -1,0 +1,58 @@
+"""``streamrl up RECIPE --dry-run``: every service's resolved config, nothing started.
+
+It was refused as a bad override (``--dry-run`` read as ``--section.field=value``); a user checking
+a GPU recipe and its overrides before taking a GPU needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrl.common.cli import split_dry_run
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = "recipes/gpu_qwen2_0.5b.toml"
+
+
+def _up(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "streamrl.common.cli", "up", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_prints_every_service_and_starts_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "never"
+    done = _up(
+        RECIPE,
+        "--dry-run",
+        f"--run_dir={run_dir}",
+        "--learner.weights_transport=zmq",
+        '--up.gpus={"rollout": "1", "learner": "0"}',
+    )
+    assert done.returncode == 0, done.stderr
+    resolved = json.loads(done.stdout)
+    assert list(resolved) == ["up", "coordinator", "rollout", "reward", "learner"]
+    assert resolved["up"]["up"]["gpus"] == {"rollout": "1", "learner": "0"}
+    assert resolved["rollout"]["engine"]["device"] == "cuda"
+    assert resolved["learner"]["weights_transport"] == "zmq"  # the override reached the service
+    assert {resolved[s]["run_dir"] for s in resolved} == {str(run_dir)}
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_names_a_bad_value_and_exits_2() -> None:
+    done = _up(RECIPE, "--learner.weights_transport=carrier-pigeon", "--dry-run")
+    assert done.returncode == 2
+    assert "learner refuses the recipe" in done.stderr and "weights_transport" in done.stderr
+    assert "streamrl up:" in _up("--dry-run").stderr
+
+
+def test_split_dry_run() -> None:
+    assert split_dry_run(["r.toml", "--dry-run", "--a.b=1"]) == ("r.toml", ["--a.b=1"])
+    with pytest.raises(ValueError, match="one recipe"):
+        split_dry_run(["a.toml", "b.toml", "--dry-run"])
