@@ -217,7 +217,7 @@ async def run_learner(args: argparse.Namespace) -> None:
     loop: ConsumerLoop[TrainingBatch] = ConsumerLoop(
         bus, names, stream=names.batches, group="learner", consumer="learner", handler=handle,
         message_type=TrainingBatch, config=ConsumerConfig(max_in_flight=1, count=1),
-        dedupe_key=lambda _: None, max_message_bytes=None,
+        max_message_bytes=None,
     )  # fmt: skip
     stop = _stop_on_signals()
     task = asyncio.create_task(loop.run(stop))

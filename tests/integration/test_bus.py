@@ -258,7 +258,7 @@ def test_bad_payloads_raise_a_clear_error(payload: bytes) -> None:
 
 def test_batched_commits_keep_their_own_outcome(redis_url: str, run_id: str) -> None:
     """Commits sent in one script call: written, duplicate, or failed each on its own; a failed one
-    is not acknowledged and keeps no de-dup mark, so its retry writes its outputs."""
+    is not acknowledged, so its retry writes its outputs."""
     import asyncio
 
     from streamrl.common.bus import Bus, CommitBatcher, Output, connect
@@ -273,19 +273,19 @@ def test_batched_commits_keep_their_own_outcome(redis_url: str, run_id: str) -> 
     async def commit_all() -> list[object]:
         bus = Bus(connect(redis_url))
         batcher = CommitBatcher(bus)
-        await bus.commit([], dedupe_key=f"{run_id}:done:2")  # entry 2 was handled before
+        client.xack(names.trajectories, "reward", entries[2])  # entry 2 was handled before (say, by another consumer)
         calls = []
         for i in range(4):  # entries 0-2 go to the scored stream, entry 3 to the key of the wrong type
             out = (Output(stream=names.scored, message=make_trajectory(i)) if i < 3 else
                    Output(key=f"{run_id}:not-a-hash", field="f", message=make_trajectory(i)))  # fmt: skip
             calls.append(batcher.commit([out], ack_stream=names.trajectories, ack_group="reward",
-                                        ack_entry=entries[i], dedupe_key=f"{run_id}:done:{i}", dedupe_ttl_s=60))  # fmt: skip
+                                        ack_entry=entries[i]))  # fmt: skip
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         held = client.xpending_range(names.trajectories, "reward", min="-", max="+", count=10)
         assert [h["message_id"].decode() for h in held] == [entries[3]]  # the failed one only
         retry = await bus.commit(
             [Output(stream=names.scored, message=make_trajectory(3))], ack_stream=names.trajectories,
-            ack_group="reward", ack_entry=entries[3], dedupe_key=f"{run_id}:done:3",
+            ack_group="reward", ack_entry=entries[3],
         )  # fmt: skip
         await bus.redis.aclose()
         return [*outcomes, retry]

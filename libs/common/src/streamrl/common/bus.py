@@ -1,14 +1,32 @@
-"""Redis connection and the two atomic bus operations: publish, and commit (publish + ack).
+"""Redis connection and the bus's atomic writes: commit (a consumer's outputs + ack), and transactions.
 
-Every write of a handler's outputs goes through :data:`COMMIT_LUA`, one server-side script that,
-for each input handled, (1) marks the input as done under a de-duplication key, (2) writes the
-outputs only if that mark is new, and (3) acknowledges the input entry. A redelivered entry whose
-outputs were already written therefore produces no duplicate downstream (exactly-once effect).
+Every write of a handler's outputs goes through :data:`COMMIT_LUA`, one server-side script that, for
+each input entry handled, (1) checks that the entry is **still pending** in its group (XPENDING on
+its id), (2) writes the outputs only if it is, and (3) acknowledges it. Once an entry is acked - by
+this commit's first execution, or by another consumer that handled a reclaimed copy - a re-sent or
+late commit for it writes nothing and reports a duplicate: exactly-once effect downstream without a
+de-duplication key per message. A commit that acknowledges no entry carries a random operation id
+(a ``once`` key with a TTL of twice ``redis.outage_s``, as :mod:`streamrl.common.tx` does), so the
+client re-sending it after a lost reply cannot write it twice. With ``ack=False`` (the learner acks
+its batches later) the entry is checked but left pending.
+
 One script call carries the commits of every entry that finished at about the same time
-(:class:`CommitBatcher`): ~17 us of client CPU per commit instead of ~32 as one call each, and a
-fraction of the server's time. A commit whose write fails (say, a key of the wrong type) removes
-its de-duplication mark and leaves its entry unacknowledged, so a retry writes its outputs again;
-the other commits of the call are not affected.
+(:class:`CommitBatcher`): ~17 us of client CPU per commit instead of ~32 as one call each. A commit
+whose write fails (say, a key of the wrong type) leaves its entry unacknowledged, so a retry writes its
+outputs again; the other commits of the call are not affected.
+
+**Fencing**: ``Bus.fence`` (a :class:`Fence`, set by :mod:`streamrl.common.lifecycle` once the
+service holds its lease) is checked inside every commit and transaction script: when the lease key
+holds another process's token the call writes nothing and raises
+:class:`~streamrl.common.lease.LeaseLostError` naming the holder; a key with no value lets it go on.
+
+**Transactions**: :meth:`Bus.tx` (:mod:`streamrl.common.tx`) for every other write with an effect
+(batch publication, counters, state): atomic, fenced, preconditions, idempotent against a re-send.
+A plain ``redis.incr/xadd/...`` or ``pipeline().execute()`` re-sent after a lost reply runs twice.
+
+**Outages and a full Redis**: :class:`OutageRetry` retries a command through a connection outage and
+through ``OOM command not allowed`` (maxmemory reached with ``noeviction``: the command did not run),
+for about ``redis.outage_s``. The scripts are flagged (``#!lua``), so a full Redis refuses them whole.
 """
 
 from __future__ import annotations
@@ -16,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -24,13 +43,16 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, BusyLoadingError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, BusyLoadingError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streamrl.common.codec import encode
 from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import Message
+from streamrl.common.tx import TX_LUA, Tx, fenced_error, once_key
+from streamrl.common.tx import Fence as Fence
+from streamrl.common.tx import PreconditionFailed as PreconditionFailed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,16 +79,25 @@ class Output:
         assert self.key is None or self.field is not None, "a hash Output needs a field"
 
 
-COMMIT_LUA = """
+COMMIT_LUA = """#!lua
+local fence_key, fence_token = ARGV[2], ARGV[3]
+if fence_key ~= '' then
+  local holder = redis.call('GET', fence_key)
+  if holder and holder ~= fence_token then return redis.error_reply('FENCED ' .. holder) end
+end
 local replies = {}
-local p = 2
+local p = 4
 for c = 1, tonumber(ARGV[1]) do
-  local stream, group, entry, dedupe = ARGV[p], ARGV[p + 1], ARGV[p + 2], ARGV[p + 3]
-  local ttl, maxlen, outputs = ARGV[p + 4], ARGV[p + 5], tonumber(ARGV[p + 6])
-  p = p + 7
-  local fresh = 1
-  if dedupe ~= '' and not redis.call('SET', dedupe, '1', 'NX', 'EX', ttl) then fresh = 0 end
-  local failed = nil
+  local stream, group, entry, ack, once = ARGV[p], ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], ARGV[p + 4]
+  local ttl_ms, maxlen, outputs = ARGV[p + 5], ARGV[p + 6], tonumber(ARGV[p + 7])
+  p = p + 8
+  local fresh, failed = 1, nil
+  if entry ~= '' then
+    local held = redis.pcall('XPENDING', stream, group, entry, entry, 1)
+    if type(held) == 'table' and held.err then failed = held.err elseif #held == 0 then fresh = 0 end
+  elseif once ~= '' and not redis.call('SET', once, '1', 'NX', 'PX', ttl_ms) then
+    fresh = 0
+  end
   for o = 1, outputs do
     if fresh == 1 and not failed then
       local r
@@ -80,20 +111,23 @@ for c = 1, tonumber(ARGV[1]) do
     p = p + 4
   end
   if failed then
-    if dedupe ~= '' then redis.call('DEL', dedupe) end
+    if once ~= '' then redis.call('DEL', once) end
     replies[c] = 'ERR ' .. failed
   else
-    if entry ~= '' then redis.call('XACK', stream, group, entry) end
+    if fresh == 1 and entry ~= '' and ack == '1' then redis.call('XACK', stream, group, entry) end
     replies[c] = fresh
   end
 end
 return replies
 """
-"""ARGV: the number of commits, then per commit ``stream group entry dedupe_key ttl maxlen n_outputs``
-and 4 values per output (``x stream - payload`` or ``h key field payload``). Reply per commit: 1
-(written), 0 (a duplicate: skipped, acknowledged) or an error string (nothing acknowledged).
-KEYS: every key the call touches (:func:`commit_keys`), declared as Redis Cluster requires; they
-share the run's hash tag (:mod:`streamrl.common.streams`), so one call stays on one slot."""
+"""ARGV: the number of commits, the fence key and token ('' for none), then per commit
+``stream group entry ack(1/0) once_key ttl_ms maxlen n_outputs`` and 4 values per output
+(``x stream - payload`` or ``h key field payload``). A commit with an ``entry`` writes only while that
+entry is pending in ``group``; one without uses its ``once_key``. Reply per commit: 1 (written), 0 (a
+duplicate: the entry was acked already, or the once key exists; nothing written) or an error string
+(nothing acknowledged); the error ``FENCED holder`` for the whole call when the fence holds another
+token. KEYS: every key the call touches (:func:`commit_keys`), declared as Redis Cluster requires;
+they share the run's hash tag (:mod:`streamrl.common.streams`), so one call stays on one slot."""
 MAX_COMMITS_PER_CALL = 256
 """Commits in one script call (the server runs a call without interruption)."""
 
@@ -106,21 +140,33 @@ class RedisLoginError(RedisError):
 
 
 class OutageRetry(Retry):
-    """Redis commands retried through a connection outage (a restart, a failover), with backoff.
+    """Redis commands retried through a connection outage (a restart, a failover) or a full Redis, with backoff.
 
-    Every command that meets a connection error, a timeout or a server still loading its data
-    reconnects and tries again, backing off up to 2 s between tries, for about ``outage_s`` seconds;
-    then the error reaches the caller. One WARNING line when an outage starts and one INFO line when
-    Redis answers again, however many commands were waiting (the state is shared by the process).
+    Every command that meets a connection error, a timeout, a server still loading its data, or
+    ``OOM command not allowed`` (``maxmemory`` reached under ``noeviction``: the command did not run, so
+    trying again is safe) reconnects and tries again, backing off up to 2 s between tries, for about
+    ``outage_s`` seconds; then the error reaches the caller. One WARNING line when an outage (or a full
+    Redis) starts and one INFO line when Redis answers (accepts writes) again, however many commands
+    were waiting (the state is shared by the process): :meth:`healthy_for` says since when.
     """
 
     _down_since: float | None = None
+    _full_since: float | None = None
+    _healthy_since: float = float("-inf")
+    """When the last outage ended (monotonic); -inf: none seen by this process."""
 
     def __init__(self, outage_s: float) -> None:
         tries = max(1, math.ceil(outage_s / RECONNECT_BACKOFF_CAP_S))
-        errors = (RedisConnectionError, RedisTimeoutError, BusyLoadingError)
+        errors = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError)
         super().__init__(ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP_S, base=0.05), tries, errors)
         self.outage_s = outage_s
+
+    @classmethod
+    def healthy_for(cls, now: float | None = None) -> float:
+        """Seconds since this process last saw Redis come back from an outage (inf: none seen; 0: down now)."""
+        if cls._down_since is not None or cls._full_since is not None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - cls._healthy_since
 
     async def call_with_retry(
         self, do: Callable[[], Awaitable[T]], fail: Callable[..., Any], *args: Any, **kwargs: Any
@@ -130,7 +176,12 @@ class OutageRetry(Retry):
         async def noted_fail(error: Exception, *rest: Any) -> Any:
             nonlocal failed_here
             failed_here = True
-            if OutageRetry._down_since is None:
+            if isinstance(error, OutOfMemoryError):
+                if OutageRetry._full_since is None:
+                    OutageRetry._full_since = time.monotonic()
+                    logger.warning("redis is full (maxmemory reached: %s); retrying for up to %.0f s",
+                                   _one_line(error), self.outage_s)  # fmt: skip
+            elif OutageRetry._down_since is None:
                 OutageRetry._down_since = time.monotonic()
                 logger.warning("redis unreachable (%s); retrying for up to %.0f s", _one_line(error), self.outage_s)
             return await fail(error, *rest)
@@ -144,9 +195,15 @@ class OutageRetry(Retry):
                 ) from None
 
         result = await super().call_with_retry(once, noted_fail, *args, **kwargs)
-        if failed_here and OutageRetry._down_since is not None:  # a command that went through the outage
-            logger.info("redis is back after %.1f s", time.monotonic() - OutageRetry._down_since)
-            OutageRetry._down_since = None
+        if failed_here:  # a command that went through the outage
+            now = time.monotonic()
+            if OutageRetry._down_since is not None:
+                logger.info("redis is back after %.1f s", now - OutageRetry._down_since)
+                OutageRetry._down_since = None
+                OutageRetry._healthy_since = now
+            if OutageRetry._full_since is not None:
+                logger.info("redis accepts writes again after %.1f s (it was full)", now - OutageRetry._full_since)
+                OutageRetry._full_since = None
         return result
 
 
@@ -169,13 +226,27 @@ def connect(url: str, *, outage_s: float = 60.0, max_connections: int = 256) -> 
 
 
 class Bus:
-    """Publishing side of the bus, bound to one Redis client."""
+    """The writing side of the bus, bound to one Redis client: commits, transactions, publish.
 
-    def __init__(self, redis: aioredis.Redis, maxlen: int = 100_000, max_message_bytes: int = 32 * 2**20) -> None:
+    ``fence``: the lease every commit and transaction of this bus is fenced by (None: unfenced).
+    ``outage_s``: how long the client retries (the ``once`` keys of re-sendable writes live twice as
+    long); by default the client's :class:`OutageRetry`'s.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        maxlen: int = 100_000,
+        max_message_bytes: int = 32 * 2**20,
+        outage_s: float | None = None,
+    ) -> None:
         self.redis = redis
         self.maxlen = maxlen
         self.max_message_bytes = max_message_bytes
+        self.outage_s = outage_s if outage_s is not None else _client_outage_s(redis)
+        self.fence: Fence | None = None
         self._commit = redis.register_script(COMMIT_LUA)
+        self._tx = redis.register_script(TX_LUA)
 
     def encode(self, message: Message, stream: str) -> bytes:
         """``message`` encoded for ``stream``; :class:`MessageTooLargeError` over ``max_message_bytes``."""
@@ -187,10 +258,17 @@ class Bus:
             )
         return payload
 
+    def tx(self) -> Tx:
+        """A new transaction on this bus (:mod:`streamrl.common.tx`): atomic, fenced, idempotent."""
+        return Tx(self)
+
+    async def run_tx_script(self, keys: list[str], args: list[Any]) -> Any:
+        """One call of :data:`TX_LUA` (what :meth:`Tx.execute` sends)."""
+        return await self._tx(keys=keys, args=args)
+
     async def publish(self, stream: str, message: Message) -> str:
-        """Append one message to a bounded stream; returns the entry id."""
-        payload = self.encode(message, stream)
-        entry_id = await self.redis.xadd(stream, {PAYLOAD_FIELD: payload}, maxlen=self.maxlen, approximate=True)
+        """Append one message to a bounded stream (a one-command transaction: fenced, written once); the entry id."""
+        (entry_id,) = await self.tx().xadd(stream, message).execute()
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def commit(
@@ -200,36 +278,33 @@ class Bus:
         ack_stream: str = "",
         ack_group: str = "",
         ack_entry: str = "",
-        dedupe_key: str = "",
-        dedupe_ttl_s: int = 7 * 24 * 3600,
+        ack: bool = True,
     ) -> bool:
-        """Atomically write ``outputs`` (unless ``dedupe_key`` is already set) and ack the input.
+        """Atomically write ``outputs`` and ack ``ack_entry`` - only while that entry is pending in ``ack_group``.
 
-        Returns False when the outputs were skipped because the input was already handled.
+        Returns False when nothing was written because the entry was acknowledged already (a
+        duplicate). ``ack=False`` checks the entry but leaves it pending. Without an entry the commit is
+        written once (an operation id guards a re-send). LeaseLostError when fenced off.
         """
-        args = self.commit_args(
-            outputs,
-            ack_stream=ack_stream,
-            ack_group=ack_group,
-            ack_entry=ack_entry,
-            dedupe_key=dedupe_key,
-            dedupe_ttl_s=dedupe_ttl_s,
-        )
-        (reply,) = await self._commit(keys=commit_keys([args]), args=[1, *args])
+        args = self.commit_args(outputs, ack_stream=ack_stream, ack_group=ack_group, ack_entry=ack_entry, ack=ack)
+        (reply,) = await self.run_commits([args])
         return _fresh(reply)
 
     def commit_args(
         self,
         outputs: Sequence[Output],
         *,
-        ack_stream: str,
-        ack_group: str,
-        ack_entry: str,
-        dedupe_key: str,
-        dedupe_ttl_s: int,
+        ack_stream: str = "",
+        ack_group: str = "",
+        ack_entry: str = "",
+        ack: bool = True,
     ) -> list[str | bytes | int]:
         """The ARGV of one commit (see :data:`COMMIT_LUA`), to be sent alone or with others."""
-        args: list[str | bytes | int] = [ack_stream, ack_group, ack_entry, dedupe_key, dedupe_ttl_s, self.maxlen, len(outputs)]  # fmt: skip
+        if ack_entry and not (ack_stream and ack_group):
+            raise ValueError(f"a commit of entry {ack_entry} needs its stream and group (got {ack_stream!r}, {ack_group!r})")
+        once = "" if ack_entry else _once_key_for(ack_stream, outputs)
+        ttl_ms = int(2 * self.outage_s * 1000)
+        args: list[str | bytes | int] = [ack_stream, ack_group, ack_entry, int(ack), once, ttl_ms, self.maxlen, len(outputs)]  # fmt: skip
         for out in outputs:
             payload = self.encode(out.message, out.stream or out.key or "")
             if out.stream is not None:
@@ -238,16 +313,42 @@ class Bus:
                 args += ["h", out.key or "", out.field or "", payload]
         return args
 
+    async def run_commits(self, commits: Sequence[Sequence[str | bytes | int]]) -> list[Any]:
+        """One :data:`COMMIT_LUA` call for ``commits`` (ARGV of each from :meth:`commit_args`): a reply each."""
+        fence = self.fence
+        args: list[str | bytes | int] = [len(commits), fence.key if fence else "", fence.token if fence else ""]
+        for commit_args in commits:
+            args += commit_args
+        keys = commit_keys(commits) + ([fence.key] if fence else [])
+        try:
+            return list(await self._commit(keys=keys, args=args))
+        except ResponseError as e:
+            if str(e).startswith("FENCED "):
+                raise fenced_error(fence, str(e).removeprefix("FENCED ").split(" script:")[0]) from None
+            raise
+
+
+def _client_outage_s(redis: aioredis.Redis) -> float:
+    pool = getattr(redis, "connection_pool", None)
+    retry = pool.connection_kwargs.get("retry") if pool is not None else None
+    return retry.outage_s if isinstance(retry, OutageRetry) else 60.0
+
+
+def _once_key_for(stream: str, outputs: Sequence[Output]) -> str:
+    keys = [stream, *(out.stream or out.key or "" for out in outputs)]
+    return once_key([k for k in keys if k], secrets.token_hex(12))
+
 
 def commit_keys(commits: Sequence[Sequence[str | bytes | int]]) -> list[str]:
     """The keys a call of :data:`COMMIT_LUA` touches, from the ARGV of each of its commits: the acked
-    stream, the de-dup key and every output's stream or hash (each once, in order)."""
+    stream, the once key and every output's stream or hash (each once, in order; the fence key is added
+    by :meth:`Bus.run_commits`)."""
     keys: dict[str, None] = {}
     for args in commits:
-        stream, _, _, dedupe = (str(a) for a in args[:4])
-        keys.update({k: None for k in (stream, dedupe) if k})
-        for o in range(int(args[6])):
-            keys[str(args[8 + 4 * o])] = None
+        stream, once = str(args[0]), str(args[4])
+        keys.update({k: None for k in (stream, once) if k})
+        for o in range(int(args[7])):
+            keys[str(args[9 + 4 * o])] = None
     return list(keys)
 
 
@@ -270,6 +371,7 @@ class CommitBatcher:
         self._flusher: asyncio.Task[None] | None = None
 
     async def commit(self, outputs: Sequence[Output], **kwargs: Any) -> bool:
+        """Like :meth:`Bus.commit`, sent with the other commits waiting."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._pending.append((self.bus.commit_args(outputs, **kwargs), future))
         if self._flusher is None or self._flusher.done():
@@ -279,11 +381,8 @@ class CommitBatcher:
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending[:MAX_COMMITS_PER_CALL], self._pending[MAX_COMMITS_PER_CALL:]
-            args: list[str | bytes | int] = [len(batch)]
-            for commit_args, _ in batch:
-                args += commit_args
             try:
-                replies = await self.bus._commit(keys=commit_keys([a for a, _ in batch]), args=args)
+                replies = await self.bus.run_commits([a for a, _ in batch])
             except Exception as e:  # noqa: BLE001 - the call failed as a whole: every waiter gets the error
                 for _, future in batch:
                     if not future.done():

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streamrl.common.errors import ConfigError
 from streamrl.common.redact import redact
@@ -51,11 +51,19 @@ class RedisConfig(BaseConfig):
     retry with backoff for about this long, then the service stops with the error (s)."""
     max_connections: int = Field(256, ge=4)
     """Connections a service opens at most; a command that finds them all busy waits for one."""
-
+    retain_consumed_s: float = Field(0.0, ge=0)
+    """Every stream read by consumer groups is trimmed to the oldest entry one of its groups still needs
+    (pending or unread); consumed entries younger than this are kept too, for tools that read the
+    streams (fault-suite accounting, debugging) (s). ``maxlen`` stays the hard cap."""
 
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mb * 2**20)
+
+
+LEASE_TTL_FACTOR = 5.0
+"""Default lease TTL in heartbeat intervals: 10 s at the default 2 s, over the worst event-loop pause
+measured in running services (see :mod:`streamrl.common.lifecycle`) with a margin."""
 
 
 class ConsumerConfig(BaseConfig):
@@ -78,9 +86,27 @@ class ConsumerConfig(BaseConfig):
     shutdown_grace_s: float = Field(30.0, ge=0)
     """On SIGTERM, time to drain in-flight entries before cancelling them (s)."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
-    """Heartbeat period; the key's TTL is twice this (s)."""
-    dedupe_ttl_s: int = Field(7 * 24 * 3600, ge=60)
-    """How long the ids of handled entries are remembered for de-duplication (s)."""
+    """Heartbeat period: the heartbeat key is written, and the leases renewed, this often (s)."""
+    lease_ttl_s: float | None = Field(None, gt=0)
+    """Time to live of an instance's leases (its name; the coordinator's and learner's role) (s): a
+    holder silent this long loses them - a standby takes over, a restarted process may reuse the name.
+    It must cover the event loop's worst pause (measured: ``loop_lag_s`` in the heartbeat, a WARNING
+    above half the TTL) and be at least twice ``heartbeat_interval_s``. None: ``LEASE_TTL_FACTOR`` x
+    ``heartbeat_interval_s`` (10 s at the default interval)."""
+
+    @property
+    def lease_ttl(self) -> float:
+        """The lease TTL in force (s)."""
+        return self.lease_ttl_s if self.lease_ttl_s is not None else LEASE_TTL_FACTOR * self.heartbeat_interval_s
+
+    @model_validator(mode="after")
+    def _lease_covers_beats(self) -> ConsumerConfig:
+        if self.lease_ttl_s is not None and self.lease_ttl_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"consumer.lease_ttl_s ({self.lease_ttl_s:g} s) must be at least twice consumer.heartbeat_interval_s "
+                f"({self.heartbeat_interval_s:g} s): one late renewal would lose the lease"
+            )
+        return self
 
 
 T = TypeVar("T", bound=BaseModel)

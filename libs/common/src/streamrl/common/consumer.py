@@ -46,6 +46,7 @@ from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.errors import PoisonMessageError, RetryableError
+from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import DeadLetter, Message
 from streamrl.common.streams import StreamNames
 from streamrl.common.tracing import set_delivery_attempt
@@ -87,7 +88,6 @@ class ConsumerLoop(Generic[M]):
         handler: Handler[M],
         message_type: type[M] | tuple[type[Message], ...],
         config: ConsumerConfig,
-        dedupe_key: Callable[[M], str | None] | None = None,
         ack: bool = True,
         on_committed: Callable[[str, M], Awaitable[None]] | None = None,
         max_message_bytes: int | None = -1,
@@ -101,7 +101,6 @@ class ConsumerLoop(Generic[M]):
         self.handler = handler
         self.message_type = message_type
         self.config = config
-        self.dedupe_key = dedupe_key if dedupe_key is not None else _message_id
         self.ack = ack
         self.on_committed = on_committed
         self.max_message_bytes = bus.max_message_bytes if max_message_bytes == -1 else max_message_bytes
@@ -111,6 +110,9 @@ class ConsumerLoop(Generic[M]):
         self._tasks: set[asyncio.Task[None]] = set()
         self._holding: set[asyncio.Task[None]] = set()
         """Tasks holding an in-flight slot: all but the :meth:`parked` ones."""
+        self._stop: asyncio.Event | None = None
+        self.fatal: LeaseLostError | None = None
+        """Set when a commit was fenced off (another process holds this service's lease): run() raises it."""
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self.keep_alive_s = min(config.claim_interval_s, config.claim_idle_ms / 3000)
         """How often what this consumer holds is marked alive: three times per ``claim_idle_ms`` at
@@ -126,6 +128,7 @@ class ConsumerLoop(Generic[M]):
 
     async def run(self, stop: asyncio.Event, *, burst: bool = False) -> None:
         """Consume until ``stop`` is set (or, with ``burst``, until the stream has nothing left)."""
+        self._stop = stop
         await self.ensure_group()
         # First finish, in order, what this consumer name left pending in a previous life; then new
         # entries. Whatever it waits for, the loop comes round every keep_alive_s to keep what it
@@ -148,6 +151,8 @@ class ConsumerLoop(Generic[M]):
             if burst and got == 0 and not self._tasks:
                 break
         await self.drain()
+        if self.fatal is not None:
+            raise self.fatal
 
     async def drain(self) -> None:
         """Give in-flight entries ``shutdown_grace_s`` to finish, then cancel them (they stay pending).
@@ -332,7 +337,23 @@ class ConsumerLoop(Generic[M]):
         return int(info[0]["times_delivered"]) if info else 1
 
     async def _process(self, entry_id: str, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
+        try:
+            await self._handle(entry_id, fields, deliveries)
+        except LeaseLostError as e:  # fenced off: this process must stop, not retry (or dead-letter) the entry
+            if self.fatal is None:
+                logger.error("%s %s: %s; stopping", self.stream, entry_id, e)
+                self.fatal = e
+            if self._stop is not None:
+                self._stop.set()
+
+    async def _handle(self, entry_id: str, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
         payload = (fields or {}).get(PAYLOAD_FIELD, b"")
+        if deliveries > self.config.max_deliveries:  # every earlier delivery ended with its consumer dead
+            reason = f"killed its consumer {deliveries - 1} times (delivered {deliveries} times, max_deliveries " \
+                     f"{self.config.max_deliveries}): the process handling it died (OOM, segfault, SIGKILL?)"
+            logger.error("%s %s %s", self.stream, entry_id, reason)
+            await self._dead_letter(entry_id, payload, reason, deliveries)
+            return
         if self.max_message_bytes is not None and len(payload) > self.max_message_bytes:
             reason = (f"MessageTooLargeError: entry of {len(payload) / 2**20:.1f} MiB is over the "
                       f"{self.max_message_bytes / 2**20:.1f} MiB limit (redis.max_message_mb); payload cut to 64 KiB")  # fmt: skip
@@ -343,27 +364,15 @@ class ConsumerLoop(Generic[M]):
         except PoisonMessageError as e:
             await self._dead_letter(entry_id, payload, f"PoisonMessageError: {e}", deliveries)
             return
-        key = self.dedupe_key(message)
-        dedupe = self.names.done(self.group, key) if key else ""
         while True:
             started = time.perf_counter()
             set_delivery_attempt(deliveries)  # a span the handler starts records which delivery it is
             try:
-                # a redelivered entry may already be done: skip the work (the commit de-dups anyway)
-                if dedupe and deliveries > 1 and await self.redis.exists(dedupe):
-                    await self.redis.xack(self.stream, self.group, entry_id)
-                    self.stats.skipped_duplicates += 1
-                    return
                 outputs = await self.handler(message)
                 fresh = await self._committer.commit(
-                    outputs,
-                    ack_stream=self.stream,
-                    ack_group=self.group,
-                    ack_entry=entry_id if self.ack else "",
-                    dedupe_key=dedupe,
-                    dedupe_ttl_s=self.config.dedupe_ttl_s,
+                    outputs, ack_stream=self.stream, ack_group=self.group, ack_entry=entry_id, ack=self.ack
                 )
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, LeaseLostError):
                 raise
             except PoisonMessageError as e:
                 await self._dead_letter(entry_id, payload, f"PoisonMessageError: {e}", deliveries)
@@ -420,12 +429,6 @@ class ConsumerLoop(Generic[M]):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _message_id(message: Any) -> str | None:
-    """Default de-dup key: the message's ``id`` (trajectory id, work item id, batch id)."""
-    value = getattr(message, "id", None)
-    return str(value) if value is not None else None
 
 
 def encode_payload(message: Message) -> dict[bytes, bytes]:

@@ -27,8 +27,9 @@ from pydantic import Field
 from redis.exceptions import RedisError
 
 from streamrl.common.aio import cancel_and_wait
-from streamrl.common.bus import Bus, RedisLoginError, connect
+from streamrl.common.bus import Bus, Fence, RedisLoginError, connect
 from streamrl.common.config import BaseConfig, ConsumerConfig, RedisConfig, load_config, save_resolved
+from streamrl.common.config_docs import service_help
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import ConfigError
 from streamrl.common.health import check, default_instance, heartbeat_forever
@@ -116,8 +117,15 @@ class ServiceContext:
         }
 
 
-def parse_args(service: str, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"streamrl {service}", description=f"Run the streamrl {service} service.")
+def parse_args(service: str, argv: list[str], config_cls: type[ServiceConfig] | None = None) -> argparse.Namespace:
+    """The service's arguments; ``--help`` lists every field of ``config_cls`` (type, default, docstring)."""
+    wants_help = config_cls is not None and bool({"-h", "--help"} & set(argv))
+    parser = argparse.ArgumentParser(
+        prog=f"streamrl {service}",
+        description=f"Run the streamrl {service} service.",
+        epilog=service_help(service, config_cls, ServiceConfig.model_fields) if wants_help and config_cls else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("recipe", nargs="?", help="recipe file (TOML/YAML); env STREAMRL_RECIPE if omitted")
     parser.add_argument("--check", action="store_true", help="health check: exit 0 if this service heartbeats")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
@@ -140,7 +148,7 @@ def service_main(
     """Entry point shared by all services. Returns the process exit code."""
     import os
 
-    args = parse_args(service, sys.argv[1:] if argv is None else argv)
+    args = parse_args(service, sys.argv[1:] if argv is None else argv, config_cls)
     recipe = args.recipe or os.environ.get("STREAMRL_RECIPE")
     try:
         config = load_config(config_cls, recipe, args.overrides, section=service)
@@ -194,7 +202,8 @@ async def _serve(
         service=service,
         instance=instance,
         config=config,
-        bus=Bus(redis, maxlen=config.redis.maxlen, max_message_bytes=config.redis.max_message_bytes),
+        bus=Bus(redis, maxlen=config.redis.maxlen, max_message_bytes=config.redis.max_message_bytes,
+                outage_s=config.redis.outage_s),
         names=StreamNames(config.run_id),
         stop=asyncio.Event(),
         burst=burst,
@@ -228,6 +237,8 @@ async def _serve(
         # lease expires within one TTL; a live one makes this process refuse to start)
         name = await _lease(ctx, token, ("instance", service, instance), f"instance name {service}/{instance}")
         held.extend([name] if name else [])
+        if name is not None and service not in SINGLETONS:
+            ctx.bus.fence = Fence(name.key, token)  # its writes stop the moment another process holds its name
         beat = asyncio.create_task(
             heartbeat_forever(redis, ctx.names, service, instance, interval_s, ctx.snapshot, before_beat=renew)
         )
@@ -238,6 +249,7 @@ async def _serve(
                 logger.info("%s/%s: stopped while standing by", service, instance)
                 return 0
             held.append(role)
+            ctx.bus.fence = Fence(role.key, token)  # a deposed coordinator/learner writes nothing
         await run(config, ctx)
         if beat_error:
             raise beat_error[0]
@@ -270,12 +282,12 @@ async def _lease(ctx: ServiceContext, token: str, parts: tuple[str, ...], what: 
     """Take the lease ``names.lease(*parts)``: wait up to one TTL for a predecessor's to expire (it
     may have just died), then refuse (LeaseHeldError); a singleton with ``standby`` waits until it is
     free or the service is stopped (None)."""
-    interval_s = ctx.config.consumer.heartbeat_interval_s
-    lease = Lease(ctx.bus.redis, ctx.names.lease(*parts), token, 2 * interval_s, what)
+    ttl_s = ctx.config.consumer.lease_ttl
+    lease = Lease(ctx.bus.redis, ctx.names.lease(*parts), token, ttl_s, what)
     standby = parts[0] == "singleton" and ctx.config.standby
     if standby:
         ctx.status = "standby"
-    if not await lease.acquire(wait_s=None if standby else 2.5 * interval_s, stop=ctx.stop):
+    if not await lease.acquire(wait_s=None if standby else 1.25 * ttl_s, stop=ctx.stop):
         return None
     ctx.status = "starting"
     return lease

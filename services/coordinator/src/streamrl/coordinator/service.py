@@ -76,21 +76,19 @@ class CoordinatorService:
         self.cfg = config
         self.ctx = ctx
         self.names = ctx.names
-        self.state = RunState(ctx.bus.redis, ctx.names)
+        self.state = RunState(ctx.bus, ctx.names)
         self.metrics = MetricsWriter(config.run_dir, wandb=wandb_run(
             config.wandb_project, config.wandb_run_name or config.run_id, redact(config.model_dump(mode="json")),
         ))  # fmt: skip
         self.progress = Progress(self.state)
         self.groups = GroupBuffer(self.state, group_size=config.group_size, dynamic_filtering=config.dynamic_filtering)
-        self.issuer = PromptIssuer(
-            config, self.state, ctx.bus, self.groups, PromptSource(config.dataset), tracing=ctx.tracing
-        )
+        self.issuer = PromptIssuer(config, self.state, self.groups, PromptSource(config.dataset), tracing=ctx.tracing)
         self.batches = BatchBuilder(
-            self.state, ctx.bus, self.groups, prompts_per_step=config.prompts_per_step,
+            self.state, self.groups, prompts_per_step=config.prompts_per_step,
             max_staleness=config.max_staleness, drop_stale=config.staleness_policy == "drop", tracing=ctx.tracing,
         )  # fmt: skip
         self.evals = (
-            EvalRounds(config, self.state, ctx.bus, PromptSource(config.eval.dataset), self.metrics)
+            EvalRounds(config, self.state, PromptSource(config.eval.dataset), self.metrics)
             if config.eval.dataset
             else None
         )
@@ -117,7 +115,7 @@ class CoordinatorService:
         scored_loop: ConsumerLoop[ScoredTrajectory] = ConsumerLoop(
             self.ctx.bus, self.names, stream=self.names.scored, group="coordinator", consumer="coordinator",
             handler=self.handle_scored, message_type=ScoredTrajectory, config=self.cfg.consumer,
-            dedupe_key=lambda m: m.trajectory.id, on_committed=self._on_scored_committed,
+            on_committed=self._on_scored_committed,
         )  # fmt: skip
         self.ctx.loops.append(scored_loop)
         if self.cfg.redis.url is not None:  # always under service_main; tests may hand the service a bus
@@ -177,7 +175,7 @@ class CoordinatorService:
                 await self.evals.maybe_start(msg.version)
             await self.groups.version_published(msg.version, time.time())  # before timeouts see it
             self.version = msg.version
-            await self.state.redis.set(self.state.key(st.POLICY_VERSION), self.version)
+            await self.state.tx().set(self.state.key(st.POLICY_VERSION), self.version).execute()
             self.ctx.policy_version = self.version
         if msg.metrics:
             self.metrics.write(msg.version, dict(msg.metrics))
@@ -189,11 +187,10 @@ class CoordinatorService:
             return
         stream = msg.stream.rsplit(":", 1)[-1]
         logger.error("dead letter from %s: %s", stream, msg.error)
-        pipe = self.state.redis.pipeline(transaction=True)
-        pipe.incr(self.state.key(st.DEAD_LETTERS))
+        tx = self.state.tx().incr(self.state.key(st.DEAD_LETTERS))
         if msg.stream == self.names.trajectories:
-            pipe.incr(self.state.key(st.REWARD_DEAD_LETTERED))
-        await pipe.execute()
+            tx.incr(self.state.key(st.REWARD_DEAD_LETTERED))
+        await tx.execute()
         self.progress.update({"dead_reason": msg.error[:REASON_CHARS]})
         await self._publish_progress(refresh=True)  # before any replacement goes out
         lost = what_was_lost(msg, batches_stream=self.names.batches)

@@ -134,7 +134,7 @@ class LearnerService:
                 # failures are counted per batch in Redis by ``handle`` (which skips a batch at the limit)
                 update={"max_in_flight": 1, "count": 1, "max_deliveries": 2**31 - 1}
             ),
-            dedupe_key=lambda _: None, ack=False, on_committed=self._on_committed,
+            ack=False, on_committed=self._on_committed,
             max_message_bytes=None,  # a batch is many trajectories, each checked against the limit
         )  # fmt: skip
         self.ctx.loops.append(self.loop)
