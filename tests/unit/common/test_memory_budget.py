@@ -1,0 +1,148 @@
+"""The Redis memory bound's pure parts: allocation sizes, message sizes, reading a recipe, the warnings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamrl.common.codec import encode
+from streamrl.common.config import ConfigError, ConsumerConfig, RedisConfig, read_recipe, validate
+from streamrl.common.memory_budget import (
+    MIB,
+    SERVICE_DEFAULTS,
+    RunShape,
+    jemalloc_size,
+    maxmemory_for,
+    memory_bound,
+    message_sizes,
+    policy_warnings,
+    shape_from_recipe,
+)
+from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.up_config import LaunchRecipe
+
+ROOT = Path(__file__).resolve().parents[3]
+SHAPE = RunShape(
+    prompts_per_step=4, group_size=4, max_staleness=1, prefetch_steps=1, total_steps=50, checkpoint_every=5,
+    max_model_len=512, response_tokens=256,
+)  # fmt: skip
+
+
+def test_jemalloc_size_classes() -> None:
+    """Redis counts what jemalloc hands out: 16-byte steps to 128, then four classes per power of two."""
+    assert [jemalloc_size(n) for n in (1, 8, 9, 17, 128, 129, 160, 161, 257, 4097, 65_537, 300_000)] == [
+        8, 8, 16, 32, 128, 160, 160, 192, 320, 5120, 81_920, 327_680,
+    ]  # fmt: skip
+    for n in range(1, 200_000, 997):
+        assert n <= jemalloc_size(n) <= max(16, 1.25 * n)
+
+
+def test_service_defaults_are_the_services_defaults() -> None:
+    """The bound reads the recipe with the services' defaults, mirrored in libs/common (which imports no
+    service): a default changed in a service without the mirror would bound the wrong run."""
+    from streamrl.coordinator.config import CoordinatorConfig, EvalConfig, SamplingConfig
+    from streamrl.learner.rl.config import LearnerConfig
+    from streamrl.rollout.config import EnvironmentConfig
+    from streamrl.rollout.engine_config import EngineConfig
+
+    models = {
+        "coordinator": CoordinatorConfig, "coordinator.sampling": SamplingConfig, "coordinator.eval": EvalConfig,
+        "learner": LearnerConfig, "rollout.engine": EngineConfig, "rollout.environment": EnvironmentConfig,
+        "redis": RedisConfig, "consumer": ConsumerConfig,
+    }  # fmt: skip
+    for dotted, value in SERVICE_DEFAULTS.items():
+        section, name = dotted.rsplit(".", 1)
+        assert models[section].model_fields[name].default == value, dotted
+
+
+def test_shape_from_the_demo_recipe() -> None:
+    """Section values, top-level shared ones (total_steps) and the services' defaults elsewhere."""
+    shape = shape_from_recipe(read_recipe(ROOT / "recipes" / "demo.toml"))
+    assert (shape.prompts_per_step, shape.group_size, shape.max_staleness, shape.prefetch_steps) == (32, 8, 1, 1)
+    assert (shape.total_steps, shape.checkpoint_every, shape.max_model_len, shape.response_tokens) == (600, 10, 32, 6)
+    assert (shape.eval_prompts, shape.eval_response_tokens, shape.read_count, shape.instances) == (500, 6, 256, 4)
+    assert (shape.maxlen, shape.outage_s, shape.retain_consumed_s, shape.turns) == (100_000, 60.0, 0.0, 0)
+
+
+def test_shape_of_a_multi_turn_recipe_counts_the_episode() -> None:
+    data = {"rollout": {"environment": {"path": "env.py", "max_tokens": 300, "max_turns": 3}},
+            "coordinator": {"sampling": {"max_new_tokens": 20}}, "redis": {"retain_consumed_s": 30}}  # fmt: skip
+    shape = shape_from_recipe(data, {"min_step_s": 10.0})
+    assert (shape.response_tokens, shape.turns, shape.retain_consumed_s, shape.lag_batches) == (300, 3, 30.0, 4)
+
+
+def test_bad_values_are_named() -> None:
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        shape_from_recipe({"coordinator": {"prompts_per_step": 0}})
+    with pytest.raises(ValueError, match="min_step_s"):
+        RunShape(**{**SHAPE.__dict__, "min_step_s": 0.0})
+    with pytest.raises(ConfigError, match=r"up\.redis_memory\.margin"):
+        validate(LaunchRecipe, {"up": {"redis_memory": {"margin": 0.5}}})
+
+
+def test_message_sizes_cover_real_messages() -> None:
+    """A trajectory as the rollout writes it (int32 ids, float32 log-probs, uint8 mask, texts, the row's
+    metadata) is no larger than the size the bound uses, and not much smaller."""
+    sizes = message_sizes(SHAPE)
+    prompt, response = 256, 256
+    traj = Trajectory(
+        id="a" * 36, group_id="g" * 36, group_index=3, group_size=4,
+        prompt_ids=Tensor.from_numpy(np.arange(prompt, dtype=np.int32)),
+        response_ids=Tensor.from_numpy(np.arange(response, dtype=np.int32)),
+        logprobs=Tensor.from_numpy(-np.ones(response, dtype=np.float32)),
+        loss_mask=Tensor.from_numpy(np.ones(response, dtype=np.uint8)),
+        prompt_text="p" * 6 * prompt, response_text="r" * 6 * response, metadata={"row": "m" * 1000},
+        timings={"generate_s": 1.0, "queue_s": 0.5}, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+    )  # fmt: skip
+    scored = ScoredTrajectory(trajectory=traj, reward=1.0, score=1.0, extra={"format": 1.0}, scorer="fn")
+    assert 0.9 * sizes.trajectory <= len(encode(traj)) <= sizes.trajectory
+    assert 0.9 * sizes.scored <= len(encode(scored)) <= sizes.scored
+    assert sizes.batch >= SHAPE.batch_samples * len(encode(scored))
+
+
+def test_the_bound_grows_with_what_the_run_holds() -> None:
+    """Each knob that holds more in Redis raises the bound by about what it holds."""
+    base = memory_bound(SHAPE)
+    per_batch = message_sizes(SHAPE).batch
+    more_checkpoint = memory_bound(RunShape(**{**SHAPE.__dict__, "checkpoint_every": 10}))
+    assert 5 * per_batch <= more_checkpoint.total - base.total <= 5 * 1.3 * per_batch
+    staler = memory_bound(RunShape(**{**SHAPE.__dict__, "max_staleness": 3}))
+    assert 2 * per_batch <= staler.total - base.total <= 2 * 1.5 * per_batch
+    longer = memory_bound(RunShape(**{**SHAPE.__dict__, "max_model_len": 1024, "response_tokens": 512}))
+    # 256 more prompt tokens (4 bytes of ids + 6 of text) and 256 more response tokens (9 + 6)
+    assert longer.sizes.trajectory - base.sizes.trajectory >= 256 * (4 + 6) + 256 * (9 + 6)
+    assert set(base.terms) >= {"in_flight_samples", "retained_batches", "consumed_untrimmed", "once_keys", "transient"}
+    assert "MiB" in base.describe()
+
+
+def test_maxmemory_has_a_margin_and_a_floor() -> None:
+    bound = memory_bound(SHAPE)
+    assert maxmemory_for(bound, margin=1.0, floor=0) >= bound.total
+    assert maxmemory_for(bound, margin=2.0, floor=0) >= 2 * bound.total
+    assert maxmemory_for(bound, margin=2.0, floor=10**12) == 10**12
+    assert maxmemory_for(bound) % MIB == 0
+    with pytest.raises(ValueError, match="margin"):
+        maxmemory_for(bound, margin=0.5)
+
+
+@pytest.mark.parametrize(
+    ("policy", "maxmemory", "expected"),
+    [
+        ("noeviction", 0, []),
+        ("noeviction", 10**12, []),
+        ("allkeys-lru", 0, ["evicts any key"]),
+        ("allkeys-random", 0, ["evicts any key"]),
+        ("volatile-ttl", 0, ["leases, heartbeats"]),
+        ("volatile-lru", 0, ["leases, heartbeats"]),
+        ("noeviction", 1 * MIB, ["below this run's bound"]),
+        ("volatile-lfu", 1 * MIB, ["leases, heartbeats", "below this run's bound"]),
+    ],
+)
+def test_policy_warnings(policy: str, maxmemory: int, expected: list[str]) -> None:
+    """Every policy but noeviction may evict streamrl keys; a maxmemory below the bound fills up."""
+    problems = policy_warnings(policy, maxmemory, memory_bound(SHAPE))
+    assert len(problems) == len(expected)
+    for problem, words in zip(problems, expected, strict=True):
+        assert words in problem
