@@ -39,7 +39,9 @@ class ScalePolicy(BaseConfig):
     """How one service is scaled."""
 
     min_replicas: int = Field(1, ge=0)
+    """Fewest replicas the autoscaler keeps."""
     max_replicas: PositiveInt = 4
+    """Most replicas the autoscaler starts (at most ``up.max_replicas`` of the service)."""
     target_backlog: PositiveInt = 64
     """Backlog (undelivered + unacknowledged entries of its input) one replica is meant to carry."""
     scale_up_cooldown_s: float = Field(30.0, ge=0)
@@ -58,6 +60,7 @@ class AutoscaleConfig(BaseConfig):
     """The ``[autoscale]`` section of a recipe: which services are scaled on their backlog, and how."""
 
     enabled: bool = False
+    """Scale the services of ``services`` on their backlog (False = replica counts change only by hand)."""
     interval_s: float = Field(5.0, gt=0)
     """How often the backlogs are read and the counts decided (s)."""
     services: dict[str, ScalePolicy] = {}

@@ -32,7 +32,9 @@ class DatasetConfig(BaseConfig):
     tokenizer: str
     """Tokenizer folder or hub id (usually the policy model's)."""
     shuffle: bool = True
+    """Visit the rows in a seeded random order, a new order each epoch (False = file order)."""
     seed: int = 0
+    """Seed of the row order."""
     max_prompts: int | None = Field(None, ge=1)
     """Use only the first N prompts (after shuffling)."""
 
@@ -41,13 +43,17 @@ class SamplingConfig(BaseConfig):
     """Sampling for training prompts."""
 
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of training samples."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the smallest set of tokens holding this probability (1 = off)."""
     top_k: int = Field(-1, ge=-1)
     """-1 = disabled."""
     max_new_tokens: int = Field(64, ge=1)
+    """Longest response of a training sample (tokens); a longer one is cut (``finish_reason = length``)."""
     min_new_tokens: int = Field(0, ge=0)
     """End-of-sequence is suppressed before this many tokens (e.g. generation-heavy benchmarks)."""
     seed: int | None = None
+    """Sampling seed sent with every prompt, for reproducible samples; None = the engine's own generator."""
 
 
 class EvalConfig(BaseConfig):
@@ -58,7 +64,9 @@ class EvalConfig(BaseConfig):
     every_steps: int = Field(5, ge=1)
     """Evaluate at policy version 0 and every N versions, and at the end."""
     num_prompts: int = Field(200, ge=1)
+    """Held-out prompts per evaluation round (the dataset's first N)."""
     max_new_tokens: int = Field(64, ge=1)
+    """Longest evaluation response (tokens)."""
 
 
 class CoordinatorConfig(ServiceConfig):

@@ -51,7 +51,7 @@ def _follow(argv: list[str]) -> int:
 
 
 def _configured_ranks(argv: list[str]) -> int:
-    args = parse_args("learner", argv)
+    args = parse_args("learner", argv, LearnerConfig)
     if args.check or args.dry_run:
         return 1
     try:

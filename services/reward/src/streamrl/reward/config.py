@@ -28,6 +28,7 @@ class FunctionScorerConfig(_ScorerBase):
     """A Python reward function, OpenRLHF-compatible: ``reward_func(queries, prompts, labels, **kwargs)``."""
 
     type: Literal["function"] = "function"
+    """Scorer kind: a Python reward function."""
     path: str = Field(min_length=1)
     """``/path/to/file.py`` or ``pkg.module``, optionally ``:func_name`` (default ``reward_func``)."""
     timeout_s: float = Field(300.0, gt=0)
@@ -38,6 +39,7 @@ class HttpScorerConfig(_ScorerBase):
     """A remote reward service: ``POST {"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``."""
 
     type: Literal["http"] = "http"
+    """Scorer kind: remote reward services over HTTP."""
     urls: list[str] = Field(min_length=1)
     """Full endpoint URLs (e.g. ``http://rm-0:5000/get_reward``); requests are spread over them."""
     load_balancing: Literal["round_robin", "least_loaded"] = "least_loaded"
@@ -82,6 +84,7 @@ class ModelScorerConfig(_ScorerBase):
     """A local reward model folder (Hugging Face format, safetensors)."""
 
     type: Literal["model"] = "model"
+    """Scorer kind: a reward model loaded in this process."""
     path: str = Field(min_length=1)
     """Model folder: a ``*ForSequenceClassification`` (num_labels=1) or a causal LM with a value head."""
     architecture: Literal["auto", "sequence_classification", "value_head"] = "auto"
