@@ -5,6 +5,10 @@ one fault each; see tests/faults/harness.py), collects the row of each scenario 
 dropped by reason, lost, trained twice, pending at the end, steps reached, recovery) and writes
 them to ``bench/results/faults-<date>.json`` with the date, the machine and the command.
 
+The lost-reply rows (tests/faults/test_lost_replies.py) run every service through a fault proxy; the
+JSON's ``write_points`` lists, per service, every kind of write seen through it and how many times
+its reply was lost in the rows (0: a write point no row covered).
+
 Usage: python bench/faults.py [-k EXPR]. pytest's output (with the table) goes to stdout; the last
 line is one JSON object: the file written, pass/fail counts and wall time. Each scenario's folder
 (service logs, the redis AOF) is kept under the ``logs`` folder named in the JSON.
@@ -22,11 +26,26 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 ROWS_ENV = "STREAMRL_FAULTS_ROWS"
 """Where tests/faults/conftest.py writes the rows as JSON."""
+
+
+def write_points(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Service -> kind of write -> replies of it lost over all rows (from the rows' proxy details)."""
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        for service, kinds in row.get("details", {}).get("writes_seen", {}).items():
+            for kind in kinds:
+                out.setdefault(service, {}).setdefault(kind, 0)
+    for row in rows:
+        for key, n in row.get("details", {}).get("lost_replies", {}).items():
+            service, kind = key.split(": ", 1)
+            out.setdefault(service, {})[kind] = out.get(service, {}).get(kind, 0) + n
+    return {s: dict(sorted(k.items())) for s, k in sorted(out.items())}
 
 
 def main() -> None:
@@ -53,6 +72,7 @@ def main() -> None:
         "logs": str(logs),
         "passed": sum(1 for r in rows if not r["failures"]),
         "failed": sum(1 for r in rows if r["failures"]),
+        "write_points": write_points(rows),
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)

@@ -25,6 +25,7 @@ plus the scenario's overrides (given to every service on the command line, as ``
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -108,6 +109,11 @@ class FaultRun:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of every service (e.g. a reward server's token)."""
     restart_on_failure: bool = True
+    recipe_source: Path = ROOT / "recipes" / "smoke.toml"
+    """The recipe (``{root}`` is the task folder; its ``run_dir`` goes under ``workdir``)."""
+    base_overrides: list[str] = field(default_factory=lambda: list(BASE_OVERRIDES))
+    slim_tap: bool = False
+    """Keep the tap's trajectories and batches without their tokens (:func:`tap.slim`: a long soak)."""
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +135,7 @@ class FaultRun:
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name=f"supervise-{self.name}", daemon=True)
         self.client = syncredis.Redis(port=self.port, socket_timeout=5)
-        self.tap = StreamTap(self.port, self.names)
+        self.tap = StreamTap(self.port, self.names, slim=self.slim_tap)
         self.proxy: FaultProxy | None = None
         self.proxied: tuple[str, ...] = ()
         """Services whose Redis URL is the proxy's (:meth:`use_proxy`)."""
@@ -141,15 +147,15 @@ class FaultRun:
 
     # -- set-up -----------------------------------------------------------------------------
     def _write_recipe(self) -> Path:
-        text = (ROOT / "recipes" / "smoke.toml").read_text().replace("{root}", str(self.task))
-        text = text.replace(f'run_dir = "{self.task}/run"', f'run_dir = "{self.workdir / "run"}"')
+        text = self.recipe_source.read_text().replace("{root}", str(self.task))
+        text = re.sub(r'(?m)^run_dir = ".*"$', f'run_dir = "{self.workdir / "run"}"', text, count=1)
         path = self.workdir / "recipe.toml"
         path.write_text(text)
         return path
 
     @property
     def all_overrides(self) -> list[str]:
-        return [*BASE_OVERRIDES, f"--run_id={self.run_id}", *self.overrides]
+        return [*self.base_overrides, f"--run_id={self.run_id}", *self.overrides]
 
     def _setting(self, key: str, default: int) -> int:
         """The last ``--key=N`` of the overrides (the recipe's ``default`` without one)."""
@@ -205,13 +211,20 @@ class FaultRun:
         proc.kill()
         proc.wait()
 
-    def start_service(self, service: str, instance: str | None = None, env: dict[str, str] | None = None) -> str:
-        """Start one instance of ``service`` (default name ``{service}-0``); returns the instance name."""
+    def start_service(
+        self,
+        service: str,
+        instance: str | None = None,
+        env: dict[str, str] | None = None,
+        extra: list[str] | None = None,
+    ) -> str:
+        """Start one instance of ``service`` (default name ``{service}-0``) with ``extra`` overrides after
+        the run's (this life only); returns the instance name."""
         instance = instance or f"{service}-0"
         log = self.workdir / "logs" / f"{instance}.log"
         log.parent.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "streamrl.common.cli", service, str(self.recipe), *self.all_overrides,
-               f"--instance={instance}"]  # fmt: skip
+               *(extra or []), f"--instance={instance}"]  # fmt: skip
         full_env = child_env({**os.environ, **SERVICE_ENV, **self.env, **(env or {})}, instance, None)
         full_env[KEY_ENV] = self.weights_key
         full_env["STREAMRL_REDIS__URL"] = self.redis_url_of(service)

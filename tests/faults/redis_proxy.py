@@ -4,8 +4,8 @@
 (:meth:`FaultProxy.listen`); a service given that URL instead of Redis's talks to Redis through it.
 It parses RESP both ways (:mod:`resp`), so it knows where each command and each reply ends, and
 names each command (:func:`resp.command_kind`: ``XADD batches``, ``EVALSHA bus.COMMIT_LUA
-trajectories``, ``MULTI[XADD batches, INCR state:batch_index]`` for a transaction, each command of a
-pipeline on its own).
+trajectories``, ``MULTI[XADD batches, INCR state:batch_index]`` for a transaction: its distinct
+commands in order; each command of a pipeline on its own).
 
 What it does with a reply is its :class:`Policy`'s call, asked once per complete reply:
 
@@ -53,13 +53,15 @@ Policy = Callable[[str, str, bool, float], bool]
 class LoseEachKind:
     """Lose one reply (``times`` replies) of each kind of write ``service`` makes, in the order the
     kinds come up, at most one loss every ``gap_s`` seconds (so the service recovers from one before
-    the next), after ``after`` (time.time()) if given. ``skip``: kinds never lost."""
+    the next), after ``after`` (time.time()) if given. ``skip``: kinds never lost (prefixes)."""
 
     service: str
     gap_s: float = 2.0
     times: int = 1
     after: float = 0.0
     skip: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()
+    """If set, only kinds starting with one of these are lost."""
     lost: Counter[str] = field(default_factory=Counter)
     last_loss: float = 0.0
 
@@ -67,6 +69,8 @@ class LoseEachKind:
         if service != self.service or not write or now < self.after or now - self.last_loss < self.gap_s:
             return False
         if self.lost[kind] >= self.times or any(kind.startswith(s) for s in self.skip):
+            return False
+        if self.only and not any(kind.startswith(s) for s in self.only):
             return False
         self.lost[kind] += 1
         self.last_loss = now
@@ -199,7 +203,7 @@ class FaultProxy:
                     multi = []
                     expected.append(("MULTI", False))
                 elif name == b"EXEC" and multi is not None:
-                    kind = "MULTI[" + ", ".join(k for k, _ in multi) + "]"
+                    kind = "MULTI[" + ", ".join(dict.fromkeys(k for k, _ in multi)) + "]"
                     write = any(w for _, w in multi)
                     expected.append((kind, write))
                     multi = None

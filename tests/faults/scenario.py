@@ -83,12 +83,13 @@ def record(
                        injected=run.injected, fault_end=fault_end, entries=run.tap.entries)  # fmt: skip
     exits = [str(e) for e in run.exits]
     row = Row(scenario, completed, total_steps, counts, recovery_bound_s, exits, round(time.time() - run.started_at, 1))
+    scenario_failures = checks() if checks else []
     row.details = dict(run.details)
     if run.proxy is not None:
         row.details["lost_replies"] = run.proxy.lost_by_kind()
         row.details["writes_seen"] = run.proxy.writes_by_service()
     row.failures = ([early_stop] if early_stop else []) + _check(row, run, allowed_exits) + run.tap.missed()
-    row.failures += checks() if checks else []
+    row.failures += scenario_failures
     ROWS.append(row)
     assert not row.failures, f"{scenario}: " + "; ".join(row.failures + counts.notes)
     return row

@@ -6,6 +6,11 @@ entries are gone from Redis. :class:`StreamTap` is a thread with its own connect
 the fault proxy) that XREADs each stream from ``0`` and keeps every entry it sees, riding out a
 Redis restart. :meth:`StreamTap.missed` says whether it could have missed any: a stream whose
 ``entries-added`` (XINFO STREAM) is larger than the entries the tap saw was trimmed past the tap.
+
+With ``slim=True`` (a long soak: hundreds of thousands of trajectories) the tap keeps each
+trajectory, scored trajectory and batch re-encoded without its tokens, log-probs, texts, images and
+free-form fields (:func:`slim`): what the counting reads (ids, groups, evaluation flags, versions)
+stays.
 """
 
 from __future__ import annotations
@@ -13,24 +18,58 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import redis as syncredis
 
+from streamrl.common.codec import decode, encode
+from streamrl.common.errors import PoisonMessageError
+from streamrl.common.messages import ScoredTrajectory, Tensor, TrainingBatch, Trajectory
 from streamrl.common.streams import StreamNames
 
 BLOCK_MS = 100
 COUNT = 1000
+EMPTY = Tensor(dtype="int32", shape=[0], data=b"")
+
+
+def _slim_trajectory(t: Trajectory) -> Trajectory:
+    return msgspec.structs.replace(
+        t, prompt_ids=EMPTY, response_ids=EMPTY, logprobs=EMPTY, loss_mask=EMPTY, prompt_text="", response_text="",
+        metadata={}, timings={}, turns=[], images=[],
+    )  # fmt: skip
+
+
+def _slim_scored(s: ScoredTrajectory) -> ScoredTrajectory:
+    return msgspec.structs.replace(s, trajectory=_slim_trajectory(s.trajectory), extra={})
+
+
+def slim(payload: bytes) -> bytes:
+    """``payload`` re-encoded without the bulk of a trajectory (see the module docstring); any other
+    message, or bytes that do not decode, as they are."""
+    try:
+        msg = decode(payload)
+    except PoisonMessageError:
+        return payload
+    if isinstance(msg, Trajectory):
+        return encode(_slim_trajectory(msg))
+    if isinstance(msg, ScoredTrajectory):
+        return encode(_slim_scored(msg))
+    if isinstance(msg, TrainingBatch):
+        return encode(msgspec.structs.replace(msg, samples=[_slim_scored(s) for s in msg.samples]))
+    return payload
 
 
 class StreamTap:
     """See the module docstring. ``start()``, then ``entries(stream)`` at any time; ``stop()`` reads
     what is left and ends the thread."""
 
-    def __init__(self, port: int, names: StreamNames) -> None:
+    def __init__(self, port: int, names: StreamNames, *, slim: bool = False) -> None:
         self.names = names
+        self.slim = slim
         self.streams = (names.prompts, names.trajectories, names.scored, names.batches, names.weights, names.dead)
         self._client = syncredis.Redis(port=port, socket_timeout=10)
         self._seen: dict[str, list[tuple[str, bytes]]] = {s: [] for s in self.streams}
         self._last: dict[str, str] = dict.fromkeys(self.streams, "0-0")
+        self._bulky = {names.trajectories, names.scored, names.batches}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tap-{names.run_id}", daemon=True)
@@ -91,7 +130,10 @@ class StreamTap:
             for raw_stream, items in reply or []:
                 stream = raw_stream.decode()
                 for eid, fields in items:
-                    self._seen[stream].append((eid.decode(), fields.get(b"d", b"")))
+                    payload = fields.get(b"d", b"")
+                    if self.slim and stream in self._bulky:
+                        payload = slim(payload)
+                    self._seen[stream].append((eid.decode(), payload))
                     self._last[stream] = eid.decode()
                     got += 1
         return got

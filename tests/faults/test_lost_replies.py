@@ -18,6 +18,8 @@ nothing trained twice, nothing pending, every step reached, no service exit.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from harness import SERVICES, FaultRun, MakeRun
 from redis_proxy import LoseEachKind
@@ -25,8 +27,10 @@ from scenario import conclude
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 12
-GAP_S = 2.5
+GAP_S = 1.0
 """Between two lost replies of one service (s): its retry backs off, reconnects and goes on first."""
+ONLY_ENV = "FAULTS_LOSE_ONLY"
+"""Comma-separated kind prefixes (``XREADGROUP,EVALSHA bus``): lose only those (to look at one write point)."""
 CLAIM_IDLE_MS = 10_000
 """``consumer.claim_idle_ms`` here: entries delivered by a read whose reply was lost sit in the pending
 list of a consumer that never saw them until reclaimed (30 s by default)."""
@@ -55,7 +59,8 @@ def test_write_points(fault_run: MakeRun) -> None:
 def test_lost_reply(service: str, fault_run: MakeRun) -> None:
     run: FaultRun = fault_run(f"lost-reply-{service}", OVERRIDES)
     proxy = run.use_proxy()
-    policy = LoseEachKind(service, gap_s=GAP_S)
+    only = tuple(k.strip() for k in os.environ.get(ONLY_ENV, "").split(",") if k.strip())
+    policy = LoseEachKind(service, gap_s=GAP_S, only=only)
     proxy.set_policy(policy)
     run.start()
 
