@@ -144,6 +144,12 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> None:
         names.state("version_seen_at"), mapping={str(v): f"{time.time():.3f}" for v in range(shape.total_steps)}
     )
     client.hset(names.state("eval_rounds"), mapping={str(v): "0.512500" for v in range(shape.total_steps)})
+    # run state: the learner's last 1,024 batch fingerprints, the coordinator's per-group bookkeeping
+    client.hset(names.state("learner_batches"), mapping={str(i): os.urandom(32).hex() for i in range(1024)})
+    inflight = [p.id for p, _ in horizon]
+    client.sadd(names.state("inflight"), *inflight)
+    client.hset(names.state("inflight_info"), mapping={g: f"3@{time.time():.3f}" for g in inflight})
+    client.rpush(names.state("ready"), *inflight)
     # dead letters: sample-sized ones and skipped batches
     letters = [encode(DeadLetter(stream=names.scored, entry_id="1-0", group="coordinator", consumer="c-1",
                                  error="ValueError: " + "e" * 200, deliveries=3, payload=encode(group("dead")[1][0]),
@@ -153,7 +159,7 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> None:
                 for k in range(shape.dead_batches)]  # fmt: skip
     f.add(names.dead, "", letters, consumed=False)
     # operation keys at their rate for their lifetime; heartbeats, instances, leases, served versions
-    once = int((shape.prompts_per_step + 8) / shape.min_step_s * 2 * shape.outage_s)
+    once = int((2 * shape.prompts_per_step + 16) / shape.min_step_s * 2 * shape.outage_s)
     pipe = client.pipeline(transaction=False)
     for _ in range(once):
         pipe.set(names.state("x").replace("state:x", f"once:{os.urandom(16).hex()}"), b"\x93\x01\x01\xa2OK",

@@ -146,3 +146,19 @@ def test_policy_warnings(policy: str, maxmemory: int, expected: list[str]) -> No
     assert len(problems) == len(expected)
     for problem, words in zip(problems, expected, strict=True):
         assert words in problem
+
+
+def test_command_line_prints_the_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m streamrl.common.memory_budget RECIPE``: terms, total, maxmemory; last line one JSON object."""
+    import json
+
+    from streamrl.common.memory_budget import main
+
+    assert main([str(ROOT / "recipes" / "demo.toml"), "--up.redis_memory.margin=3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["bound_bytes"] == sum(result["terms"].values())
+    assert result["maxmemory_bytes"] >= 3 * result["bound_bytes"]
+    assert any(line.startswith("retained_batches") for line in lines)
+    assert main([str(ROOT / "recipes" / "demo.toml"), "--coordinator.group_size=0"]) == 2
+    assert "group_size" in capsys.readouterr().err

@@ -18,8 +18,11 @@ length by a fixed amount per step; the bound adds up each term (:func:`memory_bo
 * **the whole run**: one ``weights`` entry per version, a field per version in the coordinator's
   ``version_seen_at`` and ``eval_rounds`` hashes; dead letters kept (an assumption: the ``dead`` stream
   is capped only by ``redis.maxlen``).
-* **lifetimes**: operation (``once:``) keys, about ``(prompts_per_step + 8) / min_step_s`` a second,
-  each kept ``2 x outage_s``; heartbeats, leases and the instance set, per instance.
+* **run state**: the coordinator's per-group bookkeeping (in-flight set and hash, ready list) and the
+  learner's batch fingerprints (the last 1,024 indices).
+* **lifetimes**: operation (``once:``) keys - one per transaction, and per commit that acknowledges
+  no entry - about ``(2 x prompts_per_step + 16) / min_step_s`` a second, each kept ``2 x outage_s``;
+  heartbeats, leases and the instance set, per instance.
 * **transient**: a batch is in Redis up to three more times while it is written and read (the
   writer's query buffer, the AOF buffer, the reader's reply buffer), plus one read of scored entries.
 
@@ -74,6 +77,10 @@ WEIGHTS_ENTRY_BYTES = 4096
 """One ``weights`` entry: the event, the step's metrics, the signature."""
 VERSION_FIELD_BYTES = 128
 """One field of the coordinator's per-version hashes (``version_seen_at``, ``eval_rounds``)."""
+RUN_STATE_BYTES = 1024 * 160 + 64 * 1024
+"""The learner's batch fingerprints (1,024 kept) and the coordinator's counters, cursors and progress hash."""
+GROUP_STATE_BYTES = 384
+"""Per group in flight: its in-flight set member, in-flight info field and ready-list entry."""
 OPEN_EVAL_ROUNDS = 2
 """Evaluation rounds assumed open at once (a round is answered before the one after next opens)."""
 METRICS_PER_SAMPLE = 8
@@ -145,7 +152,7 @@ class RunShape:
     """A dataset row's label and metadata, encoded (assumption)."""
     image_bytes: int = 0
     """Image bytes one prompt (and its trajectories) carries (assumption; vision-language runs)."""
-    min_step_s: float = 1.0
+    min_step_s: float = 0.25
     """The shortest learner step of the run (s): how fast entries pass through the streams."""
     dead_letters: int = 256
     """Sample-sized dead letters kept in the ``dead`` stream (assumption)."""
@@ -281,7 +288,7 @@ def memory_bound(shape: RunShape) -> MemoryBound:
     per_sample = max(stream_entry_bytes(s.scored), hash_field_bytes(s.scored), big_batch / shape.batch_samples)
     eval_samples = OPEN_EVAL_ROUNDS * shape.eval_prompts
     dead_batch = min(s.batch, shape.max_message_bytes // 2)
-    once_rate = (shape.prompts_per_step + 8) / shape.min_step_s
+    once_rate = (2 * shape.prompts_per_step + 16) / shape.min_step_s
     terms = {
         "base": BASE_BYTES,
         "in_flight_samples": math.ceil(n_samples * per_sample),
@@ -303,6 +310,7 @@ def memory_bound(shape: RunShape) -> MemoryBound:
             _stream(shape.dead_letters, s.scored + 512, shape.maxlen, pending=False)
             + shape.dead_batches * stream_entry_bytes(dead_batch + 512, pending=False)
         ),
+        "run_state": RUN_STATE_BYTES + n_groups * GROUP_STATE_BYTES,
         "once_keys": math.ceil(once_rate * 2 * shape.outage_s) * ONCE_KEY_BYTES,
         "instances": shape.instances * INSTANCE_BYTES,
         "transient": 3 * jemalloc_size(s.batch) + shape.read_count * jemalloc_size(s.scored),
@@ -435,3 +443,40 @@ def shape_from_recipe(data: dict[str, Any], assumptions: dict[str, Any] | None =
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"cannot bound this recipe's Redis memory: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m streamrl.common.memory_budget RECIPE [overrides]``: the recipe's bound, term by term, the
+    message sizes and the ``maxmemory`` ``streamrl up`` would set; the last line is one JSON object."""
+    import argparse
+    import json
+    import sys
+
+    from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
+    from streamrl.common.up_config import LaunchRecipe
+
+    parser = argparse.ArgumentParser(prog="python -m streamrl.common.memory_budget", description=main.__doc__)
+    parser.add_argument("recipe")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        data = apply_overrides(read_recipe(args.recipe), overrides)
+        settings = validate(LaunchRecipe, data, source=f"recipe {args.recipe}").up.redis_memory
+        bound = memory_bound(shape_from_recipe(data, settings.assumptions()))
+    except (ConfigError, ValueError) as e:
+        print(f"memory_budget: {e}", file=sys.stderr)
+        return 2
+    maxmemory = (
+        int(settings.maxmemory_mb * MIB) if settings.maxmemory_mb is not None else maxmemory_for(bound, settings.margin)
+    )
+    for name, value in sorted(bound.terms.items(), key=lambda kv: -kv[1]):
+        print(f"{name:<22} {value / MIB:12.2f} MiB")
+    print(
+        f"{'total':<22} {bound.total / MIB:12.2f} MiB; maxmemory of an embedded redis-server: {maxmemory / MIB:.0f} MiB"
+    )
+    print(json.dumps({"bound_bytes": bound.total, "maxmemory_bytes": maxmemory, "terms": bound.terms,
+                      "sizes": asdict(bound.sizes), "shape": shape_dict(bound.shape)}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -53,7 +53,7 @@ class RedisMemoryConfig(BaseConfig):
     """Bytes of a dataset row's label and other fields, which travel with every sample as metadata."""
     image_bytes: int = Field(0, ge=0)
     """Bytes of the images of one prompt (vision-language runs; 0: none)."""
-    min_step_s: float = Field(1.0, gt=0)
+    min_step_s: float = Field(0.25, gt=0)
     """The shortest learner step expected (s): consumed entries waiting to be trimmed are this many
     steps' worth."""
     dead_letters: int = Field(256, ge=0)
