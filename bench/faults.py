@@ -9,7 +9,7 @@ The lost-reply rows (tests/faults/test_lost_replies.py) run every service throug
 JSON's ``write_points`` lists, per service, every kind of write seen through it and how many times
 its reply was lost in the rows (0: a write point no row covered).
 
-Usage: python bench/faults.py [-k EXPR]. pytest's output (with the table) goes to stdout; the last
+Usage: python bench/faults.py [-k EXPR] [--each-kind]. pytest's output (with the table) goes to stdout; the last
 line is one JSON object: the file written, pass/fail counts and wall time. Each scenario's folder
 (service logs, the redis AOF) is kept under the ``logs`` folder named in the JSON.
 """
@@ -51,6 +51,11 @@ def write_points(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-k", default="", help="only the scenarios matching this pytest -k expression")
+    parser.add_argument(
+        "--each-kind",
+        action="store_true",
+        help="also one lost-reply row per write point of tests/faults/write_points.json (~80 runs)",
+    )
     args = parser.parse_args()
     now = datetime.now(timezone.utc)
     logs = Path(tempfile.gettempdir()) / f"streamrl-faults-{now:%Y%m%d-%H%M%S}"
@@ -59,7 +64,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows_path = Path(tmp) / "rows.json"
         started = time.monotonic()
-        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, ROWS_ENV: str(rows_path)}, check=False)
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, ROWS_ENV: str(rows_path), **({"FAULTS_EACH_KIND": "1"} if args.each_kind else {})},
+            check=False,
+        )
         wall_s = round(time.monotonic() - started, 1)
         rows = json.loads(rows_path.read_text()) if rows_path.exists() else []
     result = {

@@ -90,8 +90,13 @@ def _sample(run: FaultRun, client: syncredis.Redis) -> dict[str, Any] | None:
         *lengths, keys = pipe.execute()
     except (syncredis.ConnectionError, syncredis.TimeoutError):
         return None
-    return {"t": round(time.time(), 2), "used_memory": int(mem["used_memory"]), "keys": int(keys),
-            "version": run.version(), "stream_lengths": lengths}  # fmt: skip
+    return {
+        "t": round(time.time(), 2),
+        "used_memory": int(mem["used_memory"]),
+        "keys": int(keys),
+        "version": run.version(),
+        "stream_lengths": lengths,
+    }
 
 
 def _sampler(run: FaultRun, every_s: float, out: list[dict[str, Any]], stop: threading.Event) -> None:
@@ -151,8 +156,15 @@ def _plot(samples: list[dict[str, Any]], kills: list[Kill], bound: int | None, t
     for service in SERVICES:
         at = [(k.at - t0) / 60 for k in kills if k.service == service]
         if at:
-            ax.vlines(at, 0, 1, transform=ax.get_xaxis_transform(), colors=colors[service], alpha=0.5,
-                      label=f"SIGKILL {service}")  # fmt: skip
+            ax.vlines(
+                at,
+                0,
+                1,
+                transform=ax.get_xaxis_transform(),
+                colors=colors[service],
+                alpha=0.5,
+                label=f"SIGKILL {service}",
+            )
     ax.set_xlabel("minutes")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)

@@ -141,8 +141,13 @@ class FaultProxy:
 
     def lost_by_kind(self, service: str | None = None) -> dict[str, int]:
         with self._lock:
-            return dict(Counter(f"{r.service}: {r.kind}" if service is None else r.kind
-                                for r in self.lost if service is None or r.service == service))  # fmt: skip
+            return dict(
+                Counter(
+                    f"{r.service}: {r.kind}" if service is None else r.kind
+                    for r in self.lost
+                    if service is None or r.service == service
+                )
+            )
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -152,8 +152,12 @@ class ScriptNames:
                     if isinstance(node, ast.Assign) and len(node.targets) == 1:
                         target = node.targets[0]
                         value = node.value
-                        if (isinstance(target, ast.Name) and target.id.endswith("_LUA")
-                                and isinstance(value, ast.Constant) and isinstance(value.value, str)):  # fmt: skip
+                        if (
+                            isinstance(target, ast.Name)
+                            and target.id.endswith("_LUA")
+                            and isinstance(value, ast.Constant)
+                            and isinstance(value.value, str)
+                        ):
                             out.names[_sha(value.value.encode())] = f"{path.stem}.{target.id}"
         return out
 

@@ -33,9 +33,18 @@ EMPTY = Tensor(dtype="int32", shape=[0], data=b"")
 
 def _slim_trajectory(t: Trajectory) -> Trajectory:
     return msgspec.structs.replace(
-        t, prompt_ids=EMPTY, response_ids=EMPTY, logprobs=EMPTY, loss_mask=EMPTY, prompt_text="", response_text="",
-        metadata={}, timings={}, turns=[], images=[],
-    )  # fmt: skip
+        t,
+        prompt_ids=EMPTY,
+        response_ids=EMPTY,
+        logprobs=EMPTY,
+        loss_mask=EMPTY,
+        prompt_text="",
+        response_text="",
+        metadata={},
+        timings={},
+        turns=[],
+        images=[],
+    )
 
 
 def _slim_scored(s: ScoredTrajectory) -> ScoredTrajectory:

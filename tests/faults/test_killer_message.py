@@ -54,9 +54,13 @@ def test_a_message_that_kills_its_consumer(fault_run: MakeRun, tiny_task: Path, 
     killers.write_text(json.loads(rows[KILLER_PROMPT])["prompt"] + "\n")
     group = f"p{KILLER_PROMPT}"
     scorer = {"name": "arithmetic", "type": "function", "path": str(REWARD_FILE)}
-    overrides = [f"--total_steps={TOTAL_STEPS}", "--coordinator.dataset.shuffle=false",
-                 f"--consumer.max_deliveries={MAX_DELIVERIES}", f"--consumer.claim_idle_ms={CLAIM_IDLE_MS}",
-                 f"--reward.scorers={json.dumps([scorer])}"]  # fmt: skip
+    overrides = [
+        f"--total_steps={TOTAL_STEPS}",
+        "--coordinator.dataset.shuffle=false",
+        f"--consumer.max_deliveries={MAX_DELIVERIES}",
+        f"--consumer.claim_idle_ms={CLAIM_IDLE_MS}",
+        f"--reward.scorers={json.dumps([scorer])}",
+    ]
     run: FaultRun = fault_run("killer-message", overrides, env={FILE_ENV: str(killers)}).start()
     run.wait_until(f"a dead letter of {group}'s trajectories", lambda: bool(_killer_letters(run, group)), 180)
     dead_at = min(letter.ts for letter in _killer_letters(run, group))
@@ -74,5 +78,13 @@ def test_a_message_that_kills_its_consumer(fault_run: MakeRun, tiny_task: Path, 
             )
         return failures
 
-    conclude(run, "message SIGKILLs its consumer (reward)", total_steps=TOTAL_STEPS, fault_end=dead_at,
-             recovery_bound_s=RECOVERY_BOUND_S, allowed_exits=("reward",), checks=checks, run_timeout_s=240)  # fmt: skip
+    conclude(
+        run,
+        "message SIGKILLs its consumer (reward)",
+        total_steps=TOTAL_STEPS,
+        fault_end=dead_at,
+        recovery_bound_s=RECOVERY_BOUND_S,
+        allowed_exits=("reward",),
+        checks=checks,
+        run_timeout_s=240,
+    )

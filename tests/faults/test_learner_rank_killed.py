@@ -31,5 +31,12 @@ def test_follower_rank_killed_mid_step(fault_run: MakeRun) -> None:
     pid = run.kill_rank("learner-0", 1)
     killed = time.time()
     run.details.update(killed_pid=pid, killed_at_version=run.version())
-    conclude(run, "SIGKILL learner rank 1 of 2 mid-step", total_steps=TOTAL_STEPS, fault_end=killed,
-             recovery_bound_s=RECOVERY_BOUND_S, allowed_exits=("learner",), run_timeout_s=300)  # fmt: skip
+    conclude(
+        run,
+        "SIGKILL learner rank 1 of 2 mid-step",
+        total_steps=TOTAL_STEPS,
+        fault_end=killed,
+        recovery_bound_s=RECOVERY_BOUND_S,
+        allowed_exits=("learner",),
+        run_timeout_s=300,
+    )

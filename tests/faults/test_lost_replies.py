@@ -12,13 +12,19 @@ idempotent runs twice (a duplicated batch, a counter moved twice, a lease the ho
   (``lost_replies``) and those seen but never lost (``writes_not_lost``, one-off writes made while
   the previous loss was still recent).
 
+* ``test_lost_reply_of_one_kind[service:kind]`` (off CI, ``FAULTS_EACH_KIND=1``; ``bench/faults.py
+  --each-kind``): one run per write point of tests/faults/write_points.json, its reply lost twice.
+
 Each run must end as a clean one: everything issued trained or dropped with a reason, nothing lost,
 nothing trained twice, nothing pending, every step reached, no service exit.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 from harness import SERVICES, FaultRun, MakeRun
@@ -51,8 +57,14 @@ def test_write_points(fault_run: MakeRun) -> None:
         seen = proxy.writes_by_service()
         return [f"no write of {s} went through the proxy" for s in SERVICES if not seen.get(s)]
 
-    conclude(run, "proxy, no fault (write points)", total_steps=TOTAL_STEPS, fault_end=None, recovery_bound_s=None,
-             checks=checks)  # fmt: skip
+    conclude(
+        run,
+        "proxy, no fault (write points)",
+        total_steps=TOTAL_STEPS,
+        fault_end=None,
+        recovery_bound_s=None,
+        checks=checks,
+    )
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -73,5 +85,51 @@ def test_lost_reply(service: str, fault_run: MakeRun) -> None:
     run.wait_version(TOTAL_STEPS - LAST_STEPS_CLEAN, timeout_s=240)
     proxy.set_policy(None)
     last_loss = max((r.at for r in proxy.lost), default=None)
-    conclude(run, f"lost reply: {service} writes", total_steps=TOTAL_STEPS, fault_end=last_loss,
-             recovery_bound_s=RECOVERY_BOUND_S if last_loss else None, checks=checks)  # fmt: skip
+    conclude(
+        run,
+        f"lost reply: {service} writes",
+        total_steps=TOTAL_STEPS,
+        fault_end=last_loss,
+        recovery_bound_s=RECOVERY_BOUND_S if last_loss else None,
+        checks=checks,
+    )
+
+
+EACH_KIND_ENV = "FAULTS_EACH_KIND"
+"""Set to 1 to run one row per (service, kind of write) (off CI: ~80 runs): ``bench/faults.py --each-kind``."""
+SHUTDOWN_KINDS = ("DEL hb:", "SREM instances", "EVAL lease.RELEASE_LUA")
+"""Writes a service makes only as it stops: their replies are lost up to the end of the run."""
+WRITE_POINTS = Path(__file__).with_name("write_points.json")
+"""Every kind of write each service made in a run through the proxy (``test_write_points``'s list, kept
+here so the rows can be named before a run)."""
+
+
+def _kinds() -> list[tuple[str, str]]:
+    points = json.loads(WRITE_POINTS.read_text()) if WRITE_POINTS.exists() else {}
+    return [(service, kind) for service, kinds in sorted(points.items()) for kind in kinds]
+
+
+@pytest.mark.skipif(os.environ.get(EACH_KIND_ENV) != "1", reason=f"one row per write point: {EACH_KIND_ENV}=1")
+@pytest.mark.parametrize(("service", "kind"), _kinds(), ids=[f"{s}:{k}" for s, k in _kinds()])
+def test_lost_reply_of_one_kind(service: str, kind: str, fault_run: MakeRun) -> None:
+    run: FaultRun = fault_run(f"lost-{service}-{re.sub(r'[^A-Za-z0-9]+', '-', kind)[:40]}", OVERRIDES)
+    proxy = run.use_proxy()
+    proxy.set_policy(LoseEachKind(service, gap_s=GAP_S, times=2, only=(kind,)))
+    run.start()
+    at_shutdown = kind.startswith(SHUTDOWN_KINDS)
+    if not at_shutdown:
+        run.wait_version(TOTAL_STEPS - LAST_STEPS_CLEAN, timeout_s=240)
+        proxy.set_policy(None)
+    last_loss = max((r.at for r in proxy.lost), default=None)
+
+    def checks() -> list[str]:
+        return [] if proxy.lost else [f"no reply of {service}'s {kind} was lost (not made before the end)"]
+
+    conclude(
+        run,
+        f"lost reply: {service} {kind}",
+        total_steps=TOTAL_STEPS,
+        fault_end=last_loss,
+        recovery_bound_s=RECOVERY_BOUND_S if last_loss and not at_shutdown else None,
+        checks=checks,
+    )

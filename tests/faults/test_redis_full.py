@@ -65,5 +65,11 @@ def test_redis_at_maxmemory(fault_run: MakeRun) -> None:
     def checks() -> list[str]:
         return [] if refused > 0 else ["no service write was refused while redis was full: the scenario did nothing"]
 
-    conclude(run, f"redis at maxmemory (noeviction) for {FULL_S:g} s", total_steps=TOTAL_STEPS, fault_end=freed,
-             recovery_bound_s=RECOVERY_BOUND_S, checks=checks)  # fmt: skip
+    conclude(
+        run,
+        f"redis at maxmemory (noeviction) for {FULL_S:g} s",
+        total_steps=TOTAL_STEPS,
+        fault_end=freed,
+        recovery_bound_s=RECOVERY_BOUND_S,
+        checks=checks,
+    )

@@ -20,9 +20,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_next_frame_finds_the_end_of_each_resp_type() -> None:
-    cases = [b"+OK\r\n", b"-ERR x\r\n", b":12\r\n", b"$3\r\nabc\r\n", b"$-1\r\n", b"*-1\r\n",
-             b"*2\r\n$1\r\na\r\n*1\r\n:1\r\n", b"%1\r\n+k\r\n:2\r\n", b"_\r\n", b",1.5\r\n",
-             b"|1\r\n+a\r\n+b\r\n:7\r\n"]  # fmt: skip
+    cases = [
+        b"+OK\r\n",
+        b"-ERR x\r\n",
+        b":12\r\n",
+        b"$3\r\nabc\r\n",
+        b"$-1\r\n",
+        b"*-1\r\n",
+        b"*2\r\n$1\r\na\r\n*1\r\n:1\r\n",
+        b"%1\r\n+k\r\n:2\r\n",
+        b"_\r\n",
+        b",1.5\r\n",
+        b"|1\r\n+a\r\n+b\r\n:7\r\n",
+    ]
     for frame in cases:
         assert next_frame(frame + b"+next\r\n") == len(frame), frame
         assert next_frame(frame[:-1]) is None, frame

@@ -71,7 +71,13 @@ def test_slow_coordinator_start_with_a_standby(fault_run: MakeRun, tiny_task: Pa
             run.details["dataset_reads"] = slow.reads
             return [] if slow.reads else ["no coordinator read the slow dataset"]
 
-        conclude(run, f"coordinator start slower than its lease ({SLOW_S:g} s) + standby", total_steps=TOTAL_STEPS,
-                 fault_end=None, recovery_bound_s=None, checks=checks)  # fmt: skip
+        conclude(
+            run,
+            f"coordinator start slower than its lease ({SLOW_S:g} s) + standby",
+            total_steps=TOTAL_STEPS,
+            fault_end=None,
+            recovery_bound_s=None,
+            checks=checks,
+        )
     finally:
         slow.close()

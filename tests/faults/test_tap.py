@@ -17,10 +17,17 @@ from streamrl.common.streams import StreamNames
 
 
 def _trajectory(i: int) -> Trajectory:
-    return Trajectory(id=f"p{i}/0", group_id=f"p{i}", group_index=0, group_size=1,
-                      prompt_ids=Tensor.from_list([1, 2, 3], "int32"), response_ids=Tensor.from_list([4] * 50, "int32"),
-                      logprobs=Tensor.from_list([-0.5] * 50, "float32"), loss_mask=Tensor.from_list([1] * 50, "uint8"),
-                      response_text="x" * 100)  # fmt: skip
+    return Trajectory(
+        id=f"p{i}/0",
+        group_id=f"p{i}",
+        group_index=0,
+        group_size=1,
+        prompt_ids=Tensor.from_list([1, 2, 3], "int32"),
+        response_ids=Tensor.from_list([4] * 50, "int32"),
+        logprobs=Tensor.from_list([-0.5] * 50, "float32"),
+        loss_mask=Tensor.from_list([1] * 50, "uint8"),
+        response_text="x" * 100,
+    )
 
 
 @pytest.fixture
