@@ -124,3 +124,20 @@ def test_the_generator_check_mode_reports_a_stale_page(tmp_path: Path, capsys: p
     assert generator.main(["--check"]) == 1
     assert "python scripts/gen_config_docs.py" in capsys.readouterr().err
     assert generator.main([]) == 0 and generator.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "model"),
+    [
+        ("streamrl.learner.offline.cli:sft_main", "SFTConfig"),
+        ("streamrl.learner.offline.cli:rm_main", "RMConfig"),
+        ("streamrl.learner.offline.cli:dpo_main", "DPOConfig"),
+        ("streamrl.reward.serve_rm:serve_rm_main", "ServeRmConfig"),
+    ],
+)
+def test_offline_and_serve_rm_help_list_every_field(entry: str, model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module, _, func = entry.partition(":")
+    assert getattr(importlib.import_module(module), func)(["--help"]) == 0
+    out = capsys.readouterr().out
+    missing = [row.path for row in field_docs(getattr(_generator(), model)) if f"  {row.path}  ({row.type})" not in out]
+    assert not missing, f"{entry} --help does not list {missing}"

@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from streamrl.common.config import apply_overrides, validate
+from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.errors import ConfigError
 from streamrl.common.redact import redact
 from streamrl.reward.batcher import MicroBatcher
@@ -136,10 +137,7 @@ async def serve(config: ServeRmConfig, token: str) -> None:
 def serve_rm_main(argv: list[str]) -> int:
     """Entry point of ``streamrl serve-rm --field=value ...``; returns the exit code."""
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        for name, field in ServeRmConfig.model_fields.items():
-            default = "(required)" if field.is_required() else f"(default {field.default})"
-            print(f"  --{name}=...  {default}\n      {field.description or ''}")
+        print(f"{__doc__}\nconfig fields (--field=value):\n{config_help(field_docs(ServeRmConfig))}")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -14,9 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
-
 from streamrl.common.config import load_config, save_resolved
+from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.errors import ConfigError
 from streamrl.common.redact import redact
 from streamrl.learner.offline.config import DPOConfig, RMConfig, SFTConfig
@@ -24,23 +23,10 @@ from streamrl.learner.offline.config import DPOConfig, RMConfig, SFTConfig
 C = TypeVar("C", SFTConfig, RMConfig, DPOConfig)
 
 
-def describe(cls: type[BaseModel], prefix: str = "") -> list[str]:
-    """One line per field, ``section.field (default): docstring``, recursing into sections."""
-    lines = []
-    for name, info in cls.model_fields.items():
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            lines += describe(annotation, f"{prefix}{name}.")
-            continue
-        default = "required" if info.is_required() else repr(info.default)
-        lines.append(f"  --{prefix}{name} ({default}): {info.description or ''}")
-    return lines
-
-
 def _main(argv: list[str], cls: type[C], job: str, runner: str) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: streamrl {job} RECIPE.toml [--section.field=value ...]\n\nfields:")
-        print("\n".join(describe(cls)))
+        print(f"usage: streamrl {job} RECIPE.toml [--section.field=value ...]\n\nconfig fields (all commands: docs/configuration.md):")
+        print(config_help(field_docs(cls)))
         return 0 if argv else 2
     try:
         cfg = load_config(cls, argv[0], argv[1:])
