@@ -141,3 +141,15 @@ def test_offline_and_serve_rm_help_list_every_field(entry: str, model: str, caps
     out = capsys.readouterr().out
     missing = [row.path for row in field_docs(getattr(_generator(), model)) if f"  {row.path}  ({row.type})" not in out]
     assert not missing, f"{entry} --help does not list {missing}"
+
+
+def test_up_help_lists_every_up_and_autoscale_field(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrl.common.launcher import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    rows = [row for row in field_docs(_generator().LaunchRecipe) if row.path.split(".", 1)[0] in ("up", "autoscale")]
+    missing = [row.path for row in rows if f"  {row.path}  ({row.type})" not in out]
+    assert rows and not missing, f"streamrl up --help does not list {missing}"

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: streamrl <command> [args...]\n\ncommands:")
         for name in sorted(available):
             print(f"  {name}")
+        print("\n`streamrl <command> --help` lists its options and every config field; all: docs/configuration.md")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "up" and "--dry-run" in rest:

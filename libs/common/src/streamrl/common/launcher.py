@@ -45,6 +45,7 @@ import redis as syncredis
 
 from streamrl.common.autoscale import Autoscaler
 from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
+from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.health import live_heartbeats
 from streamrl.common.memory_budget import (
     MIB,
@@ -460,7 +461,14 @@ class Launcher:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="streamrl up", description="Run a streamrl job (local processes or Ray).")
+    rows = [row for row in field_docs(LaunchRecipe) if row.path.split(".", 1)[0] in ("up", "autoscale")]
+    epilog = f"config fields ([up] and [autoscale] tables; --up.FIELD=VALUE):\n\n{config_help(rows)}"
+    parser = argparse.ArgumentParser(
+        prog="streamrl up",
+        description="Run a streamrl job (local processes or Ray).",
+        epilog=epilog if {"-h", "--help"} & set(argv) else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("recipe")
     args, overrides = parser.parse_known_args(argv)
     try:
