@@ -147,3 +147,9 @@ def test_links_between_the_docs_land_on_a_page_and_a_heading() -> None:
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
                 problems.append(f"{page.relative_to(ROOT)}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_readme_docs_index_lists_every_page() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [page.name for page in sorted(DOCS.glob("*.md")) if f"](docs/{page.name})" not in readme]
+    assert not missing, f"README.md's Documentation table does not list: {missing}"
