@@ -1,9 +1,15 @@
-"""``streamrl reward RECIPE [--reward.field=value ...]``: run one reward worker."""
+"""``streamrl reward RECIPE [--reward.field=value ...]``: run one reward worker.
+
+It exits with status 1 when a scorer can score nothing more (a sync reward function whose threads
+all hang: :mod:`streamrl.reward.threads`), leaving what it held pending for its restart.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
+from streamrl.common.aio import cancel_and_wait
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.lifecycle import ServiceConfig, ServiceContext, service_main
 from streamrl.common.messages import Trajectory
@@ -26,10 +32,20 @@ async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
     )  # fmt: skip
     ctx.loops.append(loop)
     ctx.mark_running()
+
+    async def stop_when_failed() -> None:
+        await service.failed.wait()
+        ctx.stop.set()
+        await service.close()  # the calls still waiting are cancelled: their entries stay pending
+
+    watcher = asyncio.create_task(stop_when_failed())
     try:
         await loop.run(ctx.stop, burst=ctx.burst)
     finally:
+        await cancel_and_wait([watcher])
         await service.close()
+    if service.failure is not None:
+        raise RuntimeError(f"the reward worker stopped: {service.failure}")
 
 
 def main(argv: list[str] | None = None) -> int:

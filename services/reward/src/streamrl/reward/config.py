@@ -32,7 +32,12 @@ class FunctionScorerConfig(_ScorerBase):
     path: str = Field(min_length=1)
     """``/path/to/file.py`` or ``pkg.module``, optionally ``:func_name`` (default ``reward_func``)."""
     timeout_s: float = Field(300.0, gt=0)
-    """A call that takes longer fails (s). A sync function keeps running in its thread."""
+    """A call that takes longer fails (s), counted from when it starts running. A sync function keeps
+    running in its thread; a sample whose call alone timed out is not started again while that call
+    runs (its deliveries fail at once, then it is dead-lettered)."""
+    max_threads: int = Field(8, ge=1)
+    """Threads a sync function runs on at once, the scorer's own. When every one is held by a call past
+    ``timeout_s`` the reward worker exits with status 1 for its orchestrator to restart it."""
 
 
 class HttpScorerConfig(_ScorerBase):

@@ -26,6 +26,11 @@ earlier deliveries that failed, and of a batch that failed before it was scored 
 On stop, ``close`` cancels the calls still waiting for scores: their entries stay pending for the
 next consumer; they never fail with a reason that only says the service was stopping.
 
+A scorer that can score nothing more - a synchronous reward function whose threads are all held by
+calls that timed out (:mod:`streamrl.reward.threads`) - sets ``failure`` and ``failed``: the worker
+(``__main__``) then stops, leaves what it holds pending and exits non-zero, to be restarted, rather
+than heartbeat while scoring nothing.
+
 Observability: each delivery of a trajectory is one ``reward.score`` span under the trajectory's
 traceparent (a redelivery's span is a sibling, ``streamrl.attempt`` tells them apart); it carries the
 provenance, the reward, the retries (``reward/attempts`` - 1) and ``reward_latency_ms``, and is
@@ -37,6 +42,7 @@ Prometheus metrics by scorer name: its latency, the backend calls it retried, wh
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -51,6 +57,8 @@ from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.combine import CombinedScore, WeightedResult, combine
 from streamrl.reward.config import RewardConfig
 from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_scorer
+
+logger = logging.getLogger(__name__)
 
 MAX_TRACKED_FAILURES = 100_000
 """Trajectories whose failed attempts are remembered for ``reward/attempts`` (the oldest are forgotten:
@@ -91,7 +99,13 @@ class RewardService:
         self._names = names
         self._tracing = tracing
         self._metrics = metrics
-        self._scorers = list(scorers) if scorers is not None else [build_scorer(c) for c in config.scorers]
+        self.failure: str | None = None
+        """Why a scorer can score nothing more (the worker must be restarted); None while all can."""
+        self.failed = asyncio.Event()
+        """Set with ``failure``."""
+        self._scorers = (
+            list(scorers) if scorers is not None else [build_scorer(c, on_exhausted=self._fail) for c in config.scorers]
+        )
         self._weights = {c.name: c.weight for c in config.scorers}
         if sorted(s.name for s in self._scorers) != sorted(self._weights):
             raise ValueError(
@@ -109,6 +123,7 @@ class RewardService:
         self._num_scored = 0
         self._num_failed = 0
         self._num_retried = 0
+        self._closed = False
         self._failed_attempts: dict[str, int] = {}
         """Trajectory id -> backend calls of its failed attempts so far (popped when it is scored)."""
 
@@ -175,6 +190,12 @@ class RewardService:
         while len(self._failed_attempts) > MAX_TRACKED_FAILURES:
             del self._failed_attempts[next(iter(self._failed_attempts))]
 
+    def _fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            logger.error("scoring cannot go on: %s; stopping (restart the worker)", reason)
+            self.failed.set()
+
     def metrics(self) -> dict[str, float]:
         """Counters: scorers' own (``reward/http/retries``, ...) summed by name, plus outcomes, batching
         and latency."""
@@ -192,6 +213,9 @@ class RewardService:
 
     async def close(self) -> None:
         """Cancel the calls still waiting for scores (their entries stay pending), then close the scorers."""
+        if self._closed:
+            return
+        self._closed = True
         await self._batcher.close()
         for scorer in self._scorers:
             await scorer.close()

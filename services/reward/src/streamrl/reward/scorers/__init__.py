@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from streamrl.reward.config import (
     FunctionScorerConfig,
     HttpScorerConfig,
@@ -24,10 +26,11 @@ __all__ = [
 ]
 
 
-def build_scorer(config: ScorerConfig) -> Scorer:
-    """Construct the scorer a config section describes (a model scorer loads its model here)."""
+def build_scorer(config: ScorerConfig, on_exhausted: Callable[[str], None] | None = None) -> Scorer:
+    """Construct the scorer a config section describes (a model scorer loads its model here).
+    ``on_exhausted``: told why when a function scorer's threads are all held by calls that timed out."""
     if isinstance(config, FunctionScorerConfig):
-        return FunctionScorer(config)
+        return FunctionScorer(config, on_exhausted=on_exhausted)
     if isinstance(config, HttpScorerConfig):
         return HttpScorer(config)
     if isinstance(config, ModelScorerConfig):
