@@ -500,3 +500,60 @@ def test_a_trimmed_entry_is_acknowledged_with_a_warning(redis_url: str, run_id: 
     assert client.xpending(names.prompts, "rollout")["pending"] == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(entry.decode() in w and "trimmed" in w for w in warned), warned
+
+
+def test_a_bad_dataset_row_is_skipped_named_and_counted(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
+                                                        write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A row with no prompt key and one whose chat template fails (the tiny tokenizer has none) are
+    skipped with one error line each; the coordinator issues the good rows and keeps running."""
+    data = tmp_path / "train.jsonl"
+    rows: list[dict[str, Any]] = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(20)]
+    rows[1] = {"question": "1+1=", "label": "2"}
+    rows[3] = {"prompt": [{"role": "user", "content": "3+1="}], "label": "4"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
+                             endpoint="tcp://127.0.0.1:1")  # fmt: skip
+    client.xadd(names.weights, {b"d": encode(ready)})
+    proc = start(recipe, run_id, f"--coordinator.dataset.path={data}", "--coordinator.dataset.shuffle=false")
+    try:
+        wait_for(lambda: client.xlen(names.prompts) >= 8 or proc.poll() is not None, 120, "the first prompts")
+        time.sleep(1.0)
+        assert proc.poll() is None, Path(proc.log_path).read_text()[-3000:]  # type: ignore[attr-defined]
+        issued = prompts(client, names)
+        assert [p.prompt_text for p in issued[:4]] == ["0+1=", "2+1=", "4+1=", "5+1="]
+        assert client.get(names.state("cursor")) == b"10" and len(issued) == 8
+        progress = {k.decode(): v.decode() for k, v in client.hgetall(names.state("progress")).items()}
+        assert progress.get("prompts_bad") == "2", progress
+    finally:
+        out = stop(proc)
+    errors = [line for line in out.splitlines() if " ERROR " in line and f"dataset {data}" in line]
+    assert len(errors) == 2, out[-3000:]
+    assert "row 1: " in errors[0] and "'prompt'" in errors[0]
+    assert "row 3: " in errors[1] and "chat template" in errors[1]
+
+
+def test_a_dataset_of_bad_rows_fails_at_start_with_one_clear_line(tiny_task: Path, tmp_path: Path, redis_url: str,
+                                                                  run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "label": str(i + 1)} for i in range(50)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
+                             endpoint="tcp://127.0.0.1:1")  # fmt: skip
+    client.xadd(names.weights, {b"d": encode(ready)})
+    proc = start(recipe, run_id, f"--coordinator.dataset.path={data}")
+    try:
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+    assert proc.returncode not in (0, None), out[-3000:]
+    assert f"dataset {data}: the first 32 rows are all bad" in out and "chat template" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert client.xlen(names.prompts) == 0

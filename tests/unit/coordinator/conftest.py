@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from streamrl.common.bus import connect
+from streamrl.common.bus import Bus, connect
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.state import RunState
 
@@ -21,7 +21,7 @@ def in_redis(redis_url: str, run_id: str) -> Callable[[Callable[[RunState], Awai
         async def main() -> Any:
             client = connect(redis_url)
             try:
-                return await scenario(RunState(client, StreamNames(run_id)))
+                return await scenario(RunState(Bus(client), StreamNames(run_id)))
             finally:
                 await client.aclose()
 

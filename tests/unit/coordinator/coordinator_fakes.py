@@ -28,6 +28,9 @@ class Prompts:
     def encode(self, index: int) -> Prompt:
         return Prompt(index=index, text=f"{index}+1=", ids=[1, 2, 3], label=str(index + 1), metadata={})
 
+    def warm(self, indices: range) -> None:
+        pass
+
 
 def sample(group: str, index: int, score: float = 1.0, *, version: int = 0, is_eval: bool = False,
            eval_version: int = 0, **scored: Any) -> ScoredTrajectory:  # fmt: skip

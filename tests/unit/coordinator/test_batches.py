@@ -7,7 +7,6 @@ import time
 
 from coordinator_fakes import sample, store
 
-from streamrl.common.bus import Bus
 from streamrl.common.codec import decode
 from streamrl.common.messages import TrainingBatch
 from streamrl.coordinator import state as st
@@ -18,10 +17,10 @@ from streamrl.coordinator.state import RunState
 
 async def ready_groups(groups: GroupBuffer, *wanted: tuple[str, int]) -> None:
     """Groups issued and complete (each of 2 samples generated at the given version)."""
-    pipe = groups.redis.pipeline(transaction=True)
+    tx = groups.state.tx()
     for group, version in wanted:
-        groups.queue_issue(pipe, group, version, time.time())
-    await pipe.execute()
+        groups.queue_issue(tx, group, version, time.time())
+    await tx.execute()
     for group, version in wanted:
         await store(groups.state, group, sample(group, 0, 1.0, version=version), sample(group, 1, 0.0, version=version))
     await groups.complete(None)
@@ -29,9 +28,7 @@ async def ready_groups(groups: GroupBuffer, *wanted: tuple[str, int]) -> None:
 
 def builder(state: RunState, max_staleness: int = 0) -> BatchBuilder:
     groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
-    return BatchBuilder(
-        state, Bus(state.redis), groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True
-    )
+    return BatchBuilder(state, groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True)
 
 
 async def batches(state: RunState) -> list[TrainingBatch]:

@@ -16,7 +16,6 @@ from coordinator_fakes import Prompts, config, sample, store
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from streamrl.common.bus import Bus
 from streamrl.common.codec import decode
 from streamrl.common.messages import PromptWorkItem
 from streamrl.coordinator import state as st
@@ -28,7 +27,7 @@ from streamrl.coordinator.state import RunState
 def rounds(state: RunState, run_dir: Path, num_prompts: int = 3) -> EvalRounds:
     cfg = config(eval={"dataset": {"path": "unused.jsonl", "tokenizer": "unused"}, "num_prompts": num_prompts,
                        "every_steps": 1})  # fmt: skip
-    return EvalRounds(cfg, state, Bus(state.redis), Prompts(), MetricsWriter(run_dir))  # type: ignore[arg-type]
+    return EvalRounds(cfg, state, Prompts(), MetricsWriter(run_dir))  # type: ignore[arg-type]
 
 
 async def eval_prompts(state: RunState, version: int) -> list[str]:

@@ -15,10 +15,10 @@ from streamrl.coordinator.state import RunState
 
 
 async def issue(groups: GroupBuffer, *wanted: tuple[str, int], issued_at: float | None = None) -> None:
-    pipe = groups.redis.pipeline(transaction=True)
+    tx = groups.state.tx()
     for group, version in wanted:
-        groups.queue_issue(pipe, group, version, time.time() if issued_at is None else issued_at)
-    await pipe.execute()
+        groups.queue_issue(tx, group, version, time.time() if issued_at is None else issued_at)
+    await tx.execute()
 
 
 async def members(state: RunState, name: str) -> set[str]:
@@ -68,9 +68,9 @@ def test_a_lost_group_owes_the_version_it_required(in_redis) -> None:  # type: i
         assert (counters[st.GROUPS_FILTERED], counters[st.GROUPS_DEAD], counters[st.GROUPS_TIMED_OUT]) == (1, 1, 0)
         for gone in ("same", "dead"):
             assert not await state.redis.exists(state.names.group_buffer(gone))
-        pipe = state.redis.pipeline(transaction=True)
-        groups.queue_repay(pipe, [1])
-        await pipe.execute()
+        tx = state.tx()
+        groups.queue_repay(tx, [1])
+        await tx.execute()
         assert await groups.owed() == [0]
 
     in_redis(scenario)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from coordinator_fakes import Prompts, config, sample, store
 
-from streamrl.common.bus import Bus
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import PromptWorkItem, WeightsPublished
 from streamrl.coordinator import state as st
@@ -18,7 +17,7 @@ from streamrl.coordinator.state import RunState
 def issuer(state: RunState, **fields: object) -> PromptIssuer:
     cfg = config(group_size=2, prompts_per_step=2, max_staleness=0, prefetch_steps=1, **fields)
     groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
-    return PromptIssuer(cfg, state, Bus(state.redis), groups, Prompts())  # type: ignore[arg-type]
+    return PromptIssuer(cfg, state, groups, Prompts())  # type: ignore[arg-type]
 
 
 async def issued(state: RunState) -> list[PromptWorkItem]:

@@ -16,7 +16,6 @@ from coordinator_fakes import Prompts, config, sample, store
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from streamrl.common.bus import Bus
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, TrainingBatch
 from streamrl.common.trace_schema import (
@@ -77,7 +76,7 @@ async def one_batch(
     group_size = len(arrivals)
     cfg = config(group_size=group_size, prompts_per_step=1, max_staleness=0, prefetch_steps=0, wait_for_learner=False)
     groups = GroupBuffer(state, group_size=group_size, dynamic_filtering=False)
-    issuer = PromptIssuer(cfg, state, Bus(state.redis), groups, Prompts(), tracing=coordinator)  # type: ignore[arg-type]
+    issuer = PromptIssuer(cfg, state, groups, Prompts(), tracing=coordinator)  # type: ignore[arg-type]
     assert await issuer.issue(version=0) == 1
     ((_, fields),) = await state.redis.xrange(state.names.prompts)
     item = decode(fields[b"d"], PromptWorkItem)
@@ -87,7 +86,7 @@ async def one_batch(
         note_arrival(received, arrived)  # what the scored handler does before the consumer stores it
         await store(state, item.id, received)
     await groups.complete(None)
-    builder = BatchBuilder(state, Bus(state.redis), groups, prompts_per_step=1, max_staleness=0, drop_stale=True,
+    builder = BatchBuilder(state, groups, prompts_per_step=1, max_staleness=0, drop_stale=True,
                            tracing=coordinator)  # fmt: skip
     (built,) = await builder.build(version=0)
     ((_, fields),) = await state.redis.xrange(state.names.batches)

@@ -45,7 +45,7 @@ async def follow(
     async def each(entries: list[tuple[str, Any]], last_id: str) -> str:
         for _, msg in entries:
             await handle(msg)
-        await state.redis.set(state.key(cursor_name), last_id)
+        await state.tx().set(state.key(cursor_name), last_id).execute()
         return last_id
 
     await StreamFollower(state.redis, stream, decode_entry, each, block_ms=BLOCK_MS).run(cursor, stop)

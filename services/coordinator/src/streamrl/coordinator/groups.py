@@ -12,9 +12,9 @@ A group (the ``group_size`` samples answering one prompt) moves through::
 A group that leaves without reaching ``ready`` (filtered or failed) pushes the version it required
 onto ``owed_versions``, and its replacement takes that version (``admission.py`` says why). Every
 transition out of ``inflight`` is one server-side script that first removes the group from it, so
-it happens once even when two paths race (a dead letter and a timeout). Samples that arrive for a
-group neither in flight nor ready (the other members of a failed group) are deleted and counted,
-never left in Redis.
+it happens once even when two paths race (a dead letter and a timeout), and the script is fenced and
+run once against a re-send (``scripts.py``). Samples that arrive for a group neither in flight nor
+ready (the other members of a failed group) are deleted and counted, never left in Redis.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from redis.asyncio.client import Pipeline
-
 from streamrl.common.codec import decode
 from streamrl.common.messages import ScoredTrajectory
+from streamrl.common.tx import Tx
 from streamrl.coordinator import state as st
 from streamrl.coordinator.filtering import has_spread
+from streamrl.coordinator.scripts import FencedScript
 from streamrl.coordinator.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -100,17 +100,17 @@ class GroupBuffer:
         self.redis = state.redis
         self.group_size = group_size
         self.dynamic_filtering = dynamic_filtering
-        self._leave = self.redis.register_script(LEAVE_LUA)
-        self._drop_late = self.redis.register_script(DROP_LATE_LUA)
+        self._leave = FencedScript(state.bus, LEAVE_LUA)
+        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA)
 
     def buffer(self, group: str) -> str:
         return self.state.names.group_buffer(group)
 
     # -- issue -----------------------------------------------------------------------------------
-    def queue_issue(self, pipe: Pipeline, group: str, required_version: int, issued_at: float) -> None:
-        """Add to ``pipe`` (the transaction that XADDs the prompt): ``group`` is in flight."""
-        pipe.sadd(self.state.key(st.INFLIGHT), group)
-        pipe.hset(self.state.key(st.INFLIGHT_INFO), group, InFlight(required_version, issued_at).encode())
+    def queue_issue(self, tx: Tx, group: str, required_version: int, issued_at: float) -> None:
+        """Add to ``tx`` (the transaction that XADDs the prompt): ``group`` is in flight."""
+        tx.sadd(self.state.key(st.INFLIGHT), group)
+        tx.hset(self.state.key(st.INFLIGHT_INFO), group, InFlight(required_version, issued_at).encode())
 
     async def in_flight(self) -> int:
         return int(await self.redis.scard(self.state.key(st.INFLIGHT)))
@@ -119,10 +119,10 @@ class GroupBuffer:
         """Versions owed to replacements (the required versions of lost groups)."""
         return [int(v) for v in await self.redis.lrange(self.state.key(st.OWED_VERSIONS), 0, -1)]
 
-    def queue_repay(self, pipe: Pipeline, versions: Iterable[int]) -> None:
-        """Add to ``pipe``: these owed versions were given to replacements."""
+    def queue_repay(self, tx: Tx, versions: Iterable[int]) -> None:
+        """Add to ``tx``: these owed versions were given to replacements."""
         for v in versions:
-            pipe.lrem(self.state.key(st.OWED_VERSIONS), 1, v)
+            tx.lrem(self.state.key(st.OWED_VERSIONS), 1, v)
 
     async def adopt_untracked(self, version: int, now: float) -> int:
         """Record groups in flight with no ``inflight_info`` (issued by an older coordinator) as
@@ -130,9 +130,11 @@ class GroupBuffer:
         is too stale at batching and replaced again); one too high could deadlock."""
         groups = {g.decode() for g in await self.redis.smembers(self.state.key(st.INFLIGHT))}
         known = {g.decode() for g in await self.redis.hkeys(self.state.key(st.INFLIGHT_INFO))}
-        for group in groups - known:
-            await self.redis.hsetnx(self.state.key(st.INFLIGHT_INFO), group, InFlight(version, now).encode())
         if groups - known:
+            tx = self.state.tx()
+            for group in groups - known:
+                tx.call("HSETNX", self.state.key(st.INFLIGHT_INFO), group, InFlight(version, now).encode())
+            await tx.execute()
             logger.info("recorded %d in-flight groups of an older coordinator as requiring version %d",
                         len(groups - known), version)  # fmt: skip
         return len(groups - known)
@@ -165,9 +167,10 @@ class GroupBuffer:
         pipe = self.redis.pipeline(transaction=False)
         for group in complete:
             keep = has_spread([s.score for s in members[group]]) if self.dynamic_filtering else True
-            await self._leave(self._leave_keys(group, st.GROUPS_FILTERED), [group, "ready" if keep else "drop"],
-                              client=pipe)  # fmt: skip
-        await pipe.execute()
+            await self._leave.queue(
+                pipe, self._leave_keys(group, st.GROUPS_FILTERED), [group, "ready" if keep else "drop"]
+            )
+        await self._leave.replies(pipe)
 
     async def fail(self, group: str, counter: str) -> bool:
         """Fail an in-flight group (its buffer deleted, its version owed, ``counter`` incremented);
@@ -176,7 +179,7 @@ class GroupBuffer:
 
     async def version_published(self, version: int, at: float) -> None:
         """Note when ``version`` was first seen: the clock of the groups requiring it starts there."""
-        await self.redis.hsetnx(self.state.key(st.VERSION_SEEN_AT), str(version), f"{at:.3f}")
+        await self.state.tx().call("HSETNX", self.state.key(st.VERSION_SEEN_AT), str(version), f"{at:.3f}").execute()
 
     async def time_out(self, *, version: int, now: float, timeout_s: float) -> list[str]:
         """Fail the groups past ``timeout_s`` (one warning line each); returns them."""
@@ -202,8 +205,8 @@ class GroupBuffer:
         pipe = self.redis.pipeline(transaction=False)
         for group in groups:
             keys = [k(st.INFLIGHT), k(st.READY), self.buffer(group), k(st.LATE_SAMPLES_DROPPED)]
-            await self._drop_late(keys, [group], client=pipe)
-        counts = [int(n) for n in await pipe.execute()]
+            await self._drop_late.queue(pipe, keys, [group])
+        counts = await self._drop_late.replies(pipe)
         for group, n in zip(groups, counts, strict=True):
             if n:
                 logger.info("dropped %d late samples of group %s (no longer in flight)", n, group)
@@ -224,15 +227,15 @@ class GroupBuffer:
             out[group] = sorted(samples, key=lambda s: s.trajectory.group_index)
         return out
 
-    def queue_batched(self, pipe: Pipeline, groups: Iterable[str]) -> None:
-        """Add to ``pipe`` (the transaction that XADDs the batch): these ready groups are batched."""
+    def queue_batched(self, tx: Tx, groups: Iterable[str]) -> None:
+        """Add to ``tx`` (the transaction that XADDs the batch): these ready groups are batched."""
         for group in groups:
-            pipe.lrem(self.state.key(st.READY), 1, group)
-            pipe.delete(self.buffer(group))
+            tx.lrem(self.state.key(st.READY), 1, group)
+            tx.delete(self.buffer(group))
 
-    def queue_drop_ready(self, pipe: Pipeline, groups: list[str], owed_version: int) -> None:
-        """Add to ``pipe``: drop these ready groups; their replacements are owed ``owed_version``."""
-        self.queue_batched(pipe, groups)
-        pipe.decrby(self.state.key(st.ACCEPTED), len(groups))
+    def queue_drop_ready(self, tx: Tx, groups: list[str], owed_version: int) -> None:
+        """Add to ``tx``: drop these ready groups; their replacements are owed ``owed_version``."""
+        self.queue_batched(tx, groups)
+        tx.call("DECRBY", self.state.key(st.ACCEPTED), len(groups))
         for _ in groups:
-            pipe.rpush(self.state.key(st.OWED_VERSIONS), owed_version)
+            tx.rpush(self.state.key(st.OWED_VERSIONS), owed_version)

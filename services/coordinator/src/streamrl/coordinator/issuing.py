@@ -3,10 +3,18 @@ version it must be generated at.
 
 How many and at which version is the pure rule of ``admission.py``; replacements for lost groups take
 the versions they are owed first. Each prompt is XADDed in the same transaction that records its group
-in flight (with that version and the issue time) and advances the dataset cursor, so a restart never
-issues a prompt twice nor forgets one in flight. No prompt goes out before a learner has published its
+in flight (with that version and the issue time) and moves the dataset cursor from ``c`` to ``c + n``,
+on the precondition that the cursor is still ``c`` (compare-and-set); the group id comes from the
+cursor (``p{c + i}``). A restart never issues a prompt twice nor forgets one in flight, a re-send of
+the transaction after a lost reply runs it once (:mod:`streamrl.common.tx`), and a coordinator whose
+view is out of date writes nothing. No prompt goes out before a learner has published its
 weights (``coordinator.wait_for_learner``): samples generated while it loads would only grow stale.
 Each prompt starts its group's trace (``traces.py``): an issue span, ended once the prompt is out.
+
+A dataset row that cannot become a prompt (``prompts.BadRowError``) or one over ``redis.max_message_mb``
+is skipped: one line naming it, counted (``prompts_bad``, ``prompts_too_large``), and the cursor moves
+past it. A whole dataset's worth of bad rows in a row stops the coordinator with that error instead of
+skipping for ever.
 """
 
 from __future__ import annotations
@@ -14,16 +22,16 @@ from __future__ import annotations
 import logging
 import time
 
-from streamrl.common.bus import PAYLOAD_FIELD, Bus
 from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor
 from streamrl.common.trace_schema import GROUP_ID, ISSUE, POLICY_VERSION
 from streamrl.common.tracing import NULL_TRACING, Span, Tracing
+from streamrl.common.tx import PreconditionFailed
 from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import groups_admissible, new_group_versions
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.groups import GroupBuffer
-from streamrl.coordinator.prompts import PromptSource
+from streamrl.coordinator.prompts import BadRowError, PromptSource
 from streamrl.coordinator.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -33,12 +41,12 @@ class PromptIssuer:
     """Issues training prompts under admission control (see the module docstring)."""
 
     def __init__(
-        self, config: CoordinatorConfig, state: RunState, bus: Bus, groups: GroupBuffer, source: PromptSource,
+        self, config: CoordinatorConfig, state: RunState, groups: GroupBuffer, source: PromptSource,
         tracing: Tracing = NULL_TRACING,
     ) -> None:  # fmt: skip
         self.cfg = config
         self.state = state
-        self.bus = bus
+        self.bus = state.bus
         self.groups = groups
         self.source = source
         self.tracing = tracing
@@ -49,6 +57,8 @@ class PromptIssuer:
         )  # fmt: skip
         self.learner_ready = False
         self.said_waiting = False
+        self.bad_in_a_row = 0
+        """Dataset rows skipped as bad since the last good one."""
 
     async def _learner_is_ready(self, version: int) -> bool:
         """A learner has published weights (any version): it can train what the prompts produce."""
@@ -83,12 +93,20 @@ class PromptIssuer:
         versions = new_group_versions(budget, owed=owed, position=accepted + in_flight, version=version,
                                       max_staleness=cfg.max_staleness, prompts_per_step=cfg.prompts_per_step)  # fmt: skip
         num_owed = min(budget, len(owed))
-        cursor = await self.state.get_int(st.CURSOR)
-        pipe = self.state.redis.pipeline(transaction=True)
-        issued = too_large = 0
+        stored_cursor = await self.state.get_raw(st.CURSOR)
+        cursor = int(stored_cursor) if stored_cursor is not None else 0
+        tx = self.state.tx().require(self.state.key(st.CURSOR), equals=stored_cursor)
+        issued = too_large = bad = 0
         spans: list[Span] = []
         for i in range(budget):
-            prompt = self.source.get(cursor + i)
+            try:
+                prompt = self.source.get(cursor + i)
+            except BadRowError as e:
+                bad += 1
+                self._note_bad(e)
+                logger.error("skipping %s", e)
+                continue
+            self.bad_in_a_row = 0
             now = time.time()
             group, version = f"p{cursor + i}", versions[issued]
             span = self.tracing.span(ISSUE, attributes={GROUP_ID: group, POLICY_VERSION: version}, start_s=now)
@@ -106,13 +124,24 @@ class PromptIssuer:
                 span.end()
                 continue
             spans.append(span)
-            pipe.xadd(self.state.names.prompts, {PAYLOAD_FIELD: payload}, maxlen=self.bus.maxlen, approximate=True)
-            self.groups.queue_issue(pipe, item.id, item.policy_version, now)
+            tx.xadd_raw(self.state.names.prompts, payload)
+            self.groups.queue_issue(tx, item.id, item.policy_version, now)
             issued += 1
-        self.groups.queue_repay(pipe, versions[: min(issued, num_owed)])
-        pipe.incrby(self.state.key(st.CURSOR), budget)
-        pipe.incrby(self.state.key(st.PROMPTS_TOO_LARGE), too_large)
-        await pipe.execute()
+        self.groups.queue_repay(tx, versions[: min(issued, num_owed)])
+        tx.set(self.state.key(st.CURSOR), cursor + budget)
+        tx.incrby(self.state.key(st.PROMPTS_TOO_LARGE), too_large)
+        tx.incrby(self.state.key(st.PROMPTS_BAD), bad)
+        try:
+            await tx.execute()
+        except PreconditionFailed as e:
+            logger.warning("the dataset cursor moved under this coordinator (%s): nothing issued, reading it again", e)
+            issued = 0
         for span in spans:
             span.end()
         return issued
+
+    def _note_bad(self, error: BadRowError) -> None:
+        """Count a bad row; a dataset's worth of them in a row is a dataset that cannot feed the run."""
+        self.bad_in_a_row += 1
+        if self.bad_in_a_row >= len(self.source):
+            raise BadRowError(f"{len(self.source)} dataset rows in a row were bad, the last: {error}")

@@ -40,7 +40,11 @@ class Progress:
         self.fields["version"] = version
         shown = {k: str(v) for k, v in self.fields.items()}
         if shown != self.published:
-            await self.state.redis.hset(self.state.key(st.PROGRESS), mapping=shown)
+            await (
+                self.state.tx()
+                .call("HSET", self.state.key(st.PROGRESS), *(x for kv in shown.items() for x in kv))
+                .execute()
+            )
             self.published = shown
 
 

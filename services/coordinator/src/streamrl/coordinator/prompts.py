@@ -7,6 +7,12 @@ expands each into the image's tokens).
 The source is addressed by a cursor (an integer that only grows): prompt ``i`` is row
 ``order[i % N]`` of epoch ``i // N``, with a fresh seeded shuffle per epoch. The cursor lives in
 Redis, so a restarted coordinator continues with the same next prompt.
+
+A row that cannot become a prompt (its prompt key missing, an image missing or unreadable, a chat
+template that fails on it) raises :class:`BadRowError` naming the dataset, the row and the reason;
+the issuer skips it (``issuing.py``). Loading checks what would make every row bad: a prompt (or
+label) key no row has, and the first :data:`CHECKED_ROWS` rows all bad - a wrong key, template or
+tokenizer fails at start with one line instead of skipping its way through the whole dataset.
 """
 
 from __future__ import annotations
@@ -24,9 +30,15 @@ from streamrl.common.images import sniff_media_type
 from streamrl.common.messages import Image
 from streamrl.coordinator.config import DatasetConfig
 
+CHECKED_ROWS = 32
+"""Rows encoded at load: when all of them are bad the dataset is refused (see the module docstring)."""
 ENCODED_CACHE_SIZE = 65_536
 """Tokenized prompts kept per source: an evaluation set is issued every few steps and a small training
 set every epoch; tokenizing them again was ~10% of the coordinator's CPU."""
+
+
+class BadRowError(ConfigError):
+    """A dataset row that cannot become a prompt; the message names the dataset, the row and why."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +67,13 @@ def read_images(value: Any, folder: Path, where: str) -> tuple[Image, ...]:
         elif isinstance(item, str):
             path = folder / item
             if not path.is_file():
-                raise ConfigError(f"{where}: image {item!r} not found (looked for {path})")
+                raise BadRowError(f"{where}: image {item!r} not found (looked for {path})")
             data, name = path.read_bytes(), item
         else:
-            raise ConfigError(f"{where}: an image must be a path or {{'bytes': ...}}, got {type(item).__name__}")
+            raise BadRowError(f"{where}: an image must be a path or {{'bytes': ...}}, got {type(item).__name__}")
         kind = sniff_media_type(data)
         if kind is None:
-            raise ConfigError(f"{where}: image {name!r} is not PNG, JPEG, GIF, WebP or BMP")
+            raise BadRowError(f"{where}: image {name!r} is not PNG, JPEG, GIF, WebP or BMP")
         images.append(Image(media_type=kind, data=data))
     return tuple(images)
 
@@ -132,8 +144,9 @@ class PromptSource:
         if not rows:
             raise ConfigError(f"dataset {cfg.path} is empty")
         for key in (cfg.prompt_key, cfg.label_key):
-            if key is not None and key not in rows[0]:
-                raise ConfigError(f"dataset {cfg.path}: rows have no key {key!r} (keys: {sorted(rows[0])})")
+            if key is not None and not any(isinstance(row, dict) and key in row for row in rows):
+                keys = sorted(rows[0]) if isinstance(rows[0], dict) else type(rows[0]).__name__
+                raise ConfigError(f"dataset {cfg.path}: rows have no key {key!r} (keys: {keys})")
         if cfg.max_prompts is not None:
             rng = random.Random(cfg.seed)
             order = list(range(len(rows)))
@@ -144,6 +157,7 @@ class PromptSource:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
         self._epoch_order: tuple[int, list[int]] = (-1, [])
         self._tokenized = functools.lru_cache(maxsize=ENCODED_CACHE_SIZE)(self._tokenize)
+        self._check_first_rows()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -162,14 +176,43 @@ class PromptSource:
         index = self._order(epoch)[offset]
         return self.encode(index)
 
+    def warm(self, indices: range) -> None:
+        """Tokenize these rows into the cache now (start-up, off the event loop); bad rows are left to
+        whoever asks for them."""
+        for index in indices:
+            try:
+                self._tokenized(index)
+            except BadRowError:
+                pass
+
+    def _check_first_rows(self) -> None:
+        """Refuse a dataset whose first :data:`CHECKED_ROWS` rows are all bad (ConfigError, one line)."""
+        checked = min(CHECKED_ROWS, len(self.rows))
+        first: BadRowError | None = None
+        for index in range(checked):
+            try:
+                self.encode(index)
+                return
+            except BadRowError as e:
+                first = first or e
+        example = str(first).removeprefix(f"dataset {self.cfg.path} ")
+        raise ConfigError(f"dataset {self.cfg.path}: the first {checked} rows are all bad ({example})")
+
     def encode(self, index: int) -> Prompt:
         """Row ``index`` tokenized (cached) with its images (read each time: a cache of tokenized
-        prompts holding their images would hold an image dataset in memory)."""
+        prompts holding their images would hold an image dataset in memory); :class:`BadRowError`
+        when the row cannot become a prompt."""
         prompt = self._tokenized(index)
         value = self.rows[index].get(self.cfg.images_key) if self.cfg.images_key else None
         if value is None:
             return prompt
-        images = read_images(value, Path(self.cfg.path).parent, self._where(index))
+        where = self._where(index)
+        try:
+            images = read_images(value, Path(self.cfg.path).parent, where)
+        except BadRowError:
+            raise
+        except (OSError, ValueError) as e:  # an unreadable file
+            raise BadRowError(f"{where}: {describe(e)}") from e
         return dataclasses.replace(prompt, images=images)
 
     def _where(self, index: int) -> str:
@@ -177,9 +220,21 @@ class PromptSource:
 
     def _tokenize(self, index: int) -> Prompt:
         """Row ``index`` tokenized, without its images (use :meth:`encode`)."""
-        row = self.rows[index]
-        raw = row[self.cfg.prompt_key]
         where = self._where(index)
+        try:
+            return self._tokenize_row(index, where)
+        except BadRowError:
+            raise
+        except Exception as e:
+            raise BadRowError(f"{where}: {describe(e)}") from e
+
+    def _tokenize_row(self, index: int, where: str) -> Prompt:
+        row = self.rows[index]
+        if not isinstance(row, dict):
+            raise BadRowError(f"{where}: a row must be a mapping, got {type(row).__name__}")
+        if self.cfg.prompt_key not in row:
+            raise BadRowError(f"{where}: no key {self.cfg.prompt_key!r} (keys: {sorted(row)})")
+        raw = row[self.cfg.prompt_key]
         value = row.get(self.cfg.images_key) if self.cfg.images_key else None
         num_images = 0 if value is None else len(value) if isinstance(value, list) else 1
         templated = isinstance(raw, list) or self.cfg.apply_chat_template or num_images > 0
@@ -189,7 +244,7 @@ class PromptSource:
                 try:
                     messages = with_image_parts(messages, num_images)
                 except ValueError as e:
-                    raise ConfigError(f"{where}: {e}") from e
+                    raise BadRowError(f"{where}: {e}") from e
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
             text = str(raw)
@@ -197,3 +252,9 @@ class PromptSource:
         label = row.get(self.cfg.label_key) if self.cfg.label_key else None
         meta = {k: v for k, v in row.items() if k not in (self.cfg.prompt_key, self.cfg.label_key, self.cfg.images_key)}
         return Prompt(index=index, text=text, ids=list(ids), label=None if label is None else str(label), metadata=meta)
+
+
+def describe(error: BaseException) -> str:
+    """``Type: first line of the message`` (a chat template's error can run over many lines)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from streamrl.common.bus import Bus
 from streamrl.common.streams import StreamNames
+from streamrl.common.tx import Tx
 
 # -- the policy version and the followed streams
 POLICY_VERSION = "policy_version"
@@ -67,6 +69,8 @@ LATE_SAMPLES_DROPPED = "late_samples_dropped"
 """Samples that arrived for a group or evaluation round already failed or closed."""
 PROMPTS_TOO_LARGE = "prompts_too_large"
 """Dataset prompts skipped as over redis.max_message_mb."""
+PROMPTS_BAD = "prompts_bad"
+"""Dataset rows skipped as unusable (a missing prompt key or image, a chat template error)."""
 BATCHES_DEAD = "batches_dead"
 """Training batches the learner dead-lettered."""
 SAMPLES_DEAD = "samples_dead"
@@ -81,19 +85,33 @@ REWARD_DEAD_LETTERED = "reward_dead_lettered"
 """Dead letters from the ``trajectories`` stream (the reward tier gave up on them)."""
 COUNTERS = (
     GROUPS_DEAD, GROUPS_TIMED_OUT, GROUPS_FILTERED, SAMPLES_TOO_STALE, LATE_SAMPLES_DROPPED, PROMPTS_TOO_LARGE,
-    BATCHES_DEAD, SAMPLES_DEAD, EVAL_DEAD, EVAL_MISSING, DEAD_LETTERS, REWARD_DEAD_LETTERED,
+    PROMPTS_BAD, BATCHES_DEAD, SAMPLES_DEAD, EVAL_DEAD, EVAL_MISSING, DEAD_LETTERS, REWARD_DEAD_LETTERED,
 )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class RunState:
-    """The Redis client and the run's names, with the two reads every component needs."""
+    """The bus and the run's names, with the reads every component needs; writes go through
+    :meth:`tx` or a :class:`~streamrl.coordinator.scripts.FencedScript` (see the module docstring)."""
 
-    redis: aioredis.Redis
+    bus: Bus
     names: StreamNames
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        return self.bus.redis
 
     def key(self, name: str) -> str:
         return self.names.state(name)
+
+    def tx(self) -> Tx:
+        """A transaction: atomic, fenced by the coordinator's lease, run once however often it is re-sent."""
+        return self.bus.tx()
+
+    async def get_raw(self, name: str) -> bytes | None:
+        """A state key's value as stored (None: absent) - what a ``tx.require`` compares against."""
+        raw = await self.redis.get(self.key(name))
+        return bytes(raw) if raw is not None else None
 
     async def get_int(self, name: str) -> int:
         raw = await self.redis.get(self.key(name))

@@ -1,0 +1,91 @@
+"""The coordinator's own server-side scripts, fenced and run once like the bus's transactions.
+
+A state transition whose condition is more than "this key holds that value" (a group leaves
+``inflight`` only if it is still a member; a dead batch counts only if its id is new) is a Lua script
+of its own. :class:`FencedScript` wraps each one's body so that, like :mod:`streamrl.common.tx`:
+
+* it writes nothing and raises :class:`~streamrl.common.lease.LeaseLostError` when another process
+  holds the lease this bus is fenced by (``Bus.fence``, set once the coordinator holds its role);
+* a re-send of the same call after a lost reply (the client's outage retry) returns the first
+  execution's reply from its ``once`` key (kept twice ``redis.outage_s``) instead of running again -
+  the bodies are written to be harmless when run twice anyway, and the ``once`` key keeps their reply
+  (fresh or not) exact;
+* a Redis at its ``maxmemory`` refuses it before it runs (``#!lua``), and the client retries.
+
+A body sees its own ``KEYS`` and ``ARGV`` (the wrapper's are taken off) and returns an integer.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError
+
+from streamrl.common.bus import Bus
+from streamrl.common.tx import fenced_error, once_key
+
+Arg = str | bytes | int | float
+
+PROLOGUE = """#!lua
+local once = KEYS[1]
+local done = redis.call('GET', once)
+if done then return tonumber(done) end
+local ttl_ms = ARGV[1]
+if ARGV[2] ~= '' then
+  local holder = redis.call('GET', KEYS[2])
+  if holder and holder ~= ARGV[3] then return redis.error_reply('FENCED ' .. holder) end
+end
+local KEYS = {unpack(KEYS, 3)}
+local ARGV = {unpack(ARGV, 4)}
+local function body()
+"""
+EPILOGUE = """
+end
+local reply = body()
+redis.call('SET', once, reply, 'PX', ttl_ms)
+return reply
+"""
+
+
+class FencedScript:
+    """One script body (see the module docstring), called like a redis-py script: ``await s(keys, args)``."""
+
+    def __init__(self, bus: Bus, body: str) -> None:
+        self.bus = bus
+        self.source = PROLOGUE + body + EPILOGUE
+        self._script = bus.redis.register_script(self.source)
+
+    def _full(self, keys: Sequence[str], args: Sequence[Arg]) -> tuple[list[str], list[Arg]]:
+        fence = self.bus.fence
+        once = once_key(list(keys), secrets.token_hex(12))
+        ttl_ms = int(2 * self.bus.outage_s * 1000)
+        head: list[Arg] = [ttl_ms, fence.key if fence else "", fence.token if fence else ""]
+        return [once, fence.key if fence else once, *keys], [*head, *args]
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[Arg]) -> int:
+        full_keys, full_args = self._full(keys, args)
+        try:
+            return int(await self._script(keys=full_keys, args=full_args))
+        except ResponseError as e:
+            raise self.fenced(e) from None
+
+    async def queue(self, pipe: Pipeline, keys: Sequence[str], args: Sequence[Arg]) -> None:
+        """Add one call to ``pipe`` (nothing is sent yet); read its reply with :meth:`replies`."""
+        full_keys, full_args = self._full(keys, args)
+        await self._script(keys=full_keys, args=full_args, client=pipe)
+
+    async def replies(self, pipe: Pipeline) -> list[int]:
+        """Execute ``pipe`` (holding only calls of fenced scripts): their replies."""
+        try:
+            return [int(r) for r in await pipe.execute()]
+        except ResponseError as e:
+            raise self.fenced(e) from None
+
+    def fenced(self, error: ResponseError) -> Exception:
+        """``LeaseLostError`` for a call refused by the fence; any other script error unchanged."""
+        text = str(error)
+        if text.startswith("FENCED "):
+            return fenced_error(self.bus.fence, text.removeprefix("FENCED ").split(" script:")[0])
+        return error

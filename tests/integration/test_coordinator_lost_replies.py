@@ -1,0 +1,223 @@
+"""Every coordinator write survives a lost reply: Redis runs it, the connection drops before the
+reply, the client's outage retry sends it again - and the run state shows it ran once.
+
+A real redis-server behind :class:`LostReplyProxy` (127.0.0.1); each test drives one of the
+coordinator's write points (``state.py`` lists them) through a client connected to the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from streamrl.common.bus import Bus, connect
+from streamrl.common.codec import decode, encode
+from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.streams import StreamNames
+from streamrl.common.tx import TX_LUA
+from streamrl.coordinator import state as st
+from streamrl.coordinator.batches import BatchBuilder
+from streamrl.coordinator.config import CoordinatorConfig, DatasetConfig
+from streamrl.coordinator.groups import GroupBuffer
+from streamrl.coordinator.issuing import PromptIssuer
+from streamrl.coordinator.prompts import Prompt
+from streamrl.coordinator.state import RunState
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lost_reply_proxy import LostReplyProxy
+
+
+async def lose_reply(proxy: LostReplyProxy, state: RunState, marker: str, *scripts: str) -> None:
+    """Arm ``proxy`` for the next call holding ``marker`` (a key, or a script's SHA1), once the scripts
+    are loaded (else the first call is a NOSCRIPT that never ran)."""
+    for script in (TX_LUA, *scripts):
+        await state.redis.script_load(script)
+    proxy.drop_reply_to(marker.encode())
+
+
+def sha(script: str) -> str:
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+class Prompts:
+    """A prompt source of 1000 arithmetic rows (the dataset itself is not what is tested here)."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def get(self, cursor: int) -> Prompt:
+        return self.encode(cursor % len(self))
+
+    def encode(self, index: int) -> Prompt:
+        return Prompt(index=index, text=f"{index}+1=", ids=[1, 2, 3], label=str(index + 1), metadata={})
+
+
+def sample(group: str, index: int, score: float, version: int = 0) -> ScoredTrajectory:
+    traj = Trajectory(id=f"{group}/{index}", group_id=group, group_index=index, group_size=2,
+                      prompt_ids=Tensor.from_list([1], "int32"), response_ids=Tensor.from_list([5, 6], "int32"),
+                      logprobs=Tensor.from_list([-1.0, -1.0], "float32"), loss_mask=Tensor.from_list([1, 1], "uint8"),
+                      policy_version_start=version, policy_version_end=version)  # fmt: skip
+    return ScoredTrajectory(trajectory=traj, reward=score, score=score)
+
+
+def through_proxy(redis_url: str, run_id: str, scenario: Callable[[RunState, LostReplyProxy], Awaitable[Any]]) -> Any:
+    """Run ``scenario(state, proxy)`` with the run state's client connected through a lost-reply proxy."""
+
+    async def main() -> Any:
+        url = urlparse(redis_url)
+        proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
+        client = connect(proxy.url, outage_s=10)
+        try:
+            return await scenario(RunState(Bus(client), StreamNames(run_id)), proxy)
+        finally:
+            await client.aclose()
+            await proxy.close()
+
+    return asyncio.run(main())
+
+
+async def ready_groups(groups: GroupBuffer, *wanted: tuple[str, int]) -> None:
+    """Groups issued and complete, each of 2 samples generated at the given version."""
+    tx = groups.state.tx()
+    for group, version in wanted:
+        groups.queue_issue(tx, group, version, time.time())
+    await tx.execute()
+    for group, version in wanted:
+        for i in range(2):
+            await groups.redis.hset(groups.buffer(group), f"{group}/{i}", encode(sample(group, i, float(i), version)))
+    await groups.complete(None)
+
+
+def builder(state: RunState, max_staleness: int = 1) -> BatchBuilder:
+    groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
+    return BatchBuilder(state, groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True)
+
+
+async def batch_indices(state: RunState) -> list[int]:
+    return [decode(f[b"d"], TrainingBatch).index for _, f in await state.redis.xrange(state.names.batches)]
+
+
+def test_a_lost_reply_to_a_batch_publication_publishes_it_once(redis_url: str, run_id: str) -> None:
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        build = builder(state)
+        await ready_groups(build.groups, ("a", 0), ("b", 0), ("c", 0), ("d", 0))
+        await lose_reply(proxy, state, state.names.batches)
+        built = await build.build(version=0)
+        assert proxy.dropped == 1
+        assert await batch_indices(state) == [0, 1], "a re-sent publication duplicated a batch"
+        assert [b.batch.index for b in built] == [0, 1]
+        assert await state.get_int(st.BATCH_INDEX) == 2
+        assert await build.groups.ready() == []
+
+    through_proxy(redis_url, run_id, scenario)
+
+
+def test_two_builders_racing_never_publish_an_index_twice(redis_url: str, run_id: str) -> None:
+    """A deposed coordinator and its successor (or a re-sent publication) both building batch 0 from
+    the same view: one publishes it, the other finds the index taken and builds batch 1."""
+
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        first, second = builder(state), builder(state)
+        await ready_groups(first.groups, ("a", 0), ("b", 0), ("c", 0), ("d", 0))
+        for build in (first, second):
+            read = build.groups.samples
+
+            async def slow_read(groups: list[str], read: Any = read) -> Any:
+                out = await read(groups)
+                await asyncio.sleep(0.2)  # both have read batch_index = 0 and the ready groups by now
+                return out
+
+            build.groups.samples = slow_read  # type: ignore[method-assign]
+        await asyncio.gather(first.build(version=0), second.build(version=0))
+        assert await batch_indices(state) == [0, 1], "two builders published the same index"
+        assert await state.get_int(st.BATCH_INDEX) == 2 and await first.groups.ready() == []
+
+    through_proxy(redis_url, run_id, scenario)
+
+
+def test_a_lost_reply_to_dropping_too_stale_groups_drops_them_once(redis_url: str, run_id: str) -> None:
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        build = builder(state, max_staleness=0)
+        await state.redis.set(state.key(st.BATCH_INDEX), 3)
+        await ready_groups(build.groups, ("old", 1), ("a", 3))
+        await lose_reply(proxy, state, state.key(st.SAMPLES_TOO_STALE))
+        assert await build.build(version=3) == []
+        assert proxy.dropped == 1
+        assert await build.groups.owed() == [3], "the replacement was owed twice"
+        assert await state.get_int(st.ACCEPTED) == 1
+        assert await state.get_int(st.SAMPLES_TOO_STALE) == 2
+
+    through_proxy(redis_url, run_id, scenario)
+
+
+def issuer(state: RunState, **fields: Any) -> PromptIssuer:
+    config = CoordinatorConfig(dataset=DatasetConfig(path="unused.jsonl", tokenizer="unused"), group_size=2,
+                               prompts_per_step=4, prefetch_steps=0, wait_for_learner=False, **fields)  # fmt: skip
+    groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
+    return PromptIssuer(config, state, groups, Prompts())  # type: ignore[arg-type]
+
+
+async def issued(state: RunState) -> list[str]:
+    return [decode(f[b"d"], PromptWorkItem).id for _, f in await state.redis.xrange(state.names.prompts)]
+
+
+def test_a_lost_reply_to_issuing_prompts_issues_them_once(redis_url: str, run_id: str) -> None:
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        issue = issuer(state)
+        await lose_reply(proxy, state, state.names.prompts)
+        assert await issue.issue(version=0) == 4
+        assert proxy.dropped == 1
+        assert await issued(state) == ["p0", "p1", "p2", "p3"], "a re-sent issue duplicated prompts"
+        assert await state.get_int(st.CURSOR) == 4, "a re-sent issue moved the cursor twice (a gap)"
+        assert await issue.groups.in_flight() == 4
+        assert await issue.issue(version=0) == 0
+
+    through_proxy(redis_url, run_id, scenario)
+
+
+def test_a_lost_reply_to_a_groups_completion_readies_it_once(redis_url: str, run_id: str) -> None:
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
+        tx = state.tx()
+        groups.queue_issue(tx, "a", 0, time.time())
+        await tx.execute()
+        for i in range(2):
+            await state.redis.hset(groups.buffer("a"), f"a/{i}", encode(sample("a", i, float(i))))
+        await lose_reply(proxy, state, sha(groups._leave.source), groups._leave.source)
+        await groups.complete(None)
+        assert proxy.dropped == 1
+        assert await groups.ready() == ["a"] and await state.get_int(st.ACCEPTED) == 1
+
+    through_proxy(redis_url, run_id, scenario)
+
+
+def test_a_lost_reply_to_a_groups_failure_fails_it_once(redis_url: str, run_id: str) -> None:
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
+        tx = state.tx()
+        groups.queue_issue(tx, "a", 2, time.time())
+        await tx.execute()
+        await lose_reply(proxy, state, sha(groups._leave.source), groups._leave.source)
+        assert await groups.fail("a", st.GROUPS_DEAD), "the re-sent call said the group was not in flight"
+        assert proxy.dropped == 1
+        assert await groups.owed() == [2] and await state.get_int(st.GROUPS_DEAD) == 1
+
+    through_proxy(redis_url, run_id, scenario)
+
+
+def test_a_lost_reply_to_counting_a_dead_batch_counts_it_once(redis_url: str, run_id: str) -> None:
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        build = builder(state)
+        await lose_reply(proxy, state, sha(build._dead_batch.source), build._dead_batch.source)
+        assert await build.record_dead("batch-4", 8, "RuntimeError: loss is not finite"), "counted as seen before"
+        assert proxy.dropped == 1
+        counters = await state.counters()
+        assert (counters[st.BATCHES_DEAD], counters[st.SAMPLES_DEAD]) == (1, 8)
+
+    through_proxy(redis_url, run_id, scenario)
