@@ -73,6 +73,16 @@ def test_shape_of_a_multi_turn_recipe_counts_the_episode() -> None:
     assert (shape.response_tokens, shape.turns, shape.retain_consumed_s, shape.lag_batches) == (300, 3, 30.0, 4)
 
 
+def test_the_recipe_states_its_assumptions() -> None:
+    """``[up.redis_memory]`` of the recipe sets the assumptions (what the launcher and the soak bench bound)."""
+    data = {"up": {"redis_memory": {"min_step_s": 5.0, "image_bytes": 4096, "margin": 3.0}}}
+    shape = shape_from_recipe(data)
+    assert (shape.min_step_s, shape.image_bytes, shape.lag_batches) == (5.0, 4096, 1)
+    assert memory_bound(shape).sizes.prompt > memory_bound(shape_from_recipe({})).sizes.prompt + 4096
+    with pytest.raises(ValueError, match=r"up\.redis_memory\.row_bytes"):
+        shape_from_recipe({"up": {"redis_memory": {"row_bytes": -1}}})
+
+
 def test_bad_values_are_named() -> None:
     with pytest.raises(ValueError, match="prompts_per_step"):
         shape_from_recipe({"coordinator": {"prompts_per_step": 0}})

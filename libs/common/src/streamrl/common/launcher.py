@@ -284,7 +284,7 @@ class Launcher:
         self.learner_ranks = int((data.get("learner") or {}).get("ranks", 1))
         self.names = StreamNames(self.cfg.run_id)
         try:
-            self.memory: MemoryBound = memory_bound(shape_from_recipe(data, self.cfg.up.redis_memory.assumptions()))
+            self.memory: MemoryBound = memory_bound(shape_from_recipe(data))
         except ValueError as e:
             raise ConfigError(str(e)) from e
         """The run's Redis memory bound (docs/operations.md)."""

@@ -43,6 +43,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from pydantic import ValidationError
+
 from streamrl.common.codec import encode
 from streamrl.common.messages import (
     Image,
@@ -405,8 +407,19 @@ def recipe_value(data: dict[str, Any], dotted: str) -> Any:
 def shape_from_recipe(data: dict[str, Any], assumptions: dict[str, Any] | None = None) -> RunShape:
     """The :class:`RunShape` of a recipe (its data after overrides). ``assumptions`` gives the shape's
     assumption fields (``text_bytes_per_token``, ``row_bytes``, ``image_bytes``, ``min_step_s``,
-    ``dead_letters``, ``dead_batches``); unset ones keep their defaults. Bad values raise ValueError
-    naming the field."""
+    ``dead_letters``, ``dead_batches``); None: the recipe's ``[up.redis_memory]`` (its defaults where
+    unset). Bad values raise ValueError naming the field."""
+    if assumptions is None:
+        from streamrl.common.up_config import RedisMemoryConfig
+
+        section = (data.get("up") or {}).get("redis_memory") or {}
+        try:
+            assumptions = RedisMemoryConfig.model_validate(section).assumptions()
+        except ValidationError as e:
+            problems = "; ".join(
+                f"up.redis_memory.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()
+            )
+            raise ValueError(f"cannot bound this recipe's Redis memory: {problems}") from e
 
     def get(dotted: str) -> Any:
         return recipe_value(data, dotted)
@@ -461,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = apply_overrides(read_recipe(args.recipe), overrides)
         settings = validate(LaunchRecipe, data, source=f"recipe {args.recipe}").up.redis_memory
-        bound = memory_bound(shape_from_recipe(data, settings.assumptions()))
+        bound = memory_bound(shape_from_recipe(data))
     except (ConfigError, ValueError) as e:
         print(f"memory_budget: {e}", file=sys.stderr)
         return 2
