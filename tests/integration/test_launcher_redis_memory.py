@@ -102,3 +102,30 @@ def test_external_redis_that_could_evict_or_fill_is_warned_about(
     assert len(warnings) == (1 if warned else 0), captured.err
     assert all(words in warnings[0] for words in warned), warnings
     admin.close()
+
+
+def test_embedded_redis_over_the_bound_is_warned_about_once(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run whose Redis holds more than its bound has something growing the bound does not count: the
+    launcher says so once, shows the memory in the progress line, and prints the peak at the end."""
+    small = ["--rollout.engine.max_model_len=64", "--coordinator.sampling.max_new_tokens=16",
+             "--coordinator.prompts_per_step=2", "--learner.checkpoint_every=1"]  # fmt: skip
+    launcher = Launcher(recipe, [f"--run_dir={Path(recipe).parent / 'run'}", *small])
+    try:
+        launcher.start()
+        assert launcher.client is not None
+        assert launcher.check_memory() is not None
+        assert "WARNING" not in capsys.readouterr().err  # an empty Redis is under the bound
+        junk = bytes(MIB)
+        for i in range(launcher.memory.total // MIB + 2):
+            launcher.client.set(f"junk:{i}", junk)
+        used = launcher.check_memory()
+        assert used is not None and used > launcher.memory.total
+        launcher.check_memory()
+        launcher._display()
+    finally:
+        launcher.stop()
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "more than this run's memory bound" in line]
+    assert len(warnings) == 1, captured.err
+    assert launcher.used_memory is not None and f"| redis {launcher.used_memory / MIB:.0f} MiB" in captured.out
+    assert "redis used_memory peak" in captured.out

@@ -13,7 +13,9 @@
    its instance name, ``[up] gpus`` giving each its ``CUDA_VISIBLE_DEVICES`` (rollout and learner
    on the same device = the colocated mode); ``ray`` (:mod:`streamrl.common.ray_backend`): each
    replica a Ray actor running the same command as its child.
-3. Watch: show a live progress display (heartbeats + the coordinator's progress hash), and every
+3. Watch: show a live progress display (heartbeats + the coordinator's progress hash + Redis's
+   ``used_memory``; the embedded server's above the run's bound is one WARNING, and its peak is
+   printed at the end), and every
    ``reconcile_interval_s`` bring rollout and reward to the replica counts asked for in the run's
    replicas hash (:mod:`streamrl.common.scaling`): new replicas at the next free index, removed
    ones drained (SIGTERM, ``grace_s``, then SIGKILL). A removed replica's exit is not a failure.
@@ -62,6 +64,8 @@ from streamrl.common.streams import StreamNames
 from streamrl.common.up_config import SCALABLE, SERVICES, LaunchRecipe, UpConfig
 from streamrl.common.weights_auth import KEY_ENV
 
+MEMORY_CHECK_S = 5.0
+"""How often the launcher reads Redis's ``used_memory`` (s)."""
 COLORS = {"coordinator": 36, "rollout": 32, "reward": 35, "learner": 33, "redis": 90}
 Say = Callable[..., None]
 
@@ -295,6 +299,10 @@ class Launcher:
         self.weights_key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
         """The run's weights key (:mod:`streamrl.common.weights_auth`): the environment's, else a new random one."""
         self.stop_requested = False
+        self.used_memory: int | None = None
+        """Redis's ``used_memory`` at the last look (None: not read yet, or not readable)."""
+        self._memory_readable = True
+        self._memory_warned = False
         self.autoscaler = Autoscaler(self.cfg.autoscale, self.names)
 
     def start(self) -> None:
@@ -382,7 +390,7 @@ class Launcher:
     def watch(self) -> int:
         """Wait until the run ends, a service fails for good, or a stop is requested. Returns the exit code."""
         assert self.replicas is not None
-        next_display = time.monotonic()
+        next_display = next_memory = time.monotonic()
         next_reconcile = time.monotonic() + self.cfg.up.reconcile_interval_s
         until = self.cfg.up.until
         while not self.stop_requested:
@@ -400,6 +408,9 @@ class Launcher:
             if time.monotonic() >= next_reconcile:
                 self._reconcile()
                 next_reconcile = time.monotonic() + self.cfg.up.reconcile_interval_s
+            if time.monotonic() >= next_memory:
+                self.check_memory()
+                next_memory = time.monotonic() + MEMORY_CHECK_S
             if self.cfg.up.display and time.monotonic() >= next_display:
                 self._display()
                 next_display = time.monotonic() + self.cfg.up.display_interval_s
@@ -433,11 +444,40 @@ class Launcher:
             for index in start:
                 self.replicas.start(service, index)
 
+    def check_memory(self) -> int | None:
+        """Read Redis's ``used_memory`` (None: unreadable, e.g. an ACL user without ``INFO``); one WARNING
+        the first time the embedded server holds more than the run's bound (something grows that the
+        bound does not count). An external server may hold other runs too: it is shown, not judged."""
+        if self.client is None or not self._memory_readable:
+            return None
+        try:
+            used = int(self.client.info("memory")["used_memory"])
+        except syncredis.ResponseError:  # NOPERM: this user may not run INFO; do not ask again
+            self._memory_readable = False
+            return None
+        except (syncredis.RedisError, OSError, KeyError, ValueError):
+            return None
+        self.used_memory = used
+        if self.redis is not None and used > self.memory.total and not self._memory_warned:
+            self._memory_warned = True
+            self._say(f"WARNING: redis holds {used / MIB:.0f} MiB, more than this run's memory bound of "
+                      f"{self.memory.total / MIB:.0f} MiB: something grows that the bound does not count, or an "
+                      "assumption of [up.redis_memory] is off (docs/operations.md, 'Reading memory use')",
+                      error=True)  # fmt: skip
+        return used
+
     def stop(self) -> None:
-        """Stop every replica (SIGTERM, ``grace_s``, SIGKILL), then the embedded redis."""
+        """Stop every replica (SIGTERM, ``grace_s``, SIGKILL), then the embedded redis (its peak memory printed)."""
         if self.replicas is not None:
             self.replicas.stop_all()
         if self.client is not None:
+            if self.redis is not None:
+                try:
+                    peak = int(self.client.info("memory")["used_memory_peak"])
+                    self._say(f"redis used_memory peak {peak / MIB:.1f} MiB (this run's bound: "
+                              f"{self.memory.total / MIB:.1f} MiB)")  # fmt: skip
+                except (syncredis.RedisError, OSError, KeyError, ValueError):
+                    pass
             self.client.close()
         if self.redis is not None:
             self.redis.stop()
@@ -451,7 +491,8 @@ class Launcher:
             return
         alive = ", ".join(sorted(f"{b.instance}:{b.status}" for b in beats))
         shown = " ".join(f"{k}={v}" for k, v in sorted(progress.items()))
-        self._say(f"[progress] {shown or 'starting'} | alive: {alive or '-'}")
+        memory = f" | redis {self.used_memory / MIB:.0f} MiB" if self.used_memory is not None else ""
+        self._say(f"[progress] {shown or 'starting'} | alive: {alive or '-'}{memory}")
 
     def _say(self, text: str, error: bool = False) -> None:
         with self.lock:
