@@ -161,7 +161,7 @@ def count_run(
         msg = _decode(payload)
         if isinstance(msg, WeightsPublished) and (names.weights, eid) not in injected:
             try:
-                check(msg, weights_key.encode())
+                check(msg, weights_key.encode(), run_id=names.run_id)
             except PoisonMessageError:
                 continue
             events.append(msg)

@@ -172,9 +172,9 @@ def test_weights_events_signed_with_another_key_are_refused(
         try:
             forged = WeightsPublished(version=7, step=7, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
                                       endpoint="tcp://attacker:6666")  # fmt: skip
-            await bus.publish(names.weights, sign(forged, other_key))
+            await bus.publish(names.weights, sign(forged, other_key, run_id=run_id))
             await bus.publish(names.weights, forged)
-            await bus.publish(names.weights, sign(_weights(1), run_key))
+            await bus.publish(names.weights, sign(_weights(1), run_key, run_id=run_id))
             while engine.version < 1 and not tail.done():
                 await asyncio.sleep(0.01)
         finally:
@@ -186,9 +186,51 @@ def test_weights_events_signed_with_another_key_are_refused(
         assert asyncio.run(asyncio.wait_for(scenario(), timeout=20)) == ["tcp://learner:1"]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any(
-        "weights version 7 is signed with another key than this run's (STREAMRL_WEIGHTS_KEY)" in e for e in errors
+        f"weights version 7 is not signed with this run's key (STREAMRL_WEIGHTS_KEY) for run '{run_id}'" in e
+        for e in errors
     )
-    assert any("weights version 7 is not signed" in e for e in errors)
+    assert any("weights version 7 is not signed; this worker requires" in e for e in errors)
+
+
+def test_an_event_signed_for_another_run_sharing_the_key_is_refused(
+    redis_url: str, run_id: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs share the weights key (one key for a team, one Redis): run A's learner's genuine, signed
+    event copied into run B's weights stream must not move B's workers to A's weights."""
+    from streamrl.common.weights_auth import KEY_ENV, sign
+
+    key = b"one-key-for-two-runs-0123"
+    monkeypatch.setenv(KEY_ENV, key.decode())
+
+    async def scenario() -> list[tuple[str, int]]:
+        engine = _Recorder()
+        service, bus, names = _service(redis_url, run_id, engine)
+        loads: list[tuple[str, int]] = []
+        real_update = engine.update_weights
+
+        async def update(endpoint: str, version: int, *args: object, **kwargs: object) -> None:
+            loads.append((endpoint, version))
+            await real_update(endpoint, version, *args, **kwargs)  # type: ignore[arg-type]
+
+        engine.update_weights = update  # type: ignore[method-assign]
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            of_run_a = WeightsPublished(version=9, step=9, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
+                                        endpoint="tcp://learner-of-run-a:5555")  # fmt: skip
+            await bus.publish(names.weights, sign(of_run_a, key, run_id=f"{run_id}-a"))
+            await bus.publish(names.weights, sign(_weights(1), key, run_id=run_id))
+            while engine.version < 1 and not tail.done():
+                await asyncio.sleep(0.01)
+        finally:
+            await cancel_and_wait([tail])
+            await bus.redis.aclose()
+        return loads
+
+    with caplog.at_level(logging.ERROR, logger="streamrl.rollout.service"):
+        assert asyncio.run(asyncio.wait_for(scenario(), timeout=20)) == [("tcp://learner:1", 1)]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(f"weights version 9 is not signed with this run's key (STREAMRL_WEIGHTS_KEY) for run '{run_id}'" in e
+               for e in errors), errors  # fmt: skip
 
 
 class _Loads:

@@ -3,15 +3,20 @@
 A ``WeightsPublished`` event tells every rollout worker where to take new weights (a ZMQ endpoint,
 CUDA IPC buffers, a broadcast group's store) and what they must hash to. Anyone who can write to
 Redis could otherwise point the workers at weights of their own. So the learner signs each event
-with the run's weights key: ``signature`` = HMAC-SHA256 over the event's encoding with an empty
-signature. The key is never in an event, a log line or a run file: it comes from the environment
-(``STREAMRL_WEIGHTS_KEY``; ``streamrl up`` makes a random one per run when it is not set).
+with the run's weights key: ``signature`` = HMAC-SHA256 over the run id and the event's encoding
+with an empty signature. The run id is part of what is signed: runs that share a key (one key for
+a team's runs, or one Redis) cannot replay each other's events - an event of run A copied into run
+B's ``weights`` stream is refused there. The key is never in an event, a log line or a run file: it
+comes from the environment (``STREAMRL_WEIGHTS_KEY``; ``streamrl up`` makes a random one per run
+when it is not set).
 
 Rollout workers and the coordinator with a key refuse an event whose signature does not match
-(:func:`check`), naming the version; without a key they accept every event (and say once that
-weights events are not authenticated). Over ZMQ the signed checksum is blake2b over every byte
-served, so the weights themselves are authenticated; over IPC and broadcast the signed event
-fixes where they come from (buffers on the learner's GPU, the learner's own store).
+(:func:`check`), naming the version and the run; without a key they accept every event (and say
+once that weights events are not authenticated). The signed checksum authenticates the weights
+themselves: over ZMQ it is blake2b over every byte served; over the broadcast group the event also
+carries the buckets' block checksum (``WeightsBroadcast.checksum``), and a member loads a version
+only when what it received hashes to it - whatever the group's unauthenticated store offers; over
+IPC the signed event fixes where the weights come from (buffers on the learner's GPU).
 """
 
 from __future__ import annotations
@@ -44,22 +49,26 @@ def weights_key() -> bytes | None:
     return value.encode()
 
 
-def _digest(event: WeightsPublished, key: bytes) -> str:
-    return hmac.new(key, encode(msgspec.structs.replace(event, signature="")), hashlib.sha256).hexdigest()
+def _digest(event: WeightsPublished, key: bytes, run_id: str) -> str:
+    # the run id, then the event: a run id holds no NUL (ServiceConfig.run_id's pattern), so the split is unambiguous
+    signed = b"streamrl-weights\0" + run_id.encode() + b"\0" + encode(msgspec.structs.replace(event, signature=""))
+    return hmac.new(key, signed, hashlib.sha256).hexdigest()
 
 
-def sign(event: WeightsPublished, key: bytes | None) -> WeightsPublished:
-    """``event`` with its signature (unchanged when there is no key)."""
-    return event if key is None else msgspec.structs.replace(event, signature=_digest(event, key))
+def sign(event: WeightsPublished, key: bytes | None, *, run_id: str) -> WeightsPublished:
+    """``event`` with its signature for run ``run_id`` (unchanged when there is no key)."""
+    return event if key is None else msgspec.structs.replace(event, signature=_digest(event, key, run_id))
 
 
-def check(event: WeightsPublished, key: bytes | None) -> None:
-    """Raise :class:`WeightsAuthError` unless ``event`` is signed with ``key`` (no key: nothing to check)."""
+def check(event: WeightsPublished, key: bytes | None, *, run_id: str) -> None:
+    """Raise :class:`WeightsAuthError` unless ``event`` is signed with ``key`` for run ``run_id`` (no key:
+    nothing to check)."""
     if key is None:
         return
     if not event.signature:
         raise WeightsAuthError(f"weights version {event.version} is not signed; this worker requires {KEY_ENV}'s key")
-    if not hmac.compare_digest(event.signature, _digest(event, key)):
+    if not hmac.compare_digest(event.signature, _digest(event, key, run_id)):
         raise WeightsAuthError(
-            f"weights version {event.version} is signed with another key than this run's ({KEY_ENV}): refused"
+            f"weights version {event.version} is not signed with this run's key ({KEY_ENV}) for run {run_id!r}: "
+            "refused (another key, an event of another run replayed, or an altered event)"
         )

@@ -39,7 +39,7 @@ async def follow(
     def decode_entry(fields: dict[bytes, bytes]) -> Any:
         msg = decode(fields.get(PAYLOAD_FIELD, b""))
         if isinstance(msg, WeightsPublished):
-            check(msg, weights_key)  # a forged version must not move the run
+            check(msg, weights_key, run_id=state.names.run_id)  # a forged version must not move the run
         return msg
 
     async def each(entries: list[tuple[str, Any]], last_id: str) -> str:

@@ -238,7 +238,7 @@ class RolloutService:
     def _weights_event(self, fields: dict[bytes, bytes]) -> WeightsPublished:
         """A weights stream entry, decoded and its signature checked (PoisonMessageError: never apply it)."""
         event = decode(fields.get(b"d", b""), WeightsPublished)
-        check(event, self.weights_key)
+        check(event, self.weights_key, run_id=self.ctx.names.run_id)
         return event
 
     async def _tail_weights(self, cursor: str) -> None:

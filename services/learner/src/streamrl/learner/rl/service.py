@@ -287,7 +287,7 @@ class LearnerService:
             num_buckets=num_buckets, endpoint=endpoint, metrics=metrics, published_at=time.time(), ipc=ipc,
             broadcast=broadcast,
         )  # fmt: skip
-        return sign(event, self.weights_key)
+        return sign(event, self.weights_key, run_id=self.cfg.run_id)
 
     def _checkpoint(self, batch_id: str, metrics: dict[str, float], skipped: str) -> None:
         """Save the group's state after ``batch_id``'s step, with what its version's event needs should
