@@ -1,10 +1,15 @@
-"""One learner life for test_learner_failures.py, in its own process (a learner in the pytest
-process would leave a torch.distributed group behind for later tests). Batch ``fail_index``
-fails: after its first backward pass (``half``), as an out-of-memory error in a later micro-batch
-would, or before any (``before``), as a bad input would; or the process dies right after the
-checkpoint of its step, before its version is published (``die``), as a SIGKILL there would.
+"""One learner life for test_learner_failures.py and test_learner_ambiguous.py, in its own process (a
+learner in the pytest process would leave a torch.distributed group behind for later tests). Batch
+``fail_index`` fails: after its first backward pass (``half``), as an out-of-memory error in a later
+micro-batch would, or before any (``before``), as a bad input would; or the process dies right after
+the checkpoint of its step, before its version is published (``die``), as a SIGKILL there would; or
+it dies in the middle of its step (``kill``: exit 9, as an OOM-kill or a segfault would); or, once
+per life, what follows its step fails: the checkpoint (``ckpt``), the final export (``export``) or
+serving the weights of its version (``publish``).
 
-    python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX [half|before|die] [TOTAL_STEPS] [CKPT_EVERY]
+    python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX [MODE] [TOTAL_STEPS] [CKPT_EVERY]
+
+Environment: ``MAX_DELIVERIES`` (default 2).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ async def life(
     cfg = LearnerConfig(
         model=model, run_id=run_id, run_dir=run_dir, total_steps=total_steps, checkpoint_every=every,
         ds=DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2),
-        consumer=ConsumerConfig(max_deliveries=2, retry_delay_s=0.0),
+        consumer=ConsumerConfig(max_deliveries=int(os.environ.get("MAX_DELIVERIES", "2")), retry_delay_s=0.0),
     )  # fmt: skip
     trainer = RLTrainer(cfg)
     real_step = trainer.step
@@ -47,22 +52,49 @@ async def life(
             logits = trainer.policy(input_ids=torch.tensor([[5, 6, 7]])).logits
             trainer.policy.backward(logits.sum() * 0.0)
             raise RuntimeError("CUDA out of memory (simulated) in micro-batch 2")
+        if batch.index == fail_index and mode == "kill":
+            os._exit(9)
         return real_step(batch)
 
     trainer.step = step  # type: ignore[method-assign]
     group = LearnerGroup(trainer, Path(run_dir) / "checkpoints", cfg.checkpoint_keep_last)
     real_checkpoint = group.checkpoint
 
+    real_export = group.export
+    failed: list[str] = []
+
+    def once(what: str) -> None:
+        if mode == what and not failed:
+            failed.append(what)
+            raise OSError(f"No space left on device (simulated {what} failure)")
+
     def checkpoint(client_state: dict[str, Any]) -> None:
+        if client_state["next_index"] == fail_index + 1:
+            once("ckpt")
         real_checkpoint(client_state)
         if mode == "die" and client_state["next_index"] == fail_index + 1:
             os._exit(9)
 
+    def export(directory: Path) -> None:
+        once("export")
+        real_export(directory)
+
     group.checkpoint = checkpoint  # type: ignore[method-assign]
+    group.export = export  # type: ignore[method-assign]
     bus = Bus(connect(redis_url))
     ctx = ServiceContext("learner", "learner-0", cfg, bus, StreamNames(run_id), asyncio.Event(), burst=True)
+    service = LearnerService(cfg, ctx, trainer, group)
+    assert service.server is not None
+    real_publish = service.server.publish
+
+    def publish(params: Any, version: int) -> Any:
+        if version == fail_index + 1:
+            once("publish")
+        return real_publish(params, version)
+
+    service.server.publish = publish  # type: ignore[method-assign]
     try:
-        await LearnerService(cfg, ctx, trainer, group).run()
+        await service.run()
     finally:
         await bus.redis.aclose()
 

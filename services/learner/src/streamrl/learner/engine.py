@@ -15,8 +15,10 @@ What it owns, in order of use:
 * AdamW with decay on matrices only, linear warmup then constant / linear / cosine decay
   (:func:`lr_multiplier`), DeepSpeed's accumulation boundary and gradient clipping.
 * resumable checkpoints (DeepSpeed model/optimizer/scheduler states, per-rank RNG states, and the
-  caller's ``client_state`` such as the data position); the ``latest`` pointer is written last, so a
-  kill during a save leaves the previous checkpoint in force; files are loaded as data, never as code.
+  caller's ``client_state`` such as the data position); every file and folder is fsync'ed, then the
+  ``latest`` pointer is written last (atomically, durably: :mod:`streamrl.learner.durable`), so a kill
+  or a power cut during a save leaves the previous checkpoint in force; files are loaded as data, never
+  as code.
 * full parameters in Hugging Face naming (:meth:`ModelEngine.iter_full_params`, ZeRO-3 shards
   gathered in groups, LoRA merged) and Hugging Face export (safetensors + tokenizer, and the
   processor of a vision-language model).
@@ -40,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from streamrl.learner import durable
 from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.kernels import apply_kernels
 from streamrl.learner.safe_checkpoint import SafeLoads, load_checkpoint_file
@@ -455,33 +458,34 @@ class ModelEngine:
         return boundary
 
     # ----------------------------------------------------------- checkpoints
-    def save_checkpoint(self, directory: str | Path, client_state: dict[str, Any]) -> str:
-        """Save a resumable checkpoint tagged ``step_<global_steps>`` under ``directory``; all ranks call it."""
+    def save_checkpoint(self, directory: str | Path, client_state: dict[str, Any], tag: str | None = None) -> str:
+        """Save a resumable checkpoint tagged ``tag`` (default ``step_<global_steps>``) under ``directory``, on
+        disk (fsync'ed) before ``latest`` names it; all ranks call it."""
         directory = Path(directory)
-        tag = f"step_{self.global_steps}"
+        tag = tag or f"step_{self.global_steps}"
         self._engine.save_checkpoint(
             str(directory), tag=tag, client_state={_CLIENT_KEY: client_state}, save_latest=False
         )
         torch.save(_rng_state(), directory / tag / f"rng_rank{self.rank}.pt")
+        durable.sync_tree(directory / tag)  # every rank: its own files (another host's disk is not ours to see)
         torch.distributed.barrier()
         if self.rank == 0:
-            tmp = directory / "latest.tmp"
-            tmp.write_text(tag)
-            os.replace(tmp, directory / "latest")
+            durable.write_marker(directory / "latest", tag)
         torch.distributed.barrier()
         return tag
 
-    def load_checkpoint(self, directory: str | Path) -> dict[str, Any] | None:
-        """Restore the checkpoint ``latest`` points to; returns its ``client_state``, or None if there is none.
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict[str, Any] | None:
+        """Restore checkpoint ``tag`` (default: the one ``latest`` points to); returns its ``client_state``, or
+        None if there is none.
 
         Every file is loaded as data (:mod:`streamrl.learner.safe_checkpoint`): one holding other
         objects than tensors, plain values and DeepSpeed's few types raises UnsafeCheckpointError.
         """
         directory = Path(directory)
         latest = directory / "latest"
-        if not latest.is_file():
+        if tag is None and not latest.is_file():
             return None
-        tag = latest.read_text().strip()
+        tag = tag or latest.read_text().strip()
         if not isinstance(self._engine.checkpoint_engine, SafeLoads):
             self._engine.checkpoint_engine = SafeLoads(self._engine.checkpoint_engine)
         path, client_state = self._engine.load_checkpoint(

@@ -8,6 +8,18 @@ runs it; the other ranks sit in :meth:`LearnerGroup.follow`, receive each comman
 method. So the collectives inside (gradient reduction, ZeRO-3 gathers, checkpoint barriers) are
 entered by every rank in the same order, by construction.
 
+A step's outcome is the same on every rank: a failure before a backward pass on any rank makes every
+rank raise :class:`~streamrl.learner.rl.trainer.StepFailedError` at the same agreement point (an
+all-reduce of an ok flag, :mod:`~streamrl.learner.rl.trainer`); the ranks then gather the failing
+rank's error over the control group, so rank 0 counts it, and all of them retry (rank 0 sends the
+step again) or all stop together. Any other exception ends its rank: a follower's exit (or its
+death: OOM-kill, segfault) makes :func:`launch` kill the others and exit non-zero at once, for the
+orchestrator to restart the group; rank 0 counted the step before it began, so the attempt is known.
+
+Checkpoints are durable and consistent: the critic's is written (tagged like the policy's) before the
+policy's, whose ``latest`` marker is written last, after every file is fsync'ed
+(:mod:`streamrl.learner.durable`); a resume loads the critic's checkpoint of the policy's tag.
+
 Commands: ``step`` (the encoded TrainingBatch: every rank trains its share of it), ``weights``
 (every rank joins the gather of the full parameters; rank 0 publishes them), ``checkpoint``,
 ``export`` and ``stop``. Resuming needs no command: every rank loads the checkpoint at start.
@@ -37,7 +49,7 @@ import torch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import TrainingBatch
 from streamrl.learner.checkpoint_retention import prune_checkpoints
-from streamrl.learner.rl.trainer import RLTrainer
+from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
 
 logger = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=7)
@@ -60,10 +72,14 @@ class LearnerGroup:
             torch.distributed.broadcast_object_list([(command, argument)], src=0, group=self._control)
 
     def resume(self) -> dict[str, Any] | None:
-        """Every rank, at start: load the newest checkpoint (policy, critic, KL coefficient); its client state."""
+        """Every rank, at start: load the newest checkpoint (policy, critic, KL coefficient); its client state.
+        The critic's is the one saved with the policy's (same tag), or the critic's newest when it has none."""
         state = self.trainer.policy.load_checkpoint(self.ckpt_dir)
-        if self.trainer.critic is not None and (self.ckpt_dir / "critic").is_dir():
-            self.trainer.critic.load_checkpoint(self.ckpt_dir / "critic")
+        critic_dir = self.ckpt_dir / "critic"
+        if self.trainer.critic is not None and critic_dir.is_dir():
+            latest = self.ckpt_dir / "latest"
+            tag = latest.read_text().strip() if latest.is_file() else None
+            self.trainer.critic.load_checkpoint(critic_dir, tag=tag if tag and (critic_dir / tag).is_dir() else None)
         if state is not None:
             self.trainer.kl_ctl.value = float(state.get("kl_coef", self.trainer.kl_ctl.value))
         return state
@@ -71,7 +87,19 @@ class LearnerGroup:
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         """Train one step on ``batch``, each rank on its share; the step's metrics (the same on every rank)."""
         self._tell("step", encode(batch))
-        return self.trainer.step(batch)
+        return self._step(batch)
+
+    def _step(self, batch: TrainingBatch) -> dict[str, float]:
+        """Every rank: the step; a StepFailedError (raised on every rank together) carries the failing rank's error."""
+        try:
+            return self.trainer.step(batch)
+        except StepFailedError as e:
+            if self._control is None:
+                raise
+            errors: list[str | None] = [None] * self.world
+            torch.distributed.all_gather_object(errors, e.local, group=self._control)
+            first = next((error for error in errors if error is not None), str(e))
+            raise StepFailedError(first, local=e.local) from e
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full parameters (ZeRO-3 shards gathered in buckets, on every rank): yielded on rank 0 only."""
@@ -81,9 +109,10 @@ class LearnerGroup:
     def checkpoint(self, client_state: dict[str, Any]) -> None:
         """Save a resumable checkpoint of every model (all ranks), then keep the newest ``keep_last``."""
         self._tell("checkpoint", client_state)
-        self.trainer.policy.save_checkpoint(self.ckpt_dir, client_state)
-        if self.trainer.critic is not None:
-            self.trainer.critic.save_checkpoint(self.ckpt_dir / "critic", {"step": client_state["step"]})
+        tag = f"step_{self.trainer.policy.global_steps}"
+        if self.trainer.critic is not None:  # first: the policy's ``latest`` must never name a step the critic lacks
+            self.trainer.critic.save_checkpoint(self.ckpt_dir / "critic", {"step": client_state["step"]}, tag=tag)
+        self.trainer.policy.save_checkpoint(self.ckpt_dir, client_state, tag=tag)
         if self.rank == 0:  # both checkpoints and their ``latest`` are written by now
             prune_checkpoints(self.ckpt_dir, self.keep_last)
             if self.trainer.critic is not None:
@@ -109,8 +138,8 @@ class LearnerGroup:
             command, argument = box[0]
             if command == "step":
                 try:
-                    self.trainer.step(decode(argument))
-                except FloatingPointError as e:  # raised on every rank together (trainer._check_finite):
+                    self._step(decode(argument))
+                except StepFailedError as e:  # raised on every rank together (trainer._agree):
                     logger.warning("rank %d: %s", self.rank, e)  # rank 0 retries, skips or stops the group
             elif command == "weights":
                 for _ in self.trainer.policy.iter_full_params():
@@ -140,8 +169,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(ranks: int, argv: list[str]) -> int:
-    """Run ``streamrl learner ARGV`` as a group of ``ranks`` processes on this host; their exit code.
+def launch(ranks: int, argv: list[str], command: list[str] | None = None) -> int:
+    """Run ``streamrl learner ARGV`` (or ``command ARGV``) as a group of ``ranks`` processes on this host; their exit code.
 
     SIGTERM / SIGINT go to rank 0 only, which drains, checkpoints and tells the others to stop. When
     a rank fails, the others are killed and its exit code is returned (the group lives and dies as one).
@@ -150,8 +179,8 @@ def launch(ranks: int, argv: list[str]) -> int:
     children: list[subprocess.Popen[bytes]] = []
     for rank in range(ranks):
         child_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks)}
-        command = [sys.executable, "-m", "streamrl.learner", *argv]
-        children.append(subprocess.Popen(command, env=child_env, preexec_fn=_die_with_parent))
+        argv_ = [*(command or [sys.executable, "-m", "streamrl.learner"]), *argv]
+        children.append(subprocess.Popen(argv_, env=child_env, preexec_fn=_die_with_parent))
     logger.info("learner group: %d ranks, pids %s", ranks, [c.pid for c in children])
 
     def forward(sig: int, _frame: Any) -> None:

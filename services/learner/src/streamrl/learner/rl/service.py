@@ -5,21 +5,33 @@
   ``weights_transport = "ipc"`` copy them into the CUDA IPC buffers on the learner's GPU, or with
   ``"broadcast"`` into the buckets its weight group receives in the background, and publish
   WeightsPublished (version, checksum, endpoint / IPC buffers / group rendezvous, step metrics).
-* Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps).
-  A killed learner restarts from its last checkpoint and replays, in order, exactly the batches it
-  had not checkpointed (they are still pending for it); batches older than the checkpoint are
-  skipped by index, so none is trained on twice.
-* Batches are trained strictly in index order. A batch ahead of the next index (from the future:
-  forged, or a bug upstream) is dead-lettered with the reason and never trained. One behind it is
-  skipped as already trained when it is a redelivery of an entry the learner held (a replay after
-  a restart), and dead-lettered as a copy when it is delivered for the first time.
-* Every failed step is counted in Redis per batch (so the count survives restarts). A step that
-  fails before any backward pass is retried; one that fails after has left gradients or weights
-  half-updated and is never retried in this process (a retry would train part of the batch twice):
-  the learner stops with the error (exit 1), the batch still pending, and a restart resumes from the
-  last checkpoint. A batch that failed ``consumer.max_deliveries`` times (or has no samples) is
-  skipped: dead-lettered with its last error, and its version still published (the same weights),
-  so versions keep counting batches and the coordinator's admission never waits for it.
+* Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps; the
+  checkpoint's files are on disk by then, :mod:`streamrl.learner.durable`). A killed learner restarts
+  from its last checkpoint and replays, in order, exactly the batches it had not checkpointed (they
+  are still pending for it). The acknowledged high-water mark is kept in Redis with the acks: a
+  learner whose checkpoint is behind it (an older checkpoint restored, the newest deleted) refuses
+  to start with one line naming both, since the batches in between are gone.
+* Batches are trained strictly in index order, whatever reaches the learner (rules in
+  :mod:`~streamrl.learner.rl.batch_order`): a copy of a batch already consumed at its index (a re-sent
+  publication, a replay after a restart) is skipped quietly; another batch at a taken index is
+  dead-lettered loudly naming both; a batch ahead of the next index is dead-lettered while an entry
+  for a missing index is still to come, else the gap is confirmed and each missing index is recorded
+  as lost (dead letter, version published with unchanged weights) before it trains. The learner never
+  waits on an index no one will write.
+* Every step is counted in Redis per batch *before* it runs and again when it returns, so the count
+  survives restarts and a step that killed the process (OOM-kill, segfault, a follower rank dying)
+  counts too. A step that fails before any backward pass (on every rank together: every rank of a
+  group agrees on a step's outcome, :mod:`~streamrl.learner.rl.group`) is retried; one that fails
+  after has left gradients or weights half-updated, and one that failed on one rank alone may have
+  left the others in a collective: neither is retried in this process: the learner stops with the
+  error (exit 1), the batch still pending, and a restart resumes from the last checkpoint. A batch
+  whose failures and kills reached ``consumer.max_deliveries`` (or with no samples) is skipped:
+  dead-lettered with its last error ("killed its consumer N times" for kills), and its version still
+  published (the same weights), so versions keep counting batches and the coordinator's admission
+  never waits for it.
+* What follows a step - checkpoint, export, publishing its version - is finished on retry when it
+  fails (the batch is not trained again); ``consumer.max_deliveries`` failures in a row stop the
+  learner (exit 1: a restart resumes from the checkpoint).
 * The last published event is kept in Redis (written atomically with it). A learner resumed from a
   checkpoint older than that version retrains the batches in between without republishing their
   versions, except the newest one: its weights died with the old learner if no worker had fetched
@@ -27,6 +39,11 @@
   workers serving the lost weights reload) and the run goes on from there.
 * At start the learner serves its current version (0, or the checkpoint's) so rollout workers know
   where to fetch weights; after the last step it exports the policy in Hugging Face format.
+* Every Redis write of the learner is a fenced, idempotent transaction in
+  :class:`~streamrl.learner.rl.ledger.LearnerLedger` (its docstring lists them: an index's
+  fingerprint, a step's attempt before and after, a version's publication, a dead letter, the acks);
+  the consumer loop's own commits for the learner write nothing (``ack=False``, no outputs) and its
+  dead letters (a conflicting copy, an out-of-order batch) are acknowledged once.
 * A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
   only; what every rank must do together (a step, gathering the weights, a checkpoint, an export)
   goes through :class:`~streamrl.learner.rl.group.LearnerGroup`, whose other ranks follow rank 0.
@@ -41,27 +58,44 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamrl.common.bus import Output
-from streamrl.common.codec import decode, encode
+from streamrl.common.codec import encode
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
+from streamrl.common.lease import LeaseLostError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
-from streamrl.common.tracing import delivery_attempt, weights_traceparent
+from streamrl.common.tracing import weights_traceparent
 from streamrl.common.weights_auth import sign, weights_key
+from streamrl.learner.rl.batch_order import behind_verdict, fingerprint, gap_verdict
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
 from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
+from streamrl.learner.rl.ledger import LearnerLedger
 from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
-from streamrl.learner.rl.trainer import RLTrainer
+from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
 from streamrl.learner.rl.weights import WeightServer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Consumed:
+    """A batch counted as consumed (the step counter moved) whose checkpoint / export / publication is not done."""
+
+    batch_id: str
+    index: int
+    metrics: dict[str, float]
+    skipped: str = ""
+    done: set[str] = field(default_factory=set)
+    failures: int = 0
 
 
 class LearnerService:
@@ -72,13 +106,16 @@ class LearnerService:
         self.ctx = ctx
         self.trainer = trainer
         self.group = group
+        self.ledger = LearnerLedger(ctx.bus, ctx.names)
         self.step = 0
         self.next_index = 0
         """Index of the next batch to train (batches below it are replays)."""
         self.checkpointed_step = 0
         self.checkpointed_index = 0
-        self.unacked: list[tuple[str, int]] = []
-        """(entry id, batch index) of entries handled but not yet acknowledged."""
+        self.acked_index = 0
+        """Every batch index below it is acknowledged (kept in Redis with the acks)."""
+        self.unacked: list[tuple[str, int, str]] = []
+        """(entry id, batch index, batch id) of entries handled but not yet acknowledged."""
         self.server: WeightServer | None = None
         self.ipc: IpcWeightPublisher | None = None
         self.broadcast: BroadcastWeightPublisher | None = None
@@ -98,12 +135,13 @@ class LearnerService:
         """Set when a step failed half-way: the service stops and ``run`` raises it."""
         self.published = -1
         """The newest version this run's learner published (kept in Redis across restarts)."""
+        self.mark: str | None = None
+        """The publication mark in Redis as this learner last saw it (:meth:`LearnerLedger.publish`)."""
+        self.life = secrets.token_hex(4)
         self.skipped: dict[str, str] = {}
         """Batch id -> reason, for skipped batches whose dead letter is written once they are committed."""
         self.num_skipped = 0
-
-    def _state(self, name: str) -> str:
-        return self.ctx.names.state(name)
+        self.consumed: _Consumed | None = None
 
     async def run(self) -> None:
         state = await asyncio.to_thread(self.group.resume)
@@ -111,17 +149,27 @@ class LearnerService:
             self.step = self.checkpointed_step = int(state["step"])
             self.next_index = self.checkpointed_index = int(state.get("next_index", self.step))
             logger.info("resumed from checkpoint at step %d", self.step)
-        raw = await self.ctx.bus.redis.hget(self._state("learner"), "published")
-        self.published = decode(raw, WeightsPublished).version if raw else -1
+        self.acked_index = await self.ledger.acked_index()
+        if self.acked_index > self.next_index:
+            logger.error(
+                "the checkpoint at step %d (next batch index %d) is behind the batches already acknowledged (up to "
+                "index %d), which are gone: restore the newest checkpoint of %s (or start a new run_id); not starting",
+                self.step, self.next_index, self.acked_index - 1, Path(self.cfg.run_dir) / "checkpoints",
+            )  # fmt: skip
+            await asyncio.to_thread(self.group.stop)
+            raise SystemExit(1)
+        published = await self.ledger.published()
+        self.published = published.version if published is not None else -1
+        self.mark = await self.ledger.version_mark()
         if state is not None and self.step > self.published:
             # killed between the checkpoint and its version's commit: publish that step's event now,
             # naming its batch (the replayed entry is then skipped as trained) with the step's metrics
             logger.warning("version %d was checkpointed but not published before the restart: publishing it", self.step)
             if state.get("skipped"):
                 self.skipped[state["batch_id"]] = state["skipped"]
-            await self.ctx.bus.commit(await self._publish(dict(state.get("metrics", {})), state.get("batch_id", "")))
+            await self._publish(dict(state.get("metrics", {})), state.get("batch_id", ""))
         elif self.step >= self.published:
-            await self.ctx.bus.commit(await self._publish(metrics={}))
+            await self._publish(metrics={})
         else:
             logger.warning(
                 "resumed at step %d, but versions up to %d were published before the restart: batches %d..%d "
@@ -153,46 +201,56 @@ class LearnerService:
         await asyncio.to_thread(self.group.stop)  # not on an exception: the group then dies with this rank
 
     async def handle(self, batch: TrainingBatch) -> list[Output]:
+        if self.consumed is not None:  # what followed a consumed batch failed: finish it, never train it again
+            again = self.consumed.batch_id == batch.id and self.consumed.index == batch.index
+            logger.warning("finishing what follows %s's step (%s)", self.consumed.batch_id,
+                           ", ".join(sorted(self.consumed.done)) + " done" if self.consumed.done else "nothing done")  # fmt: skip
+            await self._finish()
+            if again:
+                return []
         if batch.index < self.next_index:
-            if delivery_attempt() <= 1:  # not a replay of an entry it held: a second copy of a trained batch
-                raise PoisonMessageError(
-                    f"{batch.id} is behind the learner, whose next batch is {self.next_index}: a copy of a "
-                    "batch already trained, not trained again"
-                )
-            logger.info("skipping %s: already trained (next batch index %d)", batch.id, self.next_index)
+            if (error := behind_verdict(batch, self.next_index, await self.ledger.record(batch.index))) is not None:
+                logger.error("%s", error)
+                raise PoisonMessageError(error)
+            logger.info("skipping %s: a copy of what was consumed at index %d (next index %d)", batch.id, batch.index,
+                        self.next_index)  # fmt: skip
             return []
         if batch.index > self.next_index:
-            raise PoisonMessageError(
-                f"{batch.id} is ahead of the learner, whose next batch is {self.next_index}: batches are "
-                "never trained out of order"
-            )
-        failures = self._state(f"learner_failures:{batch.id}")
-        failed = await self.ctx.bus.redis.hgetall(failures)
+            await self._fill_gap(batch)
+        record, mine = await self.ledger.record(batch.index), fingerprint(batch)
+        if record is not None and record != mine:  # another batch was consumed at this index in an earlier life
+            error = behind_verdict(batch, self.next_index, record)
+            logger.error("%s", error)
+            raise PoisonMessageError(error)
+        if record is None:
+            await self.ledger.claim(batch.index, mine)
         if not batch.samples:
             return await self._skip(batch, "it has no samples")
-        if int(failed.get(b"count", 0)) >= self.cfg.consumer.max_deliveries:
-            error = failed.get(b"error", b"").decode()
-            return await self._skip(batch, f"its step failed {int(failed[b'count'])} times, last: {error}")
+        attempts = await self.ledger.attempts(batch.id)
+        if attempts.exhausted(self.cfg.consumer.max_deliveries):
+            return await self._skip(batch, attempts.reason())
         backward_calls = self.trainer.policy.backward_calls
         traced = traced_rows(batch)
         span = start_step(self.ctx.tracing, batch, traced, version=self.step)
+        await self.ledger.start(batch.id)  # before the step: a step that kills the process is counted too
         started = time.time()
         try:
             metrics = await asyncio.to_thread(self.group.step, batch)
-        except Exception as e:
+        except Exception as e:  # counted, then retried or fatal (re-raised either way)
             span.fail(e)
             span.end()
-            error = f"{type(e).__name__}: {e}"
-            await self.ctx.bus.redis.hincrby(failures, "count", 1)
-            await self.ctx.bus.redis.hset(failures, "error", error[:500])
-            if self.trainer.policy.backward_calls == backward_calls:
+            agreed = isinstance(e, StepFailedError) or self.group.world == 1  # every rank stopped at the same point
+            error = str(e) if isinstance(e, StepFailedError) else f"{type(e).__name__}: {e}"
+            await self.ledger.finish(batch.id, error)
+            if agreed and self.trainer.policy.backward_calls == backward_calls:
                 raise  # nothing trained yet: the consumer retries it (skipped above once at the limit)
+            why = "after training part of the batch" if agreed else "on this rank alone (the others may wait in a collective)"
             self.fatal = RuntimeError(
-                f"{batch.id}: the step failed after training part of the batch ({error}); "
-                "stopping: a restart resumes from the last checkpoint"
+                f"{batch.id}: the step failed {why} ({error}); stopping: a restart resumes from the last checkpoint"
             )
             self.ctx.stop.set()
             raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
+        await self.ledger.finish(batch.id, None)
         ended = time.time()
         staleness = [self.step - s.trajectory.policy_version_start for s in batch.samples]
         metrics["learner/staleness_mean"] = sum(staleness) / len(staleness)
@@ -205,7 +263,33 @@ class LearnerService:
         span.end(ended)
         self.ctx.metrics.observe_staleness(staleness)
         self.ctx.metrics.count_samples("trained", len(batch.samples), int(metrics["learner/tokens"]))
-        return await self._advance(batch, metrics)
+        self._consume(batch, metrics)
+        await self._finish()
+        return []
+
+    async def _fill_gap(self, batch: TrainingBatch) -> None:
+        """``batch`` is ahead of the next index: refuse it while a missing index is still to come, else record
+        every missing index as lost (dead letter, version published with unchanged weights)."""
+        missing, error = gap_verdict(batch, self.next_index, await self.ledger.still_to_come(self.ctx.names.batches))
+        if error is not None:
+            logger.error("%s", error)
+            raise PoisonMessageError(error)
+        logger.error(
+            "batch indices %d..%d never reached the learner: %s came next and no entry for them is pending or left "
+            "in the stream; recording them as lost (their versions are published with unchanged weights)",
+            missing[0], missing[-1], batch.id,
+        )  # fmt: skip
+        for index in missing:
+            lost = TrainingBatch(
+                id=f"batch-{index}", index=index, samples=[], policy_version=batch.policy_version, staleness=[]
+            )
+            reason = (f"index {index} never reached the learner ({batch.id} came next; no entry for it was pending "
+                      "or left in the stream)")  # fmt: skip
+            await self.ledger.lose(index)
+            await self._dead_letter(lost, "", reason)
+            self.num_skipped += 1
+            self._consume(lost, {"learner/batches_skipped": float(self.num_skipped)}, skipped=reason)
+            await self._finish()
 
     async def _skip(self, batch: TrainingBatch, reason: str) -> list[Output]:
         """Consume ``batch`` without training it: its version is published with unchanged weights."""
@@ -214,43 +298,86 @@ class LearnerService:
             span.fail(f"{BATCH_SKIPPED}: {reason}")
         self.skipped[batch.id] = reason
         self.num_skipped += 1
-        return await self._advance(batch, {"learner/batches_skipped": float(self.num_skipped)})
+        self._consume(batch, {"learner/batches_skipped": float(self.num_skipped)}, skipped=reason)
+        await self._finish()
+        return []
 
-    async def _advance(self, batch: TrainingBatch, metrics: dict[str, float]) -> list[Output]:
-        """Count ``batch`` as consumed: checkpoint / export when due, publish its version (unless a
-        version this high was published before a restart)."""
+    def _consume(self, batch: TrainingBatch, metrics: dict[str, float], skipped: str = "") -> None:
+        """Count ``batch`` as consumed: the step counter moves; :meth:`_finish` does what follows."""
         self.step += 1
         self.next_index = batch.index + 1
-        if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.total_steps:
-            await asyncio.to_thread(self._checkpoint, batch.id, metrics, self.skipped.get(batch.id, ""))
-        if self.cfg.export_every and self.step % self.cfg.export_every == 0:
-            await asyncio.to_thread(self.group.export, Path(self.cfg.run_dir) / "exports" / f"step-{self.step}")
-        if self.step == self.cfg.total_steps:
-            export = Path(self.cfg.export_dir or Path(self.cfg.run_dir) / "final")
-            await asyncio.to_thread(self.group.export, export)
-            logger.info("exported the final policy to %s", export)
+        self.consumed = _Consumed(batch.id, batch.index, metrics, skipped)
+
+    async def _finish(self) -> None:
+        """What follows the consumed batch's step, each part once: checkpoint / export when due, then publish
+        its version (unless a version this high was published before a restart). A part that fails is done
+        again at the next delivery of the batch (the consumer retries it), never the step."""
+        c = self.consumed
+        assert c is not None
+        run_dir = Path(self.cfg.run_dir)
+        parts = {
+            "checkpoint": self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.total_steps,
+            "export": bool(self.cfg.export_every and self.step % self.cfg.export_every == 0),
+            "final export": self.step == self.cfg.total_steps,
+            "publish": True,
+        }
+        part = ""
+        try:
+            for part in (p for p, due in parts.items() if due and p not in c.done):
+                if part == "checkpoint":
+                    await asyncio.to_thread(self._checkpoint, c.batch_id, c.metrics, c.skipped)
+                elif part == "export":
+                    await asyncio.to_thread(self.group.export, run_dir / "exports" / f"step-{self.step}")
+                elif part == "final export":
+                    export = Path(self.cfg.export_dir or run_dir / "final")
+                    await asyncio.to_thread(self.group.export, export)
+                    logger.info("exported the final policy to %s", export)
+                else:
+                    self._log_step(c.metrics)
+                    await self._publish_step(c)
+                c.done.add(part)
+        except LeaseLostError:
+            raise  # fenced off: the consumer loop stops this process
+        except Exception as e:  # counted, then re-raised: the consumer retries the batch
+            c.failures += 1
+            logger.error("%s: the %s after its step failed (%d times): %s: %s", c.batch_id, part, c.failures,
+                         type(e).__name__, e)  # fmt: skip
+            if c.failures >= self.cfg.consumer.max_deliveries:
+                self.fatal = RuntimeError(
+                    f"{c.batch_id}: the {part} after its step failed {c.failures} times ({type(e).__name__}: {e}); "
+                    "stopping: a restart resumes from the last checkpoint"
+                )
+                self.ctx.stop.set()
+                raise asyncio.CancelledError(str(self.fatal)) from e
+            raise
+        self.consumed = None
+
+    def _log_step(self, metrics: dict[str, float]) -> None:
         logger.info(
             "step %d: %s", self.step,
             " ".join(f"{k.removeprefix('learner/')}={v:.4g}" for k, v in sorted(metrics.items())),
         )  # fmt: skip
+
+    async def _publish_step(self, c: _Consumed) -> None:
         if self.step < self.published:
             logger.info("version %d was published before the restart: not republished", self.step)
-            return []
+            return
         if self.step == self.published:  # the newest version before the restart, retrained: its old
             # weights may have died with the old learner (no worker fetched them); workers that hold
             # them see the new checksum and reload
             logger.warning("publishing version %d again: its weights were lost with the restart", self.step)
-        return await self._publish(metrics, batch.id)
+        await self._publish(c.metrics, c.batch_id)
 
-    async def _publish(self, metrics: dict[str, float], batch_id: str = "") -> list[Output]:
-        """The outputs that publish the current weights: the event, and the same event kept in Redis as
-        the newest published version (one atomic commit)."""
+    async def _publish(self, metrics: dict[str, float], batch_id: str = "") -> None:
+        """Serve the current weights and publish their event, kept in Redis as the newest published version
+        (one transaction, written once even when this publication is retried)."""
         event = await self._serve_weights(metrics, batch_id)
+        mark = f"{event.version}@{self.life}"
+        if not await self.ledger.publish(event, self.mark, mark):
+            logger.warning("version %d: its publication was written before (a retry): not published again",
+                           event.version)  # fmt: skip
+        self.mark = mark
         self.published = event.version
-        return [
-            Output(stream=self.ctx.names.weights, message=event),
-            Output(key=self._state("learner"), field="published", message=event),
-        ]
 
     async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
         started = time.perf_counter()
@@ -299,25 +426,33 @@ class LearnerService:
         self.checkpointed_step = self.step
         self.checkpointed_index = self.next_index
 
+    async def _dead_letter(self, batch: TrainingBatch, entry_id: str, reason: str) -> None:
+        """The dead letter of a batch consumed untrained (once per batch, even when replayed after a restart)."""
+        payload = encode(batch)
+        if len(payload) > self.ctx.bus.max_message_bytes // 2:  # the letter must fit: keep the batch's header
+            header = TrainingBatch(
+                id=batch.id, index=batch.index, samples=[], policy_version=batch.policy_version, staleness=[]
+            )
+            payload = encode(header)
+        letter = DeadLetter(
+            stream=self.ctx.names.batches, entry_id=entry_id, group="learner", consumer="learner",
+            error=f"{batch.id} ({len(batch.samples)} samples) {BATCH_SKIPPED}: {reason}", deliveries=1,
+            payload=payload, ts=time.time(),
+        )  # fmt: skip
+        await self.ledger.dead_letter_once(batch.id, letter)
+
     async def _on_committed(self, entry_id: str, batch: TrainingBatch) -> None:
         """Acknowledge exactly the handled entries a checkpoint covers (index below the checkpointed one);
         the others stay pending, so a killed learner replays them after its last checkpoint."""
         reason = self.skipped.pop(batch.id, None)
-        if reason is not None and await self.ctx.bus.redis.set(self._state(f"learner_dead:{batch.id}"), 1, nx=True):
-            payload = encode(batch)
-            if len(payload) > self.ctx.bus.max_message_bytes // 2:  # the letter must fit: keep the batch's header
-                header = TrainingBatch(
-                    id=batch.id, index=batch.index, samples=[], policy_version=batch.policy_version, staleness=[]
-                )
-                payload = encode(header)
-            letter = DeadLetter(
-                stream=self.ctx.names.batches, entry_id=entry_id, group="learner", consumer="learner",
-                error=f"{batch.id} ({len(batch.samples)} samples) {BATCH_SKIPPED}: {reason}", deliveries=1,
-                payload=payload, ts=time.time(),
-            )  # fmt: skip
-            await self.ctx.bus.publish(self.ctx.names.dead, letter)  # once, even when replayed after a restart
-        self.unacked.append((entry_id, batch.index))
-        covered = [entry for entry, index in self.unacked if index < self.checkpointed_index]
+        if reason is not None:
+            await self._dead_letter(batch, entry_id, reason)
+        self.unacked.append((entry_id, batch.index, batch.id))
+        covered = [(entry, batch_id) for entry, index, batch_id in self.unacked if index < self.checkpointed_index]
         if covered:
-            await self.ctx.bus.redis.xack(self.ctx.names.batches, "learner", *covered)
-            self.unacked = [(entry, index) for entry, index in self.unacked if index >= self.checkpointed_index]
+            await self.ledger.ack(
+                self.ctx.names.batches, [e for e, _ in covered], [b for _, b in covered],
+                acked_from=self.acked_index, acked_index=self.checkpointed_index,
+            )  # fmt: skip
+            self.acked_index = self.checkpointed_index
+            self.unacked = [u for u in self.unacked if u[1] >= self.checkpointed_index]

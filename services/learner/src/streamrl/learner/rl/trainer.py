@@ -36,6 +36,16 @@ gradient of the 1-rank loss. No-grad passes run on each rank's share and are sum
 a rank with nothing to do in a micro-batch still runs one row with zero loss, so every rank joins
 every collective (ZeRO-3 gathers parameters inside each forward). Metrics are summed over ranks.
 
+Failures in a group: every rank must agree on a step's outcome, or one rank waits for ever in a
+collective the others left. A failure before a backward pass - a non-finite loss, an exception in
+collate or in a forward (an out-of-memory error, bad data) on any rank - is held by the rank until the
+next agreement point (after collate, before a no-grad pass's sum, before each micro-batch's backward),
+where one all-reduce of an ok flag makes every rank raise :class:`StepFailedError` together; the
+group then gathers the failing rank's error for rank 0 (:mod:`~streamrl.learner.rl.group`). With
+ZeRO-3 a forward holds collectives of its own, so only a non-finite loss is agreed on; any other
+exception (and one raised after a backward on any stage) ends its rank, and the group exits for the
+orchestrator to restart it.
+
 For the samples whose trace is recorded (``traces.traced_rows``) and with an off-policy correction on,
 the step also keeps each one's mean correction weight and masked fraction (``sample_corrections``,
 gathered from the rank that trained it) for the learner's training spans; other samples cost nothing.
@@ -90,6 +100,20 @@ def response_values(critic: Any, mb: RLBatch) -> torch.Tensor:
     return values.gather(1, index.to(values.device)).float()
 
 
+class StepFailedError(RuntimeError):
+    """A step failed before a backward pass on one rank or more; every rank of the group raises it at the
+    same point. ``local``: this rank's own error (None when it failed elsewhere)."""
+
+    def __init__(self, message: str, local: str | None) -> None:
+        super().__init__(message)
+        self.local = local
+
+
+def describe(error: BaseException, rank: int) -> str:
+    """``Type: message (rank r)``: how a rank's failure is reported."""
+    return f"{type(error).__name__}: {error} (rank {rank})"
+
+
 class RLTrainer:
     """Owns the policy engine (and reference / critic) and runs training steps."""
 
@@ -119,6 +143,8 @@ class RLTrainer:
         self.policy_algo = algo.model_copy(update={"critic": None})  # value loss is trained on the critic engine
         self.kl_ctl = KLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
         self.world, self.rank = self.policy.world_size, self.policy.rank
+        self.agreeable = self.world > 1 and self.cfg.ds.zero_stage < 3
+        """Whether an exception before a backward pass is held for the group's agreement (see the docstring)."""
         self.sample_corrections: dict[int, SampleCorrection] = {}
         """Row -> correction figures of the last step's traced samples (empty without a correction)."""
 
@@ -142,12 +168,19 @@ class RLTrainer:
     ) -> torch.Tensor:
         """Log-probs (or values) of this rank's rows ``chunks``, summed over the ranks into the whole batch's."""
         out = torch.zeros_like(rl.mask, device=self.device)
-        for rows in chunks:
-            if rows or self.world > 1:  # an empty chunk still joins ZeRO-3's gathers: one row, result dropped
-                mb = rl.select(rows or [0])
-                result = response_values(engine, mb) if values else self._logprobs(engine, mb, False)[0]
-                if rows:
-                    out[rows] = result.to(out.device)
+        error = None
+        try:
+            for rows in chunks:
+                if rows or self.world > 1:  # an empty chunk still joins ZeRO-3's gathers: one row, result dropped
+                    mb = rl.select(rows or [0])
+                    result = response_values(engine, mb) if values else self._logprobs(engine, mb, False)[0]
+                    if rows:
+                        out[rows] = result.to(out.device)
+        except Exception as e:  # held for the group's agreement, raised on every rank below
+            if not self.agreeable:
+                raise
+            error = describe(e, self.rank)
+        self._agree(error)
         if self.world > 1:
             torch.distributed.all_reduce(out)
         return out.cpu()
@@ -172,12 +205,19 @@ class RLTrainer:
         """Train on ``batch`` (``updates_per_batch`` optimizer steps); returns the step's metrics."""
         started = time.perf_counter()
         algo = self.cfg.algo
-        rl = collate(batch, self.pad_id, self.images)
-        chunks = self._my_micro_batches(rl, list(range(rl.size)))
-        plan = update_plan(
-            rl.group_index, mini_batches=self.cfg.mini_batches, epochs=self.cfg.ppo_epochs,
-            grad_accum=self.cfg.ds.grad_accum, seed=zlib.crc32(batch.id.encode()),
-        )  # fmt: skip
+        error = None
+        try:
+            rl = collate(batch, self.pad_id, self.images)
+            chunks = self._my_micro_batches(rl, list(range(rl.size)))
+            plan = update_plan(
+                rl.group_index, mini_batches=self.cfg.mini_batches, epochs=self.cfg.ppo_epochs,
+                grad_accum=self.cfg.ds.grad_accum, seed=zlib.crc32(batch.id.encode()),
+            )  # fmt: skip
+        except Exception as e:  # held for the group's agreement, raised on every rank below
+            if not self.agreeable:
+                raise
+            error = describe(e, self.rank)
+        self._agree(error)
         mask = rl.mask
         kl_in_reward = algo.kl.placement == "reward" and self.ref is not None
         old = ref = old_values = kl = None
@@ -273,22 +313,29 @@ class RLTrainer:
         out: dict[str, float] = {"learner/tokens": 0.0}
         for rows in update:
             if not rows:
-                self._check_finite(None, f"{batch_id}: non-finite policy loss")
+                self._agree(None)
                 self._empty_micro_step(self.policy, rl)
                 continue
-            mb = rl.select(rows)
-            logp, ent = self._logprobs(self.policy, mb, with_entropy=algo.loss.entropy_coef > 0)
-            dev = logp.device
-            old_mb = old[rows].to(dev) if old is not None else logp.detach()
-            if wanted:
-                self._note_corrections(rows, old_mb, mb, wanted, corrections)
-            loss, m = policy_objective(
-                self.policy_algo, logprobs=logp, old_logprobs=old_mb,
-                advantages=advantages[rows].to(dev), mask=mb.mask.to(dev), normaliser=normaliser,
-                behaviour_logprobs=mb.behaviour_logprobs.to(dev), ref_logprobs=None if ref is None else ref[rows].to(dev),
-                entropy=ent, kl_coef=self.kl_ctl.value,
-            )  # fmt: skip
-            self._check_finite(loss, f"{batch_id}: non-finite policy loss")
+            error = None
+            try:
+                mb = rl.select(rows)
+                logp, ent = self._logprobs(self.policy, mb, with_entropy=algo.loss.entropy_coef > 0)
+                dev = logp.device
+                old_mb = old[rows].to(dev) if old is not None else logp.detach()
+                if wanted:
+                    self._note_corrections(rows, old_mb, mb, wanted, corrections)
+                loss, m = policy_objective(
+                    self.policy_algo, logprobs=logp, old_logprobs=old_mb,
+                    advantages=advantages[rows].to(dev), mask=mb.mask.to(dev), normaliser=normaliser,
+                    behaviour_logprobs=mb.behaviour_logprobs.to(dev),
+                    ref_logprobs=None if ref is None else ref[rows].to(dev), entropy=ent, kl_coef=self.kl_ctl.value,
+                )  # fmt: skip
+                error = self._non_finite(loss, f"{batch_id}: non-finite policy loss")
+            except Exception as e:  # held for the group's agreement, raised on every rank below
+                if not self.agreeable:
+                    raise
+                error = describe(e, self.rank)
+            self._agree(error)
             self.policy.backward(loss * gas)
             self.policy.step()
             tokens = m.pop("learner/tokens")
@@ -328,36 +375,45 @@ class RLTrainer:
         total = 0.0
         for rows in chunks:
             if not rows:
-                self._check_finite(None, "non-finite value loss")
+                self._agree(None)
                 self._empty_micro_step(self.critic, rl, values=True)
                 continue
-            mb = rl.select(rows)
-            values = response_values(self.critic, mb)
-            dev = values.device
-            per_token, _ = value_loss(values, old_values[rows].to(dev), returns[rows].to(dev), crit.value_clip)
-            loss = crit.value_coef * aggregate(
-                per_token, mb.mask.to(dev), self.cfg.algo.loss.aggregation, normaliser, self.cfg.algo.loss.norm_constant
-            )
-            self._check_finite(loss, "non-finite value loss")
+            error = None
+            try:
+                mb = rl.select(rows)
+                values = response_values(self.critic, mb)
+                dev = values.device
+                per_token, _ = value_loss(values, old_values[rows].to(dev), returns[rows].to(dev), crit.value_clip)
+                loss = crit.value_coef * aggregate(
+                    per_token, mb.mask.to(dev), self.cfg.algo.loss.aggregation, normaliser,
+                    self.cfg.algo.loss.norm_constant,
+                )  # fmt: skip
+                error = self._non_finite(loss, "non-finite value loss")
+            except Exception as e:  # held for the group's agreement, raised on every rank below
+                if not self.agreeable:
+                    raise
+                error = describe(e, self.rank)
+            self._agree(error)
             self.critic.backward(loss * self.cfg.ds.grad_accum)
             self.critic.step()
             total += float(loss.detach())
         return total
 
-    def _check_finite(self, loss: torch.Tensor | None, what: str) -> None:
-        """Raise FloatingPointError before a backward pass when the loss is not finite on any rank
-        (``None``: this rank has no rows in the micro-batch). Every rank of a group checks the same
-        micro-batch together, so all of them raise, and none waits in a gradient reduction for a rank
-        that stopped."""
-        finite = loss is None or bool(torch.isfinite(loss))
-        everywhere = finite
+    def _non_finite(self, loss: torch.Tensor, what: str) -> str | None:
+        """The error of a loss that is not finite (None when it is)."""
+        return None if bool(torch.isfinite(loss)) else f"FloatingPointError: {what} ({float(loss)} on rank {self.rank})"
+
+    def _agree(self, error: str | None) -> None:
+        """An agreement point: raise :class:`StepFailedError` on every rank when ``error`` (this rank's
+        failure, None if none) is set on any rank. Every rank of a group reaches the same points in the
+        same order, so all of them raise together, and none waits in a collective for a rank that stopped."""
+        everywhere = error is None
         if self.world > 1:
-            flag = torch.tensor([1.0 if finite else 0.0], device=self.policy.device)
+            flag = torch.tensor([1.0 if error is None else 0.0], device=self.policy.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
             everywhere = bool(flag.item() == 1.0)
         if not everywhere:
-            where = f"{float(loss)} on rank {self.rank}" if not finite and loss is not None else "on another rank"
-            raise FloatingPointError(f"{what} ({where})")
+            raise StepFailedError(error or "the step failed on another rank", local=error)
 
     def _empty_micro_step(self, engine: ModelEngine, rl: RLBatch, values: bool = False) -> None:
         """A micro-batch with no rows on this rank: one row's forward and backward with zero loss, so that

@@ -1,0 +1,103 @@
+"""Which batch the learner trains next (pure): duplicates, gaps and attempts, decided from plain values.
+
+Batches carry an index (0, 1, ...) and are trained strictly in that order. What reaches the learner
+may still hold a copy of a batch (a re-sent publication), a batch whose index is already taken by
+other content, or skip an index (an entry lost before it was read). The rules:
+
+* **behind** (index below the next one): a copy of what was consumed at that index (same
+  :func:`fingerprint`: batch id, sample count and trajectory ids) is skipped quietly; anything else
+  is a conflict, dead-lettered loudly naming both batches, never trained.
+* **ahead** (index above the next one): if an entry for a missing index is still to come (pending
+  for the learner, or not yet delivered), the stream is out of order and the batch is dead-lettered;
+  otherwise the gap is confirmed - no one will write those indices - and each missing index is
+  recorded as lost (its version published with unchanged weights, as a skipped batch's) before the
+  batch trains. The learner never waits on an index no one will write.
+* **attempts**: every step is counted before it starts and again when it returns, so a step that
+  killed the process (OOM-kill, segfault, a follower rank dying) shows as started but never
+  finished; failures and kills together reach ``consumer.max_deliveries`` and the batch is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from streamrl.common.messages import TrainingBatch
+
+LOST = "(lost)"
+"""The fingerprint recorded for an index that never reached the learner."""
+
+
+def fingerprint(batch: TrainingBatch) -> str:
+    """What identifies a batch's content: ``{id} {num_samples} {digest of the trajectory ids}``."""
+    ids = "\n".join(s.trajectory.id for s in batch.samples).encode()
+    return f"{batch.id} {len(batch.samples)} {hashlib.sha256(ids).hexdigest()[:16]}"
+
+
+def batch_name(record: str) -> str:
+    """The batch id a fingerprint names (``(lost)`` for a lost index)."""
+    return record.split(" ", 1)[0]
+
+
+def behind_verdict(batch: TrainingBatch, next_index: int, record: str | None) -> str | None:
+    """For a batch below ``next_index``: None when it is a copy of what was consumed at its index (skip it
+    quietly), else the error of a conflict (dead-letter it). ``record``: the fingerprint of what the learner
+    consumed at that index, None when no record is kept (acknowledged long ago)."""
+    if record is None:
+        return (
+            f"{batch.id} is behind the learner, whose next batch is {next_index}, and index {batch.index} was "
+            "acknowledged long ago (no record of its content is kept): not trained again"
+        )
+    if record == fingerprint(batch):
+        return None
+    if record == LOST:
+        return (
+            f"{batch.id} has index {batch.index}, which the learner recorded as lost (a later batch came first and "
+            "no entry for it was left): not trained out of order"
+        )
+    return (
+        f"{batch.id} has index {batch.index}, which the learner already consumed as {batch_name(record)} with other "
+        f"content ({fingerprint(batch)} vs {record}): a conflicting copy, dead-lettered, not trained"
+    )
+
+
+def gap_verdict(batch: TrainingBatch, next_index: int, still_to_come: dict[int, str]) -> tuple[list[int], str | None]:
+    """For a batch above ``next_index``: (the missing indices to record as lost, None) when the gap is
+    confirmed, or ([], the error) when an entry for a missing index is still to come.
+    ``still_to_come``: index -> entry id of the batches pending for the learner or not yet delivered."""
+    missing = range(next_index, batch.index)
+    waiting = sorted((i, entry) for i, entry in still_to_come.items() if i in missing)
+    if waiting:
+        index, entry = waiting[0]
+        return [], (
+            f"{batch.id} is ahead of the learner, whose next batch is {next_index}, and batch index {index} is "
+            f"still in the stream (entry {entry}): batches are never trained out of order"
+        )
+    return list(missing), None
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """What the learner's Redis record says about one batch's steps."""
+
+    started: int = 0
+    finished: int = 0
+    failed: int = 0
+    error: str = ""
+
+    @property
+    def kills(self) -> int:
+        """Steps started that never returned: the process died during them."""
+        return max(0, self.started - self.finished)
+
+    def exhausted(self, max_deliveries: int) -> bool:
+        return self.failed + self.kills >= max_deliveries
+
+    def reason(self) -> str:
+        """Why the batch is skipped (the dead letter's words)."""
+        killed = f"it killed its consumer {self.kills} times (the learner died during its step: out of memory?)"
+        if self.failed and self.kills:
+            return f"its step failed {self.failed} times, last: {self.error}; and {killed}"
+        if self.kills:
+            return killed
+        return f"its step failed {self.failed} times, last: {self.error}"

@@ -1,0 +1,160 @@
+"""The learner's state in Redis, and every write it makes there: each one a :class:`~streamrl.common.tx.Tx`
+(atomic, fenced by the learner's singleton lease, executed once however often the client re-sends it).
+
+Keys (``names.state(...)``, the run's hash tag):
+
+* ``learner`` (hash): ``published`` - the newest WeightsPublished (what a restart compares its
+  checkpoint with); ``acked`` - every batch index below it is acknowledged (covered by a checkpoint).
+* ``learner_version`` (string): ``{version}@{life}`` of the newest publication. A publication requires
+  the value it last saw (compare-and-set), so a retried publication of one version never lands twice.
+* ``learner_batches`` (hash): batch index -> :func:`~streamrl.learner.rl.batch_order.fingerprint` of
+  what was consumed at it (``(lost)`` for a lost index); kept for the last :data:`KEEP_FINGERPRINTS`
+  acknowledged indices, enough to recognise a copy.
+* ``learner_failures:{batch id}`` (hash): ``started``, ``finished``, ``failed``, ``error`` of its steps;
+  ``learner_dead:{batch id}``: its dead letter was written. Both go when the batch is acknowledged.
+
+The write points (all here): :meth:`claim` and :meth:`lose` (an index's fingerprint), :meth:`start`
+and :meth:`finish` (a step's attempt, before and after it), :meth:`publish` (a version: the event
+on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
+``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
+failure keys and old fingerprints deleted).
+"""
+
+from __future__ import annotations
+
+from streamrl.common.bus import Bus, PreconditionFailed
+from streamrl.common.codec import decode, encode
+from streamrl.common.errors import PoisonMessageError
+from streamrl.common.messages import DeadLetter, TrainingBatch, WeightsPublished
+from streamrl.common.streams import StreamNames
+from streamrl.learner.rl.batch_order import LOST, Attempts
+
+KEEP_FINGERPRINTS = 1024
+"""Fingerprints kept below the acknowledged index (a copy arriving later than that is refused as unknown)."""
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class LearnerLedger:
+    """Reads and writes of the learner's Redis state (see the module docstring)."""
+
+    def __init__(self, bus: Bus, names: StreamNames, group: str = "learner") -> None:
+        self.bus = bus
+        self.names = names
+        self.group = group
+        self.learner = names.state("learner")
+        self.version_key = names.state("learner_version")
+        self.fingerprints = names.state("learner_batches")
+
+    def _failures(self, batch_id: str) -> str:
+        return self.names.state(f"learner_failures:{batch_id}")
+
+    def _dead(self, batch_id: str) -> str:
+        return self.names.state(f"learner_dead:{batch_id}")
+
+    # ---------------------------------------------------------------- reads
+    async def published(self) -> WeightsPublished | None:
+        raw = await self.bus.redis.hget(self.learner, "published")
+        return decode(raw, WeightsPublished) if raw else None
+
+    async def version_mark(self) -> str | None:
+        return _text(await self.bus.redis.get(self.version_key))
+
+    async def acked_index(self) -> int:
+        return int(await self.bus.redis.hget(self.learner, "acked") or 0)
+
+    async def record(self, index: int) -> str | None:
+        """The fingerprint of what was consumed at ``index``, None if none is kept."""
+        return _text(await self.bus.redis.hget(self.fingerprints, str(index)))
+
+    async def attempts(self, batch_id: str) -> Attempts:
+        raw = {k.decode(): v for k, v in (await self.bus.redis.hgetall(self._failures(batch_id))).items()}
+        return Attempts(
+            started=int(raw.get("started", 0)), finished=int(raw.get("finished", 0)),
+            failed=int(raw.get("failed", 0)), error=raw.get("error", b"").decode(errors="replace"),
+        )  # fmt: skip
+
+    async def still_to_come(self, stream: str) -> dict[int, str]:
+        """Batch index -> entry id of the entries the learner will still be handed: pending for its group,
+        or after the group's last delivered entry. Undecodable entries are left out (they are dead-lettered)."""
+        groups = [g for g in await self.bus.redis.xinfo_groups(stream) if _text(g["name"]) == self.group]
+        last = _text(groups[0]["last-delivered-id"]) if groups else "0-0"
+        entries: list[tuple[bytes | str, dict[bytes, bytes]]] = []
+        start = "-"
+        while held := await self.bus.redis.xpending_range(stream, self.group, min=start, max="+", count=256):
+            for h in held:
+                entries += await self.bus.redis.xrange(stream, h["message_id"], h["message_id"])
+            start = "(" + str(_text(held[-1]["message_id"]))
+            if len(held) < 256:
+                break
+        entries += await self.bus.redis.xrange(stream, f"({last}", "+")
+        found: dict[int, str] = {}
+        for entry_id, fields in entries:
+            try:
+                batch = decode(fields.get(b"d", b""), TrainingBatch)
+            except PoisonMessageError:
+                continue
+            found.setdefault(batch.index, str(_text(entry_id)))
+        return found
+
+    # --------------------------------------------------------------- writes
+    async def claim(self, index: int, fingerprint: str) -> None:
+        """Record what is consumed at ``index`` (the same value again is a no-op)."""
+        await self.bus.tx().hset(self.fingerprints, str(index), fingerprint).execute()
+
+    async def lose(self, index: int) -> None:
+        await self.claim(index, LOST)
+
+    async def start(self, batch_id: str) -> None:
+        """Count a step of ``batch_id`` as started: before it runs, so a step that kills the process counts."""
+        await self.bus.tx().hincrby(self._failures(batch_id), "started", 1).execute()
+
+    async def finish(self, batch_id: str, error: str | None) -> None:
+        """Count a step of ``batch_id`` as returned (``error``: it raised)."""
+        tx = self.bus.tx().hincrby(self._failures(batch_id), "finished", 1)
+        if error is not None:
+            tx.hincrby(self._failures(batch_id), "failed", 1).hset(self._failures(batch_id), "error", error[:500])
+        await tx.execute()
+
+    async def publish(self, event: WeightsPublished, seen: str | None, mark: str) -> bool:
+        """Publish ``event`` unless the version mark moved from ``seen``: True if written now, False when
+        this publication (``mark``) was written before (a retry after an unknown outcome)."""
+        tx = self.bus.tx().require(self.version_key, equals=seen)
+        tx.xadd(self.names.weights, event).hset(self.learner, "published", encode(event)).set(self.version_key, mark)
+        try:
+            await tx.execute()
+        except PreconditionFailed as e:
+            if _text(e.found) == mark:
+                return False
+            raise RuntimeError(
+                f"version {event.version}: the learner's publication mark is {_text(e.found)!r}, not {seen!r}: "
+                "another learner published meanwhile"
+            ) from e
+        return True
+
+    async def dead_letter_once(self, batch_id: str, letter: DeadLetter) -> bool:
+        """Write ``letter`` for ``batch_id`` unless one was written before (a replay); True if written now."""
+        tx = self.bus.tx().require(self._dead(batch_id), equals=None)
+        tx.set(self._dead(batch_id), 1).xadd(self.names.dead, letter)
+        try:
+            await tx.execute()
+        except PreconditionFailed:
+            return False
+        return True
+
+    async def ack(
+        self, stream: str, entries: list[str], batch_ids: list[str], acked_from: int, acked_index: int
+    ) -> None:
+        """Acknowledge ``entries`` (all covered by a checkpoint: indices below ``acked_index``) and forget what the
+        learner kept about their batches; ``acked`` moves from ``acked_from`` to ``acked_index``. (The entries
+        themselves go with the consumer loop's trimming by consumption, after ``redis.retain_consumed_s``.)"""
+        tx = self.bus.tx().xack(stream, self.group, *entries)
+        tx.hset(self.learner, "acked", acked_index)
+        for batch_id in batch_ids:
+            tx.delete(self._failures(batch_id), self._dead(batch_id))
+        old = range(max(0, acked_from - KEEP_FINGERPRINTS), max(0, acked_index - KEEP_FINGERPRINTS))
+        if old:
+            tx.hdel(self.fingerprints, *(str(i) for i in old))
+        await tx.execute()
