@@ -557,3 +557,46 @@ def test_a_dataset_of_bad_rows_fails_at_start_with_one_clear_line(tiny_task: Pat
     assert f"dataset {data}: the first 32 rows are all bad" in out and "chat template" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert client.xlen(names.prompts) == 0
+
+
+def batches_of(h: Harness) -> list[TrainingBatch]:
+    return [decode(f[b"d"], TrainingBatch) for _, f in h.client.xrange(h.names.batches)]
+
+
+def test_a_batch_the_learner_refused_is_sent_again_then_counted_as_dropped(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """Synchronous, nothing prefetched: once batch 0 is out, admission is closed until the learner
+    publishes version 1. A learner that dead-letters batch 0 without consuming it (it arrived out of
+    order) publishes no version for it: the coordinator sends it again (same index and content) so the
+    learner can take it in order, and after consumer.max_deliveries refusals counts its groups as
+    dropped with the reason - never "nothing lost" while the run waits for ever."""
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    reason = "batch-0 is ahead of the learner, whose next batch is 0: batches are never trained out of order"
+
+    async def scenario() -> None:
+        async with coordinator(recipe, run_id, redis_url, "--coordinator.prefetch_steps=0") as h:
+            h.weights(0)
+            await h.until(lambda: len(h.prompts()) >= 4, "the prompts of batch 0")
+            for item in h.prompts():
+                h.answer(item)
+            await h.until(lambda: h.client.xlen(h.names.batches) == 1, "batch 0")
+            (batch,) = batches_of(h)
+            h.dead_letter(h.names.batches, batch, reason)
+            await h.until(lambda: h.client.xlen(h.names.batches) == 2, "batch 0 sent again", timeout_s=10)
+            again = batches_of(h)[1]
+            assert (again.id, again.index, [s.trajectory.id for s in again.samples]) == (
+                batch.id, batch.index, [s.trajectory.id for s in batch.samples])  # fmt: skip
+            for _ in range(2):  # refused every time: after max_deliveries (3) letters it is given up
+                h.dead_letter(h.names.batches, batch, reason)
+            await h.until(lambda: h.counter("batches_dead") == 1, "the batch counted as dropped")
+            assert h.client.xlen(h.names.batches) == 3
+            assert (h.counter("samples_dead"), h.counter("batch_groups_dead")) == (16, 4)
+            assert h.progress()["batch_groups_dead"] == "4"
+            h.dead_letter(h.names.batches, batch, reason)  # a later letter for it changes nothing
+            await asyncio.sleep(0.5)
+            assert h.client.xlen(h.names.batches) == 3 and h.counter("batches_dead") == 1
+
+    asyncio.run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "batch-0" in r.getMessage()]
+    assert any("4 groups" in e and "out of order" in e and "dropped" in e for e in errors), errors

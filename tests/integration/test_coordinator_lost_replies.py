@@ -215,7 +215,7 @@ def test_a_lost_reply_to_counting_a_dead_batch_counts_it_once(redis_url: str, ru
     async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
         build = builder(state)
         await lose_reply(proxy, state, sha(build._dead_batch.source), build._dead_batch.source)
-        assert await build.record_dead("batch-4", 8, "RuntimeError: loss is not finite"), "counted as seen before"
+        assert await build.record_dead("batch-4", 8, 2, "RuntimeError: loss is not finite"), "counted as seen before"
         assert proxy.dropped == 1
         counters = await state.counters()
         assert (counters[st.BATCHES_DEAD], counters[st.SAMPLES_DEAD]) == (1, 8)

@@ -68,10 +68,10 @@ def test_too_stale_groups_are_dropped_and_owe_the_batchs_version(in_redis) -> No
 def test_a_dead_lettered_batch_is_counted_once(in_redis) -> None:  # type: ignore[no-untyped-def]
     async def scenario(state: RunState) -> None:
         build = builder(state)
-        assert await build.record_dead("batch-4", 8, "RuntimeError: loss is not finite")
-        assert not await build.record_dead("batch-4", 8, "RuntimeError: loss is not finite")
-        assert await build.record_dead("batch-5", 6, "from the future")
+        assert await build.record_dead("batch-4", 8, 2, "RuntimeError: loss is not finite")
+        assert not await build.record_dead("batch-4", 8, 2, "RuntimeError: loss is not finite")
+        assert await build.record_dead("batch-5", 6, None, "its payload was cut")
         counters = await state.counters()
-        assert (counters[st.BATCHES_DEAD], counters[st.SAMPLES_DEAD]) == (2, 14)
+        assert (counters[st.BATCHES_DEAD], counters[st.SAMPLES_DEAD], counters[st.BATCH_GROUPS_DEAD]) == (2, 14, 2)
 
     in_redis(scenario)

@@ -14,7 +14,7 @@ from streamrl.common.messages import (
     TrainingBatch,
     WeightsPublished,
 )
-from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, what_was_lost
+from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, RefusedBatch, what_was_lost
 
 BATCHES = "streamrl:r:batches"
 
@@ -41,23 +41,28 @@ def test_training_groups_evaluation_prompts_and_batches() -> None:
     assert what_was_lost(letter(answer), batches_stream=BATCHES) == LostEvalPrompt(4, "eval-v4-1")
     batch = TrainingBatch(id="batch-3", index=3, samples=[scored, scored], policy_version=3, staleness=[0, 0])
     skipped = f"batch-3 (2 samples) {BATCH_SKIPPED}: its step failed 3 times, last: FloatingPointError: nan"
-    assert what_was_lost(letter(batch, BATCHES, skipped), batches_stream=BATCHES) == LostBatch("batch-3", 2)
+    assert what_was_lost(letter(batch, BATCHES, skipped), batches_stream=BATCHES) == LostBatch("batch-3", 2, 1)
     header = TrainingBatch(id="batch-3", index=3, samples=[], policy_version=3, staleness=[])  # a large batch's letter
-    assert what_was_lost(letter(header, BATCHES, skipped), batches_stream=BATCHES) == LostBatch("batch-3", 2)
+    assert what_was_lost(letter(header, BATCHES, skipped), batches_stream=BATCHES) == LostBatch("batch-3", 2, None)
 
 
-def test_batches_the_learner_refused_lost_nothing_of_the_run() -> None:
-    """A copy of a trained batch or one from the future is dead-lettered by the learner, yet none of
-    the coordinator's samples went untrained."""
-    batch = TrainingBatch(id="batch-3", index=3, samples=[sample("p7", 1)], policy_version=3, staleness=[0])
+def test_a_batch_the_learner_refused_unconsumed_is_to_be_sent_again() -> None:
+    """A batch from the future (or conflicting with what the learner consumed at its index) is
+    dead-lettered without a version published for it: its samples were not trained, and the run waits
+    for that index - the coordinator gets the whole entry back to send it again."""
+    batch = TrainingBatch(id="batch-3", index=3, samples=[sample("p7", 1), sample("p8", 0)], policy_version=3,
+                          staleness=[0, 0])  # fmt: skip
     for error in ("PoisonMessageError: batch-3 is ahead of the learner, whose next batch is 1: ...",
-                  "PoisonMessageError: batch-3 is behind the learner, whose next batch is 9: a copy ..."):  # fmt: skip
-        assert what_was_lost(letter(batch, BATCHES, error), batches_stream=BATCHES) is None
+                  "PoisonMessageError: batch-3 has index 3, which the learner already consumed as ..."):  # fmt: skip
+        refused = what_was_lost(letter(batch, BATCHES, error), batches_stream=BATCHES)
+        assert refused == RefusedBatch("batch-3", 2, 2, encode(batch))
 
 
 def test_unreadable_payloads_and_other_messages() -> None:
     cut = encode(sample("p1", 0))[:20]  # an oversized entry's payload, cut
     assert what_was_lost(letter(cut, BATCHES), batches_stream=BATCHES) is None  # bytes that are no batch of the run
+    named = "MessageTooLargeError: batch-9 (4096 samples) of 40.0 MiB is over the 32.0 MiB limit"
+    assert what_was_lost(letter(cut, BATCHES, named), batches_stream=BATCHES) == LostBatch("batch-9", 4096, None)
     assert what_was_lost(letter(cut), batches_stream=BATCHES) is None
     weights = WeightsPublished(version=1, step=1, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="")
     assert what_was_lost(letter(weights, "streamrl:r:weights"), batches_stream=BATCHES) is None

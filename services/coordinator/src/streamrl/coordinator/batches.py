@@ -10,11 +10,18 @@ still ``k`` (compare-and-set). A re-send of that transaction after a lost reply 
 coordinator, which the lease fence stops anyway) finds the index taken, writes nothing and reads the
 state again: the ``batches`` stream never holds an index twice nor skips one.
 
-A batch the learner cannot train (it failed ``max_deliveries`` times, or came from the future) reaches
-the ``dead`` stream as a DeadLetter holding the TrainingBatch. The learner still publishes a version
-for it (version = batches consumed), so admission goes on; here it is counted once per batch id
-(``batches_dead``, ``samples_dead``) with one error line - its groups are not in flight any more and
-are never failed or replaced.
+A batch the learner consumed without training it (it failed ``max_deliveries`` times) reaches the
+``dead`` stream as a DeadLetter holding the TrainingBatch. The learner still publishes a version for
+it (version = batches consumed), so admission goes on; here its groups are counted dropped once per
+batch id (``batches_dead``, ``samples_dead``, ``batch_groups_dead``) with one error line naming the
+reason - they are not in flight any more and are never failed or replaced.
+
+A batch the learner refused *without consuming it* (it arrived out of order, or conflicts with what
+the learner holds at its index) gets no version: in synchronous mode admission would stay closed for
+ever, waiting for a version that needs that very index consumed. It is sent again, whole, at its
+index (:meth:`BatchBuilder.resend`; the learner takes a copy of a batch it already consumed as a
+duplicate), at most ``consumer.max_deliveries - 1`` times; refused once more, its groups are counted
+dropped as above.
 
 Each batch is the root of a trace of its own (``coordinator.batch``, its traceparent the batch's), and
 the traced samples' waits in their group and for the batch are recorded as it is built (``traces.py``).
@@ -43,10 +50,20 @@ logger = logging.getLogger(__name__)
 
 DEAD_BATCH_LUA = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('INCR', KEYS[2]); redis.call('INCRBY', KEYS[3], ARGV[2])
+redis.call('INCR', KEYS[2]); redis.call('INCRBY', KEYS[3], ARGV[2]); redis.call('INCRBY', KEYS[4], ARGV[3])
 return 1
 """
-"""Count a dead-lettered batch once. KEYS: dead_batch_ids, batches_dead, samples_dead; ARGV: id, samples."""
+"""Count a dead-lettered batch once. KEYS: dead_batch_ids, batches_dead, samples_dead, batch_groups_dead;
+ARGV: id, samples, groups."""
+RESEND_LUA = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return -1 end
+local n = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+if n > tonumber(ARGV[2]) then return 0 end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'd', ARGV[4])
+return n
+"""
+"""Send a refused batch again, at most ARGV[2] times. KEYS: dead_batch_ids, batch_resends, batches; ARGV:
+id, limit, maxlen, payload. Reply: the resend's number, 0 (limit reached) or -1 (already counted dead)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,7 @@ class BatchBuilder:
         self.drop_stale = drop_stale
         self.tracing = tracing
         self._dead_batch = FencedScript(state.bus, DEAD_BATCH_LUA)
+        self._resend = FencedScript(state.bus, RESEND_LUA)
         self.too_stale_since_batch = 0
         """Samples dropped as too stale since the last batch was built (reported with the next one)."""
 
@@ -135,12 +153,23 @@ class BatchBuilder:
             return False
         return True
 
-    async def record_dead(self, batch_id: str, num_samples: int, reason: str) -> bool:
-        """Count a batch the learner dead-lettered (once per id); False when it was counted before."""
+    async def record_dead(self, batch_id: str, num_samples: int, num_groups: int | None, reason: str) -> bool:
+        """Count a batch the learner dead-lettered as dropped (once per id); False when it was counted before."""
         k = self.state.key
-        fresh = bool(await self._dead_batch([k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD)],
-                                            [batch_id, num_samples]))  # fmt: skip
+        keys = [k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD), k(st.BATCH_GROUPS_DEAD)]
+        fresh = bool(await self._dead_batch(keys, [batch_id, num_samples, num_groups or 0]))
         if fresh:
-            logger.error("%s (%d samples) was dead-lettered by the learner and will not be trained: %s",
-                         batch_id, num_samples, reason)  # fmt: skip
+            groups = f"{num_groups} groups, " if num_groups is not None else ""
+            logger.error("%s (%s%d samples) was dead-lettered by the learner: its groups are dropped, never trained: %s",
+                         batch_id, groups, num_samples, reason)  # fmt: skip
         return fresh
+
+    async def resend(self, batch_id: str, payload: bytes, *, limit: int, reason: str) -> bool:
+        """Send again a batch the learner refused unconsumed (``payload``: its entry); False when it was sent
+        ``limit`` times already (the caller counts it dropped) or was counted dropped before."""
+        keys = [self.state.key(st.DEAD_BATCH_IDS), self.state.key(st.BATCH_RESENDS), self.state.names.batches]
+        sent = await self._resend(keys, [batch_id, limit, self.state.bus.maxlen, payload])
+        if sent > 0:
+            logger.warning("%s was refused by the learner without being consumed (%s): sent again (%d of %d)",
+                           batch_id, reason, sent, limit)  # fmt: skip
+        return sent > 0

@@ -7,15 +7,20 @@ coordinator that is one of:
   issue a replacement (``groups.py``);
 * the same for an evaluation prompt (``is_eval``; its round is ``metadata["eval_version"]``): the
   prompt counts against its round, which closes without it (``evaluation.py``);
-* a training batch the learner consumed untrained (its letter says ``BATCH_SKIPPED``): counted, never
-  taken for a group (``batches.py``).
+* a training batch the learner consumed untrained (its letter says ``BATCH_SKIPPED``; it published that
+  index's version anyway): its groups are dropped, counted, never taken for a group (``batches.py``);
+* a training batch the learner refused without consuming it (it came out of order, or conflicts with
+  what the learner consumed at its index): no version comes for it, so the coordinator sends it again
+  (``batches.py``) and counts it dropped only once that was refused too often. A batch whose payload
+  the letter cut (too large to keep whole) is named by the letter's error and counted dropped.
 
-Anything else (a weights event, an undecodable entry, a batch the learner refused as a copy or as
-one from the future) only counts as a dead letter: nothing the coordinator issued was lost.
+Anything else (a weights event, an undecodable entry of another stream) only counts as a dead
+letter: nothing the coordinator issued was lost.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from streamrl.common.codec import decode
@@ -28,6 +33,9 @@ from streamrl.common.messages import (
     TrainingBatch,
     Trajectory,
 )
+
+BATCH_ID = re.compile(r"\bbatch-\d+\b")
+"""A batch id in a letter's error (the learner names the batch it gives up on)."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +52,25 @@ class LostEvalPrompt:
 
 @dataclass(frozen=True)
 class LostBatch:
+    """A batch consumed untrained (or unreadable): its groups are dropped."""
+
     batch_id: str
     num_samples: int
+    num_groups: int | None
+    """None when the letter kept no samples to count them from."""
 
 
-Loss = LostGroup | LostEvalPrompt | LostBatch
+@dataclass(frozen=True)
+class RefusedBatch:
+    """A batch the learner refused without consuming it: ``payload`` is the whole entry, to send again."""
+
+    batch_id: str
+    num_samples: int
+    num_groups: int
+    payload: bytes
+
+
+Loss = LostGroup | LostEvalPrompt | LostBatch | RefusedBatch
 
 
 def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
@@ -56,10 +78,17 @@ def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
     try:
         inner = decode(letter.payload)
     except PoisonMessageError:
+        named = BATCH_ID.search(letter.error)
+        if letter.stream == batches_stream and named:  # a batch's letter, its payload cut
+            return LostBatch(named.group(0), _num_samples(letter.error[named.start() :], 0), None)
         return None
     if isinstance(inner, TrainingBatch):
-        skipped = letter.stream == batches_stream and BATCH_SKIPPED in letter.error
-        return LostBatch(inner.id, _num_samples(letter.error, len(inner.samples))) if skipped else None
+        if letter.stream != batches_stream:
+            return None
+        groups = len({s.trajectory.group_id for s in inner.samples})
+        if BATCH_SKIPPED in letter.error or not inner.samples:
+            return LostBatch(inner.id, _num_samples(letter.error, len(inner.samples)), groups or None)
+        return RefusedBatch(inner.id, len(inner.samples), groups, letter.payload)
     if isinstance(inner, PromptWorkItem):
         group, is_eval, metadata = inner.id, inner.is_eval, inner.metadata
     elif isinstance(inner, Trajectory | ScoredTrajectory):

@@ -18,7 +18,7 @@ Tasks of :meth:`CoordinatorService.run`:
 * the ``weights`` tail: the learner's events raise the policy version (kept in Redis, never
   decreasing; an evaluation round due at a version is started before the version counts);
 * the ``dead`` tail: a dead letter fails its group (replaced), counts against its evaluation round,
-  or counts a batch the learner gave up on;
+  counts a batch the learner gave up on as dropped, or sends again a batch it refused unconsumed;
 * one tick that, every few ms: times out overdue groups, completes groups, builds batches, issues
   prompts, closes evaluation rounds, publishes progress, and ends the run after ``total_steps``
   once no evaluation round is open.
@@ -44,7 +44,7 @@ from streamrl.coordinator import state as st
 from streamrl.coordinator.batch_metrics import batch_stats
 from streamrl.coordinator.batches import BatchBuilder, Built
 from streamrl.coordinator.config import CoordinatorConfig
-from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, what_was_lost
+from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, RefusedBatch, what_was_lost
 from streamrl.coordinator.evaluation import EvalRounds, round_buffer_id, round_of_buffer
 from streamrl.coordinator.followers import follow
 from streamrl.coordinator.groups import GroupBuffer
@@ -202,7 +202,12 @@ class CoordinatorService:
             if self.evals is not None:
                 await self.evals.record_dead(lost.version, lost.prompt_id)
         elif isinstance(lost, LostBatch):
-            await self.batches.record_dead(lost.batch_id, lost.num_samples, msg.error)
+            await self.batches.record_dead(lost.batch_id, lost.num_samples, lost.num_groups, msg.error)
+        elif isinstance(lost, RefusedBatch):
+            limit = self.cfg.consumer.max_deliveries - 1
+            if not await self.batches.resend(lost.batch_id, lost.payload, limit=limit, reason=msg.error):
+                await self.batches.record_dead(lost.batch_id, lost.num_samples, lost.num_groups,
+                                               f"refused {limit + 1} times, last: {msg.error}")  # fmt: skip
         counters = await self._publish_progress(refresh=True)
         self.metrics.write(self.version, {
             "coordinator/dead_reason": msg.error[:500], "coordinator/dead_stream": stream, **counter_metrics(counters),

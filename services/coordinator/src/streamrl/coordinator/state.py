@@ -42,6 +42,8 @@ BATCH_INDEX = "batch_index"
 """int: index of the next batch."""
 DEAD_BATCH_IDS = "dead_batch_ids"
 """set: batches the learner dead-lettered (each counted once)."""
+BATCH_RESENDS = "batch_resends"
+"""hash batch id -> times a batch the learner refused unconsumed was sent again."""
 
 # -- evaluation
 EVAL_ROUNDS = "eval_rounds"
@@ -75,6 +77,8 @@ BATCHES_DEAD = "batches_dead"
 """Training batches the learner dead-lettered."""
 SAMPLES_DEAD = "samples_dead"
 """Samples in those batches."""
+BATCH_GROUPS_DEAD = "batch_groups_dead"
+"""Groups in those batches (dropped: never trained)."""
 EVAL_DEAD = "eval_dead"
 """Evaluation prompts dead-lettered (closed rounds)."""
 EVAL_MISSING = "eval_missing"
@@ -85,7 +89,8 @@ REWARD_DEAD_LETTERED = "reward_dead_lettered"
 """Dead letters from the ``trajectories`` stream (the reward tier gave up on them)."""
 COUNTERS = (
     GROUPS_DEAD, GROUPS_TIMED_OUT, GROUPS_FILTERED, SAMPLES_TOO_STALE, LATE_SAMPLES_DROPPED, PROMPTS_TOO_LARGE,
-    PROMPTS_BAD, BATCHES_DEAD, SAMPLES_DEAD, EVAL_DEAD, EVAL_MISSING, DEAD_LETTERS, REWARD_DEAD_LETTERED,
+    PROMPTS_BAD, BATCHES_DEAD, SAMPLES_DEAD, BATCH_GROUPS_DEAD, EVAL_DEAD, EVAL_MISSING, DEAD_LETTERS,
+    REWARD_DEAD_LETTERED,
 )  # fmt: skip
 
 
