@@ -64,6 +64,8 @@ ENDLESS_STEPS = 1_000_000
 DRAIN_STEPS = 5
 """Steps the run goes on after the faults stop, before it ends."""
 END_TIMEOUT_S = 900.0
+START_TIMEOUT_S = 900.0
+"""Until the first version is published (vLLM's start, the learner's compile on a busy machine)."""
 
 
 @dataclass
@@ -180,6 +182,49 @@ def _plot(samples: list[dict[str, Any]], kills: list[Kill], bound: int | None, t
     plt.close(fig)
 
 
+def _soak(run: FaultRun, args: argparse.Namespace, samples: list[dict[str, Any]], kills: list[Kill]) -> Row:
+    """Start the run, inject the faults for ``args.minutes``, end the run, count it (its row)."""
+    proxy = run.proxy
+    assert proxy is not None
+    stop_sampling = threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(run, args.sample_s, samples, stop_sampling), daemon=True)
+    error = ""
+    try:
+        run.start()
+        sampler.start()
+        run.wait_version(1, timeout_s=START_TIMEOUT_S)  # start-up (vLLM, the learner's compile) before a kill
+        faults_end = time.time() + args.minutes * 60
+        next_kill = time.time() + args.kill_every_s
+        while time.time() < faults_end and not run.done.is_set():
+            if time.time() >= next_kill:
+                service = SERVICES[len(kills) % len(SERVICES)]
+                version, at = run.version(), time.time()
+                run.kill(f"{service}-0")
+                time.sleep(1.0)
+                run.start_service(service, f"{service}-0")
+                kills.append(Kill(service, at, time.time(), version))
+                print(f"soak: kill {len(kills)}: SIGKILL {service} at version {version}", flush=True)
+                next_kill += args.kill_every_s
+            time.sleep(0.5)
+        proxy.set_policy(None)
+        end_step = run.version() + DRAIN_STEPS
+        print(f"soak: faults over at version {end_step - DRAIN_STEPS}; the run ends at {end_step}", flush=True)
+        run.kill("coordinator-0")
+        run.start_service("coordinator", "coordinator-0", extra=[f"--total_steps={end_step}"])
+        completed = run.wait_done(END_TIMEOUT_S, stall_s=180)
+    except AssertionError as e:
+        completed, end_step, error = False, max(run.version(), 1), str(e)
+    finally:
+        stop_sampling.set()
+    if not completed:
+        run.dump_stacks()
+    try:
+        record(run, "soak", completed, end_step, 8, None, None, early_stop=error)
+    except AssertionError:
+        pass  # the row holds the failures
+    return ROWS[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0, help="how long the faults go on")
@@ -188,6 +233,13 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=3.0, help="seconds between two memory samples")
     parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm", help="rollout engine (demo: vllm)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="--FIELD=VALUE",
+        help="a recipe override for every service (repeatable), e.g. --override=--learner.ds.compile=false",
+    )
     args = parser.parse_args()
     if args.minutes <= 0 or args.kill_every_s <= 0 or args.sample_s <= 0:
         parser.error("--minutes, --kill-every-s and --sample-s must be positive")
@@ -199,50 +251,17 @@ def main() -> None:
     workdir = Path(tempfile.gettempdir()) / f"streamrl-soak-{stamp}"
     _prepare()
     overrides = [f"--total_steps={ENDLESS_STEPS}", *(["--rollout.engine.type=hf"] if args.engine == "hf" else [])]
+    overrides += args.override
     run = FaultRun("soak", TASK, workdir, recipe_source=RECIPE, base_overrides=overrides, slim_tap=True)
     proxy = run.use_proxy()
     proxy.set_policy(LoseRandom(args.loss, seed=args.seed))
     samples: list[dict[str, Any]] = []
-    stop_sampling = threading.Event()
-    sampler = threading.Thread(target=_sampler, args=(run, args.sample_s, samples, stop_sampling), daemon=True)
     kills: list[Kill] = []
-    error = ""
     try:
-        run.start()
-        t0 = run.started_at
-        sampler.start()
-        run.wait_version(1, timeout_s=600)  # start-up (vLLM, the learner's compile) before the first kill
-        faults_end = time.time() + args.minutes * 60
-        next_kill = time.time() + args.kill_every_s
-        while time.time() < faults_end and not run.done.is_set():
-            if time.time() >= next_kill:
-                service = SERVICES[len(kills) % len(SERVICES)]
-                version, at = run.version(), time.time()
-                run.kill(f"{service}-0")
-                time.sleep(1.0)
-                run.start_service(service, f"{service}-0")
-                kills.append(Kill(service, at, time.time(), version))
-                print(f"soak: {len(kills)} kills, SIGKILL {service} at version {version}", flush=True)
-                next_kill += args.kill_every_s
-            time.sleep(0.5)
-        proxy.set_policy(None)
-        end_step = run.version() + DRAIN_STEPS
-        run.kill("coordinator-0")
-        run.start_service("coordinator", "coordinator-0", extra=[f"--total_steps={end_step}"])
-        completed = run.wait_done(END_TIMEOUT_S, stall_s=180)
-    except AssertionError as e:
-        completed, end_step, error = False, run.version(), str(e)
+        row = _soak(run, args, samples, kills)
+        bound, bound_source = _stated_bound(run, row.total_steps)
     finally:
-        stop_sampling.set()
-    if not completed:
-        run.dump_stacks()
-    try:
-        record(run, "soak", completed, end_step, 8, None, None, early_stop=error)
-    except AssertionError:
-        pass  # the row holds the failures
-    row: Row = ROWS[-1]
-    bound, bound_source = _stated_bound(run, end_step)
-    run.close()
+        run.close()  # no process left behind, whatever happened (Ctrl-C included)
 
     recoveries = _recoveries(run, kills)
     max_used = max((s["used_memory"] for s in samples), default=0)
@@ -265,6 +284,7 @@ def main() -> None:
         "steps": c.steps,
         "kills": len(kills),
         "replies_lost": len(proxy.lost),
+        "version_at_first_kill": kills[0].version if kills else None,
         "max_used_memory": max_used,
         "bound": bound,
         "max_recovery_s": max((r for r in recoveries if r is not None), default=None),
