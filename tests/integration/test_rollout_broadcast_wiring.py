@@ -1,6 +1,7 @@
 """The rollout worker with a weights event that advertises a broadcast rendezvous: it updates as a
 member of the group, falls back to ZMQ when it cannot join and the learner serves there, says which
-learner setting to change when it does not, and reports the version the engine really serves."""
+learner setting to change when it does not, and reports the version the engine serves (exactly the
+event's: engines refuse any other staged version, tests/integration/test_broadcast_engines.py)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,11 @@ def _weights(version: int, endpoint: str) -> WeightsPublished:
 
 
 class _Engine:
-    """Records how each update came; over the broadcast it fails (cannot join) or serves ``ahead``
-    versions more than asked (newer versions were staged meanwhile)."""
+    """Records how each update came; over the broadcast it fails (cannot join) or serves the version."""
 
-    def __init__(self, joins: bool, ahead: int = 0) -> None:
+    def __init__(self, joins: bool) -> None:
         self.version = 0
-        self.joins, self.ahead = joins, ahead
+        self.joins = joins
         self.calls: list[tuple[str, int]] = []
 
     async def update_weights(
@@ -43,7 +43,7 @@ class _Engine:
         self.calls.append(("broadcast" if broadcast is not None else "zmq", version))
         if broadcast is not None and not self.joins:
             raise WeightSyncError("could not reach the learner's store learner:29600")
-        self.version = version + (self.ahead if broadcast is not None else 0)
+        self.version = version
 
 
 def _run(redis_url: str, run_id: str, engine: _Engine, message: WeightsPublished) -> tuple[int, int, int]:
@@ -65,8 +65,8 @@ def _run(redis_url: str, run_id: str, engine: _Engine, message: WeightsPublished
 
 
 def test_a_member_updates_over_the_broadcast_and_reports_what_it_serves(redis_url: str, run_id: str) -> None:
-    engine = _Engine(joins=True, ahead=1)
-    assert _run(redis_url, run_id, engine, _weights(3, "")) == (4, 4, 4)
+    engine = _Engine(joins=True)
+    assert _run(redis_url, run_id, engine, _weights(3, "")) == (3, 3, 3)
     assert engine.calls == [("broadcast", 3)]
 
 

@@ -1,4 +1,5 @@
-"""A rollout engine's member of the learner's weight-broadcast group: deadlines turn into clear errors."""
+"""A rollout engine's member of the learner's weight-broadcast group: deadlines turn into clear errors,
+and a version is handed out only as the signed event names it (version and checksum)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,25 @@ def test_a_new_learner_session_gets_a_new_member(publisher: BroadcastWeightPubli
         assert publisher.members == []
     finally:
         second.close()
+
+
+def test_only_the_version_and_checksum_the_signed_event_names_are_handed_out(
+    publisher: BroadcastWeightPublisher,
+) -> None:
+    info, checksum = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+    assert info.checksum == checksum  # the rendezvous carries it: signed with the event
+    receiver = BroadcastReceiver(info, torch.device("cpu"), "hf", timeout_s=10)
+    try:
+        with pytest.raises(WeightSyncError, match=rf"version 1 that hashes to {checksum}, not to {'0' * 64} as the"):
+            receiver.acquire(1, timeout_s=10, checksum="0" * 64)  # what the store offers is not what was signed
+        version, views = receiver.acquire(1, timeout_s=10, checksum=checksum)
+        assert version == 1 and torch.equal(views[0][1], torch.ones(16))
+        receiver.release()
+        _, checksum_2 = publisher.publish([("model.norm.weight", torch.full((16,), 2.0))], version=2)
+        publisher.wait_delivered(2, timeout_s=10)
+        with pytest.raises(WeightSyncError, match=r"version 1 was replaced in the staging buffers .* by version 2"):
+            receiver.acquire(1, timeout_s=10, checksum=checksum)
+        assert receiver.acquire(2, timeout_s=10, checksum=checksum_2)[0] == 2
+        receiver.release()
+    finally:
+        receiver.close()

@@ -325,6 +325,10 @@ class WeightsBroadcast(msgspec.Struct, frozen=True):
     """Size of each bucket (bytes), in broadcast order."""
     tensors: list[IpcTensor]
     """Where each tensor lies (``buffer`` = bucket index), in publishing order (tied aliases included)."""
+    checksum: str = ""
+    """Block checksum of this version's buckets (the version included): what a member must have received
+    to load it. Signed with the event, so a member refuses whatever else the group's store (which
+    has no authentication) offers; empty from a learner that predates it."""
 
 
 class WeightsPublished(_Message, tag="weights"):

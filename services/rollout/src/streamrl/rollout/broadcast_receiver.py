@@ -10,11 +10,19 @@ buckets into its staging buffers, recomputes the device-side block checksum (the
 definition, :func:`streamrl.rollout.ipc_weights.weights_checksum`) and acknowledges. Receiving
 runs while the engine generates; the engine takes a verified version between two batches::
 
-    version, tensors = receiver.acquire(min_version, timeout_s)  # waits, then pins the staging buffers
+    version, tensors = receiver.acquire(version, timeout_s, checksum=signed)  # waits, then pins the buffers
     try:
         load(tensors)                                             # (name, view of the staging buffers)
     finally:
         receiver.release()
+
+The store and the group have no authentication: whoever reaches the store can announce a version
+and broadcast buckets of their own, and the checksum the member first checks against comes from
+that store. So an engine loads a version only as a signed weights event names it: ``checksum`` is
+the event's (``WeightsBroadcast.checksum``, :mod:`streamrl.common.weights_auth`), and ``acquire``
+hands out exactly that version with what was received hashing to exactly that checksum - anything
+else staged is refused with a :class:`WeightSyncError` naming both (a newer version staged
+meanwhile too: it loads with its own event).
 
 A joiner gets the learner's current version as soon as it is in the group. A missed deadline, a
 checksum mismatch or a learner that gave an update up leaves the last verified version staged
@@ -130,6 +138,8 @@ class BroadcastReceiver:
         self._changed = threading.Condition()
         self._staged = -1
         """Version verified in the staging buffers (-1: none)."""
+        self._staged_checksum = ""
+        """Block checksum of what the staging buffers hold, as computed here from the received bytes."""
         self._failure: str | None = None
         self.failed_at: float | None = None
         """When the thread failed (``time.monotonic()``); None while it is alive."""
@@ -147,28 +157,53 @@ class BroadcastReceiver:
         """The staging buffers (flat uint8); read them only between :meth:`acquire` and :meth:`release`."""
         return self._staging
 
-    def acquire(self, min_version: int, timeout_s: float) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Wait until a version >= ``min_version`` is staged, pin the staging buffers and return
-        (version, [(name, view)]); call :meth:`release` when loaded. Raises WeightSyncError after
-        ``timeout_s``, or at once when the receiver has failed."""
+    def acquire(
+        self, version: int, timeout_s: float, checksum: str | None = None
+    ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Wait until ``version`` is staged, pin the staging buffers and return (version, [(name, view)]);
+        call :meth:`release` when loaded.
+
+        ``checksum``: what the signed weights event says ``version`` hashes to - only exactly that
+        version with exactly that checksum is handed out, anything else staged raises WeightSyncError.
+        None (no event to check against: tests, tools): the newest verified version >= ``version``.
+        Raises WeightSyncError after ``timeout_s``, or at once when the receiver has failed.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             with self._changed:
-                while self._staged < min_version:
+                while self._staged < version:
                     if self._failure is not None:
                         raise WeightSyncError(f"weight broadcast member {self.member} failed: {self._failure}")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise WeightSyncError(
-                            f"weights version {min_version} not received over the broadcast group at "
+                            f"weights version {version} not received over the broadcast group at "
                             f"{self.info.store} within {timeout_s:g} s (member {self.member}, staged {self._staged})"
                         )
                     self._changed.wait(min(remaining, 0.5))
+                if checksum is not None:
+                    self._refuse_unless_signed(version, checksum)
             if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise WeightSyncError(f"the staging buffers of {self.member} stayed busy for {timeout_s:g} s")
-            if self._staged >= min_version:  # not overwritten between the wait and the lock
-                return self._staged, self._named
+            staged, staged_checksum = self._staged, self._staged_checksum
+            if (staged == version and checksum in (None, staged_checksum)) or (staged > version and checksum is None):
+                return staged, self._named  # not overwritten between the wait and the lock
             self._lock.release()
+
+    def _refuse_unless_signed(self, version: int, checksum: str) -> None:
+        """Raise WeightSyncError unless the staging buffers hold ``version`` hashing to ``checksum``
+        (called holding ``_changed``, with a version >= ``version`` staged)."""
+        if self._staged > version:
+            raise WeightSyncError(
+                f"weights version {version} was replaced in the staging buffers of {self.member} by version "
+                f"{self._staged} before it was loaded (that one loads with its own signed event)"
+            )
+        if self._staged_checksum != checksum:
+            raise WeightSyncError(
+                f"the weight-broadcast group at {self.info.store} delivered a version {version} that hashes to "
+                f"{self._staged_checksum}, not to {checksum} as the signed weights event says: refused "
+                f"(member {self.member}; the store has no authentication - is something else serving it?)"
+            )
 
     def release(self) -> None:
         """Unpin the staging buffers (after :meth:`acquire`)."""
@@ -183,9 +218,9 @@ class BroadcastReceiver:
         views = tensor_views(self._staging, self.info.tensors)
         return [(t.name, v) for t, v in zip(self.info.tensors, views, strict=True)]
 
-    def _set_staged(self, version: int) -> None:
+    def _set_staged(self, version: int, checksum: str = "") -> None:
         with self._changed:
-            self._staged = version
+            self._staged, self._staged_checksum = version, checksum
             self._changed.notify_all()
 
     # ------------------------------------------------------------------ thread side
@@ -303,7 +338,7 @@ class BroadcastReceiver:
                 if checksum != record.checksum:
                     error = f"checksum mismatch: received {checksum}, published {record.checksum}"
             if error is None:
-                self._set_staged(record.version)
+                self._set_staged(record.version, checksum)
         store.set(wb.ack_key(generation, op, rank), wb.encode(wb.Ack(checksum=checksum, error=error or "")))
         if error is not None:
             logger.warning("weight broadcast: %s did not receive version %d: %s", self.member, record.version, error)

@@ -126,12 +126,13 @@ class Engine(Protocol):
     ) -> None:
         """Take ``version`` and serve it from now on: from the learner's CUDA IPC buffers ``ipc`` when
         given (the engine shares the learner's GPU), as a member of the learner's weight-broadcast
-        group ``broadcast`` when given (the engine then serves the newest version it received, at
-        least ``version``: see :attr:`version`), else pulled from the weight server at ``endpoint``.
+        group ``broadcast`` when given (exactly ``version``, loaded only if what the member received
+        hashes to ``broadcast.checksum``, the signed event's), else pulled from the weight server at
+        ``endpoint``.
 
         Raises :class:`streamrl.common.errors.WeightSyncError` on a missed deadline, a checksum
-        mismatch, or ``ipc`` / ``broadcast`` weights the engine cannot take; the engine then keeps
-        serving its previous version.
+        mismatch, a broadcast version replaced by a newer one before it was loaded, or ``ipc`` /
+        ``broadcast`` weights the engine cannot take; the engine then keeps serving its previous version.
         """
         ...
 

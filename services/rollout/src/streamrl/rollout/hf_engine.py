@@ -32,7 +32,8 @@ One driver thread owns the model and runs a continuous-batching loop::
   jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
   failed transfer leaves the served weights untouched. Over the learner's weight-broadcast group
   a member (:class:`streamrl.rollout.broadcast_receiver.BroadcastReceiver`) receives in the
-  background while the engine decodes, and an update copies its newest verified version in.
+  background while the engine decodes, and an update copies the version asked for in once what was
+  received hashes to the signed event's checksum (anything else the store offered is refused).
 
 The asyncio side never blocks: commands go through a thread-safe queue, results come back as
 ``concurrent.futures.Future``s.
@@ -581,13 +582,14 @@ class HFEngine:
         torch.cuda.current_stream(self._device).synchronize()
 
     def _load_broadcast(self, update: WeightUpdate) -> int:
-        """Copy the newest version the engine's member of the learner's weight group verified (at least
-        ``update.version``) into the parameters; returns that version."""
+        """Copy ``update.version`` from the engine's member of the learner's weight group into the
+        parameters, only if what it received hashes to the signed event's checksum; returns the version."""
         from streamrl.rollout.broadcast_receiver import member_for
 
         assert update.broadcast is not None
         self._member = member_for(self._member, update.broadcast, self._device, "hf", update.timeout_s)
-        version, received = self._member.acquire(update.version, update.timeout_s)
+        signed = update.broadcast.checksum or update.checksum  # (an older learner: the event's own checksum)
+        version, received = self._member.acquire(update.version, update.timeout_s, checksum=signed)
         try:
             self._load(version, received)
         finally:

@@ -13,8 +13,11 @@
   learner's CUDA IPC buffers when the message carries them (colocated), or - when it advertises a
   weight-broadcast rendezvous - received by the engine as a member of the learner's broadcast
   group (NCCL/gloo), falling back to the ZMQ server when the engine cannot join and the learner
-  serves one; then loaded. The version the engine serves (over the broadcast, possibly newer than
-  the message's) is reported in the heartbeat and in the ``served`` hash. A worker that joins late
+  serves one; then loaded. Every path loads exactly the signed event's version and checks the
+  weights against its checksum (over the broadcast too: a member refuses whatever else the group's
+  unauthenticated store offers, and a version replaced by a newer one before it was loaded waits
+  for that one's event). The version the engine serves is reported in the heartbeat and in the
+  ``served`` hash. A worker that joins late
   loads the latest published version before it takes prompts.
 * With ``rollout.environment`` set, each sample is a multi-turn episode with that environment
   (:mod:`streamrl.rollout.episode`): the Trajectory then carries the turns, the loss mask (0 on the
@@ -293,7 +296,7 @@ class RolloutService:
                     )
                 else:
                     path = await self._update_over_broadcast(msg)
-                version = self.engine.version  # over the broadcast: possibly newer than asked
+                version = self.engine.version
                 self.served_checksum = msg.checksum if version == msg.version else None
                 span.set_attributes({POLICY_VERSION: version, WEIGHTS_PATH: path})
             seconds = time.perf_counter() - started

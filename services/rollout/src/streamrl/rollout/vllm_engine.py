@@ -13,9 +13,9 @@ process, as vLLM is configured) and runs this loop::
   loads them (a failed transfer leaves the served weights untouched) and the prefix cache (and a
   vision-language model's cache of image embeddings) is reset.
   Over the learner's weight-broadcast group every worker (tensor-parallel rank) is a member of its
-  own and receives in the background; an update stages the same verified version on every worker
-  (the newest one, at least the version asked for) and loads it - each rank's loader keeps its
-  shard of the full tensors.
+  own and receives in the background; an update stages the version asked for on every worker, each
+  checking what it received against the signed event's checksum (anything else the unauthenticated
+  store offered is refused), and loads it - each rank's loader keeps its shard of the full tensors.
   With ``cpu_weight_packing`` off (CPU) the model is loaded with its linears on F.linear over their
   own weights, and an update copies into them in place instead of going through vLLM's reload.
   With ``partial_rollout`` the update runs between two engine steps instead: running requests are
@@ -76,8 +76,6 @@ DISCARD_METHOD = "streamrl_discard_weights"
 LIVE_METHOD = "streamrl_has_live_weights"
 STAGE_BROADCAST_METHOD = "streamrl_stage_broadcast"
 CLOSE_BROADCAST_METHOD = "streamrl_close_broadcast"
-STAGE_ATTEMPTS = 3
-"""Tries to stage one version on every worker when a newer one lands on some of them in between."""
 RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
 
@@ -419,29 +417,19 @@ class VLLMEngine:
         return next((r for r in results if r is not None), None)
 
     def _stage_broadcast(self, update: WeightUpdate) -> tuple[int, str | None]:
-        """Stage one verified version, at least ``update.version``, on every worker (each a member of
-        the learner's weight group); returns (version, None), or (-1, why not)."""
+        """Stage ``update.version`` on every worker (each a member of the learner's weight group), each
+        checked against the signed event's checksum; returns (version, None), or (-1, why not)."""
         assert self._llm is not None and update.broadcast is not None
-        rendezvous = encode_rendezvous(update.broadcast)
-        wanted = update.version
-        versions: set[int] = set()
-        for _ in range(STAGE_ATTEMPTS):
-            args = (rendezvous, wanted, update.timeout_s)
-            try:
-                results = self._llm.collective_rpc(
-                    STAGE_BROADCAST_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args
-                )
-            except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
-                return -1, f"{type(e).__name__}: {e}"
-            failure = next((error for _, error in results if error is not None), None)
-            if failure is not None:
-                return -1, failure
-            versions = {int(staged) for staged, _ in results}
-            if len(versions) == 1:
-                return versions.pop(), None
-            self._llm.collective_rpc(DISCARD_METHOD)  # a newer version landed on some workers meanwhile
-            wanted = max(versions)
-        return -1, f"the tensor-parallel workers kept staging different versions ({sorted(versions)})"
+        signed = update.broadcast.checksum or update.checksum  # (an older learner: the event's own checksum)
+        args = (encode_rendezvous(update.broadcast), update.version, signed, update.timeout_s)
+        try:
+            results = self._llm.collective_rpc(
+                STAGE_BROADCAST_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args
+            )
+        except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
+            return -1, f"{type(e).__name__}: {e}"
+        failure = next((error for _, error in results if error is not None), None)
+        return (-1, failure) if failure is not None else (update.version, None)
 
     def _abort(self, job: _Job) -> None:
         assert self._llm is not None

@@ -13,8 +13,8 @@ Over the learner's weight-broadcast group (``learner.weights_transport = "broadc
 - each tensor-parallel rank - is a member of its own
 (:class:`streamrl.rollout.broadcast_receiver.BroadcastReceiver`, built at the first such update):
 it receives every version into staging buffers on its device in the background, and the stage
-call only waits for a verified version and pins it; vLLM's loader then takes from the full tensors
-the shard its rank needs.
+call only waits for the version asked for, checks it against the signed event's checksum and pins
+it; vLLM's loader then takes from the full tensors the shard its rank needs.
 
 Imported by vLLM inside the worker by qualified name; it imports torch, never vLLM.
 """
@@ -93,17 +93,19 @@ class WeightReceiver:
         self._streamrl_staged = (version, weights)
         return None
 
-    def streamrl_stage_broadcast(self, broadcast: bytes, version: int, timeout_s: float) -> tuple[int, str | None]:
+    def streamrl_stage_broadcast(
+        self, broadcast: bytes, version: int, checksum: str, timeout_s: float
+    ) -> tuple[int, str | None]:
         """Wait until this worker's member of the learner's weight group (``broadcast``: a msgpack
-        WeightsBroadcast) has verified a version >= ``version``, and stage it (pinned).
-        Return (staged version, None), or (-1, why it failed)."""
+        WeightsBroadcast) has received ``version`` hashing to ``checksum`` (the signed event's), and
+        stage it (pinned). Return (``version``, None), or (-1, why it failed or was refused)."""
         from streamrl.rollout.broadcast_receiver import member_for
 
         self.streamrl_discard_weights()
         info = decode_rendezvous(broadcast)
         try:
             self._streamrl_member = member_for(self._streamrl_member, info, self.device, f"tp{self.rank}", timeout_s)
-            staged, weights = self._streamrl_member.acquire(version, timeout_s)
+            staged, weights = self._streamrl_member.acquire(version, timeout_s, checksum=checksum)
         except WeightSyncError as e:
             return -1, str(e)
         self._streamrl_staged, self._streamrl_pinned = (staged, weights), True

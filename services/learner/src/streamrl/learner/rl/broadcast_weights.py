@@ -189,7 +189,8 @@ class BroadcastWeightPublisher:
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[WeightsBroadcast, str]:
         """Copy ``named_tensors`` (all on one device) into the buckets as ``version``; the broadcast
-        runs in the background. Returns (rendezvous for ``WeightsPublished.broadcast``, checksum).
+        runs in the background. Returns (rendezvous for ``WeightsPublished.broadcast``, checksum); the
+        rendezvous carries the checksum too (signed with the event, members load nothing else).
 
         Waits while the previous version is still being broadcast. Raises RuntimeError if the
         broadcast thread died (its store failed).
@@ -213,6 +214,7 @@ class BroadcastWeightPublisher:
         broadcast = WeightsBroadcast(
             store=self.address, session=self.session, backend=self._backend, generation=generation,
             block_bytes=BLOCK_BYTES, bucket_bytes=[b.numel() for b in self._packer.buffers], tensors=self._packer.layout,
+            checksum=checksum,
         )  # fmt: skip
         return broadcast, checksum
 
