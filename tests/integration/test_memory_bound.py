@@ -90,8 +90,10 @@ class Filler:
                 self.client.xack(stream, group, *ids)
 
 
-def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> None:
-    """Fill Redis with what a run of ``shape`` holds at its in-flight maximum."""
+def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
+    """Fill Redis with what a run of ``shape`` holds at its in-flight maximum, all but the newest batch
+    waiting for a checkpoint: that one is returned (encoded), for the caller to write as the coordinator
+    does (its transient buffers are part of the bound)."""
     names = StreamNames(run_id)
     rng = np.random.default_rng(0)
     f = Filler(client, names)
@@ -116,7 +118,7 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> None:
                     mapping={s.trajectory.id: encode(s) for s in samples})  # fmt: skip
     f.add(names.scored, "coordinator", [encode(s) for _, ss in horizon[2 * pps :] for s in ss], consumed=False)
     # trained batches waiting for a checkpoint: pending in the learner's group
-    f.add(names.batches, "learner", [batch(i) for i in range(min(shape.checkpoint_every, shape.total_steps))],
+    f.add(names.batches, "learner", [batch(i) for i in range(min(shape.checkpoint_every, shape.total_steps) - 1)],
           consumed=False)  # fmt: skip
     # consumed, not yet trimmed: L batches' worth of every stream
     lagging = [group("lag") for _ in range(shape.lag_batches * pps)]
@@ -171,6 +173,7 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> None:
         pipe.set(names.lease("instance", "rollout", f"rollout-{k}"), os.urandom(16).hex(), px=10_000)
         pipe.hset(names.served_versions, f"rollout-{k}", 3)
     pipe.execute()
+    return batch(999)
 
 
 def used_memory(client: syncredis.Redis) -> int:
@@ -194,20 +197,28 @@ SHAPES = {
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_a_run_at_its_maximum_fits_the_bound(tmp_path: Path, name: str) -> None:
     shape = SHAPES[name]
-    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    server = RedisServer(tmp_path / "redis").start()  # with AOF, as streamrl up runs it
+    names = StreamNames("bound")
     try:
         with syncredis.Redis(port=server.port) as client:
             empty = used_memory(client)
         with syncredis.Redis(port=server.port) as client:
-            fill_run(client, shape, "bound")
-        # measured from a new connection: the filler's query buffer (a transient the bound counts apart) is gone
+            last_batch = fill_run(client, shape, "bound")
+        with syncredis.Redis(port=server.port) as client, syncredis.Redis(port=server.port) as learner:
+            client.config_resetstat()  # the peak from here on: the last batch written through a script, then read
+            client.eval("return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])", 1, names.batches, last_batch)
+            learner.xreadgroup("learner", "c-1", {names.batches: ">"}, count=1)
+            peak = int(client.info("memory")["used_memory_peak"]) - empty
+        # measured from a new connection: the writer's query buffer (counted as transient) is gone
         with syncredis.Redis(port=server.port) as client:
             held = used_memory(client) - empty
     finally:
         server.stop()
     bound = memory_bound(shape)
     fillable = bound.total - bound.terms["base"] - bound.terms["transient"]
-    print(f"{name}: held {held / MIB:.2f} MiB, bound {fillable / MIB:.2f} MiB (ratio {fillable / held:.2f}); "
+    print(f"{name}: held {held / MIB:.2f} MiB, bound {fillable / MIB:.2f} MiB (ratio {fillable / held:.2f}); peak "
+          f"{peak / MIB:.2f} MiB, bound with transients {(fillable + bound.terms['transient']) / MIB:.2f}; "
           f"{bound.describe()}")  # fmt: skip
     assert held <= fillable, f"{name}: Redis holds {held} bytes, over the bound's {fillable}"
     assert fillable <= 2 * held, f"{name}: the bound ({fillable} bytes) is over twice what Redis holds ({held})"
+    assert peak <= fillable + bound.terms["transient"], f"{name}: peak {peak} bytes while a batch was written"
