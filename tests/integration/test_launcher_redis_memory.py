@@ -88,9 +88,13 @@ def test_embedded_maxmemory_can_be_set_or_lifted(recipe: str, capsys: pytest.Cap
     ],
 )
 def test_external_redis_that_could_evict_or_fill_is_warned_about(
-    recipe: str, external: RedisServer, capsys: pytest.CaptureFixture[str], policy: str, maxmemory: str,
+    recipe: str,
+    external: RedisServer,
+    capsys: pytest.CaptureFixture[str],
+    policy: str,
+    maxmemory: str,
     warned: list[str],
-) -> None:  # fmt: skip
+) -> None:
     admin = syncredis.Redis(port=external.port)
     admin.config_set("maxmemory-policy", policy)
     admin.config_set("maxmemory", maxmemory)
@@ -107,8 +111,12 @@ def test_external_redis_that_could_evict_or_fill_is_warned_about(
 def test_embedded_redis_over_the_bound_is_warned_about_once(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A run whose Redis holds more than its bound has something growing the bound does not count: the
     launcher says so once, shows the memory in the progress line, and prints the peak at the end."""
-    small = ["--rollout.engine.max_model_len=64", "--coordinator.sampling.max_new_tokens=16",
-             "--coordinator.prompts_per_step=2", "--learner.checkpoint_every=1"]  # fmt: skip
+    small = [
+        "--rollout.engine.max_model_len=64",
+        "--coordinator.sampling.max_new_tokens=16",
+        "--coordinator.prompts_per_step=2",
+        "--learner.checkpoint_every=1",
+    ]
     launcher = Launcher(recipe, [f"--run_dir={Path(recipe).parent / 'run'}", *small])
     try:
         launcher.start()

@@ -45,28 +45,49 @@ def _sample(shape: RunShape, rng: np.random.Generator, gid: str, i: int, respons
     prompt = shape.max_model_len - response
     text = int(shape.text_bytes_per_token)
     traj = Trajectory(
-        id=f"{gid}-{i}-{os.urandom(8).hex()}", group_id=gid, group_index=i, group_size=shape.group_size,
+        id=f"{gid}-{i}-{os.urandom(8).hex()}",
+        group_id=gid,
+        group_index=i,
+        group_size=shape.group_size,
         prompt_ids=Tensor.from_numpy(rng.integers(0, 150_000, prompt, dtype=np.int32)),
         response_ids=Tensor.from_numpy(rng.integers(0, 150_000, response, dtype=np.int32)),
         logprobs=Tensor.from_numpy(rng.standard_normal(response, dtype=np.float32)),
         loss_mask=Tensor.from_numpy(np.ones(response, dtype=np.uint8)),
-        prompt_text="p" * (text * prompt), response_text="r" * (text * response), finish_reason="length",
-        sampling=SamplingParams(max_new_tokens=response, n=shape.group_size), policy_version_start=3,
-        policy_version_end=3, label="42", metadata={"row": "m" * (shape.row_bytes - 64)},
-        timings={"queue_s": 0.1, "generate_s": 1.2, "weights_wait_s": 0.0}, traceparent=TRACEPARENT,
-    )  # fmt: skip
-    return ScoredTrajectory(trajectory=traj, reward=1.0, score=1.0, extra={"format": 1.0, "correct": 1.0},
-                            scorer="function:task", reward_latency_ms=3.2, traceparent=TRACEPARENT)  # fmt: skip
+        prompt_text="p" * (text * prompt),
+        response_text="r" * (text * response),
+        finish_reason="length",
+        sampling=SamplingParams(max_new_tokens=response, n=shape.group_size),
+        policy_version_start=3,
+        policy_version_end=3,
+        label="42",
+        metadata={"row": "m" * (shape.row_bytes - 64)},
+        timings={"queue_s": 0.1, "generate_s": 1.2, "weights_wait_s": 0.0},
+        traceparent=TRACEPARENT,
+    )
+    return ScoredTrajectory(
+        trajectory=traj,
+        reward=1.0,
+        score=1.0,
+        extra={"format": 1.0, "correct": 1.0},
+        scorer="function:task",
+        reward_latency_ms=3.2,
+        traceparent=TRACEPARENT,
+    )
 
 
 def _prompt(shape: RunShape, rng: np.random.Generator, gid: str, response: int) -> PromptWorkItem:
     prompt = shape.max_model_len - response
     return PromptWorkItem(
-        id=gid, prompt_ids=Tensor.from_numpy(rng.integers(0, 150_000, prompt, dtype=np.int32)),
-        prompt_text="p" * int(shape.text_bytes_per_token * prompt), label="42",
-        metadata={"row": "m" * (shape.row_bytes - 64)}, sampling=SamplingParams(max_new_tokens=response, n=1),
-        policy_version=3, issued_at=time.time(), traceparent=TRACEPARENT,
-    )  # fmt: skip
+        id=gid,
+        prompt_ids=Tensor.from_numpy(rng.integers(0, 150_000, prompt, dtype=np.int32)),
+        prompt_text="p" * int(shape.text_bytes_per_token * prompt),
+        label="42",
+        metadata={"row": "m" * (shape.row_bytes - 64)},
+        sampling=SamplingParams(max_new_tokens=response, n=1),
+        policy_version=3,
+        issued_at=time.time(),
+        traceparent=TRACEPARENT,
+    )
 
 
 class Filler:
@@ -74,8 +95,12 @@ class Filler:
 
     def __init__(self, client: syncredis.Redis, names: StreamNames) -> None:
         self.client, self.names = client, names
-        for stream, group in ((names.prompts, "rollout"), (names.trajectories, "reward"),
-                              (names.scored, "coordinator"), (names.batches, "learner")):  # fmt: skip
+        for stream, group in (
+            (names.prompts, "rollout"),
+            (names.trajectories, "reward"),
+            (names.scored, "coordinator"),
+            (names.batches, "learner"),
+        ):
             client.xgroup_create(stream, group, id="0", mkstream=True)
 
     def add(self, stream: str, group: str, payloads: list[bytes], consumed: bool) -> None:
@@ -105,8 +130,17 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
 
     def batch(index: int) -> bytes:
         samples = [s for _ in range(pps) for s in group("b")[1]]
-        return encode(TrainingBatch(id=f"batch-{index}", index=index, samples=samples, policy_version=index,
-                                    staleness=[1] * len(samples), created_at=time.time(), traceparent=TRACEPARENT))  # fmt: skip
+        return encode(
+            TrainingBatch(
+                id=f"batch-{index}",
+                index=index,
+                samples=samples,
+                policy_version=index,
+                staleness=[1] * len(samples),
+                created_at=time.time(),
+                traceparent=TRACEPARENT,
+            )
+        )
 
     # in flight: H batches' worth of groups - their prompt items pending at the rollout; the samples of
     # the oldest batch in a batch entry, of the next in group buffers, of the rest pending as scored entries
@@ -114,12 +148,17 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
     f.add(names.prompts, "rollout", [encode(p) for p, _ in horizon], consumed=False)
     f.add(names.batches, "learner", [batch(1000)], consumed=False)
     for _, samples in horizon[pps : 2 * pps]:
-        client.hset(names.group_buffer(samples[0].trajectory.group_id),
-                    mapping={s.trajectory.id: encode(s) for s in samples})  # fmt: skip
+        client.hset(
+            names.group_buffer(samples[0].trajectory.group_id), mapping={s.trajectory.id: encode(s) for s in samples}
+        )
     f.add(names.scored, "coordinator", [encode(s) for _, ss in horizon[2 * pps :] for s in ss], consumed=False)
     # trained batches waiting for a checkpoint: pending in the learner's group
-    f.add(names.batches, "learner", [batch(i) for i in range(min(shape.checkpoint_every, shape.total_steps) - 1)],
-          consumed=False)  # fmt: skip
+    f.add(
+        names.batches,
+        "learner",
+        [batch(i) for i in range(min(shape.checkpoint_every, shape.total_steps) - 1)],
+        consumed=False,
+    )
     # consumed, not yet trimmed: L batches' worth of every stream
     lagging = [group("lag") for _ in range(shape.lag_batches * pps)]
     f.add(names.prompts, "rollout", [encode(p) for p, _ in lagging], consumed=True)
@@ -129,18 +168,36 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
     # two open evaluation rounds: one-sample prompts at every stage, answers in the round's buffer
     eval_response = min(shape.eval_response_tokens, shape.max_model_len - 1)
     for version in range(2 if shape.eval_prompts else 0):
-        rows = [(_prompt(shape, rng, f"eval-{version}-{k}", eval_response),
-                 _sample(shape, rng, f"eval-{version}-{k}", 0, eval_response)) for k in range(shape.eval_prompts)]  # fmt: skip
+        rows = [
+            (
+                _prompt(shape, rng, f"eval-{version}-{k}", eval_response),
+                _sample(shape, rng, f"eval-{version}-{k}", 0, eval_response),
+            )
+            for k in range(shape.eval_prompts)
+        ]
         f.add(names.prompts, "rollout", [encode(p) for p, _ in rows], consumed=False)
         f.add(names.trajectories, "reward", [encode(s.trajectory) for _, s in rows], consumed=False)
         f.add(names.scored, "coordinator", [encode(s) for _, s in rows], consumed=False)
         client.hset(names.group_buffer(f"eval-v{version}"), mapping={s.trajectory.id: encode(s) for _, s in rows})
     # the whole run: a weights event per version (signed, with the step's metrics), per-version hashes
     metrics = {f"train/metric_{k:02d}": 0.5 for k in range(40)}
-    weights = [encode(WeightsPublished(version=v, step=v, batch_id=f"batch-{v}", checksum="c" * 64, num_bytes=10**9,
-                                       num_buckets=16, endpoint="tcp://10.0.0.1:5555", metrics=metrics,
-                                       published_at=time.time(), signature="s" * 64))
-               for v in range(shape.total_steps + 1)]  # fmt: skip
+    weights = [
+        encode(
+            WeightsPublished(
+                version=v,
+                step=v,
+                batch_id=f"batch-{v}",
+                checksum="c" * 64,
+                num_bytes=10**9,
+                num_buckets=16,
+                endpoint="tcp://10.0.0.1:5555",
+                metrics=metrics,
+                published_at=time.time(),
+                signature="s" * 64,
+            )
+        )
+        for v in range(shape.total_steps + 1)
+    ]
     f.add(names.weights, "", weights, consumed=False)
     client.hset(
         names.state("version_seen_at"), mapping={str(v): f"{time.time():.3f}" for v in range(shape.total_steps)}
@@ -153,19 +210,46 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
     client.hset(names.state("inflight_info"), mapping={g: f"3@{time.time():.3f}" for g in inflight})
     client.rpush(names.state("ready"), *inflight)
     # dead letters: sample-sized ones and skipped batches
-    letters = [encode(DeadLetter(stream=names.scored, entry_id="1-0", group="coordinator", consumer="c-1",
-                                 error="ValueError: " + "e" * 200, deliveries=3, payload=encode(group("dead")[1][0]),
-                                 ts=time.time())) for _ in range(shape.dead_letters)]  # fmt: skip
-    letters += [encode(DeadLetter(stream=names.batches, entry_id="1-0", group="learner", consumer="learner",
-                                  error="skipped", deliveries=1, payload=batch(3000 + k), ts=time.time()))
-                for k in range(shape.dead_batches)]  # fmt: skip
+    letters = [
+        encode(
+            DeadLetter(
+                stream=names.scored,
+                entry_id="1-0",
+                group="coordinator",
+                consumer="c-1",
+                error="ValueError: " + "e" * 200,
+                deliveries=3,
+                payload=encode(group("dead")[1][0]),
+                ts=time.time(),
+            )
+        )
+        for _ in range(shape.dead_letters)
+    ]
+    letters += [
+        encode(
+            DeadLetter(
+                stream=names.batches,
+                entry_id="1-0",
+                group="learner",
+                consumer="learner",
+                error="skipped",
+                deliveries=1,
+                payload=batch(3000 + k),
+                ts=time.time(),
+            )
+        )
+        for k in range(shape.dead_batches)
+    ]
     f.add(names.dead, "", letters, consumed=False)
     # operation keys at their rate for their lifetime; heartbeats, instances, leases, served versions
     once = int((2 * shape.prompts_per_step + 16) / shape.min_step_s * 2 * shape.outage_s)
     pipe = client.pipeline(transaction=False)
     for _ in range(once):
-        pipe.set(names.state("x").replace("state:x", f"once:{os.urandom(16).hex()}"), b"\x93\x01\x01\xa2OK",
-                 px=int(2 * shape.outage_s * 1000))  # fmt: skip
+        pipe.set(
+            names.state("x").replace("state:x", f"once:{os.urandom(16).hex()}"),
+            b"\x93\x01\x01\xa2OK",
+            px=int(2 * shape.outage_s * 1000),
+        )
     for k in range(shape.instances):
         beat = Heartbeat(service="rollout", instance=f"rollout-{k}", pid=1000 + k, ts=time.time(), processed=10**6)
         pipe.set(names.heartbeat("rollout", f"rollout-{k}"), encode(beat), px=4000)
@@ -183,15 +267,39 @@ def used_memory(client: syncredis.Redis) -> int:
 
 SHAPES = {
     # the demo's regime: tiny entries sharing listpack nodes, fast steps (every stream lags several steps)
-    "small-entries": RunShape(prompts_per_step=32, group_size=8, max_staleness=1, prefetch_steps=1, total_steps=600,
-                              checkpoint_every=10, max_model_len=32, response_tokens=6, eval_prompts=500,
-                              eval_response_tokens=6, read_count=256, min_step_s=0.5, row_bytes=128,
-                              dead_letters=64),
+    "small-entries": RunShape(
+        prompts_per_step=32,
+        group_size=8,
+        max_staleness=1,
+        prefetch_steps=1,
+        total_steps=600,
+        checkpoint_every=10,
+        max_model_len=32,
+        response_tokens=6,
+        eval_prompts=500,
+        eval_response_tokens=6,
+        read_count=256,
+        min_step_s=0.5,
+        row_bytes=128,
+        dead_letters=64,
+    ),
     # long sequences: every entry its own node, rounded up to a jemalloc size class
-    "long-sequences": RunShape(prompts_per_step=4, group_size=4, max_staleness=1, prefetch_steps=1, total_steps=200,
-                               checkpoint_every=4, max_model_len=4096, response_tokens=2048, eval_prompts=16,
-                               eval_response_tokens=512, min_step_s=2.0, retain_consumed_s=1.0, dead_letters=16),
-}  # fmt: skip
+    "long-sequences": RunShape(
+        prompts_per_step=4,
+        group_size=4,
+        max_staleness=1,
+        prefetch_steps=1,
+        total_steps=200,
+        checkpoint_every=4,
+        max_model_len=4096,
+        response_tokens=2048,
+        eval_prompts=16,
+        eval_response_tokens=512,
+        min_step_s=2.0,
+        retain_consumed_s=1.0,
+        dead_letters=16,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -216,9 +324,11 @@ def test_a_run_at_its_maximum_fits_the_bound(tmp_path: Path, name: str) -> None:
         server.stop()
     bound = memory_bound(shape)
     fillable = bound.total - bound.terms["base"] - bound.terms["transient"]
-    print(f"{name}: held {held / MIB:.2f} MiB, bound {fillable / MIB:.2f} MiB (ratio {fillable / held:.2f}); peak "
-          f"{peak / MIB:.2f} MiB, bound with transients {(fillable + bound.terms['transient']) / MIB:.2f}; "
-          f"{bound.describe()}")  # fmt: skip
+    print(
+        f"{name}: held {held / MIB:.2f} MiB, bound {fillable / MIB:.2f} MiB (ratio {fillable / held:.2f}); peak "
+        f"{peak / MIB:.2f} MiB, bound with transients {(fillable + bound.terms['transient']) / MIB:.2f}; "
+        f"{bound.describe()}"
+    )
     assert held <= fillable, f"{name}: Redis holds {held} bytes, over the bound's {fillable}"
     assert fillable <= 2 * held, f"{name}: the bound ({fillable} bytes) is over twice what Redis holds ({held})"
     assert peak <= fillable + bound.terms["transient"], f"{name}: peak {peak} bytes while a batch was written"

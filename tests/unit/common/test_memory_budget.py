@@ -25,16 +25,33 @@ from streamrl.common.up_config import LaunchRecipe
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = RunShape(
-    prompts_per_step=4, group_size=4, max_staleness=1, prefetch_steps=1, total_steps=50, checkpoint_every=5,
-    max_model_len=512, response_tokens=256,
-)  # fmt: skip
+    prompts_per_step=4,
+    group_size=4,
+    max_staleness=1,
+    prefetch_steps=1,
+    total_steps=50,
+    checkpoint_every=5,
+    max_model_len=512,
+    response_tokens=256,
+)
 
 
 def test_jemalloc_size_classes() -> None:
     """Redis counts what jemalloc hands out: 16-byte steps to 128, then four classes per power of two."""
     assert [jemalloc_size(n) for n in (1, 8, 9, 17, 128, 129, 160, 161, 257, 4097, 65_537, 300_000)] == [
-        8, 8, 16, 32, 128, 160, 160, 192, 320, 5120, 81_920, 327_680,
-    ]  # fmt: skip
+        8,
+        8,
+        16,
+        32,
+        128,
+        160,
+        160,
+        192,
+        320,
+        5120,
+        81_920,
+        327_680,
+    ]
     for n in range(1, 200_000, 997):
         assert n <= jemalloc_size(n) <= max(16, 1.25 * n)
 
@@ -48,10 +65,15 @@ def test_service_defaults_are_the_services_defaults() -> None:
     from streamrl.rollout.engine_config import EngineConfig
 
     models = {
-        "coordinator": CoordinatorConfig, "coordinator.sampling": SamplingConfig, "coordinator.eval": EvalConfig,
-        "learner": LearnerConfig, "rollout.engine": EngineConfig, "rollout.environment": EnvironmentConfig,
-        "redis": RedisConfig, "consumer": ConsumerConfig,
-    }  # fmt: skip
+        "coordinator": CoordinatorConfig,
+        "coordinator.sampling": SamplingConfig,
+        "coordinator.eval": EvalConfig,
+        "learner": LearnerConfig,
+        "rollout.engine": EngineConfig,
+        "rollout.environment": EnvironmentConfig,
+        "redis": RedisConfig,
+        "consumer": ConsumerConfig,
+    }
     for dotted, value in SERVICE_DEFAULTS.items():
         section, name = dotted.rsplit(".", 1)
         assert models[section].model_fields[name].default == value, dotted
@@ -67,8 +89,11 @@ def test_shape_from_the_demo_recipe() -> None:
 
 
 def test_shape_of_a_multi_turn_recipe_counts_the_episode() -> None:
-    data = {"rollout": {"environment": {"path": "env.py", "max_tokens": 300, "max_turns": 3}},
-            "coordinator": {"sampling": {"max_new_tokens": 20}}, "redis": {"retain_consumed_s": 30}}  # fmt: skip
+    data = {
+        "rollout": {"environment": {"path": "env.py", "max_tokens": 300, "max_turns": 3}},
+        "coordinator": {"sampling": {"max_new_tokens": 20}},
+        "redis": {"retain_consumed_s": 30},
+    }
     shape = shape_from_recipe(data, {"min_step_s": 10.0})
     assert (shape.response_tokens, shape.turns, shape.retain_consumed_s, shape.lag_batches) == (300, 3, 30.0, 4)
 
@@ -98,14 +123,20 @@ def test_message_sizes_cover_real_messages() -> None:
     sizes = message_sizes(SHAPE)
     prompt, response = 256, 256
     traj = Trajectory(
-        id="a" * 36, group_id="g" * 36, group_index=3, group_size=4,
+        id="a" * 36,
+        group_id="g" * 36,
+        group_index=3,
+        group_size=4,
         prompt_ids=Tensor.from_numpy(np.arange(prompt, dtype=np.int32)),
         response_ids=Tensor.from_numpy(np.arange(response, dtype=np.int32)),
         logprobs=Tensor.from_numpy(-np.ones(response, dtype=np.float32)),
         loss_mask=Tensor.from_numpy(np.ones(response, dtype=np.uint8)),
-        prompt_text="p" * 6 * prompt, response_text="r" * 6 * response, metadata={"row": "m" * 1000},
-        timings={"generate_s": 1.0, "queue_s": 0.5}, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
-    )  # fmt: skip
+        prompt_text="p" * 6 * prompt,
+        response_text="r" * 6 * response,
+        metadata={"row": "m" * 1000},
+        timings={"generate_s": 1.0, "queue_s": 0.5},
+        traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+    )
     scored = ScoredTrajectory(trajectory=traj, reward=1.0, score=1.0, extra={"format": 1.0}, scorer="fn")
     assert 0.9 * sizes.trajectory <= len(encode(traj)) <= sizes.trajectory
     assert 0.9 * sizes.scored <= len(encode(scored)) <= sizes.scored

@@ -326,11 +326,16 @@ class Launcher:
                 f"binary {self.redis.binary}: {self.redis.version}"
             )
             limit = f"{maxmemory / MIB:.0f} MiB" if maxmemory else "0 (no limit)"
-            self._say(f"redis maxmemory {limit}, maxmemory-policy noeviction; "
-                      f"this run's memory bound: {self.memory.describe()}")  # fmt: skip
+            self._say(
+                f"redis maxmemory {limit}, maxmemory-policy noeviction; "
+                f"this run's memory bound: {self.memory.describe()}"
+            )
             if 0 < maxmemory < self.memory.total:
-                self._say(f"WARNING: up.redis_memory.maxmemory_mb is below this run's memory bound "
-                          f"({self.memory.total / MIB:.0f} MiB): writes will wait for memory", error=True)  # fmt: skip
+                self._say(
+                    f"WARNING: up.redis_memory.maxmemory_mb is below this run's memory bound "
+                    f"({self.memory.total / MIB:.0f} MiB): writes will wait for memory",
+                    error=True,
+                )
             if up.backend == "ray" and up.ray_address:
                 self._say("note: the embedded redis-server listens on 127.0.0.1: Ray workers on other nodes cannot "
                           "reach it (set redis.url for a multi-node cluster)", error=True)  # fmt: skip
@@ -365,12 +370,16 @@ class Launcher:
         try:
             maxmemory, policy = memory_settings(self.client)
         except (syncredis.RedisError, OSError, ValueError) as e:
-            self._say(f"WARNING: could not read the Redis server's maxmemory settings ({e}); make sure its "
-                      "maxmemory-policy is noeviction (docs/operations.md)", error=True)  # fmt: skip
+            self._say(
+                f"WARNING: could not read the Redis server's maxmemory settings ({e}); make sure its "
+                "maxmemory-policy is noeviction (docs/operations.md)",
+                error=True,
+            )
             return
         limit = f"{maxmemory / MIB:.0f} MiB" if maxmemory else "0 (no limit)"
-        self._say(f"redis maxmemory {limit}, maxmemory-policy {policy}; "
-                  f"this run's memory bound: {self.memory.describe()}")  # fmt: skip
+        self._say(
+            f"redis maxmemory {limit}, maxmemory-policy {policy}; this run's memory bound: {self.memory.describe()}"
+        )
         for problem in policy_warnings(policy, maxmemory, self.memory):
             self._say(f"WARNING: {problem} (docs/operations.md)", error=True)
 
@@ -460,10 +469,12 @@ class Launcher:
         self.used_memory = used
         if self.redis is not None and used > self.memory.total and not self._memory_warned:
             self._memory_warned = True
-            self._say(f"WARNING: redis holds {used / MIB:.0f} MiB, more than this run's memory bound of "
-                      f"{self.memory.total / MIB:.0f} MiB: something grows that the bound does not count, or an "
-                      "assumption of [up.redis_memory] is off (docs/operations.md, 'Reading memory use')",
-                      error=True)  # fmt: skip
+            self._say(
+                f"WARNING: redis holds {used / MIB:.0f} MiB, more than this run's memory bound of "
+                f"{self.memory.total / MIB:.0f} MiB: something grows that the bound does not count, or an "
+                "assumption of [up.redis_memory] is off (docs/operations.md, 'Reading memory use')",
+                error=True,
+            )
         return used
 
     def stop(self) -> None:
@@ -474,8 +485,10 @@ class Launcher:
             if self.redis is not None:
                 try:
                     peak = int(self.client.info("memory")["used_memory_peak"])
-                    self._say(f"redis used_memory peak {peak / MIB:.1f} MiB (this run's bound: "
-                              f"{self.memory.total / MIB:.1f} MiB)")  # fmt: skip
+                    self._say(
+                        f"redis used_memory peak {peak / MIB:.1f} MiB (this run's bound: "
+                        f"{self.memory.total / MIB:.1f} MiB)"
+                    )
                 except (syncredis.RedisError, OSError, KeyError, ValueError):
                     pass
             self.client.close()

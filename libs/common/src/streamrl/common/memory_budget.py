@@ -191,9 +191,18 @@ class RunShape:
 
 
 _AT_LEAST_ONE = {
-    "prompts_per_step", "group_size", "total_steps", "checkpoint_every", "max_model_len", "response_tokens",
-    "eval_response_tokens", "maxlen", "read_count", "instances", "max_message_bytes",
-}  # fmt: skip
+    "prompts_per_step",
+    "group_size",
+    "total_steps",
+    "checkpoint_every",
+    "max_model_len",
+    "response_tokens",
+    "eval_response_tokens",
+    "maxlen",
+    "read_count",
+    "instances",
+    "max_message_bytes",
+}
 
 
 @dataclass(frozen=True)
@@ -223,24 +232,49 @@ def _scored(shape: RunShape, prompt_tokens: int, response_tokens: int) -> tuple[
     sampling = SamplingParams(max_new_tokens=response_tokens, n=shape.group_size, seed=2**31)
     metrics = {f"metric_name_of_24_chars_{i}": 1.0e9 + i for i in range(METRICS_PER_SAMPLE)}
     item = PromptWorkItem(
-        id="g" * 40, prompt_ids=prompt_ids, prompt_text=prompt_text, metadata=metadata, sampling=sampling,
-        images=images, policy_version=2**31, issued_at=1.0e9, traceparent=traceparent,
-    )  # fmt: skip
+        id="g" * 40,
+        prompt_ids=prompt_ids,
+        prompt_text=prompt_text,
+        metadata=metadata,
+        sampling=sampling,
+        images=images,
+        policy_version=2**31,
+        issued_at=1.0e9,
+        traceparent=traceparent,
+    )
     traj = Trajectory(
-        id="t" * 48, group_id="g" * 40, group_index=2**15, group_size=shape.group_size, prompt_ids=prompt_ids,
+        id="t" * 48,
+        group_id="g" * 40,
+        group_index=2**15,
+        group_size=shape.group_size,
+        prompt_ids=prompt_ids,
         response_ids=Tensor(dtype="int32", shape=[response_tokens], data=zeros[: 4 * response_tokens]),
         logprobs=Tensor(dtype="float32", shape=[response_tokens], data=zeros[: 4 * response_tokens]),
         loss_mask=Tensor(dtype="uint8", shape=[response_tokens], data=zeros[:response_tokens]),
-        prompt_text=prompt_text, response_text=_text(response_tokens * shape.text_bytes_per_token),
-        finish_reason="length", truncated=True, sampling=sampling, policy_version_start=2**31,
-        policy_version_end=2**31, metadata=metadata, images=images, timings=metrics, traceparent=traceparent,
+        prompt_text=prompt_text,
+        response_text=_text(response_tokens * shape.text_bytes_per_token),
+        finish_reason="length",
+        truncated=True,
+        sampling=sampling,
+        policy_version_start=2**31,
+        policy_version_end=2**31,
+        metadata=metadata,
+        images=images,
+        timings=metrics,
+        traceparent=traceparent,
         turns=[Turn(start=2**31, end=2**31, policy_version=2**31, reward=1.5) for _ in range(shape.turns)],
         stop_reason="max_tokens",
-    )  # fmt: skip
+    )
     scored = ScoredTrajectory(
-        trajectory=traj, reward=1.5, score=0.5, turn_rewards=[1.5] * shape.turns, extra=metrics, scorer="s" * 32,
-        reward_latency_ms=1.5, traceparent=traceparent,
-    )  # fmt: skip
+        trajectory=traj,
+        reward=1.5,
+        score=0.5,
+        turn_rewards=[1.5] * shape.turns,
+        extra=metrics,
+        scorer="s" * 32,
+        reward_latency_ms=1.5,
+        traceparent=traceparent,
+    )
     return len(encode(item)), len(encode(traj)), len(encode(scored))
 
 
@@ -253,9 +287,13 @@ def message_sizes(shape: RunShape) -> MessageSizes:
     eval_prompt, _, eval_scored = _scored(shape, shape.max_model_len - eval_response, eval_response)
     batch_header = 256 + 9 * shape.batch_samples  # id, index, version, created_at, traceparent, staleness ints
     return MessageSizes(
-        prompt=prompt, trajectory=traj, scored=scored, batch=batch_header + shape.batch_samples * scored,
-        eval_prompt=eval_prompt, eval_scored=eval_scored,
-    )  # fmt: skip
+        prompt=prompt,
+        trajectory=traj,
+        scored=scored,
+        batch=batch_header + shape.batch_samples * scored,
+        eval_prompt=eval_prompt,
+        eval_scored=eval_scored,
+    )
 
 
 @dataclass(frozen=True)
@@ -486,8 +524,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'total':<22} {bound.total / MIB:12.2f} MiB; maxmemory of an embedded redis-server: {maxmemory / MIB:.0f} MiB"
     )
-    print(json.dumps({"bound_bytes": bound.total, "maxmemory_bytes": maxmemory, "terms": bound.terms,
-                      "sizes": asdict(bound.sizes), "shape": shape_dict(bound.shape)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bound_bytes": bound.total,
+                "maxmemory_bytes": maxmemory,
+                "terms": bound.terms,
+                "sizes": asdict(bound.sizes),
+                "shape": shape_dict(bound.shape),
+            }
+        )
+    )
     return 0
 
 
