@@ -158,6 +158,16 @@ def test_the_bound_grows_with_what_the_run_holds() -> None:
     assert "MiB" in base.describe()
 
 
+def test_weights_events_that_list_every_tensor_cost_more() -> None:
+    """CUDA IPC and broadcast events carry a tensor table: one such entry per version stays all run."""
+    ipc = memory_bound(RunShape(**{**SHAPE.__dict__, "weights_transport": "ipc"}))
+    grown = ipc.terms["weights_and_versions"] - memory_bound(SHAPE).terms["weights_and_versions"]
+    assert grown >= (SHAPE.total_steps + 1) * 120 * 1024
+    assert shape_from_recipe({"learner": {"weights_transport": "broadcast"}}).weights_transport == "broadcast"
+    with pytest.raises(ValueError, match="weights_transport"):
+        RunShape(**{**SHAPE.__dict__, "weights_transport": "carrier-pigeon"})
+
+
 def test_maxmemory_has_a_margin_and_a_floor() -> None:
     bound = memory_bound(SHAPE)
     assert maxmemory_for(bound, margin=1.0, floor=0) >= bound.total

@@ -15,7 +15,8 @@ length by a fixed amount per step; the bound adds up each term (:func:`memory_bo
   ``L = ceil((retain_consumed_s + trim_interval_s) / min_step_s)`` batches' worth of every stream.
   Each stream also holds at most ``redis.maxlen`` entries (plus one listpack node of slack).
 * **evaluation**: up to two open rounds of ``eval.num_prompts`` one-sample prompts, every stage.
-* **the whole run**: one ``weights`` entry per version, a field per version in the coordinator's
+* **the whole run**: one ``weights`` entry per version (4 KiB; 128 KiB when CUDA IPC or broadcast
+  events list every tensor), a field per version in the coordinator's
   ``version_seen_at`` and ``eval_rounds`` hashes; dead letters kept (an assumption: the ``dead`` stream
   is capped only by ``redis.maxlen``).
 * **run state**: the coordinator's per-group bookkeeping (in-flight set and hash, ready list) and the
@@ -75,8 +76,9 @@ INSTANCE_BYTES = 4096
 """Per service instance: heartbeat key, instance-set member, lease, served-version field, group consumer."""
 ONCE_KEY_BYTES = 320
 """One operation key (``once:{op}``): name, the stored replies, TTL."""
-WEIGHTS_ENTRY_BYTES = 4096
-"""One ``weights`` entry: the event, the step's metrics, the signature."""
+WEIGHTS_ENTRY_BYTES = {"zmq": 4096, "ipc": 128 * 1024, "broadcast": 128 * 1024}
+"""One ``weights`` entry by ``learner.weights_transport``: the event, the step's metrics, the signature;
+CUDA IPC and broadcast events also list every tensor (~100 bytes each: 1,000 tensors and more)."""
 VERSION_FIELD_BYTES = 128
 """One field of the coordinator's per-version hashes (``version_seen_at``, ``eval_rounds``)."""
 RUN_STATE_BYTES = 1024 * 160 + 64 * 1024
@@ -162,9 +164,17 @@ class RunShape:
     """Batch-sized dead letters kept (a batch the learner skipped; assumption)."""
     max_message_bytes: int = 32 * MIB
     """``redis.max_message_mb``: no entry is larger (a skipped batch's letter keeps at most half)."""
+    weights_transport: str = "zmq"
+    """``learner.weights_transport``: CUDA IPC and broadcast events list every tensor."""
 
     def __post_init__(self) -> None:
+        if self.weights_transport not in WEIGHTS_ENTRY_BYTES:
+            raise ValueError(
+                f"RunShape.weights_transport: {self.weights_transport!r} is not one of {list(WEIGHTS_ENTRY_BYTES)}"
+            )
         for f in fields(self):
+            if f.name == "weights_transport":
+                continue
             value = getattr(self, f.name)
             floor = 1 if f.name in _AT_LEAST_ONE else 0
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < floor:
@@ -343,7 +353,8 @@ def memory_bound(shape: RunShape) -> MemoryBound:
         "evaluation": eval_samples
         * (stream_entry_bytes(s.eval_prompt) + 2 * stream_entry_bytes(s.eval_scored) + hash_field_bytes(s.eval_scored)),
         "weights_and_versions": (
-            min(shape.total_steps + 1, shape.maxlen) * (WEIGHTS_ENTRY_BYTES + STREAM_ENTRY_OVERHEAD)
+            min(shape.total_steps + 1, shape.maxlen)
+            * stream_entry_bytes(WEIGHTS_ENTRY_BYTES[shape.weights_transport], pending=False)
             + 2 * (shape.total_steps + 1) * VERSION_FIELD_BYTES
         ),
         "dead_letters": (
@@ -407,6 +418,7 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     "coordinator.eval.max_new_tokens": 64,
     "learner.checkpoint_every": 5,
     "learner.ranks": 1,
+    "learner.weights_transport": "zmq",
     "rollout.engine.max_model_len": 4096,
     "rollout.environment.max_tokens": 1024,
     "rollout.environment.max_turns": 4,
@@ -490,6 +502,7 @@ def shape_from_recipe(data: dict[str, Any], assumptions: dict[str, Any] | None =
             read_count=int(get("consumer.count")),
             instances=max(1, instances),
             max_message_bytes=int(float(get("redis.max_message_mb")) * MIB),
+            weights_transport=str(get("learner.weights_transport")),
             **(assumptions or {}),
         )
     except (TypeError, ValueError) as e:
