@@ -111,6 +111,8 @@ def test_the_recipe_states_its_assumptions() -> None:
 def test_bad_values_are_named() -> None:
     with pytest.raises(ValueError, match="prompts_per_step"):
         shape_from_recipe({"coordinator": {"prompts_per_step": 0}})
+    with pytest.raises(ValueError, match=r"coordinator\.group_size = 'eight' is not a number"):
+        shape_from_recipe({"coordinator": {"group_size": "eight"}})
     with pytest.raises(ValueError, match="min_step_s"):
         RunShape(**{**SHAPE.__dict__, "min_step_s": 0.0})
     with pytest.raises(ConfigError, match=r"up\.redis_memory\.margin"):

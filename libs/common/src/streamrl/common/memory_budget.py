@@ -471,41 +471,47 @@ def shape_from_recipe(data: dict[str, Any], assumptions: dict[str, Any] | None =
             )
             raise ValueError(f"cannot bound this recipe's Redis memory: {problems}") from e
 
-    def get(dotted: str) -> Any:
-        return recipe_value(data, dotted)
+    def number(dotted: str, kind: type[int] | type[float] = int) -> Any:
+        value = recipe_value(data, dotted)
+        try:
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError
+            return kind(float(value)) if kind is int else float(value)
+        except ValueError:
+            raise ValueError(f"{dotted} = {value!r} is not a number") from None
 
     up = data.get("up") or {}
     services = up.get("services") or ["coordinator", "rollout", "reward", "learner"]
     replicas = up.get("replicas") or {}
-    instances = sum(int(replicas.get(s, 1)) for s in services) + int(get("learner.ranks")) - 1
     multi_turn = isinstance((data.get("rollout") or {}).get("environment"), dict)
     coordinator_eval = (data.get("coordinator") or {}).get("eval") or {}
     try:
+        instances = sum(int(replicas.get(s, 1)) for s in services) + number("learner.ranks") - 1
         return RunShape(
-            prompts_per_step=int(get("coordinator.prompts_per_step")),
-            group_size=int(get("coordinator.group_size")),
-            max_staleness=int(get("coordinator.max_staleness")),
-            prefetch_steps=int(get("coordinator.prefetch_steps")),
-            total_steps=int(get("coordinator.total_steps")),
-            checkpoint_every=int(get("learner.checkpoint_every")),
-            max_model_len=int(get("rollout.engine.max_model_len")),
-            response_tokens=int(
-                get("rollout.environment.max_tokens") if multi_turn else get("coordinator.sampling.max_new_tokens")
+            prompts_per_step=number("coordinator.prompts_per_step"),
+            group_size=number("coordinator.group_size"),
+            max_staleness=number("coordinator.max_staleness"),
+            prefetch_steps=number("coordinator.prefetch_steps"),
+            total_steps=number("coordinator.total_steps"),
+            checkpoint_every=number("learner.checkpoint_every"),
+            max_model_len=number("rollout.engine.max_model_len"),
+            response_tokens=number(
+                "rollout.environment.max_tokens" if multi_turn else "coordinator.sampling.max_new_tokens"
             ),
-            turns=int(get("rollout.environment.max_turns")) if multi_turn else 0,
-            eval_prompts=int(get("coordinator.eval.num_prompts")) if coordinator_eval.get("dataset") else 0,
-            eval_response_tokens=int(get("coordinator.eval.max_new_tokens")),
-            maxlen=int(get("redis.maxlen")),
-            outage_s=float(get("redis.outage_s")),
-            retain_consumed_s=float(get("redis.retain_consumed_s")),
-            trim_interval_s=float(get("consumer.claim_interval_s")),
-            read_count=int(get("consumer.count")),
+            turns=number("rollout.environment.max_turns") if multi_turn else 0,
+            eval_prompts=number("coordinator.eval.num_prompts") if coordinator_eval.get("dataset") else 0,
+            eval_response_tokens=number("coordinator.eval.max_new_tokens"),
+            maxlen=number("redis.maxlen"),
+            outage_s=number("redis.outage_s", float),
+            retain_consumed_s=number("redis.retain_consumed_s", float),
+            trim_interval_s=number("consumer.claim_interval_s", float),
+            read_count=number("consumer.count"),
             instances=max(1, instances),
-            max_message_bytes=int(float(get("redis.max_message_mb")) * MIB),
-            weights_transport=str(get("learner.weights_transport")),
+            max_message_bytes=int(number("redis.max_message_mb", float) * MIB),
+            weights_transport=str(recipe_value(data, "learner.weights_transport")),
             **(assumptions or {}),
         )
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         raise ValueError(f"cannot bound this recipe's Redis memory: {e}") from e
 
 
