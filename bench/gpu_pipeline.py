@@ -15,7 +15,8 @@ so both sides generate ``max_new_tokens`` per sample (the reported mean lengths 
 
 Per step is measured over the steady part: the time from the end of step ``skip`` to the end of
 the last step, divided by the steps in between (``skip = max(2, steps // 10)``: start-up, compile
-and allocator warm-up excluded on both sides). Also reported: launch-to-finish wall time,
+and allocator warm-up excluded on both sides), and as the median step; streamrl's last step, which
+also saves and exports the final policy, is left out and reported as ``final_step_s``. Also reported: launch-to-finish wall time,
 generated tokens/s, learner tokens/s (response tokens per second of learner step time), weight
 sync (learner publish and engine update, median ms), peak GPU memory (``nvidia-smi`` polled every
 0.5 s). The ratio is TRL seconds per step / streamrl seconds per step (target >= 1.5).
@@ -168,15 +169,32 @@ class GpuMemory:
                 "peak_minus_before_mib": {str(k): v - self.first[k] for k, v in sorted(self.peak.items())}}  # fmt: skip
 
 
+def without_final_step(end_times: dict[int, float], steps: int) -> tuple[dict[int, float], float | None]:
+    """The step end times without the run's last step, and that step's duration: the learner's last
+    step also saves and exports the final policy (10-14 s for 0.5B on the H200), which is no
+    per-step cost. Unchanged (and None) when the run did not reach ``steps``."""
+    if steps not in end_times or steps - 1 not in end_times or len(end_times) < 3:
+        return end_times, None
+    return {k: t for k, t in end_times.items() if k != steps}, end_times[steps] - end_times[steps - 1]
+
+
+def median_step_s(end_times: dict[int, float], first: int, last: int) -> float | None:
+    """Median of the step durations (end-to-end gaps) of steps ``first..last`` (pure)."""
+    gaps = [end_times[k] - end_times[k - 1] for k in range(first, last + 1) if k in end_times and k - 1 in end_times]
+    return statistics.median(gaps) if gaps else None
+
+
 def summarize_streamrl(rows: list[dict[str, Any]], log: str, steps: int) -> dict[str, Any]:
     """Per-step time, throughputs and weight-sync times of one ``streamrl up`` run, from its metrics
     rows and log (pure: tested on CPU)."""
     learner = {int(r["step"]): r for r in rows if "learner/step_s" in r}
     batches = {int(r["step"]): r for r in rows if "coordinator/batch_samples" in r}  # step = batch index
     skip = skip_steps(steps)
-    s_per_step, first, last = steady_seconds_per_step({k: r["time"] for k, r in learner.items()}, skip)
+    ends, final_step_s = without_final_step({k: r["time"] for k, r in learner.items()}, steps)
+    s_per_step, first, last = steady_seconds_per_step(ends, skip)
     out: dict[str, Any] = {"steps_done": len(learner), "steady_steps": [first, last], "s_per_step": s_per_step,
-                           "steps_per_s": 1.0 / s_per_step if s_per_step else None}  # fmt: skip
+                           "steps_per_s": 1.0 / s_per_step if s_per_step else None,
+                           "s_per_step_median": median_step_s(ends, first, last), "final_step_s": final_step_s}  # fmt: skip
     steady = [r for k, r in learner.items() if first <= k <= last]
     if steady:
         busy = sum(r["learner/step_s"] for r in steady)
@@ -213,6 +231,7 @@ def summarize_trl(result: dict[str, Any], steps: int) -> dict[str, Any]:
     done = result["steps"]
     return {
         "steps_done": done, "steady_steps": [first, last], "s_per_step": s_per_step,
+        "s_per_step_median": median_step_s(ends, first, last),
         "steps_per_s": 1.0 / s_per_step if s_per_step else None,
         "rl_s": result["rl_s"], "generated_tokens_per_s": result["generated_tokens_per_s"],
         "response_len_mean": result["generated_tokens"] / max(done * samples, 1),
