@@ -74,9 +74,10 @@ def _replica(redis_url: str, names: StreamNames, instance: str, consumer: Consum
 def test_prompts_waiting_for_future_weights_past_claim_idle_are_never_generated_twice(
     redis_url: str, run_id: str
 ) -> None:
-    """A saturated worker (2 slots, both holding prompts for version 1 while version 0 is served) and
-    one with room (8 slots): the second would take the first one's prompts as idle after 500 ms if
-    the first did not keep them alive while every slot is busy (its claim_interval_s is 2 s)."""
+    """A worker holding prompts for version 1 while version 0 is served (2 slots; the waiting prompts
+    are parked and hold none, so it reads all four) and one with room (8 slots): the second would
+    take the first one's prompts as idle after 500 ms if the first did not keep what it holds alive
+    (its claim_interval_s is 2 s)."""
     names = StreamNames(run_id)
     generated: Counter[int] = Counter()
     base = dict(count=2, claim_idle_ms=500, claim_interval_s=2.0, retry_delay_s=0.05, max_deliveries=1)
@@ -88,8 +89,8 @@ def test_prompts_waiting_for_future_weights_past_claim_idle_are_never_generated_
         for i in range(4):
             await redis.xadd(names.prompts, encode_payload(_prompt(i, version=1)))
         tasks = [asyncio.create_task(busy.run())]
-        while len(await _held(redis, names)) < 2:
-            await asyncio.sleep(0.01)  # the busy one takes its two first
+        while len(await _held(redis, names)) < 4:
+            await asyncio.sleep(0.01)  # the busy one takes all four: waiting, they leave its slots free
         await asyncio.sleep(1.0)  # out of step with the busy one's claim_interval_s
         tasks.append(asyncio.create_task(roomy.run()))
         await asyncio.sleep(3.0)  # six times claim_idle_ms, and past one claim_interval_s of both
@@ -108,9 +109,7 @@ def test_prompts_waiting_for_future_weights_past_claim_idle_are_never_generated_
         return held, ids, left
 
     held, trajectories, left = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert sorted((h["consumer"], h["times_delivered"]) for h in held) == [
-        (b"rollout-0", 1), (b"rollout-0", 1), (b"rollout-1", 1), (b"rollout-1", 1)
-    ]  # fmt: skip
+    assert sorted((h["consumer"], h["times_delivered"]) for h in held) == [(b"rollout-0", 1)] * 4
     assert generated == Counter({0: 1, 1: 1, 2: 1, 3: 1}), "a prompt was generated twice"
     assert len(trajectories) == 8 and left == 0
 
