@@ -23,11 +23,15 @@ class EchoConfig(ServiceConfig):
     """Time each message takes to handle (s)."""
     fail_ids: list[str] = []
     """Trajectory ids whose handling always raises."""
+    crash_ids: list[str] = []
+    """Trajectory ids whose handling kills the process at once (as an OOM kill or a segfault would)."""
 
 
 async def run(config: EchoConfig, ctx: ServiceContext) -> None:
     async def handle(msg: Trajectory) -> list[Output]:
         await asyncio.sleep(config.delay_s)
+        if msg.id in config.crash_ids:
+            os._exit(9)
         if msg.id in config.fail_ids:
             raise RuntimeError(f"scorer exploded on {msg.id}")
         scored = ScoredTrajectory(trajectory=msg, reward=float(len(msg.response_ids)), scorer="echo")

@@ -79,10 +79,12 @@ def test_sigkill_mid_batch_loses_nothing_and_duplicates_nothing(
     for i in range(num):
         client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
     victim = start_worker(redis_url, run_id, "victim", "--echo.delay_s=0.3", "--consumer.max_in_flight=16")
-    wait_for(lambda: len(scored_ids(client, names)) >= 5, 30, "the first outputs")
+    # killed mid-batch (its entries are read and acknowledged 16 at a time: not between two batches)
+    wait_for(lambda: len(scored_ids(client, names)) >= 5 and pending(client, names) > 0, 30, "the first outputs")
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    assert pending(client, names) > 0, "the killed consumer should have left entries pending"
+    consumers = client.xinfo_consumers(names.trajectories, "reward")
+    assert pending(client, names) > 0, f"the killed consumer should have left entries pending (consumers {consumers})"
     done_before = len(scored_ids(client, names))
     assert done_before < num
     time.sleep(0.5)  # the heartbeat (TTL 0.4 s) has expired: a status display lists the live ones meanwhile

@@ -172,7 +172,9 @@ def test_tx_and_commits_work_on_a_cluster_node(redis_cluster_url: str, run_id: s
     assert _with_bus(redis_cluster_url, body)[1] == 1
 
 
-def test_a_full_redis_is_ridden_out_like_an_outage(tmp_path: Path, run_id: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_full_redis_is_ridden_out_like_an_outage(
+    tmp_path: Path, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """maxmemory reached under noeviction: the writes wait (the command did not run) and go through
     once memory is freed, with one WARNING and one INFO line."""
     server = RedisServer(tmp_path, appendonly=False).start()

@@ -239,8 +239,11 @@ class Bus:
         maxlen: int = 100_000,
         max_message_bytes: int = 32 * 2**20,
         outage_s: float | None = None,
+        retain_consumed_s: float = 0.0,
     ) -> None:
         self.redis = redis
+        self.retain_consumed_s = retain_consumed_s
+        """Consumed entries younger than this are kept when consumer loops trim their stream (``redis.retain_consumed_s``)."""
         self.maxlen = maxlen
         self.max_message_bytes = max_message_bytes
         self.outage_s = outage_s if outage_s is not None else _client_outage_s(redis)

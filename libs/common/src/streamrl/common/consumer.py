@@ -32,6 +32,7 @@ At-least-once delivery to the handler, exactly-once effect downstream thanks to 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -42,14 +43,16 @@ from typing import Any, Generic, TypeVar
 from redis.exceptions import ResponseError
 
 from streamrl.common.aio import cancel_and_wait, timeout
-from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, Output
+from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, OutageRetry, Output
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.errors import PoisonMessageError, RetryableError
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import DeadLetter, Message
+from streamrl.common.peers import FORGET_LUA, PeerWatch, may_judge
 from streamrl.common.streams import StreamNames
 from streamrl.common.tracing import set_delivery_attempt
+from streamrl.common.trim import trim_consumed
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +111,16 @@ class ConsumerLoop(Generic[M]):
         self.stats = ConsumerStats()
         self._committer = CommitBatcher(bus)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._holding: set[asyncio.Task[None]] = set()
-        """Tasks holding an in-flight slot: all but the :meth:`parked` ones."""
+        self._holding: dict[asyncio.Task[None], int] = {}
+        """Tasks holding in-flight slots (how many: all of them for an entry that runs alone); the
+        :meth:`parked` ones hold none."""
+        self._held: collections.deque[tuple[str, int]] = collections.deque()
+        """Entries pending under this consumer waiting to start (id, deliveries so far): replayed from a
+        previous life, or claimed from a dead consumer."""
+        self._reserved = 0
+        """Slots taken toward the next held entry's start."""
+        self._peers = PeerWatch(config.heartbeat_interval_s)
+        self._forget = bus.redis.register_script(FORGET_LUA)
         self._stop: asyncio.Event | None = None
         self.fatal: LeaseLostError | None = None
         """Set when a commit was fenced off (another process holds this service's lease): run() raises it."""
@@ -132,23 +143,22 @@ class ConsumerLoop(Generic[M]):
         await self.ensure_group()
         # First finish, in order, what this consumer name left pending in a previous life; then new
         # entries. Whatever it waits for, the loop comes round every keep_alive_s to keep what it
-        # holds from being claimed as idle (and, once replayed, to claim what dead consumers left).
-        cursor, replaying = "0-0", True
-        next_keep, next_claim = 0.0, 0.0
+        # holds from being claimed as idle (and to claim what dead consumers left).
+        await self._queue_own_pending()
+        next_keep, next_claim = 0.0, time.monotonic() + self.config.claim_interval_s
         while not stop.is_set():
             now = time.monotonic()
             if now >= next_keep:
                 await self._keep_alive()
                 next_keep = now + self.keep_alive_s
-            if not replaying and now >= next_claim:
+            if now >= next_claim:
                 await self._reclaim()
                 next_claim = now + self.config.claim_interval_s
-            if replaying:
-                cursor, got = await self._read(stop, start_id=cursor)
-                replaying = got != 0
+            if self._held:
+                await self._start_held()
                 continue
             _, got = await self._read(stop, start_id=">")
-            if burst and got == 0 and not self._tasks:
+            if burst and got == 0 and not self._tasks and not self._held:
                 break
         await self.drain()
         if self.fatal is not None:
@@ -171,8 +181,8 @@ class ConsumerLoop(Generic[M]):
             logger.warning("%s: cancelled %d entries after the grace period", self.stream, len(pending))
 
     async def _read(self, stop: asyncio.Event, start_id: str) -> tuple[str, int]:
-        """Read new entries (``>``) or this consumer's pending entries after ``start_id``: the cursor and
-        how many were read; -1 when no in-flight slot came free within block_ms / keep_alive_s.
+        """Read new entries (``>``): the cursor and how many were read; -1 when no in-flight slot came
+        free within block_ms / keep_alive_s.
 
         With every slot busy (entries waiting for a backend that is down) the caller's loop must still
         come round: to keep the held entries alive, and to see a stop (SIGTERM reaches drain()).
@@ -195,7 +205,7 @@ class ConsumerLoop(Generic[M]):
                 self.consumer,
                 {self.stream: start_id},
                 count=free,
-                block=min(self.config.block_ms, max(1, int(1000 * self.keep_alive_s))) if start_id == ">" else None,
+                block=min(self.config.block_ms, max(1, int(1000 * self.keep_alive_s))),
             )
         except BaseException:
             for _ in range(free):
@@ -204,23 +214,81 @@ class ConsumerLoop(Generic[M]):
         entries = reply[0][1] if reply else []
         for _ in range(free - len(entries)):
             self._slots.release()
-        new = start_id == ">"  # new entries: first delivery; pending ones: ask how many so far
-        for entry_id, fields in entries:
-            deliveries = 1 if new else await self._delivery_count(entry_id)
-            self._spawn(entry_id, fields, deliveries)
+        for entry_id, fields in entries:  # new entries: their first delivery
+            self._spawn(entry_id, fields, 1)
             start_id = entry_id.decode()
         return start_id, len(entries)
 
-    def _spawn(self, entry_id: bytes, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
-        task = asyncio.create_task(self._process(entry_id.decode(), fields, deliveries))
+    async def _queue_own_pending(self) -> None:
+        """Queue, in order, the entries this consumer name holds from a previous life (they start as
+        slots allow: :meth:`_start_held`)."""
+        start = "-"
+        while True:
+            page = await self.redis.xpending_range(
+                self.stream, self.group, min=start, max="+", count=256, consumername=self.consumer
+            )
+            self._held.extend((_text(h["message_id"]), int(h["times_delivered"])) for h in page)
+            if len(page) < 256:
+                return
+            start = "(" + _text(page[-1]["message_id"])
+
+    async def _start_held(self) -> None:
+        """Start the first entry of ``_held`` (pending under this consumer, delivered ``prior`` times).
+
+        Its delivery is counted now, as it starts (XCLAIM to itself), not when it was queued: an
+        entry waiting here when the process dies is not blamed for it. An entry on its last allowed
+        delivery (``max_deliveries``, after at least one that never finished) runs **alone**: it
+        takes every in-flight slot, so if it kills the process again no innocent entry running beside
+        it is charged a delivery - it is the one dead-lettered, before its handler runs, the next time
+        (:meth:`_handle`: "killed its consumer N times").
+        """
+        entry_id, prior = self._held[0]
+        upcoming = prior + 1
+        alone = upcoming == self.config.max_deliveries and upcoming > 1
+        wanted = self.config.max_in_flight if alone else 1
+        if not await self._reserve(wanted):
+            return  # the loop comes round (keep-alive, stop) and tries again
+        self._held.popleft()
+        reserved, self._reserved = self._reserved, 0
+        claimed = await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [entry_id])
+        if not claimed or not claimed[0][1]:  # acknowledged meanwhile, or trimmed from the stream
+            for _ in range(reserved):
+                self._slots.release()
+            if claimed:
+                await self._drop_trimmed(entry_id)
+            return
+        if alone:
+            logger.warning("%s %s: delivery %d of %d after deliveries that never finished: handled alone",
+                           self.stream, entry_id, upcoming, self.config.max_deliveries)  # fmt: skip
+        self._spawn(claimed[0][0], claimed[0][1], upcoming, slots=reserved)
+
+    async def _reserve(self, wanted: int) -> bool:
+        """Hold ``wanted`` in-flight slots (``_reserved`` keeps what is held so far), waiting at most
+        block_ms / keep_alive_s: True once all are held."""
+        try:
+            async with timeout(min(self.config.block_ms / 1000, self.keep_alive_s)):
+                while self._reserved < wanted:
+                    await self._slots.acquire()
+                    self._reserved += 1
+        except TimeoutError:
+            return False
+        return True
+
+    async def _drop_trimmed(self, entry_id: str) -> None:
+        await self.redis.xack(self.stream, self.group, entry_id)
+        logger.warning("%s %s was trimmed from the stream before it was handled: acknowledged, its work is "
+                       "lost (redis.maxlen too small?)", self.stream, entry_id)  # fmt: skip
+
+    def _spawn(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, deliveries: int, slots: int = 1) -> None:
+        """Handle an entry in a task that holds ``slots`` in-flight slots (all of them: it runs alone)."""
+        task = asyncio.create_task(self._process(_text(entry_id), fields, deliveries))
         self._tasks.add(task)
-        self._holding.add(task)
+        self._holding[task] = slots
         self.stats.in_flight = len(self._tasks)
 
         def _done(t: asyncio.Task[None]) -> None:
             self._tasks.discard(t)
-            if t in self._holding:
-                self._holding.discard(t)
+            for _ in range(self._holding.pop(t, 0)):
                 self._slots.release()
             self.stats.in_flight = len(self._tasks)
 
@@ -248,71 +316,83 @@ class ConsumerLoop(Generic[M]):
             start = "(" + last
 
     async def _reclaim(self) -> None:
-        """Take over what dead consumers left pending: at once for a consumer whose instance stopped
-        heartbeating, otherwise entries idle longer than claim_idle_ms."""
+        """Take over what dead consumers left pending - at once for a consumer whose instance stopped
+        heartbeating, otherwise entries idle longer than claim_idle_ms - and trim the stream to what
+        its groups still need (:mod:`streamrl.common.trim`)."""
         await self._reclaim_from_the_dead()
-        start = "0-0"
-        while (free := self._free_slots()) > 0:  # a saturated consumer leaves them to one with room
-            reply = await self.redis.xautoclaim(
-                self.stream, self.group, self.consumer, self.config.claim_idle_ms, start_id=start, count=min(32, free)
+        if (free := self._free_slots() - len(self._held)) > 0:  # a saturated consumer leaves them to one with room
+            idle = await self.redis.xpending_range(
+                self.stream, self.group, min="-", max="+", count=min(32, free), idle=self.config.claim_idle_ms
             )
-            start, claimed = reply[0], reply[1]
-            for gone in reply[2] if len(reply) > 2 else []:  # Redis 7 drops trimmed entries from the PEL itself
-                logger.warning("%s %s was trimmed from the stream before it was handled: its work is lost "
-                               "(redis.maxlen too small?)", self.stream, _text(gone))  # fmt: skip
-            await self._take(claimed)
-            if start in (b"0-0", "0-0"):
-                return
+            ids = [h["message_id"] for h in idle]
+            if ids:  # JUSTID: no delivery counted until an entry starts; min idle again: one claimer wins
+                await self._take(await self.redis.xclaim(
+                    self.stream, self.group, self.consumer, self.config.claim_idle_ms, ids, justid=True))  # fmt: skip
+        try:
+            await trim_consumed(self.redis, self.stream, self.bus.retain_consumed_s)
+        except ResponseError as e:  # an ACL without XTRIM / XINFO: the stream is bounded by maxlen alone
+            logger.debug("%s: not trimmed: %s", self.stream, e)
 
     async def _take(self, claimed: list[Any]) -> None:
-        for entry_id, fields in claimed:
-            if not fields:  # trimmed from the stream: nothing left to handle
-                await self.redis.xack(self.stream, self.group, entry_id)
-                logger.warning("%s %s was trimmed from the stream before it was handled: acknowledged, its work is "
-                               "lost (redis.maxlen too small?)", self.stream, _text(entry_id))  # fmt: skip
-                continue
-            self.stats.reclaimed += 1
-            await self._slots.acquire()
-            self._spawn(entry_id, fields, await self._delivery_count(entry_id))
+        """Queue entries just claimed (JUSTID: no delivery counted yet) to start as slots allow."""
+        if not claimed:
+            return
+        ids = [_text(c) for c in claimed]
+        counts = {_text(h["message_id"]): int(h["times_delivered"]) for h in await self.redis.xpending_range(
+            self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.consumer)}  # fmt: skip
+        self.stats.reclaimed += len(ids)
+        self._held.extend((i, counts.get(i, 1)) for i in ids)
 
     async def _reclaim_from_the_dead(self) -> None:
-        """Claim the pending entries of consumers named after an instance whose heartbeat expired.
+        """Claim the pending entries of consumers named after an instance whose heartbeat is gone.
 
         Only consumers registered as an instance (``{service}:{name}`` in the instances set) are
-        judged; others wait for claim_idle_ms. The claim needs the entries idle for one heartbeat
-        interval, so two live consumers never both take them (the first claim resets the idle time).
+        judged (:mod:`streamrl.common.peers`: not right after an outage, missing on two looks, one
+        pipelined EXISTS); others wait for claim_idle_ms. The claim needs the entries idle for one
+        heartbeat interval, so two live consumers never both take them (the first claim resets the
+        idle time). A dead consumer left with nothing is deleted atomically with the check.
         """
-        consumers = [c for c in await self.redis.xinfo_consumers(self.stream, self.group) if c["pending"]]
+        ttl_s = 2 * self.config.heartbeat_interval_s
+        if not may_judge(OutageRetry.healthy_for(), ttl_s):
+            self._peers.missing_since.clear()  # looks from before the outage do not count
+            return
+        consumers = await self.redis.xinfo_consumers(self.stream, self.group)
         others = [_text(c["name"]) for c in consumers if _text(c["name"]) != self.consumer]
         if not others:
             return
         members = [_text(m).split(":", 1) for m in await self.redis.smembers(self.names.instances)]
-        for name in others:
-            keys = [self.names.heartbeat(service, instance) for service, instance in members if instance == name]
-            if not keys or await self.redis.exists(*keys):
-                continue
-            if (free := self._free_slots()) <= 0:
-                return  # no room: the rest is taken at a later round (or by a consumer with room)
-            held = await self.redis.xpending_range(
-                self.stream, self.group, min="-", max="+", count=free, consumername=name
-            )
-            min_idle_ms = int(1000 * self.config.heartbeat_interval_s)
-            claimed = await self.redis.xclaim(
-                self.stream, self.group, self.consumer, min_idle_ms, [h["message_id"] for h in held]
-            )
-            if claimed:
-                logger.info("%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed), name)
-            await self._take(claimed)
-            left = await self.redis.xpending_range(
-                self.stream, self.group, min="-", max="+", count=1, consumername=name
-            )
-            if not left:  # all taken: forget the dead consumer (deleting one that held entries would drop them)
-                await self.redis.xgroup_delconsumer(self.stream, self.group, name)
-                await self.redis.srem(self.names.instances, *(f"{s}:{i}" for s, i in members if i == name))
+        keys = {name: [self.names.heartbeat(s, i) for s, i in members if i == name] for name in others}
+        candidates = [name for name in others if keys[name]]
+        pipe = self.redis.pipeline(transaction=False)
+        for name in candidates:
+            pipe.exists(*keys[name])
+        alive = dict(zip(candidates, await pipe.execute(), strict=True)) if candidates else {}
+        dead = self._peers.look({n for n in candidates if not alive[n]}, {n for n in candidates if alive[n]},
+                                time.monotonic())  # fmt: skip
+        holding = {_text(c["name"]): int(c["pending"]) for c in consumers}
+        for name in sorted(dead):
+            if holding[name]:  # (one that holds nothing - its entries taken after claim_idle_ms - is just forgotten)
+                if (free := self._free_slots() - len(self._held)) <= 0:
+                    return  # no room: the rest is taken at a later round (or by a consumer with room)
+                held = await self.redis.xpending_range(
+                    self.stream, self.group, min="-", max="+", count=free, consumername=name
+                )
+                min_idle_ms = int(1000 * self.config.heartbeat_interval_s)
+                claimed = await self.redis.xclaim(
+                    self.stream, self.group, self.consumer, min_idle_ms, [h["message_id"] for h in held], justid=True
+                )
+                if claimed:
+                    logger.info("%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed),
+                                name)  # fmt: skip
+                await self._take(claimed)
+            member_of = [f"{s}:{i}" for s, i in members if i == name]
+            if await self._forget(keys=[self.stream, self.names.instances, *keys[name]],
+                                  args=[self.group, name, *member_of]):  # fmt: skip
+                self._peers.forget(name)
 
     def _free_slots(self) -> int:
-        """In-flight slots free now (claims take no more: claimed entries never wait for a slot)."""
-        return self.config.max_in_flight - len(self._holding)
+        """In-flight slots free now (claims take no more: claimed entries wait for few slots)."""
+        return self.config.max_in_flight - sum(self._holding.values()) - self._reserved
 
     @contextlib.asynccontextmanager
     async def parked(self) -> AsyncIterator[None]:
@@ -324,13 +404,19 @@ class ConsumerLoop(Generic[M]):
         if task not in self._holding:
             yield
             return
-        self._holding.discard(task)  # type: ignore[arg-type]
-        self._slots.release()
+        slots = self._holding.pop(task)  # type: ignore[arg-type]
+        for _ in range(slots):
+            self._slots.release()
         try:
             yield
         finally:
-            await self._slots.acquire()  # cancelled here: the task holds no slot, _done releases none
-            self._holding.add(task)  # type: ignore[arg-type]
+            taken = 0
+            try:
+                while taken < slots:
+                    await self._slots.acquire()
+                    taken += 1
+            finally:  # cancelled here: the task holds what it took, _done releases that
+                self._holding[task] = taken  # type: ignore[index]
 
     async def _delivery_count(self, entry_id: bytes | str) -> int:
         info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)

@@ -203,7 +203,7 @@ async def _serve(
         instance=instance,
         config=config,
         bus=Bus(redis, maxlen=config.redis.maxlen, max_message_bytes=config.redis.max_message_bytes,
-                outage_s=config.redis.outage_s),
+                outage_s=config.redis.outage_s, retain_consumed_s=config.redis.retain_consumed_s),
         names=StreamNames(config.run_id),
         stop=asyncio.Event(),
         burst=burst,
