@@ -95,7 +95,8 @@ class Attempts:
 
     def reason(self) -> str:
         """Why the batch is skipped (the dead letter's words)."""
-        killed = f"it killed its consumer {self.kills} times (the learner died during its step: out of memory?)"
+        seen = f"; last error seen: {self.error}" if self.error and not self.failed else ""
+        killed = f"it killed its consumer {self.kills} times (the learner died during its step: out of memory?{seen})"
         if self.failed and self.kills:
             return f"its step failed {self.failed} times, last: {self.error}; and {killed}"
         if self.kills:

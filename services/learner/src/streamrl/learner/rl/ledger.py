@@ -14,7 +14,8 @@ Keys (``names.state(...)``, the run's hash tag):
   ``learner_dead:{batch id}``: its dead letter was written. Both go when the batch is acknowledged.
 
 The write points (all here): :meth:`claim` and :meth:`lose` (an index's fingerprint), :meth:`start`
-and :meth:`finish` (a step's attempt, before and after it), :meth:`publish` (a version: the event
+and :meth:`finish` (a step's attempt, before and after it; :meth:`note`: the error of one that ended
+the learner group), :meth:`publish` (a version: the event
 on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
 failure keys and old fingerprints deleted).
@@ -117,6 +118,11 @@ class LearnerLedger:
         if error is not None:
             tx.hincrby(self._failures(batch_id), "failed", 1).hset(self._failures(batch_id), "error", error[:500])
         await tx.execute()
+
+    async def note(self, batch_id: str, error: str) -> None:
+        """Keep ``error`` as what ended a step of ``batch_id`` that is not counted as returned: a failure on
+        one rank of a group, which may be the symptom of another rank's death (the step counts as a kill)."""
+        await self.bus.tx().hset(self._failures(batch_id), "error", error[:500]).execute()
 
     async def publish(self, event: WeightsPublished, seen: str | None, mark: str) -> bool:
         """Publish ``event`` unless the version mark moved from ``seen``: True if written now, False when

@@ -20,7 +20,8 @@
   waits on an index no one will write.
 * Every step is counted in Redis per batch *before* it runs and again when it returns, so the count
   survives restarts and a step that killed the process (OOM-kill, segfault, a follower rank dying)
-  counts too. A step that fails before any backward pass (on every rank together: every rank of a
+  counts too (so does a failure on rank 0 alone in a group: it may be the symptom of another rank's
+death). A step that fails before any backward pass (on every rank together: every rank of a
   group agrees on a step's outcome, :mod:`~streamrl.learner.rl.group`) is retried; one that fails
   after has left gradients or weights half-updated, and one that failed on one rank alone may have
   left the others in a collective: neither is retried in this process: the learner stops with the
@@ -39,11 +40,16 @@
   workers serving the lost weights reload) and the run goes on from there.
 * At start the learner serves its current version (0, or the checkpoint's) so rollout workers know
   where to fetch weights; after the last step it exports the policy in Hugging Face format.
-* Every Redis write of the learner is a fenced, idempotent transaction in
-  :class:`~streamrl.learner.rl.ledger.LearnerLedger` (its docstring lists them: an index's
-  fingerprint, a step's attempt before and after, a version's publication, a dead letter, the acks);
-  the consumer loop's own commits for the learner write nothing (``ack=False``, no outputs) and its
-  dead letters (a conflicting copy, an out-of-order batch) are acknowledged once.
+* Every Redis write of the learner is a fenced, idempotent transaction (``Bus.tx``) in
+  :class:`~streamrl.learner.rl.ledger.LearnerLedger`. The write points: (1) ``claim`` / ``lose``: the
+  fingerprint of what is consumed at an index (HSET); (2) ``start``: a step's attempt, before it runs
+  (HINCRBY); (3) ``finish``: after it, with its error (HINCRBY, HSET); (4) ``publish``: a version - the
+  WeightsPublished XADD, ``published`` and the publication mark, compare-and-set; (5)
+  ``dead_letter_once``: a skipped or lost batch's dead letter (XADD, guarded by a marker key); (6)
+  ``ack``: XACK of the entries a checkpoint covers with the ``acked`` mark, their failure keys and old
+  fingerprints deleted. The consumer loop's own commits for the learner write nothing (``ack=False``,
+  no outputs); its dead letters (a conflicting copy, an out-of-order batch) are written while the
+  entry is pending, so once.
 * A learner group (``learner.ranks`` > 1, or a ``torchrun`` launch) runs this service on rank 0
   only; what every rank must do together (a step, gathering the weights, a checkpoint, an export)
   goes through :class:`~streamrl.learner.rl.group.LearnerGroup`, whose other ranks follow rank 0.
@@ -157,6 +163,7 @@ class LearnerService:
                 self.step, self.next_index, self.acked_index - 1, Path(self.cfg.run_dir) / "checkpoints",
             )  # fmt: skip
             await asyncio.to_thread(self.group.stop)
+            self._close()
             raise SystemExit(1)
         published = await self.ledger.published()
         self.published = published.version if published is not None else -1
@@ -192,38 +199,20 @@ class LearnerService:
         try:
             await self.loop.run(self.ctx.stop, burst=self.ctx.burst)
         finally:
-            if self.server is not None:
-                self.server.close()
-            if self.broadcast is not None:
-                self.broadcast.close()
+            self._close()
         if self.fatal is not None:
             raise self.fatal  # the other ranks, if any, die with this one
         await asyncio.to_thread(self.group.stop)  # not on an exception: the group then dies with this rank
 
+    def _close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.broadcast is not None:
+            self.broadcast.close()
+
     async def handle(self, batch: TrainingBatch) -> list[Output]:
-        if self.consumed is not None:  # what followed a consumed batch failed: finish it, never train it again
-            again = self.consumed.batch_id == batch.id and self.consumed.index == batch.index
-            logger.warning("finishing what follows %s's step (%s)", self.consumed.batch_id,
-                           ", ".join(sorted(self.consumed.done)) + " done" if self.consumed.done else "nothing done")  # fmt: skip
-            await self._finish()
-            if again:
-                return []
-        if batch.index < self.next_index:
-            if (error := behind_verdict(batch, self.next_index, await self.ledger.record(batch.index))) is not None:
-                logger.error("%s", error)
-                raise PoisonMessageError(error)
-            logger.info("skipping %s: a copy of what was consumed at index %d (next index %d)", batch.id, batch.index,
-                        self.next_index)  # fmt: skip
+        if not await self._in_order(batch):
             return []
-        if batch.index > self.next_index:
-            await self._fill_gap(batch)
-        record, mine = await self.ledger.record(batch.index), fingerprint(batch)
-        if record is not None and record != mine:  # another batch was consumed at this index in an earlier life
-            error = behind_verdict(batch, self.next_index, record)
-            logger.error("%s", error)
-            raise PoisonMessageError(error)
-        if record is None:
-            await self.ledger.claim(batch.index, mine)
         if not batch.samples:
             return await self._skip(batch, "it has no samples")
         attempts = await self.ledger.attempts(batch.id)
@@ -239,17 +228,8 @@ class LearnerService:
         except Exception as e:  # counted, then retried or fatal (re-raised either way)
             span.fail(e)
             span.end()
-            agreed = isinstance(e, StepFailedError) or self.group.world == 1  # every rank stopped at the same point
-            error = str(e) if isinstance(e, StepFailedError) else f"{type(e).__name__}: {e}"
-            await self.ledger.finish(batch.id, error)
-            if agreed and self.trainer.policy.backward_calls == backward_calls:
-                raise  # nothing trained yet: the consumer retries it (skipped above once at the limit)
-            why = "after training part of the batch" if agreed else "on this rank alone (the others may wait in a collective)"
-            self.fatal = RuntimeError(
-                f"{batch.id}: the step failed {why} ({error}); stopping: a restart resumes from the last checkpoint"
-            )
-            self.ctx.stop.set()
-            raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
+            await self._step_failed(batch, e, backward_calls)
+            raise
         await self.ledger.finish(batch.id, None)
         ended = time.time()
         staleness = [self.step - s.trajectory.policy_version_start for s in batch.samples]
@@ -266,6 +246,51 @@ class LearnerService:
         self._consume(batch, metrics)
         await self._finish()
         return []
+
+    async def _in_order(self, batch: TrainingBatch) -> bool:
+        """Whether ``batch`` is the one to train now (its index claimed); False: it was consumed before (a copy,
+        or the batch whose checkpoint / export / publication is finished now). PoisonMessageError: refused."""
+        if self.consumed is not None:  # what followed a consumed batch failed: finish it, never train it again
+            again = self.consumed.batch_id == batch.id and self.consumed.index == batch.index
+            logger.warning("finishing what follows %s's step (%s)", self.consumed.batch_id,
+                           ", ".join(sorted(self.consumed.done)) + " done" if self.consumed.done else "nothing done")  # fmt: skip
+            await self._finish()
+            if again:
+                return False
+        if batch.index < self.next_index:
+            if (error := behind_verdict(batch, self.next_index, await self.ledger.record(batch.index))) is not None:
+                logger.error("%s", error)
+                raise PoisonMessageError(error)
+            logger.info("skipping %s: a copy of what was consumed at index %d (next index %d)", batch.id, batch.index,
+                        self.next_index)  # fmt: skip
+            return False
+        if batch.index > self.next_index:
+            await self._fill_gap(batch)
+        record, mine = await self.ledger.record(batch.index), fingerprint(batch)
+        if record is not None and record != mine:  # another batch was consumed at this index in an earlier life
+            error = behind_verdict(batch, self.next_index, record)
+            logger.error("%s", error)
+            raise PoisonMessageError(error)
+        if record is None:
+            await self.ledger.claim(batch.index, mine)
+        return True
+
+    async def _step_failed(self, batch: TrainingBatch, e: Exception, backward_calls: int) -> None:
+        """Count a failed step; return to let the consumer retry it, or stop the learner (raises CancelledError)."""
+        agreed = isinstance(e, StepFailedError) or self.group.world == 1  # every rank stopped at the same point
+        error = str(e) if isinstance(e, StepFailedError) else f"{type(e).__name__}: {e}"
+        if agreed:
+            await self.ledger.finish(batch.id, error)
+        else:  # maybe the symptom of another rank's death (a closed connection): the step counts as a kill
+            await self.ledger.note(batch.id, error)
+        if agreed and self.trainer.policy.backward_calls == backward_calls:
+            return  # nothing trained yet: the consumer retries it (skipped once at the limit)
+        why = "after training part of the batch" if agreed else "on this rank alone (the others may be in a collective)"
+        self.fatal = RuntimeError(
+            f"{batch.id}: the step failed {why} ({error}); stopping: a restart resumes from the last checkpoint"
+        )
+        self.ctx.stop.set()
+        raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
 
     async def _fill_gap(self, batch: TrainingBatch) -> None:
         """``batch`` is ahead of the next index: refuse it while a missing index is still to come, else record
