@@ -137,40 +137,51 @@ class ScriptNames:
 
     @classmethod
     def from_sources(cls, *roots: Path) -> ScriptNames:
-        """Every module-level string constant named ``*_LUA`` under ``roots`` (read, not imported)."""
+        """Every module-level string constant named ``*_LUA`` under ``roots`` (read, not imported), also
+        as wrapped by a module's ``PROLOGUE`` + body + ``EPILOGUE`` (the coordinator's fenced scripts)."""
         out = cls()
+        bodies: dict[str, str] = {}
+        wrappers: list[tuple[str, str]] = []
         for root in roots:
             for path in sorted(root.rglob("*.py")):
-                text = path.read_text(errors="replace")
-                if "_LUA" not in text:
-                    continue
-                try:
-                    tree = ast.parse(text)
-                except SyntaxError:
-                    continue
-                for node in tree.body:
-                    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                        target = node.targets[0]
-                        value = node.value
-                        if (
-                            isinstance(target, ast.Name)
-                            and target.id.endswith("_LUA")
-                            and isinstance(value, ast.Constant)
-                            and isinstance(value.value, str)
-                        ):
-                            out.names[_sha(value.value.encode())] = f"{path.stem}.{target.id}"
+                constants = _string_constants(path)
+                bodies.update({f"{path.stem}.{k}": v for k, v in constants.items() if k.endswith("_LUA")})
+                if "PROLOGUE" in constants and "EPILOGUE" in constants:
+                    wrappers.append((constants["PROLOGUE"], constants["EPILOGUE"]))
+        for name, body in bodies.items():
+            out.names[_sha(body.encode())] = name
+            for prologue, epilogue in wrappers:
+                out.names.setdefault(_sha((prologue + body + epilogue).encode()), f"{name} (fenced)")
         return out
 
     def learn(self, body: bytes) -> str:
         sha = _sha(body)
         if sha not in self.names:
-            first = next((ln.strip() for ln in body.decode(errors="replace").splitlines() if ln.strip()), "")
+            lines = [ln.strip() for ln in body.decode(errors="replace").splitlines()]
+            first = next((ln for ln in lines if ln and not ln.startswith("#!")), "")
             self.names[sha] = f"script {sha[:8]} ({first[:40]})"
         return self.names[sha]
 
     def name(self, sha: bytes) -> str:
         text = sha.decode(errors="replace").lower()
         return self.names.get(text, f"script {text[:8]}")
+
+
+def _string_constants(path: Path) -> dict[str, str]:
+    """Module-level ``NAME = "..."`` string constants of a Python file (empty when it does not parse)."""
+    text = path.read_text(errors="replace")
+    if "_LUA" not in text and "PROLOGUE" not in text:
+        return {}
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return {}
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                out[node.targets[0].id] = node.value.value
+    return out
 
 
 def _sha(body: bytes) -> str:
