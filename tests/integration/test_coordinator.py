@@ -78,7 +78,7 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
     try:
         # no prompt before a learner is ready (has published its weights)
         log = Path(proc.log_path)  # type: ignore[attr-defined]
-        wait_for(lambda: "waiting for a learner" in log.read_text(), 30, "the coordinator to wait for a learner")
+        wait_for(lambda: "waiting for a learner" in log.read_text(), 120, "the coordinator to wait for a learner")
         time.sleep(1.0)
         assert client.xlen(names.prompts) == 0, "prompts were issued before any learner was ready"
         ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
@@ -115,7 +115,7 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
     client.set(names.state("policy_version"), 1)
     proc = start(recipe, run_id)
     try:
-        wait_for(lambda: client.xlen(names.prompts) >= 13, 30, "the prompts of batch 2")
+        wait_for(lambda: client.xlen(names.prompts) >= 13, 120, "the prompts of batch 2")
         time.sleep(1.0)
         ids = [p.id for p in prompts(client, names)]
         assert len(ids) == len(set(ids)) == 13
@@ -140,7 +140,7 @@ def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Pat
     proc = start(recipe, run_id, f"--coordinator.dataset.path={data}", "--coordinator.dataset.shuffle=false",
                  "--redis.max_message_mb=0.5")  # fmt: skip
     try:
-        wait_for(lambda: client.xlen(names.prompts) >= 7, 30, "the first prompts")
+        wait_for(lambda: client.xlen(names.prompts) >= 7, 120, "the first prompts")
         time.sleep(1.0)
         issued = prompts(client, names)
         assert [p.prompt_text for p in issued[:3]] == ["0+1=", "1+1=", "2+1="]  # dataset rows 1.. (row 0 skipped)
@@ -205,7 +205,11 @@ def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path
         while client.hget(names.state("eval_rounds"), "0").startswith(b"started"):
             await asyncio.sleep(0.05)
         client.xadd(names.weights, weights(1))
-        await asyncio.sleep(2.0)
+        deadline = time.monotonic() + 30  # (a loaded machine takes seconds to get there)
+        while not client.hexists(names.state("eval_rounds"), "1") and not run.done():
+            assert time.monotonic() < deadline, "round 1 never started"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
         ended_early = run.done()
         rounds = client.hgetall(names.state("eval_rounds"))
         answer_round(1)
@@ -600,3 +604,48 @@ def test_a_batch_the_learner_refused_is_sent_again_then_counted_as_dropped(
     asyncio.run(scenario())
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "batch-0" in r.getMessage()]
     assert any("4 groups" in e and "out of order" in e and "dropped" in e for e in errors), errors
+
+
+def test_the_coordinators_start_up_never_stalls_its_event_loop(tiny_task: Path, tmp_path: Path, redis_url: str,
+                                                               run_id: str, write_recipe,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Loading a dataset and its tokenizer (here made to take 2 s) runs off the event loop: the loop keeps
+    the heartbeat and the leases renewed meanwhile (a start longer than the lease TTL would hand the run
+    to a standby while the first coordinator is still starting)."""
+    from streamrl.common.bus import Bus, connect
+    from streamrl.common.config import load_config
+    from streamrl.common.lifecycle import ServiceContext
+    from streamrl.coordinator import service as service_module
+    from streamrl.coordinator.__main__ import _run
+    from streamrl.coordinator.config import CoordinatorConfig
+
+    real_source = service_module.PromptSource
+
+    def slow_source(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(2.0)
+        return real_source(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "PromptSource", slow_source)
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    config = load_config(CoordinatorConfig, str(recipe), [f"--run_id={run_id}", "--coordinator.eval.dataset=null"],
+                         section="coordinator")  # fmt: skip
+    names = StreamNames(run_id)
+
+    async def scenario() -> float:
+        bus = Bus(connect(redis_url))
+        ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
+                             stop=asyncio.Event())  # fmt: skip
+        running = asyncio.create_task(_run(config, ctx))
+        worst, last = 0.0, time.monotonic()
+        while ctx.status != "running":
+            assert not running.done(), running.exception()
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            worst, last = max(worst, now - last), now
+        ctx.stop.set()
+        await asyncio.wait_for(running, 30)
+        await bus.redis.aclose()
+        return worst
+
+    worst_pause_s = asyncio.run(scenario())
+    assert worst_pause_s < 1.0, f"the event loop stalled {worst_pause_s:.1f} s during start-up"

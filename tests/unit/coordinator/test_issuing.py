@@ -70,3 +70,25 @@ def test_no_prompt_before_a_learner_published_its_weights(in_redis) -> None:  # 
         assert await prompts.issue(version=0) == 4
 
     in_redis(scenario)
+
+
+def test_a_bad_row_is_skipped_counted_and_the_cursor_moves_past_it(in_redis, caplog) -> None:  # type: ignore[no-untyped-def]
+    from streamrl.coordinator.prompts import BadRowError, Prompt
+
+    class OneBadRow(Prompts):
+        def get(self, cursor: int) -> Prompt:
+            if cursor == 1:
+                raise BadRowError("dataset d.jsonl row 1: no key 'prompt' (keys: ['question'])")
+            return super().get(cursor)
+
+    async def scenario(state: RunState) -> None:
+        cfg = config(group_size=2, prompts_per_step=2, max_staleness=0, prefetch_steps=1, wait_for_learner=False)
+        prompts = PromptIssuer(cfg, state, GroupBuffer(state, group_size=2, dynamic_filtering=False), OneBadRow())  # type: ignore[arg-type]
+        assert await prompts.issue(version=0) == 3
+        assert await prompts.issue(version=0) == 1  # the fourth slot goes to the next good row
+        assert [p.id for p in await issued(state)] == ["p0", "p2", "p3", "p4"]
+        assert (await state.get_int(st.CURSOR), await state.get_int(st.PROMPTS_BAD)) == (5, 1)
+
+    in_redis(scenario)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["skipping dataset d.jsonl row 1: no key 'prompt' (keys: ['question'])"]

@@ -11,7 +11,7 @@ from PIL import Image as PILImage
 
 from streamrl.common.errors import ConfigError
 from streamrl.coordinator.config import DatasetConfig
-from streamrl.coordinator.prompts import PromptSource, read_images
+from streamrl.coordinator.prompts import BadRowError, PromptSource, read_images
 from streamrl.rollout.tiny_model import IMAGE_TOKEN, build_tiny_idefics3
 
 
@@ -88,3 +88,12 @@ def test_hugging_face_image_columns_and_webp_are_read(tmp_path: Path) -> None:
     PILImage.new("RGB", (8, 8)).save(webp, "WEBP")
     images = read_images([{"bytes": png((1, 2, 3)), "path": None}, {"bytes": webp.getvalue()}], tmp_path, "row 7")
     assert [i.media_type for i in images] == ["image/png", "image/webp"]
+
+
+def test_a_row_whose_image_is_missing_is_bad_the_others_are_read(tmp_path: Path, vl_dir: str) -> None:
+    path = dataset(tmp_path, [{"prompt": "a", "images": "img/red.png"}, {"prompt": "b", "images": "img/gone.png"},
+                              {"prompt": "c", "images": ["img/blue.jpg"]}])  # fmt: skip
+    source = PromptSource(DatasetConfig(path=path, tokenizer=vl_dir, label_key=None, shuffle=False))
+    with pytest.raises(BadRowError, match=r"row 1: image 'img/gone.png' not found"):
+        source.encode(1)
+    assert [len(source.encode(i).images) for i in (0, 2)] == [1, 1]

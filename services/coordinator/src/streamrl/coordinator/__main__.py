@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from streamrl.common.config import apply_overrides, load_config, read_recipe
 from streamrl.common.errors import ConfigError
@@ -24,14 +25,22 @@ from streamrl.common.lifecycle import ServiceContext, parse_args, service_main
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.limits import batch_size_problem
 
+if TYPE_CHECKING:
+    from streamrl.coordinator.service import CoordinatorService
+
 logger = logging.getLogger("streamrl.coordinator")
 
 
-async def _run(config: CoordinatorConfig, ctx: ServiceContext) -> None:
+def _build(config: CoordinatorConfig, ctx: ServiceContext) -> CoordinatorService:
+    """The service object, with its imports: all of it blocking work (run in a worker thread)."""
     from streamrl.coordinator.service import CoordinatorService
 
+    return CoordinatorService(config, ctx)
+
+
+async def _run(config: CoordinatorConfig, ctx: ServiceContext) -> None:
     try:
-        service = await asyncio.to_thread(CoordinatorService, config, ctx)
+        service = await asyncio.to_thread(_build, config, ctx)
     except ConfigError as e:
         logger.error("coordinator: %s", e)
         raise SystemExit(2) from None

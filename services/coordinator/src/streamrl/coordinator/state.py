@@ -3,6 +3,46 @@
 All progress of a run lives in Redis, none in the process, so a coordinator killed at any point and
 restarted continues where it stopped. The names below are the stored layout; a coordinator reads the
 state an older one wrote (keys it adds are created as it goes, see ``GroupBuffer.adopt_untracked``).
+
+Every write the coordinator makes is **fenced** (it writes nothing once another process holds the
+coordinator's lease: ``Bus.fence``) and **runs once** however often the client re-sends it after a
+lost reply: a :meth:`RunState.tx` transaction (:mod:`streamrl.common.tx`: a ``once`` key returns the
+first execution's replies) or a :class:`~streamrl.coordinator.scripts.FencedScript` (the same, for
+the scripts whose condition a ``require`` cannot say). What makes each one right when it runs again
+anyway - a restarted coordinator redoing a step it had half done, a follower re-reading its last
+entries - is in the last column. The write points (the fault suite drops the reply of each in turn):
+
+=======================  ==========================  ===================================  =============================
+write point              where                       what it writes                       when run again
+=======================  ==========================  ===================================  =============================
+scored commit            consumer loop (``bus``)     sample into ``groups:{g}``, XACK     only while the entry is pending
+issue prompts            ``issuing`` Tx              XADD prompts, ``inflight(_info)``,   ``require(cursor == c)``; ids
+                                                     LREM owed, SET cursor = c + n,       ``p{c+i}`` from the cursor
+                                                     prompts_too_large/bad counters
+group leaves inflight    ``groups.LEAVE_LUA``        to ``ready`` + accepted, or dropped  SREM from ``inflight`` first:
+                                                     (buffer DEL, counter, owed version)  a second run finds it gone
+late samples dropped     ``groups.DROP_LATE_LUA``    DEL buffer, late_samples_dropped     buffer already empty
+adopt untracked groups   ``groups`` Tx               HSETNX inflight_info                 HSETNX
+version first seen       ``groups`` Tx               HSETNX version_seen_at               HSETNX
+too-stale drop           ``batches`` Tx              LREM ready, DEL buffers, DECRBY      ``require(batch_index == k)``
+                                                     accepted, RPUSH owed, counter
+publish batch ``k``      ``batches`` Tx              XADD batches (id ``batch-{k}``),     ``require(batch_index == k)``,
+                                                     LREM ready, DEL buffers, SET         then SET k + 1: no duplicate,
+                                                     batch_index = k + 1                  no gap
+dead batch counted       ``batches.DEAD_BATCH_LUA``  SADD dead_batch_ids, counters        SADD of its id first
+refused batch re-sent    ``batches.RESEND_LUA``      HINCRBY batch_resends, XADD batches  bounded by the count; none
+                                                                                          once counted dead
+policy version           ``service`` Tx              SET policy_version                   the same value (increasing)
+dead-letter counters     ``service`` Tx              INCR dead_letters (+ reward's)       follower re-read: counted again
+tail cursors             ``followers`` Tx            SET weights_cursor / dead_cursor     the same value
+progress                 ``progress`` Tx             HSET progress                        the same values
+eval round start         ``evaluation.START_ROUND``  HSETNX eval_rounds, XADD prompts,    HSETNX of the round first
+                                                     SADD eval_dead (skipped prompts)
+eval prompt dead         ``evaluation.RECORD_DEAD``  SADD eval_dead:{v} (open rounds)     SADD
+eval late answers        ``evaluation.DROP_LATE``    DEL round buffer, counter            buffer already empty
+eval round close         ``evaluation`` Tx           HSET eval_rounds, DEL buffer and     read as closed afterwards
+                                                     eval_dead, eval counters
+=======================  ==========================  ===================================  =============================
 """
 
 from __future__ import annotations
