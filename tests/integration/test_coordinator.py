@@ -649,3 +649,25 @@ def test_the_coordinators_start_up_never_stalls_its_event_loop(tiny_task: Path, 
 
     worst_pause_s = asyncio.run(scenario())
     assert worst_pause_s < 1.0, f"the event loop stalled {worst_pause_s:.1f} s during start-up"
+
+
+def test_a_dead_letter_read_again_after_a_restart_is_counted_once(tiny_task: Path, tmp_path: Path, redis_url: str,
+                                                                  run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """The dead-letter tail saves its cursor after handling what it read: a coordinator killed in between
+    reads those letters again. Their effects are guarded (a group fails once); the counters too."""
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+
+    async def scenario() -> None:
+        async with coordinator(recipe, run_id, redis_url) as h:
+            h.weights(0)
+            await h.until(lambda: len(h.prompts()) >= 8, "the first prompts")
+            h.dead_letter(h.names.trajectories, a_trajectory(h.prompts()[0]))
+            await h.until(lambda: h.counter("dead_letters") == 1 and len(h.prompts()) == 9, "the letter handled")
+        h.client.delete(h.names.state("dead_cursor"))  # as if killed before the cursor was saved
+        async with coordinator(recipe, run_id, redis_url) as h:
+            await h.until(lambda: h.client.get(h.names.state("dead_cursor")) is not None, "the letter read again")
+            await asyncio.sleep(0.3)
+            assert (h.counter("dead_letters"), h.counter("reward_dead_lettered"), h.counter("groups_dead")) == (1, 1, 1)
+            assert len(h.prompts()) == 9, "the group was replaced twice"
+
+    asyncio.run(scenario())

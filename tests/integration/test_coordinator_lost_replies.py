@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import pytest
+
 from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
@@ -219,5 +221,32 @@ def test_a_lost_reply_to_counting_a_dead_batch_counts_it_once(redis_url: str, ru
         assert proxy.dropped == 1
         counters = await state.counters()
         assert (counters[st.BATCHES_DEAD], counters[st.SAMPLES_DEAD]) == (1, 8)
+
+    through_proxy(redis_url, run_id, scenario)
+
+
+def test_a_deposed_coordinator_writes_nothing(redis_url: str, run_id: str) -> None:
+    """Once another process holds the coordinator's lease, every write of this one - transactions and
+    the coordinator's own scripts - is refused whole with LeaseLostError."""
+    from streamrl.common.lease import LeaseLostError
+    from streamrl.common.tx import Fence
+
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        build = builder(state)
+        await ready_groups(build.groups, ("a", 0), ("b", 0))
+        lease = state.names.lease("singleton", "coordinator")
+        state.bus.fence = Fence(lease, "this-coordinator")
+        await state.redis.set(lease, "its-successor")
+        before = await state.redis.dump(state.key(st.READY))
+        with pytest.raises(LeaseLostError, match="held by"):
+            await build.build(version=0)
+        with pytest.raises(LeaseLostError):
+            await build.groups.fail("a", st.GROUPS_DEAD)
+        with pytest.raises(LeaseLostError):
+            await issuer(state).issue(version=0)
+        assert await state.redis.xlen(state.names.batches) == 0 and await state.redis.xlen(state.names.prompts) == 0
+        assert await state.redis.dump(state.key(st.READY)) == before and await state.get_int(st.GROUPS_DEAD) == 0
+        await state.redis.set(lease, "this-coordinator")  # its own lease again: it writes
+        assert [b.batch.index for b in await build.build(version=0)] == [0]
 
     through_proxy(redis_url, run_id, scenario)

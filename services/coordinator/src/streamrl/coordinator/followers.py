@@ -4,7 +4,8 @@ Both are broadcast streams the coordinator must see whole and in order (no consu
 them out), so each is read with the shared :class:`~streamrl.common.follower.StreamFollower`: an
 undecodable entry, or a weights event not signed with the run's key, is logged and passed over
 without stopping the tail. The cursor is saved after each read's entries are handled: a restarted
-coordinator handles the last read again (at-least-once), so the handlers are idempotent.
+coordinator handles the last read again (at-least-once), so the handlers are idempotent (each gets the
+entry id with the message).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ async def follow(
     state: RunState,
     stream: str,
     cursor_name: str,
-    handle: Callable[[Any], Awaitable[None]],
+    handle: Callable[[str, Any], Awaitable[None]],
     stop: asyncio.Event,
     *,
     weights_key: bytes | None,
@@ -43,8 +44,8 @@ async def follow(
         return msg
 
     async def each(entries: list[tuple[str, Any]], last_id: str) -> str:
-        for _, msg in entries:
-            await handle(msg)
+        for entry_id, msg in entries:
+            await handle(entry_id, msg)
         await state.tx().set(state.key(cursor_name), last_id).execute()
         return last_id
 

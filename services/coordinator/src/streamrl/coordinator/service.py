@@ -52,10 +52,24 @@ from streamrl.coordinator.issuing import PromptIssuer
 from streamrl.coordinator.metrics import MetricsWriter, plot, wandb_run
 from streamrl.coordinator.progress import REASON_CHARS, Progress, counter_metrics
 from streamrl.coordinator.prompts import PromptSource
+from streamrl.coordinator.scripts import FencedScript
 from streamrl.coordinator.state import RunState
 from streamrl.coordinator.traces import note_arrival
 
 logger = logging.getLogger(__name__)
+COUNT_LETTER_LUA = """
+local function id(s) local ms, seq = string.match(s, '^(%d+)-(%d+)$'); return tonumber(ms), tonumber(seq) end
+local last = redis.call('GET', KEYS[1])
+if last then
+  local lm, ls = id(last); local m, q = id(ARGV[1])
+  if m < lm or (m == lm and q <= ls) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1]); redis.call('INCR', KEYS[2])
+if ARGV[2] == '1' then redis.call('INCR', KEYS[3]) end
+return 1
+"""
+"""Count a dead letter once, by its entry id (ids only grow). KEYS: dead_counted, dead_letters,
+reward_dead_lettered; ARGV: entry id, 1 when it came from the ``trajectories`` stream."""
 TICK_S = 0.05
 """Longest pause between two ticks; stored trajectories and new versions wake the tick at once."""
 WAKE_BATCH_S = 0.002
@@ -101,6 +115,7 @@ class CoordinatorService:
         self.next_plot_at = 0.0
         self.last_batch_time = time.monotonic()
         self.weights_key = weights_key()
+        self._count_letter = FencedScript(ctx.bus, COUNT_LETTER_LUA)
 
     # -- entry ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -164,7 +179,7 @@ class CoordinatorService:
         self.touched.add(buffer_id(msg.trajectory))
         self.wake.set()
 
-    async def on_weights(self, msg: Any) -> None:
+    async def on_weights(self, entry_id: str, msg: Any) -> None:
         if not isinstance(msg, WeightsPublished):
             return
         self.wake.set()
@@ -182,15 +197,14 @@ class CoordinatorService:
             self.progress.update({"loss": round(msg.metrics.get("learner/loss/policy", float("nan")), 4)})
         await self._maybe_plot()
 
-    async def on_dead(self, msg: Any) -> None:
+    async def on_dead(self, entry_id: str, msg: Any) -> None:
         if not isinstance(msg, DeadLetter):
             return
         stream = msg.stream.rsplit(":", 1)[-1]
-        logger.error("dead letter from %s: %s", stream, msg.error)
-        tx = self.state.tx().incr(self.state.key(st.DEAD_LETTERS))
-        if msg.stream == self.names.trajectories:
-            tx.incr(self.state.key(st.REWARD_DEAD_LETTERED))
-        await tx.execute()
+        k = self.state.key
+        keys = [k(st.DEAD_COUNTED), k(st.DEAD_LETTERS), k(st.REWARD_DEAD_LETTERED)]
+        if await self._count_letter(keys, [entry_id, int(msg.stream == self.names.trajectories)]):
+            logger.error("dead letter from %s: %s", stream, msg.error)
         self.progress.update({"dead_reason": msg.error[:REASON_CHARS]})
         await self._publish_progress(refresh=True)  # before any replacement goes out
         lost = what_was_lost(msg, batches_stream=self.names.batches)

@@ -33,8 +33,10 @@ dead batch counted       ``batches.DEAD_BATCH_LUA``  SADD dead_batch_ids, counte
 refused batch re-sent    ``batches.RESEND_LUA``      HINCRBY batch_resends, XADD batches  bounded by the count; none
                                                                                           once counted dead
 policy version           ``service`` Tx              SET policy_version                   the same value (increasing)
-dead-letter counters     ``service`` Tx              INCR dead_letters (+ reward's)       follower re-read: counted again
-tail cursors             ``followers`` Tx            SET weights_cursor / dead_cursor     the same value
+dead-letter counters     ``service.COUNT_LETTER``    INCR dead_letters (+ reward's), SET  only for an entry id above
+                                                     dead_counted                         ``dead_counted``
+tail cursors             ``followers`` Tx            SET weights_cursor / dead_cursor     the same value (a re-read is
+                                                                                          handled by the guards above)
 progress                 ``progress`` Tx             HSET progress                        the same values
 eval round start         ``evaluation.START_ROUND``  HSETNX eval_rounds, XADD prompts,    HSETNX of the round first
                                                      SADD eval_dead (skipped prompts)
@@ -64,6 +66,8 @@ WEIGHTS_CURSOR = "weights_cursor"
 """Last ``weights`` entry handled."""
 DEAD_CURSOR = "dead_cursor"
 """Last ``dead`` entry handled."""
+DEAD_COUNTED = "dead_counted"
+"""Last ``dead`` entry counted in ``dead_letters`` (a letter read again after a restart is not counted again)."""
 
 # -- prompt groups, from issue to batch
 CURSOR = "cursor"
