@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update-repeats", type=int, default=4)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--skip-hf", action="store_true", help="vLLM only (no transformers engine / generate)")
+    parser.add_argument("--sync-1p5b", action="store_true", help="also time ZMQ updates of a 1.5B-shaped model")
 
 
 def reference_logprobs(model: Any, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
@@ -81,13 +83,6 @@ def compare_logprobs(engine: Any, model: Any, prompts: list[list[int]], seed: in
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from streamrl.common.messages import SamplingParams
-    from streamrl.learner.rl.weights import WeightServer
-    from streamrl.rollout.engine import GenerationRequest
-    from streamrl.rollout.engine_config import EngineConfig
-    from streamrl.rollout.vllm_engine import VLLMEngine
 
     tiny = args.tiny
     device, dtype = ("cpu", "float32") if tiny else ("cuda", "bfloat16")
@@ -97,6 +92,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["hf"] = gpu_generate.run(args)
         if not tiny:
             torch.cuda.empty_cache()
+    stages = [("vllm_error", lambda: _run_vllm(args, result, total, device, dtype))]
+    if args.sync_1p5b:
+        stages.append(("sync_1p5b_error", lambda: _sync_1p5b(args, result)))
+    for key, stage in stages:
+        try:
+            stage()
+        except Exception:  # noqa: BLE001 - the benchmark's boundary: what was measured is still reported
+            result[key] = traceback.format_exc()[-3000:]
+            print(result[key], file=sys.stderr)
+    if "hf" in result and "vllm_tok_s" in result:
+        result["vllm_vs_hf_engine"] = round(result["vllm_tok_s"] / result["hf"]["engine_tok_s"], 2)
+        result["vllm_vs_generate"] = round(result["vllm_tok_s"] / result["hf"]["generate_tok_s"], 2)
+    return result
+
+
+def _run_vllm(args: argparse.Namespace, result: dict[str, Any], total: int, device: str, dtype: str) -> None:
+    """Parts 2-4 (see the module docstring) into ``result``, as far as they get."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.common.messages import SamplingParams
+    from streamrl.learner.rl.weights import WeightServer
+    from streamrl.rollout.engine import GenerationRequest
+    from streamrl.rollout.engine_config import EngineConfig
+    from streamrl.rollout.vllm_engine import VLLMEngine
+
+    tiny = args.tiny
     with tempfile.TemporaryDirectory() as tmp:
         folders = [Path(tmp) / "a", Path(tmp) / "b"]
         gpu_generate._build_model(folders[0], tiny)
@@ -104,10 +126,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _reseed(folders[1], tiny)
         prompts = gpu_generate._prompts(args.prompts, args.prompt_len, 384)
         config = EngineConfig(
-            type="vllm", model=str(folders[0]), dtype=dtype, max_num_seqs=args.prompts * args.samples,  # type: ignore[arg-type]
-            max_model_len=args.prompt_len + args.new_tokens + 8, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_gib=1.0 if tiny else None, enforce_eager=tiny,
-        )  # fmt: skip
+            type="vllm",
+            model=str(folders[0]),
+            dtype=dtype,
+            max_num_seqs=args.prompts * args.samples,  # type: ignore[arg-type]
+            max_model_len=args.prompt_len + args.new_tokens + 8,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_gib=1.0 if tiny else None,
+            enforce_eager=tiny,
+        )
         started = time.perf_counter()
         engine = VLLMEngine(config)
         result["vllm_start_s"] = round(time.perf_counter() - started, 2)
@@ -129,9 +156,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm = [timed() for _ in range(args.repeats)]
             med = sorted(warm)[len(warm) // 2]
             result.update(
-                vllm_first_call_s=round(first, 3), vllm_s=[round(s, 3) for s in warm],
-                vllm_tok_s=round(total / med), vllm_tok_s_best=round(total / min(warm)),
-            )  # fmt: skip
+                vllm_first_call_s=round(first, 3),
+                vllm_s=[round(s, 3) for s in warm],
+                vllm_tok_s=round(total / med),
+                vllm_tok_s_best=round(total / min(warm)),
+            )
             models = [AutoModelForCausalLM.from_pretrained(f, dtype=getattr(torch, dtype)).to(device) for f in folders]
             check = prompts[: args.check_prompts]
             result["logprobs_vs_transformers"] = compare_logprobs(engine, models[0], check, seed=7)
@@ -146,19 +175,81 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 update_s.append(time.perf_counter() - t0)
             last = models[args.update_repeats % 2]
             result["zmq_update"] = {
-                "bytes": num_bytes, "buckets": num_buckets, "repeats": args.update_repeats,
+                "bytes": num_bytes,
+                "buckets": num_buckets,
+                "repeats": args.update_repeats,
                 "publish_ms_median": round(1000 * statistics.median(publish_s), 1),
                 "update_ms_median": round(1000 * statistics.median(update_s), 1),
                 "update_ms": [round(1000 * s, 1) for s in update_s],
                 "logprobs_after_vs_transformers": compare_logprobs(engine, last, check, seed=8),
-            }  # fmt: skip
+            }
         finally:
             server.close()
             engine.close()
-    if "hf" in result:
-        result["vllm_vs_hf_engine"] = round(result["vllm_tok_s"] / result["hf"]["engine_tok_s"], 2)
-        result["vllm_vs_generate"] = round(result["vllm_tok_s"] / result["hf"]["generate_tok_s"], 2)
-    return result
+
+
+QWEN2_1P5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+
+
+def _sync_1p5b(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """ZMQ weight updates of a Qwen2-1.5B-shaped bf16 model into a vLLM engine (eager: no compile)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from streamrl.learner.rl.weights import WeightServer
+    from streamrl.rollout.engine_config import EngineConfig
+    from streamrl.rollout.tiny_model import build_tokenizer
+    from streamrl.rollout.vllm_engine import VLLMEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "m"
+        _, eos = build_tokenizer(folder)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_1P5B, eos_token_id=eos, bos_token_id=eos)).to(torch.bfloat16)
+        model.save_pretrained(folder)
+        states = [[(n, t.detach()) for n, t in model.state_dict().items()]]
+        states.append([(n, t * 0.5) for n, t in states[0]])
+        config = EngineConfig(
+            type="vllm",
+            model=str(folder),
+            dtype="bfloat16",
+            max_num_seqs=8,
+            max_model_len=512,
+            gpu_memory_utilization=0.3,
+            enforce_eager=True,
+        )  # type: ignore[arg-type]
+        engine, server = VLLMEngine(config), WeightServer()
+        publish_s, update_s = [], []
+        try:
+            for version in range(1, args.update_repeats + 1):
+                t0 = time.perf_counter()
+                checksum, num_bytes, num_buckets = server.publish(states[version % 2], version)
+                torch.cuda.synchronize()
+                publish_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=300))
+                update_s.append(time.perf_counter() - t0)
+        finally:
+            server.close()
+            engine.close()
+    result["zmq_update_1p5b"] = {
+        "bytes": num_bytes,
+        "buckets": num_buckets,
+        "tensors": len(states[0]),
+        "publish_ms_median": round(1000 * statistics.median(publish_s), 1),
+        "update_ms_median": round(1000 * statistics.median(update_s), 1),
+        "update_ms": [round(1000 * s, 1) for s in update_s],
+    }
 
 
 def _reseed(folder: Path, tiny: bool) -> None:
