@@ -250,3 +250,26 @@ def test_a_deposed_coordinator_writes_nothing(redis_url: str, run_id: str) -> No
         assert [b.batch.index for b in await build.build(version=0)] == [0]
 
     through_proxy(redis_url, run_id, scenario)
+
+
+def test_an_evaluation_round_of_many_prompts_starts_in_one_script(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    """A round's prompts travel as arguments of one fenced script: 10,000 of them (more than Lua can unpack)."""
+    from streamrl.coordinator.config import EvalConfig
+    from streamrl.coordinator.evaluation import EvalRounds
+    from streamrl.coordinator.metrics import MetricsWriter
+
+    class Many(Prompts):
+        def __len__(self) -> int:
+            return 10_000
+
+        def warm(self, indices: range) -> None:
+            pass
+
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        held_out = EvalConfig(dataset=DatasetConfig(path="eval.jsonl", tokenizer="t"), num_prompts=10_000)
+        config = CoordinatorConfig(dataset=DatasetConfig(path="unused.jsonl", tokenizer="unused"), eval=held_out)
+        rounds = EvalRounds(config, state, Many(), MetricsWriter(tmp_path))  # type: ignore[arg-type]
+        await rounds.maybe_start(0)
+        assert await state.redis.xlen(state.names.prompts) == 10_000
+
+    through_proxy(redis_url, run_id, scenario)

@@ -37,8 +37,10 @@ if ARGV[2] ~= '' then
   local holder = redis.call('GET', KEYS[2])
   if holder and holder ~= ARGV[3] then return redis.error_reply('FENCED ' .. holder) end
 end
-local KEYS = {unpack(KEYS, 3)}
-local ARGV = {unpack(ARGV, 4)}
+local keys, argv = {}, {}
+for i = 3, #KEYS do keys[i - 2] = KEYS[i] end
+for i = 4, #ARGV do argv[i - 3] = ARGV[i] end
+local KEYS, ARGV = keys, argv
 local function body()
 """
 EPILOGUE = """
