@@ -273,3 +273,17 @@ def test_an_evaluation_round_of_many_prompts_starts_in_one_script(redis_url: str
         assert await state.redis.xlen(state.names.prompts) == 10_000
 
     through_proxy(redis_url, run_id, scenario)
+
+
+def test_a_lost_reply_to_dropping_late_samples_counts_them_once(redis_url: str, run_id: str) -> None:
+    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+        groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
+        for i in range(2):  # samples of a group already failed: neither in flight nor ready
+            await state.redis.hset(groups.buffer("gone"), f"gone/{i}", encode(sample("gone", i, 1.0)))
+        await lose_reply(proxy, state, sha(groups._drop_late.source), groups._drop_late.source)
+        await groups.drop_late(["gone"])
+        assert proxy.dropped == 1
+        assert await state.get_int(st.LATE_SAMPLES_DROPPED) == 2
+        assert not await state.redis.exists(groups.buffer("gone"))
+
+    through_proxy(redis_url, run_id, scenario)

@@ -87,7 +87,7 @@ class EvalRounds:
         self.last_acc: float | None = None
         """Accuracy of the last round closed with answers."""
         self._start = FencedScript(state.bus, START_ROUND_LUA)
-        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA)
+        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA, once=False)
         self._record_dead = FencedScript(state.bus, RECORD_DEAD_LUA)
 
     def due(self, version: int) -> bool:

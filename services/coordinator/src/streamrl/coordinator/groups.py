@@ -101,7 +101,7 @@ class GroupBuffer:
         self.group_size = group_size
         self.dynamic_filtering = dynamic_filtering
         self._leave = FencedScript(state.bus, LEAVE_LUA)
-        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA)
+        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA, once=False)
 
     def buffer(self, group: str) -> str:
         return self.state.names.group_buffer(group)

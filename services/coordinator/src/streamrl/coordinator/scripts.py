@@ -9,7 +9,9 @@ of its own. :class:`FencedScript` wraps each one's body so that, like :mod:`stre
 * a re-send of the same call after a lost reply (the client's outage retry) returns the first
   execution's reply from its ``once`` key (kept twice ``redis.outage_s``) instead of running again -
   the bodies are written to be harmless when run twice anyway, and the ``once`` key keeps their reply
-  (fresh or not) exact;
+  (fresh or not) exact. The late-sample drops, called for every group touched on every tick and whose
+  reply is only logged, take no ``once`` key (``once=False``): one key per call would be most of the
+  run's ``once`` keys;
 * a Redis at its ``maxmemory`` refuses it before it runs (``#!lua``), and the client retries.
 
 A body sees its own ``KEYS`` and ``ARGV`` (the wrapper's are taken off) and returns an integer.
@@ -29,10 +31,11 @@ from streamrl.common.tx import fenced_error, once_key
 Arg = str | bytes | int | float
 
 PROLOGUE = """#!lua
-local once = KEYS[1]
-local done = redis.call('GET', once)
-if done then return tonumber(done) end
-local ttl_ms = ARGV[1]
+local once, ttl_ms = KEYS[1], ARGV[1]
+if ttl_ms ~= '0' then
+  local done = redis.call('GET', once)
+  if done then return tonumber(done) end
+end
 if ARGV[2] ~= '' then
   local holder = redis.call('GET', KEYS[2])
   if holder and holder ~= ARGV[3] then return redis.error_reply('FENCED ' .. holder) end
@@ -46,7 +49,7 @@ local function body()
 EPILOGUE = """
 end
 local reply = body()
-redis.call('SET', once, reply, 'PX', ttl_ms)
+if ttl_ms ~= '0' then redis.call('SET', once, reply, 'PX', ttl_ms) end
 return reply
 """
 
@@ -54,15 +57,18 @@ return reply
 class FencedScript:
     """One script body (see the module docstring), called like a redis-py script: ``await s(keys, args)``."""
 
-    def __init__(self, bus: Bus, body: str) -> None:
+    def __init__(self, bus: Bus, body: str, *, once: bool = True) -> None:
         self.bus = bus
+        self.once = once
+        """Keep each call's reply under a ``once`` key; False for a body whose reply may change when run
+        again without harm (a count only logged) and that runs often: no key written per call."""
         self.source = PROLOGUE + body + EPILOGUE
         self._script = bus.redis.register_script(self.source)
 
     def _full(self, keys: Sequence[str], args: Sequence[Arg]) -> tuple[list[str], list[Arg]]:
         fence = self.bus.fence
         once = once_key(list(keys), secrets.token_hex(12))
-        ttl_ms = int(2 * self.bus.outage_s * 1000)
+        ttl_ms = int(2 * self.bus.outage_s * 1000) if self.once else 0
         head: list[Arg] = [ttl_ms, fence.key if fence else "", fence.token if fence else ""]
         return [once, fence.key if fence else once, *keys], [*head, *args]
 
