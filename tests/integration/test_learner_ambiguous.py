@@ -97,6 +97,9 @@ def test_a_missing_index_is_recorded_as_lost_and_the_run_goes_on(
     assert "learner/loss/total" in events[3].metrics and "learner/loss/total" in events[4].metrics
     assert client.xpending(names.batches, "learner")["pending"] == 0
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert client.keys(names.state("learner_dead:*")) == []  # acknowledged: what was kept about them is gone
+    assert client.keys(names.state("learner_failures:*")) == []
+    assert int(client.hget(names.state("learner"), "acked")) == 4
 
 
 def test_a_batch_from_the_future_waits_for_no_one_when_its_predecessor_is_still_to_come(

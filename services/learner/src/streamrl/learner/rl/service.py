@@ -122,6 +122,8 @@ class LearnerService:
         """Every batch index below it is acknowledged (kept in Redis with the acks)."""
         self.unacked: list[tuple[str, int, str]] = []
         """(entry id, batch index, batch id) of entries handled but not yet acknowledged."""
+        self.lost: list[tuple[int, str]] = []
+        """(index, batch id) of indices recorded as lost, whose keys go with the next ack that covers them."""
         self.server: WeightServer | None = None
         self.ipc: IpcWeightPublisher | None = None
         self.broadcast: BroadcastWeightPublisher | None = None
@@ -311,6 +313,7 @@ class LearnerService:
             reason = (f"index {index} never reached the learner ({batch.id} came next; no entry for it was pending "
                       "or left in the stream)")  # fmt: skip
             await self.ledger.lose(index)
+            self.lost.append((index, lost.id))
             await self._dead_letter(lost, "", reason)
             self.num_skipped += 1
             self._consume(lost, {"learner/batches_skipped": float(self.num_skipped)}, skipped=reason)
@@ -475,9 +478,11 @@ class LearnerService:
         self.unacked.append((entry_id, batch.index, batch.id))
         covered = [(entry, batch_id) for entry, index, batch_id in self.unacked if index < self.checkpointed_index]
         if covered:
+            lost = [batch_id for index, batch_id in self.lost if index < self.checkpointed_index]
             await self.ledger.ack(
-                self.ctx.names.batches, [e for e, _ in covered], [b for _, b in covered],
+                self.ctx.names.batches, [e for e, _ in covered], [b for _, b in covered] + lost,
                 acked_from=self.acked_index, acked_index=self.checkpointed_index,
             )  # fmt: skip
             self.acked_index = self.checkpointed_index
             self.unacked = [u for u in self.unacked if u[1] >= self.checkpointed_index]
+            self.lost = [x for x in self.lost if x[0] >= self.checkpointed_index]
