@@ -287,3 +287,78 @@ def test_a_lost_reply_to_dropping_late_samples_counts_them_once(redis_url: str, 
         assert not await state.redis.exists(groups.buffer("gone"))
 
     through_proxy(redis_url, run_id, scenario)
+
+
+def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_replies(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
+    """The whole coordinator, its Redis client behind the proxy, which loses the reply of one of its
+    writes (every write is a script call) every 0.4 s while it issues, collects and batches four steps
+    (the test plays rollout, reward and learner on the real streams)."""
+    import redis as syncredis
+    from test_coordinator import Harness, score_sample
+
+    from streamrl.common.config import load_config
+    from streamrl.common.lifecycle import ServiceContext
+    from streamrl.common.messages import WeightsPublished
+    from streamrl.coordinator.service import CoordinatorService
+
+    recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
+    steps = 4
+
+    async def scenario() -> tuple[int, list[TrainingBatch], list[PromptWorkItem], int]:
+        url = urlparse(redis_url)
+        proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
+        args = [f"--run_id={run_id}", "--coordinator.eval.dataset=null", f"--total_steps={steps}"]
+        config = load_config(CoordinatorConfig, str(recipe), args, section="coordinator")
+        names = StreamNames(run_id)
+        bus = Bus(connect(proxy.url, outage_s=20), maxlen=config.redis.maxlen)
+        ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
+                             stop=asyncio.Event())  # fmt: skip
+        h = Harness(syncredis.Redis.from_url(redis_url), names, Path(config.run_dir))
+        service = await asyncio.to_thread(CoordinatorService, config, ctx)
+        h.service_task = asyncio.create_task(service.run())
+
+        async def lose_replies() -> None:
+            while True:
+                if not proxy.armed:
+                    proxy.drop_reply_to(b"EVALSHA")
+                await asyncio.sleep(0.4)
+
+        losing = asyncio.create_task(lose_replies())
+        answered: set[str] = set()
+        version = 0
+        h.weights(0)
+        deadline = time.monotonic() + 120
+        while version < steps:
+            assert time.monotonic() < deadline, f"stuck at version {version}"
+            assert not h.service_task.done(), h.service_task.exception()
+            for item in h.prompts():
+                if item.id not in answered and item.policy_version <= version:
+                    answered.add(item.id)
+                    for i in range(item.sampling.n):  # the reward tier's output, once per trajectory
+                        scored = score_sample(item, i, float(i % 2))
+                        h.client.xadd(names.scored, {b"d": encode(scored)})
+            if h.client.xlen(names.batches) > version:  # the learner trains it and publishes the next version
+                version += 1
+                h.client.xadd(names.weights, {b"d": encode(WeightsPublished(
+                    version=version, step=version, batch_id=f"batch-{version - 1}", checksum="0", num_bytes=0,
+                    num_buckets=0, endpoint="tcp://127.0.0.1:1"))})  # fmt: skip
+            await asyncio.sleep(0.05)
+        losing.cancel()
+        await asyncio.wait_for(h.service_task, 60)
+        cursor = int(h.client.get(names.state("cursor")) or 0)
+        batches = [decode(f[b"d"], TrainingBatch) for _, f in h.client.xrange(names.batches)]
+        items = h.prompts()
+        await bus.redis.aclose()
+        await proxy.close()
+        return proxy.dropped, batches, items, cursor
+
+    dropped, batches, items, cursor = asyncio.run(scenario())
+    assert dropped >= 5, f"only {dropped} replies were lost"
+    assert [b.index for b in batches] == list(range(steps)), "a batch index was published twice or skipped"
+    trained = [s.trajectory.id for b in batches for s in b.samples]
+    assert len(trained) == len(set(trained)) == steps * 4 * 4, "a sample went into two batches"
+    ids = [p.id for p in items]
+    assert len(ids) == len(set(ids)), "a prompt was issued twice"
+    assert sorted(int(i[1:]) for i in ids) == list(range(cursor)), "the cursor skipped or repeated a row"
