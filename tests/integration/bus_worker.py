@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 
 from pydantic import Field
 
@@ -23,11 +24,19 @@ class EchoConfig(ServiceConfig):
     """Time each message takes to handle (s)."""
     fail_ids: list[str] = []
     """Trajectory ids whose handling always raises."""
+    start_blocking_s: float = Field(0.0, ge=0)
+    """Start-up work that blocks the event loop this long (a dataset, tokenizer or model load) (s)."""
+    start_blocking_until: str = ""
+    """A file: start-up blocks the event loop until it exists (a start as slow as a test needs)."""
     crash_ids: list[str] = []
     """Trajectory ids whose handling kills the process at once (as an OOM kill or a segfault would)."""
 
 
 async def run(config: EchoConfig, ctx: ServiceContext) -> None:
+    time.sleep(config.start_blocking_s)  # blocking on purpose, as a slow start does
+    while config.start_blocking_until and not os.path.exists(config.start_blocking_until):
+        time.sleep(0.05)
+
     async def handle(msg: Trajectory) -> list[Output]:
         await asyncio.sleep(config.delay_s)
         if msg.id in config.crash_ids:

@@ -3,18 +3,30 @@
 For one (stream, consumer group, consumer name)::
 
     XGROUP CREATE (from the start of the stream, tolerating BUSYGROUP)
+    queue what this consumer name left pending in a previous life (XPENDING; no delivery counted)
     loop until stop:
+        start queued entries (XCLAIM to itself: counts the delivery as it starts) before new ones;
+            an entry on its last allowed delivery (max_deliveries, after one that never finished)
+            takes every in-flight slot: it runs alone, so an entry that kills its consumer is the
+            only one charged for it
         XREADGROUP > (up to the free in-flight slots)  -> one task per entry
-        every claim_idle_ms / 3 at most: refresh the idle time of what this consumer holds (also
-            while every slot is busy: a saturated consumer keeps its entries)
-        every claim_interval_s: XAUTOCLAIM entries idle > claim_idle_ms (their consumer died)
+        every claim_idle_ms / 3 at most: refresh the idle time of what this consumer holds (XCLAIM
+            JUSTID: no delivery counted; also while every slot is busy: a saturated consumer keeps
+            its entries)
+        every claim_interval_s: queue the entries of dead peers (:mod:`streamrl.common.peers`) and
+            entries idle > claim_idle_ms (XPENDING IDLE + XCLAIM JUSTID), and trim the stream to
+            what its groups still need (:mod:`streamrl.common.trim`)
     per entry:
+        delivered > max_deliveries -- its earlier deliveries killed their consumer: dead-letter it
+                                      before the handler runs ("killed its consumer N times")
         decode            -- PoisonMessageError: dead-letter at once
-        already done?     -- the de-dup key exists: ack, skip the handler
         outputs = await handler(message)
-        commit(outputs)   -- one atomic script: set de-dup key, XADD/HSET outputs, XACK
+        commit(outputs)   -- one atomic script: if the entry is still pending, XADD/HSET outputs
+                             and XACK; else nothing (a duplicate: re-sent, or handled elsewhere)
         on failure        -- after max_deliveries deliveries: dead-letter with the error, ack;
                              otherwise pause retry_delay_s and XCLAIM it again (counts a delivery)
+        LeaseLostError    -- the commit was fenced off (another process holds this service's
+                             lease): the loop stops and run() raises it
     on stop (SIGTERM): no new reads; in-flight entries get shutdown_grace_s to finish, then are
     cancelled and stay pending for another consumer to reclaim.
 
@@ -22,11 +34,12 @@ A handler that waits for something other than its own work (a prompt for weights
 parks its entry (:meth:`ConsumerLoop.parked`): the entry then holds no in-flight slot, so waiting
 entries never keep those that can run now from being read.
 
-With ``ack=False`` the outputs are committed but the entry stays pending until the service acks it
-itself (the learner acks batches once a checkpoint covers them); ``on_committed`` is called after
-each commit.
+With ``ack=False`` the outputs are committed (while the entry is pending) but the entry stays
+pending until the service acks it itself (the learner acks batches once a checkpoint covers them);
+``on_committed`` is called after each commit.
 
-At-least-once delivery to the handler, exactly-once effect downstream thanks to the de-dup key.
+At-least-once delivery to the handler, exactly-once effect downstream: a commit writes only while
+its entry is pending (:mod:`streamrl.common.bus`).
 """
 
 from __future__ import annotations

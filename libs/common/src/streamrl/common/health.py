@@ -27,7 +27,7 @@ async def heartbeat_forever(
     service: str,
     instance: str,
     interval_s: float,
-    snapshot: Callable[[], dict[str, int | str]],
+    snapshot: Callable[[], dict[str, int | str | float]],
     before_beat: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Write the heartbeat every ``interval_s`` with TTL ``2 * interval_s`` until cancelled; the
@@ -49,8 +49,8 @@ async def heartbeat_forever(
 def live_heartbeats(client: syncredis.Redis, names: StreamNames, service: str = "*") -> list[Heartbeat]:
     """Live heartbeats of ``service`` (``*`` = every service), sorted by service and instance.
 
-    Looked up through the ``instances`` set, so the cost does not grow with the keyspace (a run
-    holds one de-duplication key per handled message). An instance whose key expired is left out
+    Looked up through the ``instances`` set, so the cost does not grow with the keyspace. An
+    instance whose key expired is left out
     but stays in the set: a consumer loop judges its entries by it (the one that takes them over
     removes it, :meth:`streamrl.common.consumer.ConsumerLoop._reclaim_from_the_dead`); one that
     stopped cleanly removed itself."""

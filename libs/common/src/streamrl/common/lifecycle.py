@@ -5,6 +5,16 @@ function. SIGTERM / SIGINT set ``ctx.stop``: the service stops intake and drains
 (the consumer loop gives it ``shutdown_grace_s``), then exits 0. A heartbeat key is kept fresh the
 whole time; ``streamrl <service> RECIPE --check`` reads it for container health checks. SIGUSR1 logs
 the stack of every asyncio task (``kill -USR1 PID`` on a service that seems stuck).
+
+Leases (:mod:`streamrl.common.lease`), taken before ``run`` starts: the instance name, and for the
+coordinator and learner their role. Once held, the bus is **fenced** by the service's lease
+(``ctx.bus.fence``: the role for a singleton, the name otherwise): a process whose lease another
+holds writes nothing. Their TTL is ``consumer.lease_ttl_s``. While the service starts
+(``ctx.status == "starting"`` - until ``mark_running()``) a thread renews them
+(:class:`streamrl.common.liveness.StartupRenewer`), so a blocking start (dataset, tokenizer, model,
+wandb) never costs the lease; no service-side change is needed. Once running, the heartbeat renews
+them on the event loop, whose worst pause is measured (``loop_lag_s`` in the heartbeat, a WARNING
+over half the TTL, and in the stop line).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import ConfigError
 from streamrl.common.health import check, default_instance, heartbeat_forever
 from streamrl.common.lease import Lease, LeaseHeldError, LeaseLostError, holder_token
+from streamrl.common.liveness import StartupRenewer, watch_loop_lag
 from streamrl.common.log import setup_logging
 from streamrl.common.prom import NULL_METRICS, Metrics, setup_metrics
 from streamrl.common.prom_config import PromConfig
@@ -84,6 +95,8 @@ class ServiceContext:
     loops: list[ConsumerLoop] = field(default_factory=list)  # type: ignore[type-arg]
     status: str = "starting"
     policy_version: int = -1
+    loop_lag_s: float = 0.0
+    """The event loop's worst pause since the service runs (s) (:mod:`streamrl.common.liveness`)."""
     tracing: Tracing = NULL_TRACING
     metrics: Metrics = NULL_METRICS
 
@@ -104,7 +117,7 @@ class ServiceContext:
         _, older, oldest = gc.get_threshold()
         gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
-    def snapshot(self) -> dict[str, int | str]:
+    def snapshot(self) -> dict[str, int | str | float]:
         """Heartbeat counters summed over this instance's consumer loops."""
         return {
             "processed": sum(loop.stats.processed for loop in self.loops),
@@ -114,7 +127,11 @@ class ServiceContext:
             "in_flight": sum(loop.stats.in_flight for loop in self.loops),
             "policy_version": self.policy_version,
             "status": self.status,
+            "loop_lag_s": round(self.loop_lag_s, 3),
         }
+
+    def record_loop_lag(self, pause_s: float) -> None:
+        self.loop_lag_s = max(self.loop_lag_s, pause_s)
 
 
 def parse_args(service: str, argv: list[str], config_cls: type[ServiceConfig] | None = None) -> argparse.Namespace:
@@ -232,11 +249,15 @@ async def _serve(
             beat_error.append(task.exception())  # type: ignore[arg-type]
             ctx.stop.set()
 
+    ttl_s = config.consumer.lease_ttl
+    renewer = StartupRenewer(config.redis.url, held, interval_s, starting=lambda: ctx.status in ("starting", "standby"))
+    lag = asyncio.create_task(watch_loop_lag(ctx.record_loop_lag, ttl_s, running=lambda: ctx.status == "running"))
     try:
         # the instance name is its consumer name: one live process per name (a killed predecessor's
         # lease expires within one TTL; a live one makes this process refuse to start)
         name = await _lease(ctx, token, ("instance", service, instance), f"instance name {service}/{instance}")
         held.extend([name] if name else [])
+        renewer.start()  # the service's start-up may block the event loop: its leases are kept meanwhile
         if name is not None and service not in SINGLETONS:
             ctx.bus.fence = Fence(name.key, token)  # its writes stop the moment another process holds its name
         beat = asyncio.create_task(
@@ -261,8 +282,10 @@ async def _serve(
         logger.error("%s: lost redis for more than %.0f s, stopping: %s", service, config.redis.outage_s, e)
         return 1
     finally:
-        await _leave(ctx, [beat] if beat else [], held)
-    logger.info("%s/%s stopped", service, instance)
+        renewer.stop()
+        await _leave(ctx, [lag, *([beat] if beat else [])], held)
+    worst = f"worst event-loop pause while running: {ctx.loop_lag_s:.2f} s; lease TTL {ttl_s:.1f} s"
+    logger.info("%s/%s stopped (%s)", service, instance, worst)
     return 0
 
 

@@ -380,6 +380,8 @@ class Heartbeat(_Message, tag="heartbeat"):
     """Version the instance serves or trains (-1 = n/a)."""
     status: str = "running"
     """``starting`` | ``running`` | ``draining``."""
+    loop_lag_s: float = 0.0
+    """The event loop's worst pause since the instance runs (s); the lease TTL must cover it."""
 
 
 class DeadLetter(_Message, tag="dead"):

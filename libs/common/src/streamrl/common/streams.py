@@ -8,7 +8,10 @@
     streamrl:{run}:dead           DeadLetter          any consumer
     streamrl:{run}:hb:{service}:{instance}   Heartbeat key with TTL
     streamrl:{run}:instances      set of "{service}:{instance}" that have heartbeated (readers look
-                                  keys up from it: a SCAN would walk every de-duplication key)
+                                  keys up from it, never with a SCAN of the keyspace)
+    streamrl:{run}:lease:...      leases (:mod:`streamrl.common.lease`), the fence of a service's writes
+    streamrl:{run}:once:{op}      replies of one transaction / no-entry commit, for twice redis.outage_s
+                                  (:mod:`streamrl.common.tx`)
 
 The braces are literal: ``{run}`` is a Redis Cluster hash tag, so every key of a run hashes to one
 slot and the commit script and transactions, which touch several keys at once, work on a cluster.
@@ -72,7 +75,8 @@ class StreamNames:
         return self._key("lease", *parts)
 
     def done(self, group: str, message_key: str) -> str:
-        """De-duplication marker: consumer group ``group`` already handled ``message_key``."""
+        """Former de-duplication marker (no longer written: commits check that their entry is pending);
+        still named by the ACL grants of :mod:`streamrl.common.redis_acl`."""
         return self._key("done", group, message_key)
 
     def state(self, name: str) -> str:
