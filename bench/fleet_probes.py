@@ -129,7 +129,7 @@ def round_trip_cost(folder: Path, requests: int = 100_000) -> dict[str, float]:
 
 def payload_costs(folder: Path, payload_bytes: int, num: int = 3000) -> dict[str, float]:
     """Redis CPU (us, from /proc) to write one ``payload_bytes`` entry with a plain XADD and through the bus's
-    commit script (``streamrl.common.bus.COMMIT_LUA``: de-dup key, XADD, XACK), and to read it (XRANGE)."""
+    commit script (``streamrl.common.bus.COMMIT_LUA``: once key, XADD; no entry to ack), and to read it (XRANGE)."""
     server = RedisServer(folder, appendonly=False).start()
     assert server.proc is not None
     stat = Path(f"/proc/{server.proc.pid}/stat")
@@ -145,8 +145,8 @@ def payload_costs(folder: Path, payload_bytes: int, num: int = 3000) -> dict[str
 
     try:
         xadd = cpu_us(lambda i: client.xadd("plain", {"d": payload}, maxlen=1000, approximate=True))
-        script = cpu_us(lambda i: commit(keys=["lua", f"done:{i}"], args=[1, "", "", "", f"done:{i}", 3600, 1000, 1,
-                                                                            "x", "lua", "", payload]))  # fmt: skip
+        script = cpu_us(lambda i: commit(keys=["lua", f"once:{i}"], args=[1, "", "", "", "", "", 1, f"once:{i}",
+                                                                            3_600_000, 1000, 1, "x", "lua", "", payload]))  # fmt: skip
         read = cpu_us(lambda i: client.xrange("plain", count=1))
     finally:
         client.close()
