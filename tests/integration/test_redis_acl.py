@@ -37,6 +37,7 @@ from streamrl.common.config import ConsumerConfig
 from streamrl.common.consumer import ConsumerLoop, encode_payload
 from streamrl.common.follower import StreamFollower
 from streamrl.common.health import check, heartbeat_forever, read_heartbeats
+from streamrl.common.lease import Lease, holder_token
 from streamrl.common.messages import (
     DeadLetter,
     Heartbeat,
@@ -52,8 +53,13 @@ from streamrl.common.prom import StreamGroupsCollector
 from streamrl.common.redis_acl import SERVICES, USERS, acl_file, new_passwords
 from streamrl.common.redis_server import find_redis_server, free_port
 from streamrl.common.streams import StreamNames
+from streamrl.common.tx import Fence, once_key
+from streamrl.coordinator.batches import DEAD_BATCH_LUA, RESEND_LUA
+from streamrl.coordinator.scripts import FencedScript
+from streamrl.learner.rl.ledger import LearnerLedger
 
 RUN = "acl"
+N = StreamNames(RUN)
 ADMIN_PASSWORD = "admin-password-for-the-test-only"
 M = TypeVar("M", bound=Message)
 FAST = ConsumerConfig(block_ms=50, claim_interval_s=0.1, heartbeat_interval_s=0.2, retry_delay_s=0.0)
@@ -256,7 +262,43 @@ def test_reward_user_does_the_reward_job(acl: AclRedis) -> None:
     assert refusals(acl) == []
 
 
+def test_a_dead_peer_that_shares_its_name_with_another_service_is_forgotten(acl: AclRedis) -> None:
+    """Instance names are per service: ``rollout:w-9`` and ``reward:w-9`` may both exist. The dead-peer
+    check script declares the heartbeat key of every instance of the dead consumer's name, the other
+    service's too (it only EXISTS it): the script is allowed to name it, and the entry is taken over."""
+    names = acl.names
+    admin = acl.client("admin")
+    admin.xgroup_create(names.trajectories, "reward", id="0", mkstream=True)
+    admin.xadd(names.trajectories, encode_payload(trajectory(0)))
+    admin.xreadgroup("reward", "w-9", {names.trajectories: ">"}, count=1)
+    admin.sadd(names.instances, "reward:w-9", "rollout:w-9")
+
+    def done() -> bool:
+        return admin.xlen(names.scored) == 1 and not admin.xinfo_consumers(names.trajectories, "reward")[:-1]
+
+    def score(t: Trajectory) -> list[Output]:
+        return [Output(stream=names.scored, message=ScoredTrajectory(trajectory=t, reward=1.0))]
+
+    asyncio.run(consume(acl, "reward", names.trajectories, Trajectory, score, until=done))
+    assert [c["name"] for c in admin.xinfo_consumers(names.trajectories, "reward")] == [b"reward-0"]
+    assert admin.smembers(names.instances) == set(), "both dead instances of that name are forgotten"
+    assert refusals(acl) == []
+
+
+async def fenced_bus(acl: AclRedis, service: str) -> tuple[Bus, Lease]:
+    """``service``'s bus as lifecycle sets it up for a singleton: its role leased, its writes fenced by it."""
+    client = connect(acl.url(service), outage_s=2)
+    token = holder_token(f"{service}-0")
+    lease = Lease(client, acl.names.lease("singleton", service), token, 5.0, f"the {service}")
+    assert await lease.acquire(0)
+    bus = Bus(client, outage_s=2)
+    bus.fence = Fence(lease.key, token)
+    return bus, lease
+
+
 def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
+    """Its consumer loop on ``scored``, its tails, and its writes as the coordinator makes them: fenced
+    transactions (``once`` keys, preconditions on its state) and its own fenced scripts."""
     names = acl.names
     feed(acl, names.scored, scored(0))
     acl.client("admin").xadd(names.weights, encode_payload(weights_event(1)))
@@ -264,42 +306,42 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
     async def job() -> None:
         await consume(acl, "coordinator", names.scored, ScoredTrajectory, lambda s: [
             Output(key=names.group_buffer(s.trajectory.group_id), field=s.trajectory.id, message=s)])  # fmt: skip
-        client = connect(acl.url("coordinator"), outage_s=2)
+        bus, lease = await fenced_bus(acl, "coordinator")
+        client, state = bus.redis, names.state
         for stream in (names.weights, names.dead):
             assert len(await client.xread({stream: "0-0"}, count=16)) == 1
         assert await client.xlen(names.weights) == 1
-        await client.set(names.state("policy_version"), 1)
-        pipe = client.pipeline(transaction=True)
-        pipe.sadd(names.state("inflight"), "g1")
-        pipe.xadd(names.prompts, encode_payload(PromptWorkItem(id="g1", prompt_ids=Tensor.from_list([1], "int32"))))
-        pipe.incrby(names.state("cursor"), 1)
-        await pipe.execute()
-        # a script with declared keys, as the coordinator moves a complete group to "ready"
-        moved = await client.eval(
-            "if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then return 0 end "
-            "redis.call('RPUSH', KEYS[2], ARGV[1]); redis.call('INCR', KEYS[3]); return 1",
-            3, names.state("inflight"), names.state("ready"), names.state("groups_kept"), "g1",
-        )  # fmt: skip
-        assert moved == 1
+        await bus.tx().set(state("policy_version"), 1).execute()
+        item = PromptWorkItem(id="p0", prompt_ids=Tensor.from_list([1], "int32"))
+        issue = bus.tx().require(state("cursor"), equals=None).xadd(names.prompts, item).sadd(state("inflight"), "g1")
+        issue.call("HSETNX", state("inflight_info"), "g1", "0@0").set(state("cursor"), 1)
+        await issue.incrby(state("late_samples_dropped"), 0).execute()
         samples = await client.hgetall(names.group_buffer("g0"))
         batch = TrainingBatch(id="batch-0", index=0, samples=[decode(v, ScoredTrajectory) for v in samples.values()],
                               policy_version=0, staleness=[0])  # fmt: skip
-        pipe = client.pipeline(transaction=True)
-        pipe.incr(names.state("batch_index"))
-        pipe.xadd(names.batches, encode_payload(batch))
-        pipe.delete(names.group_buffer("g0"))
-        pipe.lrem(names.state("ready"), 1, "g1")
-        await pipe.execute()
-        await client.hset(names.state("progress"), mapping={"step": "1"})
+        publish = bus.tx().require(state("batch_index"), equals=None).xadd(names.batches, batch)
+        publish.set(state("batch_index"), 1).delete(names.group_buffer("g0")).lrem(state("ready"), 1, "g0")
+        await publish.execute()
+        await bus.tx().call("HSET", state("progress"), "step", "1").execute()
+        # its own scripts, fenced and run once: one that sends a refused batch again (XADD batches)
+        resend = FencedScript(bus, RESEND_LUA)
+        keys = [state("dead_batch_ids"), state("batch_resends"), names.batches]
+        assert await resend(keys, ["batch-0", 2, bus.maxlen, encode(batch)]) == 1
+        dead = FencedScript(bus, DEAD_BATCH_LUA)
+        counters = [state("dead_batch_ids"), state("batches_dead"), state("samples_dead"), state("batch_groups_dead")]
+        assert await dead(counters, ["batch-0", 1, 1]) == 1
+        await lease.release()
         await client.aclose()
 
     asyncio.run(job())
     admin = acl.client("admin")
-    assert admin.xlen(names.batches) == 1 and admin.xlen(names.prompts) == 1
+    assert admin.xlen(names.batches) == 2 and admin.xlen(names.prompts) == 1
+    assert admin.get(names.state("cursor")) == b"1" and admin.get(names.state("batches_dead")) == b"1"
     assert refusals(acl) == []
 
 
 def test_learner_user_does_the_learner_job(acl: AclRedis) -> None:
+    """Its consumer loop on ``batches`` (acks held back), and every write of its ledger, fenced by its lease."""
     names = acl.names
     feed(acl, names.batches, TrainingBatch(id="batch-0", index=0, samples=[scored(0)], policy_version=0, staleness=[0]))
 
@@ -309,23 +351,50 @@ def test_learner_user_does_the_learner_job(acl: AclRedis) -> None:
         async def on_committed(entry_id: str, _: TrainingBatch) -> None:
             committed.append(entry_id)
 
-        await consume(acl, "learner", names.batches, TrainingBatch, lambda b: [
-            Output(stream=names.weights, message=weights_event(1)),
-            Output(key=names.state("learner"), field="published", message=weights_event(1)),
-        ], ack=False, on_committed=on_committed)  # fmt: skip
-        client = connect(acl.url("learner"), outage_s=2)
-        await client.hincrby(names.state("learner_failures:batch-0"), "count", 1)
-        assert await client.set(names.state("learner_dead:batch-0"), 1, nx=True)
-        await Bus(client).publish(names.dead, DeadLetter(stream=names.batches, entry_id=committed[0], group="learner",
-                                                         consumer="learner", error="test", deliveries=1, payload=b"", ts=0.0))  # fmt: skip
-        assert await client.xack(names.batches, "learner", *committed) == 1
-        assert await client.hget(names.state("learner"), "published")
-        await client.aclose()
+        await consume(acl, "learner", names.batches, TrainingBatch, lambda b: [], ack=False, on_committed=on_committed)
+        bus, lease = await fenced_bus(acl, "learner")
+        ledger = LearnerLedger(bus, names)
+        assert list(await ledger.still_to_come(names.batches)) == [0]
+        await ledger.claim(0, "fingerprint-0")
+        await ledger.start("batch-0")
+        await ledger.finish("batch-0", "RuntimeError: test")
+        await ledger.note("batch-0", "RuntimeError: test")
+        assert (await ledger.attempts("batch-0")).failed == 1
+        assert await ledger.publish(weights_event(1), None, "1@life")
+        assert (await ledger.published()) is not None and await ledger.version_mark() == "1@life"
+        entry, err = committed[0], "test"
+        letter = DeadLetter(names.batches, entry, "learner", "learner", err, deliveries=1, payload=b"", ts=0.0)
+        assert await ledger.dead_letter_once("batch-0", letter)
+        assert not await ledger.dead_letter_once("batch-0", letter)
+        await ledger.ack(names.batches, committed, ["batch-0"], acked_from=0, acked_index=1)
+        assert await ledger.acked_index() == 1
+        await lease.release()
+        await bus.redis.aclose()
 
     asyncio.run(job())
     admin = acl.client("admin")
     assert admin.xlen(names.weights) == 1 and len(dead_letters(acl)) == 2
     assert admin.xpending(names.batches, "learner")["pending"] == 0
+    assert refusals(acl) == []
+
+
+CONSUMED = {"coordinator": N.scored, "rollout": N.prompts, "reward": N.trajectories, "learner": N.batches}
+"""The stream each service consumes, as its consumer group."""
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_trims_the_stream_it_consumes(acl: AclRedis, service: str) -> None:
+    """The consumer loop trims its input by consumption (XINFO GROUPS, XPENDING, TIME, XTRIM MINID ~):
+    what its group handled goes, without one refused command."""
+    stream = CONSUMED[service]
+    admin = acl.client("admin")
+    pipe = admin.pipeline(transaction=False)
+    for i in range(300):  # three stream nodes of 100 entries: approximate trimming drops whole nodes
+        pipe.xadd(stream, {b"d": encode(Heartbeat(service="x", instance=str(i), pid=1, ts=0.0))})
+    pipe.execute()
+    asyncio.run(consume(acl, service, stream, Heartbeat, lambda _: [], until=lambda: admin.xlen(stream) < 300))
+    assert admin.xpending(stream, service)["pending"] == 0
+    assert admin.xlen(stream) < 300, "nothing was trimmed"
     assert refusals(acl) == []
 
 
@@ -358,18 +427,25 @@ class Case:
     """An admin may run it (a real command, refused for the user only); False for server-wide harm."""
 
 
-N = StreamNames(RUN)
 W = encode_payload(weights_event(9))[b"d"]
+ONCE = once_key([N.prompts], "0123456789abcdef01234567")
 REFUSED = [
     Case("rollout", ("XADD", N.weights, "*", "d", W), "only the learner publishes weights"),
     Case("rollout", ("XADD", N.prompts, "*", "d", "x"), "rollout consumes prompts, it does not issue them"),
     Case("rollout", ("XADD", N.scored, "*", "d", "x"), "rewards come from the reward tier"),
     Case("rollout", ("SET", N.state("policy_version"), "99"), "run state is the coordinator's"),
     Case("rollout", ("DEL", N.prompts), "no service deletes a stream"),
-    Case("rollout", ("XTRIM", N.prompts, "MAXLEN", "0"), "nor trims one"),
+    Case("rollout", ("XTRIM", N.trajectories, "MINID", "0-1"), "a producer never trims what it produced"),
+    Case("learner", ("XTRIM", N.prompts, "MINID", "0-1"), "nor a stream another service consumes"),
     Case("rollout", ("XADD", "streamrl:other:trajectories", "*", "d", "x"), "another run's keys"),
     Case("rollout", ("SET", N.heartbeat("learner", "l-0"), "x"), "another service's heartbeat"),
-    Case("rollout", ("SET", N.done("reward", "t1"), "1"), "another group's de-dup marks"),
+    Case("rollout", ("SET", N.lease("instance", "reward", "r-0"), "x"), "another service's lease"),
+    Case("rollout", ("SET", ONCE, "x"), "rollout runs no once-operations (its commits ack an entry)"),
+    Case("reward", ("DEL", ONCE), "reward runs no once-operations (its commits ack an entry)"),
+    Case("coordinator", ("HSET", N.state("learner"), "acked", "99"), "the learner's ledger is the learner's"),
+    Case("coordinator", ("SET", N.state("learner_version"), "9@x"), "the learner's publication mark"),
+    Case("learner", ("INCR", N.state("late_samples_dropped")), "coordinator counters are the coordinator's"),
+    Case("coordinator", ("XRANGE", N.batches, "-", "+"), "the coordinator writes batches, it never reads them back"),
     Case("reward", ("XADD", N.batches, "*", "d", "x"), "batches come from the coordinator"),
     Case("reward", ("XADD", N.weights, "*", "d", W), "only the learner publishes weights"),
     Case("reward", ("XRANGE", N.batches, "-", "+"), "reading the learner's input"),
@@ -417,7 +493,7 @@ def test_the_commit_script_grants_nothing(acl: AclRedis) -> None:
         client = connect(acl.url("rollout"), outage_s=2)
         with pytest.raises(ResponseError, match=r"(?i)no permissions|can't access"):
             await Bus(client).commit([Output(stream=names.weights, message=weights_event(9))], ack_stream=names.prompts,
-                                     ack_group="rollout", ack_entry=entry, dedupe_key=names.done("rollout", "p1"))  # fmt: skip
+                                     ack_group="rollout", ack_entry=entry)  # fmt: skip
         with pytest.raises(ResponseError, match=r"(?i)no permissions|can't access"):
             await client.eval("return redis.call('XADD', ARGV[1], '*', 'd', 'x')", 0, names.weights)
         await client.aclose()
@@ -425,7 +501,6 @@ def test_the_commit_script_grants_nothing(acl: AclRedis) -> None:
     asyncio.run(forge())
     assert admin.xlen(names.weights) == 0
     assert admin.xpending(names.prompts, "rollout")["pending"] == 1, "a refused commit acknowledges nothing"
-    assert not admin.exists(names.done("rollout", "p1")), "its de-dup mark is removed again"
 
 
 @pytest.mark.parametrize("user", USERS)

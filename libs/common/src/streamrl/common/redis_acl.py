@@ -5,19 +5,34 @@ Redis is started with the file :func:`acl_file` renders (``redis-server --aclfil
 (``redis://rollout:PASSWORD@redis:6379/0``). The file holds SHA-256 hashes of the passwords, never
 the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`streamrl.common.streams`):
 
-    user         consumes (group)        follows             writes
-    coordinator  scored (coordinator)    weights, dead       prompts, batches, dead, state:*, groups*
-    rollout      prompts (rollout)       weights             trajectories, dead, served
-    reward       trajectories (reward)   -                   scored, dead
-    learner      batches (learner)       -                   weights, dead, state:learner*
-    observer     -                       every key (reads)   nothing
+    user         consumes and trims (group)   follows            writes
+    coordinator  scored (coordinator)         weights, dead      prompts, batches, dead, state:* but
+                                                                 state:learner*, groups*, once:*
+    rollout      prompts (rollout)            weights            trajectories, dead, served
+    reward       trajectories (reward)        -                  scored, dead
+    learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*
+    observer     -                            every key (reads)  nothing
 
-and every service: its de-duplication keys ``done:{group}:*``, its own heartbeats ``hb:{service}:*``
-and leases ``lease:instance:{service}:*`` (the coordinator and learner also ``lease:singleton:{service}``),
-the ``instances`` set, and reading every heartbeat (to reclaim a dead instance's entries). On the
-streams a user gets exactly the commands of its role there; on its own state keys (the
-coordinator's ``state:*`` and group buffers, the learner's ``state:learner*``) every data command
-(:data:`OWN_STATE`), so that how a service keeps its own state is its own business.
+and every service: its own heartbeats ``hb:{service}:*`` and leases ``lease:instance:{service}:*``
+(the coordinator and learner also ``lease:singleton:{service}``, which fences their writes: the
+bus's scripts GET it), the ``instances`` set, and reading every heartbeat (to judge a peer dead,
+:mod:`streamrl.common.peers`). On the streams a user gets exactly the commands of its role there;
+on its own state keys (the coordinator's ``state:*`` and group buffers, the learner's
+``state:learner*``) every data command (:data:`OWN_STATE`), so that how a service keeps its own
+state is its own business. The coordinator's ``state:*`` leaves out the learner's ledger
+(:func:`but_prefix`: glob patterns for "any name not starting with ``learner``").
+
+``once:{op}`` keys (:mod:`streamrl.common.tx`) make a write run once however often the client
+re-sends it: only the coordinator and the learner make such writes (transactions, the coordinator's
+fenced scripts, ``Bus.publish``), with GET, SET and DEL (:data:`ONCE`). Rollout and reward write only
+through consumer commits, which acknowledge an input entry and are made idempotent by checking that
+it is still pending (XPENDING), not by a ``once`` key. The ``once`` namespace is shared by the two:
+its key names carry no service (each ``op`` is 96 random bits).
+
+Each consumer loop trims the stream it consumes to what its groups still need
+(:mod:`streamrl.common.trim`: XINFO GROUPS, XPENDING, TIME, XTRIM MINID ~), so a consumer may XTRIM
+its input; ACL cannot tell a trim by consumption from any other, so that is as narrow as it gets.
+No user may trim (or delete) a stream it does not consume.
 
 Each grant is one ACL selector, ``(%R~key +xread ...)``: Redis allows a command when one selector
 lists the command *and* matches every key it touches with the access it needs. So a rollout
@@ -25,11 +40,13 @@ worker may XACK and XCLAIM on ``prompts`` (a consumer needs write access to its 
 but not XADD there: XADD is granted on ``trajectories`` alone.
 
 Scripts grant nothing: Redis checks every command a Lua script calls against the caller's ACL, on
-the keys the command really touches. The shared commit script (:data:`streamrl.common.bus.COMMIT_LUA`,
-EVALSHA with no declared keys) writes each service's outputs, de-dup keys and acks as that
-service's user, so a rollout worker asking it to XADD to ``weights`` is refused like a direct XADD.
-The script commands themselves (EVAL, EVALSHA, SCRIPT LOAD / EXISTS) are allowed on the keys the
-user may write (the keys a script may declare); MULTI / EXEC too (each queued command is checked).
+the keys the command really touches. The shared commit script (:data:`streamrl.common.bus.COMMIT_LUA`)
+writes each service's outputs and acks as that service's user, so a rollout worker asking it to XADD
+to ``weights`` is refused like a direct XADD. The script commands themselves (EVAL, EVALSHA,
+SCRIPT LOAD / EXISTS) are allowed on every key the user may touch (a script declares the keys it
+touches; EVAL counts each as read and written, so the heartbeat keys of other services that the
+dead-peer script checks with EXISTS are declared too). No service sends MULTI / EXEC (a re-sent
+EXEC would run twice): those are not granted.
 
 Run ``python -m streamrl.common.redis_acl --help``: ``passwords`` prints new random passwords as
 ``.env`` lines, ``acl --run-id RUN`` renders the file from ``STREAMRL_REDIS_PASSWORD_<USER>``.
@@ -49,6 +66,7 @@ from pathlib import Path
 from typing import Literal
 
 from streamrl.common.streams import StreamNames
+from streamrl.common.tx import once_key
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
 """The streamrl services; each logs in as the user of its own name and consumes as the group of that name."""
@@ -67,26 +85,31 @@ CONNECTION = ("ping",)
 which redis-py also sends: Redis 7.0 does not know it (an ACL naming it fails to load) and the client
 ignores its refusal (on Redis >= 7.2 one line per user in ACL LOG)."""
 SCRIPTS = ("eval", "evalsha", "script|load", "script|exists")
-TRANSACTIONS = ("multi", "exec", "discard")
+"""The bus's scripts (commit, transactions, the dead-peer check, lease renewal): EVALSHA, loaded on a miss."""
 CONSUME = (
     "xgroup|create",
     "xgroup|delconsumer",
     "xreadgroup",
     "xack",
     "xclaim",
-    "xautoclaim",
     "xpending",
     "xinfo|consumers",
     "xinfo|groups",
+    "xtrim",
+    "time",
 )
-"""A :class:`streamrl.common.consumer.ConsumerLoop` on its stream."""
+"""A :class:`streamrl.common.consumer.ConsumerLoop` on its stream: reading, acking, claiming what a dead
+consumer held (XPENDING + XCLAIM), forgetting a dead consumer, and trimming by consumption (XTRIM MINID,
+TIME for the age of what is kept)."""
 FOLLOW = ("xread", "xrange", "xrevrange", "xlen")
 """A :class:`streamrl.common.follower.StreamFollower` (and a look at the last entries)."""
 PUBLISH = ("xadd",)
 LEASE = ("set", "get", "pexpire", "del")
-"""A :class:`streamrl.common.lease.Lease` on its instance name (and, for the coordinator and the learner, its role)."""
-DEDUPE = ("set", "exists", "del")
-"""De-duplication marks: set by the commit script, looked up on redelivery, removed on a failed write."""
+"""A :class:`streamrl.common.lease.Lease` on its instance name (and, for the coordinator and the learner, its
+role); the bus's scripts GET the lease that fences them."""
+ONCE = ("get", "set", "del")
+"""The ``once`` keys of :mod:`streamrl.common.tx`: looked up (a re-send), set with the replies, removed
+when a commit without an entry failed."""
 SERVER_WIDE = ("-@dangerous", "-scan", "-randomkey", "-dbsize", "-lolwut")
 """Taken out of every category grant: administration, and the reads that name no key (they would see
 every key of the server, e.g. ``KEYS``, ``SCAN``)."""
@@ -128,7 +151,6 @@ def grants(user: str, run_id: str) -> list[Grant]:
                 "learner": names.batches}[user]  # fmt: skip
     common = [
         Grant("RW", (consumes,), CONSUME),
-        Grant("RW", (names.done(user, "*"),), DEDUPE),
         Grant("W", (names.dead,), PUBLISH),
         Grant("RW", (names.heartbeat(user, "*"),), ("set", "del")),
         Grant("R", (names.heartbeat("*", "*"),), ("exists", "mget")),
@@ -137,11 +159,13 @@ def grants(user: str, run_id: str) -> list[Grant]:
     ]
     if user in ("coordinator", "learner"):  # one per run (streamrl.common.lifecycle.SINGLETONS)
         common.append(Grant("RW", (names.lease("singleton", user),), LEASE))
+        common.append(Grant("RW", (once_key([names.all_keys], "*"),), ONCE))  # their transactions run once
     if user == "coordinator":
+        state = but_prefix(names.state(""), "learner")  # the run state, less the learner's ledger
         own = [
             Grant("W", (names.prompts, names.batches), PUBLISH),
             Grant("R", (names.weights, names.dead), FOLLOW),
-            Grant("RW", (names.state("*"), names.group_buffer("*"), names.group_index), OWN_STATE),
+            Grant("RW", (*state, names.group_buffer("*"), names.group_index), OWN_STATE),
         ]
     elif user == "rollout":
         own = [
@@ -154,9 +178,24 @@ def grants(user: str, run_id: str) -> list[Grant]:
     else:
         own = [
             Grant("W", (names.weights,), PUBLISH),
+            Grant("R", (names.batches,), ("xrange",)),  # the ledger reads what is still to come (after a restart)
             Grant("RW", (names.state("learner*"),), OWN_STATE),
         ]
     return common + own
+
+
+def but_prefix(base: str, word: str) -> tuple[str, ...]:
+    """Glob patterns that together match every key ``base + name`` whose non-empty ``name`` does not start
+    with ``word`` (ACL key patterns cannot say "not"): ``[^l]*``, ``l``, ``l[^e]*``, ``le``, ... for
+    ``learner``. ``word``: letters, digits and ``_`` only."""
+    if not word or not re.fullmatch(r"[A-Za-z0-9_]+", word):
+        raise ValueError(f"but_prefix: {word!r} must be letters, digits and '_' (a glob would widen the patterns)")
+    patterns = []
+    for i, letter in enumerate(word):
+        if i:
+            patterns.append(base + word[:i])
+        patterns.append(f"{base}{word[:i]}[^{letter}]*")
+    return tuple(patterns)
 
 
 def user_rule(user: str, run_id: str, password: str) -> str:
@@ -164,9 +203,10 @@ def user_rule(user: str, run_id: str, password: str) -> str:
     check_password(user, password)
     selectors = grants(user, run_id)
     root = ["resetkeys", "resetchannels", "-@all", *("+" + c for c in CONNECTION)]
-    writable = sorted({k for g in selectors if g.access != "R" for k in g.keys})
-    if writable:  # services run scripts and transactions; a script may declare only keys the user writes
-        root += [*("+" + c for c in (*SCRIPTS, *TRANSACTIONS)), *("~" + k for k in writable)]
+    if any(g.access != "R" for g in selectors):
+        # services run scripts: one may declare any key the user may touch (its commands are checked one by one)
+        touched = dict.fromkeys(k for g in selectors for k in g.keys)
+        root += [*("+" + c for c in SCRIPTS), *("~" + k for k in touched)]
     digest = hashlib.sha256(password.encode()).hexdigest()
     return " ".join(["user", user, "on", f"#{digest}", *root, *(g.rule() for g in selectors)])
 
