@@ -139,6 +139,8 @@ class FaultRun:
         self.proxy: FaultProxy | None = None
         self.proxied: tuple[str, ...] = ()
         """Services whose Redis URL is the proxy's (:meth:`use_proxy`)."""
+        self.service_env: dict[str, dict[str, str]] = {}
+        """Extra environment of every instance of one service (by service name)."""
         self.details: dict[str, object] = {}
         """What the scenario wants in its row besides the counts (tests/faults/scenario.py)."""
         self.started_at = 0.0
@@ -225,7 +227,8 @@ class FaultRun:
         log.parent.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "streamrl.common.cli", service, str(self.recipe), *self.all_overrides,
                *(extra or []), f"--instance={instance}"]  # fmt: skip
-        full_env = child_env({**os.environ, **SERVICE_ENV, **self.env, **(env or {})}, instance, None)
+        extra_env = {**self.env, **self.service_env.get(service, {}), **(env or {})}
+        full_env = child_env({**os.environ, **SERVICE_ENV, **extra_env}, instance, None)
         full_env[KEY_ENV] = self.weights_key
         full_env["STREAMRL_REDIS__URL"] = self.redis_url_of(service)
         with log.open("ab") as out:
