@@ -14,6 +14,7 @@ over the message size limit) counts as dead in every round, with one error line.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -25,7 +26,7 @@ from streamrl.common.messages import PromptWorkItem, SamplingParams, ScoredTraje
 from streamrl.coordinator import state as st
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.metrics import MetricsWriter
-from streamrl.coordinator.prompts import BadRowError, PromptSource
+from streamrl.coordinator.prompts import BadRowError, Prompt, PromptSource
 from streamrl.coordinator.scripts import FencedScript
 from streamrl.coordinator.state import RunState
 from streamrl.coordinator.traces import untraced
@@ -101,11 +102,9 @@ class EvalRounds:
         sampling = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens, n=1)
         payloads: list[bytes] = []
         skipped: list[str] = []
-        for i in range(self.num_prompts):
-            try:
-                prompt = self.source.encode(i)
-            except BadRowError as e:
-                logger.error("evaluation prompt %d counts as dead in round %d: %s", i, version, e)
+        for i, prompt in enumerate(await asyncio.to_thread(self._read)):  # images loaded off the loop
+            if isinstance(prompt, BadRowError):
+                logger.error("evaluation prompt %d counts as dead in round %d: %s", i, version, prompt)
                 skipped.append(f"{round_buffer_id(version)}-{i}")
                 continue
             item = PromptWorkItem(
@@ -123,6 +122,16 @@ class EvalRounds:
         args = [version, f"started@{time.time():.3f}", self.bus.maxlen, len(skipped), *skipped, *payloads]
         if await self._start(keys, args):
             logger.info("evaluation round at version %d: %d greedy prompts issued", version, len(payloads))
+
+    def _read(self) -> list[Prompt | BadRowError]:
+        """The round's prompts, or the error of each bad row."""
+        out: list[Prompt | BadRowError] = []
+        for i in range(self.num_prompts):
+            try:
+                out.append(self.source.encode(i))
+            except BadRowError as e:
+                out.append(e)
+        return out
 
     async def record_dead(self, version: int, prompt_id: str) -> None:
         """One prompt of round ``version`` was dead-lettered: it counts as answered-without-a-sample."""

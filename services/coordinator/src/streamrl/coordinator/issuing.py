@@ -14,11 +14,12 @@ Each prompt starts its group's trace (``traces.py``): an issue span, ended once 
 A dataset row that cannot become a prompt (``prompts.BadRowError``) or one over ``redis.max_message_mb``
 is skipped: one line naming it, counted (``prompts_bad``, ``prompts_too_large``), and the cursor moves
 past it. A whole dataset's worth of bad rows in a row stops the coordinator with that error instead of
-skipping for ever.
+skipping for ever. Rows are read (tokenized, their images loaded) in a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -31,7 +32,7 @@ from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import groups_admissible, new_group_versions
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.groups import GroupBuffer
-from streamrl.coordinator.prompts import BadRowError, PromptSource
+from streamrl.coordinator.prompts import BadRowError, Prompt, PromptSource
 from streamrl.coordinator.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -98,13 +99,12 @@ class PromptIssuer:
         tx = self.state.tx().require(self.state.key(st.CURSOR), equals=stored_cursor)
         issued = too_large = bad = 0
         spans: list[Span] = []
-        for i in range(budget):
-            try:
-                prompt = self.source.get(cursor + i)
-            except BadRowError as e:
+        rows = await asyncio.to_thread(self._read, cursor, budget)  # tokenizing, reading images: off the loop
+        for i, prompt in enumerate(rows):
+            if isinstance(prompt, BadRowError):
                 bad += 1
-                self._note_bad(e)
-                logger.error("skipping %s", e)
+                self._note_bad(prompt)
+                logger.error("skipping %s", prompt)
                 continue
             self.bad_in_a_row = 0
             now = time.time()
@@ -139,6 +139,16 @@ class PromptIssuer:
         for span in spans:
             span.end()
         return issued
+
+    def _read(self, cursor: int, count: int) -> list[Prompt | BadRowError]:
+        """The dataset's prompts ``cursor .. cursor + count - 1``, or the error of each bad row."""
+        out: list[Prompt | BadRowError] = []
+        for i in range(count):
+            try:
+                out.append(self.source.get(cursor + i))
+            except BadRowError as e:
+                out.append(e)
+        return out
 
     def _note_bad(self, error: BadRowError) -> None:
         """Count a bad row; a dataset's worth of them in a row is a dataset that cannot feed the run."""

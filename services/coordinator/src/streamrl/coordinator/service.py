@@ -160,8 +160,8 @@ class CoordinatorService:
         for task in hung:
             logger.error("coordinator %s did not stop within the grace period; cancelling it", tasks[task])
         await cancel_and_wait(hung)
-        self.metrics.close()
-        plot(self.cfg.run_dir)
+        await asyncio.to_thread(self.metrics.close)  # (wandb.finish uploads)
+        await asyncio.to_thread(plot, self.cfg.run_dir)
         for task in finished:
             if not task.cancelled() and task.exception() is not None:
                 logger.error("coordinator %s failed", tasks[task], exc_info=task.exception())
