@@ -51,13 +51,16 @@ def conclude(
     run_timeout_s: float = 180.0,
     allowed_exits: tuple[str, ...] = (),
     checks: Callable[[], list[str]] | None = None,
+    stall_s: float = 45.0,
 ) -> Row:
     """Wait for ``run`` to complete, stop it, count it, record the row; then assert the invariants.
 
     ``allowed_exits``: services whose non-zero exit the design requires in this scenario.
     ``checks``: the scenario's own checks on the finished run (each failure one line).
+    ``stall_s``: the run is wedged when nothing moved for this long (a restart that loads models
+    takes longer than the default on a busy machine).
     """
-    completed = run.wait_done(run_timeout_s)
+    completed = run.wait_done(run_timeout_s, stall_s=stall_s)
     if not completed:
         run.dump_stacks()
     return record(run, scenario, completed, total_steps, group_size, fault_end, recovery_bound_s, allowed_exits, checks)

@@ -23,6 +23,11 @@ RECOVERY_BOUND_S = 90.0
 model on two cores) and replays what its checkpoint does not cover."""
 
 
+STALL_S = 150.0
+"""Nothing moves while the group restarts: two ranks start DeepSpeed on a busy 2-core machine (45 s
+and more at b2e4606, when the default stall limit called the restart a wedge)."""
+
+
 def test_follower_rank_killed_mid_step(fault_run: MakeRun) -> None:
     run: FaultRun = fault_run("learner-rank-killed", [f"--total_steps={TOTAL_STEPS}", "--learner.ranks=2"]).start()
     run.wait_version(KILL_AT_VERSION, timeout_s=240)
@@ -39,4 +44,5 @@ def test_follower_rank_killed_mid_step(fault_run: MakeRun) -> None:
         recovery_bound_s=RECOVERY_BOUND_S,
         allowed_exits=("learner",),
         run_timeout_s=300,
+        stall_s=STALL_S,
     )
