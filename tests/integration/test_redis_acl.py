@@ -1,9 +1,11 @@
 """The Redis ACL users (streamrl.common.redis_acl) on a real redis-server started with their file.
 
-Each service's user does its job - a real ConsumerLoop on its input, its outputs and dead letters
-through the shared commit script, its heartbeat and health check, its follower reads - without one
-refused command (the server's ACL LOG stays empty), and a whole smoke run completes with every
-service logged in as itself. Each user is refused what is not its job: writing another service's
+Each service's user does its job - a real ConsumerLoop on its input (trimming it by consumption,
+taking over a dead peer's entries), its outputs and dead letters through the shared commit script,
+the coordinator's and the learner's fenced, run-once writes (``once`` keys: transactions, the
+coordinator's scripts, the learner's ledger), its heartbeat and health check, its follower reads -
+without one refused command (the server's ACL LOG stays empty), and a whole smoke run completes with
+every service logged in as itself. Each user is refused what is not its job: writing another service's
 stream (directly or through the commit script), another run's keys, anything for the observer,
 server administration for all; a wrong password and the ``default`` user are refused. With an
 ``allkeys allcommands`` file every refusal test fails (each refused command is run by an admin
