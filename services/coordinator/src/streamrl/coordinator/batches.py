@@ -87,8 +87,8 @@ class BatchBuilder:
         self.max_staleness = max_staleness
         self.drop_stale = drop_stale
         self.tracing = tracing
-        self._dead_batch = FencedScript(state.bus, DEAD_BATCH_LUA)
-        self._resend = FencedScript(state.bus, RESEND_LUA)
+        self._dead_batch = FencedScript(state.bus, DEAD_BATCH_LUA, "batches.DEAD_BATCH_LUA")
+        self._resend = FencedScript(state.bus, RESEND_LUA, "batches.RESEND_LUA")
         self.too_stale_since_batch = 0
         """Samples dropped as too stale since the last batch was built (reported with the next one)."""
 

@@ -87,9 +87,9 @@ class EvalRounds:
         """Rounds open as of the last look."""
         self.last_acc: float | None = None
         """Accuracy of the last round closed with answers."""
-        self._start = FencedScript(state.bus, START_ROUND_LUA)
-        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA, once=False)
-        self._record_dead = FencedScript(state.bus, RECORD_DEAD_LUA)
+        self._start = FencedScript(state.bus, START_ROUND_LUA, "evaluation.START_ROUND_LUA")
+        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA, "evaluation.DROP_LATE_LUA", once=False)
+        self._record_dead = FencedScript(state.bus, RECORD_DEAD_LUA, "evaluation.RECORD_DEAD_LUA")
 
     def due(self, version: int) -> bool:
         return version % self.cfg.eval.every_steps == 0 or version == self.cfg.total_steps

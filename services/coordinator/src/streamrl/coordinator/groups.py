@@ -100,8 +100,8 @@ class GroupBuffer:
         self.redis = state.redis
         self.group_size = group_size
         self.dynamic_filtering = dynamic_filtering
-        self._leave = FencedScript(state.bus, LEAVE_LUA)
-        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA, once=False)
+        self._leave = FencedScript(state.bus, LEAVE_LUA, "groups.LEAVE_LUA")
+        self._drop_late = FencedScript(state.bus, DROP_LATE_LUA, "groups.DROP_LATE_LUA", once=False)
 
     def buffer(self, group: str) -> str:
         return self.state.names.group_buffer(group)

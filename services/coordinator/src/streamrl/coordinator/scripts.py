@@ -14,7 +14,8 @@ of its own. :class:`FencedScript` wraps each one's body so that, like :mod:`stre
   run's ``once`` keys;
 * a Redis at its ``maxmemory`` refuses it before it runs (``#!lua``), and the client retries.
 
-A body sees its own ``KEYS`` and ``ARGV`` (the wrapper's are taken off) and returns an integer.
+A body sees its own ``KEYS`` and ``ARGV`` (the wrapper's are taken off) and returns an integer. The
+wrapped script's second line is ``-- {module}.{CONSTANT} (fenced, ...)``, naming its body.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from streamrl.common.tx import fenced_error, once_key
 Arg = str | bytes | int | float
 
 PROLOGUE = """#!lua
+-- {name} (fenced, run once: streamrl.coordinator.scripts)
 local once, ttl_ms = KEYS[1], ARGV[1]
 if ttl_ms ~= '0' then
   local done = redis.call('GET', once)
@@ -57,12 +59,14 @@ return reply
 class FencedScript:
     """One script body (see the module docstring), called like a redis-py script: ``await s(keys, args)``."""
 
-    def __init__(self, bus: Bus, body: str, *, once: bool = True) -> None:
+    def __init__(self, bus: Bus, body: str, name: str, *, once: bool = True) -> None:
         self.bus = bus
+        self.name = name
+        """``module.CONSTANT`` of the body: the script's second line names it (tools that watch Redis)."""
         self.once = once
         """Keep each call's reply under a ``once`` key; False for a body whose reply may change when run
         again without harm (a count only logged) and that runs often: no key written per call."""
-        self.source = PROLOGUE + body + EPILOGUE
+        self.source = PROLOGUE.replace("{name}", name) + body + EPILOGUE
         self._script = bus.redis.register_script(self.source)
 
     def _full(self, keys: Sequence[str], args: Sequence[Arg]) -> tuple[list[str], list[Arg]]:

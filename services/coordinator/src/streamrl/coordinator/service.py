@@ -115,7 +115,7 @@ class CoordinatorService:
         self.next_plot_at = 0.0
         self.last_batch_time = time.monotonic()
         self.weights_key = weights_key()
-        self._count_letter = FencedScript(ctx.bus, COUNT_LETTER_LUA)
+        self._count_letter = FencedScript(ctx.bus, COUNT_LETTER_LUA, "service.COUNT_LETTER_LUA")
 
     # -- entry ------------------------------------------------------------------------------
     async def run(self) -> None:
