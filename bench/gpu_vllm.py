@@ -15,6 +15,8 @@ log-probs checked, and the weight update over ZMQ - in one process, on one GPU.
    ``engine.update_weights`` pulls, verifies and loads each. Reported: publish and update seconds
    (median), bytes; then the served log-probs are checked against transformers with the weights
    last sent (so a stale or mixed model shows).
+5. Once that engine is closed, the same batch through ``vllm.LLM.generate`` alone, without and with
+   one log-prob per token: what vLLM does without streamrl's engine loop around it.
 
     python bench/gpu_vllm.py [--prompts 64] [--samples 8] [--new-tokens 256] [--tiny]
 
@@ -92,7 +94,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["hf"] = gpu_generate.run(args)
         if not tiny:
             torch.cuda.empty_cache()
-    stages = [("vllm_error", lambda: _run_vllm(args, result, total, device, dtype))]
+    stages = [
+        ("vllm_error", lambda: _run_vllm(args, result, total, device, dtype)),
+        ("raw_vllm_error", lambda: _raw_vllm(args, result, total, dtype)),
+    ]
     if args.sync_1p5b:
         stages.append(("sync_1p5b_error", lambda: _sync_1p5b(args, result)))
     for key, stage in stages:
@@ -186,6 +191,53 @@ def _run_vllm(args: argparse.Namespace, result: dict[str, Any], total: int, devi
         finally:
             server.close()
             engine.close()
+
+
+def _raw_vllm(args: argparse.Namespace, result: dict[str, Any], total: int, dtype: str) -> None:
+    """The same batch through ``vllm.LLM.generate`` alone (no streamrl loop): what vLLM itself does,
+    without and with one log-prob per token."""
+    import torch
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "a"
+        gpu_generate._build_model(folder, args.tiny)
+        prompts = [{"prompt_token_ids": p} for p in gpu_generate._prompts(args.prompts, args.prompt_len, 384)]
+        llm = LLM(
+            model=str(folder),
+            dtype=dtype,
+            max_model_len=args.prompt_len + args.new_tokens + 8,
+            max_num_seqs=args.prompts * args.samples,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=2**30 if args.tiny else None,
+            enforce_eager=args.tiny,
+            seed=0,
+            logprobs_mode="processed_logprobs",
+        )
+        try:
+            for logprobs in (None, 0):
+                sampling = VLLMSamplingParams(
+                    n=args.samples,
+                    temperature=1.0,
+                    max_tokens=args.new_tokens,
+                    min_tokens=args.new_tokens,
+                    logprobs=logprobs,
+                )
+                llm.generate(prompts, sampling, use_tqdm=False)  # warm-up
+                seconds = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    out = llm.generate(prompts, sampling, use_tqdm=False)
+                    seconds.append(time.perf_counter() - t0)
+                    assert sum(len(c.token_ids) for o in out for c in o.outputs) == total
+                key = "raw_vllm_tok_s" if logprobs is None else "raw_vllm_logprobs_tok_s"
+                result[key] = round(total / sorted(seconds)[len(seconds) // 2])
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            if not args.tiny:
+                torch.cuda.empty_cache()
 
 
 QWEN2_1P5B = dict(

@@ -48,6 +48,9 @@ TARGET = {
 """Marker environment of the GPU machine's Python."""
 
 PLATFORMS = [
+    "manylinux_2_35_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_31_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_26_x86_64",
