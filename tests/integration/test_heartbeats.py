@@ -1,8 +1,8 @@
 """Against a real redis-server: heartbeats are found through the instance set, never by a SCAN.
 
-A run holds one de-duplication key per handled message (hundreds of thousands in a demo run);
-`streamrl up` showed the live instances every 2 s by SCANning that whole keyspace, which cost
-more CPU per step than the reward service.
+A run's keyspace is large (once held one de-duplication key per handled message, hundreds of
+thousands in a demo run); `streamrl up` showed the live instances every 2 s by SCANning that whole
+keyspace, which cost more CPU per step than the reward service.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from streamrl.common.streams import StreamNames
 def test_live_heartbeats_follow_the_instances_and_leave_out_the_expired(redis_url: str, run_id: str) -> None:
     names = StreamNames(run_id)
     client = syncredis.Redis.from_url(redis_url)
-    client.mset({names.done("reward", f"m{i}"): b"1" for i in range(5000)})  # the keyspace of a busy run
+    client.mset({names.state(f"m{i}"): b"1" for i in range(5000)})  # the keyspace of a busy run
 
     async def beat_briefly() -> None:
         redis = connect(redis_url)

@@ -74,11 +74,6 @@ class StreamNames:
         """A lease one process holds at a time (:mod:`streamrl.common.lease`), e.g. ``lease("singleton", "coordinator")``."""
         return self._key("lease", *parts)
 
-    def done(self, group: str, message_key: str) -> str:
-        """Former de-duplication marker (no longer written: commits check that their entry is pending);
-        still named by the ACL grants of :mod:`streamrl.common.redis_acl`."""
-        return self._key("done", group, message_key)
-
     def state(self, name: str) -> str:
         """A piece of run state (e.g. ``policy_version``, ``cursor``) owned by one service."""
         return self._key("state", name)
