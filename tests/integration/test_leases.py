@@ -140,3 +140,41 @@ def test_a_lost_lease_is_noticed_at_renewal_and_never_released_from_its_successo
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+class _ResentClient:
+    """A client whose every command runs twice, the caller seeing the second reply: what a lost reply
+    and the client's outage retry re-sending the command do."""
+
+    def __init__(self, client: object) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str) -> object:
+        command = getattr(self.client, name)
+
+        async def twice(*args: object, **kwargs: object) -> object:
+            await command(*args, **kwargs)
+            return await command(*args, **kwargs)
+
+        return twice
+
+
+def test_a_renewal_whose_reply_was_lost_keeps_the_lease(redis_url: str) -> None:
+    """An expired lease re-taken by a renewal whose reply was lost: the re-sent renewal finds the lease
+    its first run took (before: 'lost the lease ... now held by' the process itself, and it stopped)."""
+
+    async def scenario() -> None:
+        client = connect(redis_url)
+        key = f"test:lease:{time.time_ns()}"
+        try:
+            lease = Lease(_ResentClient(client), key, "a@h:1/x", ttl_s=0.3, what="the thing")  # type: ignore[arg-type]
+            assert await lease.acquire(wait_s=0)
+            await asyncio.sleep(0.5)  # expired, nobody took it
+            await lease.renew()
+            assert await client.get(key) == b"a@h:1/x"
+            await lease.renew()  # held: extended, twice
+            assert 0 < await client.pttl(key) <= 300
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())

@@ -29,11 +29,21 @@ import redis.asyncio as aioredis
 logger = logging.getLogger(__name__)
 
 RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
 end
-return 0
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
+return holder
 """
+"""Renew a lease in one step: 1 (extended), 2 (it had expired with nobody taking it: taken again) or
+the token of the process holding it now. One script, so two renewers of one process (the start-up
+thread and the heartbeat) cannot see each other's re-take as another holder, and a re-sent call
+(lost reply) finds the lease its first run took."""
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -105,13 +115,13 @@ class Lease:
 
         A lease that expired with nobody taking it (Redis restarted, or this process stalled past the
         TTL with no standby waiting) is taken again: still only one holder."""
-        if not await self.redis.eval(RENEW_LUA, 1, self.key, self.token, self.ttl_ms):
-            if await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
-                logger.warning("the lease on %s had expired with nobody taking it: holding it again", self.what)
-                return
-            holder = await self.redis.get(self.key)
-            now = "free" if holder is None else f"held by {holder_of(_text(holder))}"
-            raise LeaseLostError(f"lost the lease on {self.what} (it expired; now {now}): stopping")
+        reply = await self.redis.eval(RENEW_LUA, 1, self.key, self.token, self.ttl_ms)
+        if reply == 2:
+            logger.warning("the lease on %s had expired with nobody taking it: holding it again", self.what)
+        elif reply != 1:
+            raise LeaseLostError(
+                f"lost the lease on {self.what} (it expired; now held by {holder_of(_text(reply))}): stopping"
+            )
 
     async def release(self) -> None:
         """Give the lease up (only if still held: never deletes a successor's)."""

@@ -61,12 +61,9 @@ class StartupRenewer:
             client.close()
 
     def _renew(self, client: syncredis.Redis, lease: Lease) -> None:
-        if client.eval(RENEW_LUA, 1, lease.key, lease.token, lease.ttl_ms):
-            return
-        if client.set(lease.key, lease.token, nx=True, px=lease.ttl_ms):
-            return
-        holder = client.get(lease.key)
-        self.lost = "nobody" if holder is None else holder_of(holder.decode())
+        reply = client.eval(RENEW_LUA, 1, lease.key, lease.token, lease.ttl_ms)
+        if reply not in (1, 2):
+            self.lost = holder_of(reply.decode() if isinstance(reply, bytes) else str(reply))
 
 
 async def watch_loop_lag(
