@@ -326,10 +326,10 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
         await publish.execute()
         await bus.tx().call("HSET", state("progress"), "step", "1").execute()
         # its own scripts, fenced and run once: one that sends a refused batch again (XADD batches)
-        resend = FencedScript(bus, RESEND_LUA)
+        resend = FencedScript(bus, RESEND_LUA, "batches.RESEND_LUA")
         keys = [state("dead_batch_ids"), state("batch_resends"), names.batches]
         assert await resend(keys, ["batch-0", 2, bus.maxlen, encode(batch)]) == 1
-        dead = FencedScript(bus, DEAD_BATCH_LUA)
+        dead = FencedScript(bus, DEAD_BATCH_LUA, "batches.DEAD_BATCH_LUA")
         counters = [state("dead_batch_ids"), state("batches_dead"), state("samples_dead"), state("batch_groups_dead")]
         assert await dead(counters, ["batch-0", 1, 1]) == 1
         await lease.release()
