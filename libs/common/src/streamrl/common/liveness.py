@@ -45,8 +45,10 @@ class StartupRenewer:
         return self
 
     def stop(self) -> None:
+        """Stop renewing (a no-op if never started: the service stopped before it held a lease)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         client = syncredis.Redis.from_url(self.url, socket_timeout=max(1.0, self.interval_s))
