@@ -469,3 +469,33 @@ def _pings(client: redis.Redis) -> bool:  # type: ignore[type-arg]
         return bool(client.ping())
     except redis.ConnectionError:
         return False
+
+
+def test_entries_whose_read_reply_was_lost_are_handled(redis_url: str, run_id: str) -> None:
+    """A read that Redis ran but whose reply never reached the consumer (the connection dropped; the
+    client's retry read the next entries) leaves entries pending under the consumer's name that it
+    never received: they are handled, not kept alive unhandled for ever (before: stranded)."""
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    worker = start_worker(redis_url, run_id, "w1", "--consumer.claim_idle_ms=30000")
+    try:
+
+        def has_group() -> bool:
+            return (
+                any(g["name"] == b"reward" for g in client.xinfo_groups(names.trajectories))
+                if client.exists(names.trajectories)
+                else False
+            )
+
+        wait_for(has_group, 30, "the worker's group")
+        for i in range(4):
+            client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+        # the lost read: delivered to w1 by Redis, never seen by the worker's loop
+        client.xreadgroup("reward", "w1", {names.trajectories: ">"}, count=2)
+        wait_for(lambda: len(scored_ids(client, names)) >= 4, 30, "every entry handled")
+        wait_for(lambda: pending(client, names) == 0, 10, "nothing pending")
+        assert sorted(scored_ids(client, names)) == ["g0/0", "g1/0", "g2/0", "g3/0"]
+        assert client.xlen(names.dead) == 0
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(20) == 0

@@ -132,6 +132,10 @@ class ConsumerLoop(Generic[M]):
         previous life, or claimed from a dead consumer."""
         self._reserved = 0
         """Slots taken toward the next held entry's start."""
+        self._active: set[str] = set()
+        """Entries being handled now (a task each)."""
+        self._kept: set[str] = set()
+        """With ``ack=False``: entries handled and committed that the service acknowledges itself later."""
         self._peers = PeerWatch(config.heartbeat_interval_s)
         self._forget = bus.redis.register_script(FORGET_LUA)
         self._stop: asyncio.Event | None = None
@@ -294,13 +298,16 @@ class ConsumerLoop(Generic[M]):
 
     def _spawn(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, deliveries: int, slots: int = 1) -> None:
         """Handle an entry in a task that holds ``slots`` in-flight slots (all of them: it runs alone)."""
-        task = asyncio.create_task(self._process(_text(entry_id), fields, deliveries))
+        entry = _text(entry_id)
+        task = asyncio.create_task(self._process(entry, fields, deliveries))
         self._tasks.add(task)
+        self._active.add(entry)
         self._holding[task] = slots
         self.stats.in_flight = len(self._tasks)
 
         def _done(t: asyncio.Task[None]) -> None:
             self._tasks.discard(t)
+            self._active.discard(entry)
             for _ in range(self._holding.pop(t, 0)):
                 self._slots.release()
             self.stats.in_flight = len(self._tasks)
@@ -308,25 +315,38 @@ class ConsumerLoop(Generic[M]):
         task.add_done_callback(_done)
 
     async def _keep_alive(self) -> None:
-        """Reset the idle time of every entry pending under this (live) consumer's name.
+        """Reset the idle time of every entry pending under this (live) consumer's name, and queue the
+        ones it does not know of.
 
-        Those are entries being handled now - a long generation, a prompt waiting for its weights -
-        or held on purpose (``ack=False``). Without this, work slower than claim_idle_ms would be
-        claimed again while it runs and could reach max_deliveries. JUSTID: no delivery is counted.
+        Those it knows are being handled now (a long generation, a prompt waiting for its weights),
+        waiting to start, or held on purpose (``ack=False``). Without this, work slower than
+        claim_idle_ms would be claimed again while it runs and could reach max_deliveries. JUSTID: no
+        delivery is counted. An entry pending under this name that it does not know of was delivered
+        by a read whose reply never arrived (the connection dropped after Redis ran the XREADGROUP; the
+        client's retry read the next entries): it is queued to start like an entry of a previous life,
+        instead of being kept alive for ever, unhandled.
         """
+        known = self._active | self._kept | {entry_id for entry_id, _ in self._held}
+        seen: set[str] = set()
         start = "-"
         while True:
             held = await self.redis.xpending_range(
                 self.stream, self.group, min=start, max="+", count=256, consumername=self.consumer
             )
             if not held:
-                return
-            ids = [h["message_id"] for h in held]
+                break
+            ids = [_text(h["message_id"]) for h in held]
+            seen.update(ids)
+            orphans = [(i, int(h["times_delivered"])) for i, h in zip(ids, held, strict=True) if i not in known]
+            if orphans:
+                logger.warning("%s: %d entries pending under %s that it never received (a lost reply): queued",
+                               self.stream, len(orphans), self.consumer)  # fmt: skip
+                self._held.extend(orphans)
             await self.redis.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
             if len(held) < 256:
-                return
-            last = ids[-1].decode() if isinstance(ids[-1], bytes) else str(ids[-1])
-            start = "(" + last
+                break
+            start = "(" + ids[-1]
+        self._kept &= seen
 
     async def _reclaim(self) -> None:
         """Take over what dead consumers left pending - at once for a consumer whose instance stopped
@@ -448,8 +468,10 @@ class ConsumerLoop(Generic[M]):
     async def _handle(self, entry_id: str, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
         payload = (fields or {}).get(PAYLOAD_FIELD, b"")
         if deliveries > self.config.max_deliveries:  # every earlier delivery ended with its consumer dead
-            reason = f"killed its consumer {deliveries - 1} times (delivered {deliveries} times, max_deliveries " \
-                     f"{self.config.max_deliveries}): the process handling it died (OOM, segfault, SIGKILL?)"
+            reason = (
+                f"killed its consumer {deliveries - 1} times (delivered {deliveries} times, max_deliveries "
+                f"{self.config.max_deliveries}): the process handling it died (OOM, segfault, SIGKILL?)"
+            )
             logger.error("%s %s %s", self.stream, entry_id, reason)
             await self._dead_letter(entry_id, payload, reason, deliveries)
             return
@@ -492,8 +514,7 @@ class ConsumerLoop(Generic[M]):
                 self.stats.retried += 1
                 deliveries = await self._delivery_count(entry_id)
                 continue
-            if self.on_committed is not None:
-                await self.on_committed(entry_id, message)
+            await self._after_commit(entry_id, message)
             elapsed = time.perf_counter() - started
             self.stats.processed += 1
             if not fresh:
@@ -502,6 +523,12 @@ class ConsumerLoop(Generic[M]):
             del self.stats.durations_s[:-1000]
             logger.debug("%s %s handled in %.1f ms", self.stream, entry_id, elapsed * 1e3)
             return
+
+    async def _after_commit(self, entry_id: str, message: M) -> None:
+        if not self.ack:  # pending until the service acknowledges it: kept alive meanwhile
+            self._kept.add(entry_id)
+        if self.on_committed is not None:
+            await self.on_committed(entry_id, message)
 
     async def _dead_letter(self, entry_id: str, payload: bytes, reason: str, deliveries: int) -> None:
         if len(payload) > DEAD_PAYLOAD_CUT and len(payload) > self.bus.max_message_bytes // 2:  # the letter must fit
