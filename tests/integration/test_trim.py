@@ -85,3 +85,30 @@ def test_a_stream_without_groups_is_not_trimmed(redis_url: str, run_id: str) -> 
         return removed
 
     assert asyncio.run(main()) == 0 and client.xlen(names.trajectories) == 300
+
+
+def test_one_round_trims_more_than_ten_thousand_consumed_entries(redis_url: str, run_id: str) -> None:
+    """XTRIM's approximate form stops at ~10,000 entries a call unless told otherwise: a stream taking
+    more than that per trimming round would grow (before: 29,999 consumed entries, 9,980 removed)."""
+    from streamrl.common.trim import trim_consumed
+
+    stream = StreamNames(run_id).trajectories
+
+    async def main() -> tuple[int, int]:
+        client = connect(redis_url)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for _ in range(30_000):
+                pipe.xadd(stream, {b"d": b"x"})
+            await pipe.execute()
+            await client.xgroup_create(stream, "reward", id="0")
+            delivered = await client.xreadgroup("reward", "c", {stream: ">"}, count=30_000)
+            await client.xack(stream, "reward", *[entry_id for entry_id, _ in delivered[0][1]])
+            await client.xadd(stream, {b"d": b"unread"})
+            removed = await trim_consumed(client, stream, 0.0)
+            return removed, int(await client.xlen(stream))
+        finally:
+            await client.aclose()
+
+    removed, left = asyncio.run(main())
+    assert removed >= 30_000 - NODE and left <= NODE + 1

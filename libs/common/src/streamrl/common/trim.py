@@ -62,7 +62,9 @@ async def trim_consumed(redis: aioredis.Redis, stream: str, retain_s: float) -> 
     point = trim_point(oldest_needed(groups), int(seconds) * 1000 + int(micros) // 1000, retain_s)
     if point is None or point <= (0, 1):
         return 0
-    removed = int(await redis.xtrim(stream, minid=f"{point[0]}-{point[1]}", approximate=True))
+    removed = int(
+        await redis.xtrim(stream, minid=f"{point[0]}-{point[1]}", approximate=True, limit=0)
+    )  # LIMIT 0: no cap (the default stops at ~10,000 entries a call)
     if removed:
         logger.debug("%s: trimmed %d consumed entries (before %d-%d)", stream, removed, *point)
     return removed
