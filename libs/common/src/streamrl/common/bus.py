@@ -153,7 +153,7 @@ class OutageRetry(Retry):
     _down_since: float | None = None
     _full_since: float | None = None
     _healthy_since: float = float("-inf")
-    """When the last outage ended (monotonic); -inf: none seen by this process."""
+    """When the last outage (or full Redis) ended (monotonic); -inf: none seen by this process."""
 
     def __init__(self, outage_s: float) -> None:
         tries = max(1, math.ceil(outage_s / RECONNECT_BACKOFF_CAP_S))
@@ -201,9 +201,10 @@ class OutageRetry(Retry):
                 logger.info("redis is back after %.1f s", now - OutageRetry._down_since)
                 OutageRetry._down_since = None
                 OutageRetry._healthy_since = now
-            if OutageRetry._full_since is not None:
+            if OutageRetry._full_since is not None:  # no heartbeat was written meanwhile either
                 logger.info("redis accepts writes again after %.1f s (it was full)", now - OutageRetry._full_since)
                 OutageRetry._full_since = None
+                OutageRetry._healthy_since = now
         return result
 
 
