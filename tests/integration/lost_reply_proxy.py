@@ -4,7 +4,8 @@
 ``b"EXEC\\r\\n"``, or a script's SHA) is forwarded to Redis, Redis runs it, and the proxy then closes
 the client's connection instead of forwarding the reply. The client sees a connection error for a
 command that did run - the ambiguous fault a real network produces - and its outage retry sends
-the command again. Everything else is forwarded unchanged. 127.0.0.1 only; one proxy per test.
+the command again; that re-send (the same bytes) is never lost in its turn. Everything else is
+forwarded unchanged. 127.0.0.1 only; one proxy per test.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from typing import Any
 
 @dataclass
 class LostReplyProxy:
-    """See the module docstring. ``dropped`` counts the replies lost so far."""
+    """See the module docstring. ``dropped`` counts the replies lost so far, ``forwarded`` the replies
+    (chunks of them) passed on."""
 
     upstream_host: str
     upstream_port: int
     port: int = 0
     dropped: int = 0
+    forwarded: int = 0
     _marker: bytes | None = None
+    _last_lost: bytes = b""
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _handlers: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -65,8 +69,8 @@ class LostReplyProxy:
             while data := await client_r.read(1 << 16):
                 seen = tail + data
                 tail = seen[-64:]
-                if self._marker is not None and self._marker in seen:
-                    self._marker = None
+                if self._marker is not None and self._marker in seen and data != self._last_lost:
+                    self._marker, self._last_lost = None, data  # (its re-send, the same bytes, goes through)
                     swallow.set()  # before Redis can answer: its reply is never forwarded
                 up_w.write(data)
                 await up_w.drain()
@@ -80,6 +84,7 @@ class LostReplyProxy:
                     await asyncio.sleep(0.2)  # let Redis finish whatever the chunk held
                     return
                 client_w.write(data)
+                self.forwarded += 1
                 await client_w.drain()
 
         pumps = [asyncio.create_task(to_server()), asyncio.create_task(to_client())]
