@@ -18,7 +18,7 @@ from streamrl.common.messages import WeightsPublished
 from streamrl.common.streams import StreamNames
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
+VLLM_ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 """Environment of a run with the vLLM-cpu engine in-process (environment.md)."""
 

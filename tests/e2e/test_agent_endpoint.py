@@ -38,7 +38,7 @@ import chat_model  # noqa: E402
 
 STEPS, GROUP_SIZE, PROMPTS_PER_STEP = 3, 4, 2
 TOKEN = "agent-e2e-token"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "STREAMRL_AGENT_TOKEN": TOKEN}
+ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "STREAMRL_AGENT_TOKEN": TOKEN}
 
 
 def test_an_openai_client_agent_drives_a_run_and_each_conversation_is_trained_once(

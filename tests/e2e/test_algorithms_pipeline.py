@@ -24,7 +24,7 @@ from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
+ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
        "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 STEPS = 3
 A = "--learner.algo."

@@ -82,7 +82,7 @@ def test_a_burst_adds_reward_replicas_and_draining_it_removes_them_losing_nothin
     recipe = tmp_path / "autoscale.toml"
     recipe.write_text(RECIPE.format(run_id=RUN_ID, run_dir=tmp_path / "run", scorer=HERE / "slow_reward.py"))
     log = tmp_path / "up.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1"}
     up = subprocess.Popen([sys.executable, "-m", "streamrl.common.cli", "up", str(recipe)], env=env,
                           stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
     names = StreamNames(RUN_ID)

@@ -33,7 +33,7 @@ from streamrl.common.trace_schema import GENERATE, TRAJECTORY_ID
 pytest.importorskip("ray", reason="the Ray backend needs pip install 'streamrl-common[ray]' (scripts/setup.sh does)")
 pytestmark = pytest.mark.slow
 TOTAL_STEPS, SAMPLES_PER_STEP = 200, 16
-ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+ENV = {"STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
 UP = [
     f"--total_steps={TOTAL_STEPS}",
     "--rollout.engine.type=hf",  # starts in seconds; vLLM's CPU engine is what test_demo_pipeline covers

@@ -61,7 +61,7 @@ from streamrl.common.tracing import parse_traceparent, weights_traceparent
 
 pytestmark = pytest.mark.slow
 SERVICES = ("coordinator", "rollout", "reward", "learner")
-ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
+ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
        "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 CHAIN = (TRAIN, BATCH_WAIT, GROUP_WAIT, REWARD, GENERATE, QUEUE, ISSUE)
 """A trained sample's spans from its training span up to its trace's root."""
