@@ -33,7 +33,7 @@ from scenario import conclude
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 12
-GAP_S = 1.0
+GAP_S = 0.5
 """Between two lost replies of one service (s): its retry backs off, reconnects and goes on first."""
 ONLY_ENV = "FAULTS_LOSE_ONLY"
 """Comma-separated kind prefixes (``XREADGROUP,EVALSHA bus``): lose only those (to look at one write point)."""
