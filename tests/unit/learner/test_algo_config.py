@@ -43,6 +43,7 @@ def test_valid_recipes() -> None:
     assert flash.needs_behaviour_logprobs
     adaptive = AlgoConfig.model_validate({"kl": {"placement": "reward", "target": 0.1}})
     assert adaptive.needs_reference
+    assert not AlgoConfig.model_validate({"kl": {"placement": "reward", "coef": 0.0}}).needs_reference
 
 
 @pytest.mark.parametrize(

@@ -91,8 +91,6 @@ class CoordinatorConfig(ServiceConfig):
     """Learner steps of the run; the coordinator exits 0 after the last one (and its evaluation)."""
     dynamic_filtering: bool = False
     """DAPO dynamic sampling: drop groups without reward spread and issue replacement prompts."""
-    min_group_size: int = Field(2, ge=1)
-    """A baseline over groups needs at least this many samples (the learner's algorithm decides)."""
     group_timeout_s: float = Field(900.0, gt=0)
     """A training group not complete this long after it could start (issued, and the policy version it
     asks for published) is failed like a dead-lettered one and replaced; an evaluation round this long

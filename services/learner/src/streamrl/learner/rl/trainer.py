@@ -131,9 +131,10 @@ class RLTrainer:
             check_learner(cfg, self.policy.world_size)
         self.device = self.policy.device
         self.pad_id = int(self.policy.tokenizer.pad_token_id)
-        uses_ref = algo.kl.placement != "none" and algo.kl.coef > 0
         self.ref = (
-            ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False) if uses_ref else None
+            ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False)
+            if algo.needs_reference
+            else None
         )
         self.critic = (
             ModelEngine.from_config(cfg.critic_model or cfg.model, cfg.ds, "value", total_steps=optimizer_steps)

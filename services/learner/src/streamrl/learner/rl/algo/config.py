@@ -174,8 +174,9 @@ class AlgoConfig(BaseConfig):
 
     @property
     def needs_reference(self) -> bool:
-        """True when a reference policy's log-probs are needed (KL in the reward or the loss)."""
-        return self.kl.placement != "none"
+        """True when a reference policy's log-probs are needed: a KL term in the reward or the loss with a
+        coefficient above 0 (an adaptive coefficient starting at 0 stays 0)."""
+        return self.kl.placement != "none" and self.kl.coef > 0
 
     @property
     def needs_behaviour_logprobs(self) -> bool:
