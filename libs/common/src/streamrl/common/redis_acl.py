@@ -179,6 +179,7 @@ def grants(user: str, run_id: str) -> list[Grant]:
         own = [
             Grant("W", (names.weights,), PUBLISH),
             Grant("R", (names.batches,), ("xrange",)),  # the ledger reads what is still to come (after a restart)
+            Grant("R", (names.state("batch_index"),), ("get",)),  # how far the coordinator has published (gaps)
             Grant("RW", (names.state("learner*"),), OWN_STATE),
         ]
     return common + own

@@ -7,9 +7,12 @@ other content, or skip an index (an entry lost before it was read). The rules:
 * **behind** (index below the next one): a copy of what was consumed at that index (same
   :func:`fingerprint`: batch id, sample count and trajectory ids) is skipped quietly; anything else
   is a conflict, dead-lettered loudly naming both batches, never trained.
-* **ahead** (index above the next one): if an entry for a missing index is still to come (pending
-  for the learner, or not yet delivered), the stream is out of order and the batch is dead-lettered;
-  otherwise the gap is confirmed - no one will write those indices - and each missing index is
+* **ahead** (index above the next one): a batch whose index the coordinator has not reached yet (its
+  ``state:batch_index`` counter, the index of the next batch it will publish, is not above it) comes
+  from the future - forged, or a bug upstream - and is dead-lettered: the missing indices are still to
+  be written. So is a batch while an entry for a missing index is still to come (pending for the
+  learner, or not yet delivered): the stream is out of order. Otherwise the gap is confirmed - the
+  coordinator has moved past those indices and no entry for them is left - and each missing index is
   recorded as lost (its version published with unchanged weights, as a skipped batch's) before the
   batch trains. The learner never waits on an index no one will write.
 * **attempts**: every step is counted before it starts and again when it returns, so a step that
@@ -61,10 +64,13 @@ def behind_verdict(batch: TrainingBatch, next_index: int, record: str | None) ->
     )
 
 
-def gap_verdict(batch: TrainingBatch, next_index: int, still_to_come: dict[int, str]) -> tuple[list[int], str | None]:
+def gap_verdict(
+    batch: TrainingBatch, next_index: int, still_to_come: dict[int, str], published: int
+) -> tuple[list[int], str | None]:
     """For a batch above ``next_index``: (the missing indices to record as lost, None) when the gap is
-    confirmed, or ([], the error) when an entry for a missing index is still to come.
-    ``still_to_come``: index -> entry id of the batches pending for the learner or not yet delivered."""
+    confirmed, or ([], the error) when the batch comes from the future or an entry for a missing index is
+    still to come. ``still_to_come``: index -> entry id of the batches pending for the learner or not yet
+    delivered; ``published``: the coordinator's ``batch_index`` (every index below it was published)."""
     missing = range(next_index, batch.index)
     waiting = sorted((i, entry) for i, entry in still_to_come.items() if i in missing)
     if waiting:
@@ -72,6 +78,11 @@ def gap_verdict(batch: TrainingBatch, next_index: int, still_to_come: dict[int, 
         return [], (
             f"{batch.id} is ahead of the learner, whose next batch is {next_index}, and batch index {index} is "
             f"still in the stream (entry {entry}): batches are never trained out of order"
+        )
+    if batch.index >= published:
+        return [], (
+            f"{batch.id} is ahead of the learner, whose next batch is {next_index}, and the coordinator has "
+            f"published indices below {published} only: a batch from the future, never trained out of order"
         )
     return list(missing), None
 

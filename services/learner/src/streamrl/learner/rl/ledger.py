@@ -77,6 +77,12 @@ class LearnerLedger:
             failed=int(raw.get("failed", 0)), error=raw.get("error", b"").decode(errors="replace"),
         )  # fmt: skip
 
+    async def coordinator_index(self) -> int:
+        """The coordinator's ``state:batch_index``: every batch index below it was published (the one key of
+        the coordinator's state the learner reads, to tell a lost index from one still to be written)."""
+        raw = await self.bus.redis.get(self.names.state("batch_index"))
+        return int(raw) if raw is not None else 0
+
     async def still_to_come(self, stream: str) -> dict[int, str]:
         """Batch index -> entry id of the entries the learner will still be handed: pending for its group,
         or after the group's last delivered entry. Undecodable entries are left out (they are dead-lettered)."""

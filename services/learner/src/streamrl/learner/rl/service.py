@@ -297,7 +297,8 @@ class LearnerService:
     async def _fill_gap(self, batch: TrainingBatch) -> None:
         """``batch`` is ahead of the next index: refuse it while a missing index is still to come, else record
         every missing index as lost (dead letter, version published with unchanged weights)."""
-        missing, error = gap_verdict(batch, self.next_index, await self.ledger.still_to_come(self.ctx.names.batches))
+        still_to_come = await self.ledger.still_to_come(self.ctx.names.batches)
+        missing, error = gap_verdict(batch, self.next_index, still_to_come, await self.ledger.coordinator_index())
         if error is not None:
             logger.error("%s", error)
             raise PoisonMessageError(error)
