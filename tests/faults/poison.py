@@ -15,7 +15,8 @@ oversized           the real entry padded past ``redis.max_message_mb``         
 ==================  ===========================================================  ==================
 
 The batches stream gets three more, well-formed but out of order: a batch from the future (index
-1000, a trained batch's samples), a batch from the past (a trained batch's entry written again),
+1000, a trained batch's samples), a batch from the past (other content at a trained batch's index:
+a conflicting copy; an exact copy is skipped quietly, tests/integration/test_learner_ambiguous.py),
 and an oversized batch from the future; each must be dead-lettered, never trained. The followed
 streams (``weights``, ``dead``) have no consumer group: their readers must pass over bad entries and
 go on; ``weights`` also gets a forged event (a new version, signed with another key, pointing at a
@@ -88,13 +89,16 @@ def malformed(real: Message, *, oversized: bool = True) -> list[Poison]:
     return kinds
 
 
-def out_of_order_batches(trained: TrainingBatch, trained_payload: bytes) -> list[Poison]:
+def out_of_order_batches(trained: TrainingBatch) -> list[Poison]:
     """Well-formed batches that must never be trained: from the future, from the past, oversized."""
     future = msgspec.structs.replace(trained, id="batch-1000", index=1000)
     huge = msgspec.structs.replace(trained, id="batch-2000", index=2000)
+    past = msgspec.structs.replace(
+        trained, id=f"{trained.id}-other", samples=trained.samples[:-1], staleness=trained.staleness[:-1]
+    )
     return [
         Poison("batch from the future", encode(future), ""),
-        Poison("batch from the past", trained_payload, ""),
+        Poison("batch from the past", encode(past), ""),
         Poison("oversized batch from the future", _padded(huge), ""),
     ]
 

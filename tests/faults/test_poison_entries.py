@@ -70,7 +70,7 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     prompt, _ = first_message(run.written(n.prompts), PromptWorkItem)
     traj, _ = first_message(run.written(n.trajectories), Trajectory)
     scored, _ = first_message(run.written(n.scored), ScoredTrajectory)
-    batch, batch_payload = first_message(run.written(n.batches), TrainingBatch)  # batch-0: trained by now
+    batch, _ = first_message(run.written(n.batches), TrainingBatch)  # batch-0: trained by now
     weights, _ = first_message(run.written(n.weights), WeightsPublished)
     letter = DeadLetter(stream=n.trajectories, entry_id="0-1", group="reward", consumer="faults", error="template",
                         deliveries=1, payload=b"", ts=time.time())  # fmt: skip
@@ -80,7 +80,7 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     written += _write(run, n.scored, malformed(scored))
     # the learner reads batches of any size (a batch is many trajectories, each under the limit): its
     # oversized entry is one from the future, which must be dead-lettered either way
-    written += _write(run, n.batches, malformed(batch, oversized=False) + out_of_order_batches(batch, batch_payload))
+    written += _write(run, n.batches, malformed(batch, oversized=False) + out_of_order_batches(batch))
     # followed streams: no consumer group, so no dead letter; the readers must skip them and go on
     written += _write(run, n.weights, [replace(p, reason=None) for p in malformed(weights)])
     written += _write(run, n.weights, [forged_weights(weights)])
