@@ -359,12 +359,28 @@ class ConsumerLoop(Generic[M]):
             )
             ids = [h["message_id"] for h in idle]
             if ids:  # JUSTID: no delivery counted until an entry starts; min idle again: one claimer wins
-                await self._take(await self.redis.xclaim(
-                    self.stream, self.group, self.consumer, self.config.claim_idle_ms, ids, justid=True))  # fmt: skip
+                claimed = await self.redis.xclaim(
+                    self.stream, self.group, self.consumer, self.config.claim_idle_ms, ids, justid=True
+                )
+                await self._report_trimmed({_text(i) for i in ids} - {_text(c) for c in claimed})
+                await self._take(claimed)
         try:
             await trim_consumed(self.redis, self.stream, self.bus.retain_consumed_s)
         except ResponseError as e:  # an ACL without XTRIM / XINFO: the stream is bounded by maxlen alone
             logger.debug("%s: not trimmed: %s", self.stream, e)
+
+    async def _report_trimmed(self, not_claimed: set[str]) -> None:
+        """Of the idle entries a claim did not return, those gone from the stream were trimmed before they
+        were handled (Redis drops them from the pending list as it claims): say so, their work is lost.
+        The others were taken by another consumer first."""
+        for entry_id in sorted(not_claimed):
+            if not await self.redis.xrange(self.stream, entry_id, entry_id):
+                logger.warning(
+                    "%s %s was trimmed from the stream before it was handled: acknowledged, its work is lost "
+                    "(redis.maxlen too small?)",
+                    self.stream,
+                    entry_id,
+                )
 
     async def _take(self, claimed: list[Any]) -> None:
         """Queue entries just claimed (JUSTID: no delivery counted yet) to start as slots allow."""
