@@ -47,13 +47,16 @@ RESULTS = Path(__file__).parent / "results"
 def make_trajectory(i: int, num_tokens: int, sent: float = 0.0) -> Trajectory:
     rng = np.random.default_rng(i)
     return Trajectory(
-        id=f"g{i}/0", group_id=f"g{i}", group_index=0, group_size=1,
+        id=f"g{i}/0",
+        group_id=f"g{i}",
+        group_index=0,
+        group_size=1,
         prompt_ids=Tensor.from_numpy(np.arange(64, dtype=np.int32)),
         response_ids=Tensor.from_numpy(rng.integers(0, 150_000, num_tokens, dtype=np.int32)),
         logprobs=Tensor.from_numpy(rng.standard_normal(num_tokens).astype(np.float32)),
         loss_mask=Tensor.from_numpy(np.ones(num_tokens, dtype=np.uint8)),
         timings={"sent": sent},
-    )  # fmt: skip
+    )
 
 
 def consumer_main(url: str, run_id: str, index: int) -> None:
@@ -75,10 +78,16 @@ async def _consume(url: str, run_id: str, index: int) -> None:
 
     stop = asyncio.Event()
     loop = ConsumerLoop(
-        Bus(client), names, stream=names.trajectories, group="bench", consumer=f"c{index}", handler=handle,
-        message_type=Trajectory, config=ConsumerConfig(block_ms=50, count=16, max_in_flight=32),
+        Bus(client),
+        names,
+        stream=names.trajectories,
+        group="bench",
+        consumer=f"c{index}",
+        handler=handle,
+        message_type=Trajectory,
+        config=ConsumerConfig(block_ms=50, count=16, max_in_flight=32),
         on_committed=committed,
-    )  # fmt: skip
+    )
 
     async def watch() -> None:
         while not await client.exists(f"bench:{run_id}:done"):
@@ -140,7 +149,11 @@ def throughput(url: str, num_tokens: int, num_consumers: int, num_messages: int)
     _finish(client, run_id, procs)
     size = len(payloads[0])
     client.delete(stream)
-    return {"msgs_per_s": num_messages / elapsed, "mb_per_s": num_messages * size / elapsed / 1e6, "payload_bytes": size}
+    return {
+        "msgs_per_s": num_messages / elapsed,
+        "mb_per_s": num_messages * size / elapsed / 1e6,
+        "payload_bytes": size,
+    }
 
 
 def latency(url: str, num_tokens: int, num_consumers: int, rate: float, num_messages: int) -> dict[str, float]:
@@ -155,8 +168,14 @@ def latency(url: str, num_tokens: int, num_consumers: int, rate: float, num_mess
     template = make_trajectory(0, num_tokens)
     for i in range(num_messages):
         msg = make_trajectory(i, 0)
-        msg = Trajectory(**{**{f: getattr(template, f) for f in template.__struct_fields__},
-                            "id": msg.id, "group_id": msg.group_id, "timings": {"sent": time.time()}})  # fmt: skip
+        msg = Trajectory(
+            **{
+                **{f: getattr(template, f) for f in template.__struct_fields__},
+                "id": msg.id,
+                "group_id": msg.group_id,
+                "timings": {"sent": time.time()},
+            }
+        )
         client.xadd(stream, {b"d": encode(msg)}, maxlen=100_000, approximate=True)
         next_t += period
         delay = next_t - time.perf_counter()
@@ -172,8 +191,24 @@ def redis_benchmark_xadd(port: int, payload_bytes: int, num: int) -> float:
     """Raw XADD requests/s of a same-size payload with redis-benchmark (4 connections, no pipelining)."""
     with tempfile.TemporaryDirectory() as tmp:
         blob = "x" * payload_bytes  # the last argument comes from stdin (-x): too long for argv
-        cmd = ["redis-benchmark", "-p", str(port), "-n", str(num), "-c", "4", "-q", "-x",
-               "XADD", "rawbench", "MAXLEN", "~", "1000", "*", "d"]  # fmt: skip
+        cmd = [
+            "redis-benchmark",
+            "-p",
+            str(port),
+            "-n",
+            str(num),
+            "-c",
+            "4",
+            "-q",
+            "-x",
+            "XADD",
+            "rawbench",
+            "MAXLEN",
+            "~",
+            "1000",
+            "*",
+            "d",
+        ]
         out = subprocess.run(cmd, input=blob, capture_output=True, text=True, cwd=tmp, timeout=600).stdout
     match = re.findall(r"([\d.]+) requests per second", out.replace(",", ""))
     if not match:
@@ -198,12 +233,21 @@ def main() -> None:
                 raw = redis_benchmark_xadd(server.port, size, max(200, n))
                 for consumers in (1, 2, 4):
                     tp = throughput(server.url, tokens, consumers, n)
-                    lat = latency(server.url, tokens, consumers, rate=max(20.0, tp["msgs_per_s"] / 4), num_messages=max(100, n // 4))
+                    lat = latency(
+                        server.url,
+                        tokens,
+                        consumers,
+                        rate=max(20.0, tp["msgs_per_s"] / 4),
+                        num_messages=max(100, n // 4),
+                    )
                     row = {**tp, **lat, "raw_xadd_per_s": raw, "ratio_to_raw": tp["msgs_per_s"] / raw}
                     results[f"{tokens}tok_{consumers}c"] = row
-                    print(f"{tokens:>6} tok {consumers} consumers: {tp['msgs_per_s']:8.0f} msg/s {tp['mb_per_s']:7.1f} MB/s"
-                          f"  p50 {lat['p50_ms']:.2f} ms p99 {lat['p99_ms']:.2f} ms  raw XADD {raw:8.0f}/s"
-                          f"  ratio {row['ratio_to_raw']:.2f}", flush=True)  # fmt: skip
+                    print(
+                        f"{tokens:>6} tok {consumers} consumers: {tp['msgs_per_s']:8.0f} msg/s {tp['mb_per_s']:7.1f} MB/s"
+                        f"  p50 {lat['p50_ms']:.2f} ms p99 {lat['p99_ms']:.2f} ms  raw XADD {raw:8.0f}/s"
+                        f"  ratio {row['ratio_to_raw']:.2f}",
+                        flush=True,
+                    )
         finally:
             server.stop()
     best8k = max((v for k, v in results.items() if k.startswith("8192tok")), key=lambda v: v["ratio_to_raw"])
@@ -213,8 +257,12 @@ def main() -> None:
         "machine": f"{platform.node()} {platform.machine()} {mp.cpu_count()} cpus",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "results": results,
-        "target_8k": {"ratio_to_raw_ge_0.5": best8k["ratio_to_raw"] >= 0.5, "p99_lt_10ms": best8k["p99_ms"] < 10.0,
-                      "ratio_to_raw": best8k["ratio_to_raw"], "p99_ms": best8k["p99_ms"]},  # fmt: skip
+        "target_8k": {
+            "ratio_to_raw_ge_0.5": best8k["ratio_to_raw"] >= 0.5,
+            "p99_lt_10ms": best8k["p99_ms"] < 10.0,
+            "ratio_to_raw": best8k["ratio_to_raw"],
+            "p99_ms": best8k["p99_ms"],
+        },
     }
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"bus-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{platform.node()}.json"

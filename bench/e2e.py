@@ -58,26 +58,62 @@ ROOT = Path(__file__).resolve().parents[1]
 EVAL_EVERY = 10
 """Held-out evaluation period (steps), both sides."""
 PY = sys.executable
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "2",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "a": {"prepare": ["--out_dir=runs/bench_a", "--preset=small", "--digits=2"],
-          "data_dir": "runs/bench_a", "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 6,
-          "min_new_tokens": 0, "lr": 1e-4, "eval": True, "max_model_len": 32, "bf16": False,
-          "engines": ["vllm", "hf"]},
-    "b": {"prepare": ["--out_dir=runs/bench_b", "--preset=large", "--digits=16", "--scratchpad=true",
-                      "--max_steps=1", "--target_accuracy=1.0", "--num_train=20000", "--num_eval=50"],
-          "data_dir": "runs/bench_b", "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 128,
-          "min_new_tokens": 128, "lr": 1e-5, "eval": False, "max_model_len": 256, "bf16": True,
-          "engines": ["vllm"],
-          # generation-heavy and compute-bound: synchronous, 2 threads each (asynchronous with 1
-          # thread each measured 9.5 s/step vs 9 s here); compiled decoding pays off at 27M; vLLM's
-          # packed bf16 kernels as measured (F.linear on live weights not measured at this size)
-          "extra": ["--rollout.engine.enforce_eager=false", "--coordinator.max_staleness=0",
-                    "--rollout.engine.cpu_weight_packing=true",
-                    "--learner.algo.correction.type=none", "--up.threads={}", "--learner.ds.compile=false"]},
-}  # fmt: skip
+    "a": {
+        "prepare": ["--out_dir=runs/bench_a", "--preset=small", "--digits=2"],
+        "data_dir": "runs/bench_a",
+        "prompts_per_step": 32,
+        "group_size": 8,
+        "max_new_tokens": 6,
+        "min_new_tokens": 0,
+        "lr": 1e-4,
+        "eval": True,
+        "max_model_len": 32,
+        "bf16": False,
+        "engines": ["vllm", "hf"],
+    },
+    "b": {
+        "prepare": [
+            "--out_dir=runs/bench_b",
+            "--preset=large",
+            "--digits=16",
+            "--scratchpad=true",
+            "--max_steps=1",
+            "--target_accuracy=1.0",
+            "--num_train=20000",
+            "--num_eval=50",
+        ],
+        "data_dir": "runs/bench_b",
+        "prompts_per_step": 8,
+        "group_size": 8,
+        "max_new_tokens": 128,
+        "min_new_tokens": 128,
+        "lr": 1e-5,
+        "eval": False,
+        "max_model_len": 256,
+        "bf16": True,
+        "engines": ["vllm"],
+        # generation-heavy and compute-bound: synchronous, 2 threads each (asynchronous with 1
+        # thread each measured 9.5 s/step vs 9 s here); compiled decoding pays off at 27M; vLLM's
+        # packed bf16 kernels as measured (F.linear on live weights not measured at this size)
+        "extra": [
+            "--rollout.engine.enforce_eager=false",
+            "--coordinator.max_staleness=0",
+            "--rollout.engine.cpu_weight_packing=true",
+            "--learner.algo.correction.type=none",
+            "--up.threads={}",
+            "--learner.ds.compile=false",
+        ],
+    },
+}
 
 
 def prepare(spec: dict[str, Any]) -> None:
@@ -97,23 +133,37 @@ def streamrl_overrides(
 ) -> list[str]:
     d = spec["data_dir"]
     o = [
-        f"--coordinator.dataset.seed={seed}", f"--rollout.engine.seed={seed}", f"--learner.ds.seed={seed}",
-        f"--run_id=bench-{run_dir.name}", f"--run_dir={run_dir}", f"--total_steps={steps}",
-        f"--coordinator.dataset.path={d}/train.jsonl", f"--coordinator.dataset.tokenizer={d}/model",
-        f"--coordinator.prompts_per_step={spec['prompts_per_step']}", f"--coordinator.group_size={spec['group_size']}",
+        f"--coordinator.dataset.seed={seed}",
+        f"--rollout.engine.seed={seed}",
+        f"--learner.ds.seed={seed}",
+        f"--run_id=bench-{run_dir.name}",
+        f"--run_dir={run_dir}",
+        f"--total_steps={steps}",
+        f"--coordinator.dataset.path={d}/train.jsonl",
+        f"--coordinator.dataset.tokenizer={d}/model",
+        f"--coordinator.prompts_per_step={spec['prompts_per_step']}",
+        f"--coordinator.group_size={spec['group_size']}",
         f"--coordinator.sampling.max_new_tokens={spec['max_new_tokens']}",
         f"--coordinator.sampling.min_new_tokens={spec['min_new_tokens']}",
-        f"--rollout.engine.model={d}/model", f"--rollout.engine.max_model_len={spec['max_model_len']}",
-        f"--learner.model={d}/model", f"--learner.ds.lr={spec['lr']}", "--learner.checkpoint_every=100000",
-        f"--learner.mini_batches={updates}", "--learner.ppo_epochs=1",
+        f"--rollout.engine.model={d}/model",
+        f"--rollout.engine.max_model_len={spec['max_model_len']}",
+        f"--learner.model={d}/model",
+        f"--learner.ds.lr={spec['lr']}",
+        "--learner.checkpoint_every=100000",
+        f"--learner.mini_batches={updates}",
+        "--learner.ppo_epochs=1",
         f"--learner.ds.micro_batch_size={spec['prompts_per_step'] * spec['group_size']}",
         f"--rollout.engine.type={engine}",
         f"--rollout.engine.dtype={'bfloat16' if spec['bf16'] else 'float32'}",
         f"--learner.ds.dtype={'bf16' if spec['bf16'] else 'fp32'}",
-    ]  # fmt: skip
+    ]
     if spec["eval"] and eval_mode == "pipeline":
-        o += [f"--coordinator.eval.dataset.path={d}/eval.jsonl", f"--coordinator.eval.dataset.tokenizer={d}/model",
-              "--coordinator.eval.num_prompts=500", f"--coordinator.eval.every_steps={EVAL_EVERY}"]  # fmt: skip
+        o += [
+            f"--coordinator.eval.dataset.path={d}/eval.jsonl",
+            f"--coordinator.eval.dataset.tokenizer={d}/model",
+            "--coordinator.eval.num_prompts=500",
+            f"--coordinator.eval.every_steps={EVAL_EVERY}",
+        ]
     else:
         o += ["--coordinator.eval.dataset=null"]
     if spec["eval"] and eval_mode == "snapshots":
@@ -208,39 +258,81 @@ def run_streamrl(
     if spec["eval"] and eval_mode == "snapshots":
         curve = snapshot_curve(spec, run_dir, learner, t0, target_gain)
     else:
-        curve = [{"step": r["step"], "rl_s": round(r["time"] - t0, 2), "accuracy": r["eval/acc"],
-                  "eval_s": round(r.get("eval/duration_s", 0.0), 2)} for r in evals]  # fmt: skip
+        curve = [
+            {
+                "step": r["step"],
+                "rl_s": round(r["time"] - t0, 2),
+                "accuracy": r["eval/acc"],
+                "eval_s": round(r.get("eval/duration_s", 0.0), 2),
+            }
+            for r in evals
+        ]
     out: dict[str, Any] = {
-        "side": f"streamrl ({engine} engine)", "engine": engine, "updates_per_step": updates, "eval": eval_mode,
+        "side": f"streamrl ({engine} engine)",
+        "engine": engine,
+        "updates_per_step": updates,
+        "eval": eval_mode,
         "seed": seed,
-        "steps": len(learner), "rl_s": round(end - t0, 2),
-        "steps_per_s": len(learner) / max(end - t0, 1e-9), "s_per_step_steady": steady,
-        "generated_tokens_per_s": tokens / max(end - t0, 1e-9), "curve": curve,
-    }  # fmt: skip
+        "steps": len(learner),
+        "rl_s": round(end - t0, 2),
+        "steps_per_s": len(learner) / max(end - t0, 1e-9),
+        "s_per_step_steady": steady,
+        "generated_tokens_per_s": tokens / max(end - t0, 1e-9),
+        "curve": curve,
+    }
     if curve:
         start = curve[0]["accuracy"]
         hit = next((p for p in curve if p["accuracy"] >= start + target_gain), None)
-        out.update(start_accuracy=start, best_accuracy=max(p["accuracy"] for p in curve),
-                   target_step=hit["step"] if hit else None, target_rl_s=hit["rl_s"] if hit else None,
-                   eval_s_to_target=round(sum(p["eval_s"] for p in curve[1:] if hit and p["step"] <= hit["step"]), 2))  # fmt: skip
+        out.update(
+            start_accuracy=start,
+            best_accuracy=max(p["accuracy"] for p in curve),
+            target_step=hit["step"] if hit else None,
+            target_rl_s=hit["rl_s"] if hit else None,
+            eval_s_to_target=round(sum(p["eval_s"] for p in curve[1:] if hit and p["step"] <= hit["step"]), 2),
+        )
     return out
 
 
 def run_trl(
     spec: dict[str, Any], steps: int, budget_s: float, target_gain: float, updates: int, seed: int = 0
 ) -> dict[str, Any]:
-    cmd = [PY, str(ROOT / "bench/e2e_trl.py"), "--data-dir", spec["data_dir"], "--updates-per-step", str(updates),
-           "--seed", str(seed),
-           "--prompts-per-step", str(spec["prompts_per_step"]), "--group-size", str(spec["group_size"]),
-           "--lr", str(spec["lr"]), "--max-new-tokens", str(spec["max_new_tokens"]), "--max-steps", str(steps),
-           "--time-budget-s", str(budget_s), "--target-gain", str(target_gain)]  # fmt: skip
+    cmd = [
+        PY,
+        str(ROOT / "bench/e2e_trl.py"),
+        "--data-dir",
+        spec["data_dir"],
+        "--updates-per-step",
+        str(updates),
+        "--seed",
+        str(seed),
+        "--prompts-per-step",
+        str(spec["prompts_per_step"]),
+        "--group-size",
+        str(spec["group_size"]),
+        "--lr",
+        str(spec["lr"]),
+        "--max-new-tokens",
+        str(spec["max_new_tokens"]),
+        "--max-steps",
+        str(steps),
+        "--time-budget-s",
+        str(budget_s),
+        "--target-gain",
+        str(target_gain),
+    ]
     if spec["bf16"]:
         cmd += ["--bf16"]
     if spec["eval"]:
         cmd += ["--eval-every-steps", str(EVAL_EVERY), "--stop-at-target"]
     else:
-        cmd += ["--eval-every-steps", str(steps + 1), "--num-eval", "1",
-                "--extra", json.dumps({"generation_kwargs": {"min_new_tokens": spec["min_new_tokens"]}})]  # fmt: skip
+        cmd += [
+            "--eval-every-steps",
+            str(steps + 1),
+            "--num-eval",
+            "1",
+            "--extra",
+            json.dumps({"generation_kwargs": {"min_new_tokens": spec["min_new_tokens"]}}),
+        ]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -279,14 +371,18 @@ def compare_row(
         same = vs.get(trl_key(updates), next(iter(vs.values())))  # like for like: the same updates per step
         row[f"streamrl_{engine}"] = {**result, **same, "vs": vs}
         for key, trl in theirs.items():
-            line = (f"workload {name} seed {seed}: streamrl[{engine}, {updates} update(s)/step] "
-                    f"{result['steps_per_s']:.3f} steps/s {result['generated_tokens_per_s']:.0f} tok/s | "
-                    f"TRL[{trl['updates_per_step']} update(s)/step] {trl['steps_per_s']:.3f} steps/s "
-                    f"{trl['generated_tokens_per_s']:.0f} tok/s | per-step x{vs[key]['per_step_speedup']:.2f}")  # fmt: skip
+            line = (
+                f"workload {name} seed {seed}: streamrl[{engine}, {updates} update(s)/step] "
+                f"{result['steps_per_s']:.3f} steps/s {result['generated_tokens_per_s']:.0f} tok/s | "
+                f"TRL[{trl['updates_per_step']} update(s)/step] {trl['steps_per_s']:.3f} steps/s "
+                f"{trl['generated_tokens_per_s']:.0f} tok/s | per-step x{vs[key]['per_step_speedup']:.2f}"
+            )
             if name == "a":
-                line += (f" | time to +{target_gain:.0%}: streamrl {result.get('target_rl_s')} s "
-                         f"(step {result.get('target_step')}, incl. {result.get('eval_s_to_target')} s of eval rounds), "
-                         f"TRL {trl.get('target_rl_s')} s (step {trl.get('target_step')})")  # fmt: skip
+                line += (
+                    f" | time to +{target_gain:.0%}: streamrl {result.get('target_rl_s')} s "
+                    f"(step {result.get('target_step')}, incl. {result.get('eval_s_to_target')} s of eval rounds), "
+                    f"TRL {trl.get('target_rl_s')} s (step {trl.get('target_step')})"
+                )
             print(line, flush=True)
     return row
 
@@ -357,10 +453,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     report: dict[str, Any] = {
-        "bench": "e2e", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "bench": "e2e",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "command": " ".join(["python", *sys.argv]), "workloads": {},
-    }  # fmt: skip
+        "command": " ".join(["python", *sys.argv]),
+        "workloads": {},
+    }
     for name in args.workload:
         spec = WORKLOADS[name]
         prepare(spec)
@@ -375,9 +473,20 @@ def main() -> None:
             # Alternate which side runs first: this VM's speed drifts over minutes.
             for side in ("streamrl", "trl") if seed % 2 == 0 else ("trl", "streamrl"):
                 if side == "streamrl":
-                    mine = {engine: run_streamrl(spec, ROOT / f"runs/bench_e2e_{name}_{engine}", steps, budget,
-                                                 args.target_gain, engine, updates, args.eval, seed)
-                            for engine in engines}  # fmt: skip
+                    mine = {
+                        engine: run_streamrl(
+                            spec,
+                            ROOT / f"runs/bench_e2e_{name}_{engine}",
+                            steps,
+                            budget,
+                            args.target_gain,
+                            engine,
+                            updates,
+                            args.eval,
+                            seed,
+                        )
+                        for engine in engines
+                    }
                 else:
                     trl_runs = {
                         trl_key(u): run_trl(spec, steps, budget, args.target_gain, u, seed) for u in trl_updates

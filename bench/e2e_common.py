@@ -92,19 +92,13 @@ class BenchSettings:
             )
             < 1
         ):
-            raise ValueError(
-                f"prompts_per_step, max_new_tokens, max_steps, eval_every_steps must be >= 1: {self}"
-            )
+            raise ValueError(f"prompts_per_step, max_new_tokens, max_steps, eval_every_steps must be >= 1: {self}")
         if self.updates_per_step < 1 or (self.prompts_per_step * self.group_size) % self.updates_per_step:
-            raise ValueError(
-                f"updates_per_step must be >= 1 and divide prompts_per_step x group_size: {self}"
-            )
+            raise ValueError(f"updates_per_step must be >= 1 and divide prompts_per_step x group_size: {self}")
         if self.device not in ("cpu", "cuda") or self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"device must be cpu or cuda and dtype float32 or bfloat16: {self}")
         if self.lr <= 0 or self.temperature <= 0 or self.time_budget_s <= 0:
-            raise ValueError(
-                f"lr, temperature and time_budget_s must be positive: {self}"
-            )
+            raise ValueError(f"lr, temperature and time_budget_s must be positive: {self}")
 
 
 def load_task() -> ModuleType:
@@ -132,9 +126,7 @@ def load_rows(
     return train, held_out
 
 
-def prompt_order(
-    train: list[dict[str, Any]], num_prompts: int, seed: int
-) -> list[dict[str, Any]]:
+def prompt_order(train: list[dict[str, Any]], num_prompts: int, seed: int) -> list[dict[str, Any]]:
     """The training prompts in the order every side consumes them (reshuffled each epoch)."""
     rng = random.Random(seed)
     order: list[dict[str, Any]] = []
@@ -145,9 +137,7 @@ def prompt_order(
     return order[:num_prompts]
 
 
-def greedy_accuracy(
-    model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int
-) -> float:
+def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
     """Held-out accuracy of greedy decoding with transformers ``generate``, scored by the task's reward."""
     import torch
 
@@ -156,9 +146,7 @@ def greedy_accuracy(
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        enc = tokenizer(
-            prompts, return_tensors="pt", padding=True, add_special_tokens=False
-        ).to(model.device)
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         out = model.generate(
             **enc,
             do_sample=False,
@@ -166,9 +154,7 @@ def greedy_accuracy(
             pad_token_id=tokenizer.pad_token_id,
         )
     model.train(was_training)
-    completions = tokenizer.batch_decode(
-        out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False
-    )
+    completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False)
     queries = [p + c for p, c in zip(prompts, completions, strict=True)]
     result = task.reward_func(queries, prompts, [r["label"] for r in rows])
     return float(sum(result["rewards"]) / len(rows))
@@ -213,18 +199,12 @@ class Curve:
 
     def reached_target(self) -> bool:
         """Whether the latest accuracy is at least start + target_gain."""
-        return (
-            len(self.points) > 1
-            and self.points[-1]["accuracy"]
-            >= self.points[0]["accuracy"] + self.target_gain
-        )
+        return len(self.points) > 1 and self.points[-1]["accuracy"] >= self.points[0]["accuracy"] + self.target_gain
 
     def summary(self) -> dict[str, Any]:
         """Start / final / best accuracy and the first step and RL time at start + target_gain."""
         start = self.points[0]["accuracy"]
-        hit = next(
-            (p for p in self.points if p["accuracy"] >= start + self.target_gain), None
-        )
+        hit = next((p for p in self.points if p["accuracy"] >= start + self.target_gain), None)
         return {
             "start_accuracy": start,
             "final_accuracy": self.points[-1]["accuracy"],
@@ -243,9 +223,7 @@ def settings_dict(settings: BenchSettings) -> dict[str, Any]:
 
 def parse_settings(argv: list[str], description: str | None = None) -> BenchSettings:
     """``--field value`` for every scalar field of :class:`BenchSettings`."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(BenchSettings):
         if f.name == "extra":
             parser.add_argument(
@@ -257,10 +235,6 @@ def parse_settings(argv: list[str], description: str | None = None) -> BenchSett
         elif f.type == "bool":
             parser.add_argument(f"--{f.name.replace('_', '-')}", action="store_true")
         else:
-            kind = {"int": int, "float": float, "str": str}.get(
-                str(f.type).split(" ")[0], float
-            )
-            parser.add_argument(
-                f"--{f.name.replace('_', '-')}", type=kind, default=f.default
-            )
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], float)
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
     return BenchSettings(**vars(parser.parse_args(argv)))

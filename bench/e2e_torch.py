@@ -62,16 +62,10 @@ def token_logprobs(
     import torch
 
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-    ).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, -num_completion - 1 : -1] / temperature
     targets = input_ids[:, -num_completion:]
-    return (
-        torch.log_softmax(logits.float(), dim=-1)
-        .gather(-1, targets.unsqueeze(-1))
-        .squeeze(-1)
-    )
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def run_torch(settings: BenchSettings) -> dict[str, Any]:
@@ -89,12 +83,8 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     warmup = max(settings.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup)
-    )
-    order = prompt_order(
-        train, settings.prompts_per_step * settings.max_steps, settings.seed
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    order = prompt_order(train, settings.prompts_per_step * settings.max_steps, settings.seed)
 
     curve = Curve(settings.target_gain)
     curve.add(0, greedy_accuracy(model, tokenizer, held_out, settings.max_new_tokens))
@@ -102,18 +92,14 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
     num_tokens, gen_s, train_s, step = 0, 0.0, 0.0, 0
     curve.resume()
     while step < settings.max_steps and curve.rl_s < settings.time_budget_s:
-        rows = order[
-            step * settings.prompts_per_step : (step + 1) * settings.prompts_per_step
-        ]
+        rows = order[step * settings.prompts_per_step : (step + 1) * settings.prompts_per_step]
         prompts = [r["prompt"] for r in rows for _ in range(settings.group_size)]
         labels = [r["label"] for r in rows for _ in range(settings.group_size)]
 
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
-            enc = tokenizer(
-                prompts, return_tensors="pt", padding=True, add_special_tokens=False
-            )
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
             out = model.generate(
                 **enc,
                 do_sample=True,
@@ -128,25 +114,17 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
         mask = completion_mask(completion_ids, tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
         rewards = torch.tensor(
-            task.reward_func(
-                [p + t for p, t in zip(prompts, texts, strict=True)], prompts, labels
-            )["rewards"]
+            task.reward_func([p + t for p, t in zip(prompts, texts, strict=True)], prompts, labels)["rewards"]
         )
         advantages = group_advantages(rewards, settings.group_size)
         t1 = time.perf_counter()
 
         model.train()
         attention_mask = torch.cat([enc["attention_mask"], mask.long()], dim=1)
-        logp = token_logprobs(
-            model, out, attention_mask, completion_ids.shape[1], settings.temperature
-        )
-        ratio = torch.exp(
-            logp - logp.detach()
-        )  # one update per batch: old policy = current policy
+        logp = token_logprobs(model, out, attention_mask, completion_ids.shape[1], settings.temperature)
+        ratio = torch.exp(logp - logp.detach())  # one update per batch: old policy = current policy
         clipped = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.epsilon)
-        per_token = -torch.min(
-            ratio * advantages[:, None], clipped * advantages[:, None]
-        )
+        per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
         loss = (per_token * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -161,9 +139,7 @@ def run_torch(settings: BenchSettings) -> dict[str, Any]:
         train_s += t2 - t1
         if step % settings.eval_every_steps == 0:
             curve.pause()
-            accuracy = greedy_accuracy(
-                model, tokenizer, held_out, settings.max_new_tokens
-            )
+            accuracy = greedy_accuracy(model, tokenizer, held_out, settings.max_new_tokens)
             curve.add(step, accuracy, reward=round(float(rewards.mean()), 4))
             print(json.dumps(curve.points[-1]), flush=True)
             if settings.stop_at_target and curve.reached_target():

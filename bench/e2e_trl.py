@@ -53,12 +53,8 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype))
     # The same prompt order as the other sides; TRL's own shuffling is turned off.
-    rows = prompt_order(
-        train, settings.prompts_per_step * settings.max_steps, settings.seed
-    )
-    dataset = Dataset.from_list(
-        [{"prompt": r["prompt"], "label": r["label"]} for r in rows]
-    )
+    rows = prompt_order(train, settings.prompts_per_step * settings.max_steps, settings.seed)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows])
 
     curve = Curve(settings.target_gain)
     updates = settings.updates_per_step  # optimizer steps per generation batch (TRL's global_step counts them)
@@ -79,18 +75,12 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
     class EvalEvery(TrainerCallback):
         """Greedy held-out accuracy every ``eval_every_steps`` steps, outside the RL clock; stop rules."""
 
-        def on_train_begin(
-            self, args: Any, state: Any, control: Any, **kwargs: Any
-        ) -> None:
-            curve.add(
-                0, greedy_accuracy(model, tokenizer, held_out, settings.max_new_tokens)
-            )
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            curve.add(0, greedy_accuracy(model, tokenizer, held_out, settings.max_new_tokens))
             print(json.dumps(curve.points[-1]), flush=True)
             curve.resume()
 
-        def on_step_end(
-            self, args: Any, state: Any, control: Any, **kwargs: Any
-        ) -> None:
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             counters["steps"] = state.global_step // updates
             if state.global_step % updates == 0:
                 step_end_s.append(round(curve.rl_s, 3))
@@ -100,9 +90,7 @@ def run_trl(settings: BenchSettings) -> dict[str, Any]:
                 curve.pause()
                 curve.add(
                     state.global_step // updates,
-                    greedy_accuracy(
-                        model, tokenizer, held_out, settings.max_new_tokens
-                    ),
+                    greedy_accuracy(model, tokenizer, held_out, settings.max_new_tokens),
                 )
                 print(json.dumps(curve.points[-1]), flush=True)
                 if settings.stop_at_target and curve.reached_target():

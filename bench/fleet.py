@@ -87,8 +87,16 @@ def build_task(folder: Path, spec: fm.FleetSpec, num_prompts: int = 4096) -> tup
     return folder / "tokenizer", folder / "prompts.jsonl"
 
 
-def write_recipe(path: Path, *, run_dir: Path, redis_url: str, spec: fm.FleetSpec, sizing: fm.RunSizing,
-                 tokenizer: Path, dataset: Path) -> Path:  # fmt: skip
+def write_recipe(
+    path: Path,
+    *,
+    run_dir: Path,
+    redis_url: str,
+    spec: fm.FleetSpec,
+    sizing: fm.RunSizing,
+    tokenizer: Path,
+    dataset: Path,
+) -> Path:
     path.write_text(f"""run_id = "{RUN_ID}"
 run_dir = "{run_dir}"
 
@@ -139,14 +147,35 @@ def stop_all(procs: dict[str, subprocess.Popen[bytes]], grace_s: float = 15.0) -
 
 
 # -- one step ------------------------------------------------------------------------------------------
-def start_step(num_gpus: int, args: argparse.Namespace, spec: fm.FleetSpec, sizing: fm.RunSizing, folder: Path,
-               task: tuple[Path, Path], redis_url: str, profile: bool) -> dict[str, subprocess.Popen[bytes]]:  # fmt: skip
-    recipe = write_recipe(folder / "recipe.toml", run_dir=folder / "run", redis_url=redis_url, spec=spec,
-                          sizing=sizing, tokenizer=task[0], dataset=task[1])  # fmt: skip
-    common = [f"--redis-url={redis_url}", f"--run-id={RUN_ID}", f"--tokens-per-s={spec.tokens_per_s}",
-              f"--response-tokens={spec.response_tokens}", f"--prompt-tokens={spec.prompt_tokens}",
-              f"--group-size={spec.group_size}", f"--seqs-per-gpu={spec.seqs_per_gpu}",
-              f"--gpus-per-worker={args.gpus_per_worker}"]  # fmt: skip
+def start_step(
+    num_gpus: int,
+    args: argparse.Namespace,
+    spec: fm.FleetSpec,
+    sizing: fm.RunSizing,
+    folder: Path,
+    task: tuple[Path, Path],
+    redis_url: str,
+    profile: bool,
+) -> dict[str, subprocess.Popen[bytes]]:
+    recipe = write_recipe(
+        folder / "recipe.toml",
+        run_dir=folder / "run",
+        redis_url=redis_url,
+        spec=spec,
+        sizing=sizing,
+        tokenizer=task[0],
+        dataset=task[1],
+    )
+    common = [
+        f"--redis-url={redis_url}",
+        f"--run-id={RUN_ID}",
+        f"--tokens-per-s={spec.tokens_per_s}",
+        f"--response-tokens={spec.response_tokens}",
+        f"--prompt-tokens={spec.prompt_tokens}",
+        f"--group-size={spec.group_size}",
+        f"--seqs-per-gpu={spec.seqs_per_gpu}",
+        f"--gpus-per-worker={args.gpus_per_worker}",
+    ]
     sim = [sys.executable, str(ROOT / "bench" / "fleet_sim.py")]
     cli = [sys.executable, "-m", "streamrl.common.cli"]
     profiled = [sys.executable, "-m", "cProfile", "-o", str(folder / "coordinator.prof"), *cli[1:]]
@@ -183,8 +212,11 @@ def run_step(
     others_before, waited_s = wait_quiet(args.quiet_wait_s)
     load_before = os.getloadavg()[0]
     capacity = fm.trajectories_per_s(num_gpus, spec)
-    print(f"-- {num_gpus} GPUs: capacity {capacity:.1f} trajectories/s, {sizing.prompts_per_step} groups/batch, "
-          f"load {load_before:.2f}, other work {others_before:.2f} cores (waited {waited_s:.0f} s)", flush=True)  # fmt: skip
+    print(
+        f"-- {num_gpus} GPUs: capacity {capacity:.1f} trajectories/s, {sizing.prompts_per_step} groups/batch, "
+        f"load {load_before:.2f}, other work {others_before:.2f} cores (waited {waited_s:.0f} s)",
+        flush=True,
+    )
     server = RedisServer(folder / "redis", appendonly=False).start()
     client = syncredis.Redis.from_url(server.url)
     client.config_set("slowlog-max-len", probes.SLOWLOG_LEN)
@@ -249,8 +281,13 @@ def warm_up(
             return [f"no batch trained {elapsed:.0f} s after the start"]
 
 
-def measure(client: syncredis.Redis, names: StreamNames, procs: dict[str, subprocess.Popen[bytes]],
-            pids: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def measure(
+    client: syncredis.Redis,
+    names: StreamNames,
+    procs: dict[str, subprocess.Popen[bytes]],
+    pids: dict[str, int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """Sample the window: backlogs every 2 s; CPU, traffic and counters at both ends."""
     machine0 = fm.machine_ticks(Path("/proc/stat").read_text())
     ticks0 = probes.cpu_ticks(pids, {})
@@ -275,34 +312,53 @@ def measure(client: syncredis.Redis, names: StreamNames, procs: dict[str, subpro
     ticks1, machine1 = probes.cpu_ticks(pids, ticks0), fm.machine_ticks(Path("/proc/stat").read_text())
     counters = client.mget([names.state(c) for c in st.COUNTERS])
     return {
-        "window_s": elapsed, "series": series, "redis_memory_mb_max": memory_mb, "rss_mb_max": rss,
-        "problems": problems, "groups": (groups0, probes.read_groups(client, names)), "sims": (sims0, sim_stats(client, names)),
+        "window_s": elapsed,
+        "series": series,
+        "redis_memory_mb_max": memory_mb,
+        "rss_mb_max": rss,
+        "problems": problems,
+        "groups": (groups0, probes.read_groups(client, names)),
+        "sims": (sims0, sim_stats(client, names)),
         "cores": {k: (ticks1[k] - ticks0.get(k, ticks1[k])) / CLK_TCK / elapsed for k in ticks1},
         "machine_cores": (machine1[0] - machine0[0]) / CLK_TCK / elapsed,
         "interrupt_cores": (machine1[1] - machine0[1]) / CLK_TCK / elapsed,
-        "redis_commands": {k: (c - commands0.get(k, (0, 0))[0], u - commands0.get(k, (0, 0))[1])
-                           for k, (c, u) in probes.command_stats(client).items()},
-        "redis_net": {k: client.info("stats")[k] - stats0[k] for k in ("total_net_input_bytes", "total_net_output_bytes")},
+        "redis_commands": {
+            k: (c - commands0.get(k, (0, 0))[0], u - commands0.get(k, (0, 0))[1])
+            for k, (c, u) in probes.command_stats(client).items()
+        },
+        "redis_net": {
+            k: client.info("stats")[k] - stats0[k] for k in ("total_net_input_bytes", "total_net_output_bytes")
+        },
         "counters": {c: int(v) for c, v in zip(st.COUNTERS, counters, strict=True) if v},
         "slow_commands": probes.slow_commands(client, since=wall0),
         "dead_letters": client.xlen(names.dead),
-    }  # fmt: skip
+    }
 
 
-def summarize(num_gpus: int, spec: fm.FleetSpec, sizing: fm.RunSizing, w: dict[str, Any], load_before: float,
-              load_after: float, folder: Path) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    num_gpus: int,
+    spec: fm.FleetSpec,
+    sizing: fm.RunSizing,
+    w: dict[str, Any],
+    load_before: float,
+    load_after: float,
+    folder: Path,
+) -> dict[str, Any]:
     secs = w["window_s"]
     (g0, g1), (s0, s1) = w["groups"], w["sims"]
     generated = sum(v["generated"] for k, v in s1.items() if k.startswith("rollout")) - sum(
-        v["generated"] for k, v in s0.items() if k.startswith("rollout"))  # fmt: skip
+        v["generated"] for k, v in s0.items() if k.startswith("rollout")
+    )
     traj_bytes = next(v["trajectory_bytes"] for k, v in s1.items() if k.startswith("rollout"))
     handled = {s: g1[s]["handled"] - g0[s]["handled"] for s in probes.GROUPS}
     rates = {
-        "capacity": fm.trajectories_per_s(num_gpus, spec), "generated": generated / secs,
-        "scored": handled["trajectories"] / secs, "stored": handled["scored"] / secs,
+        "capacity": fm.trajectories_per_s(num_gpus, spec),
+        "generated": generated / secs,
+        "scored": handled["trajectories"] / secs,
+        "stored": handled["scored"] / secs,
         "batched": (g1["batches"]["added"] - g0["batches"]["added"]) * sizing.batch_samples / secs,
         "trained": handled["batches"] * sizing.batch_samples / secs,
-    }  # fmt: skip
+    }
     growth = {s: fm.backlog_growth([(row[0], row[1 + i]) for row in w["series"]]) for i, s in enumerate(probes.GROUPS)}
     judged = {s: g for s, g in growth.items() if s in JUDGED_BACKLOGS}
     problems = list(w["problems"]) + ([f"{w['dead_letters']} dead letters"] if w["dead_letters"] else [])
@@ -316,29 +372,45 @@ def summarize(num_gpus: int, spec: fm.FleetSpec, sizing: fm.RunSizing, w: dict[s
     cores["others"] = round(max(0.0, w["machine_cores"] - sum(cores.values())), 3)
     per_traj = max(rates["stored"], 1e-9)
     result = {
-        "num_gpus": num_gpus, "h200_equivalents_offered": round(fm.h200_equivalents(rates["capacity"], spec), 1),
+        "num_gpus": num_gpus,
+        "h200_equivalents_offered": round(fm.h200_equivalents(rates["capacity"], spec), 1),
         "h200_equivalents_achieved": round(fm.h200_equivalents(rates["stored"], spec), 1),
-        "sustained": verdict.sustained, "reasons": verdict.reasons, "sizing": asdict(sizing),
-        "window_s": round(secs, 1), "load_1m_before": round(load_before, 2), "load_1m_after": round(load_after, 2),
+        "sustained": verdict.sustained,
+        "reasons": verdict.reasons,
+        "sizing": asdict(sizing),
+        "window_s": round(secs, 1),
+        "load_1m_before": round(load_before, 2),
+        "load_1m_after": round(load_after, 2),
         "rates_per_s": {k: round(v, 2) for k, v in rates.items()},
         "utilization": round(rates["generated"] / rates["capacity"], 4),
-        "trajectory_bytes": traj_bytes, "batch_mb": round(sizing.batch_samples * traj_bytes / 2**20, 1),
-        "mb_per_s": {"trajectories": round(rates["generated"] * traj_bytes / 2**20, 1),
-                     "redis_in": round(w["redis_net"]["total_net_input_bytes"] / secs / 2**20, 1),
-                     "redis_out": round(w["redis_net"]["total_net_output_bytes"] / secs / 2**20, 1)},
-        "backlog_growth": {k: round(v, 1) for k, v in growth.items()}, "handled": handled,
+        "trajectory_bytes": traj_bytes,
+        "batch_mb": round(sizing.batch_samples * traj_bytes / 2**20, 1),
+        "mb_per_s": {
+            "trajectories": round(rates["generated"] * traj_bytes / 2**20, 1),
+            "redis_in": round(w["redis_net"]["total_net_input_bytes"] / secs / 2**20, 1),
+            "redis_out": round(w["redis_net"]["total_net_output_bytes"] / secs / 2**20, 1),
+        },
+        "backlog_growth": {k: round(v, 1) for k, v in growth.items()},
+        "handled": handled,
         "backlog_series": {"columns": ["t_s", *probes.GROUPS], "rows": w["series"]},
-        "cpu_cores": cores, "cpu_ms_per_trajectory": {k: round(1e3 * v / per_traj, 3) for k, v in cores.items()},
+        "cpu_cores": cores,
+        "cpu_ms_per_trajectory": {k: round(1e3 * v / per_traj, 3) for k, v in cores.items()},
         "bottleneck": fm.bottleneck(cores, os.cpu_count() or 1, SINGLE_THREADED),
         "redis_memory_mb_max": round(w["redis_memory_mb_max"], 1),
         "rss_mb_max": {k: round(v, 1) for k, v in w["rss_mb_max"].items()},
-        "redis_commands_top": {k: {"calls_per_s": round(c / secs, 1), "ms_per_s": round(u / 1e3 / secs, 1)}
-                               for k, (c, u) in sorted(w["redis_commands"].items(), key=lambda kv: -kv[1][1])[:12]},
-        "redis_slow_commands": w["slow_commands"], "coordinator_counters": w["counters"], "logs": str(folder),
-    }  # fmt: skip
-    print(f"   {'SUSTAINED' if verdict.sustained else 'NOT sustained'}: generated {rates['generated']:.1f}/s of "
-          f"{rates['capacity']:.1f}, stored {rates['stored']:.1f}/s, cores {cores}; {'; '.join(verdict.reasons)}",
-          flush=True)  # fmt: skip
+        "redis_commands_top": {
+            k: {"calls_per_s": round(c / secs, 1), "ms_per_s": round(u / 1e3 / secs, 1)}
+            for k, (c, u) in sorted(w["redis_commands"].items(), key=lambda kv: -kv[1][1])[:12]
+        },
+        "redis_slow_commands": w["slow_commands"],
+        "coordinator_counters": w["counters"],
+        "logs": str(folder),
+    }
+    print(
+        f"   {'SUSTAINED' if verdict.sustained else 'NOT sustained'}: generated {rates['generated']:.1f}/s of "
+        f"{rates['capacity']:.1f}, stored {rates['stored']:.1f}/s, cores {cores}; {'; '.join(verdict.reasons)}",
+        flush=True,
+    )
     return result
 
 
@@ -408,9 +480,11 @@ def main() -> None:
         "--warmup-s", type=float, default=0.0, help="warm-up before the window (s); 0 = generation time + 10"
     )
     parser.add_argument(
-        "--quiet-wait-s", type=float, default=45.0,
+        "--quiet-wait-s",
+        type=float,
+        default=45.0,
         help="before each step, wait up to this long for other work on the machine to drop under 0.25 cores",
-    )  # fmt: skip
+    )
     parser.add_argument("--budget-s", type=float, default=540.0, help="search: no new step starts after this (s)")
     parser.add_argument("--tokens-per-s", type=float, default=fm.H200_TOKENS_PER_S, help="per simulated GPU")
     parser.add_argument("--response-tokens", type=int, default=8192)
@@ -423,9 +497,11 @@ def main() -> None:
     parser.add_argument("--learner-step-s", type=float, default=2.0, help="simulated learner step (s)")
     parser.add_argument("--max-redis-gb", type=float, default=4.0, help="a step whose Redis grows past this fails")
     parser.add_argument(
-        "--per-gpu-consumers", type=int, default=128,
+        "--per-gpu-consumers",
+        type=int,
+        default=128,
         help="then run this many GPUs with one rollout consumer each (their own Redis traffic); 0 = skip",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--no-profile",
         dest="profile",
@@ -438,8 +514,13 @@ def main() -> None:
     if args.quick:
         args.sizes, args.window_s, args.refine, args.profile = args.sizes or "64", min(args.window_s, 20.0), 0, False
         args.per_gpu_consumers, args.quiet_wait_s = 0, 0.0
-    spec = fm.FleetSpec(tokens_per_s=args.tokens_per_s, response_tokens=args.response_tokens,
-                        prompt_tokens=args.prompt_tokens, group_size=args.group_size, seqs_per_gpu=args.seqs_per_gpu)  # fmt: skip
+    spec = fm.FleetSpec(
+        tokens_per_s=args.tokens_per_s,
+        response_tokens=args.response_tokens,
+        prompt_tokens=args.prompt_tokens,
+        group_size=args.group_size,
+        seqs_per_gpu=args.seqs_per_gpu,
+    )
     now = datetime.now(timezone.utc)
     started, load_start = time.monotonic(), os.getloadavg()[0]
     logs = Path(tempfile.gettempdir()) / f"streamrl-fleet-{now:%Y%m%d-%H%M%S}"
@@ -490,12 +571,14 @@ def reclaim_cost(step: dict[str, Any], consumers: int, logs: Path) -> dict[str, 
         }
     return {
         "where": "streamrl.common.consumer.ConsumerLoop._reclaim_from_the_dead: one EXISTS round trip per peer",
-        "consumers": consumers, "claim_interval_s": interval_s,
+        "consumers": consumers,
+        "claim_interval_s": interval_s,
         "exists_per_s_measured": commands.get("exists", {}).get("calls_per_s"),
         "exists_per_s_expected": round(consumers * (consumers - 1) / interval_s),
         "xinfo_consumers_per_s_measured": commands.get("xinfo|consumers", {}).get("calls_per_s"),
-        "round_trip": trip, "projection": projection,
-    }  # fmt: skip
+        "round_trip": trip,
+        "projection": projection,
+    }
 
 
 def ceilings(steps: list[dict[str, Any]], spec: fm.FleetSpec) -> dict[str, dict[str, Any]]:
@@ -509,15 +592,26 @@ def ceilings(steps: list[dict[str, Any]], spec: fm.FleetSpec) -> dict[str, dict[
             continue
         rate = fm.core_ceiling(*fit)
         out[name] = {
-            "fixed_cores": round(fit[0], 3), "ms_per_trajectory": round(1e3 * fit[1], 3), "steps": len(measured),
+            "fixed_cores": round(fit[0], 3),
+            "ms_per_trajectory": round(1e3 * fit[1], 3),
+            "steps": len(measured),
             "one_core_trajectories_per_s": round(rate, 1) if rate else None,
             "one_core_h200_equivalents": round(fm.h200_equivalents(rate, spec)) if rate else None,
-        }  # fmt: skip
+        }
     return out
 
 
-def report(args: argparse.Namespace, spec: fm.FleetSpec, steps: list[dict[str, Any]], best: dict[str, Any] | None,
-           now: datetime, load_start: float, wall_s: float, logs: Path, costs: dict[str, float] | None) -> None:  # fmt: skip
+def report(
+    args: argparse.Namespace,
+    spec: fm.FleetSpec,
+    steps: list[dict[str, Any]],
+    best: dict[str, Any] | None,
+    now: datetime,
+    load_start: float,
+    wall_s: float,
+    logs: Path,
+    costs: dict[str, float] | None,
+) -> None:
     judged = [s for s in steps if not s.get("diagnostic")]
     first_bad = min((s for s in judged if not s["sustained"]), key=lambda s: s["num_gpus"], default=None)
     profiled = next((s["coordinator_profile"] for s in steps if "coordinator_profile" in s), None)
@@ -525,27 +619,43 @@ def report(args: argparse.Namespace, spec: fm.FleetSpec, steps: list[dict[str, A
     achieved = best["h200_equivalents_offered"] if best else 0.0
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     summary = {
-        "bench": "fleet", "date": now.isoformat(timespec="seconds"),
+        "bench": "fleet",
+        "date": now.isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()}, nproc {os.cpu_count()}, Python {platform.python_version()}",
-        "load_1m_at_start": round(load_start, 2), "commit": commit,
-        "command": " ".join(["python", "bench/fleet.py", *sys.argv[1:]]), "wall_s": round(wall_s, 1),
-        "spec": {**asdict(spec), "generation_s": spec.generation_s, "gpus_per_worker": args.gpus_per_worker,
-                 "h200_tokens_per_s_assumed": fm.H200_TOKENS_PER_S, "max_staleness": args.max_staleness,
-                 "learner_step_s": args.learner_step_s},
-        "criterion": (f"sustained: simulated GPUs finish >= {fm.MIN_UTILIZATION:.0%} of capacity in the window; the "
-                      f"backlog (undelivered + pending) of {', '.join(JUDGED_BACKLOGS)} grows by <= "
-                      f"{fm.MAX_BACKLOG_GROWTH:.0%} of what its group handled, or 1 entry (least-squares over 2 s "
-                      "samples); no process dead, no dead letter, redis under --max-redis-gb"),
+        "load_1m_at_start": round(load_start, 2),
+        "commit": commit,
+        "command": " ".join(["python", "bench/fleet.py", *sys.argv[1:]]),
+        "wall_s": round(wall_s, 1),
+        "spec": {
+            **asdict(spec),
+            "generation_s": spec.generation_s,
+            "gpus_per_worker": args.gpus_per_worker,
+            "h200_tokens_per_s_assumed": fm.H200_TOKENS_PER_S,
+            "max_staleness": args.max_staleness,
+            "learner_step_s": args.learner_step_s,
+        },
+        "criterion": (
+            f"sustained: simulated GPUs finish >= {fm.MIN_UTILIZATION:.0%} of capacity in the window; the "
+            f"backlog (undelivered + pending) of {', '.join(JUDGED_BACKLOGS)} grows by <= "
+            f"{fm.MAX_BACKLOG_GROWTH:.0%} of what its group handled, or 1 entry (least-squares over 2 s "
+            "samples); no process dead, no dead letter, redis under --max-redis-gb"
+        ),
         "largest_sustained_gpus": best["num_gpus"] if best else 0,
         "largest_sustained_h200_equivalents": achieved,
         "largest_sustained_trajectories_per_s": best["rates_per_s"]["stored"] if best else 0.0,
-        "target_h200_equivalents": target, "target_met": achieved >= target,
+        "target_h200_equivalents": target,
+        "target_met": achieved >= target,
         "short_of_target_factor": round(target / achieved, 2) if 0 < achieved < target else None,
         "first_failing_gpus": first_bad["num_gpus"] if first_bad else None,
-        "what_breaks_first": (first_bad.get("bottleneck", "") + "; " + "; ".join(first_bad["reasons"])) if first_bad else None,
+        "what_breaks_first": (first_bad.get("bottleneck", "") + "; " + "; ".join(first_bad["reasons"]))
+        if first_bad
+        else None,
         "single_core_ceilings": ceilings(steps, spec),
-        "coordinator_profile": profiled, "redis_payload_costs": costs, "steps": steps, "logs": str(logs),
-    }  # fmt: skip
+        "coordinator_profile": profiled,
+        "redis_payload_costs": costs,
+        "steps": steps,
+        "logs": str(logs),
+    }
     RESULTS.mkdir(exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / f"fleet-{now:%Y%m%d-%H%M%S}.json"
     out.write_text(json.dumps(summary, indent=1) + "\n")

@@ -108,9 +108,12 @@ def size_run(
     for_fleet = in_flight_margin * num_gpus * spec.groups_per_gpu / max_staleness
     pps = max(1, math.ceil(max(for_learner, for_fleet)))
     return RunSizing(
-        prompts_per_step=pps, max_staleness=max_staleness, learner_step_s=learner_step_s,
-        batch_samples=pps * spec.group_size, in_flight_groups_max=(max_staleness + 1) * pps,
-    )  # fmt: skip
+        prompts_per_step=pps,
+        max_staleness=max_staleness,
+        learner_step_s=learner_step_s,
+        batch_samples=pps * spec.group_size,
+        in_flight_groups_max=(max_staleness + 1) * pps,
+    )
 
 
 def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:

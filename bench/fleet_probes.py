@@ -123,8 +123,9 @@ def round_trip_cost(folder: Path, requests: int = 100_000) -> dict[str, float]:
     rate = re.findall(r"([\d.]+) requests per second", out.replace(",", ""))
     return {
         "requests_per_s": float(rate[-1]) if rate else requests / wall_s,
-        "redis_us_per_request": round(1e6 * cpu_s / requests, 2), "redis_cores": round(cpu_s / wall_s, 2),
-    }  # fmt: skip
+        "redis_us_per_request": round(1e6 * cpu_s / requests, 2),
+        "redis_cores": round(cpu_s / wall_s, 2),
+    }
 
 
 def payload_costs(folder: Path, payload_bytes: int, num: int = 3000) -> dict[str, float]:
@@ -145,13 +146,20 @@ def payload_costs(folder: Path, payload_bytes: int, num: int = 3000) -> dict[str
 
     try:
         xadd = cpu_us(lambda i: client.xadd("plain", {"d": payload}, maxlen=1000, approximate=True))
-        script = cpu_us(lambda i: commit(keys=["lua", f"once:{i}"], args=[1, "", "", "", "", "", 1, f"once:{i}",
-                                                                            3_600_000, 1000, 1, "x", "lua", "", payload]))  # fmt: skip
+        script = cpu_us(
+            lambda i: commit(
+                keys=["lua", f"once:{i}"],
+                args=[1, "", "", "", "", "", 1, f"once:{i}", 3_600_000, 1000, 1, "x", "lua", "", payload],
+            )
+        )
         read = cpu_us(lambda i: client.xrange("plain", count=1))
     finally:
         client.close()
         server.stop()
     return {
         "where": "streamrl.common.bus.COMMIT_LUA (Bus.commit, CommitBatcher): every output's payload is a script argument",
-        "payload_bytes": payload_bytes, "xadd_us": xadd, "commit_script_us": script, "xrange_us": read,
-    }  # fmt: skip
+        "payload_bytes": payload_bytes,
+        "xadd_us": xadd,
+        "commit_script_us": script,
+        "xrange_us": read,
+    }

@@ -42,6 +42,9 @@ def coordinator_split(profile: Path, cpu_s: float, trajectories: int) -> dict[st
             if name == function and filename.endswith(suffix):
                 split[label] = round(1e3 * cumulative * scale / max(trajectories, 1), 3)
     return {
-        "where": "the coordinator process (streamrl.coordinator.service and what it calls)", "cpu_s": round(cpu_s, 2), "trajectories": trajectories, "profile_scale": round(scale, 3),
+        "where": "the coordinator process (streamrl.coordinator.service and what it calls)",
+        "cpu_s": round(cpu_s, 2),
+        "trajectories": trajectories,
+        "profile_scale": round(scale, 3),
         "ms_per_trajectory": dict(sorted(split.items(), key=lambda kv: -kv[1])),
-    }  # fmt: skip
+    }

@@ -85,8 +85,9 @@ class Payload:
 class SimWorker:
     """One simulated rollout worker: ``num_gpus`` GPUs behind one consumer (see the module docstring)."""
 
-    def __init__(self, name: str, bus: Bus, names: StreamNames, args: argparse.Namespace, board: VersionBoard,
-                 payload: Payload) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, bus: Bus, names: StreamNames, args: argparse.Namespace, board: VersionBoard, payload: Payload
+    ) -> None:
         self.name = name
         self.bus = bus
         self.names = names
@@ -106,9 +107,15 @@ class SimWorker:
             max_in_flight=in_flight, count=in_flight, heartbeat_interval_s=args.heartbeat_interval_s
         )
         self.loop: ConsumerLoop[PromptWorkItem] = ConsumerLoop(
-            bus, names, stream=names.prompts, group="rollout", consumer=name, handler=self.handle,
-            message_type=PromptWorkItem, config=self.config,
-        )  # fmt: skip
+            bus,
+            names,
+            stream=names.prompts,
+            group="rollout",
+            consumer=name,
+            handler=self.handle,
+            message_type=PromptWorkItem,
+            config=self.config,
+        )
 
     async def handle(self, item: PromptWorkItem) -> list[Output]:
         await self.board.wait_for(item.policy_version)
@@ -133,17 +140,37 @@ class SimWorker:
         """Sample ``j`` of ``item``, with the fields the real worker sets (``rollout/service.py``)."""
         p = self.payload
         return Trajectory(
-            id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n,
-            prompt_ids=item.prompt_ids, response_ids=p.response_ids, logprobs=p.logprobs, loss_mask=p.loss_mask,
-            prompt_text=item.prompt_text, response_text=p.text[:-1] + str(j % 10), finish_reason="stop",
-            sampling=item.sampling, policy_version_start=version_start, policy_version_end=self.board.version,
-            label=item.label, metadata=item.metadata, timings=dict(timings), traceparent=item.traceparent,
-        )  # fmt: skip
+            id=f"{item.id}/{j}",
+            group_id=item.id,
+            group_index=j,
+            group_size=item.sampling.n,
+            prompt_ids=item.prompt_ids,
+            response_ids=p.response_ids,
+            logprobs=p.logprobs,
+            loss_mask=p.loss_mask,
+            prompt_text=item.prompt_text,
+            response_text=p.text[:-1] + str(j % 10),
+            finish_reason="stop",
+            sampling=item.sampling,
+            policy_version_start=version_start,
+            policy_version_end=self.board.version,
+            label=item.label,
+            metadata=item.metadata,
+            timings=dict(timings),
+            traceparent=item.traceparent,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
-        beat = asyncio.create_task(heartbeat_forever(
-            self.bus.redis, self.names, "rollout", self.name, self.config.heartbeat_interval_s, self.snapshot,
-        ))  # fmt: skip
+        beat = asyncio.create_task(
+            heartbeat_forever(
+                self.bus.redis,
+                self.names,
+                "rollout",
+                self.name,
+                self.config.heartbeat_interval_s,
+                self.snapshot,
+            )
+        )
         try:
             await self.loop.run(stop)
         finally:
@@ -151,8 +178,15 @@ class SimWorker:
 
     def snapshot(self) -> dict[str, int | str]:
         s = self.loop.stats
-        return {"processed": s.processed, "failed": s.failed, "retried": s.retried, "dead_lettered": s.dead_lettered,
-                "in_flight": s.in_flight, "policy_version": self.board.version, "status": "running"}  # fmt: skip
+        return {
+            "processed": s.processed,
+            "failed": s.failed,
+            "retried": s.retried,
+            "dead_lettered": s.dead_lettered,
+            "in_flight": s.in_flight,
+            "policy_version": self.board.version,
+            "status": "running",
+        }
 
 
 async def run_rollout(args: argparse.Namespace) -> None:
@@ -161,10 +195,16 @@ async def run_rollout(args: argparse.Namespace) -> None:
     board = VersionBoard()
     payload = Payload(args.response_tokens, args.text_chars_per_token, seed=args.first_worker)
     workers = [
-        SimWorker(f"sim-{args.first_worker + i}", Bus(connect(args.redis_url, max_connections=WORKER_MAX_CONNECTIONS)),
-                  names, args, board, payload)
+        SimWorker(
+            f"sim-{args.first_worker + i}",
+            Bus(connect(args.redis_url, max_connections=WORKER_MAX_CONNECTIONS)),
+            names,
+            args,
+            board,
+            payload,
+        )
         for i in range(args.workers)
-    ]  # fmt: skip
+    ]
 
     async def on_weights(entries: list[tuple[str, WeightsPublished]], last_id: str) -> str:
         if entries:
@@ -177,17 +217,30 @@ async def run_rollout(args: argparse.Namespace) -> None:
     stop = _stop_on_signals()
     tasks = [asyncio.create_task(follower.run("0-0", stop))]
     tasks += [asyncio.create_task(w.run(stop)) for w in workers]
-    sample = encode(Trajectory(
-        id="p0/0", group_id="p0", group_index=0, group_size=args.group_size,
-        prompt_ids=Tensor.from_numpy(np.zeros(args.prompt_tokens, np.int32)), response_ids=payload.response_ids,
-        logprobs=payload.logprobs, loss_mask=payload.loss_mask, prompt_text="x" * args.prompt_tokens * 4,
-        response_text=payload.text,
-    ))  # fmt: skip
+    sample = encode(
+        Trajectory(
+            id="p0/0",
+            group_id="p0",
+            group_index=0,
+            group_size=args.group_size,
+            prompt_ids=Tensor.from_numpy(np.zeros(args.prompt_tokens, np.int32)),
+            response_ids=payload.response_ids,
+            logprobs=payload.logprobs,
+            loss_mask=payload.loss_mask,
+            prompt_text="x" * args.prompt_tokens * 4,
+            response_text=payload.text,
+        )
+    )
     field = f"rollout-{args.first_worker}"
     while not stop.is_set():
-        stats = {"generated": sum(w.generated for w in workers), "trajectory_bytes": len(sample),
-                 "in_flight": sum(w.loop.stats.in_flight for w in workers), "version": board.version,
-                 "failed": sum(w.loop.stats.failed for w in workers), "t": time.time()}  # fmt: skip
+        stats = {
+            "generated": sum(w.generated for w in workers),
+            "trajectory_bytes": len(sample),
+            "in_flight": sum(w.loop.stats.in_flight for w in workers),
+            "version": board.version,
+            "failed": sum(w.loop.stats.failed for w in workers),
+            "t": time.time(),
+        }
         await shared.hset(names.state(STATS_FIELD), field, json.dumps(stats))
         await wait_set(stop, STATS_EVERY_S)
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -200,11 +253,20 @@ async def run_learner(args: argparse.Namespace) -> None:
 
     def published(version: int, batch_id: str) -> list[Output]:
         event = WeightsPublished(
-            version=version, step=version, batch_id=batch_id, checksum="simulated", num_bytes=0, num_buckets=0,
-            endpoint="", metrics={"learner/loss/policy": 0.0}, published_at=time.time(),
-        )  # fmt: skip
-        return [Output(stream=names.weights, message=event),
-                Output(key=names.state("learner"), field="published", message=event)]  # fmt: skip
+            version=version,
+            step=version,
+            batch_id=batch_id,
+            checksum="simulated",
+            num_bytes=0,
+            num_buckets=0,
+            endpoint="",
+            metrics={"learner/loss/policy": 0.0},
+            published_at=time.time(),
+        )
+        return [
+            Output(stream=names.weights, message=event),
+            Output(key=names.state("learner"), field="published", message=event),
+        ]
 
     async def handle(batch: TrainingBatch) -> list[Output]:
         await asyncio.sleep(args.step_s)
@@ -215,10 +277,16 @@ async def run_learner(args: argparse.Namespace) -> None:
 
     await bus.commit(published(0, ""))
     loop: ConsumerLoop[TrainingBatch] = ConsumerLoop(
-        bus, names, stream=names.batches, group="learner", consumer="learner", handler=handle,
-        message_type=TrainingBatch, config=ConsumerConfig(max_in_flight=1, count=1),
+        bus,
+        names,
+        stream=names.batches,
+        group="learner",
+        consumer="learner",
+        handler=handle,
+        message_type=TrainingBatch,
+        config=ConsumerConfig(max_in_flight=1, count=1),
         max_message_bytes=None,
-    )  # fmt: skip
+    )
     stop = _stop_on_signals()
     task = asyncio.create_task(loop.run(stop))
     while not stop.is_set():

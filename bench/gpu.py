@@ -67,9 +67,11 @@ def machine_facts() -> dict[str, Any]:
     """GPU(s) and driver (nvidia-smi), torch (its version names the CUDA build), transformers,
     DeepSpeed and TRL versions, CPUs, Python, host."""
     facts: dict[str, Any] = {
-        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-    }  # fmt: skip
+    }
     smi = shutil.which("nvidia-smi")
     if smi:
         query = [smi, "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"]
@@ -131,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gpu-{started:%Y%m%d-%H%M%S}.json"
     report: dict[str, Any] = {
-        "bench": "gpu", "date": started.isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "bench/gpu.py", *argv]), "cwd": os.getcwd(),
-        "machine": machine_facts(), "parts": {},
-    }  # fmt: skip
+        "bench": "gpu",
+        "date": started.isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "bench/gpu.py", *argv]),
+        "cwd": os.getcwd(),
+        "machine": machine_facts(),
+        "parts": {},
+    }
     unknown_to_all = set(args.rest)
     for name in args.parts:
         report["parts"][name] = run_part(name, args, unknown_to_all)

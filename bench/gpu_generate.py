@@ -34,10 +34,26 @@ for src in ("libs/common/src", "services/rollout/src"):
     if str(ROOT / src) not in sys.path:
         sys.path.insert(0, str(ROOT / src))
 
-QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)  # fmt: skip
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=384, tie_word_embeddings=True, max_position_embeddings=1024)  # fmt: skip
+QWEN2_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=384,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +101,18 @@ def _time_generate(model: Any, prompts: list[list[int]], samples: int, new_token
     ids, mask = ids.to(model.device), mask.to(model.device)
     _sync(model.device)
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad, **kw)  # fmt: skip
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=pad,
+        **kw,
+    )
     _sync(model.device)
     seconds = time.perf_counter() - start
     assert out.shape[1] - width == new_tokens, out.shape
@@ -116,10 +142,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = "float32" if tiny else "bfloat16"
     total = args.prompts * args.samples * args.new_tokens
     result: dict[str, Any] = {
-        "part": "a", "model": "tiny Qwen2 (CPU check)" if tiny else "Qwen2-0.5B-shaped, random, bf16",
-        "prompts": args.prompts, "samples": args.samples, "new_tokens": args.new_tokens,
-        "prompt_len": [args.prompt_len // 2, args.prompt_len], "generated_tokens": total,
-    }  # fmt: skip
+        "part": "a",
+        "model": "tiny Qwen2 (CPU check)" if tiny else "Qwen2-0.5B-shaped, random, bf16",
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "new_tokens": args.new_tokens,
+        "prompt_len": [args.prompt_len // 2, args.prompt_len],
+        "generated_tokens": total,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         _build_model(folder, tiny)
@@ -132,20 +162,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         static: list[float] = []
         if not tiny:
             _time_generate(model, prompts, args.samples, args.new_tokens, pad, cache_implementation="static")
-            static = [_time_generate(model, prompts, args.samples, args.new_tokens, pad, cache_implementation="static")
-                      for _ in range(args.repeats)]  # fmt: skip
+            static = [
+                _time_generate(model, prompts, args.samples, args.new_tokens, pad, cache_implementation="static")
+                for _ in range(args.repeats)
+            ]
         del model
         if not tiny:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
 
         started = time.perf_counter()
-        engine = HFEngine(EngineConfig(type="hf", model=str(folder), dtype=dtype, device=device,  # type: ignore[arg-type]
-                                       max_num_seqs=args.prompts * args.samples,
-                                       max_model_len=args.prompt_len + args.new_tokens + 8))  # fmt: skip
+        engine = HFEngine(
+            EngineConfig(
+                type="hf",
+                model=str(folder),
+                dtype=dtype,
+                device=device,  # type: ignore[arg-type]
+                max_num_seqs=args.prompts * args.samples,
+                max_model_len=args.prompt_len + args.new_tokens + 8,
+            )
+        )
         start_s = time.perf_counter() - started
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                  n=args.samples)  # fmt: skip
+        sampling = SamplingParams(
+            temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, n=args.samples
+        )
         requests = [GenerationRequest(p, sampling) for p in prompts]
 
         def timed() -> float:
@@ -166,13 +206,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     med = sorted(warm)[len(warm) // 2]
     result.update(
-        engine_start_s=round(start_s, 2), engine_first_call_s=round(first, 3), engine_s=[round(s, 3) for s in warm],
-        engine_tok_s=round(total / med), engine_tok_s_best=round(total / min(warm)),
-        generate_s=[round(s, 3) for s in plain], generate_tok_s=round(total / sorted(plain)[len(plain) // 2]),
-    )  # fmt: skip
+        engine_start_s=round(start_s, 2),
+        engine_first_call_s=round(first, 3),
+        engine_s=[round(s, 3) for s in warm],
+        engine_tok_s=round(total / med),
+        engine_tok_s_best=round(total / min(warm)),
+        generate_s=[round(s, 3) for s in plain],
+        generate_tok_s=round(total / sorted(plain)[len(plain) // 2]),
+    )
     if static:
-        result.update(generate_static_s=[round(s, 3) for s in static],
-                      generate_static_tok_s=round(total / sorted(static)[len(static) // 2]))  # fmt: skip
+        result.update(
+            generate_static_s=[round(s, 3) for s in static],
+            generate_static_tok_s=round(total / sorted(static)[len(static) // 2]),
+        )
     result["speedup_vs_generate"] = round(result["engine_tok_s"] / result["generate_tok_s"], 2)
     result["target"] = ">= 2x generate (warm)"
     result["met"] = result["speedup_vs_generate"] >= 2.0

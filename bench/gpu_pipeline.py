@@ -55,13 +55,21 @@ ROLLOUT_SYNC = re.compile(r"now serving policy version (\d+) \(sync took ([0-9.]
 """The rollout service's log line for one weight update (from the message to serving it, waits included)."""
 
 TINY_OVERRIDES = [
-    "--coordinator.prompts_per_step=4", "--coordinator.group_size=4",
-    "--coordinator.sampling.max_new_tokens=8", "--consumer.count=16",
-    "--rollout.engine.device=cpu", "--rollout.engine.dtype=float32", "--rollout.engine.max_num_seqs=16",
-    "--learner.ds.dtype=fp32", "--learner.ds.zero_stage=0", "--learner.ds.compile=false",
-    "--learner.ds.micro_batch_size=8", "--learner.ds.lr=1e-5",
-    "--up.gpus={}", '--up.threads={"learner": 1, "rollout": 1, "reward": 1, "coordinator": 1}',
-]  # fmt: skip
+    "--coordinator.prompts_per_step=4",
+    "--coordinator.group_size=4",
+    "--coordinator.sampling.max_new_tokens=8",
+    "--consumer.count=16",
+    "--rollout.engine.device=cpu",
+    "--rollout.engine.dtype=float32",
+    "--rollout.engine.max_num_seqs=16",
+    "--learner.ds.dtype=fp32",
+    "--learner.ds.zero_stage=0",
+    "--learner.ds.compile=false",
+    "--learner.ds.micro_batch_size=8",
+    "--learner.ds.lr=1e-5",
+    "--up.gpus={}",
+    '--up.threads={"learner": 1, "rollout": 1, "reward": 1, "coordinator": 1}',
+]
 """``--tiny``: the recipe at CPU size (the engine and learner on the CPU, float32, no compile)."""
 
 
@@ -164,9 +172,11 @@ class GpuMemory:
         first sample is "before": taken as the side starts)."""
         if not self.command:
             return None
-        return {"peak_mib": {str(k): v for k, v in sorted(self.peak.items())},
-                "before_mib": {str(k): v for k, v in sorted(self.first.items())},
-                "peak_minus_before_mib": {str(k): v - self.first[k] for k, v in sorted(self.peak.items())}}  # fmt: skip
+        return {
+            "peak_mib": {str(k): v for k, v in sorted(self.peak.items())},
+            "before_mib": {str(k): v for k, v in sorted(self.first.items())},
+            "peak_minus_before_mib": {str(k): v - self.first[k] for k, v in sorted(self.peak.items())},
+        }
 
 
 def without_final_step(end_times: dict[int, float], steps: int) -> tuple[dict[int, float], float | None]:
@@ -192,9 +202,14 @@ def summarize_streamrl(rows: list[dict[str, Any]], log: str, steps: int) -> dict
     skip = skip_steps(steps)
     ends, final_step_s = without_final_step({k: r["time"] for k, r in learner.items()}, steps)
     s_per_step, first, last = steady_seconds_per_step(ends, skip)
-    out: dict[str, Any] = {"steps_done": len(learner), "steady_steps": [first, last], "s_per_step": s_per_step,
-                           "steps_per_s": 1.0 / s_per_step if s_per_step else None,
-                           "s_per_step_median": median_step_s(ends, first, last), "final_step_s": final_step_s}  # fmt: skip
+    out: dict[str, Any] = {
+        "steps_done": len(learner),
+        "steady_steps": [first, last],
+        "s_per_step": s_per_step,
+        "steps_per_s": 1.0 / s_per_step if s_per_step else None,
+        "s_per_step_median": median_step_s(ends, first, last),
+        "final_step_s": final_step_s,
+    }
     steady = [r for k, r in learner.items() if first <= k <= last]
     if steady:
         busy = sum(r["learner/step_s"] for r in steady)
@@ -230,12 +245,15 @@ def summarize_trl(result: dict[str, Any], steps: int) -> dict[str, Any]:
     samples = result["settings"]["prompts_per_step"] * result["settings"]["group_size"]
     done = result["steps"]
     return {
-        "steps_done": done, "steady_steps": [first, last], "s_per_step": s_per_step,
+        "steps_done": done,
+        "steady_steps": [first, last],
+        "s_per_step": s_per_step,
         "s_per_step_median": median_step_s(ends, first, last),
         "steps_per_s": 1.0 / s_per_step if s_per_step else None,
-        "rl_s": result["rl_s"], "generated_tokens_per_s": result["generated_tokens_per_s"],
+        "rl_s": result["rl_s"],
+        "generated_tokens_per_s": result["generated_tokens_per_s"],
         "response_len_mean": result["generated_tokens"] / max(done * samples, 1),
-    }  # fmt: skip
+    }
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -247,9 +265,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trl-timeout-s", type=float, default=None, help="TRL's limit (default 180 s)")
     parser.add_argument("--tiny", action="store_true", help="a 10M-parameter Qwen2 on the CPU: checks this script")
     parser.add_argument(
-        "--override", action="append", default=[], metavar="--SECTION.FIELD=VALUE",
+        "--override",
+        action="append",
+        default=[],
+        metavar="--SECTION.FIELD=VALUE",
         help="one more override of the recipe for streamrl (repeatable), e.g. --override=--learner.ds.compile=false",
-    )  # fmt: skip
+    )
 
 
 def spec_from_args(args: argparse.Namespace) -> PipelineSpec:
@@ -271,34 +292,53 @@ def spec_from_args(args: argparse.Namespace) -> PipelineSpec:
     overrides += [
         *getattr(args, "override", []),
         f"--total_steps={steps}",
-        f"--coordinator.dataset.path={data_dir}/train.jsonl", f"--coordinator.dataset.tokenizer={data_dir}/model",
-        f"--rollout.engine.model={data_dir}/model", f"--learner.model={data_dir}/model",
-    ]  # fmt: skip
+        f"--coordinator.dataset.path={data_dir}/train.jsonl",
+        f"--coordinator.dataset.tokenizer={data_dir}/model",
+        f"--rollout.engine.model={data_dir}/model",
+        f"--learner.model={data_dir}/model",
+    ]
     resolved = apply_overrides(data, overrides, env={})
     coordinator = resolved["coordinator"]
     return PipelineSpec(
-        recipe=recipe, preset=preset, data_dir=data_dir, steps=steps,
-        trl_steps=getattr(args, "trl_steps", None) or (3 if tiny else 12), device="cpu" if tiny else "cuda",
-        prompts_per_step=coordinator["prompts_per_step"], group_size=coordinator["group_size"],
+        recipe=recipe,
+        preset=preset,
+        data_dir=data_dir,
+        steps=steps,
+        trl_steps=getattr(args, "trl_steps", None) or (3 if tiny else 12),
+        device="cpu" if tiny else "cuda",
+        prompts_per_step=coordinator["prompts_per_step"],
+        group_size=coordinator["group_size"],
         max_new_tokens=coordinator["sampling"]["max_new_tokens"],
-        temperature=coordinator["sampling"].get("temperature", 1.0), lr=resolved["learner"]["ds"]["lr"],
+        temperature=coordinator["sampling"].get("temperature", 1.0),
+        lr=resolved["learner"]["ds"]["lr"],
         overrides=overrides,
         streamrl_timeout_s=getattr(args, "pipeline_timeout_s", None) or 330.0,
         trl_timeout_s=getattr(args, "trl_timeout_s", None) or 180.0,
-    )  # fmt: skip
+    )
 
 
 def child_env() -> dict[str, str]:
     """Both sides' environment: local files only (no hub look-ups, no telemetry)."""
-    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
 
 
 def prepare(spec: PipelineSpec) -> dict[str, Any]:
     """Model and data through ``examples/arithmetic/prepare.py`` (idempotent: nothing redone if there)."""
     started = time.perf_counter()
-    cmd = [sys.executable, str(ROOT / "examples/arithmetic/prepare.py"), spec.recipe,
-           f"--prepare.preset={spec.preset}", f"--prepare.out_dir={spec.data_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples/arithmetic/prepare.py"),
+        spec.recipe,
+        f"--prepare.preset={spec.preset}",
+        f"--prepare.out_dir={spec.data_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"prepare failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -312,8 +352,16 @@ def run_streamrl(spec: PipelineSpec, work: Path) -> dict[str, Any]:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     log_path = work / "streamrl.log"
-    cmd = [sys.executable, "-m", "streamrl.common.cli", "up", spec.recipe, *spec.overrides,
-           f"--run_dir={run_dir}", f"--run_id=gpu-pipeline-{int(time.time())}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl.common.cli",
+        "up",
+        spec.recipe,
+        *spec.overrides,
+        f"--run_dir={run_dir}",
+        f"--run_id=gpu-pipeline-{int(time.time())}",
+    ]
     timed_out = False
     with GpuMemory() as memory, log_path.open("w") as log:
         launched = time.time()
@@ -330,13 +378,22 @@ def run_streamrl(spec: PipelineSpec, work: Path) -> dict[str, Any]:
                 code = proc.wait()
         finished = time.time()
     text = log_path.read_text(errors="replace")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()] if (run_dir / "metrics.jsonl").exists() else []  # fmt: skip
+    rows = (
+        [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        if (run_dir / "metrics.jsonl").exists()
+        else []
+    )
     out = summarize_streamrl(rows, text, spec.steps)
     first = out.pop("first_step_at", None)
-    out.update(exit_code=code, timed_out=timed_out, wall_s=round(finished - launched, 1),
-               launch_to_first_step_s=round(first - launched, 1) if first else None,
-               gpu_memory=memory.summary(), log=str(log_path), metrics=str(run_dir / "metrics.jsonl"))  # fmt: skip
+    out.update(
+        exit_code=code,
+        timed_out=timed_out,
+        wall_s=round(finished - launched, 1),
+        launch_to_first_step_s=round(first - launched, 1) if first else None,
+        gpu_memory=memory.summary(),
+        log=str(log_path),
+        metrics=str(run_dir / "metrics.jsonl"),
+    )
     if code != 0 or timed_out:
         out["log_tail"] = text[-4000:]
     return out
@@ -347,33 +404,75 @@ def run_trl(spec: PipelineSpec, work: Path) -> dict[str, Any]:
     prompt evaluated once before the clock starts: the script always evaluates step 0). It stops by
     itself after ``trl_steps`` or 60% of ``trl_timeout_s`` of RL time; killed at ``trl_timeout_s``."""
     gpu = spec.device == "cuda"
-    cmd = [sys.executable, str(ROOT / "bench/e2e_trl.py"), "--data-dir", spec.data_dir,
-           "--prompts-per-step", str(spec.prompts_per_step), "--group-size", str(spec.group_size),
-           "--max-new-tokens", str(spec.max_new_tokens), "--temperature", str(spec.temperature),
-           "--lr", str(spec.lr), "--max-steps", str(spec.trl_steps), "--time-budget-s", str(0.6 * spec.trl_timeout_s),
-           "--eval-every-steps", str(spec.trl_steps + 1), "--num-eval", "1",
-           "--num-threads", str(min(os.cpu_count() or 2, 16) if gpu else 2),
-           "--device", spec.device, "--dtype", "bfloat16" if gpu else "float32"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/e2e_trl.py"),
+        "--data-dir",
+        spec.data_dir,
+        "--prompts-per-step",
+        str(spec.prompts_per_step),
+        "--group-size",
+        str(spec.group_size),
+        "--max-new-tokens",
+        str(spec.max_new_tokens),
+        "--temperature",
+        str(spec.temperature),
+        "--lr",
+        str(spec.lr),
+        "--max-steps",
+        str(spec.trl_steps),
+        "--time-budget-s",
+        str(0.6 * spec.trl_timeout_s),
+        "--eval-every-steps",
+        str(spec.trl_steps + 1),
+        "--num-eval",
+        "1",
+        "--num-threads",
+        str(min(os.cpu_count() or 2, 16) if gpu else 2),
+        "--device",
+        spec.device,
+        "--dtype",
+        "bfloat16" if gpu else "float32",
+    ]
     if gpu:
         cmd.append("--bf16")
     log_path = work / "trl.log"
     with GpuMemory() as memory, log_path.open("w") as log:
         launched = time.time()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=log, text=True,
-                                  timeout=spec.trl_timeout_s)  # fmt: skip
+            proc = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env=child_env(),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                timeout=spec.trl_timeout_s,
+            )
         except subprocess.TimeoutExpired:
-            return {"timed_out": True, "wall_s": round(time.time() - launched, 1), "log": str(log_path),
-                    "log_tail": log_path.read_text(errors="replace")[-4000:]}  # fmt: skip
+            return {
+                "timed_out": True,
+                "wall_s": round(time.time() - launched, 1),
+                "log": str(log_path),
+                "log_tail": log_path.read_text(errors="replace")[-4000:],
+            }
         finished = time.time()
         log.write(proc.stdout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"exit_code": proc.returncode, "log": str(log_path),
-                "log_tail": log_path.read_text(errors="replace")[-4000:]}  # fmt: skip
+        return {
+            "exit_code": proc.returncode,
+            "log": str(log_path),
+            "log_tail": log_path.read_text(errors="replace")[-4000:],
+        }
     result = json.loads(lines[-1])
-    return {**summarize_trl(result, spec.trl_steps), "exit_code": 0, "wall_s": round(finished - launched, 1),
-            "gpu_memory": memory.summary(), "log": str(log_path)}  # fmt: skip
+    return {
+        **summarize_trl(result, spec.trl_steps),
+        "exit_code": 0,
+        "wall_s": round(finished - launched, 1),
+        "gpu_memory": memory.summary(),
+        "log": str(log_path),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -400,8 +499,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prepared = prepare(spec)
     record("prepared", prepared, {})
     streamrl = run_streamrl(spec, work)
-    record("streamrl", streamrl, {"pipeline-streamrl.log": work / "streamrl.log",
-                                  "pipeline-metrics.jsonl": work / "streamrl" / "metrics.jsonl"})  # fmt: skip
+    record(
+        "streamrl",
+        streamrl,
+        {"pipeline-streamrl.log": work / "streamrl.log", "pipeline-metrics.jsonl": work / "streamrl" / "metrics.jsonl"},
+    )
     trl = run_trl(spec, work)
     record("trl", trl, {"pipeline-trl.log": work / "trl.log"})
     ours, theirs = streamrl.get("s_per_step"), trl.get("s_per_step")
@@ -412,10 +514,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if r.get("exit_code") != 0 or r.get("timed_out")
     ]
     return {
-        "spec": asdict(spec), "prepared": prepared, "streamrl": streamrl, "trl": trl,
-        "trl_s_per_step_over_streamrl": ratio, "target": TARGET_RATIO,
-        "met": ratio is not None and ratio >= TARGET_RATIO, "errors": errors,
-    }  # fmt: skip
+        "spec": asdict(spec),
+        "prepared": prepared,
+        "streamrl": streamrl,
+        "trl": trl,
+        "trl_s_per_step_over_streamrl": ratio,
+        "target": TARGET_RATIO,
+        "met": ratio is not None and ratio >= TARGET_RATIO,
+        "errors": errors,
+    }
 
 
 def main() -> None:

@@ -107,9 +107,16 @@ def _learner(conn: Connection, shapes: list[tuple[str, tuple[int, ...]]], bucket
         ipc, checksum = publisher.publish(params, version)
         seconds = time.perf_counter() - started
         message = WeightsPublished(
-            version=version, step=version, batch_id="", checksum=checksum, num_bytes=publisher.num_bytes,
-            num_buckets=publisher.num_buffers, endpoint="", ipc=ipc, published_at=time.time(),
-        )  # fmt: skip
+            version=version,
+            step=version,
+            batch_id="",
+            checksum=checksum,
+            num_bytes=publisher.num_bytes,
+            num_buckets=publisher.num_buffers,
+            endpoint="",
+            ipc=ipc,
+            published_at=time.time(),
+        )
         conn.send_bytes(encode(message))
         conn.send(seconds)
 

@@ -80,13 +80,16 @@ def random_batch(args: argparse.Namespace, vocab: int, index: int) -> TrainingBa
         for j in range(args.group_size):
             n = int(rng.integers(1, args.response_len + 1)) if args.random_lengths else args.response_len
             traj = Trajectory(
-                id=f"b{index}/p{g}/{j}", group_id=f"b{index}/p{g}", group_index=j, group_size=args.group_size,
+                id=f"b{index}/p{g}/{j}",
+                group_id=f"b{index}/p{g}",
+                group_index=j,
+                group_size=args.group_size,
                 prompt_ids=Tensor.from_numpy(prompt),
                 response_ids=Tensor.from_numpy(rng.integers(0, vocab, size=n).astype(np.int32)),
                 logprobs=Tensor.from_numpy(rng.uniform(-3.0, -0.1, size=n).astype(np.float32)),
                 loss_mask=Tensor.from_numpy(np.ones(n, dtype=np.uint8)),
                 sampling=SamplingParams(temperature=args.temperature),
-            )  # fmt: skip
+            )
             samples.append(ScoredTrajectory(trajectory=traj, reward=float(rng.integers(0, 2))))
     return TrainingBatch(
         id=f"bench-{index}", index=index, samples=samples, policy_version=0, staleness=[0] * len(samples)
@@ -95,14 +98,26 @@ def random_batch(args: argparse.Namespace, vocab: int, index: int) -> TrainingBa
 
 def run_variant(args: argparse.Namespace, shape: dict[str, int], dtype: str, model_dir: Path) -> dict[str, Any]:
     ds = DeepSpeedConfig(
-        zero_stage=args.zero_stage, dtype=dtype, lr=1e-6, scheduler="constant", grad_accum=args.grad_accum,
-        attn_implementation=args.attn, logprob_head=args.head, head_chunk_tokens=args.head_chunk,
-        kernels=args.kernels, fused_optimizer=args.fused_optimizer,
-    )  # fmt: skip
-    cfg = LearnerConfig.model_validate({
-        "model": str(model_dir), "ds": ds.model_dump(), "total_steps": args.warmup + args.steps,
-        "share_prompts": args.share_prompts, "algo": {"loss": {"entropy_coef": args.entropy_coef}},
-    })  # fmt: skip
+        zero_stage=args.zero_stage,
+        dtype=dtype,
+        lr=1e-6,
+        scheduler="constant",
+        grad_accum=args.grad_accum,
+        attn_implementation=args.attn,
+        logprob_head=args.head,
+        head_chunk_tokens=args.head_chunk,
+        kernels=args.kernels,
+        fused_optimizer=args.fused_optimizer,
+    )
+    cfg = LearnerConfig.model_validate(
+        {
+            "model": str(model_dir),
+            "ds": ds.model_dump(),
+            "total_steps": args.warmup + args.steps,
+            "share_prompts": args.share_prompts,
+            "algo": {"loss": {"entropy_coef": args.entropy_coef}},
+        }
+    )
     trainer = RLTrainer(cfg)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.policy.module.parameters())
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)

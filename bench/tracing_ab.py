@@ -41,21 +41,35 @@ def main() -> int:
             overrides = spec.overrides if side == "on" else ["--tracing.enabled=false", *spec.overrides]
             work = gpu_pipeline.ROOT / "runs" / "tracing_ab" / f"{pair}-{side}"
             result = gpu_pipeline.run_streamrl(replace(spec, overrides=overrides), work)
-            row = {"pair": pair, "tracing": side, "s_per_step": result.get("s_per_step"),
-                   "wall_s": result.get("wall_s"), "steps_done": result.get("steps_done"),
-                   "exit_code": result.get("exit_code")}  # fmt: skip
+            row = {
+                "pair": pair,
+                "tracing": side,
+                "s_per_step": result.get("s_per_step"),
+                "wall_s": result.get("wall_s"),
+                "steps_done": result.get("steps_done"),
+                "exit_code": result.get("exit_code"),
+            }
             print("tracing_ab:", json.dumps(row), flush=True)
             runs.append(row)
-    per_step = {side: [r["s_per_step"] for r in runs if r["tracing"] == side and r["s_per_step"]] for side in ("on", "off")}
+    per_step = {
+        side: [r["s_per_step"] for r in runs if r["tracing"] == side and r["s_per_step"]] for side in ("on", "off")
+    }
     medians = {side: statistics.median(v) if v else None for side, v in per_step.items()}
     overhead = medians["on"] / medians["off"] - 1 if medians["on"] and medians["off"] else None  # type: ignore[operator]
     report = {
-        "bench": "tracing_ab", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": "python " + " ".join(sys.argv),
+        "bench": "tracing_ab",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": "python " + " ".join(sys.argv),
         "machine": {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version()},
-        "recipe": spec.recipe, "steps": spec.steps, "prepared": prepared, "runs": runs,
-        "s_per_step_median": medians, "overhead": overhead, "target": TARGET,
+        "recipe": spec.recipe,
+        "steps": spec.steps,
+        "prepared": prepared,
+        "runs": runs,
+        "s_per_step_median": medians,
+        "overhead": overhead,
+        "target": TARGET,
         "met": overhead is not None and overhead <= TARGET,
-    }  # fmt: skip
+    }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"tracing_ab-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -88,8 +88,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-spans", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--samples-per-s", type=float, default=640.0,
-                        help="pipeline rate for the estimate (the CPU demo: ~2.5 steps/s of 32 x 8 samples)")  # fmt: skip
+    parser.add_argument(
+        "--samples-per-s",
+        type=float,
+        default=640.0,
+        help="pipeline rate for the estimate (the CPU demo: ~2.5 steps/s of 32 x 8 samples)",
+    )
     args = parser.parse_args()
     cases = ("off", "sampled", "sampled_record", "unsampled")
     results: dict[str, dict[str, float]] = {}
@@ -131,8 +135,10 @@ def main() -> None:
     for case, r in results.items():
         print(f"{case:<16}{r['caller_us']:>12.2f}{r['wall_us']:>10.2f}{r['cpu_us']:>10.2f}")
     print(f"file: {summary['file_bytes_per_span']} bytes per span")
-    print(f"at {args.samples_per_s:.0f} samples/s x {SPANS_PER_SAMPLE} spans: {100 * cpu_all / NUM_CPUS:.2f}% of "
-          f"{NUM_CPUS} cores with sampling=all, {100 * cpu_ratio / NUM_CPUS:.2f}% with ratio={ratio}")  # fmt: skip
+    print(
+        f"at {args.samples_per_s:.0f} samples/s x {SPANS_PER_SAMPLE} spans: {100 * cpu_all / NUM_CPUS:.2f}% of "
+        f"{NUM_CPUS} cores with sampling=all, {100 * cpu_ratio / NUM_CPUS:.2f}% with ratio={ratio}"
+    )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"tracing_overhead-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{platform.node()}.json"
     out.write_text(json.dumps(summary, indent=2))

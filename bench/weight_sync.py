@@ -67,11 +67,22 @@ SIZES = {
     "25m": {"hidden_size": 512, "num_layers": 8, "intermediate_size": 1408},
 }
 QWEN2_1_5B = {
-    "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-    "intermediate_size": 8960, "vocab_size": 151_936,
-}  # fmt: skip
-TINY = {**QWEN2_1_5B, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "intermediate_size": 256, "vocab_size": 2048}  # fmt: skip
+    "hidden_size": 1536,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "intermediate_size": 8960,
+    "vocab_size": 151_936,
+}
+TINY = {
+    **QWEN2_1_5B,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 256,
+    "vocab_size": 2048,
+}
 
 
 # ----------------------------------------------------------------------------- zmq mode
@@ -292,10 +303,18 @@ def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:>10} {r['median']:>9.2f} {r['p90']:>9.2f} {r['min']:>9.2f}")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
-        "bench": "weight_sync_broadcast", "device": str(device), "gpu": gpu, "tiny": args.tiny,
+        "bench": "weight_sync_broadcast",
+        "device": str(device),
+        "gpu": gpu,
+        "tiny": args.tiny,
         "model": {**shape, "params": num_params, "dtype": "bfloat16", "tied_embeddings": True},
-        "bytes": publisher.num_bytes, "buckets": publisher.num_buckets, "bucket_mb": args.bucket_mb,
-        "backend": info.backend, "receivers": receivers, "repeats": args.repeats, "results_ms": results,
+        "bytes": publisher.num_bytes,
+        "buckets": publisher.num_buckets,
+        "bucket_mb": args.bucket_mb,
+        "backend": info.backend,
+        "receivers": receivers,
+        "repeats": args.repeats,
+        "results_ms": results,
         "measured": {
             "gather": "single-rank DeepSpeed ZeRO-3 (frozen) iter_full_params into a list",
             "pack": "publish(list): copy into the flat buckets + device block checksum",
@@ -305,7 +324,7 @@ def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
             "buckets": "the publisher thread's broadcast calls of every bucket",
             "nccl_self": "broadcast calls of every bucket on a 1-member NCCL group (no transfer)",
         },
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -329,9 +348,11 @@ def main() -> None:
     now = datetime.now(timezone.utc)
     record = run_broadcast(args) if args.mode == "broadcast" else run_zmq(args)
     record = {
-        **record, "date": now.isoformat(timespec="seconds"), "machine": platform.platform(),
+        **record,
+        "date": now.isoformat(timespec="seconds"),
+        "machine": platform.platform(),
         "command": " ".join(sys.argv),
-    }  # fmt: skip
+    }
     name = (
         f"weight_sync-broadcast-{record['device'].replace(':', '')}{'-tiny' if args.tiny else ''}"
         if args.mode == "broadcast"

@@ -48,10 +48,17 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     """A real redis-server in cluster mode: one node serving all 16384 slots. It refuses, as any
     cluster does, a script or transaction whose keys are not in one slot (CROSSSLOT)."""
     server = RedisServer(
-        tmp_path_factory.mktemp("redis-cluster"), appendonly=False,
-        extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-port", str(free_port())),  # (else port + 10000, maybe taken or > 65535)
-    ).start()  # fmt: skip
+        tmp_path_factory.mktemp("redis-cluster"),
+        appendonly=False,
+        extra_args=(
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-port",
+            str(free_port()),
+        ),  # (else port + 10000, maybe taken or > 65535)
+    ).start()
     client = syncredis.Redis(port=server.port)
     client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
     deadline = time.monotonic() + 10

@@ -53,11 +53,16 @@ def converse(task: dict[str, Any], token: str) -> dict[str, Any]:
         content = choice.message.content or ""
         assert choice.logprobs is not None and choice.logprobs.content is not None
         extra, choice_extra = completion.model_extra or {}, choice.model_extra or {}
-        requests.append({
-            "prompt_token_ids": extra["prompt_token_ids"], "token_ids": choice_extra["token_ids"],
-            "logprobs": [t.logprob for t in choice.logprobs.content], "content": content,
-            "finish_reason": choice.finish_reason, "policy_version": extra["policy_version"],
-        })  # fmt: skip
+        requests.append(
+            {
+                "prompt_token_ids": extra["prompt_token_ids"],
+                "token_ids": choice_extra["token_ids"],
+                "logprobs": [t.logprob for t in choice.logprobs.content],
+                "content": content,
+                "finish_reason": choice.finish_reason,
+                "policy_version": extra["policy_version"],
+            }
+        )
         messages.append({"role": "assistant", "content": content})
     return {"requests": requests, "reward": reward(requests[-1]["content"], task["label"])}
 

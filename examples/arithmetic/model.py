@@ -48,20 +48,14 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.hidden_size % 64 != 0 or self.hidden_size <= 0:
-            raise ValueError(
-                f"hidden_size must be a positive multiple of 64 (head_dim 64), got {self.hidden_size}"
-            )
+            raise ValueError(f"hidden_size must be a positive multiple of 64 (head_dim 64), got {self.hidden_size}")
         if self.num_layers < 1 or self.intermediate_size < 1 or self.max_positions < 8:
             raise ValueError(f"bad model shape: {self}")
 
 
 PRESETS = {
-    "small": ModelSpec(
-        hidden_size=128, num_layers=4, intermediate_size=256, max_positions=64
-    ),
-    "large": ModelSpec(
-        hidden_size=512, num_layers=8, intermediate_size=1536, max_positions=256
-    ),
+    "small": ModelSpec(hidden_size=128, num_layers=4, intermediate_size=256, max_positions=64),
+    "large": ModelSpec(hidden_size=512, num_layers=8, intermediate_size=1536, max_positions=256),
 }
 
 
@@ -81,9 +75,7 @@ def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(
-    spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0
-) -> LlamaForCausalLM:
+def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
     """A randomly initialised fp32 Llama with ``spec``'s shape and the tokenizer's special ids."""
     num_heads = spec.hidden_size // 64
     config = LlamaConfig(
@@ -116,9 +108,7 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: str | Path
-) -> None:
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
     """Write the model (safetensors) and tokenizer into ``folder``."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)

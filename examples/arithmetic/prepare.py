@@ -28,9 +28,7 @@ from pydantic import Field
 
 from streamrl.common.config import BaseConfig, load_config
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent)
-)  # sibling plain files, referenced by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling plain files, referenced by path
 
 import model as model_lib
 import qwen2_model as qwen2_lib
@@ -91,10 +89,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
     marker = out / "prepare.json"
     if marker.exists():
         done = json.loads(marker.read_text())
-        if (
-            done.get("settings") == _settings(config)
-            and (out / "model" / "config.json").exists()
-        ):
+        if done.get("settings") == _settings(config) and (out / "model" / "config.json").exists():
             logger.info("already prepared in %s; nothing to do", out)
             return dict(done["summary"])
     task_spec = task_lib.TaskSpec(
@@ -146,9 +141,7 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
         "warm_start_accuracy": warm["accuracy"],
         "warm_start_s": round(warm["seconds"], 2),
     }
-    marker.write_text(
-        json.dumps({"settings": _settings(config), "summary": summary}, indent=2)
-    )
+    marker.write_text(json.dumps({"settings": _settings(config), "summary": summary}, indent=2))
     return summary
 
 
@@ -168,13 +161,9 @@ def _prepare_qwen2(config: PrepareConfig, marker: Path, num_train: int, num_eval
 
 def main(argv: list[str]) -> None:
     """Parse ``[recipe] [--field=value ...]`` and prepare."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     recipe = argv[0] if argv and not argv[0].startswith("--") else None
-    config = load_config(
-        PrepareConfig, recipe, argv[1:] if recipe else argv, section="prepare"
-    )
+    config = load_config(PrepareConfig, recipe, argv[1:] if recipe else argv, section="prepare")
     start_s = time.perf_counter()
     summary = prepare(config)
     logger.info("prepared %s in %.1f s", config.out_dir, time.perf_counter() - start_s)

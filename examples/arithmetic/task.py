@@ -31,9 +31,7 @@ ANSWER_MARK = "#"
 # Special-token text that may appear in decoded queries: "</s>", "<pad>", "<|im_end|>", ...
 _SPECIAL_TOKEN = re.compile(r"<\|?/?[A-Za-z_][A-Za-z0-9_]*\|?>")
 # A well-formed response: one integer, or scratchpad steps then the mark and one integer.
-_WELL_FORMED = re.compile(
-    r"(?:(?:\d\+\d\+\d=\d{1,2},)*" + re.escape(ANSWER_MARK) + r")?(-?\d+)"
-)
+_WELL_FORMED = re.compile(r"(?:(?:\d\+\d\+\d=\d{1,2},)*" + re.escape(ANSWER_MARK) + r")?(-?\d+)")
 # Above this many distinct problems, sample instead of enumerating the whole space.
 _MAX_ENUMERATED = 1_000_000
 
@@ -62,9 +60,7 @@ class TaskSpec:
 
     def __post_init__(self) -> None:
         if not self.operators or any(op not in OPERATORS for op in self.operators):
-            raise ValueError(
-                f"operators must be a non-empty subset of {''.join(OPERATORS)!r}, got {self.operators!r}"
-            )
+            raise ValueError(f"operators must be a non-empty subset of {''.join(OPERATORS)!r}, got {self.operators!r}")
         if len(set(self.operators)) != len(self.operators):
             raise ValueError(f"operators has duplicates: {self.operators!r}")
         if not 1 <= self.digits <= 30:
@@ -74,15 +70,11 @@ class TaskSpec:
         if self.num_train is not None and self.num_train < 1:
             raise ValueError(f"num_train must be >= 1 or None, got {self.num_train}")
         if self.scratchpad and self.operators != "+":
-            raise ValueError(
-                "scratchpad traces are defined for addition only: set operators='+'"
-            )
+            raise ValueError("scratchpad traces are defined for addition only: set operators='+'")
         total = len(self.operators) * 10 ** (2 * self.digits)
         wanted = self.num_eval + (self.num_train or 1)
         if wanted > total:
-            raise ValueError(
-                f"{wanted} problems requested but only {total} distinct ones exist"
-            )
+            raise ValueError(f"{wanted} problems requested but only {total} distinct ones exist")
 
 
 @dataclass(frozen=True)
@@ -146,9 +138,7 @@ def _problem_indices(spec: TaskSpec) -> tuple[list[int], list[int]]:
     num_train = spec.num_train if spec.num_train is not None else 200_000
     seen: set[int] = set()
     chosen: list[int] = []
-    while (
-        len(chosen) < spec.num_eval + num_train
-    ):  # rejection sampling of distinct indices
+    while len(chosen) < spec.num_eval + num_train:  # rejection sampling of distinct indices
         index = rng.randrange(total)
         if index not in seen:
             seen.add(index)
@@ -161,10 +151,7 @@ def make_splits(spec: TaskSpec) -> tuple[list[Problem], list[Problem]]:
     held_out_idx, train_idx = _problem_indices(spec)
 
     def build(indices: list[int]) -> list[Problem]:
-        return [
-            make_problem(*_decode_index(i, spec), scratchpad=spec.scratchpad)
-            for i in indices
-        ]
+        return [make_problem(*_decode_index(i, spec), scratchpad=spec.scratchpad) for i in indices]
 
     return build(train_idx), build(held_out_idx)
 
@@ -175,12 +162,7 @@ def write_jsonl(path: str | Path, problems: list[Problem]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for p in problems:
-            f.write(
-                json.dumps(
-                    {"prompt": p.prompt, "label": p.label, "response": p.response}
-                )
-                + "\n"
-            )
+            f.write(json.dumps({"prompt": p.prompt, "label": p.label, "response": p.response}) + "\n")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -218,18 +200,14 @@ def parse_answer(response: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def reward_func(
-    queries: list[str], prompts: list[str], labels: list[str], **kwargs: Any
-) -> dict[str, Any]:
+def reward_func(queries: list[str], prompts: list[str], labels: list[str], **kwargs: Any) -> dict[str, Any]:
     """OpenRLHF-compatible reward: 1.0 when the final answer equals the label, else 0.0.
 
     ``queries`` are prompt + response texts. Returns ``rewards`` and ``scores`` (identical, in
     [0, 1]) and ``extra_logs`` with the batch accuracy and well-formed rate.
     """
     if not len(queries) == len(prompts) == len(labels):
-        raise ValueError(
-            f"queries, prompts and labels differ in length: {len(queries)}, {len(prompts)}, {len(labels)}"
-        )
+        raise ValueError(f"queries, prompts and labels differ in length: {len(queries)}, {len(prompts)}, {len(labels)}")
     rewards, num_well_formed = [], 0
     for query, prompt, label in zip(queries, prompts, labels, strict=True):
         answer = parse_answer(extract_response(query, prompt))

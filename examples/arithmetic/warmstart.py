@@ -50,16 +50,9 @@ class WarmStartSpec:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_accuracy <= 1.0:
-            raise ValueError(
-                f"target_accuracy must be in (0, 1], got {self.target_accuracy}"
-            )
-        if (
-            min(self.max_steps, self.batch_size, self.eval_every_steps) < 1
-            or self.lr <= 0
-        ):
-            raise ValueError(
-                f"max_steps, batch_size, eval_every_steps and lr must be positive: {self}"
-            )
+            raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+        if min(self.max_steps, self.batch_size, self.eval_every_steps) < 1 or self.lr <= 0:
+            raise ValueError(f"max_steps, batch_size, eval_every_steps and lr must be positive: {self}")
 
 
 def encode(
@@ -72,9 +65,7 @@ def encode(
     rows, masks = [], []
     for prompt, response in zip(prompts, responses, strict=True):
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(p + r)
         masks.append([0] * len(p) + [1] * len(r))
     width = max(len(r) for r in rows)
@@ -88,16 +79,12 @@ def encode(
     return input_ids, attention_mask, loss_mask
 
 
-def sft_loss(
-    model: PreTrainedModel, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
+def sft_loss(model: PreTrainedModel, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Token-mean cross-entropy over the response tokens of ``batch`` (from :func:`encode`)."""
     input_ids, attention_mask, loss_mask = batch
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     targets, mask = input_ids[:, 1:], loss_mask[:, 1:].float()
-    nll = torch.nn.functional.cross_entropy(
-        logits.transpose(1, 2), targets, reduction="none"
-    )
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     return (nll * mask).sum() / mask.sum()
 
 
@@ -111,10 +98,7 @@ def greedy_accuracy(
     input_ids, attention_mask, loss_mask = batch
     num_exact = 0
     for start in range(0, len(input_ids), chunk_size):
-        ids, att, mask = (
-            t[start : start + chunk_size]
-            for t in (input_ids, attention_mask, loss_mask)
-        )
+        ids, att, mask = (t[start : start + chunk_size] for t in (input_ids, attention_mask, loss_mask))
         predicted = model(input_ids=ids, attention_mask=att).logits[:, :-1].argmax(-1)
         wrong = (predicted != ids[:, 1:]) & mask[:, 1:].bool()
         num_exact += int((~wrong.any(dim=1)).sum())
@@ -139,9 +123,7 @@ def warm_start(
         order = torch.randperm(len(train), generator=generator)
         for begin in range(0, len(order) - spec.batch_size + 1, spec.batch_size):
             rows = [train[i] for i in order[begin : begin + spec.batch_size].tolist()]
-            loss = sft_loss(
-                model, encode(tokenizer, [p for p, _ in rows], [r for _, r in rows])
-            )
+            loss = sft_loss(model, encode(tokenizer, [p for p, _ in rows], [r for _, r in rows]))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -35,8 +35,11 @@ _ANSWER = re.compile(r"Answer: (-?\d+)")
 def tool_episode(prompt: str, label: str) -> list[tuple[str, str]]:
     """The canonical episode of a problem as (who, text) pieces: call, result, answer."""
     expression = prompt.removesuffix("=")
-    return [(MODEL, f"<calc>{expression}</calc>"), (ENVIRONMENT, f"<result>{label}</result>"),
-            (MODEL, f"Answer: {label}")]  # fmt: skip
+    return [
+        (MODEL, f"<calc>{expression}</calc>"),
+        (ENVIRONMENT, f"<result>{label}</result>"),
+        (MODEL, f"Answer: {label}"),
+    ]
 
 
 def direct_episode(prompt: str, label: str) -> list[tuple[str, str]]:

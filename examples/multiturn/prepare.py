@@ -112,9 +112,12 @@ def encode(tokenizer: Any, prompts: list[str], episodes: list[Episode]) -> tuple
 
 
 def warm_start(
-    policy: Any, tokenizer: Any, train: list[tuple[str, Episode]], held_out: list[tuple[str, Episode]],
+    policy: Any,
+    tokenizer: Any,
+    train: list[tuple[str, Episode]],
+    held_out: list[tuple[str, Episode]],
     spec: warmstart_lib.WarmStartSpec,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Train ``policy`` in place on episodes until held-out greedy accuracy reaches the target."""
     import torch
 
@@ -155,31 +158,54 @@ def prepare(config: PrepareConfig) -> dict[str, Any]:
         if done.get("settings") == settings:
             logger.info("already prepared in %s; nothing to do", out)
             return dict(done["summary"])
-    spec = arith_task.TaskSpec(operators=config.operators, digits=config.digits, num_eval=config.num_eval,
-                               num_train=config.num_train, seed=config.seed)  # fmt: skip
+    spec = arith_task.TaskSpec(
+        operators=config.operators,
+        digits=config.digits,
+        num_eval=config.num_eval,
+        num_train=config.num_train,
+        seed=config.seed,
+    )
     train, held_out = arith_task.make_splits(spec)
     arith_task.write_jsonl(out / "train.jsonl", train)
     arith_task.write_jsonl(out / "eval.jsonl", held_out)
 
     rng = random.Random(config.seed)
     train_episodes = [
-        (p.prompt, (calc_task.direct_episode if rng.random() < config.direct_fraction else calc_task.tool_episode)(
-            p.prompt, p.label))
+        (
+            p.prompt,
+            (calc_task.direct_episode if rng.random() < config.direct_fraction else calc_task.tool_episode)(
+                p.prompt, p.label
+            ),
+        )
         for p in train
-    ]  # fmt: skip
+    ]
     eval_episodes = [(p.prompt, calc_task.tool_episode(p.prompt, p.label)) for p in held_out]
     tokenizer = model_lib.build_tokenizer(calc_task.CHARS)
     longest = max(len(p) + sum(len(t) + 1 for _, t in e) for p, e in train_episodes + eval_episodes)
     if longest > config.max_positions:
         raise ValueError(f"max_positions={config.max_positions} but the longest episode needs {longest} tokens")
-    shape = model_lib.ModelSpec(hidden_size=config.hidden_size, num_layers=config.num_layers,
-                                intermediate_size=2 * config.hidden_size, max_positions=config.max_positions)  # fmt: skip
+    shape = model_lib.ModelSpec(
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        intermediate_size=2 * config.hidden_size,
+        max_positions=config.max_positions,
+    )
     torch.manual_seed(config.seed)
     policy = model_lib.build_model(shape, tokenizer, seed=config.seed)
-    warm = warm_start(policy, tokenizer, train_episodes, eval_episodes, warmstart_lib.WarmStartSpec(
-        target_accuracy=config.target_accuracy, max_steps=config.max_steps, batch_size=config.batch_size,
-        lr=config.lr, eval_every_steps=config.eval_every_steps, seed=config.seed,
-    ))  # fmt: skip
+    warm = warm_start(
+        policy,
+        tokenizer,
+        train_episodes,
+        eval_episodes,
+        warmstart_lib.WarmStartSpec(
+            target_accuracy=config.target_accuracy,
+            max_steps=config.max_steps,
+            batch_size=config.batch_size,
+            lr=config.lr,
+            eval_every_steps=config.eval_every_steps,
+            seed=config.seed,
+        ),
+    )
     model_lib.save(policy, tokenizer, out / "model")
     summary = {
         "num_parameters": model_lib.num_parameters(policy),

@@ -26,7 +26,7 @@ from streamrl.common.config import BaseConfig, load_config
 from streamrl.rollout.tiny_model import build_tiny_idefics3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from colours import COLOURS, draw  # noqa: E402
+from colours import COLOURS, draw
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,9 @@ def warm_start(out: Path, rows: list[dict[str, object]], steps: int, seed: int) 
         texts.append(processor.apply_chat_template(messages, add_generation_prompt=True))
         images.append([Image.open(out / str(row["images"][0])).convert("RGB")])  # type: ignore[index]
         answers.append(f"{rng.choice(sorted(COLOURS))}{eos}")  # any colour: the format, not the answer
-    batch = processor(text=[t + a for t, a in zip(texts, answers, strict=True)], images=images, padding=True,
-                      return_tensors="pt")  # fmt: skip
+    batch = processor(
+        text=[t + a for t, a in zip(texts, answers, strict=True)], images=images, padding=True, return_tensors="pt"
+    )
     labels = batch["input_ids"].clone()
     for i, (text, answer) in enumerate(zip(texts, answers, strict=True)):
         answer_len = len(processor.tokenizer(answer, add_special_tokens=False)["input_ids"])

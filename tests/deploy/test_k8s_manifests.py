@@ -117,9 +117,12 @@ def make_secrets(namespace: str = NAMESPACE, env: dict[str, str] | None = None) 
     """Secret name -> its string data, as deploy/k8s/make-secrets.sh prints them."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "HF_TOKEN"}
     result = subprocess.run(
-        [str(K8S / "make-secrets.sh"), namespace], capture_output=True, text=True, env={**clean, **(env or {})},
+        [str(K8S / "make-secrets.sh"), namespace],
+        capture_output=True,
+        text=True,
+        env={**clean, **(env or {})},
         timeout=30,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     for doc in docs:
@@ -256,14 +259,19 @@ def test_kubectl_missing_fails_and_says_how_to_install_it(monkeypatch: pytest.Mo
 def test_base_holds_redis_the_four_services_the_recipe_the_runs_volume_and_keda() -> None:
     kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered("base") if o["kind"] != "ConfigMap"}
     assert kinds == {
-        ("Service", "redis"), ("StatefulSet", "redis"),
-        ("Service", "coordinator"), ("StatefulSet", "coordinator"),
-        ("Service", "learner"), ("StatefulSet", "learner"),
-        ("Deployment", "rollout"), ("Deployment", "reward"),
+        ("Service", "redis"),
+        ("StatefulSet", "redis"),
+        ("Service", "coordinator"),
+        ("StatefulSet", "coordinator"),
+        ("Service", "learner"),
+        ("StatefulSet", "learner"),
+        ("Deployment", "rollout"),
+        ("Deployment", "reward"),
         ("PersistentVolumeClaim", "streamrl-runs"),
-        ("ScaledObject", "rollout"), ("ScaledObject", "reward"),
+        ("ScaledObject", "rollout"),
+        ("ScaledObject", "reward"),
         ("TriggerAuthentication", "streamrl-redis-observer"),
-    }  # fmt: skip
+    }
     assert all(o["metadata"]["namespace"] == NAMESPACE for o in rendered("base"))
 
 
@@ -341,13 +349,17 @@ def test_every_secret_key_the_manifests_read_is_one_make_secrets_writes(overlay:
     secrets = default_secrets()
     refs = [
         (e["valueFrom"]["secretKeyRef"], f"{obj['metadata']['name']}/{c['name']}")
-        for obj in workloads(rendered(overlay)) for c in all_containers(obj)
-        for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})
-    ]  # fmt: skip
+        for obj in workloads(rendered(overlay))
+        for c in all_containers(obj)
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    ]
     refs += [
         ({"name": r["name"], "key": r["key"]}, f"TriggerAuthentication/{o['metadata']['name']}")
-        for o in rendered(overlay) if o["kind"] == "TriggerAuthentication" for r in o["spec"]["secretTargetRef"]
-    ]  # fmt: skip
+        for o in rendered(overlay)
+        if o["kind"] == "TriggerAuthentication"
+        for r in o["spec"]["secretTargetRef"]
+    ]
     assert refs
     for ref, where in refs:
         if not ref.get("optional"):
@@ -594,10 +606,26 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, d
     (folder / "users.acl").write_text(acl_file(run_id(rendered("base")), passwords))
     port = free_port()
     proc = subprocess.Popen(
-        [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", "",
-         "--appendonly", "no", "--aclfile", str(folder / "users.acl"), "--logfile", "redis.log"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            find_redis_server(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(folder),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--aclfile",
+            str(folder / "users.acl"),
+            "--logfile",
+            "redis.log",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         observer = redis.Redis(port=port, username="observer", password=passwords["observer"], socket_timeout=5)
         deadline = time.monotonic() + 10

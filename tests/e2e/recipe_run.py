@@ -18,8 +18,14 @@ from streamrl.common.messages import WeightsPublished
 from streamrl.common.streams import StreamNames
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
-            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+VLLM_ENV = {
+    **os.environ,
+    "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 """Environment of a run with the vLLM-cpu engine in-process (environment.md)."""
 
 
@@ -31,10 +37,18 @@ def entries(client: redis.Redis, stream: str) -> list[Any]:  # type: ignore[type
 def prepare(example: str, recipe: str, out_dir: Path, *overrides: str) -> None:
     """``python examples/{example}/prepare.py recipes/{recipe}.toml --prepare.out_dir=... overrides``."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / example / "prepare.py"), str(ROOT / "recipes" / f"{recipe}.toml"),
-         f"--prepare.out_dir={out_dir}", *overrides],
-        env={**VLLM_ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples" / example / "prepare.py"),
+            str(ROOT / "recipes" / f"{recipe}.toml"),
+            f"--prepare.out_dir={out_dir}",
+            *overrides,
+        ],
+        env={**VLLM_ENV, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -45,16 +59,24 @@ def up(recipe: str, task_dir: Path, workdir: Path, overrides: list[str]) -> None
     path.write_text((ROOT / "recipes" / f"{recipe}.toml").read_text().replace(f"runs/{recipe}_task", str(task_dir)))
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.common.cli", "up", str(path), *overrides],
-        env=VLLM_ENV, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
+        env=VLLM_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 def check_finished(client: redis.Redis, names: StreamNames, steps: int) -> list[WeightsPublished]:  # type: ignore[type-arg]
     """A finished run's invariants; returns the versions it trained (1..steps, finite loss and gradient)."""
     assert client.xlen(names.dead) == 0, entries(client, names.dead)
-    for stream, group in ((names.prompts, "rollout"), (names.trajectories, "reward"), (names.scored, "coordinator"),
-                          (names.batches, "learner")):  # fmt: skip
+    for stream, group in (
+        (names.prompts, "rollout"),
+        (names.trajectories, "reward"),
+        (names.scored, "coordinator"),
+        (names.batches, "learner"),
+    ):
         assert client.xpending(stream, group)["pending"] == 0, f"{stream}/{group} has pending entries"
     trained = [w for w in entries(client, names.weights) if isinstance(w, WeightsPublished) and w.metrics]
     assert [w.version for w in trained] == list(range(1, steps + 1))

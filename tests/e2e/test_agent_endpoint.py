@@ -38,7 +38,13 @@ import chat_model  # noqa: E402
 
 STEPS, GROUP_SIZE, PROMPTS_PER_STEP = 3, 4, 2
 TOKEN = "agent-e2e-token"
-ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "STREAMRL_AGENT_TOKEN": TOKEN}
+ENV = {
+    **os.environ,
+    "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "STREAMRL_AGENT_TOKEN": TOKEN,
+}
 
 
 def test_an_openai_client_agent_drives_a_run_and_each_conversation_is_trained_once(
@@ -49,20 +55,38 @@ def test_an_openai_client_agent_drives_a_run_and_each_conversation_is_trained_on
     recipe.write_text((ROOT / "recipes" / "agent.toml").read_text().replace("runs/agent_task", str(task)))
     port = free_port()
     overrides = [
-        f"--run_id={run_id}", f"--run_dir={tmp_path / 'run'}", f"--redis.url={redis_url}", f"--total_steps={STEPS}",
-        f"--coordinator.group_size={GROUP_SIZE}", f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
-        f"--rollout.agent.port={port}", "--learner.checkpoint_every=100",
-    ]  # fmt: skip
+        f"--run_id={run_id}",
+        f"--run_dir={tmp_path / 'run'}",
+        f"--redis.url={redis_url}",
+        f"--total_steps={STEPS}",
+        f"--coordinator.group_size={GROUP_SIZE}",
+        f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
+        f"--rollout.agent.port={port}",
+        "--learner.checkpoint_every=100",
+    ]
     up = subprocess.Popen(
         [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],
-        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     record_path = tmp_path / "agent.jsonl"
     agent = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "agent" / "agent.py"), f"--base-url=http://127.0.0.1:{port}/v1",
-         "--workers=4", "--idle-s=120", f"--record={record_path}"],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples" / "agent" / "agent.py"),
+            f"--base-url=http://127.0.0.1:{port}/v1",
+            "--workers=4",
+            "--idle-s=120",
+            f"--record={record_path}",
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         up_out, _ = up.communicate(timeout=540)
         agent_out, _ = agent.communicate(timeout=60)
@@ -109,7 +133,8 @@ def test_an_openai_client_agent_drives_a_run_and_each_conversation_is_trained_on
         assert mask == [1] * len(first["token_ids"]) + [0] * len(follow_up) + [1] * len(second["token_ids"])
         assert logprobs == pytest.approx(first["logprobs"] + [0.0] * len(follow_up) + second["logprobs"], abs=1e-6)
         assert [(turn.start, turn.end) for turn in t.turns] == [
-            (0, len(first["token_ids"])), (len(response) - len(second["token_ids"]), len(response))
-        ]  # fmt: skip
+            (0, len(first["token_ids"])),
+            (len(response) - len(second["token_ids"]), len(response)),
+        ]
         assert [turn.policy_version for turn in t.turns] == [first["policy_version"], second["policy_version"]]
         assert t.metadata["agent_reward"] == conversation["reward"] == pytest.approx(s.reward)

@@ -24,8 +24,14 @@ from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 STEPS = 3
 A = "--learner.algo."
 CASES = {
@@ -59,16 +65,24 @@ def test_algorithm_runs_in_the_pipeline(
 ) -> None:  # type: ignore[no-untyped-def]
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url, dense_reward=True)
     run_id = f"algo-{case}-{os.getpid()}"
-    overrides = [f"--run_id={run_id}", f"--total_steps={STEPS}", "--coordinator.eval.dataset=null",
-                 "--learner.export_every=null", *CASES[case]]  # fmt: skip
+    overrides = [
+        f"--run_id={run_id}",
+        f"--total_steps={STEPS}",
+        "--coordinator.eval.dataset=null",
+        "--learner.export_every=null",
+        *CASES[case],
+    ]
     if (
         case not in CORRECTIONS
     ):  # the estimators' pipeline is the engine's tokens: the transformers engine starts in seconds
         overrides.append("--rollout.engine.type=hf")
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],
-        env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)

@@ -61,11 +61,17 @@ path = "{scorer}"
 
 def _trajectory(i: int) -> Trajectory:
     return Trajectory(
-        id=f"g{i}/0", group_id=f"g{i}", group_index=0, group_size=1,
-        prompt_ids=Tensor.from_list([1, 2], "int32"), response_ids=Tensor.from_list([3, 4, 5], "int32"),
-        logprobs=Tensor.from_list([-0.5, -0.5, -0.5], "float32"), loss_mask=Tensor.from_list([1, 1, 1], "uint8"),
-        prompt_text="Q: ", response_text=f"answer {i}",
-    )  # fmt: skip
+        id=f"g{i}/0",
+        group_id=f"g{i}",
+        group_index=0,
+        group_size=1,
+        prompt_ids=Tensor.from_list([1, 2], "int32"),
+        response_ids=Tensor.from_list([3, 4, 5], "int32"),
+        logprobs=Tensor.from_list([-0.5, -0.5, -0.5], "float32"),
+        loss_mask=Tensor.from_list([1, 1, 1], "uint8"),
+        prompt_text="Q: ",
+        response_text=f"answer {i}",
+    )
 
 
 def _embedded_url(log: Path, timeout_s: float = 60) -> str:
@@ -83,8 +89,12 @@ def test_a_burst_adds_reward_replicas_and_draining_it_removes_them_losing_nothin
     recipe.write_text(RECIPE.format(run_id=RUN_ID, run_dir=tmp_path / "run", scorer=HERE / "slow_reward.py"))
     log = tmp_path / "up.log"
     env = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1"}
-    up = subprocess.Popen([sys.executable, "-m", "streamrl.common.cli", "up", str(recipe)], env=env,
-                          stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    up = subprocess.Popen(
+        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe)],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     names = StreamNames(RUN_ID)
     sent = 0
     try:

@@ -27,14 +27,21 @@ from streamrl.common.messages import ScoredTrajectory, TrainingBatch, Trajectory
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 @pytest.mark.parametrize(
-    "learner_ranks,transport,cluster", [(1, "zmq", True), (2, "broadcast", False)],
+    "learner_ranks,transport,cluster",
+    [(1, "zmq", True), (2, "broadcast", False)],
     ids=["learner-zmq-on-redis-cluster", "group-of-2-broadcast"],
-)  # fmt: skip
+)
 def test_demo_steps_end_to_end(
     learner_ranks: int,
     transport: str,
@@ -52,15 +59,29 @@ def test_demo_steps_end_to_end(
     recipe = write_recipe(tiny_task, run_dir, redis_url, dense_reward=True)
     key = f"weights-key-{run_id}"  # every weights event signed with it; shown nowhere
     proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), f"--run_id={run_id}",
-         f"--learner.ranks={learner_ranks}", f"--learner.weights_transport={transport}"],
-        env={**ENV, "STREAMRL_WEIGHTS_KEY": key}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "streamrl.common.cli",
+            "up",
+            str(recipe),
+            f"--run_id={run_id}",
+            f"--learner.ranks={learner_ranks}",
+            f"--learner.weights_transport={transport}",
+        ],
+        env={**ENV, "STREAMRL_WEIGHTS_KEY": key},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     if learner_ranks > 1:
         assert f"learner group: {learner_ranks} ranks" in proc.stdout + proc.stderr
-    weights_events = [m for m in entries(redis.Redis.from_url(redis_url), StreamNames(run_id).weights)
-                      if isinstance(m, WeightsPublished)]  # fmt: skip
+    weights_events = [
+        m
+        for m in entries(redis.Redis.from_url(redis_url), StreamNames(run_id).weights)
+        if isinstance(m, WeightsPublished)
+    ]
     assert all((w.broadcast is not None) == (transport == "broadcast") for w in weights_events)
     assert all((w.endpoint != "") == (transport == "zmq") for w in weights_events)
     assert all(w.signature for w in weights_events)
@@ -95,8 +116,12 @@ def test_demo_steps_end_to_end(
         assert all(s.trajectory.policy_version_start == b.index for s in b.samples)
 
     # nothing left pending in any consumer group
-    for stream, group in ((names.prompts, "rollout"), (names.trajectories, "reward"), (names.scored, "coordinator"),
-                          (names.batches, "learner")):  # fmt: skip
+    for stream, group in (
+        (names.prompts, "rollout"),
+        (names.trajectories, "reward"),
+        (names.scored, "coordinator"),
+        (names.batches, "learner"),
+    ):
         assert client.xpending(stream, group)["pending"] == 0, f"{stream}/{group} has pending entries"
 
     # after each sync the engine serves the learner's weights: its greedy output is the learner's

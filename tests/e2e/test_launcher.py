@@ -19,8 +19,14 @@ from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
 SERVICES = ("coordinator", "rollout", "reward", "learner")
-ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def start_up(recipe: Path, log: Path) -> subprocess.Popen[bytes]:

@@ -39,8 +39,15 @@ OBSERVATIONS = re.compile(r"(<result>[^<]*</result>)+")
 def calc_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Data and a policy warm-started just long enough to write calls and answers (not to be right)."""
     root = tmp_path_factory.mktemp("calc_task")
-    prepare("multiturn", "multiturn", root, "--prepare.num_eval=32", "--prepare.max_steps=40",
-            "--prepare.batch_size=64", "--prepare.eval_every_steps=1000")  # fmt: skip
+    prepare(
+        "multiturn",
+        "multiturn",
+        root,
+        "--prepare.num_eval=32",
+        "--prepare.max_steps=40",
+        "--prepare.batch_size=64",
+        "--prepare.eval_every_steps=1000",
+    )
     return root
 
 
@@ -49,11 +56,19 @@ def test_multiturn_recipe_trains_on_episodes_with_masked_environment_tokens(
 ) -> None:
     run_dir = tmp_path / "run"
     overrides = [
-        f"--run_id={run_id}", f"--run_dir={run_dir}", f"--redis.url={redis_url}", f"--total_steps={STEPS}",
-        f"--coordinator.group_size={GROUP_SIZE}", f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
-        "--coordinator.max_staleness=0", "--coordinator.eval.dataset=null", "--learner.export_every=1",
-        "--learner.ds.compile=false", "--learner.checkpoint_every=100", "--up.grace_s=30",
-    ]  # fmt: skip
+        f"--run_id={run_id}",
+        f"--run_dir={run_dir}",
+        f"--redis.url={redis_url}",
+        f"--total_steps={STEPS}",
+        f"--coordinator.group_size={GROUP_SIZE}",
+        f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
+        "--coordinator.max_staleness=0",
+        "--coordinator.eval.dataset=null",
+        "--learner.export_every=1",
+        "--learner.ds.compile=false",
+        "--learner.checkpoint_every=100",
+        "--up.grace_s=30",
+    ]
     up("multiturn", calc_task, tmp_path, overrides)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)

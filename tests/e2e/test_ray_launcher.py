@@ -33,7 +33,13 @@ from streamrl.common.trace_schema import GENERATE, TRAJECTORY_ID
 pytest.importorskip("ray", reason="the Ray backend needs pip install 'streamrl-common[ray]' (scripts/setup.sh does)")
 pytestmark = pytest.mark.slow
 TOTAL_STEPS, SAMPLES_PER_STEP = 200, 16
-ENV = {"STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+ENV = {
+    "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
 UP = [
     f"--total_steps={TOTAL_STEPS}",
     "--rollout.engine.type=hf",  # starts in seconds; vLLM's CPU engine is what test_demo_pipeline covers
@@ -49,8 +55,14 @@ UP = [
 
 
 class Run:
-    def __init__(self, client: redis.Redis, names: StreamNames, proc: subprocess.Popen[bytes], log: Path,  # type: ignore[type-arg]
-                 env: dict[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: redis.Redis,
+        names: StreamNames,
+        proc: subprocess.Popen[bytes],
+        log: Path,  # type: ignore[type-arg]
+        env: dict[str, str],
+    ) -> None:
         self.client, self.names, self.proc, self.log, self.env = client, names, proc, log, env
 
     def wait_for(self, condition, what: str, timeout_s: float = 240):  # type: ignore[no-untyped-def]
@@ -74,8 +86,13 @@ class Run:
         return {b.instance: b.pid for b in live_heartbeats(self.client, self.names, "rollout") if b.status == "running"}
 
     def scale(self, run_dir: Path, count: int) -> str:
-        out = subprocess.run([sys.executable, "-m", "streamrl.common.cli", "scale", str(run_dir), f"rollout={count}"],
-                             env=self.env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "streamrl.common.cli", "scale", str(run_dir), f"rollout={count}"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert f"requested: rollout={count}" in out.stdout
         return out.stdout
@@ -144,8 +161,11 @@ def test_ray_run_scaled_and_a_rollout_actor_killed_trains_every_trajectory_once(
     assert [b.index for b in batches] == list(range(TOTAL_STEPS))
     trained = [s.trajectory.id for b in batches for s in b.samples]
     assert len(trained) == len(set(trained)) == TOTAL_STEPS * SAMPLES_PER_STEP
-    scored = [m.trajectory.id for m in entries(client, names.scored)
-              if isinstance(m, ScoredTrajectory) and not m.trajectory.is_eval]  # fmt: skip
+    scored = [
+        m.trajectory.id
+        for m in entries(client, names.scored)
+        if isinstance(m, ScoredTrajectory) and not m.trajectory.is_eval
+    ]
     assert len(scored) == len(set(scored)) and set(scored) == set(trained)
     assert client.xlen(names.dead) == 0, entries(client, names.dead)
 

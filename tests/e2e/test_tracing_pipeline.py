@@ -61,18 +61,35 @@ from streamrl.common.tracing import parse_traceparent, weights_traceparent
 
 pytestmark = pytest.mark.slow
 SERVICES = ("coordinator", "rollout", "reward", "learner")
-ENV = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 CHAIN = (TRAIN, BATCH_WAIT, GROUP_WAIT, REWARD, GENERATE, QUEUE, ISSUE)
 """A trained sample's spans from its training span up to its trace's root."""
-CHAIN_SERVICE = {TRAIN: "learner", BATCH_WAIT: "coordinator", GROUP_WAIT: "coordinator", REWARD: "reward",
-                 GENERATE: "rollout", QUEUE: "rollout", ISSUE: "coordinator"}  # fmt: skip
+CHAIN_SERVICE = {
+    TRAIN: "learner",
+    BATCH_WAIT: "coordinator",
+    GROUP_WAIT: "coordinator",
+    REWARD: "reward",
+    GENERATE: "rollout",
+    QUEUE: "rollout",
+    ISSUE: "coordinator",
+}
 SCRAPE_TIMEOUT_S = 2.0
 
 # (sample name, labels that must be there) -> does the value count? Every service exports its
 # consumer counters; each watches the lag and pending entries of its input stream.
-INPUT = {"coordinator": ("scored", "coordinator"), "rollout": ("prompts", "rollout"),
-         "reward": ("trajectories", "reward"), "learner": ("batches", "learner")}  # fmt: skip
+INPUT = {
+    "coordinator": ("scored", "coordinator"),
+    "rollout": ("prompts", "rollout"),
+    "reward": ("trajectories", "reward"),
+    "learner": ("batches", "learner"),
+}
 EXPECTED: dict[str, list[tuple[str, dict[str, str], bool]]] = {
     "coordinator": [
         ("streamrl_samples_total", {"stage": "batched"}, True),
@@ -125,9 +142,12 @@ def missing(service: str, text: str) -> list[str]:
     """What a scrape of ``service`` lacks of :data:`EXPECTED` (values above 0 where required)."""
     values = samples(text)
     stream, group = INPUT[service]
-    wanted = [*EXPECTED[service], ("streamrl_stream_lag", {"stream": stream, "group": group}, False),
-              ("streamrl_stream_pending", {"stream": stream, "group": group}, False),
-              ("streamrl_consumer_processed_total", {}, True)]  # fmt: skip
+    wanted = [
+        *EXPECTED[service],
+        ("streamrl_stream_lag", {"stream": stream, "group": group}, False),
+        ("streamrl_stream_pending", {"stream": stream, "group": group}, False),
+        ("streamrl_consumer_processed_total", {}, True),
+    ]
     out = []
     for name, labels, positive in wanted:
         value = values.get((name, frozenset(labels.items())))
@@ -182,10 +202,19 @@ def test_every_trained_sample_has_one_complete_trace_over_otlp_and_every_service
     with OtlpReceiver() as receiver:
         env = {k: v for k, v in ENV.items() if not k.startswith("OTEL_")}
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
-        cmd = [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), f"--run_id={run_id}",
-               "--tracing.exporter=otlp-http", "--tracing.sampling=all", "--coordinator.max_staleness=1",
-               f"--reward.scorers.0.path={Path(__file__).parent / 'flaky_digit_reward.py'}",
-               *(f"--{service}.prometheus.port={port}" for service, port in ports.items())]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "streamrl.common.cli",
+            "up",
+            str(recipe),
+            f"--run_id={run_id}",
+            "--tracing.exporter=otlp-http",
+            "--tracing.sampling=all",
+            "--coordinator.max_staleness=1",
+            f"--reward.scorers.0.path={Path(__file__).parent / 'flaky_digit_reward.py'}",
+            *(f"--{service}.prometheus.port={port}" for service, port in ports.items()),
+        ]
         started = time.monotonic()
         with log.open("wb") as out:
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -47,10 +47,16 @@ def test_vlm_recipe_trains_on_image_episodes_with_the_same_pixels_in_every_tier(
 ) -> None:
     run_dir = tmp_path / "run"
     overrides = [
-        f"--run_id={run_id}", f"--run_dir={run_dir}", f"--redis.url={redis_url}", f"--total_steps={STEPS}",
-        f"--coordinator.group_size={GROUP_SIZE}", f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
-        "--coordinator.eval.dataset=null", "--learner.export_every=1", "--learner.checkpoint_every=100",
-    ]  # fmt: skip
+        f"--run_id={run_id}",
+        f"--run_dir={run_dir}",
+        f"--redis.url={redis_url}",
+        f"--total_steps={STEPS}",
+        f"--coordinator.group_size={GROUP_SIZE}",
+        f"--coordinator.prompts_per_step={PROMPTS_PER_STEP}",
+        "--coordinator.eval.dataset=null",
+        "--learner.export_every=1",
+        "--learner.checkpoint_every=100",
+    ]
     up("vlm", vlm_task, tmp_path, overrides)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)

@@ -248,10 +248,12 @@ def count_run(
             f"complete but never batched: {sorted(unexplained)[:10]}"
         )
 
-    generated = {m.id for _, p in read(names.trajectories)
-                 if isinstance(m := _decode(p), Trajectory) and not m.is_eval}  # fmt: skip
-    scored = {m.trajectory.id for _, p in read(names.scored)
-              if isinstance(m := _decode(p), ScoredTrajectory) and not m.trajectory.is_eval}  # fmt: skip
+    generated = {m.id for _, p in read(names.trajectories) if isinstance(m := _decode(p), Trajectory) and not m.is_eval}
+    scored = {
+        m.trajectory.id
+        for _, p in read(names.scored)
+        if isinstance(m := _decode(p), ScoredTrajectory) and not m.trajectory.is_eval
+    }
     c.trajectories = {"generated": len(generated), "scored": len(scored), "trained": sum(trained_ids.values())}
 
     c.pending_end = _pending(client, names, c.notes)

@@ -34,8 +34,16 @@ def fault_run(tiny_task: Path, tmp_path: Path) -> Iterator[MakeRun]:
     for run in made:
         if run.started_at and not run.concluded:  # it failed before its end: still a row in the table
             try:
-                record(run, run.name, False, run.total_steps, run.group_size, None, None,
-                       early_stop="the scenario stopped before the end of the run (see its error)")  # fmt: skip
+                record(
+                    run,
+                    run.name,
+                    False,
+                    run.total_steps,
+                    run.group_size,
+                    None,
+                    None,
+                    early_stop="the scenario stopped before the end of the run (see its error)",
+                )
             except AssertionError:
                 pass
         run.close()

@@ -225,8 +225,16 @@ class FaultRun:
         instance = instance or f"{service}-0"
         log = self.workdir / "logs" / f"{instance}.log"
         log.parent.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "streamrl.common.cli", service, str(self.recipe), *self.all_overrides,
-               *(extra or []), f"--instance={instance}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "streamrl.common.cli",
+            service,
+            str(self.recipe),
+            *self.all_overrides,
+            *(extra or []),
+            f"--instance={instance}",
+        ]
         extra_env = {**self.env, **self.service_env.get(service, {}), **(env or {})}
         full_env = child_env({**os.environ, **SERVICE_ENV, **extra_env}, instance, None)
         full_env[KEY_ENV] = self.weights_key
@@ -234,8 +242,9 @@ class FaultRun:
         with log.open("ab") as out:
             out.write(f"=== {time.strftime('%H:%M:%S')} start {' '.join(cmd[2:])}\n".encode())
             out.flush()
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, start_new_session=True
+            )
         with self._lock:
             self.procs[instance] = ServiceProcess(service, instance, proc, log, time.time())
         return instance

@@ -105,8 +105,9 @@ def out_of_order_batches(trained: TrainingBatch) -> list[Poison]:
 
 def forged_weights(real: WeightsPublished) -> Poison:
     """A newer version signed with another key, served from a port where nothing listens."""
-    forged = msgspec.structs.replace(real, version=real.version + 500, step=real.step + 500,
-                                     endpoint="tcp://127.0.0.1:9", checksum="0" * 64)  # fmt: skip
+    forged = msgspec.structs.replace(
+        real, version=real.version + 500, step=real.step + 500, endpoint="tcp://127.0.0.1:9", checksum="0" * 64
+    )
     return Poison("forged signature", encode(sign(forged, b"not-this-runs-key-0123456789", run_id="another-run")), None)
 
 

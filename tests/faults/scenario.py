@@ -82,8 +82,15 @@ def record(
     run.stop_services()
     run.concluded = True
     run.tap.stop()
-    counts = count_run(run.client, run.names, group_size=group_size, weights_key=run.weights_key,
-                       injected=run.injected, fault_end=fault_end, entries=run.tap.entries)  # fmt: skip
+    counts = count_run(
+        run.client,
+        run.names,
+        group_size=group_size,
+        weights_key=run.weights_key,
+        injected=run.injected,
+        fault_end=fault_end,
+        entries=run.tap.entries,
+    )
     exits = [str(e) for e in run.exits]
     row = Row(scenario, completed, total_steps, counts, recovery_bound_s, exits, round(time.time() - run.started_at, 1))
     scenario_failures = checks() if checks else []
@@ -130,19 +137,42 @@ def _check(row: Row, run: FaultRun, allowed_exits: tuple[str, ...]) -> list[str]
 
 def format_table(rows: list[Row]) -> str:
     """The rows as a fixed-width text table."""
-    head = ["scenario", "issued", "trained", "dropped (reason: groups)", "lost", "twice", "pending", "steps",
-            "recovery s", "exits", "wall s", "result"]  # fmt: skip
+    head = [
+        "scenario",
+        "issued",
+        "trained",
+        "dropped (reason: groups)",
+        "lost",
+        "twice",
+        "pending",
+        "steps",
+        "recovery s",
+        "exits",
+        "wall s",
+        "result",
+    ]
     lines = [head]
     for r in rows:
         c = r.counts
         dropped = ", ".join(f"{k}: {v}" for k, v in sorted(c.dropped.items())) or "-"
         bound = f" (<={r.recovery_bound_s:g})" if r.recovery_bound_s is not None else ""
         recovery = ("-" if c.recovery_s is None else f"{c.recovery_s:g}") + bound
-        lines.append([
-            r.scenario, str(c.issued), str(c.trained), dropped, str(c.lost), str(c.trained_twice), str(c.pending_end),
-            f"{c.steps}/{r.total_steps}", recovery, str(len(r.unexpected_exits)), f"{r.wall_s:g}",
-            "ok" if not r.failures else "FAIL",
-        ])  # fmt: skip
+        lines.append(
+            [
+                r.scenario,
+                str(c.issued),
+                str(c.trained),
+                dropped,
+                str(c.lost),
+                str(c.trained_twice),
+                str(c.pending_end),
+                f"{c.steps}/{r.total_steps}",
+                recovery,
+                str(len(r.unexpected_exits)),
+                f"{r.wall_s:g}",
+                "ok" if not r.failures else "FAIL",
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))

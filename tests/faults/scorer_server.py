@@ -96,8 +96,13 @@ class ScorerServer:
     def start(self, timeout_s: float = 30.0) -> ScorerServer:
         env = {**os.environ, TOKEN_ENV: self.token}
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, __file__, "--port", str(self.port)], stdout=out,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--port", str(self.port)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while f"listening on {self.port}" not in self.log.read_text(errors="replace"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -113,8 +118,9 @@ class ScorerServer:
 
     def _call(self, path: str, body: dict[str, object] | None = None) -> object:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", data=data, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=10) as resp:
             return json.loads(resp.read())
 

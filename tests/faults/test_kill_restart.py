@@ -37,8 +37,13 @@ def test_sigkill_and_restart(service: str, fault_run: MakeRun) -> None:
     time.sleep(DOWN_S)
     run.start_service(service, f"{service}-0" if service in ("coordinator", "learner") else f"{service}-1")
     restarted = time.time()
-    conclude(run, f"SIGKILL {service}", total_steps=TOTAL_STEPS, fault_end=restarted,
-             recovery_bound_s=RECOVERY_BOUND_S[service])  # fmt: skip
+    conclude(
+        run,
+        f"SIGKILL {service}",
+        total_steps=TOTAL_STEPS,
+        fault_end=restarted,
+        recovery_bound_s=RECOVERY_BOUND_S[service],
+    )
 
 
 SYNC_DEADLINE_S = 10.0
@@ -61,5 +66,10 @@ def test_learner_killed_before_its_last_version_is_fetched(fault_run: MakeRun) -
     time.sleep(DOWN_S)
     run.start_service("learner", "learner-0")
     restarted = time.time()
-    conclude(run, "SIGKILL learner, its last version unfetched", total_steps=TOTAL_STEPS, fault_end=restarted,
-             recovery_bound_s=RECOVERY_BOUND_S["learner"])  # fmt: skip
+    conclude(
+        run,
+        "SIGKILL learner, its last version unfetched",
+        total_steps=TOTAL_STEPS,
+        fault_end=restarted,
+        recovery_bound_s=RECOVERY_BOUND_S["learner"],
+    )

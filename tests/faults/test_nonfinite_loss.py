@@ -52,8 +52,12 @@ def test_nonfinite_loss(fault_run: MakeRun, tiny_task: Path, tmp_path: Path) -> 
     huge.write_text(json.loads(rows[POISONED_PROMPT])["prompt"] + "\n")
     group = f"p{POISONED_PROMPT}"
     scorer = {"name": "arithmetic", "type": "function", "path": str(REWARD_FILE)}
-    overrides = [f"--total_steps={TOTAL_STEPS}", "--coordinator.dataset.shuffle=false",
-                 "--learner.algo.shaping.reward_clip=null", f"--reward.scorers={json.dumps([scorer])}"]  # fmt: skip
+    overrides = [
+        f"--total_steps={TOTAL_STEPS}",
+        "--coordinator.dataset.shuffle=false",
+        "--learner.algo.shaping.reward_clip=null",
+        f"--reward.scorers={json.dumps([scorer])}",
+    ]
     run: FaultRun = fault_run("nonfinite", overrides, env={FILE_ENV: str(huge)}).start()
     run.wait_until(f"a dead letter of the batch holding {group}", lambda: bool(_batch_dead_letters(run, group)), 120)
     dead_at = min(letter.ts for letter in _batch_dead_letters(run, group))
@@ -66,5 +70,12 @@ def test_nonfinite_loss(fault_run: MakeRun, tiny_task: Path, tmp_path: Path) -> 
             ]
         return []
 
-    conclude(run, "non-finite loss (3e38 reward)", total_steps=TOTAL_STEPS, fault_end=dead_at,
-             recovery_bound_s=RECOVERY_BOUND_S, allowed_exits=("learner",), checks=checks)  # fmt: skip
+    conclude(
+        run,
+        "non-finite loss (3e38 reward)",
+        total_steps=TOTAL_STEPS,
+        fault_end=dead_at,
+        recovery_bound_s=RECOVERY_BOUND_S,
+        allowed_exits=("learner",),
+        checks=checks,
+    )

@@ -72,8 +72,16 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     scored, _ = first_message(run.written(n.scored), ScoredTrajectory)
     batch, _ = first_message(run.written(n.batches), TrainingBatch)  # batch-0: trained by now
     weights, _ = first_message(run.written(n.weights), WeightsPublished)
-    letter = DeadLetter(stream=n.trajectories, entry_id="0-1", group="reward", consumer="faults", error="template",
-                        deliveries=1, payload=b"", ts=time.time())  # fmt: skip
+    letter = DeadLetter(
+        stream=n.trajectories,
+        entry_id="0-1",
+        group="reward",
+        consumer="faults",
+        error="template",
+        deliveries=1,
+        payload=b"",
+        ts=time.time(),
+    )
     written = []
     written += _write(run, n.prompts, malformed(prompt))
     written += _write(run, n.trajectories, malformed(traj))
@@ -94,5 +102,11 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
             failures.append(f"the coordinator's policy version is {version}: a forged weights event moved it")
         return failures
 
-    conclude(run, "poison in every stream", total_steps=TOTAL_STEPS, fault_end=injected_at,
-             recovery_bound_s=RECOVERY_BOUND_S, checks=checks)  # fmt: skip
+    conclude(
+        run,
+        "poison in every stream",
+        total_steps=TOTAL_STEPS,
+        fault_end=injected_at,
+        recovery_bound_s=RECOVERY_BOUND_S,
+        checks=checks,
+    )

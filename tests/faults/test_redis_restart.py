@@ -25,5 +25,10 @@ def test_redis_killed_and_restarted(fault_run: MakeRun) -> None:
     time.sleep(DOWN_S)
     run.start_redis()
     back = time.time()
-    conclude(run, f"redis SIGKILL, back after {DOWN_S:g} s (AOF)", total_steps=TOTAL_STEPS, fault_end=back,
-             recovery_bound_s=RECOVERY_BOUND_S)  # fmt: skip
+    conclude(
+        run,
+        f"redis SIGKILL, back after {DOWN_S:g} s (AOF)",
+        total_steps=TOTAL_STEPS,
+        fault_end=back,
+        recovery_bound_s=RECOVERY_BOUND_S,
+    )

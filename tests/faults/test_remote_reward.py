@@ -42,10 +42,17 @@ DOWN_S = 30.0
 GROUP_SIZE = 8
 TOKEN_ENV = "FAULTS_SCORER_TOKEN"
 DEMO_IN_FLIGHT = [
-    "--consumer.count=256", "--consumer.max_in_flight=512", "--reward.max_batch_size=256", "--reward.max_wait_ms=5",
-    f"--coordinator.group_size={GROUP_SIZE}", "--coordinator.prompts_per_step=32", "--coordinator.max_staleness=1",
-    "--coordinator.eval.num_prompts=64", "--learner.ds.micro_batch_size=256", "--learner.ds.grad_accum=1",
-]  # fmt: skip
+    "--consumer.count=256",
+    "--consumer.max_in_flight=512",
+    "--reward.max_batch_size=256",
+    "--reward.max_wait_ms=5",
+    f"--coordinator.group_size={GROUP_SIZE}",
+    "--coordinator.prompts_per_step=32",
+    "--coordinator.max_staleness=1",
+    "--coordinator.eval.num_prompts=64",
+    "--learner.ds.micro_batch_size=256",
+    "--learner.ds.grad_accum=1",
+]
 """recipes/demo.toml's consumer, reward batcher and step shape (its eval set here has 64 prompts)."""
 RECOVERY_BOUND_S = 45.0
 """From the server answering again (or the reward service restarted) to the next trained batch (s)."""
@@ -90,9 +97,15 @@ def test_reward_fails_whole_batches_for_a_while(mode: str, scorer: ScorerServer,
     scorer.set_mode("ok")
     healed = time.time()
     label = {"500": "HTTP 500", "drop": "connections dropped"}[mode]
-    conclude(run, f"reward {label} {FAULT_S:g} s (demo in-flight)", total_steps=TOTAL_STEPS, group_size=GROUP_SIZE,
-             fault_end=healed, recovery_bound_s=RECOVERY_BOUND_S,
-             checks=lambda: [] if faulted else [f"no request met the {mode} fault"])  # fmt: skip
+    conclude(
+        run,
+        f"reward {label} {FAULT_S:g} s (demo in-flight)",
+        total_steps=TOTAL_STEPS,
+        group_size=GROUP_SIZE,
+        fault_end=healed,
+        recovery_bound_s=RECOVERY_BOUND_S,
+        checks=lambda: [] if faulted else [f"no request met the {mode} fault"],
+    )
 
 
 def test_reward_token_rotated(scorer: ScorerServer, fault_run: MakeRun) -> None:
@@ -120,9 +133,16 @@ def test_reward_token_rotated(scorer: ScorerServer, fault_run: MakeRun) -> None:
         return failures
 
     # a reward tier may stop with a clear error on a refused token (the orchestrator restarts it)
-    conclude(run, f"reward wrong token {FAULT_S:g} s (demo in-flight)", total_steps=TOTAL_STEPS,
-             group_size=GROUP_SIZE, fault_end=fixed, recovery_bound_s=RECOVERY_BOUND_S, allowed_exits=("reward",),
-             checks=checks)  # fmt: skip
+    conclude(
+        run,
+        f"reward wrong token {FAULT_S:g} s (demo in-flight)",
+        total_steps=TOTAL_STEPS,
+        group_size=GROUP_SIZE,
+        fault_end=fixed,
+        recovery_bound_s=RECOVERY_BOUND_S,
+        allowed_exits=("reward",),
+        checks=checks,
+    )
 
 
 def test_reward_down_and_back(scorer: ScorerServer, fault_run: MakeRun) -> None:
@@ -132,8 +152,14 @@ def test_reward_down_and_back(scorer: ScorerServer, fault_run: MakeRun) -> None:
     time.sleep(DOWN_S)
     scorer.start()
     back = time.time()
-    conclude(run, f"reward down {DOWN_S:g} s (demo in-flight)", total_steps=TOTAL_STEPS, group_size=GROUP_SIZE,
-             fault_end=back, recovery_bound_s=RECOVERY_BOUND_S)  # fmt: skip
+    conclude(
+        run,
+        f"reward down {DOWN_S:g} s (demo in-flight)",
+        total_steps=TOTAL_STEPS,
+        group_size=GROUP_SIZE,
+        fault_end=back,
+        recovery_bound_s=RECOVERY_BOUND_S,
+    )
 
 
 def test_reward_slow(scorer: ScorerServer, fault_run: MakeRun) -> None:
@@ -147,5 +173,12 @@ def test_reward_slow(scorer: ScorerServer, fault_run: MakeRun) -> None:
             failures.append(f"{len(reasons)} entries dead-lettered though the server only was slow: {reasons[:2]}")
         return failures
 
-    conclude(run, "reward slow 1.5 s/request (demo in-flight)", total_steps=TOTAL_STEPS, group_size=GROUP_SIZE,
-             fault_end=None, recovery_bound_s=None, checks=checks)  # fmt: skip
+    conclude(
+        run,
+        "reward slow 1.5 s/request (demo in-flight)",
+        total_steps=TOTAL_STEPS,
+        group_size=GROUP_SIZE,
+        fault_end=None,
+        recovery_bound_s=None,
+        checks=checks,
+    )

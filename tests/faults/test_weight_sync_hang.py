@@ -30,8 +30,12 @@ RECOVERY_BOUND_S = 20.0
 def test_weight_transfer_hangs_past_its_deadline(fault_run: MakeRun) -> None:
     port = free_port()
     proxy = WeightsProxy(port).start()
-    overrides = [f"--total_steps={TOTAL_STEPS}", f"--learner.weights_port={port}",
-                 f"--learner.weights_advertise_host={LISTEN_HOST}", f"--rollout.weight_sync_timeout_s={SYNC_DEADLINE_S}"]  # fmt: skip
+    overrides = [
+        f"--total_steps={TOTAL_STEPS}",
+        f"--learner.weights_port={port}",
+        f"--learner.weights_advertise_host={LISTEN_HOST}",
+        f"--rollout.weight_sync_timeout_s={SYNC_DEADLINE_S}",
+    ]
     try:
         run: FaultRun = fault_run("weights-hang", overrides).start()
         run.wait_version(HANG_AT_VERSION)
@@ -44,7 +48,13 @@ def test_weight_transfer_hangs_past_its_deadline(fault_run: MakeRun) -> None:
             # a fetch that hit its deadline is retried on a new connection: at least two held
             return [] if proxy.held >= 2 else [f"the hang held {proxy.held} fetches: no deadline was exercised"]
 
-        conclude(run, f"weight transfer hung {HANG_S:g} s (deadline {SYNC_DEADLINE_S:g} s)", total_steps=TOTAL_STEPS,
-                 fault_end=healed, recovery_bound_s=RECOVERY_BOUND_S, checks=checks)  # fmt: skip
+        conclude(
+            run,
+            f"weight transfer hung {HANG_S:g} s (deadline {SYNC_DEADLINE_S:g} s)",
+            total_steps=TOTAL_STEPS,
+            fault_end=healed,
+            recovery_bound_s=RECOVERY_BOUND_S,
+            checks=checks,
+        )
     finally:
         proxy.close()

@@ -47,9 +47,15 @@ async def run(config: EchoConfig, ctx: ServiceContext) -> None:
         return [Output(stream=ctx.names.scored, message=scored)]
 
     loop = ConsumerLoop(
-        ctx.bus, ctx.names, stream=ctx.names.trajectories, group="reward", consumer=ctx.instance,
-        handler=handle, message_type=Trajectory, config=config.consumer,
-    )  # fmt: skip
+        ctx.bus,
+        ctx.names,
+        stream=ctx.names.trajectories,
+        group="reward",
+        consumer=ctx.instance,
+        handler=handle,
+        message_type=Trajectory,
+        config=config.consumer,
+    )
     ctx.loops.append(loop)
     ctx.status = "running"
     await loop.run(ctx.stop, burst=ctx.burst)

@@ -38,10 +38,14 @@ async def life(
     model: str, redis_url: str, run_id: str, run_dir: str, fail_index: int, mode: str, total_steps: int, every: int
 ) -> None:
     cfg = LearnerConfig(
-        model=model, run_id=run_id, run_dir=run_dir, total_steps=total_steps, checkpoint_every=every,
+        model=model,
+        run_id=run_id,
+        run_dir=run_dir,
+        total_steps=total_steps,
+        checkpoint_every=every,
         ds=DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2),
         consumer=ConsumerConfig(max_deliveries=int(os.environ.get("MAX_DELIVERIES", "2")), retry_delay_s=0.0),
-    )  # fmt: skip
+    )
     trainer = RLTrainer(cfg)
     real_step = trainer.step
 

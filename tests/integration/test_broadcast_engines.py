@@ -122,8 +122,16 @@ def test_an_engine_loads_nothing_the_signed_event_does_not_name(
     B as version 1, checksums and all). The signed event says version 1 is A's weights: the engine
     refuses what it received and keeps serving what it served."""
     path_a, model_a, model_b = models
-    engine = build_engine(EngineConfig(type=engine_type, model=str(path_a), dtype="float32", max_model_len=256,
-                                       kv_cache_gib=0.25, enforce_eager=True))  # type: ignore[arg-type]  # fmt: skip
+    engine = build_engine(
+        EngineConfig(
+            type=engine_type,
+            model=str(path_a),
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_gib=0.25,
+            enforce_eager=True,
+        )
+    )  # type: ignore[arg-type]
     learner = BroadcastWeightPublisher(bucket_bytes=256 * 1024, timeout_s=10)  # what the learner signed
     try:
         _, signed = learner.publish(list(model_a.named_parameters()), version=1)

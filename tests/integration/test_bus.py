@@ -40,8 +40,16 @@ def make_trajectory(i: int, num_tokens: int = 8) -> Trajectory:
 
 
 def start_worker(redis_url: str, run_id: str, instance: str, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, str(WORKER), f"--redis.url={redis_url}", f"--run_id={run_id}", f"--instance={instance}",
-           "--consumer.heartbeat_interval_s=0.2", "--consumer.claim_interval_s=0.2", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        f"--redis.url={redis_url}",
+        f"--run_id={run_id}",
+        f"--instance={instance}",
+        "--consumer.heartbeat_interval_s=0.2",
+        "--consumer.claim_interval_s=0.2",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # output to a file: an unread pipe fills up and blocks a chatty worker
     log = tempfile.NamedTemporaryFile(prefix=f"bus-worker-{instance}-", suffix=".log", delete=False)
@@ -111,8 +119,9 @@ def test_work_slower_than_claim_idle_is_not_claimed_again(redis_url: str, run_id
     names = StreamNames(run_id)
     for i in range(3):
         client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
-    worker = start_worker(redis_url, run_id, "slow", "--echo.delay_s=2.0", "--consumer.claim_idle_ms=300",
-                          "--consumer.max_deliveries=1")  # fmt: skip
+    worker = start_worker(
+        redis_url, run_id, "slow", "--echo.delay_s=2.0", "--consumer.claim_idle_ms=300", "--consumer.max_deliveries=1"
+    )
     try:
 
         def taken() -> bool:
@@ -278,17 +287,21 @@ def test_batched_commits_keep_their_own_outcome(redis_url: str, run_id: str) -> 
         client.xack(names.trajectories, "reward", entries[2])  # entry 2 was handled before (say, by another consumer)
         calls = []
         for i in range(4):  # entries 0-2 go to the scored stream, entry 3 to the key of the wrong type
-            out = (Output(stream=names.scored, message=make_trajectory(i)) if i < 3 else
-                   Output(key=f"{run_id}:not-a-hash", field="f", message=make_trajectory(i)))  # fmt: skip
-            calls.append(batcher.commit([out], ack_stream=names.trajectories, ack_group="reward",
-                                        ack_entry=entries[i]))  # fmt: skip
+            out = (
+                Output(stream=names.scored, message=make_trajectory(i))
+                if i < 3
+                else Output(key=f"{run_id}:not-a-hash", field="f", message=make_trajectory(i))
+            )
+            calls.append(batcher.commit([out], ack_stream=names.trajectories, ack_group="reward", ack_entry=entries[i]))
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         held = client.xpending_range(names.trajectories, "reward", min="-", max="+", count=10)
         assert [h["message_id"].decode() for h in held] == [entries[3]]  # the failed one only
         retry = await bus.commit(
-            [Output(stream=names.scored, message=make_trajectory(3))], ack_stream=names.trajectories,
-            ack_group="reward", ack_entry=entries[3],
-        )  # fmt: skip
+            [Output(stream=names.scored, message=make_trajectory(3))],
+            ack_stream=names.trajectories,
+            ack_group="reward",
+            ack_entry=entries[3],
+        )
         await bus.redis.aclose()
         return [*outcomes, retry]
 
@@ -381,22 +394,72 @@ def _tls_redis(tmp_path: Path, password: str) -> tuple[subprocess.Popen[bytes], 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-            "-subj", "/CN=streamrl-test-ca")  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=streamrl-test-ca",
+    )
     openssl(
         "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"
     )
     (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "server.crt", "-days", "1", "-extfile", "san.cnf")  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+    )
     port = free_port()
     proc = subprocess.Popen(
-        [find_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
-         "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no", "--requirepass", password,
-         "--save", "", "--appendonly", "no", "--dir", str(d)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            find_redis_server(),
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            str(d / "server.crt"),
+            "--tls-key-file",
+            str(d / "server.key"),
+            "--tls-ca-cert-file",
+            str(d / "ca.crt"),
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            password,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     return proc, f"rediss://:{password}@127.0.0.1:{port}/0?ssl_ca_certs={d / 'ca.crt'}", d
 
 
@@ -423,9 +486,18 @@ def test_a_worker_runs_over_tls_with_a_password(tmp_path: Path, run_id: str) -> 
         worker = start_worker(url, run_id, "tls-worker")
         wait_for(lambda: len(scored_ids(client, names)) >= 5 and pending(client, names) == 0, 30, "the outputs")
         check = subprocess.run(
-            [sys.executable, str(WORKER), f"--redis.url={url}", f"--run_id={run_id}", "--check", "--instance=tls-worker"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(WORKER),
+                f"--redis.url={url}",
+                f"--run_id={run_id}",
+                "--check",
+                "--instance=tls-worker",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert check.returncode == 0 and "healthy" in check.stdout, check.stdout + check.stderr
     finally:
         if worker is not None:
@@ -444,10 +516,24 @@ def test_a_wrong_password_stops_a_worker_at_once_with_a_clear_line(tmp_path: Pat
 
     port = free_port()
     server = subprocess.Popen(
-        [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--requirepass", "the-right-one-1234", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            find_redis_server(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            "the-right-one-1234",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(0.5)
         started = time.monotonic()

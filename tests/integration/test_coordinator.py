@@ -69,8 +69,9 @@ def stop(proc: subprocess.Popen[bytes]) -> str:
     return out
 
 
-def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
-                                                 write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_sync_admission_dead_letters_and_restart(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
@@ -81,8 +82,9 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
         wait_for(lambda: "waiting for a learner" in log.read_text(), 120, "the coordinator to wait for a learner")
         time.sleep(1.0)
         assert client.xlen(names.prompts) == 0, "prompts were issued before any learner was ready"
-        ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
-                                 endpoint="tcp://127.0.0.1:1")  # fmt: skip
+        ready = WeightsPublished(
+            version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="tcp://127.0.0.1:1"
+        )
         client.xadd(names.weights, {b"d": encode(ready)})
         # synchronous mode, one batch prefetched: the 4 prompts of batch 0 at version 0 and the 4 of
         # batch 1 asking for version 1 (the rollout holds them until those weights land); no more
@@ -93,11 +95,26 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
         assert all(p.sampling.n == 4 for p in issued)
         # a dead-lettered trajectory fails its group: counted with its reason, and replaced
         victim = issued[0]
-        traj = Trajectory(id=f"{victim.id}/0", group_id=victim.id, group_index=0, group_size=4,
-                          prompt_ids=victim.prompt_ids, response_ids=Tensor.from_list([5], "int32"),
-                          logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"))  # fmt: skip
-        letter = DeadLetter(stream=names.trajectories, entry_id="1-0", group="reward", consumer="r",
-                            error="ScorerError: reward server said HTTP 500", deliveries=3, payload=encode(traj), ts=0.0)  # fmt: skip
+        traj = Trajectory(
+            id=f"{victim.id}/0",
+            group_id=victim.id,
+            group_index=0,
+            group_size=4,
+            prompt_ids=victim.prompt_ids,
+            response_ids=Tensor.from_list([5], "int32"),
+            logprobs=Tensor.from_list([-1.0], "float32"),
+            loss_mask=Tensor.from_list([1], "uint8"),
+        )
+        letter = DeadLetter(
+            stream=names.trajectories,
+            entry_id="1-0",
+            group="reward",
+            consumer="r",
+            error="ScorerError: reward server said HTTP 500",
+            deliveries=3,
+            payload=encode(traj),
+            ts=0.0,
+        )
         client.xadd(names.dead, {b"d": encode(letter)})
         wait_for(lambda: client.xlen(names.prompts) >= 9, 10, "a replacement prompt")
         # the replacement asks for the version its group needed (batch 0's), not its position's (batch 1's:
@@ -124,8 +141,9 @@ def test_sync_admission_dead_letters_and_restart(tiny_task: Path, tmp_path: Path
         stop(proc)
 
 
-def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Path, tmp_path: Path, redis_url: str,
-                                                                  run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
     data = tmp_path / "train.jsonl"
     rows = [{"prompt": "1+1=" * 100_000, "label": "2"}] + [
         {"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(20)
@@ -134,11 +152,17 @@ def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Pat
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
-                             endpoint="tcp://127.0.0.1:1")  # fmt: skip
+    ready = WeightsPublished(
+        version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="tcp://127.0.0.1:1"
+    )
     client.xadd(names.weights, {b"d": encode(ready)})
-    proc = start(recipe, run_id, f"--coordinator.dataset.path={data}", "--coordinator.dataset.shuffle=false",
-                 "--redis.max_message_mb=0.5")  # fmt: skip
+    proc = start(
+        recipe,
+        run_id,
+        f"--coordinator.dataset.path={data}",
+        "--coordinator.dataset.shuffle=false",
+        "--redis.max_message_mb=0.5",
+    )
     try:
         wait_for(lambda: client.xlen(names.prompts) >= 7, 120, "the first prompts")
         time.sleep(1.0)
@@ -150,8 +174,9 @@ def test_a_prompt_over_the_message_limit_is_skipped_with_a_reason(tiny_task: Pat
     assert "skipping dataset prompt 0: a PromptWorkItem of" in out and "over the 0.5 MiB limit" in out
 
 
-def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
-                                                 write_recipe, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_the_last_evaluation_round_is_never_lost(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """The final version's evaluation round counts before the version does: the run cannot be found
     complete in between (here that gap is widened: starting a round takes 0.5 s)."""
     from streamrl.common.bus import Bus, connect
@@ -167,16 +192,36 @@ def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path
     client = redis.Redis.from_url(redis_url)
 
     def weights(version: int) -> dict[bytes, bytes]:
-        return {b"d": encode(WeightsPublished(version=version, step=version, batch_id="", checksum="0", num_bytes=0,
-                                              num_buckets=0, endpoint="tcp://127.0.0.1:1"))}  # fmt: skip
+        return {
+            b"d": encode(
+                WeightsPublished(
+                    version=version,
+                    step=version,
+                    batch_id="",
+                    checksum="0",
+                    num_bytes=0,
+                    num_buckets=0,
+                    endpoint="tcp://127.0.0.1:1",
+                )
+            )
+        }
 
     def answer_round(version: int) -> None:
         for item in prompts(client, names):
             if item.is_eval and item.metadata.get("eval_version") == version:
-                traj = Trajectory(id=f"{item.id}/0", group_id=item.id, group_index=0, group_size=1,
-                                  prompt_ids=item.prompt_ids, response_ids=Tensor.from_list([5], "int32"),
-                                  logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"),
-                                  is_eval=True, metadata={"eval_version": version}, policy_version_end=version)  # fmt: skip
+                traj = Trajectory(
+                    id=f"{item.id}/0",
+                    group_id=item.id,
+                    group_index=0,
+                    group_size=1,
+                    prompt_ids=item.prompt_ids,
+                    response_ids=Tensor.from_list([5], "int32"),
+                    logprobs=Tensor.from_list([-1.0], "float32"),
+                    loss_mask=Tensor.from_list([1], "uint8"),
+                    is_eval=True,
+                    metadata={"eval_version": version},
+                    policy_version_end=version,
+                )
                 client.hset(
                     names.group_buffer(f"eval-v{version}"),
                     traj.id,
@@ -184,12 +229,17 @@ def test_the_last_evaluation_round_is_never_lost(tiny_task: Path, tmp_path: Path
                 )
 
     async def scenario() -> tuple[bool, dict[bytes, bytes]]:
-        overrides = [f"--run_id={run_id}", "--total_steps=1", "--coordinator.eval.every_steps=1",
-                     "--coordinator.eval.num_prompts=2"]  # fmt: skip
+        overrides = [
+            f"--run_id={run_id}",
+            "--total_steps=1",
+            "--coordinator.eval.every_steps=1",
+            "--coordinator.eval.num_prompts=2",
+        ]
         config = load_config(CoordinatorConfig, str(recipe), overrides, section="coordinator")
         bus = Bus(connect(redis_url))
-        ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
-                             stop=asyncio.Event())  # fmt: skip
+        ctx = ServiceContext(
+            service="coordinator", instance="t", config=config, bus=bus, names=names, stop=asyncio.Event()
+        )
         real_start = EvalRounds.maybe_start
 
         async def slow_start(self: EvalRounds, version: int) -> None:
@@ -240,8 +290,15 @@ class Harness:
         return prompts(self.client, self.names)
 
     def weights(self, version: int) -> None:
-        event = WeightsPublished(version=version, step=version, batch_id="", checksum="0", num_bytes=0,
-                                 num_buckets=0, endpoint="tcp://127.0.0.1:1")  # fmt: skip
+        event = WeightsPublished(
+            version=version,
+            step=version,
+            batch_id="",
+            checksum="0",
+            num_bytes=0,
+            num_buckets=0,
+            endpoint="tcp://127.0.0.1:1",
+        )
         self.client.xadd(self.names.weights, {b"d": encode(event)})
 
     def answer(self, item: PromptWorkItem, scores: list[float] | None = None, **scored: Any) -> None:
@@ -251,8 +308,16 @@ class Harness:
             self.client.xadd(self.names.scored, {b"d": encode(score_sample(item, i, score, **scored))})
 
     def dead_letter(self, stream: str, message: Any, error: str = "ScorerError: HTTP 500") -> None:
-        letter = DeadLetter(stream=stream, entry_id="1-0", group="g", consumer="c", error=error, deliveries=3,
-                            payload=encode(message), ts=0.0)  # fmt: skip
+        letter = DeadLetter(
+            stream=stream,
+            entry_id="1-0",
+            group="g",
+            consumer="c",
+            error=error,
+            deliveries=3,
+            payload=encode(message),
+            ts=0.0,
+        )
         self.client.xadd(self.names.dead, {b"d": encode(letter)})
 
     def counter(self, name: str) -> int:
@@ -272,14 +337,23 @@ class Harness:
             await asyncio.sleep(0.02)
 
 
-def score_sample(item: PromptWorkItem, index: int, score: float, version: int | None = None,
-                 **scored: Any) -> ScoredTrajectory:  # fmt: skip
-    traj = Trajectory(id=f"{item.id}/{index}", group_id=item.id, group_index=index, group_size=item.sampling.n,
-                      prompt_ids=item.prompt_ids, response_ids=Tensor.from_list([5], "int32"),
-                      logprobs=Tensor.from_list([-1.0], "float32"), loss_mask=Tensor.from_list([1], "uint8"),
-                      is_eval=item.is_eval, metadata=item.metadata,
-                      policy_version_start=item.policy_version if version is None else version,
-                      policy_version_end=item.policy_version if version is None else version)  # fmt: skip
+def score_sample(
+    item: PromptWorkItem, index: int, score: float, version: int | None = None, **scored: Any
+) -> ScoredTrajectory:
+    traj = Trajectory(
+        id=f"{item.id}/{index}",
+        group_id=item.id,
+        group_index=index,
+        group_size=item.sampling.n,
+        prompt_ids=item.prompt_ids,
+        response_ids=Tensor.from_list([5], "int32"),
+        logprobs=Tensor.from_list([-1.0], "float32"),
+        loss_mask=Tensor.from_list([1], "uint8"),
+        is_eval=item.is_eval,
+        metadata=item.metadata,
+        policy_version_start=item.policy_version if version is None else version,
+        policy_version_end=item.policy_version if version is None else version,
+    )
     return ScoredTrajectory(trajectory=traj, reward=score, score=score, **scored)
 
 
@@ -293,8 +367,9 @@ def a_trajectory(item: PromptWorkItem) -> Trajectory:
 
 
 @contextlib.asynccontextmanager
-async def coordinator(recipe: Path, run_id: str, redis_url: str, *overrides: str,
-                      evaluation: bool = False) -> AsyncIterator[Harness]:  # fmt: skip
+async def coordinator(
+    recipe: Path, run_id: str, redis_url: str, *overrides: str, evaluation: bool = False
+) -> AsyncIterator[Harness]:
     """The coordinator service running in this event loop (the recipe's evaluation only with ``evaluation``)."""
     from streamrl.common.bus import Bus, connect
     from streamrl.common.config import load_config
@@ -318,8 +393,9 @@ async def coordinator(recipe: Path, run_id: str, redis_url: str, *overrides: str
 
 
 @pytest.mark.parametrize("loss", ["dead-lettered", "filtered", "timed out"])
-def test_a_lost_group_is_replaced_for_its_own_batch(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
-                                                    write_recipe, loss: str) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_lost_group_is_replaced_for_its_own_batch(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe, loss: str
+) -> None:  # type: ignore[no-untyped-def]
     """Synchronous, one batch prefetched: batch 1's groups wait for version 1 while a group of batch 0
     is lost. Its replacement must ask for version 0 - one asking for version 1 (its position in issue
     order) could only be generated after batch 0 trained, which needs it: the run would stop for good."""
@@ -389,8 +465,13 @@ def test_a_dead_lettered_batch_is_counted_never_taken_for_a_group(
             h.weights(0)
             await h.until(lambda: len(h.prompts()) >= 8, "the first prompts")
             item = h.prompts()[0]
-            batch = TrainingBatch(id="batch-0", index=0, samples=[score_sample(item, i, 1.0) for i in range(4)],
-                                  policy_version=0, staleness=[0, 0, 0, 0])  # fmt: skip
+            batch = TrainingBatch(
+                id="batch-0",
+                index=0,
+                samples=[score_sample(item, i, 1.0) for i in range(4)],
+                policy_version=0,
+                staleness=[0, 0, 0, 0],
+            )
             for _ in range(2):  # the same batch twice (a learner restarted mid-way): counted once
                 h.dead_letter(
                     h.names.batches,
@@ -411,8 +492,9 @@ def test_a_dead_lettered_batch_is_counted_never_taken_for_a_group(
     assert errors and "FloatingPointError: nan" in errors[0] and "4 samples" in errors[0], errors
 
 
-def test_batch_metrics_carry_the_reward_tiers_figures(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
-                                                      write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_batch_metrics_carry_the_reward_tiers_figures(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
 
     async def scenario() -> None:
@@ -444,15 +526,25 @@ def test_evaluation_rounds_close_with_dead_and_missing_prompts(
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
 
     async def scenario() -> None:
-        async with coordinator(recipe, run_id, redis_url, "--total_steps=1", "--coordinator.eval.num_prompts=2",
-                               "--coordinator.group_timeout_s=3", evaluation=True) as h:  # fmt: skip
+        async with coordinator(
+            recipe,
+            run_id,
+            redis_url,
+            "--total_steps=1",
+            "--coordinator.eval.num_prompts=2",
+            "--coordinator.group_timeout_s=3",
+            evaluation=True,
+        ) as h:
             h.weights(0)
             await h.until(lambda: sum(p.is_eval for p in h.prompts()) == 2, "round 0's prompts")
             first, second = [p for p in h.prompts() if p.is_eval]
             h.answer(first, scores=[1.0])
             h.dead_letter(h.names.prompts, second, "WeightSyncError: deadline passed")
-            await h.until(lambda: not h.client.hget(h.names.state("eval_rounds"), "0").startswith(b"started"),
-                          "round 0 to close", 2.0)  # before its timeout  # fmt: skip
+            await h.until(
+                lambda: not h.client.hget(h.names.state("eval_rounds"), "0").startswith(b"started"),
+                "round 0 to close",
+                2.0,
+            )  # before its timeout
             h.weights(1)
             assert h.service_task is not None
             await asyncio.wait_for(asyncio.shield(h.service_task), 10)  # the run ends: round 1 timed out
@@ -464,12 +556,16 @@ def test_evaluation_rounds_close_with_dead_and_missing_prompts(
         (0, 1.0, 1, 0),
         (1, None, 0, 2),
     ]
-    assert any("version 1" in r.getMessage() and "no accuracy" in r.getMessage() for r in caplog.records
-               if r.levelno == logging.WARNING)  # fmt: skip
+    assert any(
+        "version 1" in r.getMessage() and "no accuracy" in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+    )
 
 
-def test_a_trimmed_entry_is_acknowledged_with_a_warning(redis_url: str, run_id: str,
-                                                        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_a_trimmed_entry_is_acknowledged_with_a_warning(
+    redis_url: str, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """An entry trimmed from its stream before it was handled (its group then times out at the
     coordinator) is acknowledged by the consumer that claims it, with one warning line."""
     from streamrl.common.bus import Bus, connect
@@ -489,8 +585,16 @@ def test_a_trimmed_entry_is_acknowledged_with_a_warning(redis_url: str, run_id: 
     async def scenario() -> None:
         bus = Bus(connect(redis_url))
         config = ConsumerConfig(claim_idle_ms=100, claim_interval_s=0.1, block_ms=50)
-        loop = ConsumerLoop(bus, names, stream=names.prompts, group="rollout", consumer="live", handler=handler,
-                            message_type=PromptWorkItem, config=config)  # fmt: skip
+        loop = ConsumerLoop(
+            bus,
+            names,
+            stream=names.prompts,
+            group="rollout",
+            consumer="live",
+            handler=handler,
+            message_type=PromptWorkItem,
+            config=config,
+        )
         stop = asyncio.Event()
         running = asyncio.create_task(loop.run(stop))
         deadline = time.monotonic() + 5.0
@@ -506,8 +610,9 @@ def test_a_trimmed_entry_is_acknowledged_with_a_warning(redis_url: str, run_id: 
     assert any(entry.decode() in w and "trimmed" in w for w in warned), warned
 
 
-def test_a_bad_dataset_row_is_skipped_named_and_counted(tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str,
-                                                        write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_bad_dataset_row_is_skipped_named_and_counted(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
     """A row with no prompt key and one whose chat template fails (the tiny tokenizer has none) are
     skipped with one error line each; the coordinator issues the good rows and keeps running."""
     data = tmp_path / "train.jsonl"
@@ -518,8 +623,9 @@ def test_a_bad_dataset_row_is_skipped_named_and_counted(tiny_task: Path, tmp_pat
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
-                             endpoint="tcp://127.0.0.1:1")  # fmt: skip
+    ready = WeightsPublished(
+        version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="tcp://127.0.0.1:1"
+    )
     client.xadd(names.weights, {b"d": encode(ready)})
     proc = start(recipe, run_id, f"--coordinator.dataset.path={data}", "--coordinator.dataset.shuffle=false")
     try:
@@ -539,16 +645,18 @@ def test_a_bad_dataset_row_is_skipped_named_and_counted(tiny_task: Path, tmp_pat
     assert "row 3: " in errors[1] and "chat template" in errors[1]
 
 
-def test_a_dataset_of_bad_rows_fails_at_start_with_one_clear_line(tiny_task: Path, tmp_path: Path, redis_url: str,
-                                                                  run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_dataset_of_bad_rows_fails_at_start_with_one_clear_line(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
     data = tmp_path / "train.jsonl"
     rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "label": str(i + 1)} for i in range(50)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    ready = WeightsPublished(version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0,
-                             endpoint="tcp://127.0.0.1:1")  # fmt: skip
+    ready = WeightsPublished(
+        version=0, step=0, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="tcp://127.0.0.1:1"
+    )
     client.xadd(names.weights, {b"d": encode(ready)})
     proc = start(recipe, run_id, f"--coordinator.dataset.path={data}")
     try:
@@ -590,7 +698,10 @@ def test_a_batch_the_learner_refused_is_sent_again_then_counted_as_dropped(
             await h.until(lambda: h.client.xlen(h.names.batches) == 2, "batch 0 sent again", timeout_s=10)
             again = batches_of(h)[1]
             assert (again.id, again.index, [s.trajectory.id for s in again.samples]) == (
-                batch.id, batch.index, [s.trajectory.id for s in batch.samples])  # fmt: skip
+                batch.id,
+                batch.index,
+                [s.trajectory.id for s in batch.samples],
+            )
             for _ in range(2):  # refused every time: after max_deliveries (3) letters it is given up
                 h.dead_letter(h.names.batches, batch, reason)
             await h.until(lambda: h.counter("batches_dead") == 1, "the batch counted as dropped")
@@ -606,9 +717,9 @@ def test_a_batch_the_learner_refused_is_sent_again_then_counted_as_dropped(
     assert any("4 groups" in e and "out of order" in e and "dropped" in e for e in errors), errors
 
 
-def test_the_coordinators_start_up_never_stalls_its_event_loop(tiny_task: Path, tmp_path: Path, redis_url: str,
-                                                               run_id: str, write_recipe,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_the_coordinators_start_up_never_stalls_its_event_loop(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """Loading a dataset and its tokenizer (here made to take 2 s) runs off the event loop: the loop keeps
     the heartbeat and the leases renewed meanwhile (a start longer than the lease TTL would hand the run
     to a standby while the first coordinator is still starting)."""
@@ -627,14 +738,16 @@ def test_the_coordinators_start_up_never_stalls_its_event_loop(tiny_task: Path, 
 
     monkeypatch.setattr(service_module, "PromptSource", slow_source)
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
-    config = load_config(CoordinatorConfig, str(recipe), [f"--run_id={run_id}", "--coordinator.eval.dataset=null"],
-                         section="coordinator")  # fmt: skip
+    config = load_config(
+        CoordinatorConfig, str(recipe), [f"--run_id={run_id}", "--coordinator.eval.dataset=null"], section="coordinator"
+    )
     names = StreamNames(run_id)
 
     async def scenario() -> float:
         bus = Bus(connect(redis_url))
-        ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
-                             stop=asyncio.Event())  # fmt: skip
+        ctx = ServiceContext(
+            service="coordinator", instance="t", config=config, bus=bus, names=names, stop=asyncio.Event()
+        )
         running = asyncio.create_task(_run(config, ctx))
         worst, last = 0.0, time.monotonic()
         while ctx.status != "running":
@@ -651,8 +764,9 @@ def test_the_coordinators_start_up_never_stalls_its_event_loop(tiny_task: Path, 
     assert worst_pause_s < 1.0, f"the event loop stalled {worst_pause_s:.1f} s during start-up"
 
 
-def test_a_dead_letter_read_again_after_a_restart_is_counted_once(tiny_task: Path, tmp_path: Path, redis_url: str,
-                                                                  run_id: str, write_recipe) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_dead_letter_read_again_after_a_restart_is_counted_once(
+    tiny_task: Path, tmp_path: Path, redis_url: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
     """The dead-letter tail saves its cursor after handling what it read: a coordinator killed in between
     reads those letters again. Their effects are guarded (a group fails once); the counters too."""
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)

@@ -61,10 +61,18 @@ class Prompts:
 
 
 def sample(group: str, index: int, score: float, version: int = 0) -> ScoredTrajectory:
-    traj = Trajectory(id=f"{group}/{index}", group_id=group, group_index=index, group_size=2,
-                      prompt_ids=Tensor.from_list([1], "int32"), response_ids=Tensor.from_list([5, 6], "int32"),
-                      logprobs=Tensor.from_list([-1.0, -1.0], "float32"), loss_mask=Tensor.from_list([1, 1], "uint8"),
-                      policy_version_start=version, policy_version_end=version)  # fmt: skip
+    traj = Trajectory(
+        id=f"{group}/{index}",
+        group_id=group,
+        group_index=index,
+        group_size=2,
+        prompt_ids=Tensor.from_list([1], "int32"),
+        response_ids=Tensor.from_list([5, 6], "int32"),
+        logprobs=Tensor.from_list([-1.0, -1.0], "float32"),
+        loss_mask=Tensor.from_list([1, 1], "uint8"),
+        policy_version_start=version,
+        policy_version_end=version,
+    )
     return ScoredTrajectory(trajectory=traj, reward=score, score=score)
 
 
@@ -159,8 +167,14 @@ def test_a_lost_reply_to_dropping_too_stale_groups_drops_them_once(redis_url: st
 
 
 def issuer(state: RunState, **fields: Any) -> PromptIssuer:
-    config = CoordinatorConfig(dataset=DatasetConfig(path="unused.jsonl", tokenizer="unused"), group_size=2,
-                               prompts_per_step=4, prefetch_steps=0, wait_for_learner=False, **fields)  # fmt: skip
+    config = CoordinatorConfig(
+        dataset=DatasetConfig(path="unused.jsonl", tokenizer="unused"),
+        group_size=2,
+        prompts_per_step=4,
+        prefetch_steps=0,
+        wait_for_learner=False,
+        **fields,
+    )
     groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
     return PromptIssuer(config, state, groups, Prompts())  # type: ignore[arg-type]
 
@@ -313,8 +327,9 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
         config = load_config(CoordinatorConfig, str(recipe), args, section="coordinator")
         names = StreamNames(run_id)
         bus = Bus(connect(proxy.url, outage_s=20), maxlen=config.redis.maxlen)
-        ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
-                             stop=asyncio.Event())  # fmt: skip
+        ctx = ServiceContext(
+            service="coordinator", instance="t", config=config, bus=bus, names=names, stop=asyncio.Event()
+        )
         h = Harness(syncredis.Redis.from_url(redis_url), names, Path(config.run_dir))
         service = await asyncio.to_thread(CoordinatorService, config, ctx)
         h.service_task = asyncio.create_task(service.run())
@@ -349,9 +364,22 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
                     continue
                 version += 1
                 batch_seen = float("inf")
-                h.client.xadd(names.weights, {b"d": encode(WeightsPublished(
-                    version=version, step=version, batch_id=f"batch-{version - 1}", checksum="0", num_bytes=0,
-                    num_buckets=0, endpoint="tcp://127.0.0.1:1"))})  # fmt: skip
+                h.client.xadd(
+                    names.weights,
+                    {
+                        b"d": encode(
+                            WeightsPublished(
+                                version=version,
+                                step=version,
+                                batch_id=f"batch-{version - 1}",
+                                checksum="0",
+                                num_bytes=0,
+                                num_buckets=0,
+                                endpoint="tcp://127.0.0.1:1",
+                            )
+                        )
+                    },
+                )
             await asyncio.sleep(0.05)
         losing.cancel()
         await asyncio.wait_for(h.service_task, 60)

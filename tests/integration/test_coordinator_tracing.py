@@ -48,8 +48,16 @@ async def traced_coordinator(
     config = load_config(CoordinatorConfig, str(recipe), [f"--run_id={run_id}"], section="coordinator")
     names = StreamNames(run_id)
     bus = Bus(connect(redis_url), maxlen=config.redis.maxlen, max_message_bytes=config.redis.max_message_bytes)
-    ctx = ServiceContext(service="coordinator", instance="t", config=config, bus=bus, names=names,
-                         stop=asyncio.Event(), tracing=tracing, metrics=metrics)  # fmt: skip
+    ctx = ServiceContext(
+        service="coordinator",
+        instance="t",
+        config=config,
+        bus=bus,
+        names=names,
+        stop=asyncio.Event(),
+        tracing=tracing,
+        metrics=metrics,
+    )
     harness = Harness(redis.Redis.from_url(redis_url), names, Path(config.run_dir))
     harness.service_task = asyncio.create_task(CoordinatorService(config, ctx).run())
     try:

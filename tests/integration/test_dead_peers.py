@@ -29,9 +29,15 @@ async def _nothing(_: Trajectory) -> list[Output]:
 
 def _loop(bus: Bus, names: StreamNames) -> ConsumerLoop[Trajectory]:
     return ConsumerLoop(
-        bus, names, stream=names.trajectories, group="reward", consumer="alive", handler=_nothing,
-        message_type=Trajectory, config=ConsumerConfig(heartbeat_interval_s=INTERVAL_S, claim_idle_ms=60_000),
-    )  # fmt: skip
+        bus,
+        names,
+        stream=names.trajectories,
+        group="reward",
+        consumer="alive",
+        handler=_nothing,
+        message_type=Trajectory,
+        config=ConsumerConfig(heartbeat_interval_s=INTERVAL_S, claim_idle_ms=60_000),
+    )
 
 
 def _setup_dead_peer(client: redis.Redis, names: StreamNames, entries: int) -> list[bytes]:

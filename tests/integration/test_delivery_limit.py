@@ -23,11 +23,14 @@ def test_an_entry_that_kills_its_consumer_is_dead_lettered_after_max_deliveries(
     restarts, deadline = 0, time.monotonic() + 90
     # a supervisor restarting the crashed worker under its name (the launcher, a container runtime)
     while not (client.xlen(names.dead) and pending(client, names) == 0 and len(scored_ids(client, names)) == 5):
-        assert restarts <= 6, (f"still crash-looping after {restarts} restarts: {client.xlen(names.dead)} dead letters, "
-                               f"{pending(client, names)} pending")  # fmt: skip
+        assert restarts <= 6, (
+            f"still crash-looping after {restarts} restarts: {client.xlen(names.dead)} dead letters, "
+            f"{pending(client, names)} pending"
+        )
         assert time.monotonic() < deadline, "timed out"
-        worker = start_worker(redis_url, run_id, "w", '--echo.crash_ids=["g2/0"]', "--consumer.max_deliveries=3",
-                              "--burst")  # fmt: skip
+        worker = start_worker(
+            redis_url, run_id, "w", '--echo.crash_ids=["g2/0"]', "--consumer.max_deliveries=3", "--burst"
+        )
         code = worker.wait(timeout=60)
         restarts += code != 0
     assert restarts == 3, f"killed {restarts} times"  # deliveries 1-3 crashed, the 4th was dead-lettered unhandled

@@ -11,8 +11,9 @@ from streamrl.common.messages import WeightsPublished
 
 
 def _event(version: int) -> WeightsPublished:
-    return WeightsPublished(version=version, step=version, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
-                            endpoint="tcp://learner:1")  # fmt: skip
+    return WeightsPublished(
+        version=version, step=version, batch_id="", checksum="c", num_bytes=1, num_buckets=1, endpoint="tcp://learner:1"
+    )
 
 
 def test_entries_in_order_bad_ones_passed_over_and_a_cursor_to_read_again(redis_url: str, run_id: str) -> None:
@@ -31,8 +32,9 @@ def test_entries_in_order_bad_ones_passed_over_and_a_cursor_to_read_again(redis_
                     return previous_id(entry_id)
             return last_id
 
-        follower = StreamFollower(bus.redis, stream, lambda f: decode(f.get(b"d", b""), WeightsPublished), handle,
-                                  count=1, block_ms=50)  # fmt: skip
+        follower = StreamFollower(
+            bus.redis, stream, lambda f: decode(f.get(b"d", b""), WeightsPublished), handle, count=1, block_ms=50
+        )
         stop = asyncio.Event()
         task = asyncio.create_task(follower.run("0-0", stop))
         await bus.publish(stream, _event(1))

@@ -35,9 +35,20 @@ def _learner(conn: Connection) -> None:
         folder, version = request
         model = AutoModelForCausalLM.from_pretrained(folder).cuda()
         ipc, checksum = publisher.publish(model.state_dict().items(), version)
-        conn.send_bytes(encode(WeightsPublished(version=version, step=version, batch_id="", checksum=checksum,
-                                                num_bytes=publisher.num_bytes, num_buckets=publisher.num_buffers,
-                                                endpoint="", ipc=ipc)))  # fmt: skip
+        conn.send_bytes(
+            encode(
+                WeightsPublished(
+                    version=version,
+                    step=version,
+                    batch_id="",
+                    checksum=checksum,
+                    num_bytes=publisher.num_bytes,
+                    num_buckets=publisher.num_buffers,
+                    endpoint="",
+                    ipc=ipc,
+                )
+            )
+        )
         conn.recv()  # keep the buffers alive until the engine took them
 
 

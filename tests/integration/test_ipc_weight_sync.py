@@ -56,9 +56,15 @@ def _learner(conn: Connection) -> None:
         if command == "publish":
             ipc, checksum = publisher.publish(_weights(version, "cuda"), version)
             message = WeightsPublished(
-                version=version, step=version, batch_id="", checksum=checksum, num_bytes=publisher.num_bytes,
-                num_buckets=publisher.num_buffers, endpoint="", ipc=ipc,
-            )  # fmt: skip
+                version=version,
+                step=version,
+                batch_id="",
+                checksum=checksum,
+                num_bytes=publisher.num_bytes,
+                num_buckets=publisher.num_buffers,
+                endpoint="",
+                ipc=ipc,
+            )
             conn.send_bytes(encode(message))
         elif command == "corrupt":  # a corrupted buffer, not a new version
             publisher._buffers[0][100] ^= 1

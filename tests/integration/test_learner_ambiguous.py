@@ -36,7 +36,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _events(client: redis.Redis, names: StreamNames) -> list[tuple[int, str]]:  # type: ignore[type-arg]
-    return [(w.version, w.batch_id) for w in (decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights))]
+    return [
+        (w.version, w.batch_id) for w in (decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights))
+    ]
 
 
 def _letters(client: redis.Redis, names: StreamNames) -> list[DeadLetter]:  # type: ignore[type-arg]

@@ -35,8 +35,11 @@ def _life(model: Path, redis_url: str, run_id: str, run_dir: Path, *args: str) -
     """One learner life; by default batch 1 fails after its first backward pass."""
     return subprocess.run(
         [sys.executable, str(WORKER), str(model), redis_url, run_id, str(run_dir), *(args or ("1",))],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_step_failing_half_way_stops_the_learner_and_is_dead_lettered_when_it_keeps_failing(
@@ -130,8 +133,13 @@ def test_a_resumed_learner_republishes_only_its_last_version(tmp_path: Path, red
     assert "versions up to 3 were published before the restart" in done.stderr
     events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
     assert [(w.version, w.batch_id) for w in events] == [
-        (0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2"), (3, "batch-2"), (4, "batch-3")
-    ]  # fmt: skip
+        (0, ""),
+        (1, "batch-0"),
+        (2, "batch-1"),
+        (3, "batch-2"),
+        (3, "batch-2"),
+        (4, "batch-3"),
+    ]
     assert client.xpending(names.batches, "learner")["pending"] == 0
 
 
@@ -153,7 +161,11 @@ def test_a_learner_killed_between_checkpoint_and_publish_publishes_that_step_on_
     assert "version 2 was checkpointed but not published before the restart" in done.stderr
     events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
     assert [(w.version, w.batch_id) for w in events] == [
-        (0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2"), (4, "batch-3")
-    ]  # fmt: skip
+        (0, ""),
+        (1, "batch-0"),
+        (2, "batch-1"),
+        (3, "batch-2"),
+        (4, "batch-3"),
+    ]
     assert "learner/loss/total" in events[2].metrics and "learner/staleness_max" in events[2].metrics
     assert client.xpending(names.batches, "learner")["pending"] == 0

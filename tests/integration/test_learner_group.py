@@ -47,12 +47,16 @@ def training_batch(index: int, num_groups: int = 5, group_size: int = 4) -> Trai
         for j in range(group_size):
             n = int(rng.integers(2, 10))
             traj = Trajectory(
-                id=f"b{index}/p{g}/{j}", group_id=f"b{index}/p{g}", group_index=j, group_size=group_size,
+                id=f"b{index}/p{g}/{j}",
+                group_id=f"b{index}/p{g}",
+                group_index=j,
+                group_size=group_size,
                 prompt_ids=Tensor.from_numpy(prompt),
                 response_ids=Tensor.from_numpy(rng.integers(3, 380, size=n).astype(np.int32)),
                 logprobs=Tensor.from_numpy(rng.uniform(-7.0, -5.0, size=n).astype(np.float32)),
-                loss_mask=Tensor.from_numpy(np.ones(n, dtype=np.uint8)), sampling=SamplingParams(temperature=1.0),
-            )  # fmt: skip
+                loss_mask=Tensor.from_numpy(np.ones(n, dtype=np.uint8)),
+                sampling=SamplingParams(temperature=1.0),
+            )
             samples.append(ScoredTrajectory(trajectory=traj, reward=float(rng.integers(0, 2))))
     return TrainingBatch(
         id=f"batch-{index}", index=index, samples=samples, policy_version=index, staleness=[0] * len(samples)
@@ -100,8 +104,11 @@ def feed(client: redis.Redis, names: StreamNames, indices: range) -> None:  # ty
 def learner(recipe_path: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "streamrl.learner", str(recipe_path), *extra],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:

@@ -31,9 +31,12 @@ def _group_life(path: Path, mode: str, timeout: float = 300) -> tuple[int, str, 
     """One life of the group (rank 1 fails in batch 1): exit code, output, seconds."""
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(WORKER), str(path), "--burst"], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, str(WORKER), str(path), "--burst"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**ENV, "FAIL_RANK": "1", "FAIL_INDEX": "1", "FAIL_MODE": mode},
-    )  # fmt: skip
+    )
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
 
 
@@ -52,7 +55,10 @@ def _recipe(tmp_path: Path, model: Path, redis_url: str, run_id: str, max_delive
 
 
 def test_an_error_on_a_follower_rank_fails_the_step_on_every_rank_and_rank_0_counts_it(
-    tmp_path: Path, model_dir: Path, redis_url: str, run_id: str  # noqa: F811
+    tmp_path: Path,
+    model_dir: Path,
+    redis_url: str,
+    run_id: str,
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
@@ -71,7 +77,10 @@ def test_an_error_on_a_follower_rank_fails_the_step_on_every_rank_and_rank_0_cou
 
 
 def test_a_follower_rank_killed_mid_step_stops_the_group_at_once_with_the_attempt_counted(
-    tmp_path: Path, model_dir: Path, redis_url: str, run_id: str  # noqa: F811
+    tmp_path: Path,
+    model_dir: Path,
+    redis_url: str,
+    run_id: str,
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)

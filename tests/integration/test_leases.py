@@ -25,8 +25,15 @@ BEAT_S = 0.2
 
 
 def _start(redis_url: str, run_id: str, service: str, instance: str, *extra: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, str(WORKER), f"--redis.url={redis_url}", f"--run_id={run_id}", f"--instance={instance}",
-           f"--consumer.heartbeat_interval_s={BEAT_S}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        f"--redis.url={redis_url}",
+        f"--run_id={run_id}",
+        f"--instance={instance}",
+        f"--consumer.heartbeat_interval_s={BEAT_S}",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BUS_WORKER_SERVICE": service}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -105,8 +112,11 @@ def test_a_live_instance_name_is_refused_and_a_killed_ones_is_taken_over(redis_u
         assert "instance name echo/rollout-0 is held by a live process (rollout-0@" in out
         first.kill()  # a replacement under the same name (a restarted replica) waits for the lease to expire
         again = _start(redis_url, run_id, "echo", "rollout-0")
-        _wait(lambda: again.poll() is not None or _status(client, names, "echo", "rollout-0", again.pid) == "running",
-              20, "the replacement to run")  # fmt: skip
+        _wait(
+            lambda: again.poll() is not None or _status(client, names, "echo", "rollout-0", again.pid) == "running",
+            20,
+            "the replacement to run",
+        )
         assert again.poll() is None
     finally:
         _stop(first)

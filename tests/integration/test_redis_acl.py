@@ -90,10 +90,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
     (d / "users.acl").write_text(acl_file(RUN, passwords) + admin)
     port = free_port()
     proc = subprocess.Popen(
-        [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
-         "--appendonly", "no", "--aclfile", str(d / "users.acl"), "--logfile", "redis.log"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            find_redis_server(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(d),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--aclfile",
+            str(d / "users.acl"),
+            "--logfile",
+            "redis.log",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     found = AclRedis(port, passwords, StreamNames(RUN))
     try:
         admin = found.client("admin")
@@ -135,11 +151,15 @@ def refusals(acl: AclRedis) -> list[str]:
 def trajectory(i: int) -> Trajectory:
     n = 4
     return Trajectory(
-        id=f"g{i}/0", group_id=f"g{i}", group_index=0, group_size=1, prompt_ids=Tensor.from_list([1, 2], "int32"),
+        id=f"g{i}/0",
+        group_id=f"g{i}",
+        group_index=0,
+        group_size=1,
+        prompt_ids=Tensor.from_list([1, 2], "int32"),
         response_ids=Tensor.from_numpy(np.arange(n, dtype=np.int32)),
         logprobs=Tensor.from_numpy(np.full(n, -0.5, dtype=np.float32)),
         loss_mask=Tensor.from_numpy(np.ones(n, dtype=np.uint8)),
-    )  # fmt: skip
+    )
 
 
 def scored(i: int) -> ScoredTrajectory:
@@ -147,8 +167,15 @@ def scored(i: int) -> ScoredTrajectory:
 
 
 def weights_event(version: int) -> WeightsPublished:
-    return WeightsPublished(version=version, step=version, batch_id=f"b{version}", checksum="c", num_bytes=1,
-                            num_buckets=1, endpoint="tcp://learner:29600")  # fmt: skip
+    return WeightsPublished(
+        version=version,
+        step=version,
+        batch_id=f"b{version}",
+        checksum="c",
+        num_bytes=1,
+        num_buckets=1,
+        endpoint="tcp://learner:29600",
+    )
 
 
 async def consume(
@@ -170,8 +197,17 @@ async def consume(
     async def handle(msg: M) -> list[Output]:
         return outputs(msg)
 
-    loop = ConsumerLoop(bus, acl.names, stream=stream, group=user, consumer=instance, handler=handle,
-                        message_type=message_type, config=FAST, **kwargs)  # fmt: skip
+    loop = ConsumerLoop(
+        bus,
+        acl.names,
+        stream=stream,
+        group=user,
+        consumer=instance,
+        handler=handle,
+        message_type=message_type,
+        config=FAST,
+        **kwargs,
+    )
     beat = asyncio.create_task(heartbeat_forever(client, acl.names, user, instance, 0.2, lambda: {}))
     if until is None:
         await loop.run(asyncio.Event(), burst=True)
@@ -210,8 +246,13 @@ def test_rollout_user_does_the_rollout_job(acl: AclRedis) -> None:
     acl.client("admin").xadd(names.weights, encode_payload(weights_event(1)))
 
     async def job() -> None:
-        await consume(acl, "rollout", names.prompts, PromptWorkItem,
-                      lambda m: [Output(stream=names.trajectories, message=trajectory(0))])  # fmt: skip
+        await consume(
+            acl,
+            "rollout",
+            names.prompts,
+            PromptWorkItem,
+            lambda m: [Output(stream=names.trajectories, message=trajectory(0))],
+        )
         client = connect(acl.url("rollout"), outage_s=2)
         seen: list[WeightsPublished] = []
 
@@ -255,9 +296,16 @@ def test_reward_user_does_the_reward_job(acl: AclRedis) -> None:
     def done() -> bool:
         return admin.xlen(names.scored) == 2 and admin.xpending(names.trajectories, "reward")["pending"] == 0
 
-    loop = asyncio.run(consume(acl, "reward", names.trajectories, Trajectory,
-                        lambda t: [Output(stream=names.scored, message=ScoredTrajectory(trajectory=t, reward=1.0))],
-                        until=done))  # fmt: skip
+    loop = asyncio.run(
+        consume(
+            acl,
+            "reward",
+            names.trajectories,
+            Trajectory,
+            lambda t: [Output(stream=names.scored, message=ScoredTrajectory(trajectory=t, reward=1.0))],
+            until=done,
+        )
+    )
     assert loop.stats.reclaimed == 1
     assert admin.xlen(names.scored) == 2 and len(dead_letters(acl)) == 1
     assert admin.xpending(names.trajectories, "reward")["pending"] == 0
@@ -306,8 +354,13 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
     acl.client("admin").xadd(names.weights, encode_payload(weights_event(1)))
 
     async def job() -> None:
-        await consume(acl, "coordinator", names.scored, ScoredTrajectory, lambda s: [
-            Output(key=names.group_buffer(s.trajectory.group_id), field=s.trajectory.id, message=s)])  # fmt: skip
+        await consume(
+            acl,
+            "coordinator",
+            names.scored,
+            ScoredTrajectory,
+            lambda s: [Output(key=names.group_buffer(s.trajectory.group_id), field=s.trajectory.id, message=s)],
+        )
         bus, lease = await fenced_bus(acl, "coordinator")
         client, state = bus.redis, names.state
         for stream in (names.weights, names.dead):
@@ -319,8 +372,13 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
         issue.call("HSETNX", state("inflight_info"), "g1", "0@0").set(state("cursor"), 1)
         await issue.incrby(state("late_samples_dropped"), 0).execute()
         samples = await client.hgetall(names.group_buffer("g0"))
-        batch = TrainingBatch(id="batch-0", index=0, samples=[decode(v, ScoredTrajectory) for v in samples.values()],
-                              policy_version=0, staleness=[0])  # fmt: skip
+        batch = TrainingBatch(
+            id="batch-0",
+            index=0,
+            samples=[decode(v, ScoredTrajectory) for v in samples.values()],
+            policy_version=0,
+            staleness=[0],
+        )
         publish = bus.tx().require(state("batch_index"), equals=None).xadd(names.batches, batch)
         publish.set(state("batch_index"), 1).delete(names.group_buffer("g0")).lrem(state("ready"), 1, "g0")
         await publish.execute()
@@ -494,8 +552,12 @@ def test_the_commit_script_grants_nothing(acl: AclRedis) -> None:
     async def forge() -> None:
         client = connect(acl.url("rollout"), outage_s=2)
         with pytest.raises(ResponseError, match=r"(?i)no permissions|can't access"):
-            await Bus(client).commit([Output(stream=names.weights, message=weights_event(9))], ack_stream=names.prompts,
-                                     ack_group="rollout", ack_entry=entry)  # fmt: skip
+            await Bus(client).commit(
+                [Output(stream=names.weights, message=weights_event(9))],
+                ack_stream=names.prompts,
+                ack_group="rollout",
+                ack_entry=entry,
+            )
         with pytest.raises(ResponseError, match=r"(?i)no permissions|can't access"):
             await client.eval("return redis.call('XADD', ARGV[1], '*', 'd', 'x')", 0, names.weights)
         await client.aclose()
@@ -517,8 +579,14 @@ def test_a_wrong_password_and_the_default_user_are_refused(acl: AclRedis, user: 
     assert redis.Redis.from_url(acl.url(user), retry=once).ping()
 
 
-ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "STREAMRL_WEIGHTS_KEY": "acl-test-weights-key-0123456789"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "STREAMRL_WEIGHTS_KEY": "acl-test-weights-key-0123456789",
+}
 
 
 @pytest.mark.slow
@@ -533,10 +601,11 @@ def test_a_smoke_run_completes_with_every_service_under_its_own_user(
         name: subprocess.Popen(
             [sys.executable, "-m", "streamrl.common.cli", name, str(recipe), f"--instance={name}-0"],
             env={**ENV, "STREAMRL_RUN_ID": RUN, "STREAMRL_REDIS__URL": acl.url(name)},
-            stdout=logs[name].open("wb"), stderr=subprocess.STDOUT,
+            stdout=logs[name].open("wb"),
+            stderr=subprocess.STDOUT,
         )
         for name in SERVICES
-    }  # fmt: skip
+    }
     try:
         code = procs["coordinator"].wait(480)
     finally:

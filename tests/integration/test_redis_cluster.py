@@ -36,14 +36,22 @@ async def _consume(url: str, names: StreamNames, count: int) -> list[str]:
 
         async def score(traj: Trajectory) -> list[Output]:
             scored = ScoredTrajectory(trajectory=traj, reward=1.0)
-            return [Output(stream=names.scored, message=scored),
-                    Output(key=names.group_buffer(traj.group_id), field=traj.id, message=scored)]  # fmt: skip
+            return [
+                Output(stream=names.scored, message=scored),
+                Output(key=names.group_buffer(traj.group_id), field=traj.id, message=scored),
+            ]
 
         stop = asyncio.Event()
         loop: ConsumerLoop[Trajectory] = ConsumerLoop(
-            bus, names, stream=names.trajectories, group="reward", consumer="r-0", handler=score,
-            message_type=Trajectory, config=ConsumerConfig(max_deliveries=1, retry_delay_s=0.0),
-        )  # fmt: skip
+            bus,
+            names,
+            stream=names.trajectories,
+            group="reward",
+            consumer="r-0",
+            handler=score,
+            message_type=Trajectory,
+            config=ConsumerConfig(max_deliveries=1, retry_delay_s=0.0),
+        )
         await asyncio.wait_for(loop.run(stop, burst=True), timeout=30)
         assert loop.stats.failed == 0, loop.stats.last_error
         return [decode(f[b"d"], ScoredTrajectory).trajectory.id for _, f in await bus.redis.xrange(names.scored)]
@@ -66,8 +74,12 @@ def test_untagged_names_are_refused_by_the_cluster(redis_cluster_url: str, run_i
         try:
             scored = ScoredTrajectory(trajectory=make_trajectory(0), reward=1.0)
             await bus.redis.xgroup_create(names.trajectories, "reward", id="0", mkstream=True)
-            await bus.commit([Output(stream=names.scored, message=scored)], ack_stream=names.trajectories,
-                             ack_group="reward", ack_entry="0-1")  # fmt: skip
+            await bus.commit(
+                [Output(stream=names.scored, message=scored)],
+                ack_stream=names.trajectories,
+                ack_group="reward",
+                ack_entry="0-1",
+            )
         finally:
             await bus.redis.aclose()
 

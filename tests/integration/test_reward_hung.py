@@ -57,8 +57,10 @@ def test_hung_samples_are_dead_lettered_and_the_others_scored(tmp_path: Path, re
     try:
         wait_for(
             lambda: len(scored(client, names)) >= 30 and client.xlen(names.dead) >= 3 and pending(client, names) == 0,
-            60, "every good sample scored and the hung ones dead-lettered", log.read_text,
-        )  # fmt: skip
+            60,
+            "every good sample scored and the hung ones dead-lettered",
+            log.read_text,
+        )
         assert sorted(s.trajectory.id for s in scored(client, names)) == sorted(
             f"g{i}/0" for i in range(33) if i not in hung
         )

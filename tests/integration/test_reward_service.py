@@ -407,9 +407,14 @@ def test_remote_failing_past_the_retry_window_dead_letters_with_a_one_line_reaso
     Before: the reason carried the server's multi-line body as it came."""
     client, names = redis.Redis.from_url(redis_url), StreamNames(run_id)
     recipe = write_demo_recipe(
-        tmp_path, redis_url, run_id, remote.url, consumer="max_deliveries = 2\nretry_delay_s = 0.2",
-        retry_timeout_s=0.5, backoff_max_s=0.2,
-    )  # fmt: skip
+        tmp_path,
+        redis_url,
+        run_id,
+        remote.url,
+        consumer="max_deliveries = 2\nretry_delay_s = 0.2",
+        retry_timeout_s=0.5,
+        backoff_max_s=0.2,
+    )
     remote.control("500")
     proc = start_and_wait_running(recipe, tmp_path, client, names)
     try:

@@ -29,11 +29,18 @@ from streamrl.reward.service import RewardService
 TRACE_ID, PARENT_SPAN = 0x5EED, 0xF00D
 """The rollout's generate span the trajectory's traceparent names."""
 TRAJECTORY = Trajectory(
-    id="g0/0", group_id="g0", group_index=0, group_size=1, prompt_ids=Tensor.from_list([1], "int32"),
-    response_ids=Tensor.from_list([2], "int32"), logprobs=Tensor.from_list([-1.0], "float32"),
-    loss_mask=Tensor.from_list([1], "uint8"), prompt_text="p: ", response_text="rrr",
+    id="g0/0",
+    group_id="g0",
+    group_index=0,
+    group_size=1,
+    prompt_ids=Tensor.from_list([1], "int32"),
+    response_ids=Tensor.from_list([2], "int32"),
+    logprobs=Tensor.from_list([-1.0], "float32"),
+    loss_mask=Tensor.from_list([1], "uint8"),
+    prompt_text="p: ",
+    response_text="rrr",
     traceparent=format_traceparent(TRACE_ID, PARENT_SPAN, SAMPLED),
-)  # fmt: skip
+)
 
 
 class Run:
@@ -41,18 +48,35 @@ class Run:
 
     def __init__(self, redis_url: str, run_id: str, url: str, max_deliveries: int) -> None:
         self.exporter = InMemorySpanExporter()
-        self.tracing = setup_tracing(TracingConfig(sampling="all"), service="reward", instance="r0", run_id=run_id,
-                                     run_dir="unused", exporter=self.exporter)  # fmt: skip
+        self.tracing = setup_tracing(
+            TracingConfig(sampling="all"),
+            service="reward",
+            instance="r0",
+            run_id=run_id,
+            run_dir="unused",
+            exporter=self.exporter,
+        )
         self.metrics = PromMetrics()
         self.names = StreamNames(run_id)
         self.redis_url = redis_url
         self.reward = RewardConfig(
-            scorers=[{"type": "http", "name": "remote", "urls": [url], "max_retries": 1, "backoff_base_s": 0.01,
-                      "backoff_max_s": 0.02, "timeout_s": 5}],
-            max_batch_size=4, max_wait_ms=5,
-        )  # fmt: skip
-        self.consumer = ConsumerConfig(block_ms=50, claim_interval_s=0.2, retry_delay_s=0.05,
-                                       max_deliveries=max_deliveries)  # fmt: skip
+            scorers=[
+                {
+                    "type": "http",
+                    "name": "remote",
+                    "urls": [url],
+                    "max_retries": 1,
+                    "backoff_base_s": 0.01,
+                    "backoff_max_s": 0.02,
+                    "timeout_s": 5,
+                }
+            ],
+            max_batch_size=4,
+            max_wait_ms=5,
+        )
+        self.consumer = ConsumerConfig(
+            block_ms=50, claim_interval_s=0.2, retry_delay_s=0.05, max_deliveries=max_deliveries
+        )
 
     def consume(self) -> tuple[list[ScoredTrajectory], list[DeadLetter]]:
         """Publish the trajectory, consume until drained (burst); the scored and dead-lettered entries."""
@@ -62,9 +86,15 @@ class Run:
             bus = Bus(redis)
             service = RewardService(self.reward, self.names, tracing=self.tracing, metrics=self.metrics)
             loop: ConsumerLoop[Trajectory] = ConsumerLoop(
-                bus, self.names, stream=self.names.trajectories, group="reward", consumer="r0",
-                handler=service.handle, message_type=Trajectory, config=self.consumer,
-            )  # fmt: skip
+                bus,
+                self.names,
+                stream=self.names.trajectories,
+                group="reward",
+                consumer="r0",
+                handler=service.handle,
+                message_type=Trajectory,
+                config=self.consumer,
+            )
             try:
                 await redis.xadd(self.names.trajectories, encode_payload(TRAJECTORY))
                 await asyncio.wait_for(loop.run(asyncio.Event(), burst=True), timeout=60)

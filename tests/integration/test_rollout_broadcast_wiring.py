@@ -19,14 +19,27 @@ from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.service import RolloutService
 
 RENDEZVOUS = WeightsBroadcast(
-    store="learner:29600", session="s1", backend="gloo", generation=1, block_bytes=4096, bucket_bytes=[4096],
+    store="learner:29600",
+    session="s1",
+    backend="gloo",
+    generation=1,
+    block_bytes=4096,
+    bucket_bytes=[4096],
     tensors=[IpcTensor("model.norm.weight", "float32", [16], 0, 0)],
-)  # fmt: skip
+)
 
 
 def _weights(version: int, endpoint: str) -> WeightsPublished:
-    return WeightsPublished(version=version, step=version, batch_id="", checksum="c", num_bytes=64, num_buckets=1,
-                            endpoint=endpoint, broadcast=RENDEZVOUS)  # fmt: skip
+    return WeightsPublished(
+        version=version,
+        step=version,
+        batch_id="",
+        checksum="c",
+        num_bytes=64,
+        num_buckets=1,
+        endpoint=endpoint,
+        broadcast=RENDEZVOUS,
+    )
 
 
 class _Engine:

@@ -55,17 +55,26 @@ class _Engine:
 
 
 def _weights(version: int) -> WeightsPublished:
-    return WeightsPublished(version=version, step=version, batch_id="", checksum=f"c{version}", num_bytes=1,
-                            num_buckets=1, endpoint="tcp://learner:1")  # fmt: skip
+    return WeightsPublished(
+        version=version,
+        step=version,
+        batch_id="",
+        checksum=f"c{version}",
+        num_bytes=1,
+        num_buckets=1,
+        endpoint="tcp://learner:1",
+    )
 
 
 def _prompt(i: int, version: int) -> PromptWorkItem:
-    return PromptWorkItem(id=f"g{i}", prompt_ids=Tensor.from_list([i], "int32"), sampling=SamplingParams(n=2),
-                          policy_version=version)  # fmt: skip
+    return PromptWorkItem(
+        id=f"g{i}", prompt_ids=Tensor.from_list([i], "int32"), sampling=SamplingParams(n=2), policy_version=version
+    )
 
 
-def _replica(redis_url: str, names: StreamNames, instance: str, consumer: ConsumerConfig, engine: _Engine
-             ) -> tuple[RolloutService, ServiceContext]:  # fmt: skip
+def _replica(
+    redis_url: str, names: StreamNames, instance: str, consumer: ConsumerConfig, engine: _Engine
+) -> tuple[RolloutService, ServiceContext]:
     config = RolloutConfig(run_id=names.run_id, engine=EngineConfig(model="unused"), consumer=consumer)
     ctx = ServiceContext("rollout", instance, config, Bus(connect(redis_url)), names, asyncio.Event())
     return RolloutService(config, ctx, engine), ctx  # type: ignore[arg-type]
@@ -83,8 +92,12 @@ def test_prompts_waiting_for_future_weights_past_claim_idle_are_never_generated_
     base = dict(count=2, claim_idle_ms=500, claim_interval_s=2.0, retry_delay_s=0.05, max_deliveries=1)
 
     async def scenario() -> tuple[list[dict[str, object]], list[str], int]:
-        busy, busy_ctx = _replica(redis_url, names, "rollout-0", ConsumerConfig(**base, max_in_flight=2), _Engine(generated))
-        roomy, roomy_ctx = _replica(redis_url, names, "rollout-1", ConsumerConfig(**base, max_in_flight=8), _Engine(generated))
+        busy, busy_ctx = _replica(
+            redis_url, names, "rollout-0", ConsumerConfig(**base, max_in_flight=2), _Engine(generated)
+        )
+        roomy, roomy_ctx = _replica(
+            redis_url, names, "rollout-1", ConsumerConfig(**base, max_in_flight=8), _Engine(generated)
+        )
         redis = busy_ctx.bus.redis
         for i in range(4):
             await redis.xadd(names.prompts, encode_payload(_prompt(i, version=1)))

@@ -21,8 +21,9 @@ from streamrl.rollout.service import RolloutService
 
 
 def _weights(version: int) -> WeightsPublished:
-    return WeightsPublished(version=version, step=version, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
-                            endpoint="tcp://learner:1")  # fmt: skip
+    return WeightsPublished(
+        version=version, step=version, batch_id="", checksum="c", num_bytes=1, num_buckets=1, endpoint="tcp://learner:1"
+    )
 
 
 class _Engine:
@@ -170,8 +171,9 @@ def test_weights_events_signed_with_another_key_are_refused(
         engine.update_weights = update  # type: ignore[method-assign]
         tail = asyncio.create_task(service._tail_weights("0-0"))
         try:
-            forged = WeightsPublished(version=7, step=7, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
-                                      endpoint="tcp://attacker:6666")  # fmt: skip
+            forged = WeightsPublished(
+                version=7, step=7, batch_id="", checksum="c", num_bytes=1, num_buckets=1, endpoint="tcp://attacker:6666"
+            )
             await bus.publish(names.weights, sign(forged, other_key, run_id=run_id))
             await bus.publish(names.weights, forged)
             await bus.publish(names.weights, sign(_weights(1), run_key, run_id=run_id))
@@ -215,8 +217,15 @@ def test_an_event_signed_for_another_run_sharing_the_key_is_refused(
         engine.update_weights = update  # type: ignore[method-assign]
         tail = asyncio.create_task(service._tail_weights("0-0"))
         try:
-            of_run_a = WeightsPublished(version=9, step=9, batch_id="", checksum="c", num_bytes=1, num_buckets=1,
-                                        endpoint="tcp://learner-of-run-a:5555")  # fmt: skip
+            of_run_a = WeightsPublished(
+                version=9,
+                step=9,
+                batch_id="",
+                checksum="c",
+                num_bytes=1,
+                num_buckets=1,
+                endpoint="tcp://learner-of-run-a:5555",
+            )
             await bus.publish(names.weights, sign(of_run_a, key, run_id=f"{run_id}-a"))
             await bus.publish(names.weights, sign(_weights(1), key, run_id=run_id))
             while engine.version < 1 and not tail.done():
@@ -229,8 +238,10 @@ def test_an_event_signed_for_another_run_sharing_the_key_is_refused(
     with caplog.at_level(logging.ERROR, logger="streamrl.rollout.service"):
         assert asyncio.run(asyncio.wait_for(scenario(), timeout=20)) == [("tcp://learner:1", 1)]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any(f"weights version 9 is not signed with this run's key (STREAMRL_WEIGHTS_KEY) for run '{run_id}'" in e
-               for e in errors), errors  # fmt: skip
+    assert any(
+        f"weights version 9 is not signed with this run's key (STREAMRL_WEIGHTS_KEY) for run '{run_id}'" in e
+        for e in errors
+    ), errors
 
 
 class _Loads:
@@ -261,8 +272,9 @@ def test_a_version_republished_by_a_restarted_learner_replaces_the_lost_one(redi
     engine = _Loads()
 
     def event(version: int, checksum: str, endpoint: str) -> WeightsPublished:
-        return WeightsPublished(version=version, step=version, batch_id="", checksum=checksum, num_bytes=1,
-                                num_buckets=1, endpoint=endpoint)  # fmt: skip
+        return WeightsPublished(
+            version=version, step=version, batch_id="", checksum=checksum, num_bytes=1, num_buckets=1, endpoint=endpoint
+        )
 
     async def scenario() -> None:
         service, bus, names = _service(redis_url, run_id, engine)
@@ -285,5 +297,8 @@ def test_a_version_republished_by_a_restarted_learner_replaces_the_lost_one(redi
             await bus.redis.aclose()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=20))
-    assert engine.loads == [("tcp://old-learner:1", 1, "a"), ("tcp://new-learner:1", 2, "c"),
-                            ("tcp://newer-learner:1", 2, "d")]  # fmt: skip
+    assert engine.loads == [
+        ("tcp://old-learner:1", 1, "a"),
+        ("tcp://new-learner:1", 2, "c"),
+        ("tcp://newer-learner:1", 2, "d"),
+    ]

@@ -29,9 +29,15 @@ def _consume(url: str, names: StreamNames, retain_s: float = 0.0) -> None:
     async def main() -> None:
         bus = Bus(connect(url), retain_consumed_s=retain_s)
         loop: ConsumerLoop[Trajectory] = ConsumerLoop(
-            bus, names, stream=names.trajectories, group="reward", consumer="c", handler=_nothing,
-            message_type=Trajectory, config=ConsumerConfig(claim_interval_s=0.05),
-        )  # fmt: skip
+            bus,
+            names,
+            stream=names.trajectories,
+            group="reward",
+            consumer="c",
+            handler=_nothing,
+            message_type=Trajectory,
+            config=ConsumerConfig(claim_interval_s=0.05),
+        )
         await loop.run(asyncio.Event(), burst=True)
         await loop._reclaim()
         await bus.redis.aclose()

@@ -81,8 +81,13 @@ def test_a_failed_precondition_writes_nothing(redis_url: str, run_id: str) -> No
     async def body(bus: Bus) -> None:
         await bus.tx().require(names.state("batch_index"), equals=3).require(names.state("new"), equals=None).execute()
         with pytest.raises(PreconditionFailed) as wrong:
-            await (bus.tx().require(names.state("batch_index"), equals=2)
-                   .xadd(names.batches, _beat()).incr(names.state("batch_index")).execute())  # fmt: skip
+            await (
+                bus.tx()
+                .require(names.state("batch_index"), equals=2)
+                .xadd(names.batches, _beat())
+                .incr(names.state("batch_index"))
+                .execute()
+            )
         assert (wrong.value.key, wrong.value.wanted, wrong.value.found) == (names.state("batch_index"), 2, b"3")
         assert "wanted 2, found b'3'" in str(wrong.value)
         with pytest.raises(PreconditionFailed, match="wanted absent"):
@@ -121,8 +126,12 @@ def test_a_deposed_holder_writes_nothing(redis_url: str, run_id: str) -> None:
         with pytest.raises(LeaseLostError, match="held by coordinator@other-host:42"):
             await bus.tx().xadd(names.batches, _beat()).incr(names.state("batch_index")).execute()
         with pytest.raises(LeaseLostError, match="held by coordinator@other-host:42"):
-            await bus.commit([Output(stream=names.batches, message=_beat())], ack_stream=names.scored,
-                             ack_group="coordinator", ack_entry=entry)  # fmt: skip
+            await bus.commit(
+                [Output(stream=names.batches, message=_beat())],
+                ack_stream=names.scored,
+                ack_group="coordinator",
+                ack_entry=entry,
+            )
         with pytest.raises(LeaseLostError):
             await bus.publish(names.dead, _beat())
         assert client.xlen(names.batches) == 0 and client.get(names.state("batch_index")) is None
@@ -130,8 +139,12 @@ def test_a_deposed_holder_writes_nothing(redis_url: str, run_id: str) -> None:
         client.delete(lease)  # expired, nobody took it: the write goes on
         await bus.tx().incr(names.state("batch_index")).execute()
         client.set(lease, "coordinator@this-host:7/ef01")  # held by this process
-        assert await bus.commit([Output(stream=names.batches, message=_beat())], ack_stream=names.scored,
-                                ack_group="coordinator", ack_entry=entry)  # fmt: skip
+        assert await bus.commit(
+            [Output(stream=names.batches, message=_beat())],
+            ack_stream=names.scored,
+            ack_group="coordinator",
+            ack_entry=entry,
+        )
 
     _with_bus(redis_url, body)
     assert client.get(names.state("batch_index")) == b"1" and client.xlen(names.batches) == 1
@@ -167,8 +180,13 @@ def test_tx_and_commits_work_on_a_cluster_node(redis_cluster_url: str, run_id: s
     async def body(bus: Bus) -> list[Any]:
         bus.fence = Fence(names.lease("singleton", "coordinator"), "me")
         await bus.commit([Output(stream=names.prompts, message=_beat())])
-        return await bus.tx().require(names.state("i"), equals=None).xadd(names.batches, _beat()).incr(
-            names.state("i")).execute()  # fmt: skip
+        return (
+            await bus.tx()
+            .require(names.state("i"), equals=None)
+            .xadd(names.batches, _beat())
+            .incr(names.state("i"))
+            .execute()
+        )
 
     assert _with_bus(redis_cluster_url, body)[1] == 1
 

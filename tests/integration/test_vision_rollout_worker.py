@@ -90,23 +90,43 @@ max_tokens = 100
 """)
     names = StreamNames(run_id)
     server = WeightServer()
-    item = PromptWorkItem(id="g0", prompt_ids=Tensor.from_list(ids, "int32"), prompt_text="what is it",
-                          sampling=SamplingParams(temperature=0, max_new_tokens=8, stop=[stop], n=2),
-                          images=[png(3)], policy_version=1)  # fmt: skip
+    item = PromptWorkItem(
+        id="g0",
+        prompt_ids=Tensor.from_list(ids, "int32"),
+        prompt_text="what is it",
+        sampling=SamplingParams(temperature=0, max_new_tokens=8, stop=[stop], n=2),
+        images=[png(3)],
+        policy_version=1,
+    )
 
     async def publish() -> None:
         bus = Bus(connect(redis_url))
         checksum, num_bytes, num_buckets = server.publish(learner.state_dict().items(), version=1)
-        await bus.publish(names.weights, WeightsPublished(version=1, step=1, batch_id="b1", checksum=checksum,
-                          num_bytes=num_bytes, num_buckets=num_buckets, endpoint=server.endpoint))  # fmt: skip
+        await bus.publish(
+            names.weights,
+            WeightsPublished(
+                version=1,
+                step=1,
+                batch_id="b1",
+                checksum=checksum,
+                num_bytes=num_bytes,
+                num_buckets=num_buckets,
+                endpoint=server.endpoint,
+            ),
+        )
         await bus.redis.xadd(names.prompts, encode_payload(item))
         await bus.redis.aclose()
 
     try:
         asyncio.run(publish())
         env = {**worker_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        worker = subprocess.run([sys.executable, "-m", "streamrl.rollout", str(recipe), "--burst"], env=env,
-                                capture_output=True, text=True, timeout=240)  # fmt: skip
+        worker = subprocess.run(
+            [sys.executable, "-m", "streamrl.rollout", str(recipe), "--burst"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     finally:
         server.close()
     assert worker.returncode == 0, worker.stderr[-4000:]

@@ -41,9 +41,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedMo
 def engine(request: pytest.FixtureRequest, models: tuple[Path, PreTrainedModel, PreTrainedModel]) -> Iterator[Engine]:
     """cpu_weight_packing on (vLLM reloads and repacks) and off (updates copy into live weights)."""
     config = EngineConfig(
-        type="vllm", model=str(models[0]), dtype="float32", max_model_len=320, kv_cache_gib=0.25, enforce_eager=True,
+        type="vllm",
+        model=str(models[0]),
+        dtype="float32",
+        max_model_len=320,
+        kv_cache_gib=0.25,
+        enforce_eager=True,
         cpu_weight_packing=request.param,
-    )  # fmt: skip
+    )
     eng = build_engine(config)
     yield eng
     eng.close()
@@ -200,9 +205,14 @@ def test_partial_rollout_update_mid_generation_records_both_versions(
     old weights, tokens after it the new ones (KV cache recomputed), and the sample records both."""
     path_a, model_a, model_b = models
     config = EngineConfig(
-        type="vllm", model=str(path_a), dtype="float32", max_model_len=320, kv_cache_gib=0.25, enforce_eager=True,
+        type="vllm",
+        model=str(path_a),
+        dtype="float32",
+        max_model_len=320,
+        kv_cache_gib=0.25,
+        enforce_eager=True,
         partial_rollout=True,
-    )  # fmt: skip
+    )
     partial = build_engine(config)
     server = WeightServer()
     try:

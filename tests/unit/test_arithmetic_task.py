@@ -15,22 +15,16 @@ import task as task_lib
 def test_splits_are_deterministic_and_seeded() -> None:
     spec = task_lib.TaskSpec(operators="+-", digits=2, num_eval=100, seed=3)
     assert task_lib.make_splits(spec) == task_lib.make_splits(spec)
-    other = task_lib.make_splits(
-        task_lib.TaskSpec(operators="+-", digits=2, num_eval=100, seed=4)
-    )
+    other = task_lib.make_splits(task_lib.TaskSpec(operators="+-", digits=2, num_eval=100, seed=4))
     assert other[1] != task_lib.make_splits(spec)[1]
 
 
 @pytest.mark.parametrize(
     "spec",
     [
-        task_lib.TaskSpec(
-            operators="+", digits=2, num_eval=500
-        ),  # enumerated: every problem is used
+        task_lib.TaskSpec(operators="+", digits=2, num_eval=500),  # enumerated: every problem is used
         task_lib.TaskSpec(operators="+*", digits=1, num_eval=20, num_train=150),
-        task_lib.TaskSpec(
-            operators="+", digits=16, num_eval=50, num_train=400, scratchpad=True
-        ),  # sampled
+        task_lib.TaskSpec(operators="+", digits=16, num_eval=50, num_train=400, scratchpad=True),  # sampled
     ],
 )
 def test_train_and_held_out_prompts_do_not_overlap(spec: task_lib.TaskSpec) -> None:
@@ -43,17 +37,13 @@ def test_train_and_held_out_prompts_do_not_overlap(spec: task_lib.TaskSpec) -> N
     assert len(train_prompts) == len(train)
     assert not train_prompts & held_prompts
     if spec.num_train is None:
-        assert len(train) + len(held_out) == len(spec.operators) * 10 ** (
-            2 * spec.digits
-        )
+        assert len(train) + len(held_out) == len(spec.operators) * 10 ** (2 * spec.digits)
     else:
         assert len(train) == spec.num_train
 
 
 def test_labels_are_the_exact_results() -> None:
-    train, _ = task_lib.make_splits(
-        task_lib.TaskSpec(operators="+-*", digits=2, num_eval=10, num_train=300)
-    )
+    train, _ = task_lib.make_splits(task_lib.TaskSpec(operators="+-*", digits=2, num_eval=10, num_train=300))
     for p in train:
         match = re.fullmatch(r"(\d+)([-+*])(\d+)=", p.prompt)
         assert match is not None
@@ -82,10 +72,7 @@ def test_scratchpad_trace_carries_and_is_long() -> None:
         assert total + carry * 10 ** (i + 1) == a + b
         # Workload b's claim: >= 128 generated tokens (one per character, plus EOS).
         assert len(problem.response) + 1 >= 128
-    assert (
-        task_lib.make_problem(47, "+", 85, scratchpad=True).response
-        == "7+5+0=12,4+8+1=13,#132"
-    )
+    assert task_lib.make_problem(47, "+", 85, scratchpad=True).response == "7+5+0=12,4+8+1=13,#132"
 
 
 @pytest.mark.parametrize(
@@ -167,9 +154,7 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     train, _ = task_lib.make_splits(task_lib.TaskSpec(num_eval=5, num_train=7))
     task_lib.write_jsonl(tmp_path / "train.jsonl", train)
     rows = task_lib.read_jsonl(tmp_path / "train.jsonl")
-    assert rows == [
-        {"prompt": p.prompt, "label": p.label, "response": p.response} for p in train
-    ]
+    assert rows == [{"prompt": p.prompt, "label": p.label, "response": p.response} for p in train]
 
 
 def test_saved_tokenizer_reloads_as_one_token_per_character(tmp_path: Path) -> None:
@@ -181,9 +166,7 @@ def test_saved_tokenizer_reloads_as_one_token_per_character(tmp_path: Path) -> N
         tokenizer,
         tmp_path,
     )
-    loaded = AutoTokenizer.from_pretrained(
-        tmp_path
-    )  # the loading path transformers, TRL and vLLM take
+    loaded = AutoTokenizer.from_pretrained(tmp_path)  # the loading path transformers, TRL and vLLM take
     text = "47+85=7+5+0=12,4+8+1=13,#132"
     ids = loaded(text)["input_ids"]
     assert ids == tokenizer(text)["input_ids"]

@@ -29,9 +29,24 @@ NEEDS_EXAMPLES = ("reward", "learner")
 EXTRAS = {"rollout.gpu": {"vllm"}, "reward": {"model"}, "reward.gpu": {"model"}}
 """Extras each image installs with its service package (none where not listed)."""
 INSTRUCTIONS = {
-    "ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
-    "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR",
-}  # fmt: skip
+    "ADD",
+    "ARG",
+    "CMD",
+    "COPY",
+    "ENTRYPOINT",
+    "ENV",
+    "EXPOSE",
+    "FROM",
+    "HEALTHCHECK",
+    "LABEL",
+    "ONBUILD",
+    "RUN",
+    "SHELL",
+    "STOPSIGNAL",
+    "USER",
+    "VOLUME",
+    "WORKDIR",
+}
 
 
 def parse_dockerfile(text: str) -> list[tuple[str, str]]:
@@ -258,9 +273,16 @@ def test_images_that_load_examples_by_path_hold_them_under_app(path: Path) -> No
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
     patterns = _ignore_patterns()
-    for path in (".venv/bin/python", "runs/demo/x", ".git/HEAD", "tests/unit/x.py", "docs/gpu.md",
-                 "libs/common/src/streamrl/common/__pycache__/x.pyc", "services/rollout/.venv/x",
-                 "examples/arithmetic/__pycache__/task.cpython-312.pyc"):  # fmt: skip
+    for path in (
+        ".venv/bin/python",
+        "runs/demo/x",
+        ".git/HEAD",
+        "tests/unit/x.py",
+        "docs/gpu.md",
+        "libs/common/src/streamrl/common/__pycache__/x.pyc",
+        "services/rollout/.venv/x",
+        "examples/arithmetic/__pycache__/task.cpython-312.pyc",
+    ):
         assert is_ignored(path, patterns), f"{path} would be sent to the builder"
     for path in (
         "constraints.txt",

@@ -101,8 +101,13 @@ def test_sweep_helpers() -> None:
     def step(n: int, ok: bool, others: float, load: float, **extra: str) -> dict[str, object]:
         return {"num_gpus": n, "sustained": ok, "cpu_cores": {"others": others}, "load_1m_before": load, **extra}
 
-    steps = [step(512, True, 0.3, 3.0), step(1024, False, 0.0, 1.0), step(768, True, 1.2, 0.5),
-             step(768, False, 0.1, 2.5, rerun="yes"), step(2048, True, 0.0, 0.1, diagnostic="profile")]  # fmt: skip
+    steps = [
+        step(512, True, 0.3, 3.0),
+        step(1024, False, 0.0, 1.0),
+        step(768, True, 1.2, 0.5),
+        step(768, False, 0.1, 2.5, rerun="yes"),
+        step(2048, True, 0.0, 0.1, diagnostic="profile"),
+    ]
     # 768 counts by its less disturbed measurement (the rerun: others used 0.1 cores in its window, not
     # sustained); diagnostics are never judged
     assert fleet.largest(steps) == steps[0]

@@ -44,13 +44,21 @@ def test_gpu_memory_reads_first_and_peak_per_gpu() -> None:
         assert memory._proc is not None
         memory._proc.wait(10)
     assert memory.summary() == {
-        "peak_mib": {"0": 900, "1": 7}, "before_mib": {"0": 100, "1": 7}, "peak_minus_before_mib": {"0": 800, "1": 0},
-    }  # fmt: skip
+        "peak_mib": {"0": 900, "1": 7},
+        "before_mib": {"0": 100, "1": 7},
+        "peak_minus_before_mib": {"0": 800, "1": 0},
+    }
 
 
 def _learner_row(step: int, time: float) -> dict[str, Any]:
-    return {"step": step, "time": time, "learner/step_s": 0.5, "learner/tokens": 1000.0,
-            "learner/weights_publish_s": 0.004 + step / 1000, "learner/loss/policy": 0.0}  # fmt: skip
+    return {
+        "step": step,
+        "time": time,
+        "learner/step_s": 0.5,
+        "learner/tokens": 1000.0,
+        "learner/weights_publish_s": 0.004 + step / 1000,
+        "learner/loss/policy": 0.0,
+    }
 
 
 def _batch_row(index: int, time: float) -> dict[str, Any]:
@@ -96,8 +104,14 @@ def test_summarize_streamrl_of_a_run_that_died_early() -> None:
 
 
 def test_summarize_trl() -> None:
-    result = {"steps": 4, "rl_s": 20.0, "generated_tokens_per_s": 100.0, "generated_tokens": 4 * 16 * 8,
-              "step_end_s": [8.0, 12.0, 15.0, 18.0], "settings": {"prompts_per_step": 4, "group_size": 4}}  # fmt: skip
+    result = {
+        "steps": 4,
+        "rl_s": 20.0,
+        "generated_tokens_per_s": 100.0,
+        "generated_tokens": 4 * 16 * 8,
+        "step_end_s": [8.0, 12.0, 15.0, 18.0],
+        "settings": {"prompts_per_step": 4, "group_size": 4},
+    }
     out = pipeline.summarize_trl(result, steps=4)
     assert out["steady_steps"] == [3, 4] and out["s_per_step"] == pytest.approx(3.0)
     assert out["response_len_mean"] == pytest.approx(8.0)

@@ -28,8 +28,14 @@ calc_task, model_lib = prepare.calc_task, prepare.model_lib
 
 def test_the_reward_reads_the_answer_that_ends_the_episode() -> None:
     call = "<calc>47*85</calc><result>3995</result>"
-    queries = [f"47*85={call}Answer: 3995</s>", "47*85=Answer: 3995", "47*85=Answer: 12", f"47*85={call}Answer: 3995x",
-               f"<s>47*85={call}", "47*85=<calc>Answer: 3995"]  # fmt: skip
+    queries = [
+        f"47*85={call}Answer: 3995</s>",
+        "47*85=Answer: 3995",
+        "47*85=Answer: 12",
+        f"47*85={call}Answer: 3995x",
+        f"<s>47*85={call}",
+        "47*85=<calc>Answer: 3995",
+    ]
     out = calc_task.reward_func(queries, ["47*85="] * 6, ["3995"] * 6)
     assert out["rewards"] == out["scores"] == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     assert out["extra_logs"] == pytest.approx(

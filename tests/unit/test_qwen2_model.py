@@ -18,8 +18,12 @@ import qwen2_model as qwen2_lib
 def test_shapes_are_qwen2_0_5b_and_a_tiny_one() -> None:
     big = qwen2_lib.SHAPES["qwen2_0.5b"]
     assert (big.hidden_size, big.num_layers, big.num_heads, big.num_kv_heads, big.intermediate_size) == (
-        896, 24, 14, 2, 4864,
-    )  # fmt: skip
+        896,
+        24,
+        14,
+        2,
+        4864,
+    )
     assert big.dtype == "bfloat16"
     with pytest.raises(ValueError, match="heads"):
         qwen2_lib.Qwen2Shape(64, 2, 5, 2, 128, "float32")

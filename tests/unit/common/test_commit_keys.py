@@ -21,8 +21,10 @@ def test_commit_keys_are_every_key_the_script_touches() -> None:
     beat = Heartbeat(service="s", instance="i", pid=1, ts=0.0)
     first = bus.commit_args(
         [Output(stream=names.scored, message=beat), Output(key=names.group_buffer("g"), field="t", message=beat)],
-        ack_stream=names.trajectories, ack_group="reward", ack_entry="1-0",
-    )  # fmt: skip
+        ack_stream=names.trajectories,
+        ack_group="reward",
+        ack_entry="1-0",
+    )
     second = bus.commit_args([Output(stream=names.scored, message=beat)])  # no entry: guarded by a once key
     once = str(second[4])
     assert once.startswith("streamrl:{r}:once:")

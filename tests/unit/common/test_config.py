@@ -42,9 +42,11 @@ def test_cli_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("STREAMRL_COORDINATOR__GROUP_SIZE", "3")
     monkeypatch.setenv("STREAMRL_RUN_ID", "from-env")
     cfg = load_config(
-        CoordinatorConfig, write(tmp_path, BASE), ["--coordinator.max_staleness=2", "--redis.url=redis://h:1/0"],
+        CoordinatorConfig,
+        write(tmp_path, BASE),
+        ["--coordinator.max_staleness=2", "--redis.url=redis://h:1/0"],
         section="coordinator",
-    )  # fmt: skip
+    )
     assert (cfg.group_size, cfg.max_staleness, cfg.redis.url, cfg.run_id) == (3, 2, "redis://h:1/0", "from-env")
     # the command line wins over the environment
     cfg = load_config(CoordinatorConfig, write(tmp_path, BASE), ["--coordinator.group_size=5"], section="coordinator")
@@ -69,8 +71,12 @@ def test_bad_values_fail_naming_the_field(tmp_path: Path, override: str, field: 
 
 def test_cross_field_rule(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="dynamic_filtering needs group_size >= 2"):
-        load_config(CoordinatorConfig, write(tmp_path, BASE),
-                    ["--coordinator.dynamic_filtering=true", "--coordinator.group_size=1"], section="coordinator")  # fmt: skip
+        load_config(
+            CoordinatorConfig,
+            write(tmp_path, BASE),
+            ["--coordinator.dynamic_filtering=true", "--coordinator.group_size=1"],
+            section="coordinator",
+        )
 
 
 def test_malformed_override_and_recipe(tmp_path: Path) -> None:
@@ -92,8 +98,12 @@ def test_every_service_recipe_parses(recipe: Path) -> None:
     data = read_recipe(recipe)
     if "coordinator" not in data:
         pytest.skip("not a service recipe (offline job)")
-    for cls, section in ((CoordinatorConfig, "coordinator"), (LearnerConfig, "learner"), (RolloutConfig, "rollout"),
-                         (RewardServiceConfig, "reward")):  # fmt: skip
+    for cls, section in (
+        (CoordinatorConfig, "coordinator"),
+        (LearnerConfig, "learner"),
+        (RolloutConfig, "rollout"),
+        (RewardServiceConfig, "reward"),
+    ):
         load_config(cls, recipe, section=section)
     UpConfig.model_validate(data.get("up", {}))
 

@@ -23,8 +23,10 @@ def pixels(seed: int, mode: str = "RGB") -> PILImage.Image:
     return PILImage.fromarray(rng.integers(0, 256, (40, 50, 4), dtype=np.uint8), "RGBA").convert(mode)
 
 
-@pytest.mark.parametrize(("fmt", "media_type"), [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"),
-                                                 ("WEBP", "image/webp"), ("BMP", "image/bmp")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fmt", "media_type"),
+    [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"), ("WEBP", "image/webp"), ("BMP", "image/bmp")],
+)
 def test_every_accepted_format_is_recognised_by_its_bytes_and_decodes(fmt: str, media_type: str) -> None:
     data = encoded(pixels(0), fmt)
     assert sniff_media_type(data) == media_type
@@ -32,7 +34,7 @@ def test_every_accepted_format_is_recognised_by_its_bytes_and_decodes(fmt: str, 
 
 
 def test_anything_else_is_not_an_image() -> None:
-    assert sniff_media_type(b"") is None and sniff_media_type(b"{\"prompt\": 1}") is None
+    assert sniff_media_type(b"") is None and sniff_media_type(b'{"prompt": 1}') is None
     assert sniff_media_type(encoded(pixels(0), "TIFF")) is None
 
 

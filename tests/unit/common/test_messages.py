@@ -23,21 +23,36 @@ from streamrl.common.messages import (
 
 def traj() -> Trajectory:
     return Trajectory(
-        id="p1/0", group_id="p1", group_index=0, group_size=2, prompt_ids=Tensor.from_list([1, 2], "int32"),
-        response_ids=Tensor.from_list([3], "int32"), logprobs=Tensor.from_list([-0.25], "float32"),
-        loss_mask=Tensor.from_list([1], "uint8"), traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
-    )  # fmt: skip
+        id="p1/0",
+        group_id="p1",
+        group_index=0,
+        group_size=2,
+        prompt_ids=Tensor.from_list([1, 2], "int32"),
+        response_ids=Tensor.from_list([3], "int32"),
+        logprobs=Tensor.from_list([-0.25], "float32"),
+        loss_mask=Tensor.from_list([1], "uint8"),
+        traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+    )
 
 
 SAMPLES = [
     PromptWorkItem(id="p1", prompt_ids=Tensor.from_list([1, 2], "int32"), label="3"),
     traj(),
     ScoredTrajectory(trajectory=traj(), reward=1.0, score=1.0),
-    TrainingBatch(id="batch-0", index=0, samples=[ScoredTrajectory(trajectory=traj(), reward=0.0)], policy_version=0,
-                  staleness=[0]),  # fmt: skip
-    WeightsPublished(version=1, step=1, batch_id="batch-0", checksum="ab", num_bytes=1, num_buckets=1, endpoint="tcp://x:1"),
+    TrainingBatch(
+        id="batch-0",
+        index=0,
+        samples=[ScoredTrajectory(trajectory=traj(), reward=0.0)],
+        policy_version=0,
+        staleness=[0],
+    ),
+    WeightsPublished(
+        version=1, step=1, batch_id="batch-0", checksum="ab", num_bytes=1, num_buckets=1, endpoint="tcp://x:1"
+    ),
     Heartbeat(service="reward", instance="r-1", pid=1, ts=0.0),
-    DeadLetter(stream="s", entry_id="1-0", group="g", consumer="c", error="boom", deliveries=3, payload=b"\x00", ts=0.0),
+    DeadLetter(
+        stream="s", entry_id="1-0", group="g", consumer="c", error="boom", deliveries=3, payload=b"\x00", ts=0.0
+    ),
 ]
 
 

@@ -30,11 +30,20 @@ def episode(index: int = 0) -> Trajectory:
         mask[turn.start : turn.end] = 1
         logprobs[turn.start : turn.end] = -0.5 - 0.125 * np.arange(turn.end - turn.start)
     return Trajectory(
-        id=f"p1/{index}", group_id="p1", group_index=index, group_size=2,
-        prompt_ids=Tensor.from_list([1, 2, 3], "int32"), response_ids=Tensor.from_numpy(np.arange(10, 22, dtype=np.int32)),
-        logprobs=Tensor.from_numpy(logprobs), loss_mask=Tensor.from_numpy(mask), turns=TURNS, stop_reason="done",
-        policy_version_start=4, policy_version_end=5, response_text="a<tool>3</tool>b<tool>4</tool>c",
-    )  # fmt: skip
+        id=f"p1/{index}",
+        group_id="p1",
+        group_index=index,
+        group_size=2,
+        prompt_ids=Tensor.from_list([1, 2, 3], "int32"),
+        response_ids=Tensor.from_numpy(np.arange(10, 22, dtype=np.int32)),
+        logprobs=Tensor.from_numpy(logprobs),
+        loss_mask=Tensor.from_numpy(mask),
+        turns=TURNS,
+        stop_reason="done",
+        policy_version_start=4,
+        policy_version_end=5,
+        response_text="a<tool>3</tool>b<tool>4</tool>c",
+    )
 
 
 def scored(index: int = 0) -> ScoredTrajectory:

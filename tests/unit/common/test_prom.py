@@ -50,8 +50,15 @@ def test_a_scrape_returns_every_metric(metrics: PromMetrics, redis_url: str, run
     client.xgroup_create(names.trajectories, "audit", id="$")
     client.xreadgroup("reward", "r-0", {names.trajectories: ">"}, count=2)  # 2 pending, 3 not yet delivered
     metrics.watch_streams(redis_url, {"trajectories": names.trajectories, "scored": names.scored})  # scored: no key yet
-    snapshot = {"processed": 40, "failed": 3, "retried": 2, "dead_lettered": 1, "in_flight": 6, "policy_version": 9,
-                "status": "running"}  # fmt: skip
+    snapshot = {
+        "processed": 40,
+        "failed": 3,
+        "retried": 2,
+        "dead_lettered": 1,
+        "in_flight": 6,
+        "policy_version": 9,
+        "status": "running",
+    }
     metrics.watch_consumers(lambda: snapshot)
     metrics.count_samples("scored", 16, num_tokens=1200)
     metrics.count_samples("scored", 4)
@@ -98,8 +105,13 @@ def test_a_stream_the_redis_user_may_not_inspect_is_left_out_with_one_warning(
     admin.xadd(names.trajectories, {"d": "1"})
     admin.xgroup_create(names.trajectories, "reward", id="0")
     user = f"metrics-{run_id}"  # may inspect the groups of trajectories only
-    admin.acl_setuser(user, enabled=True, passwords=["+pw-for-the-test"], keys=[names.trajectories],
-                      commands=["+xinfo|groups", "+ping"])  # fmt: skip
+    admin.acl_setuser(
+        user,
+        enabled=True,
+        passwords=["+pw-for-the-test"],
+        keys=[names.trajectories],
+        commands=["+xinfo|groups", "+ping"],
+    )
     try:
         url = redis_url.replace("redis://", f"redis://{user}:pw-for-the-test@")
         metrics.watch_streams(url, {"prompts": names.prompts, "trajectories": names.trajectories})

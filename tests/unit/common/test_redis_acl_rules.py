@@ -45,8 +45,12 @@ def test_only_the_producer_of_a_stream_may_append_to_it() -> None:
 
 
 def test_each_service_consumes_its_own_input_only() -> None:
-    consumers = {NAMES.prompts: "rollout", NAMES.trajectories: "reward", NAMES.scored: "coordinator",
-                 NAMES.batches: "learner"}  # fmt: skip
+    consumers = {
+        NAMES.prompts: "rollout",
+        NAMES.trajectories: "reward",
+        NAMES.scored: "coordinator",
+        NAMES.batches: "learner",
+    }
     for stream, user in consumers.items():
         assert all(allowed(command, stream) == {user} for command in CONSUME), stream
     assert not allowed("xreadgroup", NAMES.weights) and not allowed("xreadgroup", NAMES.dead)

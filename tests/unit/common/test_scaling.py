@@ -56,11 +56,16 @@ def test_counts_round_trip_through_the_run_hash(client: syncredis.Redis, run_id:
 
 @pytest.mark.parametrize(
     "counts,match",
-    [({"coordinator": 2}, "coordinator: a single-instance service cannot be scaled"),
-     ({"learner": 2}, "learner: a single-instance service"), ({"rollot": 2}, "rollot: unknown service"),
-     ({"rollout": -1}, "rollout: replica count must be an integer >= 0"), ({"reward": 1.5}, "integer"),
-     ({"rollout": 9}, r"rollout: 9 replicas is over the maximum of 8"), ({}, "no replica count")],
-)  # fmt: skip
+    [
+        ({"coordinator": 2}, "coordinator: a single-instance service cannot be scaled"),
+        ({"learner": 2}, "learner: a single-instance service"),
+        ({"rollot": 2}, "rollot: unknown service"),
+        ({"rollout": -1}, "rollout: replica count must be an integer >= 0"),
+        ({"reward": 1.5}, "integer"),
+        ({"rollout": 9}, r"rollout: 9 replicas is over the maximum of 8"),
+        ({}, "no replica count"),
+    ],
+)
 def test_refused_counts_name_the_service_and_write_nothing(
     client: syncredis.Redis, run_id: str, counts: dict[str, int], match: str
 ) -> None:
@@ -100,9 +105,13 @@ def test_up_json_never_holds_a_password(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_scale_command_on_a_run_dir_and_on_a_recipe(
-    tmp_path: Path, redis_url: str, run_id: str, client: syncredis.Redis, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    redis_url: str,
+    run_id: str,
+    client: syncredis.Redis,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.delenv("STREAMRL_REDIS__URL", raising=False)
     write_run_info(tmp_path, RunInfo(run_id=run_id, redis_url=redis_url, max_replicas={"rollout": 4}))
     assert scale_main([str(tmp_path), "rollout=3", "reward=2"]) == 0
@@ -135,8 +144,9 @@ def test_up_config_checks_the_scaling_and_ray_fields() -> None:
     for data, match in cases:  # as `streamrl up` reports them: one line naming the field
         with pytest.raises(ConfigError, match=match):
             validate(LaunchRecipe, {"up": data}, source="recipe")
-    up = UpConfig.model_validate({"resources": {"rollout": {"num_gpus": 0.5}}, "gpus": {"rollout": ["0", "1"]},
-                                  "replicas": {"rollout": 2}})  # fmt: skip
+    up = UpConfig.model_validate(
+        {"resources": {"rollout": {"num_gpus": 0.5}}, "gpus": {"rollout": ["0", "1"]}, "replicas": {"rollout": 2}}
+    )
     assert up.resources_of("rollout").num_gpus == 0.5 and up.resources_of("reward") == ServiceResources()
     assert up.cuda_devices("rollout", 2) == "0"  # a replica added by scaling beyond the list: round robin
 
@@ -158,10 +168,16 @@ class StandIns:
         script = tmp_path / "stand_in.py"
         script.write_text(STAND_IN)
         monkeypatch.setattr(
-            launcher_lib, "service_command",
-            lambda python, service, recipe, overrides, instance: [python, str(script), service, instance,
-                                                                  str(self.folder)],
-        )  # fmt: skip
+            launcher_lib,
+            "service_command",
+            lambda python, service, recipe, overrides, instance: [
+                python,
+                str(script),
+                service,
+                instance,
+                str(self.folder),
+            ],
+        )
         recipe = tmp_path / "run.toml"
         recipe.write_text(
             f'run_id = "{run_id}"\nrun_dir = "{tmp_path / "run"}"\n[redis]\nurl = "{redis_url}"\n'
@@ -213,8 +229,10 @@ def test_local_launcher_scales_drains_and_restarts_under_new_names(
         request_replicas(run.client, run.names, {"rollout": 1})
         run.wait_for(lambda: run.running() == ["coordinator-0", "rollout-0"], "scale down")
         seen: list[str] = []
-        run.wait_for(lambda: seen.append(capsys.readouterr().out) or "rollout-2 removed (exit code 0)" in seen[-1],
-                     "the drained replica")  # fmt: skip
+        run.wait_for(
+            lambda: seen.append(capsys.readouterr().out) or "rollout-2 removed (exit code 0)" in seen[-1],
+            "the drained replica",
+        )
         os.kill(run.pid("rollout-0"), signal.SIGKILL)  # a crash: restarted under a new name
         run.wait_for(lambda: "rollout-0.1" in run.started(), "the restart")
         request_replicas(run.client, run.names, {"rollout": 2})  # index 1 again: its second incarnation

@@ -25,10 +25,24 @@ def password_redis_url(tmp_path: Path) -> Iterator[str]:
     """A real redis-server that refuses clients without ``PASSWORD``."""
     port = free_port()
     proc = subprocess.Popen(
-        [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--requirepass", PASSWORD,
-         "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            find_redis_server(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--requirepass",
+            PASSWORD,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
     client = syncredis.Redis.from_url(url, socket_timeout=1)
     try:

@@ -82,13 +82,19 @@ def write_run(run_dir: Path) -> None:
             root = coordinator.record(ISSUE, start_s=T0, end_s=T0 + ms(1))
             issued[group] = (root, rollout.record(QUEUE, root, start_s=T0, end_s=T0 + ms(queue_ms)))
         t = T0 + ms(queue_ms)
-        generated = rollout.record(GENERATE, issued[group][1], start_s=t, end_s=t + ms(gen_ms),
-                                   attributes={TRAJECTORY_ID: f"{group}/{index % 2}"})  # fmt: skip
+        generated = rollout.record(
+            GENERATE,
+            issued[group][1],
+            start_s=t,
+            end_s=t + ms(gen_ms),
+            attributes={TRAJECTORY_ID: f"{group}/{index % 2}"},
+        )
         t += ms(gen_ms)
         scored = ""
         for attempt_ms, failed in attempts:
-            scored = reward.record(REWARD, generated, start_s=t, end_s=t + ms(attempt_ms),
-                                   error="HttpError: 503" if failed else None)  # fmt: skip
+            scored = reward.record(
+                REWARD, generated, start_s=t, end_s=t + ms(attempt_ms), error="HttpError: 503" if failed else None
+            )
             t += ms(attempt_ms)
         if staleness is None:
             continue
@@ -121,7 +127,11 @@ def stages(report: object) -> dict[str, tuple[int, float, float, float]]:
 
 def test_report_numbers_on_a_synthetic_run(run_dir: Path) -> None:
     assert sorted(p.name.split("-")[0] for p in (run_dir / "traces").iterdir()) == [
-        "coordinator", "learner", "reward", "rollout"]  # fmt: skip
+        "coordinator",
+        "learner",
+        "reward",
+        "rollout",
+    ]
     spans, unreadable = read_spans(run_dir)
     assert unreadable == 0
     report = build_report(spans, top=3)
@@ -200,9 +210,11 @@ def _as_protobuf_json(value: object) -> object:
     """OTLP/JSON -> protobuf's JSON mapping: hex ids become base64 (protobuf's encoding of bytes)."""
     if isinstance(value, dict):
         return {
-            k: base64.b64encode(bytes.fromhex(v)).decode() if k in ("traceId", "spanId", "parentSpanId") else _as_protobuf_json(v)
+            k: base64.b64encode(bytes.fromhex(v)).decode()
+            if k in ("traceId", "spanId", "parentSpanId")
+            else _as_protobuf_json(v)
             for k, v in value.items()
-        }  # fmt: skip
+        }
     if isinstance(value, list):
         return [_as_protobuf_json(v) for v in value]
     return value
@@ -218,8 +230,12 @@ def test_every_line_is_an_otlp_export_request(run_dir: Path) -> None:
             assert len(span["traceId"]) == 32 and len(span["spanId"]) == 16
             assert isinstance(span["startTimeUnixNano"], str)
         assert request.resource_spans[0].scope_spans[0].scope.name == "streamrl"
-    failed = [s for line in lines for s in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
-              if s.get("status", {}).get("code") == 2]  # fmt: skip
+    failed = [
+        s
+        for line in lines
+        for s in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        if s.get("status", {}).get("code") == 2
+    ]
     assert len(failed) == 3 and {s["status"]["message"] for s in failed} == {"HttpError: 503"}
 
 
@@ -249,8 +265,9 @@ def test_processes_writing_one_folder_each_have_their_own_file(tmp_path: Path) -
 
 def test_a_forked_child_writes_its_own_file(tmp_path: Path) -> None:
     memory = InMemorySpanExporter()
-    tracing = setup_tracing(TracingConfig(sampling="all"), service="s", instance="i", run_id="r", run_dir="x",
-                            exporter=memory)  # fmt: skip
+    tracing = setup_tracing(
+        TracingConfig(sampling="all"), service="s", instance="i", run_id="r", run_dir="x", exporter=memory
+    )
     tracing.record("one", start_s=T0, end_s=T0 + 1)
     tracing.shutdown()
     spans = memory.get_finished_spans()
@@ -281,14 +298,32 @@ def test_attribute_values_round_trip_through_the_file(tmp_path: Path) -> None:
     class Transport(enum.IntEnum):
         ZMQ = 3
 
-    values = {"s": "x", "b": True, "i": -7, "f": 0.25, "nan": float("nan"), "inf": float("-inf"), "ints": [1, 2],
-              "strs": ["a", "b"], "enum": Transport.ZMQ}  # fmt: skip
-    tracing = setup_tracing(TracingConfig(sampling="all", dir=str(tmp_path)), service="s", instance="i", run_id="r",
-                            run_dir="x")  # fmt: skip
+    values = {
+        "s": "x",
+        "b": True,
+        "i": -7,
+        "f": 0.25,
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "ints": [1, 2],
+        "strs": ["a", "b"],
+        "enum": Transport.ZMQ,
+    }
+    tracing = setup_tracing(
+        TracingConfig(sampling="all", dir=str(tmp_path)), service="s", instance="i", run_id="r", run_dir="x"
+    )
     tracing.record("one", start_s=T0, end_s=T0 + 1, attributes=values)  # type: ignore[arg-type]
     tracing.shutdown()
     (span,), _ = read_spans(tmp_path)
     got = span.attributes
     assert math.isnan(got.pop("nan"))
-    assert got == {"s": "x", "b": True, "i": -7, "f": 0.25, "inf": float("-inf"), "ints": [1, 2], "strs": ["a", "b"],
-                   "enum": 3}  # fmt: skip
+    assert got == {
+        "s": "x",
+        "b": True,
+        "i": -7,
+        "f": 0.25,
+        "inf": float("-inf"),
+        "ints": [1, 2],
+        "strs": ["a", "b"],
+        "enum": 3,
+    }

@@ -63,9 +63,13 @@ class Service:
     def __init__(self, name: str, config: TracingConfig | None = None) -> None:
         self.exporter = InMemorySpanExporter()
         self.tracing: Tracing = setup_tracing(
-            config or TracingConfig(sampling="all"), service=name, instance=f"{name}-0", run_id="r1", run_dir="unused",
+            config or TracingConfig(sampling="all"),
+            service=name,
+            instance=f"{name}-0",
+            run_id="r1",
+            run_dir="unused",
             exporter=self.exporter,
-        )  # fmt: skip
+        )
 
     def spans(self) -> list[ReadableSpan]:
         assert self.tracing.flush()
@@ -87,11 +91,18 @@ def hop(message: object, cls: type) -> object:
 
 def trajectory(item: PromptWorkItem, index: int, traceparent: str) -> Trajectory:
     return Trajectory(
-        id=f"{item.id}/{index}", group_id=item.id, group_index=index, group_size=2, prompt_ids=item.prompt_ids,
-        response_ids=Tensor.from_list([5, 6], "int32"), logprobs=Tensor.from_list([-0.5, -0.5], "float32"),
-        loss_mask=Tensor.from_list([1, 1], "uint8"), policy_version_start=0, policy_version_end=0,
+        id=f"{item.id}/{index}",
+        group_id=item.id,
+        group_index=index,
+        group_size=2,
+        prompt_ids=item.prompt_ids,
+        response_ids=Tensor.from_list([5, 6], "int32"),
+        logprobs=Tensor.from_list([-0.5, -0.5], "float32"),
+        loss_mask=Tensor.from_list([1, 1], "uint8"),
+        policy_version_start=0,
+        policy_version_end=0,
         traceparent=traceparent,
-    )  # fmt: skip
+    )
 
 
 def run_pipeline(s: dict[str, Service], *, versions_behind: tuple[int, int] = (0, 2)) -> list[str]:
@@ -99,8 +110,9 @@ def run_pipeline(s: dict[str, Service], *, versions_behind: tuple[int, int] = (0
     Returns the traceparents the training batch carried for its samples."""
     coordinator, rollout, reward, learner = (s[n].tracing for n in ("coordinator", "rollout", "reward", "learner"))
     with coordinator.span(ISSUE, start_s=T0) as issue:
-        item = PromptWorkItem(id="p1", prompt_ids=Tensor.from_list([1, 2], "int32"), issued_at=T0,
-                              traceparent=issue.traceparent)  # fmt: skip
+        item = PromptWorkItem(
+            id="p1", prompt_ids=Tensor.from_list([1, 2], "int32"), issued_at=T0, traceparent=issue.traceparent
+        )
     item = hop(item, PromptWorkItem)
     queued = rollout.record(QUEUE, item.traceparent, start_s=item.issued_at, end_s=T0 + 0.01)
     trajectories = []
@@ -120,8 +132,14 @@ def run_pipeline(s: dict[str, Service], *, versions_behind: tuple[int, int] = (0
             replace(sample, traceparent=coordinator.record(BATCH_WAIT, waited, start_s=T0 + 2, end_s=T0 + 3))
         )
     with coordinator.span(BATCH) as batch_span:
-        batch = TrainingBatch(id="batch-0", index=0, samples=in_batch, policy_version=2, staleness=list(versions_behind),
-                              traceparent=batch_span.traceparent)  # fmt: skip
+        batch = TrainingBatch(
+            id="batch-0",
+            index=0,
+            samples=in_batch,
+            policy_version=2,
+            staleness=list(versions_behind),
+            traceparent=batch_span.traceparent,
+        )
     batch = hop(batch, TrainingBatch)
     with learner.span(STEP, batch.traceparent, links=[x.traceparent for x in batch.samples]):
         for sample, staleness in zip(batch.samples, batch.staleness, strict=True):
@@ -266,9 +284,18 @@ def test_weight_spans_of_one_version_share_a_parent_in_every_process() -> None:
 @pytest.mark.parametrize(
     ("value", "parsed"),
     [
-        ("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 1)),
-        ("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00", (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 0)),
-        ("01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-later", (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 1)),
+        (
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 1),
+        ),
+        (
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+            (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 0),
+        ),
+        (
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-later",
+            (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 1),
+        ),
         ("", None),
         ("00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01", None),  # upper case is invalid
         ("00-00000000000000000000000000000000-b7ad6b7169203331-01", None),  # zero trace id
@@ -278,7 +305,7 @@ def test_weight_spans_of_one_version_share_a_parent_in_every_process() -> None:
         ("00-0af7651916cd43dd8448eb211c80319c-b7ad6b716920333-01", None),
         ("00-0af7651916cd43dd8448eb2_1c80319c-b7ad6b7169203331-01", None),
     ],
-)  # fmt: skip
+)
 def test_traceparent_parsing(value: str, parsed: tuple[int, int, int] | None) -> None:
     assert parse_traceparent(value) == parsed
     if parsed is not None and value.startswith("00"):

@@ -11,8 +11,16 @@ from streamrl.common.weights_auth import KEY_ENV, WeightsAuthError, check, sign,
 
 KEY = b"a-run-key-of-some-length"
 RUN = "run-a"
-EVENT = WeightsPublished(version=3, step=3, batch_id="batch-2", checksum="ab" * 32, num_bytes=10, num_buckets=1,
-                         endpoint="tcp://learner:5555", metrics={"learner/loss/policy": 0.125})  # fmt: skip
+EVENT = WeightsPublished(
+    version=3,
+    step=3,
+    batch_id="batch-2",
+    checksum="ab" * 32,
+    num_bytes=10,
+    num_buckets=1,
+    endpoint="tcp://learner:5555",
+    metrics={"learner/loss/policy": 0.125},
+)
 
 
 def test_a_signed_event_passes_after_the_wire() -> None:

@@ -32,13 +32,30 @@ class Prompts:
         pass
 
 
-def sample(group: str, index: int, score: float = 1.0, *, version: int = 0, is_eval: bool = False,
-           eval_version: int = 0, **scored: Any) -> ScoredTrajectory:  # fmt: skip
-    traj = Trajectory(id=f"{group}/{index}", group_id=group, group_index=index, group_size=2,
-                      prompt_ids=Tensor.from_list([1], "int32"), response_ids=Tensor.from_list([5, 6], "int32"),
-                      logprobs=Tensor.from_list([-1.0, -1.0], "float32"), loss_mask=Tensor.from_list([1, 1], "uint8"),
-                      policy_version_start=version, policy_version_end=version, is_eval=is_eval,
-                      metadata={"eval_version": eval_version} if is_eval else {})  # fmt: skip
+def sample(
+    group: str,
+    index: int,
+    score: float = 1.0,
+    *,
+    version: int = 0,
+    is_eval: bool = False,
+    eval_version: int = 0,
+    **scored: Any,
+) -> ScoredTrajectory:
+    traj = Trajectory(
+        id=f"{group}/{index}",
+        group_id=group,
+        group_index=index,
+        group_size=2,
+        prompt_ids=Tensor.from_list([1], "int32"),
+        response_ids=Tensor.from_list([5, 6], "int32"),
+        logprobs=Tensor.from_list([-1.0, -1.0], "float32"),
+        loss_mask=Tensor.from_list([1, 1], "uint8"),
+        policy_version_start=version,
+        policy_version_end=version,
+        is_eval=is_eval,
+        metadata={"eval_version": eval_version} if is_eval else {},
+    )
     return ScoredTrajectory(trajectory=traj, reward=score, score=score, **scored)
 
 

@@ -21,8 +21,9 @@ BATCHES = "streamrl:r:batches"
 
 def letter(payload: Message | bytes, stream: str = "streamrl:r:trajectories", error: str = "E: x") -> DeadLetter:
     raw = payload if isinstance(payload, bytes) else encode(payload)
-    return DeadLetter(stream=stream, entry_id="5-0", group="g", consumer="c", error=error, deliveries=3,
-                      payload=raw, ts=0.0)  # fmt: skip
+    return DeadLetter(
+        stream=stream, entry_id="5-0", group="g", consumer="c", error=error, deliveries=3, payload=raw, ts=0.0
+    )
 
 
 def prompt(id: str, **fields: object) -> PromptWorkItem:
@@ -50,10 +51,13 @@ def test_a_batch_the_learner_refused_unconsumed_is_to_be_sent_again() -> None:
     """A batch from the future (or conflicting with what the learner consumed at its index) is
     dead-lettered without a version published for it: its samples were not trained, and the run waits
     for that index - the coordinator gets the whole entry back to send it again."""
-    batch = TrainingBatch(id="batch-3", index=3, samples=[sample("p7", 1), sample("p8", 0)], policy_version=3,
-                          staleness=[0, 0])  # fmt: skip
-    for error in ("PoisonMessageError: batch-3 is ahead of the learner, whose next batch is 1: ...",
-                  "PoisonMessageError: batch-3 has index 3, which the learner already consumed as ..."):  # fmt: skip
+    batch = TrainingBatch(
+        id="batch-3", index=3, samples=[sample("p7", 1), sample("p8", 0)], policy_version=3, staleness=[0, 0]
+    )
+    for error in (
+        "PoisonMessageError: batch-3 is ahead of the learner, whose next batch is 1: ...",
+        "PoisonMessageError: batch-3 has index 3, which the learner already consumed as ...",
+    ):
         refused = what_was_lost(letter(batch, BATCHES, error), batches_stream=BATCHES)
         assert refused == RefusedBatch("batch-3", 2, 2, encode(batch))
 

@@ -25,8 +25,9 @@ from streamrl.coordinator.state import RunState
 
 
 def rounds(state: RunState, run_dir: Path, num_prompts: int = 3) -> EvalRounds:
-    cfg = config(eval={"dataset": {"path": "unused.jsonl", "tokenizer": "unused"}, "num_prompts": num_prompts,
-                       "every_steps": 1})  # fmt: skip
+    cfg = config(
+        eval={"dataset": {"path": "unused.jsonl", "tokenizer": "unused"}, "num_prompts": num_prompts, "every_steps": 1}
+    )
     return EvalRounds(cfg, state, Prompts(), MetricsWriter(run_dir))  # type: ignore[arg-type]
 
 
@@ -100,8 +101,9 @@ def test_a_round_closes_when_each_prompt_is_answered_or_dead(in_redis, tmp_path:
         evals = rounds(state, tmp_path)
         await evals.maybe_start(0)
         first, second, third = await eval_prompts(state, 0)
-        await store(state, round_buffer_id(0), sample(first, 0, 1.0, is_eval=True),
-                    sample(second, 0, 0.0, is_eval=True))  # fmt: skip
+        await store(
+            state, round_buffer_id(0), sample(first, 0, 1.0, is_eval=True), sample(second, 0, 0.0, is_eval=True)
+        )
         assert not await evals.finish(look=True, timeout_s=600.0)
         await evals.record_dead(0, third)
         await evals.record_dead(0, third)  # the dead tail may see a letter twice
@@ -117,8 +119,9 @@ def test_a_round_closes_when_each_prompt_is_answered_or_dead(in_redis, tmp_path:
     assert (row["eval/acc"], row["eval/num_answered"], row["eval/num_dead"], row["eval/num_missing"]) == (0.5, 2, 1, 0)
 
 
-def test_a_round_with_every_prompt_dead_closes_without_accuracy(in_redis, tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_round_with_every_prompt_dead_closes_without_accuracy(
+    in_redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
     async def scenario(state: RunState) -> None:
         evals = rounds(state, tmp_path, num_prompts=2)
         await evals.maybe_start(5)

@@ -35,10 +35,13 @@ def dataset(tmp_path: Path, rows: list[dict]) -> str:  # type: ignore[type-arg]
 
 
 def test_a_row_with_images_gets_its_bytes_and_one_placeholder_per_image(tmp_path: Path, vl_dir: str) -> None:
-    path = dataset(tmp_path, [
-        {"prompt": "which colour", "label": "red", "images": ["img/red.png", "img/blue.jpg"]},
-        {"prompt": "no picture", "label": "x"},
-    ])  # fmt: skip
+    path = dataset(
+        tmp_path,
+        [
+            {"prompt": "which colour", "label": "red", "images": ["img/red.png", "img/blue.jpg"]},
+            {"prompt": "no picture", "label": "x"},
+        ],
+    )
     source = PromptSource(DatasetConfig(path=path, tokenizer=vl_dir, shuffle=False))
     image_id = source.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     with_images, plain = source.encode(0), source.encode(1)
@@ -91,8 +94,14 @@ def test_hugging_face_image_columns_and_webp_are_read(tmp_path: Path) -> None:
 
 
 def test_a_row_whose_image_is_missing_is_bad_the_others_are_read(tmp_path: Path, vl_dir: str) -> None:
-    path = dataset(tmp_path, [{"prompt": "a", "images": "img/red.png"}, {"prompt": "b", "images": "img/gone.png"},
-                              {"prompt": "c", "images": ["img/blue.jpg"]}])  # fmt: skip
+    path = dataset(
+        tmp_path,
+        [
+            {"prompt": "a", "images": "img/red.png"},
+            {"prompt": "b", "images": "img/gone.png"},
+            {"prompt": "c", "images": ["img/blue.jpg"]},
+        ],
+    )
     source = PromptSource(DatasetConfig(path=path, tokenizer=vl_dir, label_key=None, shuffle=False))
     with pytest.raises(BadRowError, match=r"row 1: image 'img/gone.png' not found"):
         source.encode(1)

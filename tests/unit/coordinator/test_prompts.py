@@ -48,8 +48,13 @@ def write_dataset(tmp_path: Path, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf"])
 def test_formats_keys_and_tokenization(tmp_path: Path, tokenizer_dir: str, kind: str) -> None:
-    cfg = DatasetConfig(path=write_dataset(tmp_path, kind), prompt_key="question", label_key="answer",
-                        tokenizer=tokenizer_dir, shuffle=False)  # fmt: skip
+    cfg = DatasetConfig(
+        path=write_dataset(tmp_path, kind),
+        prompt_key="question",
+        label_key="answer",
+        tokenizer=tokenizer_dir,
+        shuffle=False,
+    )
     source = PromptSource(cfg)
     p = source.get(3)
     assert (p.text, p.label, p.metadata) == ("3+1=", "4", {"source": "synthetic"})
@@ -57,8 +62,14 @@ def test_formats_keys_and_tokenization(tmp_path: Path, tokenizer_dir: str, kind:
 
 
 def test_chat_template_and_cursor_epochs(tmp_path: Path, tokenizer_dir: str) -> None:
-    cfg = DatasetConfig(path=write_dataset(tmp_path, "jsonl"), prompt_key="question", label_key="answer",
-                        tokenizer=tokenizer_dir, apply_chat_template=True, seed=3)  # fmt: skip
+    cfg = DatasetConfig(
+        path=write_dataset(tmp_path, "jsonl"),
+        prompt_key="question",
+        label_key="answer",
+        tokenizer=tokenizer_dir,
+        apply_chat_template=True,
+        seed=3,
+    )
     source = PromptSource(cfg)
     first_epoch = [source.get(i).label for i in range(10)]
     assert sorted(first_epoch, key=int) == [str(i + 1) for i in range(10)]  # a permutation

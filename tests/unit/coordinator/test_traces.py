@@ -86,8 +86,7 @@ async def one_batch(
         note_arrival(received, arrived)  # what the scored handler does before the consumer stores it
         await store(state, item.id, received)
     await groups.complete(None)
-    builder = BatchBuilder(state, groups, prompts_per_step=1, max_staleness=0, drop_stale=True,
-                           tracing=coordinator)  # fmt: skip
+    builder = BatchBuilder(state, groups, prompts_per_step=1, max_staleness=0, drop_stale=True, tracing=coordinator)
     (built,) = await builder.build(version=0)
     ((_, fields),) = await state.redis.xrange(state.names.batches)
     batch = decode(fields[b"d"], TrainingBatch)

@@ -48,8 +48,11 @@ def main(out: Path, stage: int) -> dict[str, object]:
     same = restored.keys() == weights.keys() and all(torch.equal(weights[n], restored[n]) for n in weights)
     initial = load_file(model / "model.safetensors")
     moved = any(not torch.equal(initial[n], weights[n]) for n in weights if n in initial)
-    report: dict[str, object] = {"client_state": state, "global_steps": resumed.global_steps,
-                                 "trained_weights_restored": same and moved}  # fmt: skip
+    report: dict[str, object] = {
+        "client_state": state,
+        "global_steps": resumed.global_steps,
+        "trained_weights_restored": same and moved,
+    }
 
     tag = (out / "ckpt" / "latest").read_text().strip()
     refused = {}

@@ -15,14 +15,22 @@ def batch(index: int, ids: tuple[str, ...] = ("a", "b"), name: str | None = None
     sampling = SamplingParams(temperature=1.0)
     trajectories = [
         Trajectory(
-            id=i, group_id="g", group_index=k, group_size=len(ids), prompt_ids=one, response_ids=one,
-            logprobs=zero, loss_mask=mask, sampling=sampling,
+            id=i,
+            group_id="g",
+            group_index=k,
+            group_size=len(ids),
+            prompt_ids=one,
+            response_ids=one,
+            logprobs=zero,
+            loss_mask=mask,
+            sampling=sampling,
         )
         for k, i in enumerate(ids)
     ]
     samples = [ScoredTrajectory(trajectory=t, reward=0.0) for t in trajectories]
-    return TrainingBatch(id=name or f"batch-{index}", index=index, samples=samples, policy_version=0,
-                         staleness=[0] * len(ids))  # fmt: skip
+    return TrainingBatch(
+        id=name or f"batch-{index}", index=index, samples=samples, policy_version=0, staleness=[0] * len(ids)
+    )
 
 
 def test_a_copy_has_the_same_fingerprint_and_other_content_does_not() -> None:

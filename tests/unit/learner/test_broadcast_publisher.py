@@ -114,9 +114,12 @@ def test_a_member_that_leaves_costs_no_deadline(publisher: BroadcastWeightPublis
 
 def test_from_config_advertises_the_weights_host() -> None:
     config = LearnerConfig(
-        model="unused", weights_transport="broadcast", weights_advertise_host="learner-0", weights_bucket_mb=2,
+        model="unused",
+        weights_transport="broadcast",
+        weights_advertise_host="learner-0",
+        weights_bucket_mb=2,
         weights_broadcast_timeout_s=5,
-    )  # fmt: skip
+    )
     pub = BroadcastWeightPublisher.from_config(config)
     try:
         assert pub.address.startswith("learner-0:") and int(pub.address.rsplit(":", 1)[1]) > 0

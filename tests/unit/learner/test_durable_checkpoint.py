@@ -29,14 +29,16 @@ def synced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     return calls
 
 
-def test_sync_tree_syncs_every_file_then_the_folders_bottom_up_then_the_parent(tmp_path: Path, synced: list[str]) -> None:
+def test_sync_tree_syncs_every_file_then_the_folders_bottom_up_then_the_parent(
+    tmp_path: Path, synced: list[str]
+) -> None:
     (tmp_path / "ckpt" / "step_3" / "zero").mkdir(parents=True)
     for name in ("step_3/model.pt", "step_3/zero/optim.pt", "step_3/rng_rank0.pt"):
         (tmp_path / "ckpt" / name).write_bytes(b"x")
     durable.sync_tree(tmp_path / "ckpt" / "step_3")
     files = [c for c in synced if c.endswith(".pt")]
     assert sorted(files) == ["ckpt/step_3/model.pt", "ckpt/step_3/rng_rank0.pt", "ckpt/step_3/zero/optim.pt"]
-    assert synced[len(files):] == ["ckpt/step_3/zero", "ckpt/step_3", "ckpt"]
+    assert synced[len(files) :] == ["ckpt/step_3/zero", "ckpt/step_3", "ckpt"]
 
 
 def test_write_marker_syncs_the_new_file_before_the_rename_and_the_folder_after(
@@ -52,8 +54,9 @@ def test_write_marker_syncs_the_new_file_before_the_rename_and_the_folder_after(
 
 @pytest.mark.slow
 def test_a_checkpoint_is_fsynced_whole_before_latest_names_it(tmp_path: Path, worker_env: dict[str, str]) -> None:
-    done = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True,
-                          env=worker_env, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, env=worker_env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
     *events, (_, *files) = record
@@ -85,8 +88,9 @@ def test_the_critics_checkpoint_is_written_before_the_policys_and_resumed_at_the
     from streamrl.learner.rl.group import LearnerGroup
 
     log: list[tuple[str, ...]] = []
-    trainer = SimpleNamespace(policy=_Model("policy", log), critic=_Model("critic", log),
-                              kl_ctl=SimpleNamespace(value=0.1))  # fmt: skip
+    trainer = SimpleNamespace(
+        policy=_Model("policy", log), critic=_Model("critic", log), kl_ctl=SimpleNamespace(value=0.1)
+    )
     group = LearnerGroup(trainer, tmp_path, keep_last=2)  # type: ignore[arg-type]
     group.checkpoint({"step": 3, "next_index": 3})
     assert log == [("critic", "save", "step_7"), ("policy", "save", "step_7")]

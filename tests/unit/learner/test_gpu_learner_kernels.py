@@ -30,7 +30,10 @@ def test_flash_varlen_matches_padded_sdpa_forward_and_backward() -> None:
     v = torch.randn(n, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
     g = torch.randn(n, 14, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
     results = []
-    for attend in (lambda: _flash(q, k, v, cu, max(lengths), 0.125), lambda: padded_varlen_attention(q.float(), k.float(), v.float(), cu, max(lengths), 0.125)):  # fmt: skip
+    for attend in (
+        lambda: _flash(q, k, v, cu, max(lengths), 0.125),
+        lambda: padded_varlen_attention(q.float(), k.float(), v.float(), cu, max(lengths), 0.125),
+    ):
         q.grad = k.grad = v.grad = None
         out = attend()
         (out.float() * g).sum().backward()

@@ -57,11 +57,21 @@ def batch(index: int, contexts: list[str], versions: list[int], slow: int | None
     samples = []
     for i, (s, tp, v) in enumerate(zip(made.samples, contexts, versions, strict=True)):
         issued = now - (100.0 if i == slow else 1.0)
-        traj = replace(s.trajectory, policy_version_start=v, policy_version_end=v,
-                       timings={"queue_s": 0.5, "started_at": issued + 0.5})  # fmt: skip
+        traj = replace(
+            s.trajectory,
+            policy_version_start=v,
+            policy_version_end=v,
+            timings={"queue_s": 0.5, "started_at": issued + 0.5},
+        )
         samples.append(replace(s, trajectory=traj, traceparent=tp))
-    return TrainingBatch(id=f"batch-{index}", index=index, samples=samples, policy_version=index,
-                         staleness=[index - v for v in versions], traceparent=context(sampled=True))  # fmt: skip
+    return TrainingBatch(
+        id=f"batch-{index}",
+        index=index,
+        samples=samples,
+        policy_version=index,
+        staleness=[index - v for v in versions],
+        traceparent=context(sampled=True),
+    )
 
 
 def ids(traceparent: str) -> list[int]:
@@ -83,8 +93,11 @@ def test_step_links_and_train_staleness_match_the_steps_metrics(
     out = tmp_path / "recorded.json"
     done = subprocess.run(
         [sys.executable, str(WORKER), str(tiny_qwen_dir), redis_url, run_id, str(tmp_path / "run"), str(out)],
-        env={**worker_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env={**worker_env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     recorded = json.loads(out.read_text())
     spans: list[dict[str, Any]] = recorded["spans"]
@@ -100,8 +113,11 @@ def test_step_links_and_train_staleness_match_the_steps_metrics(
         metrics = events[b.index + 1].metrics  # the step that trains batch k (at version k) publishes k + 1
         assert step["attributes"][CORRECTION_WEIGHT] == metrics["learner/correction/weight_mean"]
         assert step["attributes"][MASKED_FRACTION] == metrics["learner/correction/masked_frac"]
-        train = {s["attributes"][TRAJECTORY_ID]: s for s in spans if s["name"] == TRAIN
-                 and s["attributes"][STEP_INDEX] == b.index}  # fmt: skip
+        train = {
+            s["attributes"][TRAJECTORY_ID]: s
+            for s in spans
+            if s["name"] == TRAIN and s["attributes"][STEP_INDEX] == b.index
+        }
         assert sorted(train) == sorted(b.samples[i].trajectory.id for i in traced)  # none for the others
         for i in traced:
             traj = b.samples[i].trajectory

@@ -102,12 +102,16 @@ def _rl_batch(seed: int = 0) -> TrainingBatch:
         for j in range(2):
             n = int(rng.integers(1, 6))
             traj = Trajectory(
-                id=f"p{g}/{j}", group_id=f"p{g}", group_index=j, group_size=2, prompt_ids=Tensor.from_numpy(prompt),
+                id=f"p{g}/{j}",
+                group_id=f"p{g}",
+                group_index=j,
+                group_size=2,
+                prompt_ids=Tensor.from_numpy(prompt),
                 response_ids=Tensor.from_numpy(rng.integers(3, 259, size=n).astype(np.int32)),
                 logprobs=Tensor.from_numpy(np.full(n, -5.0, dtype=np.float32)),
                 loss_mask=Tensor.from_numpy(np.ones(n, dtype=np.uint8)),
                 sampling=SamplingParams(temperature=[0.7, 1.0, 1.3][g]),
-            )  # fmt: skip
+            )
             samples.append(ScoredTrajectory(trajectory=traj, reward=float(j)))
     return TrainingBatch(id="b", index=0, samples=samples, policy_version=0, staleness=[0] * len(samples))
 

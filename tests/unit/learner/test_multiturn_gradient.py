@@ -54,11 +54,18 @@ def episodes(seed: int = 0, env_logprob: float | None = None, unmask_env: bool =
         turn_rewards = [t.reward for t in turns]
         turn_rewards[-1] += final
         traj = Trajectory(
-            id=f"g/{j}", group_id="g", group_index=j, group_size=3, prompt_ids=Tensor.from_numpy(prompt),
-            response_ids=Tensor.from_list(ids, "int32"), logprobs=Tensor.from_list(logprobs, "float32"),
-            loss_mask=Tensor.from_list(mask, "uint8"), sampling=SamplingParams(temperature=TEMPERATURES[j]),
-            turns=turns, stop_reason="done",
-        )  # fmt: skip
+            id=f"g/{j}",
+            group_id="g",
+            group_index=j,
+            group_size=3,
+            prompt_ids=Tensor.from_numpy(prompt),
+            response_ids=Tensor.from_list(ids, "int32"),
+            logprobs=Tensor.from_list(logprobs, "float32"),
+            loss_mask=Tensor.from_list(mask, "uint8"),
+            sampling=SamplingParams(temperature=TEMPERATURES[j]),
+            turns=turns,
+            stop_reason="done",
+        )
         samples.append(ScoredTrajectory(trajectory=traj, reward=sum(turn_rewards), turn_rewards=turn_rewards))
     return TrainingBatch(id="batch-0", index=0, samples=samples, policy_version=0, staleness=[0, 0, 0])
 

@@ -117,10 +117,15 @@ def test_environment_tokens_reach_neither_loss_nor_gradient(
         assert torch.equal(grads2[k], grads[k]), k
 
     if correction != "none":  # the per-sample figures of the learner's traces
-        figures = sample_correction(cfg.correction, old_logprobs=x["old_logprobs"],
-                                    behaviour_logprobs=x["behaviour_logprobs"], mask=MASK)  # fmt: skip
-        figures2 = sample_correction(cfg.correction, old_logprobs=noisy["old_logprobs"],
-                                     behaviour_logprobs=noisy["behaviour_logprobs"], mask=MASK)  # fmt: skip
+        figures = sample_correction(
+            cfg.correction, old_logprobs=x["old_logprobs"], behaviour_logprobs=x["behaviour_logprobs"], mask=MASK
+        )
+        figures2 = sample_correction(
+            cfg.correction,
+            old_logprobs=noisy["old_logprobs"],
+            behaviour_logprobs=noisy["behaviour_logprobs"],
+            mask=MASK,
+        )
         assert all(torch.equal(a, b) for a, b in zip(figures, figures2, strict=True))
 
 

@@ -35,7 +35,9 @@ def grouped_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, mask, prompt_lens, torch.tensor([r for _, r in rows])
 
 
-def plain_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor, width: int) -> torch.Tensor:  # fmt: skip
+def plain_logits(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor, width: int
+) -> torch.Tensor:
     logits = model(input_ids=ids, attention_mask=mask).logits
     index = response_logits_index(prompt_lens, width).clamp(max=ids.shape[1] - 1)
     return logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))

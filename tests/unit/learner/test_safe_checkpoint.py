@@ -46,9 +46,16 @@ def test_tensors_plain_values_and_deepspeeds_own_types_load(tmp_path: Path) -> N
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    state = {"w": torch.arange(3.0), "steps": 7, "betas": (0.9, 0.95), "tag": "step_7", "stage": ZeroStageEnum(2),
-             "scaler": LossScaler(scale=1.0), "dynamic": DynamicLossScaler(2.0**16, 1000, 1, 2, False),
-             "address": fragment_address(numel=3, start=0)}  # fmt: skip
+    state = {
+        "w": torch.arange(3.0),
+        "steps": 7,
+        "betas": (0.9, 0.95),
+        "tag": "step_7",
+        "stage": ZeroStageEnum(2),
+        "scaler": LossScaler(scale=1.0),
+        "dynamic": DynamicLossScaler(2.0**16, 1000, 1, 2, False),
+        "address": fragment_address(numel=3, start=0),
+    }
     torch.save(state, tmp_path / "optim_states.pt")
     loaded = load_checkpoint_file(tmp_path / "optim_states.pt")
     assert torch.equal(loaded["w"], state["w"]) and loaded["stage"] is ZeroStageEnum.gradients
@@ -81,8 +88,11 @@ def test_a_checkpoint_resumes_and_a_tampered_file_of_it_is_refused(
 ) -> None:
     done = subprocess.run(
         [sys.executable, str(WORKER), str(tmp_path), str(zero_stage)],
-        env={**worker_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env={**worker_env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(lines[0].removeprefix("REPORT "))

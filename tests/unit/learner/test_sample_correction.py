@@ -19,9 +19,14 @@ def test_token_weighted_mean_of_the_sample_figures_is_the_micro_batch_figure(kin
     mask[3] = 0.0  # a row with no valid token counts as nothing
     cfg = AlgoConfig(correction=CorrectionConfig(type=kind, low=0.5, high=2.0, gate_delta=0.05))
     _, metrics = policy_objective(
-        cfg, logprobs=old.clone().requires_grad_(), old_logprobs=old, advantages=torch.ones(5, 9), mask=mask,
-        normaliser=float(mask.sum()), behaviour_logprobs=behaviour,
-    )  # fmt: skip
+        cfg,
+        logprobs=old.clone().requires_grad_(),
+        old_logprobs=old,
+        advantages=torch.ones(5, 9),
+        mask=mask,
+        normaliser=float(mask.sum()),
+        behaviour_logprobs=behaviour,
+    )
 
     weight, masked = sample_correction(cfg.correction, old_logprobs=old, behaviour_logprobs=behaviour, mask=mask)
     tokens = mask.sum(dim=1)

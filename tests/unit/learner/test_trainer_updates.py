@@ -65,12 +65,16 @@ def scored_batch(num_groups: int = 4, group_size: int = 2, seed: int = 0) -> Tra
         for j in range(group_size):
             n = int(rng.integers(1, 5))
             traj = Trajectory(
-                id=f"p{g}/{j}", group_id=f"p{g}", group_index=j, group_size=group_size,
+                id=f"p{g}/{j}",
+                group_id=f"p{g}",
+                group_index=j,
+                group_size=group_size,
                 prompt_ids=Tensor.from_numpy(prompt),
                 response_ids=Tensor.from_numpy(rng.integers(3, 259, size=n).astype(np.int32)),
                 logprobs=Tensor.from_numpy(rng.uniform(-6.0, -4.0, size=n).astype(np.float32)),
-                loss_mask=Tensor.from_numpy(np.ones(n, dtype=np.uint8)), sampling=SamplingParams(temperature=1.0),
-            )  # fmt: skip
+                loss_mask=Tensor.from_numpy(np.ones(n, dtype=np.uint8)),
+                sampling=SamplingParams(temperature=1.0),
+            )
             samples.append(ScoredTrajectory(trajectory=traj, reward=float(rng.integers(0, 2)) + 0.1 * j))
     return TrainingBatch(id="batch-3", index=3, samples=samples, policy_version=0, staleness=[0] * len(samples))
 
@@ -86,7 +90,9 @@ def test_trainer_takes_each_planned_update_against_pi_old(tiny_qwen_dir: Path) -
     assert trainer.policy.global_steps == mini_batches
 
     # the same updates replayed with plain torch from the same initial weights
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32, attn_implementation=varlen_attention())
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_qwen_dir, dtype=torch.float32, attn_implementation=varlen_attention()
+    )
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=ds.betas, eps=ds.eps, weight_decay=0.0)
     rl = collate(batch, pad_id=0)
@@ -99,9 +105,14 @@ def test_trainer_takes_each_planned_update_against_pi_old(tiny_qwen_dir: Path) -
         mb = rl.select(rows)
         logp = rl_response_logprobs(model, mb, ds, with_entropy=False)[0]
         loss, m = policy_objective(
-            cfg.algo, logprobs=logp, old_logprobs=old[rows], advantages=advantages[rows], mask=mb.mask,
-            normaliser=float(normaliser_count(mb.mask, cfg.algo.loss.aggregation)), behaviour_logprobs=mb.behaviour_logprobs,
-        )  # fmt: skip
+            cfg.algo,
+            logprobs=logp,
+            old_logprobs=old[rows],
+            advantages=advantages[rows],
+            mask=mb.mask,
+            normaliser=float(normaliser_count(mb.mask, cfg.algo.loss.aggregation)),
+            behaviour_logprobs=mb.behaviour_logprobs,
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

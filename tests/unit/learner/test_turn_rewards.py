@@ -36,11 +36,17 @@ def episode(
         if kind == "model":
             turns.append(Turn(start=start, end=start + n, policy_version=0, reward=0.0))
     traj = Trajectory(
-        id=f"{group}/{index}", group_id=group, group_index=index, group_size=2,
-        prompt_ids=Tensor.from_list([5, 6, 7], "int32"), response_ids=Tensor.from_list(ids, "int32"),
-        logprobs=Tensor.from_list(logprobs, "float32"), loss_mask=Tensor.from_list(mask, "uint8"), turns=turns,
+        id=f"{group}/{index}",
+        group_id=group,
+        group_index=index,
+        group_size=2,
+        prompt_ids=Tensor.from_list([5, 6, 7], "int32"),
+        response_ids=Tensor.from_list(ids, "int32"),
+        logprobs=Tensor.from_list(logprobs, "float32"),
+        loss_mask=Tensor.from_list(mask, "uint8"),
+        turns=turns,
         stop_reason="done",
-    )  # fmt: skip
+    )
     return ScoredTrajectory(trajectory=traj, reward=float(sum(turn_rewards)), turn_rewards=turn_rewards)
 
 
@@ -52,13 +58,16 @@ def single(group: str, index: int, n: int, reward: float) -> ScoredTrajectory:
 
 def test_collate_puts_each_earlier_turn_reward_on_its_last_model_token() -> None:
     batch = TrainingBatch(
-        id="batch-0", index=0, policy_version=0, staleness=[0, 0, 0],
+        id="batch-0",
+        index=0,
+        policy_version=0,
+        staleness=[0, 0, 0],
         samples=[
             episode("a", 0, [("model", 2), ("env", 3), ("model", 1), ("env", 2), ("model", 3)], [1.0, -0.5, 2.0]),
             episode("a", 1, [("model", 4), ("env", 1), ("model", 2)], [0.25, 3.0]),
             single("b", 0, 5, 1.5),
         ],
-    )  # fmt: skip
+    )
     rl = collate(decode(encode(batch), TrainingBatch), pad_id=0)  # through the wire format first
     assert rl.mask[0].tolist() == [1, 1, 0, 0, 0, 1, 0, 0, 1, 1, 1]
     expected = torch.zeros(3, 11)
@@ -73,14 +82,17 @@ def test_a_turn_without_model_tokens_leaves_its_reward_to_the_end() -> None:
     masked = np.array([1, 1, 0, 0, 0, 0, 0], dtype=np.uint8)  # the second turn's tokens all masked
     t = sample.trajectory
     turns = [Turn(start=0, end=0, policy_version=0, reward=0.0), Turn(start=4, end=7, policy_version=0)]
-    empty_first = ScoredTrajectory(trajectory=Trajectory(**{**_fields(t), "turns": turns}), reward=1.5,
-                                   turn_rewards=[0.5, 1.0])  # fmt: skip
+    empty_first = ScoredTrajectory(
+        trajectory=Trajectory(**{**_fields(t), "turns": turns}), reward=1.5, turn_rewards=[0.5, 1.0]
+    )
     only_first = ScoredTrajectory(
         trajectory=Trajectory(**{**_fields(t), "loss_mask": Tensor.from_numpy(masked)}),
-        reward=1.5, turn_rewards=[0.5, 1.0],
-    )  # fmt: skip
-    rl = collate(TrainingBatch(id="b", index=0, samples=[empty_first, only_first], policy_version=0,
-                               staleness=[0, 0]), pad_id=0)  # fmt: skip
+        reward=1.5,
+        turn_rewards=[0.5, 1.0],
+    )
+    rl = collate(
+        TrainingBatch(id="b", index=0, samples=[empty_first, only_first], policy_version=0, staleness=[0, 0]), pad_id=0
+    )
     assert rl.turn_rewards[0].tolist() == [0.0] * 7  # nothing before turn 0's end: all at the last token
     assert rl.turn_rewards[1].tolist() == [0.0, 0.5] + [0.0] * 5
     token = adv.token_rewards(rl.rewards, rl.mask, rl.turn_rewards)
@@ -103,8 +115,13 @@ def _fields(t: Trajectory) -> dict[str, object]:
 def test_inconsistent_turns_are_refused(turns: list[tuple[int, int]], rewards: list[float], match: str) -> None:
     t = episode("a", 0, [("model", 2), ("env", 3), ("model", 4)], [0.0, 0.0]).trajectory
     bad = Trajectory(**{**_fields(t), "turns": [Turn(start=s, end=e, policy_version=0) for s, e in turns]})
-    batch = TrainingBatch(id="b", index=0, samples=[ScoredTrajectory(trajectory=bad, reward=1.0, turn_rewards=rewards)],
-                          policy_version=0, staleness=[0])  # fmt: skip
+    batch = TrainingBatch(
+        id="b",
+        index=0,
+        samples=[ScoredTrajectory(trajectory=bad, reward=1.0, turn_rewards=rewards)],
+        policy_version=0,
+        staleness=[0],
+    )
     with pytest.raises(ValueError, match=match):
         collate(batch, pad_id=0)
 
@@ -126,9 +143,16 @@ def test_returns_by_hand_discount_per_model_token() -> None:
 def test_token_rewards_sum_to_the_shaped_return() -> None:
     """Shaping acts on the scalar return; the final turn absorbs the difference (here a clip to 2)."""
     cfg = AlgoConfig(shaping={"reward_clip": (-2.0, 2.0)})
-    rl = collate(TrainingBatch(id="b", index=0, policy_version=0, staleness=[0],
-                               samples=[episode("a", 0, [("model", 2), ("env", 1), ("model", 2)], [1.5, 1.0])]),
-                 pad_id=0)  # fmt: skip
+    rl = collate(
+        TrainingBatch(
+            id="b",
+            index=0,
+            policy_version=0,
+            staleness=[0],
+            samples=[episode("a", 0, [("model", 2), ("env", 1), ("model", 2)], [1.5, 1.0])],
+        ),
+        pad_id=0,
+    )
     shaped = shape_rewards(cfg, rewards=rl.rewards)
     token = adv.token_rewards(shaped, rl.mask, rl.turn_rewards)
     assert token[0].tolist() == [0.0, 1.5, 0.0, 0.0, 0.5] and float(token.sum()) == 2.0
@@ -156,7 +180,7 @@ def _multiturn_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
         episode("a", 1, [("model", 4), ("env", 1), ("model", 2)], [0.25, 0.0], seed=2),
         episode("b", 0, [("model", 1), ("env", 4), ("model", 2), ("env", 1)], [0.0, 1.0], seed=3),
         episode("b", 1, [("model", 3)], [0.5], seed=4),
-    ]  # fmt: skip
+    ]
     rl = collate(TrainingBatch(id="b", index=0, samples=samples, policy_version=0, staleness=[0] * 4), pad_id=0)
     return rl.rewards, rl.group_index, rl.mask, rl.turn_rewards
 
@@ -186,9 +210,12 @@ def test_environment_tokens_change_nothing(estimator: str, kl_in_reward: bool) -
 
     packed_mask = _compress(mask, mask)
     a_ref, ret_ref = compute_advantages(
-        cfg, mask=packed_mask, values=_compress(values, mask), turn_rewards=_compress(turn, mask),
+        cfg,
+        mask=packed_mask,
+        values=_compress(values, mask),
+        turn_rewards=_compress(turn, mask),
         **{**args, "kl": _compress(kl, mask) if kl_in_reward else None},  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
     torch.testing.assert_close(_compress(a, mask), a_ref, rtol=1e-6, atol=1e-6)
     assert bool((a[mask == 0] == 0).all())
     if ret is not None:
@@ -200,9 +227,12 @@ def test_environment_tokens_change_nothing(estimator: str, kl_in_reward: bool) -
     noisy_kl = torch.where(env, kl - 50.0, kl)
     noisy_turn = torch.where(env, turn + 7.0, turn)
     a2, ret2 = compute_advantages(
-        cfg, mask=mask, values=noisy_values, turn_rewards=noisy_turn,
+        cfg,
+        mask=mask,
+        values=noisy_values,
+        turn_rewards=noisy_turn,
         **{**args, "kl": noisy_kl if kl_in_reward else None},  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
     assert torch.equal(a2, a)
     assert (ret2 is None and ret is None) or torch.equal(ret2, ret)  # type: ignore[arg-type]
 

@@ -25,9 +25,12 @@ def test_padded_varlen_attention_equals_each_sequence_alone() -> None:
     out = padded_varlen_attention(q, k, v, cu, 6, scale=0.3)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         alone = torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].repeat_interleave(2, 1).transpose(0, 1),
-            v[a:b].repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=0.3,
-        ).transpose(0, 1)  # fmt: skip
+            q[a:b].transpose(0, 1),
+            k[a:b].repeat_interleave(2, 1).transpose(0, 1),
+            v[a:b].repeat_interleave(2, 1).transpose(0, 1),
+            is_causal=True,
+            scale=0.3,
+        ).transpose(0, 1)
         torch.testing.assert_close(out[a:b], alone)
 
 

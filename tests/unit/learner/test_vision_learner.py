@@ -78,9 +78,14 @@ def pil(data: bytes) -> PIL.Image.Image:
 
 
 def episode(
-    processor: Any, j: int, image: bytes, env_image: bytes | None, seed: int = 0, unmask_env: bool = False,
+    processor: Any,
+    j: int,
+    image: bytes,
+    env_image: bytes | None,
+    seed: int = 0,
+    unmask_env: bool = False,
     env_logprob: float | None = None,
-) -> Trajectory:  # fmt: skip
+) -> Trajectory:
     """Trajectory ``g/{j}``: the prompt's image, 3 model tokens, then (with ``env_image``) an environment
     step with that image (mask 0) and 4 more model tokens. ``unmask_env``: loss mask 1 on the step's text
     tokens; ``env_logprob``: garbage behaviour log-probs around it on the step's tokens."""
@@ -101,21 +106,33 @@ def episode(
     if env_logprob is not None:
         logprobs = np.where(np.array(mask) == 1, logprobs, env_logprob + 3 * rng.standard_normal(len(ids)))
     return Trajectory(
-        id=f"g/{j}", group_id="g", group_index=j, group_size=3, prompt_ids=Tensor.from_list(prompt, "int32"),
-        response_ids=Tensor.from_list(ids, "int32"), logprobs=Tensor.from_numpy(logprobs.astype(np.float32)),
-        loss_mask=Tensor.from_list(mask, "uint8"), sampling=SamplingParams(temperature=[1.0, 0.7, 1.0][j]),
-        images=images, turns=turns if env_image is not None else [],
-    )  # fmt: skip
+        id=f"g/{j}",
+        group_id="g",
+        group_index=j,
+        group_size=3,
+        prompt_ids=Tensor.from_list(prompt, "int32"),
+        response_ids=Tensor.from_list(ids, "int32"),
+        logprobs=Tensor.from_numpy(logprobs.astype(np.float32)),
+        loss_mask=Tensor.from_list(mask, "uint8"),
+        sampling=SamplingParams(temperature=[1.0, 0.7, 1.0][j]),
+        images=images,
+        turns=turns if env_image is not None else [],
+    )
 
 
 def text_episode(j: int) -> Trajectory:
     rng = np.random.default_rng(50 + j)
     ids = rng.integers(1, 384, size=5).tolist()
     return Trajectory(
-        id=f"t/{j}", group_id="t", group_index=j, group_size=2, prompt_ids=Tensor.from_list([5, 6, 7, 8], "int32"),
-        response_ids=Tensor.from_list(ids, "int32"), logprobs=Tensor.from_list([-5.0] * 5, "float32"),
+        id=f"t/{j}",
+        group_id="t",
+        group_index=j,
+        group_size=2,
+        prompt_ids=Tensor.from_list([5, 6, 7, 8], "int32"),
+        response_ids=Tensor.from_list(ids, "int32"),
+        logprobs=Tensor.from_list([-5.0] * 5, "float32"),
         loss_mask=Tensor.from_list([1] * 5, "uint8"),
-    )  # fmt: skip
+    )
 
 
 def batch_of(trajectories: list[Trajectory], rewards: list[float] | None = None) -> TrainingBatch:

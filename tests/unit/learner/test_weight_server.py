@@ -46,12 +46,16 @@ def test_an_explicit_head_is_kept(server: WeightServer) -> None:
     assert np.array_equal(received["lm_head.weight"], head.numpy())
 
 
-@pytest.mark.parametrize("embed_name", ["model.text_model.embed_tokens.weight", "model.language_model.embed_tokens.weight"])
+@pytest.mark.parametrize(
+    "embed_name", ["model.text_model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
+)
 def test_a_vision_language_model_gets_its_tied_head_too(server: WeightServer, embed_name: str) -> None:
     """vLLM's CPU backend keeps its own packed head: without lm_head.weight a tied VL model is served
     a mix of old and new weights."""
     embed = torch.randn(6, 4)
-    checksum, _, _ = server.publish([(embed_name, embed), ("model.vision_model.post_layernorm.weight", torch.ones(4))], 1)
+    checksum, _, _ = server.publish(
+        [(embed_name, embed), ("model.vision_model.post_layernorm.weight", torch.ones(4))], 1
+    )
     received = {t.name: t.array for t in fetch_buckets(server.endpoint, 1, checksum, 5.0)}
     assert np.array_equal(received["lm_head.weight"], embed.numpy())
 

@@ -36,20 +36,35 @@ TRACING = TracingConfig(sampling="tail", tail_min_staleness=1, tail_slow_s=60.0)
 
 async def life(model: str, redis_url: str, run_id: str, run_dir: str, out: str) -> None:
     cfg = LearnerConfig(
-        model=model, run_id=run_id, run_dir=run_dir, total_steps=2, checkpoint_every=2,
-        redis=RedisConfig(url=redis_url), tracing=TRACING,
+        model=model,
+        run_id=run_id,
+        run_dir=run_dir,
+        total_steps=2,
+        checkpoint_every=2,
+        redis=RedisConfig(url=redis_url),
+        tracing=TRACING,
         ds=DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2),
         algo=AlgoConfig(correction=CorrectionConfig(type="icepop", low=0.8, high=1.25)),
-    )  # fmt: skip
+    )
     exporter = InMemorySpanExporter()
-    tracing = setup_tracing(TRACING, service="learner", instance="learner-0", run_id=run_id, run_dir=run_dir,
-                            exporter=exporter)  # fmt: skip
+    tracing = setup_tracing(
+        TRACING, service="learner", instance="learner-0", run_id=run_id, run_dir=run_dir, exporter=exporter
+    )
     metrics = PromMetrics()
     trainer = RLTrainer(cfg)
     group = LearnerGroup(trainer, Path(run_dir) / "checkpoints", cfg.checkpoint_keep_last)
     bus = Bus(connect(redis_url))
-    ctx = ServiceContext("learner", "learner-0", cfg, bus, StreamNames(run_id), asyncio.Event(), burst=True,
-                         tracing=tracing, metrics=metrics)  # fmt: skip
+    ctx = ServiceContext(
+        "learner",
+        "learner-0",
+        cfg,
+        bus,
+        StreamNames(run_id),
+        asyncio.Event(),
+        burst=True,
+        tracing=tracing,
+        metrics=metrics,
+    )
     try:
         await LearnerService(cfg, ctx, trainer, group).run()
     finally:
@@ -57,13 +72,16 @@ async def life(model: str, redis_url: str, run_id: str, run_dir: str, out: str) 
     assert tracing.flush()
     spans = [
         {
-            "name": s.name, "trace_id": s.context.trace_id, "span_id": s.context.span_id,
+            "name": s.name,
+            "trace_id": s.context.trace_id,
+            "span_id": s.context.span_id,
             "parent": None if s.parent is None else [s.parent.trace_id, s.parent.span_id],
-            "attributes": dict(s.attributes or {}), "links": [[k.context.trace_id, k.context.span_id] for k in s.links],
+            "attributes": dict(s.attributes or {}),
+            "links": [[k.context.trace_id, k.context.span_id] for k in s.links],
             "error": s.status.description if not s.status.is_ok else None,
         }
         for s in exporter.get_finished_spans()
-    ]  # fmt: skip
+    ]
     value = metrics.registry.get_sample_value
     prom: dict[str, Any] = {
         "trained": value("streamrl_samples_total", {"stage": "trained"}),

@@ -309,9 +309,11 @@ def build_venv(target: Path, needs: Closure) -> Path:
     site = Path(
         subprocess.run(
             [python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
-    )  # fmt: skip
+    )
     _link_tree(site, needs.dists)
     (site / "streamrl-src.pth").write_text("".join(f"{p.src}\n" for p in needs.packages))
     for package in needs.packages:

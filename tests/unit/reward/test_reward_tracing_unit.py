@@ -44,8 +44,14 @@ class Scorer:
 @pytest.fixture
 def traced() -> Iterator[tuple[Tracing, InMemorySpanExporter]]:
     exporter = InMemorySpanExporter()
-    tracing = setup_tracing(TracingConfig(sampling="all"), service="reward", instance="reward-0", run_id="r",
-                            run_dir="unused", exporter=exporter)  # fmt: skip
+    tracing = setup_tracing(
+        TracingConfig(sampling="all"),
+        service="reward",
+        instance="reward-0",
+        run_id="r",
+        run_dir="unused",
+        exporter=exporter,
+    )
     yield tracing, exporter
     tracing.shutdown()
 
@@ -71,10 +77,12 @@ def test_each_trajectory_gets_a_reward_span_and_each_scorer_call_is_observed(
     metrics = PromMetrics()
     config = RewardConfig(
         scorers=[{"type": "function", "name": n, "path": "unused.py", "weight": 1.0} for n in ("a", "b")],
-        max_batch_size=4, max_wait_ms=20,
-    )  # fmt: skip
-    service = RewardService(config, StreamNames("r"), scorers=[Scorer("a", 0), Scorer("b", 2)],
-                            tracing=tracing, metrics=metrics)  # fmt: skip
+        max_batch_size=4,
+        max_wait_ms=20,
+    )
+    service = RewardService(
+        config, StreamNames("r"), scorers=[Scorer("a", 0), Scorer("b", 2)], tracing=tracing, metrics=metrics
+    )
     trajectories = [traj(i, response="x" * i) for i in range(1, 9)]  # (trace id 0 is no trace)
     results = score(service, trajectories)
     spans = {x.attributes[TRAJECTORY_ID]: x for x in finished(tracing, exporter)}

@@ -18,9 +18,14 @@ from streamrl.rollout.broadcast_receiver import BroadcastReceiver, member_for, s
 
 def _rendezvous(store: str, backend: str = "gloo", session: str = "s1") -> WeightsBroadcast:
     return WeightsBroadcast(
-        store=store, session=session, backend=backend, generation=0, block_bytes=4096, bucket_bytes=[4096],
+        store=store,
+        session=session,
+        backend=backend,
+        generation=0,
+        block_bytes=4096,
+        bucket_bytes=[4096],
         tensors=[IpcTensor("model.norm.weight", "float32", [16], 0, 0)],
-    )  # fmt: skip
+    )
 
 
 def _closed_port() -> int:

@@ -68,9 +68,16 @@ def test_nesting_and_result_size_are_bounded() -> None:
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(Fraction(19), "19"), (Fraction(-7), "-7"), (Fraction(1, 3), "0.333333"), (Fraction(-5, 2), "-2.5"),
-     (Fraction(2, 3), "0.666667"), (Fraction(1, 10**9), "0"), (Fraction(-1, 10**9), "0")],
-)  # fmt: skip
+    [
+        (Fraction(19), "19"),
+        (Fraction(-7), "-7"),
+        (Fraction(1, 3), "0.333333"),
+        (Fraction(-5, 2), "-2.5"),
+        (Fraction(2, 3), "0.666667"),
+        (Fraction(1, 10**9), "0"),
+        (Fraction(-1, 10**9), "0"),
+    ],
+)
 def test_results_are_shown_as_integers_or_rounded_decimals(value: Fraction, text: str) -> None:
     assert format_value(value) == text
 

@@ -126,8 +126,11 @@ def test_calls_run_sync_methods_in_a_thread_and_become_domain_errors() -> None:
         assert await call(m.sync, 1, timeout_s=5, what="step") == 2
         assert m.thread is not None and m.thread != "MainThread"
         assert await call(m.async_, 1, timeout_s=5, what="step") == 3
-        for method, message in [(m.slow, "step timed out after 0.05 s"), (m.hang, "step timed out after 0.05 s"),
-                                (m.broken, "step raised KeyError: 'boom'")]:  # fmt: skip
+        for method, message in [
+            (m.slow, "step timed out after 0.05 s"),
+            (m.hang, "step timed out after 0.05 s"),
+            (m.broken, "step raised KeyError: 'boom'"),
+        ]:
             with pytest.raises(EnvironmentCallError, match=message):
                 await call(method, timeout_s=0.05, what="step")
 

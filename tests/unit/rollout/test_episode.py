@@ -68,9 +68,14 @@ class ScriptEngine:
         cut = len(ids) > request.sampling.max_new_tokens
         ids = ids[: request.sampling.max_new_tokens]
         start = len(request.prompt_ids)
-        sample = Sample(token_ids=ids, logprobs=[logprob(start + i) for i in range(len(ids))], text=detokenize(ids),
-                        finish_reason="length" if cut else "stop", version_start=self.version,
-                        version_end=self.version)  # fmt: skip
+        sample = Sample(
+            token_ids=ids,
+            logprobs=[logprob(start + i) for i in range(len(ids))],
+            text=detokenize(ids),
+            finish_reason="length" if cut else "stop",
+            version_start=self.version,
+            version_end=self.version,
+        )
         self.after_request()
         return [[sample]]
 
@@ -90,9 +95,13 @@ def calculator_script(context: str) -> str:
 
 def item(prompt: str = "12+7=", n: int = 1, max_new_tokens: int = 32, seed: int | None = None) -> PromptWorkItem:
     return PromptWorkItem(
-        id="p1", prompt_ids=Tensor.from_list(tokenize(prompt), "int32"), prompt_text=prompt, label="19",
-        metadata={"source": "test"}, sampling=SamplingParams(n=n, max_new_tokens=max_new_tokens, seed=seed),
-    )  # fmt: skip
+        id="p1",
+        prompt_ids=Tensor.from_list(tokenize(prompt), "int32"),
+        prompt_text=prompt,
+        label="19",
+        metadata={"source": "test"},
+        sampling=SamplingParams(n=n, max_new_tokens=max_new_tokens, seed=seed),
+    )
 
 
 def run(
@@ -256,10 +265,12 @@ class Failing:
 
 @pytest.mark.parametrize(
     ("how", "message"),
-    [("raise", "step of turn 1 raised ZeroDivisionError: in the tool"),
-     ("hang", "step of turn 1 timed out after 0.2 s"),
-     ("malformed", "step returned a str, not a StepResult or a mapping")],
-)  # fmt: skip
+    [
+        ("raise", "step of turn 1 raised ZeroDivisionError: in the tool"),
+        ("hang", "step of turn 1 timed out after 0.2 s"),
+        ("malformed", "step returned a str, not a StepResult or a mapping"),
+    ],
+)
 def test_an_environment_error_ends_the_episode_with_the_turns_so_far(how: str, message: str) -> None:
     Failing.closed = []
     (ep,) = run(ScriptEngine(lambda context: "go"), item(), lambda: Failing(how), step_timeout_s=0.2)
@@ -332,13 +343,17 @@ def test_the_service_sends_episodes_as_multi_turn_trajectories(service: RolloutS
         ids, mask = t.response_ids.tolist(), t.loss_mask.tolist()
         assert detokenize(ids) == t.response_text == "<calc>12+7</calc><result>19</result>Answer: 19"
         assert t.loss_mask.dtype == "uint8" and [(m, s, e) for m, s, e in spans(mask)] == [
-            (1, 0, 18), (0, 18, 37), (1, 37, 48)
-        ]  # fmt: skip
+            (1, 0, 18),
+            (0, 18, 37),
+            (1, 37, 48),
+        ]
         assert [(turn.start, turn.end) for turn in t.turns] == [(0, 18), (37, 48)]
         assert np.all(t.logprobs.to_numpy()[np.asarray(mask) == 0] == 0)
         assert (t.stop_reason, t.finish_reason, t.truncated) == ("done", "stop", False)
-        assert t.metadata == {"source": "test", "env_info": [{"calls": 1, "errors": 0, "answered": False},
-                                                             {"calls": 0, "errors": 0, "answered": True}]}  # fmt: skip
+        assert t.metadata == {
+            "source": "test",
+            "env_info": [{"calls": 1, "errors": 0, "answered": False}, {"calls": 0, "errors": 0, "answered": True}],
+        }
 
 
 def test_the_service_keeps_an_environment_error_in_the_metadata(service: RolloutService) -> None:

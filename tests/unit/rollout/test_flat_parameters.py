@@ -56,7 +56,9 @@ def test_a_layout_that_does_not_fit_the_model_is_refused() -> None:
     ipc, staging = _ipc([(k, v) for k, v in named if k != "1.bias"])
     with pytest.raises(WeightSyncError, match="lack 1"):
         FlatParameters(state, list(model.parameters()), ipc, staging)
-    ipc, staging = _ipc([(k, v.T.contiguous() if k == "1.weight" else v) for k, v in named if k != "1.weight"] +
-                        [("1.weight", torch.zeros(16, 8))])  # fmt: skip
+    ipc, staging = _ipc(
+        [(k, v.T.contiguous() if k == "1.weight" else v) for k, v in named if k != "1.weight"]
+        + [("1.weight", torch.zeros(16, 8))]
+    )
     with pytest.raises(WeightSyncError, match=r"1\.weight"):
         FlatParameters(state, list(model.parameters()), ipc, staging)

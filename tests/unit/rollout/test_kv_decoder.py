@@ -11,13 +11,33 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason
 
 CONFIGS = {
-    "llama": LlamaConfig(vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4),
-    "qwen2": Qwen2Config(vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
-    "qwen3": Qwen3Config(vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-}  # fmt: skip
+    "llama": LlamaConfig(
+        vocab_size=200,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    ),
+    "qwen2": Qwen2Config(
+        vocab_size=200,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": Qwen3Config(
+        vocab_size=200,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+}
 
 
 def _model(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -71,9 +91,17 @@ def test_moved_slots_and_a_grown_cache_keep_their_sequences() -> None:
 def test_other_architectures_are_refused_with_a_reason() -> None:
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=100, n_embd=64, n_layer=1, n_head=2))
     assert "gpt2" in (unsupported_reason(gpt2) or "")
-    sliding = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
-                          sliding_window=16, max_window_layers=0)  # fmt: skip
+    sliding = Qwen2Config(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=0,
+    )
     assert "sliding" in (unsupported_reason(AutoModelForCausalLM.from_config(sliding)) or "")
     with pytest.raises(ValueError, match="gpt2"):
         KVDecoder(gpt2, 4, 32, cuda_graphs=False)

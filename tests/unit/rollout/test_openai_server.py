@@ -68,10 +68,14 @@ class ScriptEngine:
 
 def item(n: int = 1, max_new_tokens: int = 8, group: str = "p1") -> PromptWorkItem:
     return PromptWorkItem(
-        id=group, prompt_ids=Tensor.from_list([4, 5], "int32"), prompt_text="12+34=", label="46",
-        metadata={"source": "test"}, sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=n),
+        id=group,
+        prompt_ids=Tensor.from_list([4, 5], "int32"),
+        prompt_text="12+34=",
+        label="46",
+        metadata={"source": "test"},
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=n),
         policy_version=3,
-    )  # fmt: skip
+    )
 
 
 @asynccontextmanager
@@ -114,8 +118,10 @@ def test_a_conversation_of_two_requests_becomes_one_token_exact_episode() -> Non
             for task in tasks:
                 messages = [{"role": "user", "content": task["prompt"]}]
                 first = await chat(task, messages)
-                messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                             {"role": "user", "content": "#"}]  # fmt: skip
+                messages += [
+                    {"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "#"},
+                ]
                 second = await chat(task, messages)
                 assert (await report(url, task["id"], 0.5 + task["index"])).status_code == 200
                 replies.append((first, second))
@@ -123,9 +129,14 @@ def test_a_conversation_of_two_requests_becomes_one_token_exact_episode() -> Non
 
     episodes, replies, task = run(main)
     assert {k: task[k] for k in ("group_id", "index", "group_size", "prompt", "label", "metadata", "is_eval")} == {
-        "group_id": "p1", "index": 0, "group_size": 2, "prompt": "12+34=", "label": "46",
-        "metadata": {"source": "test"}, "is_eval": False,
-    }  # fmt: skip
+        "group_id": "p1",
+        "index": 0,
+        "group_size": 2,
+        "prompt": "12+34=",
+        "label": "46",
+        "metadata": {"source": "test"},
+        "is_eval": False,
+    }
     for j, (episode, (first, second)) in enumerate(zip(episodes, replies, strict=True)):
         assert isinstance(episode, AgentEpisode)
         assert first.choices[0].message.content == "46" and second.choices[0].message.content == "7"
@@ -136,8 +147,9 @@ def test_a_conversation_of_two_requests_becomes_one_token_exact_episode() -> Non
         assert episode.token_ids == first.choices[0].token_ids + extra + second.choices[0].token_ids
         assert second.prompt_token_ids == episode.prompt_ids + first.choices[0].token_ids + extra
         assert [r.prompt_ids for r in engine.requests[2 * j : 2 * j + 2]] == [
-            first.prompt_token_ids, second.prompt_token_ids
-        ]  # fmt: skip
+            first.prompt_token_ids,
+            second.prompt_token_ids,
+        ]
         assert episode.loss_mask == [1] * 3 + [0] * 3 + [1] * 2
         returned = [t.logprob for t in first.choices[0].logprobs.content + second.choices[0].logprobs.content]
         assert [lp for lp, m in zip(episode.logprobs, episode.loss_mask, strict=True) if m] == returned
@@ -191,12 +203,17 @@ def test_a_rewritten_history_is_refused_and_the_conversation_goes_on() -> None:
             group = asyncio.create_task(gateway.run_group(item()))
             task = (await take(url)).json()
             await chat(task, [{"role": "user", "content": "1+1="}])
-            for wrong in ([{"role": "user", "content": "1+2="}],  # another first message
-                          [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "43"}]):  # fmt: skip
+            for wrong in (
+                [{"role": "user", "content": "1+2="}],  # another first message
+                [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "43"}],
+            ):
                 with pytest.raises(openai.BadRequestError, match="differs from the one recorded"):
                     await chat(task, wrong)
-            right = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "42"},
-                     {"role": "user", "content": "#"}]  # fmt: skip
+            right = [
+                {"role": "user", "content": "1+1="},
+                {"role": "assistant", "content": "42"},
+                {"role": "user", "content": "#"},
+            ]
             await chat(task, right)
             await report(url, task["id"], 0.0)
             (episode,) = await group
@@ -213,8 +230,12 @@ def test_requests_that_would_change_the_runs_sampling_are_refused() -> None:
             group = asyncio.create_task(gateway.run_group(item()))
             task = (await take(url)).json()
             messages = [{"role": "user", "content": "1"}]
-            for kwargs, match in [({"temperature": 0.5}, "temperature"), ({"n": 2}, "n must be 1"),
-                                  ({"stream": True}, "stream"), ({"top_logprobs": 2}, "top_logprobs")]:  # fmt: skip
+            for kwargs, match in [
+                ({"temperature": 0.5}, "temperature"),
+                ({"n": 2}, "n must be 1"),
+                ({"stream": True}, "stream"),
+                ({"top_logprobs": 2}, "top_logprobs"),
+            ]:
                 with pytest.raises(openai.BadRequestError, match=match):
                     await chat(task, messages, **kwargs)
             ok = await chat(task, messages, temperature=1.0, max_tokens=1)  # the run's temperature is fine
@@ -234,17 +255,24 @@ def test_a_conversation_without_a_reply_cannot_be_finished_and_a_full_one_gets_n
             messages = [{"role": "user", "content": "1"}]
             first = await chat(task, messages)  # 8 tokens (max_new_tokens) of the 13 after the prompt
             assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 8
-            messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                         {"role": "user", "content": "2"}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "2"},
+            ]
             second = await chat(task, messages)  # "</s><|user|>2<|assistant|>" leave one token
             assert second.usage.completion_tokens == 1
-            messages += [{"role": "assistant", "content": second.choices[0].message.content},
-                         {"role": "user", "content": "3"}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": second.choices[0].message.content},
+                {"role": "user", "content": "3"},
+            ]
             with pytest.raises(openai.BadRequestError, match="no room for a reply"):
                 await chat(task, messages)
             assert (await report(url, task["id"], 1.0)).json() == {
-                "trajectory_id": "p1/0", "num_turns": 2, "num_tokens": 8 + 4 + 1, "num_model_tokens": 9,
-            }  # fmt: skip
+                "trajectory_id": "p1/0",
+                "num_turns": 2,
+                "num_tokens": 8 + 4 + 1,
+                "num_model_tokens": 9,
+            }
             await group
 
     run(main)
@@ -257,12 +285,16 @@ def test_per_turn_rewards_become_the_turns_rewards_and_must_match_the_replies() 
             task = (await take(url)).json()
             messages = [{"role": "user", "content": "1"}]
             first = await chat(task, messages)
-            messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                         {"role": "user", "content": "2"}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "2"},
+            ]
             await chat(task, messages)
-            for bad, error in (([0.5], "turn_rewards has 1 values but the conversation has 2 model turns"),
-                               ([0.5, "x"], "turn_rewards\\[\\] must be a finite number, got 'x'"),
-                               (0.5, "turn_rewards must be a list of numbers")):  # fmt: skip
+            for bad, error in (
+                ([0.5], "turn_rewards has 1 values but the conversation has 2 model turns"),
+                ([0.5, "x"], "turn_rewards\\[\\] must be a finite number, got 'x'"),
+                (0.5, "turn_rewards must be a list of numbers"),
+            ):
                 refused = await report(url, task["id"], 1.0, turn_rewards=bad)
                 assert refused.status_code == 400 and re.search(error, refused.json()["error"]["message"]), refused.text
             assert (await report(url, task["id"], 1.0, turn_rewards=[0.25, -0.5])).status_code == 200
@@ -311,8 +343,9 @@ def test_the_service_publishes_the_conversation_with_its_own_prompt_and_the_agen
     redis_url: str, run_id: str
 ) -> None:
     engine = ScriptEngine()
-    config = RolloutConfig(run_id=run_id, engine=EngineConfig(model="unused", type="hf"),
-                           agent=AgentEndpointConfig(port=0))  # fmt: skip
+    config = RolloutConfig(
+        run_id=run_id, engine=EngineConfig(model="unused", type="hf"), agent=AgentEndpointConfig(port=0)
+    )
     ctx = ServiceContext("rollout", "rollout-0", config, Bus(connect(redis_url)), StreamNames(run_id), asyncio.Event())
 
     async def main() -> list[Trajectory]:

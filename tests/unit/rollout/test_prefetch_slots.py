@@ -45,8 +45,10 @@ class _Engine:
         finally:
             self.running -= 1
         v = self.version
-        return [[Sample(token_ids=[5], logprobs=[-0.1], text="x", finish_reason="stop", version_start=v,
-                        version_end=v)] for _ in requests]  # fmt: skip
+        return [
+            [Sample(token_ids=[5], logprobs=[-0.1], text="x", finish_reason="stop", version_start=v, version_end=v)]
+            for _ in requests
+        ]
 
     async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float, **_: object) -> None:
         self.version = version
@@ -56,8 +58,12 @@ class _Engine:
 
 
 def _prompt(index: int, version: int) -> PromptWorkItem:
-    return PromptWorkItem(id=f"p{index}", prompt_ids=Tensor.from_list([index], "int32"), sampling=SamplingParams(n=1),
-                          policy_version=version)  # fmt: skip
+    return PromptWorkItem(
+        id=f"p{index}",
+        prompt_ids=Tensor.from_list([index], "int32"),
+        sampling=SamplingParams(n=1),
+        policy_version=version,
+    )
 
 
 def test_prompts_waiting_for_their_version_leave_the_slots_to_prompts_that_can_run(redis_url: str, run_id: str) -> None:
@@ -65,9 +71,10 @@ def test_prompts_waiting_for_their_version_leave_the_slots_to_prompts_that_can_r
         redis = connect(redis_url)
         bus, names = Bus(redis), StreamNames(run_id)
         config = RolloutConfig(
-            run_id=run_id, engine=EngineConfig(model="unused"),
+            run_id=run_id,
+            engine=EngineConfig(model="unused"),
             consumer=ConsumerConfig(max_in_flight=SLOTS, count=SLOTS, block_ms=50),
-        )  # fmt: skip
+        )
         ctx = ServiceContext("rollout", "rollout-0", config, bus, names, asyncio.Event())  # type: ignore[arg-type]
         engine = _Engine()
         service = RolloutService(config, ctx, engine)  # type: ignore[arg-type]
@@ -78,8 +85,12 @@ def test_prompts_waiting_for_their_version_leave_the_slots_to_prompts_that_can_r
         worker = asyncio.create_task(service.run())
         try:
             replacement = await _trajectories(redis, names, 1, timeout_s=5.0)
-            await bus.publish(names.weights, WeightsPublished(version=1, step=1, batch_id="b0", checksum="c",
-                                                              num_bytes=1, num_buckets=1, endpoint="tcp://x:1"))  # fmt: skip
+            await bus.publish(
+                names.weights,
+                WeightsPublished(
+                    version=1, step=1, batch_id="b0", checksum="c", num_bytes=1, num_buckets=1, endpoint="tcp://x:1"
+                ),
+            )
             everything = await _trajectories(redis, names, 2 * SLOTS + 1, timeout_s=10.0)
         finally:
             ctx.stop.set()

@@ -99,8 +99,14 @@ class FakeEngine:
 
 
 def sample(tokens: int, start: int, end: int, reason: str) -> Sample:
-    return Sample(token_ids=list(range(tokens)), logprobs=[-0.5] * tokens, text="x" * tokens,
-                  finish_reason=reason, version_start=start, version_end=end)  # type: ignore[arg-type]  # fmt: skip
+    return Sample(
+        token_ids=list(range(tokens)),
+        logprobs=[-0.5] * tokens,
+        text="x" * tokens,
+        finish_reason=reason,
+        version_start=start,
+        version_end=end,
+    )  # type: ignore[arg-type]
 
 
 SAMPLES = [sample(4, 2, 2, "stop"), sample(6, 2, 2, "length"), sample(5, 2, 3, "stop")]
@@ -112,15 +118,27 @@ class Harness:
     def __init__(self, redis_url: str, run_id: str) -> None:
         self.exporter = InMemorySpanExporter()
         self.tracing: Tracing = setup_tracing(
-            TracingConfig(sampling="all"), service="rollout", instance="rollout-0", run_id=run_id,
-            run_dir="unused", exporter=self.exporter,
-        )  # fmt: skip
+            TracingConfig(sampling="all"),
+            service="rollout",
+            instance="rollout-0",
+            run_id=run_id,
+            run_dir="unused",
+            exporter=self.exporter,
+        )
         self.metrics = PromMetrics()
         self.engine = FakeEngine(SAMPLES, self.metrics)
         self.config = RolloutConfig(run_id=run_id, engine=EngineConfig(model="unused", type="hf"))
         self.bus, self.names = Bus(connect(redis_url)), StreamNames(run_id)
-        self.ctx = ServiceContext("rollout", "rollout-0", self.config, self.bus, self.names, asyncio.Event(),
-                                  tracing=self.tracing, metrics=self.metrics)  # fmt: skip
+        self.ctx = ServiceContext(
+            "rollout",
+            "rollout-0",
+            self.config,
+            self.bus,
+            self.names,
+            asyncio.Event(),
+            tracing=self.tracing,
+            metrics=self.metrics,
+        )
         self.service = RolloutService(self.config, self.ctx, self.engine)  # type: ignore[arg-type]
 
     def spans(self, name: str) -> list[ReadableSpan]:
@@ -140,9 +158,12 @@ def harness(redis_url: str, run_id: str) -> Iterator[Harness]:
 
 def prompt(flags: int = SAMPLED, issued_ago_s: float = 0.5) -> PromptWorkItem:
     return PromptWorkItem(
-        id="p7", prompt_ids=Tensor.from_list([1, 2, 3], "int32"), sampling=SamplingParams(n=3),
-        issued_at=time.time() - issued_ago_s, traceparent=format_traceparent(ISSUE_TRACE, ISSUE_SPAN, flags),
-    )  # fmt: skip
+        id="p7",
+        prompt_ids=Tensor.from_list([1, 2, 3], "int32"),
+        sampling=SamplingParams(n=3),
+        issued_at=time.time() - issued_ago_s,
+        traceparent=format_traceparent(ISSUE_TRACE, ISSUE_SPAN, flags),
+    )
 
 
 def handle(harness: Harness, item: PromptWorkItem) -> list[Trajectory]:
@@ -178,11 +199,16 @@ def test_a_prompt_gets_a_queue_span_and_a_generate_span_per_sample(harness: Harn
         assert gen.end_time is not None and gen.end_time - gen.start_time >= 10_000_000  # the engine's 10 ms
         assert traj.traceparent == traceparent_of(gen)  # the reward tier's span hangs under this one
         assert dict(gen.attributes) == {
-            TRAJECTORY_ID: traj.id, ENGINE: "hf", VERSION_START: expected.version_start,
-            VERSION_END: expected.version_end, PARTIAL: expected.version_start != expected.version_end,
-            NUM_PROMPT_TOKENS: 3, NUM_RESPONSE_TOKENS: len(expected.token_ids),
-            FINISH_REASON: expected.finish_reason, ATTEMPT: 1,
-        }  # fmt: skip
+            TRAJECTORY_ID: traj.id,
+            ENGINE: "hf",
+            VERSION_START: expected.version_start,
+            VERSION_END: expected.version_end,
+            PARTIAL: expected.version_start != expected.version_end,
+            NUM_PROMPT_TOKENS: 3,
+            NUM_RESPONSE_TOKENS: len(expected.token_ids),
+            FINISH_REASON: expected.finish_reason,
+            ATTEMPT: 1,
+        }
     assert [g.attributes[PARTIAL] for g in generates] == [False, False, True]
     assert [t.id for t in trajectories] == ["p7/0", "p7/1", "p7/2"]
     assert trajectories[0].timings["queue_s"] == pytest.approx((queue.end_time - queue.start_time) / 1e9, abs=1e-6)
@@ -216,13 +242,22 @@ def test_an_engine_error_fails_every_sample_span(harness: Harness) -> None:
 
 
 def weights(version: int, **kwargs: object) -> WeightsPublished:
-    return WeightsPublished(version=version, step=version, batch_id="", checksum="c", num_bytes=1000 + version,
-                            num_buckets=1, endpoint="tcp://learner:1", **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    return WeightsPublished(
+        version=version,
+        step=version,
+        batch_id="",
+        checksum="c",
+        num_bytes=1000 + version,
+        num_buckets=1,
+        endpoint="tcp://learner:1",
+        **kwargs,
+    )  # type: ignore[arg-type]
 
 
 IPC = IpcWeights(device_uuid="GPU-0", block_bytes=4096, buffers=[], tensors=[])
-BROADCAST = WeightsBroadcast(store="learner:29600", session="s1", backend="gloo", generation=1, block_bytes=4096,
-                             bucket_bytes=[4096], tensors=[])  # fmt: skip
+BROADCAST = WeightsBroadcast(
+    store="learner:29600", session="s1", backend="gloo", generation=1, block_bytes=4096, bucket_bytes=[4096], tensors=[]
+)
 
 
 def test_each_version_a_worker_loads_is_a_weights_load_span(harness: Harness, run_id: str) -> None:

@@ -83,8 +83,9 @@ def run(
     tokenize = lambda text: list(observation)  # noqa: E731 - every text is the observation's ids
     runner = EpisodeRunner(engine, lambda: env, tokenize, config, 512, expand)  # type: ignore[arg-type]
     prompt = [5, IMAGE, 6] if images else [5, 6]
-    item = PromptWorkItem(id="p", prompt_ids=Tensor.from_list(prompt, "int32"), images=images,
-                          sampling=SamplingParams(max_new_tokens=10))  # fmt: skip
+    item = PromptWorkItem(
+        id="p", prompt_ids=Tensor.from_list(prompt, "int32"), images=images, sampling=SamplingParams(max_new_tokens=10)
+    )
     (episode,) = asyncio.run(runner.run_group(item))
     return episode
 

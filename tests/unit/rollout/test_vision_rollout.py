@@ -82,8 +82,15 @@ def prompt_ids(processor: Any, num_images: int, question: str = "what is this") 
 
 
 def config(model: Path, engine_type: str) -> EngineConfig:
-    return EngineConfig(type=engine_type, model=str(model), dtype="float32", max_model_len=256, kv_cache_gib=0.25,
-                        enforce_eager=True, max_images_per_prompt=3)  # type: ignore[arg-type]  # fmt: skip
+    return EngineConfig(
+        type=engine_type,
+        model=str(model),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_gib=0.25,
+        enforce_eager=True,
+        max_images_per_prompt=3,
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +199,9 @@ def test_a_weight_update_changes_what_the_vision_language_model_serves(
             assert engine.version == version
             (served,) = generate(engine, greedy)
             assert served.prompt_ids is not None
-            ref = reference_logprobs(model, processor, served.prompt_ids + served.token_ids, IMAGES[:1],
-                                     served.token_ids, 0)  # fmt: skip
+            ref = reference_logprobs(
+                model, processor, served.prompt_ids + served.token_ids, IMAGES[:1], served.token_ids, 0
+            )
             torch.testing.assert_close(torch.tensor(served.logprobs), ref, atol=1e-3, rtol=0)
             if model is models[1]:
                 assert served.token_ids != before.token_ids, "model B answers otherwise"
@@ -239,8 +247,9 @@ def test_an_episode_records_the_environments_image_expanded_and_masked(
     )
     stop = first.text[2:5]  # the first turn ends at a stop string, so the environment sees it
     sampling = SamplingParams(temperature=0, max_new_tokens=8, stop=[stop])
-    item = PromptWorkItem(id="v1", prompt_ids=Tensor.from_list(ids, "int32"), prompt_text="look", sampling=sampling,
-                          images=IMAGES[:1])  # fmt: skip
+    item = PromptWorkItem(
+        id="v1", prompt_ids=Tensor.from_list(ids, "int32"), prompt_text="look", sampling=sampling, images=IMAGES[:1]
+    )
 
     async def handle() -> Trajectory:
         try:

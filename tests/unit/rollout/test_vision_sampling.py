@@ -68,8 +68,15 @@ def model(model_dir: Path) -> PreTrainedModel:
 
 
 def engine_config(model: Path, engine_type: str) -> EngineConfig:
-    return EngineConfig(type=engine_type, model=str(model), dtype="float32", max_model_len=256, kv_cache_gib=0.25,
-                        enforce_eager=True, max_images_per_prompt=2)  # type: ignore[arg-type]  # fmt: skip
+    return EngineConfig(
+        type=engine_type,
+        model=str(model),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_gib=0.25,
+        enforce_eager=True,
+        max_images_per_prompt=2,
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module", params=["vllm", "hf"])
@@ -133,7 +140,8 @@ def test_the_engine_never_samples_an_images_tokens_and_records_the_restricted_lo
             restricted = logits.index_fill(1, torch.tensor(banned), float("-inf"))
             logp = torch.log_softmax(restricted / (temperature or 1.0), dim=-1)
             tokens = torch.tensor(s.token_ids)
-            torch.testing.assert_close(torch.tensor(s.logprobs), logp.gather(1, tokens[:, None])[:, 0], atol=1e-3,
-                                       rtol=0)  # fmt: skip
+            torch.testing.assert_close(
+                torch.tensor(s.logprobs), logp.gather(1, tokens[:, None])[:, 0], atol=1e-3, rtol=0
+            )
             if temperature == 0:
                 assert s.token_ids == restricted.argmax(dim=-1).tolist(), "greedy: the best allowed token"

@@ -179,8 +179,11 @@ class OutageRetry(Retry):
             if isinstance(error, OutOfMemoryError):
                 if OutageRetry._full_since is None:
                     OutageRetry._full_since = time.monotonic()
-                    logger.warning("redis is full (maxmemory reached: %s); retrying for up to %.0f s",
-                                   _one_line(error), self.outage_s)  # fmt: skip
+                    logger.warning(
+                        "redis is full (maxmemory reached: %s); retrying for up to %.0f s",
+                        _one_line(error),
+                        self.outage_s,
+                    )
             elif OutageRetry._down_since is None:
                 OutageRetry._down_since = time.monotonic()
                 logger.warning("redis unreachable (%s); retrying for up to %.0f s", _one_line(error), self.outage_s)
@@ -220,9 +223,13 @@ def connect(url: str, *, outage_s: float = 60.0, max_connections: int = 256) -> 
     one (never "Too many connections", however many entries a consumer retries at once).
     """
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=None, decode_responses=False, health_check_interval=30,
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        decode_responses=False,
+        health_check_interval=30,
         retry=OutageRetry(outage_s),
-    )  # fmt: skip
+    )
     return aioredis.Redis(connection_pool=pool)
 
 
@@ -305,10 +312,21 @@ class Bus:
     ) -> list[str | bytes | int]:
         """The ARGV of one commit (see :data:`COMMIT_LUA`), to be sent alone or with others."""
         if ack_entry and not (ack_stream and ack_group):
-            raise ValueError(f"a commit of entry {ack_entry} needs its stream and group (got {ack_stream!r}, {ack_group!r})")
+            raise ValueError(
+                f"a commit of entry {ack_entry} needs its stream and group (got {ack_stream!r}, {ack_group!r})"
+            )
         once = "" if ack_entry else _once_key_for(ack_stream, outputs)
         ttl_ms = int(2 * self.outage_s * 1000)
-        args: list[str | bytes | int] = [ack_stream, ack_group, ack_entry, int(ack), once, ttl_ms, self.maxlen, len(outputs)]  # fmt: skip
+        args: list[str | bytes | int] = [
+            ack_stream,
+            ack_group,
+            ack_entry,
+            int(ack),
+            once,
+            ttl_ms,
+            self.maxlen,
+            len(outputs),
+        ]
         for out in outputs:
             payload = self.encode(out.message, out.stream or out.key or "")
             if out.stream is not None:

@@ -200,9 +200,7 @@ def validate(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid {source}: {problems}") from e
 
 

@@ -275,8 +275,13 @@ class ConsumerLoop(Generic[M]):
                 await self._drop_trimmed(entry_id)
             return
         if alone:
-            logger.warning("%s %s: delivery %d of %d after deliveries that never finished: handled alone",
-                           self.stream, entry_id, upcoming, self.config.max_deliveries)  # fmt: skip
+            logger.warning(
+                "%s %s: delivery %d of %d after deliveries that never finished: handled alone",
+                self.stream,
+                entry_id,
+                upcoming,
+                self.config.max_deliveries,
+            )
         self._spawn(claimed[0][0], claimed[0][1], upcoming, slots=reserved)
 
     async def _reserve(self, wanted: int) -> bool:
@@ -293,8 +298,12 @@ class ConsumerLoop(Generic[M]):
 
     async def _drop_trimmed(self, entry_id: str) -> None:
         await self.redis.xack(self.stream, self.group, entry_id)
-        logger.warning("%s %s was trimmed from the stream before it was handled: acknowledged, its work is "
-                       "lost (redis.maxlen too small?)", self.stream, entry_id)  # fmt: skip
+        logger.warning(
+            "%s %s was trimmed from the stream before it was handled: acknowledged, its work is "
+            "lost (redis.maxlen too small?)",
+            self.stream,
+            entry_id,
+        )
 
     def _spawn(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, deliveries: int, slots: int = 1) -> None:
         """Handle an entry in a task that holds ``slots`` in-flight slots (all of them: it runs alone)."""
@@ -339,8 +348,12 @@ class ConsumerLoop(Generic[M]):
             seen.update(ids)
             orphans = [(i, int(h["times_delivered"])) for i, h in zip(ids, held, strict=True) if i not in known]
             if orphans:
-                logger.warning("%s: %d entries pending under %s that it never received (a lost reply): queued",
-                               self.stream, len(orphans), self.consumer)  # fmt: skip
+                logger.warning(
+                    "%s: %d entries pending under %s that it never received (a lost reply): queued",
+                    self.stream,
+                    len(orphans),
+                    self.consumer,
+                )
                 self._held.extend(orphans)
             await self.redis.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
             if len(held) < 256:
@@ -387,8 +400,12 @@ class ConsumerLoop(Generic[M]):
         if not claimed:
             return
         ids = [_text(c) for c in claimed]
-        counts = {_text(h["message_id"]): int(h["times_delivered"]) for h in await self.redis.xpending_range(
-            self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.consumer)}  # fmt: skip
+        counts = {
+            _text(h["message_id"]): int(h["times_delivered"])
+            for h in await self.redis.xpending_range(
+                self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.consumer
+            )
+        }
         self.stats.reclaimed += len(ids)
         self._held.extend((i, counts.get(i, 1)) for i in ids)
 
@@ -416,8 +433,9 @@ class ConsumerLoop(Generic[M]):
         for name in candidates:
             pipe.exists(*keys[name])
         alive = dict(zip(candidates, await pipe.execute(), strict=True)) if candidates else {}
-        dead = self._peers.look({n for n in candidates if not alive[n]}, {n for n in candidates if alive[n]},
-                                time.monotonic())  # fmt: skip
+        dead = self._peers.look(
+            {n for n in candidates if not alive[n]}, {n for n in candidates if alive[n]}, time.monotonic()
+        )
         holding = {_text(c["name"]): int(c["pending"]) for c in consumers}
         for name in sorted(dead):
             if holding[name]:  # (one that holds nothing - its entries taken after claim_idle_ms - is just forgotten)
@@ -431,12 +449,14 @@ class ConsumerLoop(Generic[M]):
                     self.stream, self.group, self.consumer, min_idle_ms, [h["message_id"] for h in held], justid=True
                 )
                 if claimed:
-                    logger.info("%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed),
-                                name)  # fmt: skip
+                    logger.info(
+                        "%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed), name
+                    )
                 await self._take(claimed)
             member_of = [f"{s}:{i}" for s, i in members if i == name]
-            if await self._forget(keys=[self.stream, self.names.instances, *keys[name]],
-                                  args=[self.group, name, *member_of]):  # fmt: skip
+            if await self._forget(
+                keys=[self.stream, self.names.instances, *keys[name]], args=[self.group, name, *member_of]
+            ):
                 self._peers.forget(name)
 
     def _free_slots(self) -> int:
@@ -492,8 +512,10 @@ class ConsumerLoop(Generic[M]):
             await self._dead_letter(entry_id, payload, reason, deliveries)
             return
         if self.max_message_bytes is not None and len(payload) > self.max_message_bytes:
-            reason = (f"MessageTooLargeError: entry of {len(payload) / 2**20:.1f} MiB is over the "
-                      f"{self.max_message_bytes / 2**20:.1f} MiB limit (redis.max_message_mb); payload cut to 64 KiB")  # fmt: skip
+            reason = (
+                f"MessageTooLargeError: entry of {len(payload) / 2**20:.1f} MiB is over the "
+                f"{self.max_message_bytes / 2**20:.1f} MiB limit (redis.max_message_mb); payload cut to 64 KiB"
+            )
             await self._dead_letter(entry_id, payload[:DEAD_PAYLOAD_CUT], reason, deliveries)
             return
         try:

@@ -18,8 +18,13 @@ if TYPE_CHECKING:
 
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF", "image/bmp": "BMP"}
 """Media types an :class:`Image` may carry, and the PIL format its bytes must be in."""
-_MAGIC = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF87a": "image/gif", b"GIF89a": "image/gif",
-          b"BM": "image/bmp"}  # fmt: skip
+_MAGIC = {
+    b"\x89PNG\r\n\x1a\n": "image/png",
+    b"\xff\xd8\xff": "image/jpeg",
+    b"GIF87a": "image/gif",
+    b"GIF89a": "image/gif",
+    b"BM": "image/bmp",
+}
 
 
 def sniff_media_type(data: bytes) -> str | None:

@@ -239,8 +239,11 @@ class LocalReplicas:
                 delay = self.up.restart_backoff_s * 2**used
                 self.restarts[key] = used + 1
                 self.due[key] = now + delay
-                self.say(f"{replica.name} exited with code {code}: restart {used + 1} of "
-                         f"{self.up.max_restarts[replica.service]} in {delay:.1f} s", error=True)  # fmt: skip
+                self.say(
+                    f"{replica.name} exited with code {code}: restart {used + 1} of "
+                    f"{self.up.max_restarts[replica.service]} in {delay:.1f} s",
+                    error=True,
+                )
                 continue
             ended.append(Ended(*key, replica.name, code, removed=False))
         for key, when in list(self.due.items()):
@@ -337,16 +340,25 @@ class Launcher:
                     error=True,
                 )
             if up.backend == "ray" and up.ray_address:
-                self._say("note: the embedded redis-server listens on 127.0.0.1: Ray workers on other nodes cannot "
-                          "reach it (set redis.url for a multi-node cluster)", error=True)  # fmt: skip
+                self._say(
+                    "note: the embedded redis-server listens on 127.0.0.1: Ray workers on other nodes cannot "
+                    "reach it (set redis.url for a multi-node cluster)",
+                    error=True,
+                )
         self.client = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
         if self.redis is None:
             self.check_external_memory()
         scalable = {s: up.replicas.get(s, 1) for s in SCALABLE if s in up.services}
         if scalable:  # the recipe's counts are the run's desired counts until `streamrl scale` changes them
             request_replicas(self.client, self.names, scalable, max_replicas=up.max_replicas)
-        info = RunInfo(run_id=self.cfg.run_id, redis_url=self.redis_url, backend=up.backend,
-                       max_replicas=dict(up.max_replicas), recipe=str(Path(self.recipe).resolve()), pid=os.getpid())  # fmt: skip
+        info = RunInfo(
+            run_id=self.cfg.run_id,
+            redis_url=self.redis_url,
+            backend=up.backend,
+            max_replicas=dict(up.max_replicas),
+            recipe=str(Path(self.recipe).resolve()),
+            pid=os.getpid(),
+        )
         write_run_info(run_dir, info)
         # the URL is not on the command line: `ps` would show a password
         env = {**os.environ, "STREAMRL_REDIS__URL": self.redis_url}
@@ -435,8 +447,9 @@ class Launcher:
             desired = desired_replicas(self.client, self.names)
             changes = self.autoscaler.tick(self.client, desired)
             if changes:
-                request_replicas(self.client, self.names, {c.service: c.new for c in changes},
-                                 max_replicas=self.cfg.up.max_replicas)  # fmt: skip
+                request_replicas(
+                    self.client, self.names, {c.service: c.new for c in changes}, max_replicas=self.cfg.up.max_replicas
+                )
                 for change in changes:
                     self._say(str(change))
                 desired = desired_replicas(self.client, self.names)

@@ -97,8 +97,12 @@ class Lease:
         deadline = None if wait_s is None else time.monotonic() + wait_s
         holder = await self.try_acquire()
         if holder is not None:
-            logger.warning("%s is held by %s: waiting for its lease to expire%s", self.what, holder_of(holder),
-                           "" if wait_s is None else f" (up to {wait_s:.1f} s)")  # fmt: skip
+            logger.warning(
+                "%s is held by %s: waiting for its lease to expire%s",
+                self.what,
+                holder_of(holder),
+                "" if wait_s is None else f" (up to {wait_s:.1f} s)",
+            )
         while holder is not None:
             if stop is not None and stop.is_set():
                 return False

@@ -219,8 +219,13 @@ async def _serve(
         service=service,
         instance=instance,
         config=config,
-        bus=Bus(redis, maxlen=config.redis.maxlen, max_message_bytes=config.redis.max_message_bytes,
-                outage_s=config.redis.outage_s, retain_consumed_s=config.redis.retain_consumed_s),
+        bus=Bus(
+            redis,
+            maxlen=config.redis.maxlen,
+            max_message_bytes=config.redis.max_message_bytes,
+            outage_s=config.redis.outage_s,
+            retain_consumed_s=config.redis.retain_consumed_s,
+        ),
         names=StreamNames(config.run_id),
         stop=asyncio.Event(),
         burst=burst,
@@ -296,8 +301,11 @@ async def _leave(ctx: ServiceContext, tasks: list[asyncio.Task[None]], held: lis
     try:
         await asyncio.wait_for(_unregister(redis, ctx.names, ctx.service, ctx.instance, held), timeout=5)
     except (RedisError, asyncio.TimeoutError) as e:
-        logger.warning("%s: could not remove its heartbeat (%s); it expires by itself", ctx.service,
-                       type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)  # fmt: skip
+        logger.warning(
+            "%s: could not remove its heartbeat (%s); it expires by itself",
+            ctx.service,
+            type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e,
+        )
     await redis.aclose()
 
 

@@ -126,8 +126,10 @@ class ServiceActor:
         self._started.wait()
         if self.proc is None:
             raise RuntimeError(f"{self.name}: could not start {cmd[1:4]}")
-        print(f"started {self.name} (pid {self.proc.pid}, actor pid {os.getpid()}; "
-              f"CUDA_VISIBLE_DEVICES={gpus!r})", flush=True)  # fmt: skip
+        print(
+            f"started {self.name} (pid {self.proc.pid}, actor pid {os.getpid()}; CUDA_VISIBLE_DEVICES={gpus!r})",
+            flush=True,
+        )
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
         return getattr(self, "name", "streamrl-replica")
@@ -221,8 +223,12 @@ class RayReplicas:
         finally:
             client.close()
         if up.ray_address is None:
-            ray.init(num_cpus=up.ray_num_cpus, include_dashboard=False, log_to_driver=True,
-                     object_store_memory=up.ray_object_store_mb * 2**20)  # fmt: skip
+            ray.init(
+                num_cpus=up.ray_num_cpus,
+                include_dashboard=False,
+                log_to_driver=True,
+                object_store_memory=up.ray_object_store_mb * 2**20,
+            )
             where = "a local Ray"
         else:
             ray.init(address=up.ray_address, log_to_driver=True)
@@ -235,10 +241,17 @@ class RayReplicas:
         resources = self.up.resources_of(service)
         options = actor_options(service, resources, self.up.max_restarts.get(service, 0), self.learner_ranks)
         spec = ReplicaSpec(
-            service=service, index=index, run_id=self.run_id, recipe=self.recipe, overrides=self.overrides,
-            env=self.env, threads=self.up.threads.get(service), num_gpus=options["num_gpus"],
-            until=service == self.up.until, cwd=os.getcwd(),
-        )  # fmt: skip
+            service=service,
+            index=index,
+            run_id=self.run_id,
+            recipe=self.recipe,
+            overrides=self.overrides,
+            env=self.env,
+            threads=self.up.threads.get(service),
+            num_gpus=options["num_gpus"],
+            until=service == self.up.until,
+            cwd=os.getcwd(),
+        )
         actor = self.remote_actor.options(**options).remote(spec)
         self.replicas[(service, index)] = RayReplica(service, index, actor, actor.wait.remote())
         shown = {k: options[k] for k in ("num_cpus", "num_gpus", "max_restarts")}
@@ -272,8 +285,16 @@ class RayReplicas:
             del self.replicas[key]
             if replica.kill_at is not None or (code == 0 and replica.service == self.up.until):
                 ray.kill(replica.actor, no_restart=True)
-                ended.append(Ended(replica.service, replica.index, replica.name, code,
-                                   removed=replica.kill_at is not None, detail=detail))  # fmt: skip
+                ended.append(
+                    Ended(
+                        replica.service,
+                        replica.index,
+                        replica.name,
+                        code,
+                        removed=replica.kill_at is not None,
+                        detail=detail,
+                    )
+                )
             else:
                 ended.append(Ended(replica.service, replica.index, replica.name, code, removed=False, detail=detail))
         return ended

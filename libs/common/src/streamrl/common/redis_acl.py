@@ -147,8 +147,12 @@ def grants(user: str, run_id: str) -> list[Grant]:
     names = StreamNames(run_id)
     if user == "observer":
         return [Grant("R", (names.all_keys,), READ_ONLY)]
-    consumes = {"coordinator": names.scored, "rollout": names.prompts, "reward": names.trajectories,
-                "learner": names.batches}[user]  # fmt: skip
+    consumes = {
+        "coordinator": names.scored,
+        "rollout": names.prompts,
+        "reward": names.trajectories,
+        "learner": names.batches,
+    }[user]
     common = [
         Grant("RW", (consumes,), CONSUME),
         Grant("W", (names.dead,), PUBLISH),

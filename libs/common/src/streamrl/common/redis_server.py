@@ -107,17 +107,26 @@ class RedisServer:
         self.version = redis_server_version(self.binary)
         cmd = [
             self.binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir.resolve()),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--logfile", "redis.log",
-            "--maxmemory", str(self.maxmemory),
-            "--maxmemory-policy", "noeviction",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir.resolve()),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--logfile",
+            "redis.log",
+            "--maxmemory",
+            str(self.maxmemory),
+            "--maxmemory-policy",
+            "noeviction",
             *self.extra_args,
-        ]  # fmt: skip
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         client = syncredis.Redis(port=self.port, socket_timeout=1)

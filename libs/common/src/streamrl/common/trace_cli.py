@@ -31,10 +31,13 @@ def write_plot(report: TraceReport, path: Path) -> None:
     labels = [s.stage for s in report.stages]
     for offset, (name, values) in zip(
         (-0.27, 0.0, 0.27),
-        (("p50", [s.p50_ms for s in report.stages]), ("p95", [s.p95_ms for s in report.stages]),
-         ("p99", [s.p99_ms for s in report.stages])),
+        (
+            ("p50", [s.p50_ms for s in report.stages]),
+            ("p95", [s.p95_ms for s in report.stages]),
+            ("p99", [s.p99_ms for s in report.stages]),
+        ),
         strict=True,
-    ):  # fmt: skip
+    ):
         ax_stage.barh([i + offset for i in range(len(labels))], values, height=0.27, label=name)
     ax_stage.set_yticks(range(len(labels)), labels)
     ax_stage.invert_yaxis()

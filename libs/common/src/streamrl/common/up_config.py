@@ -189,6 +189,8 @@ class LaunchRecipe(BaseConfig):
                 raise ValueError(f"autoscale.services.{service}: the service is not in up.services")
             bound = self.up.max_replicas.get(service)
             if bound is not None and policy.max_replicas > bound:
-                raise ValueError(f"autoscale.services.{service}.max_replicas ({policy.max_replicas}) is above "
-                                 f"up.max_replicas.{service} ({bound})")  # fmt: skip
+                raise ValueError(
+                    f"autoscale.services.{service}.max_replicas ({policy.max_replicas}) is above "
+                    f"up.max_replicas.{service} ({bound})"
+                )
         return self

@@ -63,8 +63,12 @@ def recipe_problem(argv: list[str]) -> str | None:
     tokens = engine.get("max_model_len") if isinstance(engine, dict) else None
     if not isinstance(tokens, int):
         return None
-    return batch_size_problem(prompts_per_step=config.prompts_per_step, group_size=config.group_size, tokens=tokens,
-                              tokens_field="rollout.engine.max_model_len")  # fmt: skip
+    return batch_size_problem(
+        prompts_per_step=config.prompts_per_step,
+        group_size=config.group_size,
+        tokens=tokens,
+        tokens_field="rollout.engine.max_model_len",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

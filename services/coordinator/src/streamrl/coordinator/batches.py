@@ -78,9 +78,15 @@ class BatchBuilder:
     """Builds every batch the ready groups allow (see the module docstring)."""
 
     def __init__(
-        self, state: RunState, groups: GroupBuffer, *, prompts_per_step: int, max_staleness: int,
-        drop_stale: bool, tracing: Tracing = NULL_TRACING,
-    ) -> None:  # fmt: skip
+        self,
+        state: RunState,
+        groups: GroupBuffer,
+        *,
+        prompts_per_step: int,
+        max_staleness: int,
+        drop_stale: bool,
+        tracing: Tracing = NULL_TRACING,
+    ) -> None:
         self.state = state
         self.groups = groups
         self.per_step = prompts_per_step
@@ -102,8 +108,9 @@ class BatchBuilder:
             ready_ids = await self.groups.ready()
             members = await self.groups.samples(ready_ids)
             ready = [ReadyGroup(g, min(s.trajectory.policy_version_start for s in members[g])) for g in ready_ids]
-            pick = select_groups(ready, index=index, max_staleness=self.max_staleness, per_step=self.per_step,
-                                 drop_stale=self.drop_stale)  # fmt: skip
+            pick = select_groups(
+                ready, index=index, max_staleness=self.max_staleness, per_step=self.per_step, drop_stale=self.drop_stale
+            )
             if pick.too_stale:
                 num = sum(len(members[g.group_id]) for g in pick.too_stale)
                 tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
@@ -114,22 +121,35 @@ class BatchBuilder:
                 if not await self._execute(tx, index):
                     continue
                 self.too_stale_since_batch += num
-                logger.warning("dropped %d groups (%d samples) over max_staleness=%d for batch %d",
-                               len(pick.too_stale), num, self.max_staleness, index)  # fmt: skip
+                logger.warning(
+                    "dropped %d groups (%d samples) over max_staleness=%d for batch %d",
+                    len(pick.too_stale),
+                    num,
+                    self.max_staleness,
+                    index,
+                )
             if not pick.chosen:
                 break
             samples = [s for g in pick.chosen for s in members[g.group_id]]
             batch_id = f"batch-{index}"
-            attributes: Attributes = {BATCH_ID: batch_id, STEP_INDEX: index, POLICY_VERSION: version,
-                                      NUM_SAMPLES: len(samples)}  # fmt: skip
+            attributes: Attributes = {
+                BATCH_ID: batch_id,
+                STEP_INDEX: index,
+                POLICY_VERSION: version,
+                NUM_SAMPLES: len(samples),
+            }
             span = self.tracing.span(BATCH, attributes=attributes)
             created = time.time()
             record_waits(self.tracing, samples, batch_id=batch_id, built_at=created)
             batch = TrainingBatch(
-                id=batch_id, index=index, samples=samples, policy_version=version,
+                id=batch_id,
+                index=index,
+                samples=samples,
+                policy_version=version,
                 staleness=[staleness(index, s.trajectory.policy_version_start) for s in samples],
-                created_at=created, traceparent=span.traceparent,
-            )  # fmt: skip
+                created_at=created,
+                traceparent=span.traceparent,
+            )
             tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
             # not bus.encode: a batch is many trajectories, each already checked against the size limit
             tx.xadd_raw(self.state.names.batches, encode(batch))
@@ -160,8 +180,13 @@ class BatchBuilder:
         fresh = bool(await self._dead_batch(keys, [batch_id, num_samples, num_groups or 0]))
         if fresh:
             groups = f"{num_groups} groups, " if num_groups is not None else ""
-            logger.error("%s (%s%d samples) was dead-lettered by the learner: its groups are dropped, never trained: %s",
-                         batch_id, groups, num_samples, reason)  # fmt: skip
+            logger.error(
+                "%s (%s%d samples) was dead-lettered by the learner: its groups are dropped, never trained: %s",
+                batch_id,
+                groups,
+                num_samples,
+                reason,
+            )
         return fresh
 
     async def resend(self, batch_id: str, payload: bytes, *, limit: int, reason: str) -> bool:
@@ -170,6 +195,11 @@ class BatchBuilder:
         keys = [self.state.key(st.DEAD_BATCH_IDS), self.state.key(st.BATCH_RESENDS), self.state.names.batches]
         sent = await self._resend(keys, [batch_id, limit, self.state.bus.maxlen, payload])
         if sent > 0:
-            logger.warning("%s was refused by the learner without being consumed (%s): sent again (%d of %d)",
-                           batch_id, reason, sent, limit)  # fmt: skip
+            logger.warning(
+                "%s was refused by the learner without being consumed (%s): sent again (%d of %d)",
+                batch_id,
+                reason,
+                sent,
+                limit,
+            )
         return sent > 0

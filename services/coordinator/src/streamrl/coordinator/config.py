@@ -118,13 +118,18 @@ class CoordinatorConfig(ServiceConfig):
         if self.dynamic_filtering and self.group_size < 2:
             raise ValueError("dynamic_filtering needs group_size >= 2 (a group of one has no reward spread)")
         problem = maxlen_problem(
-            maxlen=self.redis.maxlen, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-            max_staleness=self.max_staleness, prefetch_steps=self.prefetch_steps,
+            maxlen=self.redis.maxlen,
+            prompts_per_step=self.prompts_per_step,
+            group_size=self.group_size,
+            max_staleness=self.max_staleness,
+            prefetch_steps=self.prefetch_steps,
             eval_prompts=self.eval.num_prompts if self.eval.dataset is not None else 0,
         ) or batch_size_problem(
-            prompts_per_step=self.prompts_per_step, group_size=self.group_size, tokens=self.sampling.max_new_tokens,
+            prompts_per_step=self.prompts_per_step,
+            group_size=self.group_size,
+            tokens=self.sampling.max_new_tokens,
             tokens_field="sampling.max_new_tokens",
-        )  # fmt: skip
+        )
         if problem:
             raise ValueError(problem)
         if self.wandb_project is not None and importlib.util.find_spec("wandb") is None:

@@ -108,11 +108,18 @@ class EvalRounds:
                 skipped.append(f"{round_buffer_id(version)}-{i}")
                 continue
             item = PromptWorkItem(
-                id=f"{round_buffer_id(version)}-{i}", prompt_ids=Tensor.from_list(prompt.ids, "int32"), images=list(prompt.images),
-                prompt_text=prompt.text, label=prompt.label, metadata={**prompt.metadata, "eval_version": version},
-                sampling=sampling, policy_version=version, issued_at=time.time(), is_eval=True,
+                id=f"{round_buffer_id(version)}-{i}",
+                prompt_ids=Tensor.from_list(prompt.ids, "int32"),
+                images=list(prompt.images),
+                prompt_text=prompt.text,
+                label=prompt.label,
+                metadata={**prompt.metadata, "eval_version": version},
+                sampling=sampling,
+                policy_version=version,
+                issued_at=time.time(),
+                is_eval=True,
                 traceparent=untraced(),
-            )  # fmt: skip
+            )
             try:
                 payloads.append(self.bus.encode(item, self.state.names.prompts))
             except MessageTooLargeError as e:
@@ -135,15 +142,19 @@ class EvalRounds:
 
     async def record_dead(self, version: int, prompt_id: str) -> None:
         """One prompt of round ``version`` was dead-lettered: it counts as answered-without-a-sample."""
-        await self._record_dead([self.state.key(st.EVAL_ROUNDS), self.state.key(st.eval_dead(version))],
-                                [version, prompt_id])  # fmt: skip
+        await self._record_dead(
+            [self.state.key(st.EVAL_ROUNDS), self.state.key(st.eval_dead(version))], [version, prompt_id]
+        )
 
     async def drop_late(self, versions: set[int]) -> int:
         """Delete answers that arrived for rounds already closed; returns how many."""
         dropped = 0
         for v in versions:
-            keys = [self.state.key(st.EVAL_ROUNDS), self.state.names.group_buffer(round_buffer_id(v)),
-                    self.state.key(st.LATE_SAMPLES_DROPPED)]  # fmt: skip
+            keys = [
+                self.state.key(st.EVAL_ROUNDS),
+                self.state.names.group_buffer(round_buffer_id(v)),
+                self.state.key(st.LATE_SAMPLES_DROPPED),
+            ]
             dropped += int(await self._drop_late(keys, [v]))
         return dropped
 
@@ -175,8 +186,13 @@ class EvalRounds:
             if len(answered) + len(dead) < self.num_prompts and not timed_out:
                 pending += 1
                 continue
-            await self._close(version, started, samples, num_dead=len(dead),
-                              num_missing=max(0, self.num_prompts - len(answered) - len(dead)))  # fmt: skip
+            await self._close(
+                version,
+                started,
+                samples,
+                num_dead=len(dead),
+                num_missing=max(0, self.num_prompts - len(answered) - len(dead)),
+            )
         self.pending = pending
         return pending == 0
 
@@ -184,9 +200,13 @@ class EvalRounds:
         self, version: int, started: float, samples: list[ScoredTrajectory], *, num_dead: int, num_missing: int
     ) -> None:
         row: dict[str, float | int] = {
-            "eval/num_prompts": self.num_prompts, "eval/num_answered": len(samples), "eval/num_dead": num_dead,
-            "eval/num_missing": num_missing, "eval/started_at": started, "eval/duration_s": time.time() - started,
-        }  # fmt: skip
+            "eval/num_prompts": self.num_prompts,
+            "eval/num_answered": len(samples),
+            "eval/num_dead": num_dead,
+            "eval/num_missing": num_missing,
+            "eval/started_at": started,
+            "eval/duration_s": time.time() - started,
+        }
         if samples:
             acc = float(np.mean([s.score for s in samples]))
             row["eval/acc"] = acc
@@ -195,11 +215,21 @@ class EvalRounds:
             row["eval/version_lag_max"] = max(s.trajectory.policy_version_end for s in samples) - version
             self.last_acc = acc
             lost = f" ({num_dead} dead-lettered, {num_missing} missing)" if num_dead or num_missing else ""
-            logger.info("evaluation at version %d: greedy accuracy %.3f over %d held-out prompts%s",
-                        version, acc, len(samples), lost)  # fmt: skip
+            logger.info(
+                "evaluation at version %d: greedy accuracy %.3f over %d held-out prompts%s",
+                version,
+                acc,
+                len(samples),
+                lost,
+            )
         else:
-            logger.warning("evaluation at version %d closed with no answer (%d dead-lettered, %d missing after "
-                           "group_timeout_s): no accuracy", version, num_dead, num_missing)  # fmt: skip
+            logger.warning(
+                "evaluation at version %d closed with no answer (%d dead-lettered, %d missing after "
+                "group_timeout_s): no accuracy",
+                version,
+                num_dead,
+                num_missing,
+            )
         self.metrics.write(version, row)
         tx = self.state.tx()
         tx.hset(self.state.key(st.EVAL_ROUNDS), str(version), f"{row['eval/acc']:.6f}" if samples else "none")

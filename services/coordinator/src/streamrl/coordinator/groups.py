@@ -135,15 +135,25 @@ class GroupBuffer:
             for group in groups - known:
                 tx.call("HSETNX", self.state.key(st.INFLIGHT_INFO), group, InFlight(version, now).encode())
             await tx.execute()
-            logger.info("recorded %d in-flight groups of an older coordinator as requiring version %d",
-                        len(groups - known), version)  # fmt: skip
+            logger.info(
+                "recorded %d in-flight groups of an older coordinator as requiring version %d",
+                len(groups - known),
+                version,
+            )
         return len(groups - known)
 
     # -- complete, fail, time out ----------------------------------------------------------------
     def _leave_keys(self, group: str, counter: str) -> list[str]:
         k = self.state.key
-        return [k(st.INFLIGHT), k(st.INFLIGHT_INFO), k(st.READY), k(st.ACCEPTED), self.buffer(group), k(counter),
-                k(st.OWED_VERSIONS)]  # fmt: skip
+        return [
+            k(st.INFLIGHT),
+            k(st.INFLIGHT_INFO),
+            k(st.READY),
+            k(st.ACCEPTED),
+            self.buffer(group),
+            k(counter),
+            k(st.OWED_VERSIONS),
+        ]
 
     async def complete(self, candidates: Iterable[str] | None) -> None:
         """Move complete groups to ``ready`` (or drop them: dynamic filtering). Only ``candidates``
@@ -159,8 +169,11 @@ class GroupBuffer:
             pipe.hlen(self.buffer(g))
             pipe.sismember(self.state.key(st.INFLIGHT), g)
         replies = await pipe.execute()
-        complete = [g for g, size, in_flight in zip(groups, replies[::2], replies[1::2], strict=True)
-                    if size >= self.group_size and in_flight]  # fmt: skip
+        complete = [
+            g
+            for g, size, in_flight in zip(groups, replies[::2], replies[1::2], strict=True)
+            if size >= self.group_size and in_flight
+        ]
         if not complete:
             return
         members = await self.samples(complete) if self.dynamic_filtering else {}
@@ -190,9 +203,14 @@ class GroupBuffer:
         for group in overdue(groups, version=version, version_seen_at=seen, now=now, timeout_s=timeout_s):
             if await self.fail(group, st.GROUPS_TIMED_OUT):
                 info = groups[group]
-                logger.warning("group %s timed out: issued %.0f s ago for version %d, not complete after "
-                               "group_timeout_s=%.0f s; a replacement prompt will be issued",
-                               group, now - info.issued_at, info.required_version, timeout_s)  # fmt: skip
+                logger.warning(
+                    "group %s timed out: issued %.0f s ago for version %d, not complete after "
+                    "group_timeout_s=%.0f s; a replacement prompt will be issued",
+                    group,
+                    now - info.issued_at,
+                    info.required_version,
+                    timeout_s,
+                )
                 failed.append(group)
         return failed
 

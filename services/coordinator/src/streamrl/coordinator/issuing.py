@@ -42,9 +42,13 @@ class PromptIssuer:
     """Issues training prompts under admission control (see the module docstring)."""
 
     def __init__(
-        self, config: CoordinatorConfig, state: RunState, groups: GroupBuffer, source: PromptSource,
+        self,
+        config: CoordinatorConfig,
+        state: RunState,
+        groups: GroupBuffer,
+        source: PromptSource,
         tracing: Tracing = NULL_TRACING,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg = config
         self.state = state
         self.bus = state.bus
@@ -53,9 +57,14 @@ class PromptIssuer:
         self.tracing = tracing
         s = config.sampling
         self.sampling = SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-            min_new_tokens=s.min_new_tokens, n=config.group_size, seed=s.seed,
-        )  # fmt: skip
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            min_new_tokens=s.min_new_tokens,
+            n=config.group_size,
+            seed=s.seed,
+        )
         self.learner_ready = False
         self.said_waiting = False
         self.bad_in_a_row = 0
@@ -73,8 +82,10 @@ class PromptIssuer:
                 logger.info("a learner is ready: issuing prompts")
             elif not self.said_waiting:
                 self.said_waiting = True
-                logger.info("waiting for a learner to publish its weights before issuing prompts "
-                            "(coordinator.wait_for_learner = false issues them at once)")  # fmt: skip
+                logger.info(
+                    "waiting for a learner to publish its weights before issuing prompts "
+                    "(coordinator.wait_for_learner = false issues them at once)"
+                )
         return self.learner_ready
 
     async def issue(self, version: int) -> int:
@@ -85,14 +96,25 @@ class PromptIssuer:
         in_flight = await self.groups.in_flight()
         accepted = await self.state.get_int(st.ACCEPTED)
         budget = groups_admissible(
-            accepted=accepted, in_flight=in_flight, version=version, max_staleness=cfg.max_staleness,
-            prompts_per_step=cfg.prompts_per_step, total_steps=cfg.total_steps, prefetch_steps=cfg.prefetch_steps,
-        )  # fmt: skip
+            accepted=accepted,
+            in_flight=in_flight,
+            version=version,
+            max_staleness=cfg.max_staleness,
+            prompts_per_step=cfg.prompts_per_step,
+            total_steps=cfg.total_steps,
+            prefetch_steps=cfg.prefetch_steps,
+        )
         if budget == 0:
             return 0
         owed = await self.groups.owed()
-        versions = new_group_versions(budget, owed=owed, position=accepted + in_flight, version=version,
-                                      max_staleness=cfg.max_staleness, prompts_per_step=cfg.prompts_per_step)  # fmt: skip
+        versions = new_group_versions(
+            budget,
+            owed=owed,
+            position=accepted + in_flight,
+            version=version,
+            max_staleness=cfg.max_staleness,
+            prompts_per_step=cfg.prompts_per_step,
+        )
         num_owed = min(budget, len(owed))
         stored_cursor = await self.state.get_raw(st.CURSOR)
         cursor = int(stored_cursor) if stored_cursor is not None else 0
@@ -111,10 +133,17 @@ class PromptIssuer:
             group, version = f"p{cursor + i}", versions[issued]
             span = self.tracing.span(ISSUE, attributes={GROUP_ID: group, POLICY_VERSION: version}, start_s=now)
             item = PromptWorkItem(
-                id=group, prompt_ids=Tensor.from_list(prompt.ids, "int32"), images=list(prompt.images), prompt_text=prompt.text,
-                label=prompt.label, metadata=prompt.metadata, sampling=self.sampling,
-                policy_version=version, issued_at=now, traceparent=span.traceparent,
-            )  # fmt: skip
+                id=group,
+                prompt_ids=Tensor.from_list(prompt.ids, "int32"),
+                images=list(prompt.images),
+                prompt_text=prompt.text,
+                label=prompt.label,
+                metadata=prompt.metadata,
+                sampling=self.sampling,
+                policy_version=version,
+                issued_at=now,
+                traceparent=span.traceparent,
+            )
             try:
                 payload = self.bus.encode(item, self.state.names.prompts)
             except MessageTooLargeError as e:

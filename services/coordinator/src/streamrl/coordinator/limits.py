@@ -35,8 +35,13 @@ def maxlen_problem(
     *, maxlen: int, prompts_per_step: int, group_size: int, max_staleness: int, prefetch_steps: int, eval_prompts: int
 ) -> str | None:
     """Why ``redis.maxlen`` is too small for the entries in flight, or None."""
-    needed = entries_in_flight(prompts_per_step=prompts_per_step, group_size=group_size, max_staleness=max_staleness,
-                               prefetch_steps=prefetch_steps, eval_prompts=eval_prompts)  # fmt: skip
+    needed = entries_in_flight(
+        prompts_per_step=prompts_per_step,
+        group_size=group_size,
+        max_staleness=max_staleness,
+        prefetch_steps=prefetch_steps,
+        eval_prompts=eval_prompts,
+    )
     if maxlen >= needed:
         return None
     evals = f" + eval.num_prompts {eval_prompts}" if eval_prompts else ""

@@ -82,8 +82,12 @@ def with_image_parts(messages: list[dict[str, Any]], count: int) -> list[dict[st
     """``messages`` with ``count`` image parts before the first user message's text, unless the
     messages already hold image parts (the row placed them)."""
     placed = sum(
-        1 for m in messages if isinstance(m.get("content"), list) for part in m["content"] if part.get("type") == "image"
-    )  # fmt: skip
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image"
+    )
     if placed:
         if placed != count:
             raise ValueError(f"the messages hold {placed} image parts but the row has {count} images")

@@ -91,16 +91,25 @@ class CoordinatorService:
         self.ctx = ctx
         self.names = ctx.names
         self.state = RunState(ctx.bus, ctx.names)
-        self.metrics = MetricsWriter(config.run_dir, wandb=wandb_run(
-            config.wandb_project, config.wandb_run_name or config.run_id, redact(config.model_dump(mode="json")),
-        ))  # fmt: skip
+        self.metrics = MetricsWriter(
+            config.run_dir,
+            wandb=wandb_run(
+                config.wandb_project,
+                config.wandb_run_name or config.run_id,
+                redact(config.model_dump(mode="json")),
+            ),
+        )
         self.progress = Progress(self.state)
         self.groups = GroupBuffer(self.state, group_size=config.group_size, dynamic_filtering=config.dynamic_filtering)
         self.issuer = PromptIssuer(config, self.state, self.groups, PromptSource(config.dataset), tracing=ctx.tracing)
         self.batches = BatchBuilder(
-            self.state, self.groups, prompts_per_step=config.prompts_per_step,
-            max_staleness=config.max_staleness, drop_stale=config.staleness_policy == "drop", tracing=ctx.tracing,
-        )  # fmt: skip
+            self.state,
+            self.groups,
+            prompts_per_step=config.prompts_per_step,
+            max_staleness=config.max_staleness,
+            drop_stale=config.staleness_policy == "drop",
+            tracing=ctx.tracing,
+        )
         self.evals = (
             EvalRounds(config, self.state, PromptSource(config.eval.dataset), self.metrics)
             if config.eval.dataset
@@ -124,14 +133,23 @@ class CoordinatorService:
         await self.groups.adopt_untracked(self.version, time.time())
         logger.info(
             "coordinator: %d prompts, group size %d, %d groups/step, max staleness %d, resuming at version %d",
-            len(self.issuer.source), self.cfg.group_size, self.cfg.prompts_per_step, self.cfg.max_staleness,
+            len(self.issuer.source),
+            self.cfg.group_size,
+            self.cfg.prompts_per_step,
+            self.cfg.max_staleness,
             self.version,
-        )  # fmt: skip
+        )
         scored_loop: ConsumerLoop[ScoredTrajectory] = ConsumerLoop(
-            self.ctx.bus, self.names, stream=self.names.scored, group="coordinator", consumer="coordinator",
-            handler=self.handle_scored, message_type=ScoredTrajectory, config=self.cfg.consumer,
+            self.ctx.bus,
+            self.names,
+            stream=self.names.scored,
+            group="coordinator",
+            consumer="coordinator",
+            handler=self.handle_scored,
+            message_type=ScoredTrajectory,
+            config=self.cfg.consumer,
             on_committed=self._on_scored_committed,
-        )  # fmt: skip
+        )
         self.ctx.loops.append(scored_loop)
         if self.cfg.redis.url is not None:  # always under service_main; tests may hand the service a bus
             self.ctx.metrics.watch_streams(self.cfg.redis.url, {"scored": self.names.scored})
@@ -210,8 +228,9 @@ class CoordinatorService:
         lost = what_was_lost(msg, batches_stream=self.names.batches)
         if isinstance(lost, LostGroup):
             if await self.groups.fail(lost.group_id, st.GROUPS_DEAD):
-                logger.warning("group %s failed (dead-lettered member): a replacement prompt will be issued",
-                               lost.group_id)  # fmt: skip
+                logger.warning(
+                    "group %s failed (dead-lettered member): a replacement prompt will be issued", lost.group_id
+                )
         elif isinstance(lost, LostEvalPrompt):
             if self.evals is not None:
                 await self.evals.record_dead(lost.version, lost.prompt_id)
@@ -220,12 +239,18 @@ class CoordinatorService:
         elif isinstance(lost, RefusedBatch):
             limit = self.cfg.consumer.max_deliveries - 1
             if not await self.batches.resend(lost.batch_id, lost.payload, limit=limit, reason=msg.error):
-                await self.batches.record_dead(lost.batch_id, lost.num_samples, lost.num_groups,
-                                               f"refused {limit + 1} times, last: {msg.error}")  # fmt: skip
+                await self.batches.record_dead(
+                    lost.batch_id, lost.num_samples, lost.num_groups, f"refused {limit + 1} times, last: {msg.error}"
+                )
         counters = await self._publish_progress(refresh=True)
-        self.metrics.write(self.version, {
-            "coordinator/dead_reason": msg.error[:500], "coordinator/dead_stream": stream, **counter_metrics(counters),
-        })  # fmt: skip
+        self.metrics.write(
+            self.version,
+            {
+                "coordinator/dead_reason": msg.error[:500],
+                "coordinator/dead_stream": stream,
+                **counter_metrics(counters),
+            },
+        )
         self.wake.set()
 
     # -- the tick ---------------------------------------------------------------------------
@@ -280,14 +305,16 @@ class CoordinatorService:
         self.ctx.metrics.count_samples("batched", len(batch.samples))
         counters = await self.progress.refresh_counters()
         self.metrics.write(batch.index, {**stats, **counter_metrics(counters)})
-        self.progress.update({
-            "step": batch.index + 1,
-            "reward": round(stats["rollout/reward_mean"], 3),
-            "acc": round(stats["rollout/acc"], 3),
-            "staleness": round(stats["coordinator/staleness_mean"], 2),
-            "queue_s": round(stats["rollout/queue_s_mean"], 2),
-            "tok/s": round(stats["rollout/tokens_per_s"], 1),
-        })  # fmt: skip
+        self.progress.update(
+            {
+                "step": batch.index + 1,
+                "reward": round(stats["rollout/reward_mean"], 3),
+                "acc": round(stats["rollout/acc"], 3),
+                "staleness": round(stats["coordinator/staleness_mean"], 2),
+                "queue_s": round(stats["rollout/queue_s_mean"], 2),
+                "tok/s": round(stats["rollout/tokens_per_s"], 1),
+            }
+        )
         logger.info("batch %d: %s", batch.index, " ".join(f"{k}={v:.3g}" for k, v in stats.items()))
 
     async def _publish_progress(self, refresh: bool) -> dict[str, int]:

@@ -64,10 +64,16 @@ def record_waits(tracing: Tracing, samples: Sequence[ScoredTrajectory], *, batch
         traj = s.trajectory
         complete = complete_at[traj.group_id]
         waited = tracing.record(
-            GROUP_WAIT, s.traceparent, start_s=traj.timings[STORED_AT], end_s=complete,
+            GROUP_WAIT,
+            s.traceparent,
+            start_s=traj.timings[STORED_AT],
+            end_s=complete,
             attributes={GROUP_ID: traj.group_id, TRAJECTORY_ID: traj.id},
-        )  # fmt: skip
+        )
         s.traceparent = tracing.record(
-            BATCH_WAIT, waited, start_s=complete, end_s=built_at,
+            BATCH_WAIT,
+            waited,
+            start_s=complete,
+            end_s=built_at,
             attributes={BATCH_ID: batch_id, TRAJECTORY_ID: traj.id, VERSION_START: traj.policy_version_start},
-        )  # fmt: skip
+        )

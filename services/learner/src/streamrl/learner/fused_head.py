@@ -104,9 +104,14 @@ class _LinearLogprobs(torch.autograd.Function):
             h = hidden[s:e]
             z = torch.mm(h, w.t(), out=buffer[: e - s])  # padded columns: h @ 0 = 0, so they add nothing below
             chunk_grad_(
-                z[:, :vocab], targets[s:e], inv_t[s:e], lse[s:e], g_lp[s:e],
-                None if entropy is None else entropy[s:e], None if g_ent is None else g_ent[s:e],
-            )  # fmt: skip
+                z[:, :vocab],
+                targets[s:e],
+                inv_t[s:e],
+                lse[s:e],
+                g_lp[s:e],
+                None if entropy is None else entropy[s:e],
+                None if g_ent is None else g_ent[s:e],
+            )
             if grad_h is not None:
                 torch.mm(z, w, out=grad_h[s:e])
             if grad_w is not None:

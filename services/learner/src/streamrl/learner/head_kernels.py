@@ -102,9 +102,17 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(
-        z_ptr, z_stride, tgt_ptr, invt_ptr, lse_ptr, logp_ptr, ent_ptr, vocab,
-        block: tl.constexpr, entropy_on: tl.constexpr,
-    ):  # fmt: skip
+        z_ptr,
+        z_stride,
+        tgt_ptr,
+        invt_ptr,
+        lse_ptr,
+        logp_ptr,
+        ent_ptr,
+        vocab,
+        block: tl.constexpr,
+        entropy_on: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = z_ptr + row * z_stride
         invt = tl.load(invt_ptr + row)
@@ -133,9 +141,18 @@ if triton is not None:
 
     @triton.jit
     def _grad_kernel(
-        z_ptr, z_stride, tgt_ptr, invt_ptr, lse_ptr, glp_ptr, ent_ptr, gent_ptr, vocab,
-        block: tl.constexpr, entropy_on: tl.constexpr,
-    ):  # fmt: skip
+        z_ptr,
+        z_stride,
+        tgt_ptr,
+        invt_ptr,
+        lse_ptr,
+        glp_ptr,
+        ent_ptr,
+        gent_ptr,
+        vocab,
+        block: tl.constexpr,
+        entropy_on: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = z_ptr + row * z_stride
         invt = tl.load(invt_ptr + row)
@@ -168,9 +185,18 @@ def _stats_triton(
     entropy = torch.empty_like(lse) if with_entropy else lse  # a placeholder pointer when unused
     if rows:
         _stats_kernel[(rows,)](
-            z, z.stride(0), targets.contiguous(), inv_t.float().contiguous(), lse, logp, entropy, vocab,
-            block=_BLOCK, entropy_on=with_entropy, num_warps=16,
-        )  # fmt: skip
+            z,
+            z.stride(0),
+            targets.contiguous(),
+            inv_t.float().contiguous(),
+            lse,
+            logp,
+            entropy,
+            vocab,
+            block=_BLOCK,
+            entropy_on=with_entropy,
+            num_warps=16,
+        )
     return lse, logp, entropy if with_entropy else None
 
 
@@ -189,9 +215,17 @@ def _grad_triton(
     with_entropy = entropy is not None and g_ent is not None
     if rows:
         _grad_kernel[(rows,)](
-            z, z.stride(0), targets.contiguous(), inv_t.float().contiguous(), lse.contiguous(),
-            g_lp.float().contiguous(), entropy.contiguous() if with_entropy else lse,
-            g_ent.float().contiguous() if with_entropy else lse, vocab,
-            block=_BLOCK, entropy_on=with_entropy, num_warps=16,
-        )  # fmt: skip
+            z,
+            z.stride(0),
+            targets.contiguous(),
+            inv_t.float().contiguous(),
+            lse.contiguous(),
+            g_lp.float().contiguous(),
+            entropy.contiguous() if with_entropy else lse,
+            g_ent.float().contiguous() if with_entropy else lse,
+            vocab,
+            block=_BLOCK,
+            entropy_on=with_entropy,
+            num_warps=16,
+        )
     return z

@@ -60,9 +60,10 @@ def body_hidden(
     device = next(_model(engine).parameters()).device
     attn = getattr(body.config, "_attn_implementation", None)
     out = body(
-        input_ids=to_device(input_ids, device), position_ids=to_device(position_ids, device),
+        input_ids=to_device(input_ids, device),
+        position_ids=to_device(position_ids, device),
         **varlen_kwargs(to_device(cu_seqlens, device), max_seqlen, device, attn),
-    )  # fmt: skip
+    )
     return out.last_hidden_state[0]  # type: ignore[no-any-return]
 
 
@@ -114,9 +115,10 @@ def features(
     device = next(_model(engine).parameters()).device
     attn = getattr(_model(engine).config, "_attn_implementation", None)
     out = engine(
-        input_ids=to_device(input_ids, device), position_ids=to_device(position_ids, device),
+        input_ids=to_device(input_ids, device),
+        position_ids=to_device(position_ids, device),
         **varlen_kwargs(to_device(cu_seqlens, device), max_seqlen, device, attn),
-    )  # fmt: skip
+    )
     return out.logits[0]  # type: ignore[no-any-return]
 
 

@@ -62,7 +62,10 @@ def shared_prompt_logits(
     response_positions = prompt_lens[:, None] + steps[None, :]
     responses = ids.gather(1, response_positions.clamp(max=ids.shape[1] - 1)) * response_mask
     rest = model(
-        input_ids=responses, attention_mask=torch.cat([prompt_mask[source], response_mask], dim=1),
-        position_ids=response_positions, past_key_values=cache, use_cache=True,
-    ).logits  # fmt: skip
+        input_ids=responses,
+        attention_mask=torch.cat([prompt_mask[source], response_mask], dim=1),
+        position_ids=response_positions,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
     return torch.cat([first, rest], dim=1)

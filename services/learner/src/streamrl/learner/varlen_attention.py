@@ -57,8 +57,11 @@ def varlen_kwargs(
     that mask. flash-attention 2 reads the boundaries as given."""
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     kwargs: dict[str, Any] = {
-        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_seqlen, "max_length_k": max_seqlen,
-    }  # fmt: skip
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_seqlen,
+        "max_length_k": max_seqlen,
+    }
     if attn_implementation == ATTN_NAME:
         kwargs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
     return kwargs
@@ -82,9 +85,16 @@ def varlen_attention_forward(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            sliding_window=sliding_window, **kwargs,
-        )  # fmt: skip
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     if sliding_window is not None:
         raise ValueError("varlen attention does not implement sliding windows: use attn_implementation = 'sdpa'")
     batch, heads, length, dim = query.shape

@@ -27,9 +27,15 @@ async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
     ctx.metrics.watch_streams(config.redis.url, {"trajectories": ctx.names.trajectories})
     service = RewardService(config, ctx.names, tracing=ctx.tracing, metrics=ctx.metrics)
     loop: ConsumerLoop[Trajectory] = ConsumerLoop(
-        ctx.bus, ctx.names, stream=ctx.names.trajectories, group="reward", consumer=ctx.instance,
-        handler=service.handle, message_type=Trajectory, config=config.consumer,
-    )  # fmt: skip
+        ctx.bus,
+        ctx.names,
+        stream=ctx.names.trajectories,
+        group="reward",
+        consumer=ctx.instance,
+        handler=service.handle,
+        message_type=Trajectory,
+        config=config.consumer,
+    )
     ctx.loops.append(loop)
     ctx.mark_running()
 

@@ -36,6 +36,8 @@ def agent_token(config: AgentEndpointConfig) -> str:
     """The bearer token from ``$token_env``; ValueError naming the variable when it is unset or empty."""
     token = os.environ.get(config.token_env, "").strip()
     if not token:
-        raise ValueError(f"rollout.agent: set the bearer token agents must send in ${config.token_env} "
-                         "(rollout.agent.token_env names the variable)")  # fmt: skip
+        raise ValueError(
+            f"rollout.agent: set the bearer token agents must send in ${config.token_env} "
+            "(rollout.agent.token_env names the variable)"
+        )
     return token

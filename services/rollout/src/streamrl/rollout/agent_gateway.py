@@ -145,9 +145,12 @@ class AgentGateway:
         base = item.sampling
         seed = None if base.seed is None else base.seed + live.slot.index + len(conversation.samples) * base.n
         sampling = msgspec.structs.replace(
-            base, n=1, seed=seed, max_new_tokens=min(base.max_new_tokens, room, max_new_tokens or room),
+            base,
+            n=1,
+            seed=seed,
+            max_new_tokens=min(base.max_new_tokens, room, max_new_tokens or room),
             stop=base.stop if stop is None else stop,
-        )  # fmt: skip
+        )
         live.busy = True
         try:
             ((sample,),) = await self.engine.generate([GenerationRequest(plan.prompt_ids, sampling)])
@@ -179,8 +182,13 @@ class AgentGateway:
         if not live.slot.done.done():
             self.offered.put_nowait(live.slot)
         item = live.slot.item
-        logger.warning("agent conversation %s on %s/%d dropped (%s): the sample is offered again",
-                       live.id, item.id, live.slot.index, why)  # fmt: skip
+        logger.warning(
+            "agent conversation %s on %s/%d dropped (%s): the sample is offered again",
+            live.id,
+            item.id,
+            live.slot.index,
+            why,
+        )
 
     async def reap_forever(self) -> None:
         """Drop conversations idle longer than ``idle_timeout_s`` (see the module docstring)."""

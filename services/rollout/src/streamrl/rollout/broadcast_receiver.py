@@ -246,8 +246,9 @@ class BroadcastReceiver:
             store.set(wb.leave_key(self.member), b"1")  # closed: the learner stops waiting for us at once
             store.add(wb.LEAVES, 1)
         except dist.DistNetworkError as e:  # the learner is gone
-            logger.warning("weight broadcast member %s lost the learner's store %s: %s", self.member,
-                           self.info.store, e)  # fmt: skip
+            logger.warning(
+                "weight broadcast member %s lost the learner's store %s: %s", self.member, self.info.store, e
+            )
             self._fail(f"lost the learner's store {self.info.store}: {e}")
         except Exception as e:  # thread boundary: acquire() raises it to the engine
             logger.exception("weight broadcast member %s failed", self.member)
@@ -299,8 +300,9 @@ class BroadcastReceiver:
             rank = members.members.index(self.member) + 1
             prefixed = dist.PrefixStore(wb.group_prefix(generation), store)
             try:
-                group = new_group(prefixed, rank, len(members.members) + 1, self.info.backend, self._timeout_s,
-                                  self._device)  # fmt: skip
+                group = new_group(
+                    prefixed, rank, len(members.members) + 1, self.info.backend, self._timeout_s, self._device
+                )
             except RuntimeError as e:  # another member died meanwhile: the learner re-forms the group
                 logger.warning("weight broadcast: building generation %d failed (%s)", generation, e)
                 continue
@@ -343,8 +345,12 @@ class BroadcastReceiver:
         if error is not None:
             logger.warning("weight broadcast: %s did not receive version %d: %s", self.member, record.version, error)
         else:
-            logger.info("weight broadcast: %s received version %d (%.1f ms)", self.member, record.version,
-                        (time.perf_counter() - started) * 1e3)  # fmt: skip
+            logger.info(
+                "weight broadcast: %s received version %d (%.1f ms)",
+                self.member,
+                record.version,
+                (time.perf_counter() - started) * 1e3,
+            )
 
     def _receive_buckets(
         self, store: dist.Store, generation: int, op: int, group: dist.Backend, deadline: float

@@ -143,14 +143,24 @@ class Conversation:
         turns = list(self.turns)
         if turn_rewards is not None:
             if len(turn_rewards) != len(turns):
-                raise ValueError(f"turn_rewards has {len(turn_rewards)} values but the conversation has "
-                                 f"{len(turns)} model turns (one per reply)")  # fmt: skip
+                raise ValueError(
+                    f"turn_rewards has {len(turn_rewards)} values but the conversation has "
+                    f"{len(turns)} model turns (one per reply)"
+                )
             turns = [msgspec.structs.replace(t, reward=float(r)) for t, r in zip(turns, turn_rewards, strict=True)]
         first, last = self.samples[0], self.samples[-1]
         return AgentEpisode(
-            token_ids=list(self.token_ids), logprobs=list(self.logprobs), loss_mask=list(self.loss_mask),
-            text=self.text[len(self.prompt_text) :], turns=turns, stop_reason="done",
-            finish_reason=last.finish_reason, version_start=first.version_start, version_end=last.version_end,
-            env_infos=[info] if info else [], prompt_ids=list(self.prompt_ids), prompt_text=self.prompt_text,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            loss_mask=list(self.loss_mask),
+            text=self.text[len(self.prompt_text) :],
+            turns=turns,
+            stop_reason="done",
+            finish_reason=last.finish_reason,
+            version_start=first.version_start,
+            version_end=last.version_end,
+            env_infos=[info] if info else [],
+            prompt_ids=list(self.prompt_ids),
+            prompt_text=self.prompt_text,
             reward=reward,
-        )  # fmt: skip
+        )

@@ -98,8 +98,10 @@ def check_requests(requests: list[GenerationRequest], config: EngineConfig, imag
         if not 0 < len(r.prompt_ids) < config.max_model_len:
             raise ValueError(f"prompt of {len(r.prompt_ids)} tokens does not fit max_model_len={config.max_model_len}")
         if len(r.images) > config.max_images_per_prompt:
-            raise ValueError(f"a prompt with {len(r.images)} images: more than "
-                             f"rollout.engine.max_images_per_prompt={config.max_images_per_prompt}")  # fmt: skip
+            raise ValueError(
+                f"a prompt with {len(r.images)} images: more than "
+                f"rollout.engine.max_images_per_prompt={config.max_images_per_prompt}"
+            )
         check_image_count(r.prompt_ids, len(r.images), image_token_id)
 
 

@@ -155,11 +155,20 @@ class _Builder:
     def build(self, stop_reason: StopReason, error: str | None) -> Episode:
         first, last = self.samples[0], self.samples[-1]
         return Episode(
-            token_ids=self.token_ids, logprobs=self.logprobs, loss_mask=self.loss_mask, text="".join(self.texts),
-            turns=self.turns, stop_reason=stop_reason, finish_reason=last.finish_reason,
-            version_start=first.version_start, version_end=last.version_end, env_infos=self.infos, env_error=error,
-            prompt_ids=self.prompt_ids, images=self.images,
-        )  # fmt: skip
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            loss_mask=self.loss_mask,
+            text="".join(self.texts),
+            turns=self.turns,
+            stop_reason=stop_reason,
+            finish_reason=last.finish_reason,
+            version_start=first.version_start,
+            version_end=last.version_end,
+            env_infos=self.infos,
+            env_error=error,
+            prompt_ids=self.prompt_ids,
+            images=self.images,
+        )
 
 
 class EpisodeRunner:
@@ -284,8 +293,10 @@ class EpisodeRunner:
         """The ids of ``reset``'s text (ValueError when it holds an image token: it brings no image)."""
         ids = self.tokenize(opening) if opening else []
         if self.expand is not None and self.expand.token_id in ids:
-            raise ValueError(f"the environment's opening text holds the image token (id {self.expand.token_id}), "
-                             "but reset returns no images")  # fmt: skip
+            raise ValueError(
+                f"the environment's opening text holds the image token (id {self.expand.token_id}), "
+                "but reset returns no images"
+            )
         return ids
 
     async def _turn(
@@ -308,13 +319,15 @@ class EpisodeRunner:
         holding the image token)."""
         if self.expand is None:
             if images:
-                raise ValueError(f"the environment returned {len(images)} image(s) for a model that is not a "
-                                 "vision-language model")  # fmt: skip
+                raise ValueError(
+                    f"the environment returned {len(images)} image(s) for a model that is not a vision-language model"
+                )
             return ids
         token_id = self.expand.token_id
         if token_id in ep.samples[-1].token_ids:
-            raise ValueError(f"the model wrote the image token (id {token_id}): the context would name an "
-                             "image that is not there")  # fmt: skip
+            raise ValueError(
+                f"the model wrote the image token (id {token_id}): the context would name an image that is not there"
+            )
         if not images:
             check_image_count(ids, 0, token_id)
             return ids
@@ -332,8 +345,10 @@ def _check_expansion(sample: Sample, expected: list[int], name: str) -> None:
         at = next(
             (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected))
         )
-        raise ValueError(f"{name}: the engine expanded the images into other tokens than the model's processor "
-                         f"(first difference at position {at} of {len(expected)})")  # fmt: skip
+        raise ValueError(
+            f"{name}: the engine expanded the images into other tokens than the model's processor "
+            f"(first difference at position {at} of {len(expected)})"
+        )
 
 
 async def _all(calls: list[Awaitable[T]]) -> list[T]:

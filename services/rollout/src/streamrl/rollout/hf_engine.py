@@ -183,16 +183,25 @@ class HFEngine:
         if reason is not None:
             logger.warning("transformers engine: plain forward per batch (%s)", reason)
             return None
-        decoder = KVDecoder(self._model, self._config.max_num_seqs, self._config.max_model_len,
-                            cuda_graphs=self._config.cuda_graphs)  # fmt: skip
+        decoder = KVDecoder(
+            self._model, self._config.max_num_seqs, self._config.max_model_len, cuda_graphs=self._config.cuda_graphs
+        )
         error = _self_check(self._model, decoder)
         limit = SELF_CHECK_TOLERANCE.get(decoder.dtype, 3e-2)
         if error > limit:
-            logger.warning("transformers engine: KV decoder differs from the model's forward by %.2e (> %.0e): "
-                           "plain forward per batch instead", error, limit)  # fmt: skip
+            logger.warning(
+                "transformers engine: KV decoder differs from the model's forward by %.2e (> %.0e): "
+                "plain forward per batch instead",
+                error,
+                limit,
+            )
             return None
-        logger.info("transformers engine: KV decoder on %s (cuda graphs: %s; self-check error %.1e)",
-                    self._device, decoder.cuda_graphs, error)  # fmt: skip
+        logger.info(
+            "transformers engine: KV decoder on %s (cuda graphs: %s; self-check error %.1e)",
+            self._device,
+            decoder.cuda_graphs,
+            error,
+        )
         return decoder
 
     @property
@@ -231,8 +240,10 @@ class HFEngine:
         images = [decode_image(image) for image in request.images]
         prompt, pixels = encode(self._processor, request.prompt_ids, images)
         if len(prompt) >= self._config.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens with its images expanded does not fit "
-                             f"max_model_len={self._config.max_model_len}")  # fmt: skip
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens with its images expanded does not fit "
+                f"max_model_len={self._config.max_model_len}"
+            )
         dtype = next(self._model.parameters()).dtype
         moved = {k: v.to(self._device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in pixels.items()}
         return _Inputs(prompt, moved)
@@ -320,10 +331,14 @@ class HFEngine:
     def _finish(self, row: _Row) -> None:
         text = row.text if row.text is not None else self._decode_text(row.tokens)
         row.job.results[row.request][row.index] = Sample(
-            token_ids=row.tokens, logprobs=row.logprobs, text=text, finish_reason=row.reason or "length",
-            version_start=self._version, version_end=self._version,
+            token_ids=row.tokens,
+            logprobs=row.logprobs,
+            text=text,
+            finish_reason=row.reason or "length",
+            version_start=self._version,
+            version_end=self._version,
             prompt_ids=None if row.inputs is None else row.prompt,
-        )  # fmt: skip
+        )
         row.job.left -= 1
         if row.job.left == 0 and not row.job.future.done():
             row.job.future.set_result([list(samples) for samples in row.job.results])  # type: ignore[arg-type]
@@ -479,8 +494,13 @@ class HFEngine:
         input_ids, attention, positions = (t.to(self._device) for t in (input_ids, attention, positions))
         pixels = {} if inputs is None else inputs.pixels
         explicit_positions = inputs is None
-        out = self._model(input_ids=input_ids, attention_mask=attention, use_cache=True, **pixels,
-                          position_ids=positions if explicit_positions else None)  # fmt: skip
+        out = self._model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            use_cache=True,
+            **pixels,
+            position_ids=positions if explicit_positions else None,
+        )
         past = out.past_key_values
         source = source.to(self._device)
         logits = out.logits[:, -1, :].float()[source]
@@ -524,8 +544,13 @@ class HFEngine:
                 attention, positions, next_ids = attention[index], positions[index], next_ids[index]
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = self._model(input_ids=next_ids[:, None], attention_mask=attention, past_key_values=past,
-                              position_ids=positions if explicit_positions else None, use_cache=True)  # fmt: skip
+            out = self._model(
+                input_ids=next_ids[:, None],
+                attention_mask=attention,
+                past_key_values=past,
+                position_ids=positions if explicit_positions else None,
+                use_cache=True,
+            )
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
 
@@ -632,8 +657,19 @@ class _SlotState:
         self.tokens, self.logps = zeros(slots, max_len), zeros(slots, max_len, dtype=torch.float32)
         self.any_min_new = False
         self.any_filtered = False
-        self._all = [self.cur_ids, self.pos, self.n_gen, self.max_new, self.min_new, self.done,
-                     self.temperature, self.top_p, self.top_k, self.tokens, self.logps]  # fmt: skip
+        self._all = [
+            self.cur_ids,
+            self.pos,
+            self.n_gen,
+            self.max_new,
+            self.min_new,
+            self.done,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.tokens,
+            self.logps,
+        ]
 
     def admit(self, slots: torch.Tensor, rows: list[_Row]) -> None:
         """Reset the state of ``slots`` for the newly prefilled ``rows`` (first token not sampled yet)."""

@@ -132,10 +132,15 @@ class IpcWeightReceiver:
         if opened is None:
             try:
                 storage = torch.UntypedStorage._new_shared_cuda(
-                    self.device.index, buffer.handle, buffer.storage_size_bytes, buffer.storage_offset_bytes,
-                    buffer.ref_counter_handle, buffer.ref_counter_offset, buffer.event_handle,
+                    self.device.index,
+                    buffer.handle,
+                    buffer.storage_size_bytes,
+                    buffer.storage_offset_bytes,
+                    buffer.ref_counter_handle,
+                    buffer.ref_counter_offset,
+                    buffer.event_handle,
                     buffer.event_sync_required,
-                )  # fmt: skip
+                )
             except RuntimeError as e:
                 raise WeightSyncError(f"could not open the learner's CUDA IPC buffer: {e}") from e
             opened = self._opened[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
@@ -155,8 +160,13 @@ class FlatParameters:
     captured before (CUDA graphs) read the old storage: recapture them after building this.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], parameters: list[torch.nn.Parameter], ipc: IpcWeights,
-                 staging: Sequence[torch.Tensor]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        parameters: list[torch.nn.Parameter],
+        ipc: IpcWeights,
+        staging: Sequence[torch.Tensor],
+    ) -> None:
         unknown = [t.name for t in ipc.tensors if t.name not in tensors]
         if unknown:
             raise WeightSyncError(f"the published weights name tensors the model does not have: {unknown[:5]}")

@@ -84,14 +84,18 @@ class OpenAIServer:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth, self._errors])
         base = "/v1/streamrl/episodes/{episode}/v1"
-        app.add_routes([
-            web.post("/v1/streamrl/episodes", self.take),
-            web.post("/v1/streamrl/episodes/{episode}/reward", self.reward),
-            web.delete("/v1/streamrl/episodes/{episode}", self.give_back),
-            web.post(f"{base}/chat/completions", self.chat), web.post(f"{base}/completions", self.completion),
-            web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completion),
-            web.get("/v1/models", self.models),
-        ])  # fmt: skip
+        app.add_routes(
+            [
+                web.post("/v1/streamrl/episodes", self.take),
+                web.post("/v1/streamrl/episodes/{episode}/reward", self.reward),
+                web.delete("/v1/streamrl/episodes/{episode}", self.give_back),
+                web.post(f"{base}/chat/completions", self.chat),
+                web.post(f"{base}/completions", self.completion),
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/completions", self.completion),
+                web.get("/v1/models", self.models),
+            ]
+        )
         return app
 
     @web.middleware
@@ -126,12 +130,22 @@ class OpenAIServer:
             return web.Response(status=204)
         item, index = live.slot.item, live.slot.index
         base_url = str(request.url.with_path(f"/v1/streamrl/episodes/{live.id}/v1").with_query(None))
-        return web.json_response({
-            "id": live.id, "base_url": base_url, "group_id": item.id, "index": index,
-            "group_size": item.sampling.n, "trajectory_id": f"{item.id}/{index}", "prompt": item.prompt_text,
-            "label": item.label, "metadata": item.metadata, "is_eval": item.is_eval,
-            "policy_version": item.policy_version, "model": self.model_name,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "id": live.id,
+                "base_url": base_url,
+                "group_id": item.id,
+                "index": index,
+                "group_size": item.sampling.n,
+                "trajectory_id": f"{item.id}/{index}",
+                "prompt": item.prompt_text,
+                "label": item.label,
+                "metadata": item.metadata,
+                "is_eval": item.is_eval,
+                "policy_version": item.policy_version,
+                "model": self.model_name,
+            }
+        )
 
     async def reward(self, request: web.Request) -> web.Response:
         live = self.gateway.get(request.match_info["episode"])
@@ -147,10 +161,14 @@ class OpenAIServer:
             turn_rewards = [_number({"turn_rewards[]": r}, "turn_rewards[]", None) for r in turn_rewards]
         episode = self.gateway.finish(live, reward, info, turn_rewards)
         item = live.slot.item
-        return web.json_response({
-            "trajectory_id": f"{item.id}/{live.slot.index}", "num_turns": len(episode.turns),
-            "num_tokens": len(episode.token_ids), "num_model_tokens": episode.num_model_tokens,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "trajectory_id": f"{item.id}/{live.slot.index}",
+                "num_turns": len(episode.turns),
+                "num_tokens": len(episode.token_ids),
+                "num_model_tokens": episode.num_model_tokens,
+            }
+        )
 
     async def give_back(self, request: web.Request) -> web.Response:
         live = self.gateway.get(request.match_info["episode"])
@@ -177,14 +195,18 @@ class OpenAIServer:
         content = self._content(reply)
         logprobs = None
         if body.get("logprobs"):
-            logprobs = {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(self._token_texts(reply.sample.token_ids), reply.sample.logprobs, strict=True)
-            ]}  # fmt: skip
+            logprobs = {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(self._token_texts(reply.sample.token_ids), reply.sample.logprobs, strict=True)
+                ]
+            }
         choice: dict[str, Any] = {
-            "index": 0, "message": {"role": "assistant", "content": content},
-            "finish_reason": reply.sample.finish_reason, "logprobs": logprobs,
-        }  # fmt: skip
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": reply.sample.finish_reason,
+            "logprobs": logprobs,
+        }
         return web.json_response(self._response("chat.completion", live, reply, choice, body))
 
     async def completion(self, request: web.Request) -> web.Response:
@@ -204,11 +226,18 @@ class OpenAIServer:
         if body.get("logprobs") is not None:
             tokens = self._token_texts(reply.sample.token_ids)
             offsets = [len(prompt) + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-            logprobs = {"tokens": tokens, "token_logprobs": reply.sample.logprobs,
-                        "top_logprobs": None, "text_offset": offsets}  # fmt: skip
+            logprobs = {
+                "tokens": tokens,
+                "token_logprobs": reply.sample.logprobs,
+                "top_logprobs": None,
+                "text_offset": offsets,
+            }
         choice: dict[str, Any] = {
-            "index": 0, "text": text, "finish_reason": reply.sample.finish_reason, "logprobs": logprobs,
-        }  # fmt: skip
+            "index": 0,
+            "text": text,
+            "finish_reason": reply.sample.finish_reason,
+            "logprobs": logprobs,
+        }
         return web.json_response(self._response("text_completion", live, reply, choice, body))
 
     def _conversation(self, request: web.Request) -> Live:
@@ -228,8 +257,10 @@ class OpenAIServer:
         for name, value in (("temperature", run.temperature), ("top_p", run.top_p)):
             given = body.get(name)
             if given is not None and not (isinstance(given, int | float) and math.isclose(given, value)):
-                raise BadRequestError(f"{name}={given!r} differs from the run's {value} (coordinator.sampling): the "
-                                 "behaviour log-probs must come from the distribution the learner assumes")  # fmt: skip
+                raise BadRequestError(
+                    f"{name}={given!r} differs from the run's {value} (coordinator.sampling): the "
+                    "behaviour log-probs must come from the distribution the learner assumes"
+                )
 
     def _content(self, reply: Reply) -> str:
         """The reply's text as returned to the agent: without a final end-of-sequence token."""
@@ -246,12 +277,19 @@ class OpenAIServer:
     ) -> dict[str, Any]:
         sample, prompt_ids = reply.sample, reply.plan.prompt_ids
         out: dict[str, Any] = {
-            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-            "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(sample.token_ids),
-                      "total_tokens": len(prompt_ids) + len(sample.token_ids)},
-            "policy_version": sample.version_start, "episode": live.id,
-        }  # fmt: skip
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(sample.token_ids),
+                "total_tokens": len(prompt_ids) + len(sample.token_ids),
+            },
+            "policy_version": sample.version_start,
+            "episode": live.id,
+        }
         if body.get("return_token_ids"):
             out["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = sample.token_ids

@@ -109,15 +109,24 @@ class RolloutService:
         self.loop: ConsumerLoop[PromptWorkItem] | None = None
         """The consumer loop on ``prompts`` (set by :meth:`run`): prompts park in it while they wait for weights."""
         if self.weights_key is None:
-            logger.warning("weights events are not authenticated (%s is not set): any writer to the weights "
-                           "stream can point this worker at other weights", KEY_ENV)  # fmt: skip
+            logger.warning(
+                "weights events are not authenticated (%s is not set): any writer to the weights "
+                "stream can point this worker at other weights",
+                KEY_ENV,
+            )
 
     async def run(self) -> None:
         cursor = await self._load_latest_weights()
         loop: ConsumerLoop[PromptWorkItem] = ConsumerLoop(
-            self.ctx.bus, self.ctx.names, stream=self.ctx.names.prompts, group="rollout",
-            consumer=self.ctx.instance, handler=self.handle, message_type=PromptWorkItem, config=self.cfg.consumer,
-        )  # fmt: skip
+            self.ctx.bus,
+            self.ctx.names,
+            stream=self.ctx.names.prompts,
+            group="rollout",
+            consumer=self.ctx.instance,
+            handler=self.handle,
+            message_type=PromptWorkItem,
+            config=self.cfg.consumer,
+        )
         self.loop = loop
         self.ctx.loops.append(loop)
         self.ctx.mark_running()
@@ -144,8 +153,9 @@ class RolloutService:
                 await self._wait_for_version(item.policy_version)
         tracing = self.ctx.tracing
         started = time.time()
-        queued = tracing.record(QUEUE, item.traceparent, start_s=item.issued_at, end_s=started,
-                                attributes={GROUP_ID: item.id})  # fmt: skip
+        queued = tracing.record(
+            QUEUE, item.traceparent, start_s=item.issued_at, end_s=started, attributes={GROUP_ID: item.id}
+        )
         request = GenerationRequest(
             prompt_ids=item.prompt_ids.tolist(), sampling=item.sampling, images=list(item.images)
         )
@@ -158,13 +168,18 @@ class RolloutService:
             samples = await (self._generate(request) if self.episodes is None else self._run_episodes(item))
             ended = time.time()
             for j, (sample, span) in enumerate(zip(samples, spans, strict=traced)):
-                span.set_attributes({
-                    TRAJECTORY_ID: f"{item.id}/{j}", ENGINE: self.cfg.engine.type,
-                    VERSION_START: sample.version_start, VERSION_END: sample.version_end,
-                    PARTIAL: sample.version_start != sample.version_end,
-                    NUM_PROMPT_TOKENS: len(request.prompt_ids), NUM_RESPONSE_TOKENS: len(sample.token_ids),
-                    FINISH_REASON: sample.finish_reason,
-                })  # fmt: skip
+                span.set_attributes(
+                    {
+                        TRAJECTORY_ID: f"{item.id}/{j}",
+                        ENGINE: self.cfg.engine.type,
+                        VERSION_START: sample.version_start,
+                        VERSION_END: sample.version_end,
+                        PARTIAL: sample.version_start != sample.version_end,
+                        NUM_PROMPT_TOKENS: len(request.prompt_ids),
+                        NUM_RESPONSE_TOKENS: len(sample.token_ids),
+                        FINISH_REASON: sample.finish_reason,
+                    }
+                )
                 span.end(ended)
         self.ctx.metrics.count_samples("generated", len(samples), sum(_num_generated(x) for x in samples))
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
@@ -230,8 +245,9 @@ class RolloutService:
             try:
                 await self._apply(msg)
             except WeightSyncError as e:
-                logger.error("joining: loading policy version %d failed (%s); the weight follower retries it",
-                             msg.version, e)  # fmt: skip
+                logger.error(
+                    "joining: loading policy version %d failed (%s); the weight follower retries it", msg.version, e
+                )
                 self._report(self.engine.version)
                 return previous_id(entry_id.decode())
             return str(last[0][0].decode())
@@ -259,8 +275,11 @@ class RolloutService:
             if _stream_order(await self._newest_event_id()) > _stream_order(entry_id):
                 # superseded while it waited (a newer version, or this one published again by a
                 # restarted learner): the next read takes the newer event
-                logger.warning("weight sync to version %d failed (%s); a newer weights event is published: "
-                               "taking that", newest.version, e)  # fmt: skip
+                logger.warning(
+                    "weight sync to version %d failed (%s); a newer weights event is published: taking that",
+                    newest.version,
+                    e,
+                )
                 return last_id
             logger.error("weight sync to version %d failed: %s", newest.version, e)  # retried
             await asyncio.sleep(1.0)
@@ -362,13 +381,27 @@ def _trajectory(
         prompt_ids = Tensor.from_numpy(np.asarray(sample.prompt_ids, dtype=np.int32))
         prompt_text, metadata["agent_reward"] = sample.prompt_text, sample.reward
     return Trajectory(
-        id=f"{item.id}/{j}", group_id=item.id, group_index=j, group_size=item.sampling.n, prompt_ids=prompt_ids,
+        id=f"{item.id}/{j}",
+        group_id=item.id,
+        group_index=j,
+        group_size=item.sampling.n,
+        prompt_ids=prompt_ids,
         response_ids=Tensor.from_numpy(np.asarray(sample.token_ids, dtype=np.int32)),
         logprobs=Tensor.from_numpy(np.asarray(sample.logprobs, dtype=np.float32)),
         loss_mask=Tensor.from_numpy(loss_mask),
-        prompt_text=prompt_text, response_text=sample.text, finish_reason=sample.finish_reason,
-        truncated=sample.truncated, sampling=item.sampling, policy_version_start=sample.version_start,
-        policy_version_end=sample.version_end, label=item.label, metadata=metadata,
-        images=images, is_eval=item.is_eval, timings=dict(timings), traceparent=traceparent,
-        turns=turns, stop_reason=stop_reason,
-    )  # fmt: skip
+        prompt_text=prompt_text,
+        response_text=sample.text,
+        finish_reason=sample.finish_reason,
+        truncated=sample.truncated,
+        sampling=item.sampling,
+        policy_version_start=sample.version_start,
+        policy_version_end=sample.version_end,
+        label=item.label,
+        metadata=metadata,
+        images=images,
+        is_eval=item.is_eval,
+        timings=dict(timings),
+        traceparent=traceparent,
+        turns=turns,
+        stop_reason=stop_reason,
+    )

@@ -92,8 +92,6 @@ def build_tiny_qwen2(
     return path
 
 
-
-
 IMAGE_TOKEN = "<image>"
 VL_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -139,34 +137,55 @@ def build_tiny_idefics3(
     )
 
     if hidden_size % HEAD_DIM or vision_hidden_size % HEAD_DIM:
-        raise ValueError(f"hidden sizes must be multiples of {HEAD_DIM} (vLLM CPU head sizes), got "
-                         f"{hidden_size} and {vision_hidden_size}")  # fmt: skip
+        raise ValueError(
+            f"hidden sizes must be multiples of {HEAD_DIM} (vLLM CPU head sizes), got "
+            f"{hidden_size} and {vision_hidden_size}"
+        )
     if image_size % (2 * patch_size):
         raise ValueError(f"image_size must be a multiple of 2 * patch_size, got {image_size} and {patch_size}")
     path = Path(path)
     build_tokenizer(path, vocab_size, seed)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    special = ["<|im_start|>", "<|im_end|>", "<fake_token_around_image>", IMAGE_TOKEN, "<global-img>", "<end_of_utterance>"]
+    special = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<fake_token_around_image>",
+        IMAGE_TOKEN,
+        "<global-img>",
+        "<end_of_utterance>",
+    ]
     tokenizer.add_special_tokens({"additional_special_tokens": special})
     eos_id = tokenizer.eos_token_id
     config = Idefics3Config(
         text_config={
-            "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": hidden_size,
-            "intermediate_size": 2 * hidden_size, "num_hidden_layers": num_layers,
-            "num_attention_heads": hidden_size // HEAD_DIM, "num_key_value_heads": hidden_size // HEAD_DIM,
-            "max_position_embeddings": 1024, "tie_word_embeddings": True, "initializer_range": initializer_range,
-            "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": hidden_size // HEAD_DIM,
+            "num_key_value_heads": hidden_size // HEAD_DIM,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": True,
+            "initializer_range": initializer_range,
+            "bos_token_id": eos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": eos_id,
         },
         vision_config={
-            "hidden_size": vision_hidden_size, "intermediate_size": 2 * vision_hidden_size,
-            "num_hidden_layers": vision_layers, "num_attention_heads": vision_hidden_size // HEAD_DIM,
-            "image_size": image_size, "patch_size": patch_size, "initializer_range": initializer_range,
+            "hidden_size": vision_hidden_size,
+            "intermediate_size": 2 * vision_hidden_size,
+            "num_hidden_layers": vision_layers,
+            "num_attention_heads": vision_hidden_size // HEAD_DIM,
+            "image_size": image_size,
+            "patch_size": patch_size,
+            "initializer_range": initializer_range,
         },
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         scale_factor=2,
         tie_word_embeddings=True,
         pad_token_id=eos_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id)

@@ -43,6 +43,7 @@ from streamrl.common.messages import Image
 if TYPE_CHECKING:
     import torch
 
+
 def to_image(value: Any) -> Image:
     """An :class:`Image` message from an ``Image`` (returned as it is, once its bytes decode) or a PIL
     image (stored as PNG: lossless, so what is decoded later is exactly these pixels, as RGB)."""
@@ -105,8 +106,10 @@ def check_image_count(ids: Sequence[int], num_images: int, token_id: int | None)
         return
     found = sum(1 for t in ids if t == token_id)
     if found != num_images:
-        raise ValueError(f"the prompt holds {found} image token(s) (id {token_id}) for {num_images} image(s): "
-                         "give one image token per image, not expanded")  # fmt: skip
+        raise ValueError(
+            f"the prompt holds {found} image token(s) (id {token_id}) for {num_images} image(s): "
+            "give one image token per image, not expanded"
+        )
 
 
 class ImageExpander:
@@ -154,8 +157,10 @@ def encode(
     expanded, pieces = _expand(processor, ids, images)
     joint = processor(text=[processor.image_token * len(images)], images=[list(images)], return_tensors="pt")
     if joint["input_ids"][0].tolist() != [t for piece in pieces for t in piece]:
-        raise ValueError(f"{type(processor).__name__} expands an image differently next to another image: "
-                         "token-exact image prompts are not supported for this model")  # fmt: skip
+        raise ValueError(
+            f"{type(processor).__name__} expands an image differently next to another image: "
+            "token-exact image prompts are not supported for this model"
+        )
     return expanded, {k: v for k, v in joint.items() if k not in ("input_ids", "attention_mask")}
 
 

@@ -25,7 +25,9 @@ C = TypeVar("C", SFTConfig, RMConfig, DPOConfig)
 
 def _main(argv: list[str], cls: type[C], job: str, runner: str) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: streamrl {job} RECIPE.toml [--section.field=value ...]\n\nconfig fields (all commands: docs/configuration.md):")
+        print(
+            f"usage: streamrl {job} RECIPE.toml [--section.field=value ...]\n\nconfig fields (all commands: docs/configuration.md):"
+        )
         print(config_help(field_docs(cls)))
         return 0 if argv else 2
     try:

@@ -167,9 +167,11 @@ class BroadcastWeightPublisher:
         if host in ("0.0.0.0", "*"):
             host = socket.gethostname()
         return cls(
-            advertise_host=host, port=config.weights_store_port, bucket_bytes=config.weights_bucket_mb * 2**20,
+            advertise_host=host,
+            port=config.weights_store_port,
+            bucket_bytes=config.weights_bucket_mb * 2**20,
             timeout_s=config.weights_broadcast_timeout_s,
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ caller side
     @property
@@ -206,16 +208,25 @@ class BroadcastWeightPublisher:
         self._wake.set()
         logger.info(
             "weights version %d ready to broadcast: %d bytes in %d buckets (%.1f ms; %.1f ms waiting for the "
-            "previous broadcast)", version, self.num_bytes, self.num_buckets, (time.perf_counter() - started) * 1e3,
+            "previous broadcast)",
+            version,
+            self.num_bytes,
+            self.num_buckets,
+            (time.perf_counter() - started) * 1e3,
             waited * 1e3,
-        )  # fmt: skip
+        )
         with self._changed:
             generation = self._generation
         broadcast = WeightsBroadcast(
-            store=self.address, session=self.session, backend=self._backend, generation=generation,
-            block_bytes=BLOCK_BYTES, bucket_bytes=[b.numel() for b in self._packer.buffers], tensors=self._packer.layout,
+            store=self.address,
+            session=self.session,
+            backend=self._backend,
+            generation=generation,
+            block_bytes=BLOCK_BYTES,
+            bucket_bytes=[b.numel() for b in self._packer.buffers],
+            tensors=self._packer.layout,
             checksum=checksum,
-        )  # fmt: skip
+        )
         return broadcast, checksum
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -367,8 +378,9 @@ class BroadcastWeightPublisher:
                 self._regroup_needed = True
                 return
             self._set_members(generation, candidates)
-            logger.info("weight broadcast: generation %d of %d members: %s", generation, len(candidates),
-                        ", ".join(candidates))  # fmt: skip
+            logger.info(
+                "weight broadcast: generation %d of %d members: %s", generation, len(candidates), ", ".join(candidates)
+            )
             return
 
     def _deliver(self) -> None:
@@ -394,8 +406,12 @@ class BroadcastWeightPublisher:
             sent = time.perf_counter()
         if failure is not None:
             self._store.set(wb.abort_key(generation, op), b"1")
-            logger.warning("weight broadcast of version %d to generation %d failed: %s; re-forming the group",
-                           version, generation, failure)  # fmt: skip
+            logger.warning(
+                "weight broadcast of version %d to generation %d failed: %s; re-forming the group",
+                version,
+                generation,
+                failure,
+            )
             self._regroup_needed = True
             return
         acks = {m: wb.ack_key(generation, op, rank) for rank, m in enumerate(members, start=1)}
@@ -405,11 +421,18 @@ class BroadcastWeightPublisher:
                 continue
             ack = wb.decode_ack(self._store.get(key))
             if ack.error or ack.checksum != checksum:
-                logger.error("weight broadcast: %s failed version %d: %s", member, version,
-                             ack.error or f"checksum {ack.checksum}, published {checksum}")  # fmt: skip
+                logger.error(
+                    "weight broadcast: %s failed version %d: %s",
+                    member,
+                    version,
+                    ack.error or f"checksum {ack.checksum}, published {checksum}",
+                )
         if missing:
-            logger.warning("weight broadcast: version %d not acknowledged by %s: re-forming the group", version,
-                           self._missing(missing))  # fmt: skip
+            logger.warning(
+                "weight broadcast: version %d not acknowledged by %s: re-forming the group",
+                version,
+                self._missing(missing),
+            )
             self._unresponsive = missing
             self._regroup_needed = True
             return
@@ -417,12 +440,22 @@ class BroadcastWeightPublisher:
         with self._changed:
             self._delivered = (generation, version)
             self.last_delivery = {
-                "version": version, "members": len(members), "ready_s": ready - started, "buckets_s": sent - ready,
-                "acks_s": done - sent, "total_s": done - started,
-            }  # fmt: skip
+                "version": version,
+                "members": len(members),
+                "ready_s": ready - started,
+                "buckets_s": sent - ready,
+                "acks_s": done - sent,
+                "total_s": done - started,
+            }
             self._changed.notify_all()
-        logger.info("weight broadcast: version %d to %d members in %.1f ms (buckets %.1f ms; generation %d)", version,
-                    len(members), (done - started) * 1e3, (sent - ready) * 1e3, generation)  # fmt: skip
+        logger.info(
+            "weight broadcast: version %d to %d members in %.1f ms (buckets %.1f ms; generation %d)",
+            version,
+            len(members),
+            (done - started) * 1e3,
+            (sent - ready) * 1e3,
+            generation,
+        )
 
     def _broadcast_buckets(self, deadline: float) -> str | None:
         """Broadcast every bucket from rank 0; None, or why it failed (the group is then aborted)."""

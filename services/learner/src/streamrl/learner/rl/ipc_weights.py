@@ -161,9 +161,13 @@ class IpcWeightPublisher:
         if self._description is None:
             self._description = self._share()
         logger.info(
-            "published weights version %d over CUDA IPC: %d tensors, %d bytes in %d buffers (%.1f ms)", version,
-            len(self._layout), self.num_bytes, self.num_buffers, (time.perf_counter() - started) * 1e3,
-        )  # fmt: skip
+            "published weights version %d over CUDA IPC: %d tensors, %d bytes in %d buffers (%.1f ms)",
+            version,
+            len(self._layout),
+            self.num_bytes,
+            self.num_buffers,
+            (time.perf_counter() - started) * 1e3,
+        )
         return self._description, checksum
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> str:
@@ -237,6 +241,8 @@ class IpcWeightPublisher:
             )
             buffers.append(IpcBuffer(handle, size, offset, ref_counter, ref_offset, event, event_sync))
         return IpcWeights(
-            device_uuid=str(torch.cuda.get_device_properties(device).uuid), block_bytes=BLOCK_BYTES,
-            buffers=buffers, tensors=self._layout,
-        )  # fmt: skip
+            device_uuid=str(torch.cuda.get_device_properties(device).uuid),
+            block_bytes=BLOCK_BYTES,
+            buffers=buffers,
+            tensors=self._layout,
+        )

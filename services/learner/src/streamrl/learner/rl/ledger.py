@@ -73,9 +73,11 @@ class LearnerLedger:
     async def attempts(self, batch_id: str) -> Attempts:
         raw = {k.decode(): v for k, v in (await self.bus.redis.hgetall(self._failures(batch_id))).items()}
         return Attempts(
-            started=int(raw.get("started", 0)), finished=int(raw.get("finished", 0)),
-            failed=int(raw.get("failed", 0)), error=raw.get("error", b"").decode(errors="replace"),
-        )  # fmt: skip
+            started=int(raw.get("started", 0)),
+            finished=int(raw.get("finished", 0)),
+            failed=int(raw.get("failed", 0)),
+            error=raw.get("error", b"").decode(errors="replace"),
+        )
 
     async def coordinator_index(self) -> int:
         """The coordinator's ``state:batch_index``: every batch index below it was published (the one key of

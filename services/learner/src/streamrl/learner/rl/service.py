@@ -135,9 +135,11 @@ class LearnerService:
             self.broadcast = BroadcastWeightPublisher.from_config(config)
         if config.weights_transport == "zmq" or (self.broadcast is not None and config.weights_zmq_fallback):
             self.server = WeightServer(
-                host=config.weights_host, port=config.weights_port, advertise_host=config.weights_advertise_host,
+                host=config.weights_host,
+                port=config.weights_port,
+                advertise_host=config.weights_advertise_host,
                 bucket_bytes=config.weights_bucket_mb * 2**20,
-            )  # fmt: skip
+            )
         self.loop: ConsumerLoop[TrainingBatch] | None = None
         self.fatal: RuntimeError | None = None
         """Set when a step failed half-way: the service stops and ``run`` raises it."""
@@ -162,8 +164,11 @@ class LearnerService:
             logger.error(
                 "the checkpoint at step %d (next batch index %d) is behind the batches already acknowledged (up to "
                 "index %d), which are gone: restore the newest checkpoint of %s (or start a new run_id); not starting",
-                self.step, self.next_index, self.acked_index - 1, Path(self.cfg.run_dir) / "checkpoints",
-            )  # fmt: skip
+                self.step,
+                self.next_index,
+                self.acked_index - 1,
+                Path(self.cfg.run_dir) / "checkpoints",
+            )
             await asyncio.to_thread(self.group.stop)
             self._close()
             raise SystemExit(1)
@@ -183,17 +188,27 @@ class LearnerService:
             logger.warning(
                 "resumed at step %d, but versions up to %d were published before the restart: batches %d..%d "
                 "are trained again, and only the last version is published again",
-                self.step, self.published, self.next_index, self.next_index + self.published - self.step - 1,
-            )  # fmt: skip
+                self.step,
+                self.published,
+                self.next_index,
+                self.next_index + self.published - self.step - 1,
+            )
         self.loop = ConsumerLoop(
-            self.ctx.bus, self.ctx.names, stream=self.ctx.names.batches, group="learner", consumer="learner",
-            handler=self.handle, message_type=TrainingBatch, config=self.cfg.consumer.model_copy(
+            self.ctx.bus,
+            self.ctx.names,
+            stream=self.ctx.names.batches,
+            group="learner",
+            consumer="learner",
+            handler=self.handle,
+            message_type=TrainingBatch,
+            config=self.cfg.consumer.model_copy(
                 # failures are counted per batch in Redis by ``handle`` (which skips a batch at the limit)
                 update={"max_in_flight": 1, "count": 1, "max_deliveries": 2**31 - 1}
             ),
-            ack=False, on_committed=self._on_committed,
+            ack=False,
+            on_committed=self._on_committed,
             max_message_bytes=None,  # a batch is many trajectories, each checked against the limit
-        )  # fmt: skip
+        )
         self.ctx.loops.append(self.loop)
         if self.cfg.redis.url is not None:  # always under service_main; tests may hand the service a bus
             self.ctx.metrics.watch_streams(self.cfg.redis.url, {"batches": self.ctx.names.batches})
@@ -239,9 +254,15 @@ class LearnerService:
         metrics["learner/staleness_max"] = float(max(staleness))
         span.set_attributes(step_figures(metrics))
         record_train_spans(
-            self.ctx.tracing, batch, traced, version=self.step, staleness=staleness,
-            corrections=self.trainer.sample_corrections, start_s=started, end_s=ended,
-        )  # fmt: skip
+            self.ctx.tracing,
+            batch,
+            traced,
+            version=self.step,
+            staleness=staleness,
+            corrections=self.trainer.sample_corrections,
+            start_s=started,
+            end_s=ended,
+        )
         span.end(ended)
         self.ctx.metrics.observe_staleness(staleness)
         self.ctx.metrics.count_samples("trained", len(batch.samples), int(metrics["learner/tokens"]))
@@ -254,8 +275,11 @@ class LearnerService:
         or the batch whose checkpoint / export / publication is finished now). PoisonMessageError: refused."""
         if self.consumed is not None:  # what followed a consumed batch failed: finish it, never train it again
             again = self.consumed.batch_id == batch.id and self.consumed.index == batch.index
-            logger.warning("finishing what follows %s's step (%s)", self.consumed.batch_id,
-                           ", ".join(sorted(self.consumed.done)) + " done" if self.consumed.done else "nothing done")  # fmt: skip
+            logger.warning(
+                "finishing what follows %s's step (%s)",
+                self.consumed.batch_id,
+                ", ".join(sorted(self.consumed.done)) + " done" if self.consumed.done else "nothing done",
+            )
             await self._finish()
             if again:
                 return False
@@ -263,8 +287,12 @@ class LearnerService:
             if (error := behind_verdict(batch, self.next_index, await self.ledger.record(batch.index))) is not None:
                 logger.error("%s", error)
                 raise PoisonMessageError(error)
-            logger.info("skipping %s: a copy of what was consumed at index %d (next index %d)", batch.id, batch.index,
-                        self.next_index)  # fmt: skip
+            logger.info(
+                "skipping %s: a copy of what was consumed at index %d (next index %d)",
+                batch.id,
+                batch.index,
+                self.next_index,
+            )
             return False
         if batch.index > self.next_index:
             await self._fill_gap(batch)
@@ -305,14 +333,18 @@ class LearnerService:
         logger.error(
             "batch indices %d..%d never reached the learner: %s came next and no entry for them is pending or left "
             "in the stream; recording them as lost (their versions are published with unchanged weights)",
-            missing[0], missing[-1], batch.id,
-        )  # fmt: skip
+            missing[0],
+            missing[-1],
+            batch.id,
+        )
         for index in missing:
             lost = TrainingBatch(
                 id=f"batch-{index}", index=index, samples=[], policy_version=batch.policy_version, staleness=[]
             )
-            reason = (f"index {index} never reached the learner ({batch.id} came next; no entry for it was pending "
-                      "or left in the stream)")  # fmt: skip
+            reason = (
+                f"index {index} never reached the learner ({batch.id} came next; no entry for it was pending "
+                "or left in the stream)"
+            )
             await self.ledger.lose(index)
             self.lost.append((index, lost.id))
             await self._dead_letter(lost, "", reason)
@@ -369,8 +401,9 @@ class LearnerService:
             raise  # fenced off: the consumer loop stops this process
         except Exception as e:  # counted, then re-raised: the consumer retries the batch
             c.failures += 1
-            logger.error("%s: the %s after its step failed (%d times): %s: %s", c.batch_id, part, c.failures,
-                         type(e).__name__, e)  # fmt: skip
+            logger.error(
+                "%s: the %s after its step failed (%d times): %s: %s", c.batch_id, part, c.failures, type(e).__name__, e
+            )
             if c.failures >= self.cfg.consumer.max_deliveries:
                 self.fatal = RuntimeError(
                     f"{c.batch_id}: the {part} after its step failed {c.failures} times ({type(e).__name__}: {e}); "
@@ -383,9 +416,10 @@ class LearnerService:
 
     def _log_step(self, metrics: dict[str, float]) -> None:
         logger.info(
-            "step %d: %s", self.step,
+            "step %d: %s",
+            self.step,
             " ".join(f"{k.removeprefix('learner/')}={v:.4g}" for k, v in sorted(metrics.items())),
-        )  # fmt: skip
+        )
 
     async def _publish_step(self, c: _Consumed) -> None:
         if self.step < self.published:
@@ -403,8 +437,9 @@ class LearnerService:
         event = await self._serve_weights(metrics, batch_id)
         mark = f"{event.version}@{self.life}"
         if not await self.ledger.publish(event, self.mark, mark):
-            logger.warning("version %d: its publication was written before (a retry): not published again",
-                           event.version)  # fmt: skip
+            logger.warning(
+                "version %d: its publication was written before (a retry): not published again", event.version
+            )
         self.mark = mark
         self.published = event.version
 
@@ -412,9 +447,10 @@ class LearnerService:
         started = time.perf_counter()
         path = "ipc" if self.ipc is not None else "broadcast" if self.broadcast is not None else "zmq"
         span = self.ctx.tracing.span(
-            WEIGHTS_PUBLISH, weights_traceparent(self.cfg.run_id, self.step),
+            WEIGHTS_PUBLISH,
+            weights_traceparent(self.cfg.run_id, self.step),
             attributes={POLICY_VERSION: self.step, STEP_INDEX: self.step, WEIGHTS_PATH: path},
-        )  # fmt: skip
+        )
         params = self.group.full_weights()
         ipc = broadcast = None
         endpoint = ""
@@ -439,19 +475,33 @@ class LearnerService:
         metrics = {**metrics, "learner/weights_publish_s": seconds} if metrics else {}
         self.ctx.policy_version = self.step
         event = WeightsPublished(
-            version=self.step, step=self.step, batch_id=batch_id, checksum=checksum, num_bytes=num_bytes,
-            num_buckets=num_buckets, endpoint=endpoint, metrics=metrics, published_at=time.time(), ipc=ipc,
+            version=self.step,
+            step=self.step,
+            batch_id=batch_id,
+            checksum=checksum,
+            num_bytes=num_bytes,
+            num_buckets=num_buckets,
+            endpoint=endpoint,
+            metrics=metrics,
+            published_at=time.time(),
+            ipc=ipc,
             broadcast=broadcast,
-        )  # fmt: skip
+        )
         return sign(event, self.weights_key, run_id=self.cfg.run_id)
 
     def _checkpoint(self, batch_id: str, metrics: dict[str, float], skipped: str) -> None:
         """Save the group's state after ``batch_id``'s step, with what its version's event needs should
         the learner die before the event is committed (see :meth:`run`)."""
-        self.group.checkpoint({
-            "step": self.step, "next_index": self.next_index, "kl_coef": self.trainer.kl_ctl.value,
-            "batch_id": batch_id, "metrics": {k: float(v) for k, v in metrics.items()}, "skipped": skipped,
-        })  # fmt: skip
+        self.group.checkpoint(
+            {
+                "step": self.step,
+                "next_index": self.next_index,
+                "kl_coef": self.trainer.kl_ctl.value,
+                "batch_id": batch_id,
+                "metrics": {k: float(v) for k, v in metrics.items()},
+                "skipped": skipped,
+            }
+        )
         self.checkpointed_step = self.step
         self.checkpointed_index = self.next_index
 
@@ -464,10 +514,15 @@ class LearnerService:
             )
             payload = encode(header)
         letter = DeadLetter(
-            stream=self.ctx.names.batches, entry_id=entry_id, group="learner", consumer="learner",
-            error=f"{batch.id} ({len(batch.samples)} samples) {BATCH_SKIPPED}: {reason}", deliveries=1,
-            payload=payload, ts=time.time(),
-        )  # fmt: skip
+            stream=self.ctx.names.batches,
+            entry_id=entry_id,
+            group="learner",
+            consumer="learner",
+            error=f"{batch.id} ({len(batch.samples)} samples) {BATCH_SKIPPED}: {reason}",
+            deliveries=1,
+            payload=payload,
+            ts=time.time(),
+        )
         await self.ledger.dead_letter_once(batch.id, letter)
 
     async def _on_committed(self, entry_id: str, batch: TrainingBatch) -> None:
@@ -481,9 +536,12 @@ class LearnerService:
         if covered:
             lost = [batch_id for index, batch_id in self.lost if index < self.checkpointed_index]
             await self.ledger.ack(
-                self.ctx.names.batches, [e for e, _ in covered], [b for _, b in covered] + lost,
-                acked_from=self.acked_index, acked_index=self.checkpointed_index,
-            )  # fmt: skip
+                self.ctx.names.batches,
+                [e for e, _ in covered],
+                [b for _, b in covered] + lost,
+                acked_from=self.acked_index,
+                acked_index=self.checkpointed_index,
+            )
             self.acked_index = self.checkpointed_index
             self.unacked = [u for u in self.unacked if u[1] >= self.checkpointed_index]
             self.lost = [x for x in self.lost if x[0] >= self.checkpointed_index]

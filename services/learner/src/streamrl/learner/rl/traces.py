@@ -102,9 +102,13 @@ def record_train_spans(
     for i in rows:
         traj = batch.samples[i].trajectory
         attributes: dict[str, str | int | float] = {
-            TRAJECTORY_ID: traj.id, STEP_INDEX: version, POLICY_VERSION: version, STALENESS: staleness[i],
-            VERSION_START: traj.policy_version_start, VERSION_END: traj.policy_version_end,
-        }  # fmt: skip
+            TRAJECTORY_ID: traj.id,
+            STEP_INDEX: version,
+            POLICY_VERSION: version,
+            STALENESS: staleness[i],
+            VERSION_START: traj.policy_version_start,
+            VERSION_END: traj.policy_version_end,
+        }
         if i in corrections:
             attributes[CORRECTION_WEIGHT] = corrections[i].weight_mean
             attributes[MASKED_FRACTION] = corrections[i].masked_frac

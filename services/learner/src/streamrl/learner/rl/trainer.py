@@ -122,9 +122,13 @@ class RLTrainer:
         algo = cfg.algo
         optimizer_steps = cfg.total_steps * cfg.updates_per_batch  # what the lr schedules count
         self.policy = ModelEngine.from_config(
-            cfg.model, cfg.ds, "causal_lm", total_steps=optimizer_steps, shared_prompts=cfg.share_prompts,
+            cfg.model,
+            cfg.ds,
+            "causal_lm",
+            total_steps=optimizer_steps,
+            shared_prompts=cfg.share_prompts,
             freeze_vision_tower=cfg.freeze_vision_tower,
-        )  # fmt: skip
+        )
         self.images = image_inputs(self.policy)
         """Pixel inputs of image trajectories (None for a text-only policy)."""
         if self.images is not None:
@@ -211,9 +215,12 @@ class RLTrainer:
             rl = collate(batch, self.pad_id, self.images)
             chunks = self._my_micro_batches(rl, list(range(rl.size)))
             plan = update_plan(
-                rl.group_index, mini_batches=self.cfg.mini_batches, epochs=self.cfg.ppo_epochs,
-                grad_accum=self.cfg.ds.grad_accum, seed=zlib.crc32(batch.id.encode()),
-            )  # fmt: skip
+                rl.group_index,
+                mini_batches=self.cfg.mini_batches,
+                epochs=self.cfg.ppo_epochs,
+                grad_accum=self.cfg.ds.grad_accum,
+                seed=zlib.crc32(batch.id.encode()),
+            )
         except Exception as e:  # held for the group's agreement, raised on every rank below
             if not self.agreeable:
                 raise
@@ -234,13 +241,20 @@ class RLTrainer:
         lengths = mask.sum(dim=1)
         rewards = shape_rewards(algo, rewards=rl.rewards, response_lengths=lengths, truncated=rl.truncated)
         advantages, returns = compute_advantages(
-            algo, rewards=rewards, group_index=rl.group_index, mask=mask, kl=kl, values=old_values,
-            kl_coef=self.kl_ctl.value, turn_rewards=rl.turn_rewards,
-        )  # fmt: skip
+            algo,
+            rewards=rewards,
+            group_index=rl.group_index,
+            mask=mask,
+            kl=kl,
+            values=old_values,
+            kl_coef=self.kl_ctl.value,
+            turn_rewards=rl.turn_rewards,
+        )
         wanted = set(traced_rows(batch)) if algo.correction.type != "none" else set()
         corrections: dict[int, SampleCorrection] = {}
-        metrics = self._train_updates(rl, plan, old, ref, advantages, old_values, returns, batch.id, wanted,
-                                      corrections)  # fmt: skip
+        metrics = self._train_updates(
+            rl, plan, old, ref, advantages, old_values, returns, batch.id, wanted, corrections
+        )
         corrections = _to_host(corrections)
         self.sample_corrections = self._gather(corrections) if wanted and self.world > 1 else corrections
         if old_values is not None:
@@ -249,22 +263,32 @@ class RLTrainer:
             current_kl = float(sequence_mean_kl(kl, mask).mean())
             metrics["learner/kl_coef"] = self.kl_ctl.value
             self.kl_ctl.update(current_kl, rl.size)
-        metrics.update({
-            "learner/grad_norm": self.policy.grad_norm or 0.0,
-            "learner/lr": self.policy.lr,
-            "learner/advantage_mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
-            "learner/reward_mean": float(rewards.mean()),
-            "learner/samples": float(rl.size),
-            "learner/updates": float(len(plan)),
-            "learner/step_s": time.perf_counter() - started,
-        })  # fmt: skip
+        metrics.update(
+            {
+                "learner/grad_norm": self.policy.grad_norm or 0.0,
+                "learner/lr": self.policy.lr,
+                "learner/advantage_mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
+                "learner/reward_mean": float(rewards.mean()),
+                "learner/samples": float(rl.size),
+                "learner/updates": float(len(plan)),
+                "learner/step_s": time.perf_counter() - started,
+            }
+        )
         return metrics
 
     def _train_updates(
-        self, rl: RLBatch, plan: list[list[list[int]]], old: torch.Tensor | None, ref: torch.Tensor | None,
-        advantages: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor | None, batch_id: str,
-        wanted: set[int], corrections: dict[int, SampleCorrection],
-    ) -> dict[str, float]:  # fmt: skip
+        self,
+        rl: RLBatch,
+        plan: list[list[list[int]]],
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        advantages: torch.Tensor,
+        old_values: torch.Tensor | None,
+        returns: torch.Tensor | None,
+        batch_id: str,
+        wanted: set[int],
+        corrections: dict[int, SampleCorrection],
+    ) -> dict[str, float]:
         """Every update of ``plan`` on this rank's share (policy, then critic); losses and metrics of the whole group.
         The correction figures of this rank's ``wanted`` rows go into ``corrections``."""
         mask = rl.mask
@@ -274,8 +298,9 @@ class RLTrainer:
         mine = [self._my_micro_batches(rl, [r for chunk in update for r in chunk]) for update in plan]
         for update, local in zip(plan, mine, strict=True):
             normaliser = self._normaliser(mask, update)
-            update_sums = self._policy_update(rl, local, normaliser, old, ref, advantages, batch_id, wanted,
-                                              corrections)  # fmt: skip
+            update_sums = self._policy_update(
+                rl, local, normaliser, old, ref, advantages, batch_id, wanted, corrections
+            )
             for k, v in update_sums.items():
                 if k == "learner/tokens":
                     num_tokens += v
@@ -303,10 +328,17 @@ class RLTrainer:
         return float(normaliser_count(mask[rows], self.cfg.algo.loss.aggregation)) / self.policy.world_size
 
     def _policy_update(
-        self, rl: RLBatch, update: list[list[int]], normaliser: float, old: torch.Tensor | None,
-        ref: torch.Tensor | None, advantages: torch.Tensor, batch_id: str, wanted: set[int],
+        self,
+        rl: RLBatch,
+        update: list[list[int]],
+        normaliser: float,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        advantages: torch.Tensor,
+        batch_id: str,
+        wanted: set[int],
         corrections: dict[int, SampleCorrection],
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """One optimizer step on the micro-batches of ``update``: loss sums, token-weighted metric sums, tokens.
         Notes the correction figures of the ``wanted`` rows not noted yet in ``corrections``."""
         algo = self.cfg.algo
@@ -326,11 +358,17 @@ class RLTrainer:
                 if wanted:
                     self._note_corrections(rows, old_mb, mb, wanted, corrections)
                 loss, m = policy_objective(
-                    self.policy_algo, logprobs=logp, old_logprobs=old_mb,
-                    advantages=advantages[rows].to(dev), mask=mb.mask.to(dev), normaliser=normaliser,
+                    self.policy_algo,
+                    logprobs=logp,
+                    old_logprobs=old_mb,
+                    advantages=advantages[rows].to(dev),
+                    mask=mb.mask.to(dev),
+                    normaliser=normaliser,
                     behaviour_logprobs=mb.behaviour_logprobs.to(dev),
-                    ref_logprobs=None if ref is None else ref[rows].to(dev), entropy=ent, kl_coef=self.kl_ctl.value,
-                )  # fmt: skip
+                    ref_logprobs=None if ref is None else ref[rows].to(dev),
+                    entropy=ent,
+                    kl_coef=self.kl_ctl.value,
+                )
                 error = self._non_finite(loss, f"{batch_id}: non-finite policy loss")
             except Exception as e:  # held for the group's agreement, raised on every rank below
                 if not self.agreeable:
@@ -346,8 +384,13 @@ class RLTrainer:
         return out
 
     def _note_corrections(
-        self, rows: list[int], old: torch.Tensor, mb: RLBatch, wanted: set[int], corrections: dict[int, SampleCorrection],
-    ) -> None:  # fmt: skip
+        self,
+        rows: list[int],
+        old: torch.Tensor,
+        mb: RLBatch,
+        wanted: set[int],
+        corrections: dict[int, SampleCorrection],
+    ) -> None:
         """Correction figures of the ``wanted`` rows of micro-batch ``rows`` not noted yet (those of their first
         update: with several, every update corrects against the same pi_old)."""
         picked = [j for j, row in enumerate(rows) if row in wanted and row not in corrections]
@@ -355,9 +398,11 @@ class RLTrainer:
             return
         index = torch.tensor(picked, device=old.device)
         weight, masked = sample_correction(
-            self.cfg.algo.correction, old_logprobs=old[index], mask=mb.mask.to(old.device)[index],
+            self.cfg.algo.correction,
+            old_logprobs=old[index],
+            mask=mb.mask.to(old.device)[index],
             behaviour_logprobs=mb.behaviour_logprobs.to(old.device)[index],
-        )  # fmt: skip
+        )
         for k, j in enumerate(picked):  # still on the device: read once the step is done (no sync here)
             corrections[rows[j]] = SampleCorrection(weight[k], masked[k])  # type: ignore[arg-type]
 
@@ -386,9 +431,12 @@ class RLTrainer:
                 dev = values.device
                 per_token, _ = value_loss(values, old_values[rows].to(dev), returns[rows].to(dev), crit.value_clip)
                 loss = crit.value_coef * aggregate(
-                    per_token, mb.mask.to(dev), self.cfg.algo.loss.aggregation, normaliser,
+                    per_token,
+                    mb.mask.to(dev),
+                    self.cfg.algo.loss.aggregation,
+                    normaliser,
                     self.cfg.algo.loss.norm_constant,
-                )  # fmt: skip
+                )
                 error = self._non_finite(loss, "non-finite value loss")
             except Exception as e:  # held for the group's agreement, raised on every rank below
                 if not self.agreeable:

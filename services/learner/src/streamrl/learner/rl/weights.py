@@ -106,8 +106,13 @@ class WeightServer:
         self._server.set_current(encoded)
         logger.info(
             "serving weights version %d: %d tensors, %d bytes in %d buckets (%.3f s) at %s",
-            version, len(wire), encoded.num_bytes, len(encoded.buckets), time.perf_counter() - start, self.endpoint,
-        )  # fmt: skip
+            version,
+            len(wire),
+            encoded.num_bytes,
+            len(encoded.buckets),
+            time.perf_counter() - start,
+            self.endpoint,
+        )
         return encoded.checksum, encoded.num_bytes, len(encoded.buckets)
 
     def close(self) -> None:

@@ -87,9 +87,10 @@ class FunctionScorer:
         self._pass_metadata = _accepts_metadata(self._func)
         self._source = f"reward function {config.path!r} (scorer {self.name!r})"
         self._threads = ThreadCaller(
-            config.max_threads, f"reward-{self.name}",
+            config.max_threads,
+            f"reward-{self.name}",
             on_exhausted=lambda why: on_exhausted(f"{self._source}: {why}") if on_exhausted else None,
-        )  # fmt: skip
+        )
         self._stuck: dict[str, float] = {}
         """Trajectory id -> when its call alone timed out, while that call still runs."""
         self._calls = 0
@@ -113,8 +114,9 @@ class FunctionScorer:
                 self._stuck[sample] = time.monotonic()
                 e.returned.add_done_callback(lambda _: self._stuck.pop(sample, None))
             held = f"{self._threads.num_overdue} of {self._threads.max_threads} threads held by calls that timed out"
-            raise ScorerError(f"{self._source} timed out after {timeout_s:g} s; its thread runs on ({held})",
-                              sample_specific=True) from e  # fmt: skip
+            raise ScorerError(
+                f"{self._source} timed out after {timeout_s:g} s; its thread runs on ({held})", sample_specific=True
+            ) from e
         except ThreadsExhaustedError as e:  # exhausted while this call waited for a thread
             raise asyncio.CancelledError(str(e)) from None
         if inspect.isawaitable(result):  # a sync wrapper that returns a coroutine

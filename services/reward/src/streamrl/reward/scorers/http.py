@@ -118,8 +118,13 @@ class _Endpoint:
         if self.failing_since is None:
             self.failing_since = now
             logger.log(
-                level, "reward http scorer %s: %s is failing: %s (%s)", scorer, self.url, reason, what_next,
-            )  # fmt: skip
+                level,
+                "reward http scorer %s: %s is failing: %s (%s)",
+                scorer,
+                self.url,
+                reason,
+                what_next,
+            )
         else:
             logger.debug("reward http scorer %s: %s failed again: %s", scorer, self.url, reason)
 
@@ -129,8 +134,11 @@ class _Endpoint:
         if self.failing_since is not None:
             logger.info(
                 "reward http scorer %s: %s answers again after %.1f s (%d failed attempts)",
-                scorer, self.url, time.monotonic() - self.failing_since, self.failed_attempts,
-            )  # fmt: skip
+                scorer,
+                self.url,
+                time.monotonic() - self.failing_since,
+                self.failed_attempts,
+            )
             self.failing_since, self.failed_attempts = None, 0
 
 
