@@ -173,7 +173,7 @@ def _save_model(folder: Path, shape: dict[str, int], device: torch.device) -> in
 
 def _receiver(conn: Connection, rendezvous: bytes, device: str) -> None:
     """A rollout worker's member of the group on ``device``; it stages every version until told to stop."""
-    from streamrl.common.weights_broadcast import decode_rendezvous
+    from streamrl.common.weights.broadcast import decode_rendezvous
     from streamrl.rollout.broadcast_receiver import BroadcastReceiver
 
     if device.startswith("cuda"):
@@ -263,7 +263,7 @@ def _pick_device(args: argparse.Namespace) -> tuple[torch.device, int]:
 
 
 def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
-    from streamrl.common.weights_broadcast import encode
+    from streamrl.common.weights.broadcast import encode
     from streamrl.learner.ds_config import DeepSpeedConfig
     from streamrl.learner.engine import ModelEngine
     from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher

@@ -54,7 +54,7 @@ from streamrl.common.messages import (
     WeightsPublished,
 )
 from streamrl.common.streams import StreamNames
-from streamrl.common.weights_auth import check
+from streamrl.common.weights.auth import check
 
 ERROR_TYPE = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b")
 TIMEOUT_COUNTER = re.compile(r"groups?_(timed_out|timeouts?|expired)$")

@@ -45,7 +45,7 @@ from streamrl.common.config import RedisConfig
 from streamrl.common.launcher import child_env
 from streamrl.common.redis_server import RedisServer, free_port
 from streamrl.common.streams import StreamNames
-from streamrl.common.weights_auth import KEY_ENV
+from streamrl.common.weights.auth import KEY_ENV
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ import msgspec
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import Heartbeat, Message, TrainingBatch, WeightsPublished
-from streamrl.common.weights_auth import sign
+from streamrl.common.weights.auth import sign
 
 PAD_FIELD_BYTES = 3 * 2**19
 """Padding of an oversized entry (1.5 MiB): past a 1 MiB ``redis.max_message_mb``."""

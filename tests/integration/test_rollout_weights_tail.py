@@ -153,7 +153,7 @@ def test_weights_events_signed_with_another_key_are_refused(
     """With the run's weights key set, a worker applies only events the learner signed with it: a
     forged event (another key, or none) pointing at other weights is refused with a clear error, and
     the worker goes on to the next genuine version."""
-    from streamrl.common.weights_auth import KEY_ENV, sign
+    from streamrl.common.weights.auth import KEY_ENV, sign
 
     monkeypatch.setenv(KEY_ENV, "the-run-key-0123456789")
     run_key, other_key = b"the-run-key-0123456789", b"someone-else-0123456789"
@@ -199,7 +199,7 @@ def test_an_event_signed_for_another_run_sharing_the_key_is_refused(
 ) -> None:
     """Two runs share the weights key (one key for a team, one Redis): run A's learner's genuine, signed
     event copied into run B's weights stream must not move B's workers to A's weights."""
-    from streamrl.common.weights_auth import KEY_ENV, sign
+    from streamrl.common.weights.auth import KEY_ENV, sign
 
     key = b"one-key-for-two-runs-0123"
     monkeypatch.setenv(KEY_ENV, key.decode())

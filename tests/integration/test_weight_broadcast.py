@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from streamrl.common.weights_broadcast import decode_rendezvous, encode
+from streamrl.common.weights.broadcast import decode_rendezvous, encode
 
 TIMEOUT_S = 3.0
 """The publisher's deadline: a dead member costs about this much before the group re-forms."""

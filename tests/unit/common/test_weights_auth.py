@@ -1,4 +1,4 @@
-"""Signed weights events (streamrl.common.weights_auth): bound to the key and to the run."""
+"""Signed weights events (streamrl.common.weights.auth): bound to the key and to the run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import WeightsPublished
-from streamrl.common.weights_auth import KEY_ENV, WeightsAuthError, check, sign, weights_key
+from streamrl.common.weights.auth import KEY_ENV, WeightsAuthError, check, sign, weights_key
 
 KEY = b"a-run-key-of-some-length"
 RUN = "run-a"

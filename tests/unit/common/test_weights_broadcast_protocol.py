@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from streamrl.common import weights_broadcast as wb
+from streamrl.common.weights import broadcast as wb
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import IpcTensor, WeightsBroadcast, WeightsPublished
 

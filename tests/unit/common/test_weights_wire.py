@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.weights_wire import (
+from streamrl.common.weights.wire import (
     ALIGN_BYTES,
     BucketHeader,
     BucketServer,

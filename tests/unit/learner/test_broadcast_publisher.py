@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from streamrl.common import weights_broadcast as wb
+from streamrl.common.weights import broadcast as wb
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.ipc_weights import BLOCK_BYTES, tensor_views, weights_checksum

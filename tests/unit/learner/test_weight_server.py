@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.common.weights_wire import fetch_buckets
+from streamrl.common.weights.wire import fetch_buckets
 from streamrl.learner.rl.weights import WeightServer
 
 

@@ -62,7 +62,7 @@ from streamrl.common.run_info import RunInfo, write_run_info
 from streamrl.common.scaling import desired_replicas, instance_name, plan, request_replicas
 from streamrl.common.streams import StreamNames
 from streamrl.common.up_config import SCALABLE, SERVICES, LaunchRecipe, UpConfig
-from streamrl.common.weights_auth import KEY_ENV
+from streamrl.common.weights.auth import KEY_ENV
 
 MEMORY_CHECK_S = 5.0
 """How often the launcher reads Redis's ``used_memory`` (s)."""
@@ -300,7 +300,7 @@ class Launcher:
         self.client: syncredis.Redis | None = None
         self.lock = threading.Lock()
         self.weights_key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
-        """The run's weights key (:mod:`streamrl.common.weights_auth`): the environment's, else a new random one."""
+        """The run's weights key (:mod:`streamrl.common.weights.auth`): the environment's, else a new random one."""
         self.stop_requested = False
         self.used_memory: int | None = None
         """Redis's ``used_memory`` at the last look (None: not read yet, or not readable)."""

@@ -300,7 +300,7 @@ class WeightsBroadcast(msgspec.Struct, frozen=True):
     Learner rank 0 hosts a TCP store at ``store``. A rollout worker (each tensor-parallel worker of a
     vLLM engine on its own) registers there, joins a process group with rank 0, and from then on
     receives every version as flat buckets laid out as ``tensors`` say, broadcast over NCCL (GPU)
-    or gloo (CPU). What is said over the store is :mod:`streamrl.common.weights_broadcast`. Members
+    or gloo (CPU). What is said over the store is :mod:`streamrl.common.weights.broadcast`. Members
     check every version against the device-side block checksum of the CUDA IPC path over the
     buckets (``block_bytes`` blocks, the version included), which the learner sets in the store with
     the version (and in ``WeightsPublished.checksum`` unless the ZMQ server is fed too).
@@ -359,7 +359,7 @@ class WeightsPublished(_Message, tag="weights"):
     """Rendezvous of the weight-broadcast group (``learner.weights_transport = "broadcast"``); workers that
     cannot join it fetch from ``endpoint`` when it is set."""
     signature: str = ""
-    """HMAC-SHA256 of this event with the run's weights key (:mod:`streamrl.common.weights_auth`); empty
+    """HMAC-SHA256 of this event with the run's weights key (:mod:`streamrl.common.weights.auth`); empty
     when the learner has no key."""
 
 

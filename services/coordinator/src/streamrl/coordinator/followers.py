@@ -18,7 +18,7 @@ from streamrl.common.bus import PAYLOAD_FIELD
 from streamrl.common.codec import decode
 from streamrl.common.follower import StreamFollower
 from streamrl.common.messages import WeightsPublished
-from streamrl.common.weights_auth import check
+from streamrl.common.weights.auth import check
 from streamrl.coordinator.state import RunState
 
 BLOCK_MS = 200

@@ -39,7 +39,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Trajectory, WeightsPublished
 from streamrl.common.redact import redact
-from streamrl.common.weights_auth import weights_key
+from streamrl.common.weights.auth import weights_key
 from streamrl.coordinator import state as st
 from streamrl.coordinator.batch_metrics import batch_stats
 from streamrl.coordinator.batches import BatchBuilder, Built

@@ -5,7 +5,7 @@ When ``WeightsPublished.broadcast`` advertises a rendezvous (``learner.weights_t
 engine through its worker extension - builds a :class:`BroadcastReceiver`. Its background thread
 registers in the learner's TCP store, joins the group (a process group of its own, built on the
 store: NCCL on CUDA, gloo on CPU; never the default group), and follows the protocol of
-:mod:`streamrl.common.weights_broadcast`: for every version the learner broadcasts, it receives the
+:mod:`streamrl.common.weights.broadcast`: for every version the learner broadcasts, it receives the
 buckets into its staging buffers, recomputes the device-side block checksum (the CUDA IPC path's
 definition, :func:`streamrl.rollout.ipc_weights.weights_checksum`) and acknowledges. Receiving
 runs while the engine generates; the engine takes a verified version between two batches::
@@ -19,7 +19,7 @@ runs while the engine generates; the engine takes a verified version between two
 The store and the group have no authentication: whoever reaches the store can announce a version
 and broadcast buckets of their own, and the checksum the member first checks against comes from
 that store. So an engine loads a version only as a signed weights event names it: ``checksum`` is
-the event's (``WeightsBroadcast.checksum``, :mod:`streamrl.common.weights_auth`), and ``acquire``
+the event's (``WeightsBroadcast.checksum``, :mod:`streamrl.common.weights.auth`), and ``acquire``
 hands out exactly that version with what was received hashing to exactly that checksum - anything
 else staged is refused with a :class:`WeightSyncError` naming both (a newer version staged
 meanwhile too: it loads with its own event).
@@ -49,7 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from streamrl.common import weights_broadcast as wb
+from streamrl.common.weights import broadcast as wb
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import WeightsBroadcast
 from streamrl.rollout.ipc_weights import tensor_views, weights_checksum

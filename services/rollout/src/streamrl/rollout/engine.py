@@ -12,7 +12,7 @@ every image token expanded into that image's tokens.
 Both return, per sample, the token ids, the behaviour log-probs of the distribution actually
 sampled from (after temperature / top-k / top-p: what TIS and ICEPOP need), the finish reason and
 the policy versions that produced the first and the last token. Both take new weights from the
-learner's weight server (:mod:`streamrl.common.weights_wire`), or as members of the learner's
+learner's weight server (:mod:`streamrl.common.weights.wire`), or as members of the learner's
 weight-broadcast group (:mod:`streamrl.rollout.broadcast_receiver`), and report the version they
 serve; the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
 (:mod:`streamrl.rollout.ipc_weights`).

@@ -57,7 +57,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
 from streamrl.common.messages import SamplingParams
-from streamrl.common.weights_wire import fetch_buckets
+from streamrl.common.weights.wire import fetch_buckets
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason

@@ -70,7 +70,7 @@ from streamrl.common.trace_schema import (
     WEIGHTS_PATH,
 )
 from streamrl.common.tracing import weights_traceparent
-from streamrl.common.weights_auth import KEY_ENV, check, weights_key
+from streamrl.common.weights.auth import KEY_ENV, check, weights_key
 from streamrl.rollout.agent_gateway import AgentGateway
 from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.conversation import AgentEpisode

@@ -62,7 +62,7 @@ from vllm.sampling_params import RequestOutputKind
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
 from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcast
-from streamrl.common.weights_broadcast import encode as encode_rendezvous
+from streamrl.common.weights.broadcast import encode as encode_rendezvous
 from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engine_config import EngineConfig
 from streamrl.rollout.vision import expansion_token_ids, image_token_id, load_processor

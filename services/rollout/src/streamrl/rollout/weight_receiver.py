@@ -2,7 +2,7 @@
 
 vLLM mixes this class into every worker (``worker_extension_cls``). The rollout engine calls its
 methods by name through ``collective_rpc``, so no Python function is shipped to the workers: each
-worker pulls the buckets of the version itself with :func:`streamrl.common.weights_wire.fetch_buckets`
+worker pulls the buckets of the version itself with :func:`streamrl.common.weights.wire.fetch_buckets`
 (which verifies the checksum), and once every worker holds the whole version the engine asks them
 to feed it to the model runner's ``reload_weights``. That entry point is what works
 on the CPU backend, which repacks linear weights (calling the model's ``load_weights`` directly
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.weights_broadcast import decode_rendezvous
-from streamrl.common.weights_wire import BF16, ReceivedTensor, fetch_buckets
+from streamrl.common.weights.broadcast import decode_rendezvous
+from streamrl.common.weights.wire import BF16, ReceivedTensor, fetch_buckets
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ With ``learner.weights_transport = "broadcast"``, learner rank 0 owns a
   (:mod:`streamrl.learner.rl.ipc_weights`) - then returns. A background thread broadcasts the
   buckets: the training step waits only for the copy, and for a broadcast of the previous version
   that is still reading the buckets.
-* The thread also keeps the membership (protocol: :mod:`streamrl.common.weights_broadcast`): a
+* The thread also keeps the membership (protocol: :mod:`streamrl.common.weights.broadcast`): a
   worker that registers late, or a member that misses a deadline or dies mid-update, makes a new
   generation of the group, which gets the current version again - so a late joiner receives the
   current weights as soon as it joins, before its first prompt. Every operation has a deadline
@@ -44,7 +44,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from streamrl.common import weights_broadcast as wb
+from streamrl.common.weights import broadcast as wb
 from streamrl.common.messages import WeightsBroadcast
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, tensor_views

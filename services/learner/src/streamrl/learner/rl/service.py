@@ -78,7 +78,7 @@ from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
 from streamrl.common.tracing import weights_traceparent
-from streamrl.common.weights_auth import sign, weights_key
+from streamrl.common.weights.auth import sign, weights_key
 from streamrl.learner.rl.batch_order import behind_verdict, fingerprint, gap_verdict
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.rl.config import LearnerConfig

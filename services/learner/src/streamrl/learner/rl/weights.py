@@ -1,7 +1,7 @@
 """Serve the learner's weights to rollout engines over ZMQ (the portable path of docs/design.md section 5).
 
 :class:`WeightServer` turns named torch tensors into the buckets of
-:mod:`streamrl.common.weights_wire` and serves the latest published version from a background
+:mod:`streamrl.common.weights.wire` and serves the latest published version from a background
 thread; rollout workers pull them (``fetch_buckets``), late joiners included. The caller (the
 learner's rank 0, after gathering ZeRO-3 shards) publishes a ``WeightsPublished`` message with the
 returned checksum, sizes and :attr:`WeightServer.endpoint`.
@@ -20,7 +20,7 @@ from collections.abc import Collection, Iterable, Mapping
 import numpy as np
 import torch
 
-from streamrl.common.weights_wire import BF16, DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version
+from streamrl.common.weights.wire import BF16, DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,10 @@
+"""The torch-free half of weight sync: what the learner and its rollout workers agree on.
+
+* :mod:`streamrl.common.weights.auth` - signed ``WeightsPublished`` events (HMAC with the run's key).
+* :mod:`streamrl.common.weights.wire` - the ZMQ path's buckets, pull protocol and blake2b checksum.
+* :mod:`streamrl.common.weights.broadcast` - the broadcast path's rendezvous: store keys and records.
+
+The torch half (flat device buffers, their block checksum, the weight process group) is
+``streamrl.torchkit``; each service's ends of the three paths are its ``weights`` package
+(``streamrl.learner.weights``, ``streamrl.rollout.weights``).
+"""
