@@ -84,7 +84,7 @@ def warm_start(out: Path, rows: list[dict[str, object]], steps: int, seed: int) 
         text=[t + a for t, a in zip(texts, answers, strict=True)], images=images, padding=True, return_tensors="pt"
     )
     labels = batch["input_ids"].clone()
-    for i, (text, answer) in enumerate(zip(texts, answers, strict=True)):
+    for i, answer in enumerate(answers):
         answer_len = len(processor.tokenizer(answer, add_special_tokens=False)["input_ids"])
         length = int(batch["attention_mask"][i].sum())
         labels[i, : length - answer_len] = -100  # the loss covers the answer and its end-of-sequence

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from test_learner_group import ENV, feed, model_dir, recipe  # noqa: F401 - model_dir is a fixture
+from test_learner_group import ENV, build_tiny_qwen2, feed, recipe
 
 from streamrl.common.codec import decode
 from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, WeightsPublished
@@ -25,6 +25,12 @@ from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("learner_group_worker.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model test_learner_group trains (built once for this module)."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("group") / "model", hidden_size=64, vocab_size=384)
 
 
 def _group_life(path: Path, mode: str, timeout: float = 300) -> tuple[int, str, float]:

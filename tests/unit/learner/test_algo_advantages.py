@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.learner.rl.algo import advantages as A
+from streamrl.learner.rl.algo import advantages as adv_fns
 from streamrl.learner.rl.algo.config import AlgoConfig
 from streamrl.learner.rl.algo.objective import compute_advantages
 
@@ -26,26 +26,26 @@ def t(x: object) -> torch.Tensor:
 
 def test_terminal_rewards_on_last_valid_token() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]])
-    out = A.terminal_rewards(t([2.0, 3.0, 4.0]), mask)
+    out = adv_fns.terminal_rewards(t([2.0, 3.0, 4.0]), mask)
     assert torch.equal(out, t([[0, 2, 0], [0, 0, 3], [0, 0, 0]]))
 
 
 def test_discounted_returns_skips_tool_tokens() -> None:
-    out = A.discounted_returns(t([[1.0, 2.0, 3.0]]), torch.ones(1, 3), gamma=0.5)
+    out = adv_fns.discounted_returns(t([[1.0, 2.0, 3.0]]), torch.ones(1, 3), gamma=0.5)
     assert torch.allclose(out, t([[2.75, 3.5, 3.0]]))
     # the middle token is a tool token: its reward is ignored, the running return carries through
-    out = A.discounted_returns(t([[1.0, 99.0, 3.0]]), torch.tensor([[1, 0, 1]]), gamma=0.5)
+    out = adv_fns.discounted_returns(t([[1.0, 99.0, 3.0]]), torch.tensor([[1, 0, 1]]), gamma=0.5)
     assert torch.allclose(out, t([[2.5, 0.0, 3.0]]))
-    out = A.discounted_returns(t([[1.0, 99.0, 3.0]]), torch.tensor([[1, 0, 1]]), gamma=1.0)
+    out = adv_fns.discounted_returns(t([[1.0, 99.0, 3.0]]), torch.tensor([[1, 0, 1]]), gamma=1.0)
     assert torch.allclose(out, t([[4.0, 0.0, 3.0]]))
 
 
 def test_gae_hand_vectors() -> None:
     rew, values, mask = t([[0.0, 1.0]]), t([[0.5, 0.2]]), torch.ones(1, 2)
-    adv, ret = A.gae(rew, values, mask, gamma=1.0, lam=1.0)
+    adv, ret = adv_fns.gae(rew, values, mask, gamma=1.0, lam=1.0)
     assert torch.allclose(adv, t([[0.5, 0.8]]))  # gamma = lam = 1: sum of rewards - V_t
     assert torch.allclose(ret, t([[1.0, 1.0]]))
-    adv, ret = A.gae(rew, values, mask, gamma=0.9, lam=0.5)
+    adv, ret = adv_fns.gae(rew, values, mask, gamma=0.9, lam=0.5)
     # delta_2 = 1 - 0.2 = 0.8; delta_1 = 0.9*0.2 - 0.5 = -0.32; A_1 = -0.32 + 0.45*0.8 = 0.04
     assert torch.allclose(adv, t([[0.04, 0.8]]))
     assert torch.allclose(ret, t([[0.54, 1.0]]))
@@ -53,55 +53,55 @@ def test_gae_hand_vectors() -> None:
 
 def test_gae_padding_values_do_not_leak() -> None:
     rew, mask = t([[0.0, 1.0, 0.0]]), torch.tensor([[1, 1, 0]])
-    adv, ret = A.gae(rew, t([[0.5, 0.2, 123.0]]), mask, gamma=1.0, lam=1.0)
+    adv, ret = adv_fns.gae(rew, t([[0.5, 0.2, 123.0]]), mask, gamma=1.0, lam=1.0)
     assert torch.allclose(adv, t([[0.5, 0.8, 0.0]]))
     assert torch.allclose(ret, t([[1.0, 1.0, 0.0]]))
 
 
 def test_masked_whiten_biased_token_weighted() -> None:
     x, mask = t([[1.0, 3.0], [5.0, float("nan")]]), torch.tensor([[1, 1], [1, 0]])
-    out = A.masked_whiten(x, mask)
+    out = adv_fns.masked_whiten(x, mask)
     s = math.sqrt(8 / 3)
     assert torch.allclose(out, t([[-2 / s, 0.0], [2 / s, 0.0]]))
-    assert torch.allclose(A.masked_whiten(x, mask, scale=False), t([[-2.0, 0.0], [2.0, 0.0]]))
-    assert torch.equal(A.masked_whiten(t([[2.0, 2.0, 2.0]]), torch.ones(1, 3)), torch.zeros(1, 3, dtype=F64))
+    assert torch.allclose(adv_fns.masked_whiten(x, mask, scale=False), t([[-2.0, 0.0], [2.0, 0.0]]))
+    assert torch.equal(adv_fns.masked_whiten(t([[2.0, 2.0, 2.0]]), torch.ones(1, 3)), torch.zeros(1, 3, dtype=F64))
     with pytest.raises(ValueError, match="at least 2 valid tokens"):
-        A.masked_whiten(t([[1.0, 2.0]]), torch.tensor([[1, 0]]))
+        adv_fns.masked_whiten(t([[1.0, 2.0]]), torch.tensor([[1, 0]]))
 
 
 def test_rloo_hand() -> None:
-    out = A.rloo_scores(t([1.0, 0.0, 0.0]), torch.tensor([5, 5, 5]))
+    out = adv_fns.rloo_scores(t([1.0, 0.0, 0.0]), torch.tensor([5, 5, 5]))
     assert torch.allclose(out, t([1.0, -0.5, -0.5]))
 
 
 def test_grpo_hand_unbiased_std() -> None:
     rewards, groups = t([1.0, 0.0, 0.0, 0.0, 2.0, 2.0]), torch.tensor([0, 0, 0, 0, 1, 1])
-    out = A.grpo_scores(rewards, groups, eps=1e-6)
+    out = adv_fns.grpo_scores(rewards, groups, eps=1e-6)
     # group 0: mean 0.25, unbiased std 0.5; group 1: all equal -> 0
     expected = t([0.75, -0.25, -0.25, -0.25, 0.0, 0.0]) / t([0.5 + 1e-6] * 4 + [1.0] * 2)
     assert torch.allclose(out, expected)
 
 
 def test_dr_grpo_and_flash_hand() -> None:
-    out = A.dr_grpo_scores(t([1.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 0, 0]))
+    out = adv_fns.dr_grpo_scores(t([1.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 0, 0]))
     assert torch.allclose(out, t([0.75, -0.25, -0.25, -0.25]))
-    assert torch.allclose(A.flash_reinforce_scores(t([1.0, 2.0, 3.0])), t([-1.0, 0.0, 1.0]))
+    assert torch.allclose(adv_fns.flash_reinforce_scores(t([1.0, 2.0, 3.0])), t([-1.0, 0.0, 1.0]))
 
 
 def test_group_of_one_rejected() -> None:
     rewards, groups = t([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1])
-    for fn in (A.rloo_scores, A.grpo_scores, A.dr_grpo_scores):
+    for fn in (adv_fns.rloo_scores, adv_fns.grpo_scores, adv_fns.dr_grpo_scores):
         with pytest.raises(ValueError, match="at least 2 samples"):
             fn(rewards, groups)
     with pytest.raises(ValueError, match="integer group ids"):
-        A.grpo_scores(rewards, t([0.0, 0.0, 1.0]))
+        adv_fns.grpo_scores(rewards, t([0.0, 0.0, 1.0]))
 
 
 def test_reinforce_baseline_recentres_all_equal_group() -> None:
     # group 0 all equal (a = 0), group 1 has a long negative sample: the token-weighted global mean
     # is negative, so group 0 ends with a positive advantage (algorithms.md 1.4 subtlety).
     mask = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
-    out = A.reinforce_baseline(t([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1]), mask, None)
+    out = adv_fns.reinforce_baseline(t([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1]), mask, None)
     tokens = [0.0, 0.0, 0.0, 0.0, 0.5, -0.5, -0.5, -0.5]
     mu, sigma = statistics.fmean(tokens), statistics.pstdev(tokens)
     assert mu == -0.125
@@ -178,8 +178,8 @@ def test_gae_matches_loop_reference(seed: int) -> None:
             adv[j] = running
         rows_adv.append(adv)
         rows_ret.append([a + v[j] for j, a in enumerate(adv)])
-    token_rewards = A.terminal_rewards(b["rewards"], b["mask"]) - torch.where(b["mask"].bool(), b["kl"], 0.0)
-    adv, ret = A.gae(token_rewards, b["values"], b["mask"], gamma, lam)
+    token_rewards = adv_fns.terminal_rewards(b["rewards"], b["mask"]) - torch.where(b["mask"].bool(), b["kl"], 0.0)
+    adv, ret = adv_fns.gae(token_rewards, b["values"], b["mask"], gamma, lam)
     assert torch.allclose(adv, scatter(rows_adv, b["mask"]))
     assert torch.allclose(ret, scatter(rows_ret, b["mask"]))
 
@@ -191,13 +191,13 @@ def test_reinforce_family_matches_loop_reference(seed: int) -> None:
     kl_rows = [[float(b["kl"][i, j]) for j in ref_valid_positions(b["mask"][i])] for i in range(len(rewards))]
 
     rows = [ref_return_to_go(rewards[i], kl_rows[i], 0.95) for i in range(len(rewards))]
-    out = A.reinforce_plus_plus(b["rewards"], b["mask"], b["kl"], gamma=0.95)
+    out = adv_fns.reinforce_plus_plus(b["rewards"], b["mask"], b["kl"], gamma=0.95)
     assert torch.allclose(out, scatter(ref_whiten(rows), b["mask"]))
 
     rows = [
         ref_return_to_go(rewards[i] - ref_group_mean(rewards, groups, i), kl_rows[i], 1.0) for i in range(len(rewards))
     ]
-    out = A.reinforce_baseline(b["rewards"], b["group_index"], b["mask"], b["kl"])
+    out = adv_fns.reinforce_baseline(b["rewards"], b["group_index"], b["mask"], b["kl"])
     assert torch.allclose(out, scatter(ref_whiten(rows), b["mask"]))
 
 
@@ -211,9 +211,9 @@ def test_group_scores_match_loop_reference(seed: int) -> None:
         rloo.append(r - ref_group_mean(rewards, groups, i, leave_out=True))
         grpo.append((r - statistics.fmean(members)) / (statistics.stdev(members) + 1e-6))
         dr.append(r - statistics.fmean(members))
-    assert torch.allclose(A.rloo_scores(b["rewards"], b["group_index"]), t(rloo))
-    assert torch.allclose(A.grpo_scores(b["rewards"], b["group_index"]), t(grpo))
-    assert torch.allclose(A.dr_grpo_scores(b["rewards"], b["group_index"]), t(dr))
+    assert torch.allclose(adv_fns.rloo_scores(b["rewards"], b["group_index"]), t(rloo))
+    assert torch.allclose(adv_fns.grpo_scores(b["rewards"], b["group_index"]), t(grpo))
+    assert torch.allclose(adv_fns.dr_grpo_scores(b["rewards"], b["group_index"]), t(dr))
 
 
 # ---------------------------------------------------------------- properties (through compute_advantages)

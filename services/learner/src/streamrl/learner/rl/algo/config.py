@@ -135,36 +135,11 @@ class AlgoConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> AlgoConfig:
-        adv, kl, loss, corr, shaping = self.advantage, self.kl, self.loss, self.correction, self.shaping
-        if adv.estimator == "gae" and self.critic is None:
-            raise ValueError("advantage.estimator=gae needs a critic: set the [algo.critic] section")
-        if adv.estimator != "gae" and self.critic is not None:
-            raise ValueError(f"advantage.estimator={adv.estimator} uses no critic; remove the [algo.critic] section")
-        if adv.gamma != 1.0 and adv.estimator not in ("gae", "reinforce"):
-            raise ValueError(f"advantage.gamma={adv.gamma} has no effect with {adv.estimator} (gamma is 1 there)")
-        if adv.lam != 1.0 and adv.estimator != "gae":
-            raise ValueError(f"advantage.lam={adv.lam} has no effect with {adv.estimator} (only gae uses lambda)")
-        if kl.placement == "loss" and kl.estimator == "k1":
-            raise ValueError(
-                "kl.estimator=k1 as a loss has zero expected gradient; use k2, k3 or k3+ (or placement=reward)"
-            )
-        if kl.target is not None and kl.placement != "reward":
-            raise ValueError("kl.target (adaptive KL) only applies with kl.placement=reward")
-        if (loss.aggregation == "seq-mean-token-sum-norm") != (loss.norm_constant is not None):
-            raise ValueError("loss.norm_constant must be set exactly when loss.aggregation=seq-mean-token-sum-norm")
-        if (
-            corr.type in ("tis", "icepop", "seq_mask_tis", "decoupled")
-            and corr.low is not None
-            and corr.low >= corr.high
-        ):
-            raise ValueError(f"correction bounds need low < high, got low={corr.low}, high={corr.high}")
-        if shaping.reward_clip is not None and shaping.reward_clip[0] >= shaping.reward_clip[1]:
-            raise ValueError(f"shaping.reward_clip needs low < high, got {shaping.reward_clip}")
-        if shaping.overlong_buffer_len is not None:
-            if shaping.max_response_len is None:
-                raise ValueError("shaping.overlong_buffer_len needs shaping.max_response_len (the generation limit)")
-            if shaping.overlong_buffer_len > shaping.max_response_len:
-                raise ValueError("shaping.overlong_buffer_len must not exceed shaping.max_response_len")
+        _check_advantage(self.advantage, self.critic)
+        _check_kl(self.kl)
+        _check_loss(self.loss)
+        _check_correction(self.correction)
+        _check_shaping(self.shaping)
         return self
 
     @property
@@ -192,3 +167,48 @@ class AlgoConfig(BaseConfig):
                 f"advantage.estimator={self.advantage.estimator} uses a group baseline and needs >= 2 samples "
                 f"per prompt, got {n}; raise the group size or use reinforce / flash_reinforce"
             )
+
+
+def _check_advantage(adv: AdvantageConfig, critic: CriticConfig | None) -> None:
+    """The estimator against the critic section, gamma and lambda (``ValueError`` on a mismatch)."""
+    if adv.estimator == "gae" and critic is None:
+        raise ValueError("advantage.estimator=gae needs a critic: set the [algo.critic] section")
+    if adv.estimator != "gae" and critic is not None:
+        raise ValueError(f"advantage.estimator={adv.estimator} uses no critic; remove the [algo.critic] section")
+    if adv.gamma != 1.0 and adv.estimator not in ("gae", "reinforce"):
+        raise ValueError(f"advantage.gamma={adv.gamma} has no effect with {adv.estimator} (gamma is 1 there)")
+    if adv.lam != 1.0 and adv.estimator != "gae":
+        raise ValueError(f"advantage.lam={adv.lam} has no effect with {adv.estimator} (only gae uses lambda)")
+
+
+def _check_kl(kl: KLConfig) -> None:
+    """A KL estimator usable where it is placed; an adaptive target only in the reward."""
+    if kl.placement == "loss" and kl.estimator == "k1":
+        raise ValueError(
+            "kl.estimator=k1 as a loss has zero expected gradient; use k2, k3 or k3+ (or placement=reward)"
+        )
+    if kl.target is not None and kl.placement != "reward":
+        raise ValueError("kl.target (adaptive KL) only applies with kl.placement=reward")
+
+
+def _check_loss(loss: LossConfig) -> None:
+    """``norm_constant`` is set exactly for the aggregation that uses it."""
+    if (loss.aggregation == "seq-mean-token-sum-norm") != (loss.norm_constant is not None):
+        raise ValueError("loss.norm_constant must be set exactly when loss.aggregation=seq-mean-token-sum-norm")
+
+
+def _check_correction(corr: CorrectionConfig) -> None:
+    """Ratio bounds in order for the corrections that have a lower bound."""
+    if corr.type in ("tis", "icepop", "seq_mask_tis", "decoupled") and corr.low is not None and corr.low >= corr.high:
+        raise ValueError(f"correction bounds need low < high, got low={corr.low}, high={corr.high}")
+
+
+def _check_shaping(shaping: ShapingConfig) -> None:
+    """A reward clip in order; an overlong buffer within a known generation limit."""
+    if shaping.reward_clip is not None and shaping.reward_clip[0] >= shaping.reward_clip[1]:
+        raise ValueError(f"shaping.reward_clip needs low < high, got {shaping.reward_clip}")
+    if shaping.overlong_buffer_len is not None:
+        if shaping.max_response_len is None:
+            raise ValueError("shaping.overlong_buffer_len needs shaping.max_response_len (the generation limit)")
+        if shaping.overlong_buffer_len > shaping.max_response_len:
+            raise ValueError("shaping.overlong_buffer_len must not exceed shaping.max_response_len")

@@ -34,9 +34,9 @@ from torch import Tensor
 from streamrl.learner.rl.algo import advantages as adv_fns
 from streamrl.learner.rl.algo import correction as corr_fns
 from streamrl.learner.rl.algo import shaping
-from streamrl.learner.rl.algo.config import AlgoConfig, CorrectionConfig
+from streamrl.learner.rl.algo.config import AdvantageConfig, AlgoConfig, CorrectionConfig, LossConfig
 from streamrl.learner.rl.algo.kl import kl_estimate
-from streamrl.learner.rl.algo.losses import aggregate, gspo_loss, ppo_clip_loss, value_loss
+from streamrl.learner.rl.algo.losses import PolicyLoss, aggregate, gspo_loss, ppo_clip_loss, value_loss
 
 
 def shape_rewards(
@@ -103,12 +103,7 @@ def compute_advantages(
     if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
         raise ValueError(f"expected rewards [B] and mask [B, T], got {tuple(rewards.shape)} and {tuple(mask.shape)}")
     a = cfg.advantage
-    kl_penalty = None
-    if cfg.kl.placement == "reward":
-        if kl is None:
-            raise ValueError("kl.placement=reward: pass the per-token kl [B, T]")
-        kl_penalty = (cfg.kl.coef if kl_coef is None else kl_coef) * kl
-
+    kl_penalty = _reward_kl_penalty(cfg, kl, kl_coef)
     if a.estimator == "gae":
         if values is None:
             raise ValueError("advantage.estimator=gae: pass the critic values [B, T]")
@@ -124,20 +119,32 @@ def compute_advantages(
         return advantages, None
     if a.estimator == "reinforce_baseline":
         return adv_fns.reinforce_baseline(rewards, group_index, mask, kl_penalty, scale=a.std_normalize), None
+    scores = _outcome_scores(a, rewards, group_index, mask)
+    return adv_fns.shaped_returns(scores, mask, kl_penalty), None
 
+
+def _reward_kl_penalty(cfg: AlgoConfig, kl: Tensor | None, kl_coef: float | None) -> Tensor | None:
+    """The per-token KL penalty [B,T] taken from the reward (``kl.placement = reward``), else None."""
+    if cfg.kl.placement != "reward":
+        return None
+    if kl is None:
+        raise ValueError("kl.placement=reward: pass the per-token kl [B, T]")
+    return (cfg.kl.coef if kl_coef is None else kl_coef) * kl
+
+
+def _outcome_scores(a: AdvantageConfig, rewards: Tensor, group_index: Tensor, mask: Tensor) -> Tensor:
+    """The per-sequence scores [B] of the outcome estimators (rloo, grpo, dr_grpo, flash_reinforce)."""
     if a.estimator == "rloo":
-        scores = adv_fns.rloo_scores(rewards, group_index)
-    elif a.estimator == "grpo":
-        scores = adv_fns.grpo_scores(rewards, group_index, a.grpo_eps)
-    elif a.estimator == "dr_grpo":
-        scores = adv_fns.dr_grpo_scores(rewards, group_index)
-    elif a.estimator == "flash_reinforce":
+        return adv_fns.rloo_scores(rewards, group_index)
+    if a.estimator == "grpo":
+        return adv_fns.grpo_scores(rewards, group_index, a.grpo_eps)
+    if a.estimator == "dr_grpo":
+        return adv_fns.dr_grpo_scores(rewards, group_index)
+    if a.estimator == "flash_reinforce":
         if bool((mask.bool().sum(dim=1) == 0).any()):
             raise ValueError("flash_reinforce: a sequence has no valid response token (empty trajectory)")
-        scores = adv_fns.flash_reinforce_scores(rewards)
-    else:
-        raise ValueError(f"unknown advantage estimator {a.estimator!r}")
-    return adv_fns.shaped_returns(scores, mask, kl_penalty), None
+        return adv_fns.flash_reinforce_scores(rewards)
+    raise ValueError(f"unknown advantage estimator {a.estimator!r}")
 
 
 def _correct(
@@ -225,27 +232,8 @@ def policy_objective(
     def agg(per_token: Tensor) -> Tensor:
         return aggregate(per_token, mask, lc.aggregation, normaliser, lc.norm_constant)
 
-    advantages = advantages.detach()
     old_logprobs = old_logprobs.detach()
-    if lc.policy_loss == "ppo":
-        pl = ppo_clip_loss(
-            logprobs,
-            old_logprobs,
-            advantages,
-            eps_low=lc.clip_eps_low,
-            eps_high=lc.clip_eps_high,
-            dual_clip=lc.dual_clip,
-        )
-    else:
-        pl = gspo_loss(
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            eps_low=lc.clip_eps_low,
-            eps_high=lc.clip_eps_high,
-            dual_clip=lc.dual_clip,
-        )
+    pl = _surrogate(lc, logprobs, old_logprobs, advantages.detach(), mask)
     per_token = pl.loss
     metrics: dict[str, float] = {
         "learner/tokens": float(valid.sum()),
@@ -254,14 +242,7 @@ def policy_objective(
         "learner/ratio_mean": _masked_mean(pl.ratio, valid),
     }
 
-    if cfg.correction.type != "none":
-        if behaviour_logprobs is None:
-            raise ValueError(f"correction.type={cfg.correction.type}: pass behaviour_logprobs")
-        c = _correct(cfg.correction, old_logprobs, behaviour_logprobs.detach(), mask)
-        per_token = torch.where(c.kept, c.weights * per_token, 0.0)
-        metrics["learner/correction/masked_frac"] = _masked_mean(~c.kept, valid)
-        metrics["learner/correction/truncated_frac"] = _masked_mean(c.truncated, valid)
-        metrics["learner/correction/weight_mean"] = _masked_mean(c.weights, valid)
+    per_token = _apply_correction(cfg.correction, per_token, old_logprobs, behaviour_logprobs, mask, metrics)
     if behaviour_logprobs is not None:
         k1, k3 = corr_fns.mismatch_kl(old_logprobs, behaviour_logprobs, mask)
         metrics["learner/mismatch/kl"] = float(k1)
@@ -303,3 +284,47 @@ def policy_objective(
 
     metrics["learner/loss/total"] = float(total.detach())
     return total, metrics
+
+
+def _surrogate(lc: LossConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> PolicyLoss:
+    """The configured clipped surrogate per token: ppo (token ratios) or gspo (sequence ratios)."""
+    if lc.policy_loss == "ppo":
+        return ppo_clip_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            eps_low=lc.clip_eps_low,
+            eps_high=lc.clip_eps_high,
+            dual_clip=lc.dual_clip,
+        )
+    return gspo_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        eps_low=lc.clip_eps_low,
+        eps_high=lc.clip_eps_high,
+        dual_clip=lc.dual_clip,
+    )
+
+
+def _apply_correction(
+    c: CorrectionConfig,
+    per_token: Tensor,
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor | None,
+    mask: Tensor,
+    metrics: dict[str, float],
+) -> Tensor:
+    """``per_token`` weighted by the off-policy correction (unchanged when ``c.type`` is none); its
+    ``learner/correction/*`` metrics are added to ``metrics``."""
+    if c.type == "none":
+        return per_token
+    if behaviour_logprobs is None:
+        raise ValueError(f"correction.type={c.type}: pass behaviour_logprobs")
+    valid = mask.bool()
+    corrected = _correct(c, old_logprobs, behaviour_logprobs.detach(), mask)
+    metrics["learner/correction/masked_frac"] = _masked_mean(~corrected.kept, valid)
+    metrics["learner/correction/truncated_frac"] = _masked_mean(corrected.truncated, valid)
+    metrics["learner/correction/weight_mean"] = _masked_mean(corrected.weights, valid)
+    return torch.where(corrected.kept, corrected.weights * per_token, 0.0)
