@@ -30,7 +30,7 @@ from streamrl.learner.packing import Row, flatten_rows, unflatten
 from streamrl.learner.varlen_attention import varlen_kwargs
 
 if TYPE_CHECKING:
-    from streamrl.learner.rl.batch import RLBatch
+    from streamrl.learner.model_batch import RLBatch
 
 
 Engine = Any

@@ -50,7 +50,7 @@ Simplifications, and why:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,10 +59,7 @@ from streamrl.common.images import decode_image
 from streamrl.common.messages import Trajectory
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.lm_forward import head_logprobs, lm_parts, to_device, zero3
-from streamrl.learner.rl.batch import PixelInputs, RLBatch
-
-if TYPE_CHECKING:
-    from streamrl.learner.rl.config import LearnerConfig
+from streamrl.learner.model_batch import PixelInputs, RLBatch
 
 _TEXT_KEYS = ("input_ids", "attention_mask")
 
@@ -104,16 +101,17 @@ def vision_tower(model: Any) -> torch.nn.Module:
     return tower  # type: ignore[no-any-return]
 
 
-def check_learner(cfg: LearnerConfig, world_size: int) -> None:
-    """ValueError for the learner settings a vision-language policy does not support (module docstring)."""
-    if cfg.algo.uses_critic:
+def check_learner(*, uses_critic: bool, zero_stage: int, world_size: int) -> None:
+    """ValueError for the learner settings a vision-language policy does not support (module docstring):
+    a critic (``algo.uses_critic``), or ZeRO stage ``ds.zero_stage`` > 0 on ``world_size`` > 1 ranks."""
+    if uses_critic:
         raise ValueError(
             "algo.advantage.estimator = 'gae' needs a critic, and a vision-language checkpoint does not load as a "
             "value model: use a critic-free estimator (grpo, rloo, reinforce, ...) with a vision-language policy"
         )
-    if world_size > 1 and cfg.ds.zero_stage != 0:
+    if world_size > 1 and zero_stage != 0:
         raise ValueError(
-            f"a vision-language policy on {world_size} ranks needs ds.zero_stage = 0 (got {cfg.ds.zero_stage}): "
+            f"a vision-language policy on {world_size} ranks needs ds.zero_stage = 0 (got {zero_stage}): "
             "with ZeRO 1-3 the ranks' gradient reductions or parameter gathers would not match when only some "
             "ranks' micro-batches hold images; on one rank every stage works"
         )

@@ -1,8 +1,9 @@
 """TrainingBatch -> padded tensors for the RL step (pure; no model, no I/O).
 
-Layout: one row per sample, ``input_ids = prompt + response`` right-padded to the longest row.
-Response-space tensors are ``[B, T]`` with ``T`` = the longest response: position ``t`` is the
-``t``-th response token, predicted by the logits at input position ``P_i + t - 1``.
+The tensors are a :class:`streamrl.learner.model_batch.RLBatch`: the model layer's input, defined
+below the RL layer (which imports it, never the other way round) and re-exported here. Its module
+docstring has the layout: one row per sample, ``input_ids = prompt + response`` right-padded, the
+response-space tensors ``[B, T]``.
 
 Multi-turn episodes (``Trajectory.turns``): the response holds the model's turns and the environment's
 tokens between them; ``mask`` is the trajectory's loss mask (0 on environment tokens), and the
@@ -20,65 +21,26 @@ text-only policy gets none, and a trajectory with images is then an error (never
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from streamrl.common.messages import ScoredTrajectory, TrainingBatch, Trajectory
+from streamrl.learner.model_batch import PixelInputs, RLBatch
 
-PixelInputs = dict[str, torch.Tensor]
-"""One row's model inputs besides ``input_ids``: the processor's image tensors (a batch of one) and any
-per-token input rebuilt for the row's ids."""
+__all__ = [
+    "ImagePreparer",
+    "PixelInputs",
+    "RLBatch",
+    "collate",
+    "micro_batches",
+    "rank_share",
+    "response_logits_index",
+    "update_plan",
+]
+
 ImagePreparer = Callable[[Sequence[Trajectory]], list[PixelInputs | None]]
 """Turns trajectories into their rows' pixel inputs (None for a row without images), in order."""
-
-
-@dataclass
-class RLBatch:
-    """The tensors of a training batch, or of one micro-batch of it."""
-
-    input_ids: torch.Tensor
-    """[B, L] int64, right-padded with ``pad_id``."""
-    attention_mask: torch.Tensor
-    """[B, L] int64."""
-    prompt_lens: torch.Tensor
-    """[B] int64."""
-    response_ids: torch.Tensor
-    """[B, T] int64 (0 on padding)."""
-    mask: torch.Tensor
-    """[B, T] float32 loss mask (trajectory loss mask, 0 on padding)."""
-    behaviour_logprobs: torch.Tensor
-    """[B, T] float32 log-probs from the rollout engine."""
-    rewards: torch.Tensor
-    """[B] float32 scalar return of each sample (the sum of its turn rewards in multi-turn episodes)."""
-    turn_rewards: torch.Tensor
-    """[B, T] float32 rewards of each multi-turn sample's turns before the last, each on the last model
-    token (``mask`` 1) at or before its turn's end; 0 elsewhere and for single-turn samples."""
-    group_index: torch.Tensor
-    """[B] int64 group ids (dense, 0..num_groups-1)."""
-    temperatures: torch.Tensor
-    """[B] float32 sampling temperature of each sample."""
-    truncated: torch.Tensor
-    """[B] bool."""
-    pixels: tuple[PixelInputs | None, ...] = ()
-    """Per row, the model's image inputs besides the ids (``pixel_values`` ...; None for a row without
-    images); empty when no row has images."""
-
-    @property
-    def size(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def has_images(self) -> bool:
-        """Whether a row holds images (its forward needs the pixel inputs)."""
-        return any(p is not None for p in self.pixels)
-
-    def select(self, rows: torch.Tensor | list[int]) -> RLBatch:
-        idx = torch.as_tensor(rows, dtype=torch.long)
-        tensors = {name: getattr(self, name)[idx] for name in self.__dataclass_fields__ if name != "pixels"}
-        pixels = tuple(self.pixels[i] for i in idx.tolist()) if self.pixels else ()
-        return RLBatch(**tensors, pixels=pixels)
 
 
 def collate(batch: TrainingBatch, pad_id: int, images: ImagePreparer | None = None) -> RLBatch:

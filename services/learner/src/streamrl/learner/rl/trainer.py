@@ -132,7 +132,7 @@ class RLTrainer:
         self.images = image_inputs(self.policy)
         """Pixel inputs of image trajectories (None for a text-only policy)."""
         if self.images is not None:
-            check_learner(cfg, self.policy.world_size)
+            check_learner(uses_critic=algo.uses_critic, zero_stage=cfg.ds.zero_stage, world_size=self.policy.world_size)
         self.device = self.policy.device
         self.pad_id = int(self.policy.tokenizer.pad_token_id)
         self.ref = (
