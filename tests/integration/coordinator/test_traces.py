@@ -32,13 +32,13 @@ from streamrl.common.trace_schema import (
     TRAJECTORY_ID,
     VERSION_START,
 )
-from streamrl.common.tracing import Tracing, format_traceparent, parse_traceparent, setup_tracing
+from streamrl.common.tracing import Tracing, format_traceparent, setup_tracing
 from streamrl.common.tracing_config import TracingConfig
 from streamrl.coordinator.batches import BatchBuilder
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.issuing import PromptIssuer
 from streamrl.coordinator.state import RunState
-from streamrl.coordinator.traces import STORED_AT, is_sampled, note_arrival, untraced
+from streamrl.coordinator.traces import STORED_AT, is_sampled, note_arrival
 
 
 class Process:
@@ -144,11 +144,3 @@ def test_an_unsampled_group_gets_no_sample_spans_and_its_batch_is_still_traced(i
         assert batch.traceparent == traceparent_of(batch_span)
     finally:
         coordinator.tracing.shutdown()
-
-
-def test_evaluation_prompts_carry_an_unsampled_context() -> None:
-    contexts = {untraced() for _ in range(3)}
-    assert len(contexts) == 3
-    for context in contexts:
-        parsed = parse_traceparent(context)
-        assert parsed is not None and not is_sampled(context)

@@ -1,9 +1,15 @@
-"""Fixtures for the coordinator's pieces: a run's state in the test Redis."""
+"""Fixtures for the coordinator's pieces against a real Redis: a run's state in the test Redis.
+
+The hand-made inputs (config, prompt source, scored samples) are shared with the unit tier: they live in
+tests/unit/coordinator/coordinator_fakes.py, put on the import path here.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +17,8 @@ import pytest
 from streamrl.common.bus import Bus, connect
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.state import RunState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "coordinator"))
 
 
 @pytest.fixture
