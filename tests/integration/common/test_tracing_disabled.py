@@ -9,8 +9,8 @@ import sys
 def test_disabled_tracing_imports_nothing_and_passes_the_parent_on() -> None:
     code = """
 import sys
-from streamrl.common.tracing import NULL_TRACING, setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.tracing import NULL_TRACING, setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 tracing = setup_tracing(TracingConfig(enabled=False), service="s", instance="i", run_id="r", run_dir="x")
 assert tracing is NULL_TRACING
 parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
