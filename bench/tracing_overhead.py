@@ -32,9 +32,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from streamrl.common.trace_schema import ENGINE, GENERATE, NUM_RESPONSE_TOKENS, PARTIAL, TRAJECTORY_ID, VERSION_START
-from streamrl.common.tracing import NULL_TRACING, Tracing, setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.trace_schema import (
+    ENGINE,
+    GENERATE,
+    NUM_RESPONSE_TOKENS,
+    PARTIAL,
+    TRAJECTORY_ID,
+    VERSION_START,
+)
+from streamrl.common.telemetry.tracing import NULL_TRACING, Tracing, setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 
 RESULTS = Path(__file__).parent / "results"
 SAMPLED_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

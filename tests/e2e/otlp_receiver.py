@@ -2,7 +2,7 @@
 
 It listens on a free loopback port, takes ``POST /v1/traces`` bodies (protobuf, optionally gzip),
 decodes each as an ``ExportTraceServiceRequest`` with ``opentelemetry-proto`` and keeps the spans
-as :class:`streamrl.common.trace_file.SpanRecord` (the records ``streamrl trace`` reads from files),
+as :class:`streamrl.common.telemetry.trace_file.SpanRecord` (the records ``streamrl trace`` reads from files),
 so a test can check the spans with the same report code::
 
     with OtlpReceiver() as receiver:
@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from streamrl.common.trace_file import SpanRecord
+from streamrl.common.telemetry.trace_file import SpanRecord
 
 
 def _value(value: AnyValue) -> Any:

@@ -27,8 +27,8 @@ from recipe_run import entries
 from streamrl.common.health import live_heartbeats
 from streamrl.common.messages import ScoredTrajectory, TrainingBatch
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_file import decode_request, trace_files
-from streamrl.common.trace_schema import GENERATE, TRAJECTORY_ID
+from streamrl.common.telemetry.trace_file import decode_request, trace_files
+from streamrl.common.telemetry.trace_schema import GENERATE, TRAJECTORY_ID
 
 pytest.importorskip("ray", reason="the Ray backend needs pip install 'streamrl-common[ray]' (scripts/setup.sh does)")
 pytestmark = pytest.mark.slow

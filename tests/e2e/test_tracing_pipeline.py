@@ -35,9 +35,8 @@ from recipe_run import entries
 from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.common.redis_server import free_port
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_file import SpanRecord
-from streamrl.common.trace_report import build_report, format_report
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_file import SpanRecord
+from streamrl.common.telemetry.trace_schema import (
     ATTEMPT,
     BATCH,
     BATCH_ID,
@@ -57,7 +56,8 @@ from streamrl.common.trace_schema import (
     WEIGHTS_LOAD,
     WEIGHTS_PUBLISH,
 )
-from streamrl.common.tracing import parse_traceparent, weights_traceparent
+from streamrl.common.telemetry.tracing import parse_traceparent, weights_traceparent
+from streamrl.common.trace_report import build_report, format_report
 
 pytestmark = pytest.mark.slow
 SERVICES = ("coordinator", "rollout", "reward", "learner")

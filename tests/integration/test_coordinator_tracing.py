@@ -18,11 +18,11 @@ from test_coordinator import Harness, score_sample
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import PromptWorkItem, TrainingBatch
-from streamrl.common.prom import PromMetrics
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_schema import BATCH, BATCH_WAIT, GROUP_ID, GROUP_WAIT, ISSUE, REWARD
-from streamrl.common.tracing import Tracing, format_traceparent, parse_traceparent, setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.prom import PromMetrics
+from streamrl.common.telemetry.trace_schema import BATCH, BATCH_WAIT, GROUP_ID, GROUP_WAIT, ISSUE, REWARD
+from streamrl.common.telemetry.tracing import Tracing, format_traceparent, parse_traceparent, setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 
 
 def traceparent_of(span: ReadableSpan) -> str:

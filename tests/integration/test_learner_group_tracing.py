@@ -15,8 +15,8 @@ from test_learner_group import finish, learner, training_batch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import WeightsPublished
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_file import read_spans, trace_files
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_file import read_spans, trace_files
+from streamrl.common.telemetry.trace_schema import (
     CORRECTION_WEIGHT,
     MASKED_FRACTION,
     STALENESS,
@@ -25,7 +25,7 @@ from streamrl.common.trace_schema import (
     TRAIN,
     TRAJECTORY_ID,
 )
-from streamrl.common.tracing import format_traceparent
+from streamrl.common.telemetry.tracing import format_traceparent
 from streamrl.rollout.tiny_model import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow

@@ -51,10 +51,10 @@ from streamrl.common.messages import (
     Trajectory,
     WeightsPublished,
 )
-from streamrl.common.prom import StreamGroupsCollector
 from streamrl.common.redis_acl import SERVICES, USERS, acl_file, new_passwords
 from streamrl.common.redis_server import find_redis_server, free_port
 from streamrl.common.streams import StreamNames
+from streamrl.common.telemetry.prom import StreamGroupsCollector
 from streamrl.common.tx import Fence, once_key
 from streamrl.coordinator.batches import DEAD_BATCH_LUA, RESEND_LUA
 from streamrl.coordinator.scripts import FencedScript

@@ -18,11 +18,19 @@ from streamrl.common.codec import decode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.consumer import ConsumerLoop, encode_payload
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
-from streamrl.common.prom import PromMetrics
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_schema import ATTEMPT, KEEP, REMOTE_LATENCY_MS, RETRIES, REWARD, REWARD_VALUE, SCORER
-from streamrl.common.tracing import SAMPLED, format_traceparent, setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.prom import PromMetrics
+from streamrl.common.telemetry.trace_schema import (
+    ATTEMPT,
+    KEEP,
+    REMOTE_LATENCY_MS,
+    RETRIES,
+    REWARD,
+    REWARD_VALUE,
+    SCORER,
+)
+from streamrl.common.telemetry.tracing import SAMPLED, format_traceparent, setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 from streamrl.reward.config import RewardConfig
 from streamrl.reward.service import RewardService
 

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, TrainingBatch
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_schema import (
     BATCH,
     BATCH_ID,
     BATCH_WAIT,
@@ -32,8 +32,8 @@ from streamrl.common.trace_schema import (
     TRAJECTORY_ID,
     VERSION_START,
 )
-from streamrl.common.tracing import Tracing, format_traceparent, setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.tracing import Tracing, format_traceparent, setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 from streamrl.coordinator.batches import BatchBuilder
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.issuing import PromptIssuer

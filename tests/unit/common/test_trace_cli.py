@@ -31,10 +31,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from streamrl.common.cli import main as streamrl_main
-from streamrl.common.trace_cli import main as trace_main
-from streamrl.common.trace_file import JsonLinesSpanExporter, read_spans
-from streamrl.common.trace_report import END_TO_END, build_report
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_file import JsonLinesSpanExporter, read_spans
+from streamrl.common.telemetry.trace_schema import (
     BATCH,
     BATCH_WAIT,
     GENERATE,
@@ -49,8 +47,10 @@ from streamrl.common.trace_schema import (
     WEIGHTS_LOAD,
     WEIGHTS_PUBLISH,
 )
-from streamrl.common.tracing import Tracing, setup_tracing, weights_traceparent
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.tracing import Tracing, setup_tracing, weights_traceparent
+from streamrl.common.telemetry.tracing_config import TracingConfig
+from streamrl.common.trace_cli import main as trace_main
+from streamrl.common.trace_report import END_TO_END, build_report
 
 T0 = 1_000.0
 SAMPLES = [
@@ -241,8 +241,8 @@ def test_every_line_is_an_otlp_export_request(run_dir: Path) -> None:
 
 WRITER = """
 import sys
-from streamrl.common.tracing import setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.tracing import setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 tracing = setup_tracing(TracingConfig(sampling="all", dir=sys.argv[1]), service="rollout", instance="same-name",
                         run_id="r", run_dir="unused")
 for i in range(int(sys.argv[2])):

@@ -22,7 +22,7 @@ from streamrl.common.codec import decode, encode
 from streamrl.common.config import validate
 from streamrl.common.errors import ConfigError
 from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_schema import (
     ATTEMPT,
     BATCH,
     BATCH_WAIT,
@@ -39,7 +39,7 @@ from streamrl.common.trace_schema import (
     WEIGHTS_LOAD,
     WEIGHTS_PUBLISH,
 )
-from streamrl.common.tracing import (
+from streamrl.common.telemetry.tracing import (
     NULL_TRACING,
     SAMPLED,
     Tracing,
@@ -49,7 +49,7 @@ from streamrl.common.tracing import (
     setup_tracing,
     weights_traceparent,
 )
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.tracing_config import TracingConfig
 
 T0 = 1_000.0
 """Start of the simulated run (Unix time, s)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamrl.common.tracing import parse_traceparent
+from streamrl.common.telemetry.tracing import parse_traceparent
 from streamrl.coordinator.traces import is_sampled, untraced
 
 

@@ -22,7 +22,7 @@ from test_trainer_updates import scored_batch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_schema import (
     BATCH_ID,
     CORRECTION_WEIGHT,
     KEEP,
@@ -39,7 +39,7 @@ from streamrl.common.trace_schema import (
     WEIGHTS_PATH,
     WEIGHTS_PUBLISH,
 )
-from streamrl.common.tracing import format_traceparent, parse_traceparent, weights_traceparent
+from streamrl.common.telemetry.tracing import format_traceparent, parse_traceparent, weights_traceparent
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("trace_worker.py")

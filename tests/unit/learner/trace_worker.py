@@ -19,10 +19,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from streamrl.common.bus import Bus, connect
 from streamrl.common.config import RedisConfig
 from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.prom import PromMetrics
 from streamrl.common.streams import StreamNames
-from streamrl.common.tracing import setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.prom import PromMetrics
+from streamrl.common.telemetry.tracing import setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.rl.algo.config import AlgoConfig, CorrectionConfig
 from streamrl.learner.rl.config import LearnerConfig

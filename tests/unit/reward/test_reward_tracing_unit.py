@@ -12,11 +12,18 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from streamrl.common.messages import ScoredTrajectory, Trajectory
-from streamrl.common.prom import PromMetrics
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_schema import REMOTE_LATENCY_MS, RETRIES, REWARD, REWARD_VALUE, SCORER, TRAJECTORY_ID
-from streamrl.common.tracing import Tracing, format_traceparent, parse_traceparent, setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.prom import PromMetrics
+from streamrl.common.telemetry.trace_schema import (
+    REMOTE_LATENCY_MS,
+    RETRIES,
+    REWARD,
+    REWARD_VALUE,
+    SCORER,
+    TRAJECTORY_ID,
+)
+from streamrl.common.telemetry.tracing import Tracing, format_traceparent, parse_traceparent, setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 from streamrl.reward.config import RewardConfig
 from streamrl.reward.scorers.base import ScorerResult
 from streamrl.reward.service import RewardService

@@ -27,9 +27,9 @@ from streamrl.common.messages import (
     WeightsBroadcast,
     WeightsPublished,
 )
-from streamrl.common.prom import PromMetrics
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.prom import PromMetrics
+from streamrl.common.telemetry.trace_schema import (
     ATTEMPT,
     ENGINE,
     FINISH_REASON,
@@ -47,7 +47,7 @@ from streamrl.common.trace_schema import (
     WEIGHTS_LOAD,
     WEIGHTS_PATH,
 )
-from streamrl.common.tracing import (
+from streamrl.common.telemetry.tracing import (
     NULL_TRACING,
     SAMPLED,
     Tracing,
@@ -57,7 +57,7 @@ from streamrl.common.tracing import (
     setup_tracing,
     weights_traceparent,
 )
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.tracing_config import TracingConfig
 from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.engine import GenerationRequest, Sample
 from streamrl.rollout.engine_config import EngineConfig

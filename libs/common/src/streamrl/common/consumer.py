@@ -64,7 +64,7 @@ from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import DeadLetter, Message
 from streamrl.common.peers import FORGET_LUA, PeerWatch, may_judge
 from streamrl.common.streams import StreamNames
-from streamrl.common.tracing import set_delivery_attempt
+from streamrl.common.telemetry.tracing import set_delivery_attempt
 from streamrl.common.trim import trim_consumed
 
 logger = logging.getLogger(__name__)

@@ -46,12 +46,12 @@ from streamrl.common.health import check, default_instance, heartbeat_forever
 from streamrl.common.lease import Lease, LeaseHeldError, LeaseLostError, holder_token
 from streamrl.common.liveness import StartupRenewer, watch_loop_lag
 from streamrl.common.log import setup_logging
-from streamrl.common.prom import NULL_METRICS, Metrics, setup_metrics
-from streamrl.common.prom_config import PromConfig
 from streamrl.common.redact import redact
 from streamrl.common.streams import StreamNames
-from streamrl.common.tracing import NULL_TRACING, Tracing, setup_tracing
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.prom import NULL_METRICS, Metrics, setup_metrics
+from streamrl.common.telemetry.prom_config import PromConfig
+from streamrl.common.telemetry.tracing import NULL_TRACING, Tracing, setup_tracing
+from streamrl.common.telemetry.tracing_config import TracingConfig
 
 logger = logging.getLogger(__name__)
 SINGLETONS = ("coordinator", "learner")
@@ -70,7 +70,7 @@ class ServiceConfig(BaseConfig):
     redis: RedisConfig = RedisConfig()
     consumer: ConsumerConfig = ConsumerConfig()
     tracing: TracingConfig = TracingConfig()
-    """OpenTelemetry traces of the samples this service handles (:mod:`streamrl.common.tracing`)."""
+    """OpenTelemetry traces of the samples this service handles (:mod:`streamrl.common.telemetry.tracing`)."""
     prometheus: PromConfig = PromConfig()
     """This service's Prometheus endpoint (``port`` 0: none)."""
     standby: bool = False

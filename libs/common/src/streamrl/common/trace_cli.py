@@ -4,7 +4,7 @@
     streamrl trace runs/demo --kept          # only traces marked under tail sampling
     streamrl trace runs/demo/traces --top 20 --no-plot
 
-Reads the OTLP JSON lines the ``file`` exporter writes (:mod:`streamrl.common.trace_file`); the
+Reads the OTLP JSON lines the ``file`` exporter writes (:mod:`streamrl.common.telemetry.trace_file`); the
 analysis is :mod:`streamrl.common.trace_report`.
 """
 
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from streamrl.common.trace_file import read_spans, trace_files
+from streamrl.common.telemetry.trace_file import read_spans, trace_files
 from streamrl.common.trace_report import TraceReport, build_report, format_report
 
 

@@ -1,7 +1,7 @@
 """What a run's traces say: staleness of trained samples, latency per stage, the slowest trajectories.
 
-Pure functions over :class:`streamrl.common.trace_file.SpanRecord` lists (no I/O); ``streamrl
-trace`` prints and plots the result. A trajectory is one sample's chain (:mod:`streamrl.common.trace_schema`):
+Pure functions over :class:`streamrl.common.telemetry.trace_file.SpanRecord` lists (no I/O); ``streamrl
+trace`` prints and plots the result. A trajectory is one sample's chain (:mod:`streamrl.common.telemetry.trace_schema`):
 from the root of its trace through its ``rollout.generate`` span down to its ``learner.train`` span
 (complete), or to the last span it reached (incomplete: failed, dropped, still in flight, or its
 training not traced). A redelivered step has several attempt spans: the trajectory follows the one
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from streamrl.common.trace_file import SpanRecord
-from streamrl.common.trace_schema import GENERATE, KEEP, REWARD, STAGES, STALENESS, TRAIN, TRAJECTORY_ID
+from streamrl.common.telemetry.trace_file import SpanRecord
+from streamrl.common.telemetry.trace_schema import GENERATE, KEEP, REWARD, STAGES, STALENESS, TRAIN, TRAJECTORY_ID
 
 END_TO_END = "end to end"
 """Label of the whole-trajectory row of the latency table (complete trajectories, root start to train end)."""

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 from streamrl.common.codec import encode
 from streamrl.common.messages import TrainingBatch
-from streamrl.common.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
-from streamrl.common.tracing import NULL_TRACING, Attributes, Tracing
+from streamrl.common.telemetry.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
+from streamrl.common.telemetry.tracing import NULL_TRACING, Attributes, Tracing
 from streamrl.common.tx import PreconditionFailed, Tx
 from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import staleness

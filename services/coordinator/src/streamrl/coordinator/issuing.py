@@ -25,8 +25,8 @@ import time
 
 from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor
-from streamrl.common.trace_schema import GROUP_ID, ISSUE, POLICY_VERSION
-from streamrl.common.tracing import NULL_TRACING, Span, Tracing
+from streamrl.common.telemetry.trace_schema import GROUP_ID, ISSUE, POLICY_VERSION
+from streamrl.common.telemetry.tracing import NULL_TRACING, Span, Tracing
 from streamrl.common.tx import PreconditionFailed
 from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import groups_admissible, new_group_versions

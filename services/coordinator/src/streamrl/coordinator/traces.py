@@ -1,6 +1,6 @@
 """The coordinator's spans: where a prompt group's trace starts, and what its samples waited for.
 
-Span names and attribute keys are :mod:`streamrl.common.trace_schema`'s:
+Span names and attribute keys are :mod:`streamrl.common.telemetry.trace_schema`'s:
 
 * ``coordinator.issue``: root of a training prompt group's trace, started when its prompt is issued
   (``issuing.py``). The sampling decision (``[tracing]``) is taken there, once per group, and
@@ -25,8 +25,15 @@ import random
 from collections.abc import Sequence
 
 from streamrl.common.messages import ScoredTrajectory
-from streamrl.common.trace_schema import BATCH_ID, BATCH_WAIT, GROUP_ID, GROUP_WAIT, TRAJECTORY_ID, VERSION_START
-from streamrl.common.tracing import SAMPLED, Tracing, format_traceparent, parse_traceparent
+from streamrl.common.telemetry.trace_schema import (
+    BATCH_ID,
+    BATCH_WAIT,
+    GROUP_ID,
+    GROUP_WAIT,
+    TRAJECTORY_ID,
+    VERSION_START,
+)
+from streamrl.common.telemetry.tracing import SAMPLED, Tracing, format_traceparent, parse_traceparent
 
 STORED_AT = "stored_at"
 """``Trajectory.timings`` key: Unix time (s) the coordinator stored a traced sample in its group buffer."""

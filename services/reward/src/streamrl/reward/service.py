@@ -49,10 +49,17 @@ from collections.abc import Sequence
 
 from streamrl.common.bus import Output
 from streamrl.common.messages import ScoredTrajectory, Trajectory
-from streamrl.common.prom import NULL_METRICS, Metrics
 from streamrl.common.streams import StreamNames
-from streamrl.common.trace_schema import REMOTE_LATENCY_MS, RETRIES, REWARD, REWARD_VALUE, SCORER, TRAJECTORY_ID
-from streamrl.common.tracing import NULL_TRACING, Tracing
+from streamrl.common.telemetry.prom import NULL_METRICS, Metrics
+from streamrl.common.telemetry.trace_schema import (
+    REMOTE_LATENCY_MS,
+    RETRIES,
+    REWARD,
+    REWARD_VALUE,
+    SCORER,
+    TRAJECTORY_ID,
+)
+from streamrl.common.telemetry.tracing import NULL_TRACING, Tracing
 from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.combine import CombinedScore, WeightedResult, combine
 from streamrl.reward.config import RewardConfig

@@ -26,7 +26,7 @@
   records the prompt as the model saw it (image tokens expanded, as the engine reports it) and every
   image in order: the prompt's, then those an environment returned.
 
-Observability (:mod:`streamrl.common.tracing`, :mod:`streamrl.common.prom`): per prompt a
+Observability (:mod:`streamrl.common.telemetry.tracing`, :mod:`streamrl.common.telemetry.prom`): per prompt a
 ``rollout.queue`` span from its issue to the start of its generation (under the prompt's
 traceparent), under it one ``rollout.generate`` span per sample whose traceparent the Trajectory
 carries; per version a worker loads a ``rollout.weights_load`` span under that version's weights
@@ -52,7 +52,7 @@ from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyn
 from streamrl.common.follower import StreamFollower, previous_id, supervise
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_schema import (
     ENGINE,
     FINISH_REASON,
     GENERATE,
@@ -69,7 +69,7 @@ from streamrl.common.trace_schema import (
     WEIGHTS_LOAD,
     WEIGHTS_PATH,
 )
-from streamrl.common.tracing import weights_traceparent
+from streamrl.common.telemetry.tracing import weights_traceparent
 from streamrl.common.weights.auth import KEY_ENV, check, weights_key
 from streamrl.rollout.agent_gateway import AgentGateway
 from streamrl.rollout.config import RolloutConfig

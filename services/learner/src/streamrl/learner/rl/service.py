@@ -76,8 +76,8 @@ from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
-from streamrl.common.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
-from streamrl.common.tracing import weights_traceparent
+from streamrl.common.telemetry.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
+from streamrl.common.telemetry.tracing import weights_traceparent
 from streamrl.common.weights.auth import sign, weights_key
 from streamrl.learner.rl.batch_order import behind_verdict, fingerprint, gap_verdict
 from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher

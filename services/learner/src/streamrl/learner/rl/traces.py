@@ -1,4 +1,4 @@
-"""The learner's spans (names and attribute keys: :mod:`streamrl.common.trace_schema`).
+"""The learner's spans (names and attribute keys: :mod:`streamrl.common.telemetry.trace_schema`).
 
 * ``learner.step``, one per training step (per attempt: a retried step's attempts are siblings carrying
   ``streamrl.attempt``), child of the batch's trace (``TrainingBatch.traceparent``), always recorded,
@@ -11,7 +11,7 @@
   weight and masked fraction (when an off-policy correction is on), and a keep mark when it is stale
   or its trajectory (issue to training) was slow.
 * ``learner.weights_publish``, one per version served, under
-  :func:`~streamrl.common.tracing.weights_traceparent` (run, version), with bytes and path.
+  :func:`~streamrl.common.telemetry.tracing.weights_traceparent` (run, version), with bytes and path.
 
 Only rank 0 (the service) records spans. Per-sample work is done only for samples whose trace is
 sampled (:func:`traced_rows` reads the flag in each traceparent, ~1 us a sample): their rows get
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from streamrl.common.messages import TrainingBatch, Trajectory
-from streamrl.common.trace_schema import (
+from streamrl.common.telemetry.trace_schema import (
     BATCH_ID,
     CORRECTION_WEIGHT,
     MASKED_FRACTION,
@@ -38,7 +38,7 @@ from streamrl.common.trace_schema import (
     VERSION_END,
     VERSION_START,
 )
-from streamrl.common.tracing import SAMPLED, Attributes, Span, Tracing, parse_traceparent
+from streamrl.common.telemetry.tracing import SAMPLED, Attributes, Span, Tracing, parse_traceparent
 
 
 class SampleCorrection(NamedTuple):

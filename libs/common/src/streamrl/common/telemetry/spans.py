@@ -1,62 +1,29 @@
-"""Tracing a trajectory across services with OpenTelemetry: the API services call.
+"""The span model of :mod:`streamrl.common.telemetry.tracing`: what a span and a tracer are, and the
+no-op pair used when tracing is off.
 
-The trace context rides in every message as a W3C ``traceparent`` string. A handler starts its
-span from the incoming message's traceparent and writes the span's own traceparent into the
-message it sends on, so one prompt group is one trace across processes (span names and attribute
-keys: :mod:`streamrl.common.trace_schema`)::
+* :class:`Span` / :class:`Tracing`: the interface services call (start, record, mark for tail
+  sampling, fail, end; flush, shut down); :class:`NullSpan` / :data:`NULL_TRACING` record nothing
+  and pass the parent's traceparent on unchanged.
+* W3C ``traceparent`` strings: :func:`parse_traceparent`, :func:`format_traceparent`, and
+  :func:`weights_traceparent` (the shared parent of a weight version's spans).
+* The delivery attempt of the entry a task handles (:func:`set_delivery_attempt`), and
+  :func:`keep_reasons` (why tail sampling keeps a sample).
 
-    tracing = setup_tracing(config.tracing, service="rollout", instance=instance,
-                            run_id=config.run_id, run_dir=config.run_dir)
-    queued = tracing.record(QUEUE, item.traceparent, start_s=item.issued_at, end_s=time.time())
-    with tracing.span(GENERATE, queued, attributes={ENGINE: "vllm"}) as span:
-        ...
-        out = Trajectory(..., traceparent=span.traceparent)
-    tracing.shutdown()   # on exit: flushes what is buffered
-
-Each process has its own TracerProvider with a batch span processor; spans go to OTLP JSON lines
-under ``{run_dir}/traces/`` (one file per process, :mod:`streamrl.common.trace_file`) or to a
-collector over OTLP HTTP / gRPC. Disabled, :func:`setup_tracing` returns :data:`NULL_TRACING`:
-OpenTelemetry is not even imported and a span is one small object whose traceparent is the
-parent's, passed through unchanged.
-
-Sampling. The decision is made once, where the trace starts (the coordinator issuing a prompt),
-and travels in the traceparent's sampled flag: every later span follows its parent, so a trace is
-recorded whole or not at all and unsampled work costs a non-recording span (~2 us). ``ratio``
-samples that fraction of prompt groups; the per-step spans (batch, step, weight publish / load)
-are always recorded. ``tail`` ("only stale, slow or failed samples") cannot be decided where the
-trace starts: whether a sample is stale is known only when it is trained, in another process,
-after the spans of the issuing, generating and scoring processes have ended. Dropping at the
-source would need every process to hold its spans until a verdict reached it, and the bus carries
-messages forward only. So under ``tail`` every span is recorded and exported; the span that sees
-the evidence (a training span of a stale sample, a failed reward attempt, a trajectory over
-``tail_slow_s``) marks it with ``streamrl.keep`` (:meth:`Span.mark_keep`), and the sink keeps
-whole traces holding a mark: ``streamrl trace --kept`` for files, a collector's ``tail_sampling``
-processor (``string_attribute`` policy on ``streamrl.keep``) for OTLP. Tail sampling saves storage
-and attention, not the services' CPU; ``ratio`` saves CPU.
-
-Redelivery. The consumer loop calls :func:`set_delivery_attempt` before each handler call; every
-span started while handling that delivery carries ``streamrl.attempt``. A redelivered entry has
-the same traceparent, so its attempts are sibling spans under one parent; only the attempt whose
-outputs were committed passes its traceparent on (the commit de-duplicates), so the rest of the
-trajectory hangs under that one attempt and is never duplicated.
+The OpenTelemetry implementation (:mod:`streamrl.common.telemetry.tracing_sdk`) builds on this
+module; :func:`streamrl.common.telemetry.tracing.setup_tracing` picks one of the two. Nothing here
+imports OpenTelemetry.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
-from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-from streamrl.common.tracing_config import TracingConfig
-
-if TYPE_CHECKING:
-    from opentelemetry.sdk.trace.export import SpanExporter
+from streamrl.common.telemetry.tracing_config import TracingConfig
 
 AttributeValue = str | bool | int | float | list[str] | list[int] | list[float]
 Attributes = Mapping[str, AttributeValue]
@@ -264,24 +231,3 @@ class NullTracing(Tracing):
 
 
 NULL_TRACING = NullTracing()
-
-
-def setup_tracing(
-    config: TracingConfig,
-    *,
-    service: str,
-    instance: str,
-    run_id: str,
-    run_dir: str | Path,
-    exporter: SpanExporter | None = None,
-) -> Tracing:
-    """This process's tracing: :data:`NULL_TRACING` when ``config.enabled`` is off (or
-    ``OTEL_SDK_DISABLED=true``), else a TracerProvider exporting as configured (``exporter``
-    replaces the configured one: tests pass the SDK's in-memory exporter)."""
-    if not config.enabled or os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return NULL_TRACING
-    from streamrl.common.tracing_sdk import SdkTracing
-
-    return SdkTracing.start(
-        config, service=service, instance=instance, run_id=run_id, run_dir=run_dir, exporter=exporter
-    )

@@ -1,4 +1,4 @@
-"""The OpenTelemetry SDK behind :mod:`streamrl.common.tracing`: provider, sampler, exporters, spans.
+"""The OpenTelemetry SDK behind :mod:`streamrl.common.telemetry.tracing`: provider, sampler, exporters, spans.
 
 Imported only when tracing is on. One TracerProvider per process (not installed as the global
 one: streamrl passes trace context explicitly, in messages), one BatchSpanProcessor in front of the
@@ -30,9 +30,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, Sta
 from opentelemetry.util.types import Attributes as OtelAttributes
 
 from streamrl.common.errors import ConfigError
-from streamrl.common.trace_file import JsonLinesSpanExporter
-from streamrl.common.trace_schema import ATTEMPT, KEEP, PER_STEP_ROOTS, RUN_ID
-from streamrl.common.tracing import (
+from streamrl.common.telemetry.spans import (
     SAMPLED,
     Attributes,
     AttributeValue,
@@ -44,7 +42,9 @@ from streamrl.common.tracing import (
     keep_reasons,
     parse_traceparent,
 )
-from streamrl.common.tracing_config import TracingConfig
+from streamrl.common.telemetry.trace_file import JsonLinesSpanExporter
+from streamrl.common.telemetry.trace_schema import ATTEMPT, KEEP, PER_STEP_ROOTS, RUN_ID
+from streamrl.common.telemetry.tracing_config import TracingConfig
 
 _EMPTY = Context()
 """Parent of a new trace: an empty context, never the thread's current one."""

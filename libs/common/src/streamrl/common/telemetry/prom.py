@@ -41,7 +41,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError, ResponseError
 
 from streamrl.common.errors import ConfigError
-from streamrl.common.prom_config import PromConfig
+from streamrl.common.telemetry.prom_config import PromConfig
 
 logger = logging.getLogger(__name__)
 SCRAPE_REDIS_TIMEOUT_S = 2.0

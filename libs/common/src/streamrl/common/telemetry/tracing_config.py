@@ -1,7 +1,7 @@
 """``[tracing]``: whether and how a service traces trajectories with OpenTelemetry.
 
 Torch- and OpenTelemetry-free (pydantic only), so a recipe is validated before anything is set up;
-:mod:`streamrl.common.tracing` acts on it. Standard ``OTEL_*`` environment variables still apply
+:mod:`streamrl.common.telemetry.tracing` acts on it. Standard ``OTEL_*`` environment variables still apply
 where this section leaves a value unset (endpoint, headers, service name, batch processor sizes),
 and ``OTEL_SDK_DISABLED=true`` turns tracing off.
 """
@@ -16,7 +16,7 @@ from streamrl.common.config import BaseConfig
 
 
 class TracingConfig(BaseConfig):
-    """One trace per prompt group across every service; see :mod:`streamrl.common.tracing`."""
+    """One trace per prompt group across every service; see :mod:`streamrl.common.telemetry.tracing`."""
 
     enabled: bool = True
     """Record spans. Off: no OpenTelemetry object is created and every tracing call returns at once."""

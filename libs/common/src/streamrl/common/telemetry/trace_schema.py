@@ -16,7 +16,7 @@ Per-step traces, recorded whatever the sampling ratio::
     coordinator.batch           root of a batch's trace (TrainingBatch.traceparent)
     └ learner.step              links to every sample span it consumed
     learner.weights_publish     children of one context per weight version
-    rollout.weights_load        (:func:`streamrl.common.tracing.weights_traceparent`), one per worker
+    rollout.weights_load        (:func:`streamrl.common.telemetry.tracing.weights_traceparent`), one per worker
 
 A redelivered entry gets one span per attempt under the same parent (``streamrl.attempt``); only the
 attempt whose outputs were committed has children.

@@ -1,6 +1,6 @@
 """``[prometheus]``: the metrics endpoint a service serves for Prometheus to scrape.
 
-Pydantic only; :mod:`streamrl.common.prom` acts on it. Several services on one host need one port
+Pydantic only; :mod:`streamrl.common.telemetry.prom` acts on it. Several services on one host need one port
 each (``[rollout.prometheus] port = 9102``); replicas in containers can share the port number.
 """
 
