@@ -8,7 +8,7 @@ random model cannot shorten one side), temperature 1, bf16, a Qwen2-0.5B-shaped 
 * ``generate``: ``model.generate(do_sample=True)`` on the left-padded batch of all samples (each
   prompt repeated ``samples`` times), timed warm (a first, untimed call compiles nothing but warms
   the allocator and kernels); and the same with ``cache_implementation="static"``.
-* ``engine``: :class:`streamrl.rollout.hf_engine.HFEngine` (KV decoder, CUDA graphs) answering one
+* ``engine``: :class:`streamrl.rollout.engines.hf_engine.HFEngine` (KV decoder, CUDA graphs) answering one
   ``generate`` call of ``prompts`` requests with ``n = samples``, timed warm (the first call
   captures its CUDA graphs) — engine start-up and graph capture are reported separately.
 
@@ -70,7 +70,7 @@ def _build_model(folder: Path, tiny: bool) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from streamrl.rollout.tiny_model import build_tokenizer
+    from streamrl.torchkit.testing import build_tokenizer
 
     _, eos = build_tokenizer(folder)
     config = Qwen2Config(**(TINY if tiny else QWEN2_05B), eos_token_id=eos, bos_token_id=eos)
@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from streamrl.common.messages import SamplingParams
-    from streamrl.rollout.engine import GenerationRequest
-    from streamrl.rollout.engine_config import EngineConfig
-    from streamrl.rollout.hf_engine import HFEngine
+    from streamrl.rollout.engines.config import EngineConfig
+    from streamrl.rollout.engines.engine import GenerationRequest
+    from streamrl.rollout.engines.hf_engine import HFEngine
 
     tiny = args.tiny
     if not tiny and not torch.cuda.is_available():

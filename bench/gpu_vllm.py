@@ -4,7 +4,7 @@ log-probs checked, and the weight update over ZMQ - in one process, on one GPU.
 1. ``bench/gpu_generate.py``'s part (a) as it is: the transformers engine and ``model.generate`` on
    ``prompts`` x ``samples`` x exactly ``new_tokens`` tokens, random Qwen2-0.5B-shaped, bf16.
 2. The same batch (same model: same seed and shape; same prompts) through
-   :class:`streamrl.rollout.vllm_engine.VLLMEngine` (``rollout.engine.type = "vllm"``: CUDA graphs,
+   :class:`streamrl.rollout.engines.vllm_engine.VLLMEngine` (``rollout.engine.type = "vllm"``: CUDA graphs,
    ``logprobs_mode = "processed_logprobs"``), timed warm; engine start (with vLLM's compile and
    graph capture) reported apart.
 3. Processed log-probs: ``check_prompts`` prompts x 2 samples x 32 tokens at temperature 0.7; the
@@ -71,7 +71,7 @@ def reference_logprobs(model: Any, prompt: list[int], tokens: list[int], tempera
 def compare_logprobs(engine: Any, model: Any, prompts: list[list[int]], seed: int) -> dict[str, float]:
     """Max and mean |engine - transformers| over the sampled tokens of a small T=0.7 batch."""
     from streamrl.common.messages import SamplingParams
-    from streamrl.rollout.engine import GenerationRequest
+    from streamrl.rollout.engines.engine import GenerationRequest
 
     sampling = SamplingParams(temperature=CHECK_TEMPERATURE, max_new_tokens=32, min_new_tokens=32, n=2, seed=seed)
     groups = asyncio.run(engine.generate([GenerationRequest(p, sampling) for p in prompts]))
@@ -118,10 +118,10 @@ def _run_vllm(args: argparse.Namespace, result: dict[str, Any], total: int, devi
     from transformers import AutoModelForCausalLM
 
     from streamrl.common.messages import SamplingParams
-    from streamrl.learner.rl.weights import WeightServer
-    from streamrl.rollout.engine import GenerationRequest
-    from streamrl.rollout.engine_config import EngineConfig
-    from streamrl.rollout.vllm_engine import VLLMEngine
+    from streamrl.learner.rl.weights.zmq import WeightServer
+    from streamrl.rollout.engines.config import EngineConfig
+    from streamrl.rollout.engines.engine import GenerationRequest
+    from streamrl.rollout.engines.vllm_engine import VLLMEngine
 
     tiny = args.tiny
     with tempfile.TemporaryDirectory() as tmp:
@@ -257,10 +257,10 @@ def _sync_1p5b(args: argparse.Namespace, result: dict[str, Any]) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from streamrl.learner.rl.weights import WeightServer
-    from streamrl.rollout.engine_config import EngineConfig
-    from streamrl.rollout.tiny_model import build_tokenizer
-    from streamrl.rollout.vllm_engine import VLLMEngine
+    from streamrl.learner.rl.weights.zmq import WeightServer
+    from streamrl.rollout.engines.config import EngineConfig
+    from streamrl.rollout.engines.vllm_engine import VLLMEngine
+    from streamrl.torchkit.testing import build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "m"

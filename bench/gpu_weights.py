@@ -4,10 +4,10 @@ Two processes on one GPU. The learner process (spawned) holds a Qwen2-1.5B-shape
 bf16 parameters (28 layers, hidden 1536, intermediate 8960, 12 heads and 2 KV heads of 128, vocab
 151,936, q/k/v biases, tied embeddings: 338 parameters, plus ``lm_head.weight`` sent explicitly =
 339 tensors, 3.55 GB; shapes built here, nothing downloaded) and publishes each version with
-``streamrl.learner.rl.ipc_weights.IpcWeightPublisher``: copy into the persistent IPC buffers +
+``streamrl.learner.rl.weights.ipc.IpcWeightPublisher``: copy into the persistent IPC buffers +
 device-side checksum. It sends the ``WeightsPublished`` message as the msgpack bytes the bus would
 carry. The engine process (this one) decodes it, fetches with
-``streamrl.rollout.ipc_weights.IpcWeightReceiver`` (copy into staging + checksum verified) and
+``streamrl.rollout.weights.ipc.IpcWeightReceiver`` (copy into staging + checksum verified) and
 copies them into its own parameters (339 tensors) the way the transformers engine does: the
 parameters live in flat buffers of the published layout (``FlatParameters``, set up at the first
 update), so loading is one copy per buffer; then it waits for the GPU.
@@ -53,8 +53,8 @@ import torch  # noqa: E402
 
 from streamrl.common.codec import decode, encode  # noqa: E402
 from streamrl.common.messages import WeightsPublished  # noqa: E402
-from streamrl.learner.rl.ipc_weights import IpcWeightPublisher  # noqa: E402
-from streamrl.rollout.ipc_weights import FlatParameters, IpcWeightReceiver  # noqa: E402
+from streamrl.learner.rl.weights.ipc import IpcWeightPublisher  # noqa: E402
+from streamrl.rollout.weights.ipc import FlatParameters, IpcWeightReceiver  # noqa: E402
 
 TARGET_MS = 10.0
 QWEN2_1_5B = {

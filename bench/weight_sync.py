@@ -91,10 +91,10 @@ def measure_zmq(size: str, engine_type: str, wire_dtype: torch.dtype, repeats: i
 
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.rl.weights import WeightServer
-    from streamrl.rollout.engine import build_engine
-    from streamrl.rollout.engine_config import EngineConfig
-    from streamrl.rollout.tiny_model import build_tiny_qwen2
+    from streamrl.learner.rl.weights.zmq import WeightServer
+    from streamrl.rollout.engines.config import EngineConfig
+    from streamrl.rollout.engines.factory import build_engine
+    from streamrl.torchkit.testing import build_tiny_qwen2
 
     dirs = [build_tiny_qwen2(tmp / f"{size}-{s}", seed=s, **SIZES[size]) for s in (0, 1)]  # type: ignore[arg-type]
     states = [
@@ -159,7 +159,7 @@ def _save_model(folder: Path, shape: dict[str, int], device: torch.device) -> in
     """A random bf16 Qwen2 of ``shape`` (tied embeddings) and a small tokenizer in ``folder``; returns its parameters."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from streamrl.rollout.tiny_model import build_tokenizer
+    from streamrl.torchkit.testing import build_tokenizer
 
     config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096)
     with torch.device(device):
@@ -174,7 +174,7 @@ def _save_model(folder: Path, shape: dict[str, int], device: torch.device) -> in
 def _receiver(conn: Connection, rendezvous: bytes, device: str) -> None:
     """A rollout worker's member of the group on ``device``; it stages every version until told to stop."""
     from streamrl.common.weights.broadcast import decode_rendezvous
-    from streamrl.rollout.broadcast_receiver import BroadcastReceiver
+    from streamrl.rollout.weights.broadcast import BroadcastReceiver
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -187,7 +187,7 @@ def _self_broadcast_seconds(sizes: list[int], device: torch.device, repeats: int
     """Broadcast calls of buckets of ``sizes`` on a 1-member NCCL group (see the module docstring)."""
     import torch.distributed as dist
 
-    from streamrl.learner.rl.broadcast_weights import new_group
+    from streamrl.learner.rl.weights.broadcast import new_group
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group = new_group(dist.PrefixStore("self/", store), 0, 1, "nccl", 60.0, device)
@@ -220,7 +220,7 @@ def _start_receivers(rendezvous: bytes, count: int, device: torch.device) -> lis
 
 def _round(engine: Any, publisher: Any, version: int, device: torch.device, receivers: int) -> dict[str, float]:
     """One measurement of every part (versions ``version`` and ``version + 1``); seconds by part."""
-    from streamrl.learner.rl.ipc_weights import weights_checksum
+    from streamrl.learner.rl.weights.ipc import weights_checksum
 
     _sync(device)
     started = time.perf_counter()
@@ -266,7 +266,7 @@ def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
     from streamrl.common.weights.broadcast import encode
     from streamrl.learner.ds_config import DeepSpeedConfig
     from streamrl.learner.engine import ModelEngine
-    from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
+    from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
 
     device, receivers = _pick_device(args)
     shape = TINY if args.tiny else QWEN2_1_5B

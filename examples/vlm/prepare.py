@@ -5,7 +5,7 @@
 Settings come from the recipe's ``[prepare]`` table, then ``--prepare.field=value`` overrides. Writes
 into ``out_dir``: ``images/*.png``, ``train.jsonl`` / ``eval.jsonl`` (``{"prompt", "label",
 "images"}``, image paths relative to the file) and ``model/`` (a random vision-language policy:
-``streamrl.rollout.tiny_model.build_tiny_idefics3``, warm-started for ``warm_steps`` steps of
+``streamrl.torchkit.testing.build_tiny_idefics3``, warm-started for ``warm_steps`` steps of
 supervised training on "a colour name, then end-of-sequence" with colours drawn at random, so that its
 turns end (a random policy never samples end-of-sequence, and a turn cut at the token limit ends the
 episode) but which colour is shown is left to RL. A smoke task: it shows images flowing through every
@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import Field
 
 from streamrl.common.config import BaseConfig, load_config
-from streamrl.rollout.tiny_model import build_tiny_idefics3
+from streamrl.torchkit.testing import build_tiny_idefics3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from colours import COLOURS, draw

@@ -17,9 +17,10 @@ import torch
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import SamplingParams, WeightsPublished
-from streamrl.rollout.engine import GenerationRequest, build_engine
-from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import GenerationRequest
+from streamrl.rollout.engines.factory import build_engine
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPT = [5, 6, 7, 8, 9]
@@ -28,7 +29,7 @@ PROMPT = [5, 6, 7, 8, 9]
 def _learner(conn: Connection) -> None:
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
+    from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
 
     publisher = IpcWeightPublisher(bucket_bytes=2**20)
     while (request := conn.recv()) is not None:

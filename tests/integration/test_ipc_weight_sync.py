@@ -18,8 +18,8 @@ import torch
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import WeightsPublished
-from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
-from streamrl.rollout.ipc_weights import IpcWeightReceiver
+from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+from streamrl.rollout.weights.ipc import IpcWeightReceiver
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 BUCKET_BYTES = 2**20
@@ -107,7 +107,7 @@ def test_fetch_returns_the_published_weights(
 ) -> None:
     msg = _publish(learner, 1)
     assert msg.ipc is not None and len(msg.ipc.buffers) >= 3
-    with caplog.at_level(logging.INFO, logger="streamrl.rollout.ipc_weights"):
+    with caplog.at_level(logging.INFO, logger="streamrl.rollout.weights.ipc"):
         _assert_equal(receiver.fetch(msg.ipc, msg.version, msg.checksum), seed=1)
     assert sum(OPENED in r.getMessage() for r in caplog.records) == len(msg.ipc.buffers)
 
@@ -117,7 +117,7 @@ def test_the_next_version_reuses_the_open_handles(
 ) -> None:
     msg = _publish(learner, 2)
     assert msg.ipc is not None
-    with caplog.at_level(logging.INFO, logger="streamrl.rollout.ipc_weights"):
+    with caplog.at_level(logging.INFO, logger="streamrl.rollout.weights.ipc"):
         _assert_equal(receiver.fetch(msg.ipc, msg.version, msg.checksum), seed=2)
     assert not any(OPENED in r.getMessage() for r in caplog.records)
 

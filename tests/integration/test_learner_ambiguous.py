@@ -25,7 +25,7 @@ from test_learner_group import training_batch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 

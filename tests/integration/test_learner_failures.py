@@ -25,7 +25,7 @@ from test_learner_group import training_batch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import DeadLetter, WeightsPublished
 from streamrl.common.streams import StreamNames
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("learner_failure_worker.py")

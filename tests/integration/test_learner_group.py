@@ -31,7 +31,7 @@ from streamrl.common.messages import (
     WeightsPublished,
 )
 from streamrl.common.streams import StreamNames
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

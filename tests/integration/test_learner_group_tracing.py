@@ -26,7 +26,7 @@ from streamrl.common.telemetry.trace_schema import (
     TRAJECTORY_ID,
 )
 from streamrl.common.telemetry.tracing import format_traceparent
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 STEPS = 2

@@ -15,7 +15,7 @@ from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import IpcTensor, WeightsBroadcast, WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.rollout.config import RolloutConfig
-from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.service import RolloutService
 
 RENDEZVOUS = WeightsBroadcast(

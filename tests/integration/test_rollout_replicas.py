@@ -20,8 +20,8 @@ from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.rollout.config import RolloutConfig
-from streamrl.rollout.engine import GenerationRequest, Sample
-from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import GenerationRequest, Sample
 from streamrl.rollout.service import RolloutService
 
 

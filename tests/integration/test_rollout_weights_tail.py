@@ -16,7 +16,7 @@ from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.rollout.config import RolloutConfig
-from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.service import RolloutService
 
 

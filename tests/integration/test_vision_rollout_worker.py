@@ -22,9 +22,9 @@ from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
 from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Tensor, Trajectory, WeightsPublished
 from streamrl.common.streams import StreamNames
-from streamrl.learner.rl.weights import WeightServer
-from streamrl.rollout.tiny_model import build_tiny_idefics3
-from streamrl.rollout.vision import decode_image, encode, expand_image_tokens, expansion_token_ids, load_processor
+from streamrl.learner.rl.weights.zmq import WeightServer
+from streamrl.rollout.vision import decode_image, encode, expand_image_tokens, expansion_token_ids, vision_processor
+from streamrl.torchkit.testing import build_tiny_idefics3
 
 IMAGE = 387
 OBSERVATION = "<|im_end|>\n<|im_start|>user\nand now <image>?"
@@ -59,7 +59,7 @@ def test_a_worker_serves_image_episodes_from_the_learners_weights(
     tmp_path: Path, redis_url: str, run_id: str, worker_env: dict[str, str]
 ) -> None:
     model_a, model_b = build_tiny_idefics3(tmp_path / "a", seed=0), build_tiny_idefics3(tmp_path / "b", seed=1)
-    processor = load_processor(model_a)
+    processor = vision_processor(model_a)
     learner = AutoModelForImageTextToText.from_pretrained(model_b).eval()  # version 1: model B's weights
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}]
     ids = processor.tokenizer(processor.apply_chat_template(chat, add_generation_prompt=True))["input_ids"]

@@ -42,7 +42,7 @@ def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
 
 def _publisher(conn: Connection) -> None:
     """("publish", v) -> (rendezvous bytes, checksum, seconds publish took); ("delivered", v, n) -> members."""
-    from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
+    from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
 
     publisher = BroadcastWeightPublisher(bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
     while True:
@@ -63,8 +63,8 @@ def _receiver(conn: Connection, rendezvous: bytes, label: str, die_at: int) -> N
 
     With ``die_at`` > 0 the process kills itself (SIGKILL) after the first bucket of that version.
     """
-    from streamrl.rollout.broadcast_receiver import BroadcastReceiver
-    from streamrl.rollout.ipc_weights import weights_checksum
+    from streamrl.rollout.weights.broadcast import BroadcastReceiver
+    from streamrl.rollout.weights.ipc import weights_checksum
 
     class DyingReceiver(BroadcastReceiver):
         def _receive(self, store: Any, generation: int, op: int, rank: int, group: Any, record: Any) -> None:

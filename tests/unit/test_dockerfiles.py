@@ -232,6 +232,25 @@ def test_image_installs_the_service_with_its_declared_dependencies(path: Path) -
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=_name)
+def test_image_installs_the_local_packages_its_service_depends_on(path: Path) -> None:
+    """A service's streamrl-* dependencies (streamrl-torchkit for the rollout and the learner) are not on
+    any package index: the image installs each from its folder, dependencies first, then the code."""
+    service = _service(path)
+    declared = tomllib.loads((REPO / "services" / service / "pyproject.toml").read_text())["project"]
+    local = {
+        f"./libs/{name.removeprefix('streamrl-')}"
+        for name in (re.split(r"[\s\[;<>=]", dep, maxsplit=1)[0] for dep in declared["dependencies"])
+        if name.startswith("streamrl-")
+    }
+    assert local, f"{service} declares no streamrl package"
+    installs = pip_installs(_dockerfile(path))
+    with_deps = {word for args in installs if "--no-deps" not in args for word in args}
+    code = [args for args in installs if "--no-deps" in args]
+    assert local <= with_deps, f"{sorted(local - with_deps)} not installed with their dependencies"
+    assert code and local <= set(code[-1]), f"{sorted(local - set(code[-1]))} code never installed"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=_name)
 def test_cpu_images_stay_cpu_and_gpu_images_use_cuda_with_python_3_12(path: Path) -> None:
     instructions = _dockerfile(path)
     image = base_image(instructions)

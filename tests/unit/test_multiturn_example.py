@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.rollout.env_calculator import CalculatorEnvironment
+from streamrl.rollout.environments.calculator import CalculatorEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -62,7 +62,7 @@ def test_service_defaults_are_the_services_defaults() -> None:
     from streamrl.coordinator.config import CoordinatorConfig, EvalConfig, SamplingConfig
     from streamrl.learner.rl.config import LearnerConfig
     from streamrl.rollout.config import EnvironmentConfig
-    from streamrl.rollout.engine_config import EngineConfig
+    from streamrl.rollout.engines.config import EngineConfig
 
     models = {
         "coordinator": CoordinatorConfig,

@@ -12,7 +12,7 @@ from PIL import Image as PILImage
 from streamrl.common.errors import ConfigError
 from streamrl.coordinator.config import DatasetConfig
 from streamrl.coordinator.prompts import BadRowError, PromptSource, read_images
-from streamrl.rollout.tiny_model import IMAGE_TOKEN, build_tiny_idefics3
+from streamrl.torchkit.testing import IMAGE_TOKEN, build_tiny_idefics3
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from streamrl.learner import durable
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 
 def main(out: Path) -> list[list[str]]:

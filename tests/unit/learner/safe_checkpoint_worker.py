@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.engine import ModelEngine
 from streamrl.learner.safe_checkpoint import UnsafeCheckpointError
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 
 class TouchMarker:

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from streamrl.common.weights import broadcast as wb
-from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.rl.config import LearnerConfig
-from streamrl.learner.rl.ipc_weights import BLOCK_BYTES, tensor_views, weights_checksum
-from streamrl.rollout.broadcast_receiver import BroadcastReceiver
+from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
+from streamrl.learner.rl.weights.ipc import BLOCK_BYTES, tensor_views, weights_checksum
+from streamrl.rollout.weights.broadcast import BroadcastReceiver
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -71,7 +71,7 @@ def test_without_members_publish_returns_at_once(publisher: BroadcastWeightPubli
 def test_a_member_that_never_comes_is_named_dropped_and_the_others_served(
     publisher: BroadcastWeightPublisher, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="streamrl.learner.rl.broadcast_weights")
+    caplog.set_level(logging.WARNING, logger="streamrl.learner.rl.weights.broadcast")
     info, _ = publisher.publish(_weights(0), version=1)
     ghost = torch.distributed.TCPStore("127.0.0.1", int(info.store.rsplit(":", 1)[1]), is_master=False)
     ghost.set(wb.join_key(ghost.add(wb.JOINS, 1)), "ghost:1:hf:00")  # registers, never comes

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from streamrl.learner.rl.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, plan_layout, tensor_views, weights_checksum
+from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+from streamrl.torchkit.flat import BLOCK_BYTES, plan_layout, tensor_views, weights_checksum
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -23,50 +23,6 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
         ("model.layers.0.mlp.up_proj.weight", torch.randn(64, 16, generator=g).to(torch.bfloat16)),
         ("model.norm.weight", torch.randn(16, generator=g)),
     ]
-
-
-def _reference_checksum(buffers: list[torch.Tensor], version: int) -> str:
-    """The documented definition, slowly, in Python integers."""
-    sums = []
-    for b in buffers:
-        words = b.numpy().view(np.int32).astype(np.int64).reshape(-1, BLOCK_BYTES // 4)
-        sums += [int(s) % 2**32 for s in words.sum(axis=1)]
-    plain = sum(sums)
-    mixed = sum((s * ((((b + 1) * 0x9E3779B1) % 2**31) | 1)) % 2**32 for b, s in enumerate(sums))
-    return f"v{version}:{plain:x}:{mixed:x}"
-
-
-def test_layout_keeps_one_dtype_per_buffer_aligned_and_bounded() -> None:
-    named = [*_weights(0), ("big", torch.empty(3000, 4, dtype=torch.bfloat16))]  # 24000 bytes > bucket
-    layout, sizes = plan_layout(named, bucket_bytes=3 * BLOCK_BYTES)
-    assert [t.name for t in layout] == [n for n, _ in named]
-    dtypes: dict[int, set[str]] = {}
-    for t, (_, tensor) in zip(layout, named, strict=True):
-        assert t.offset_bytes % BLOCK_BYTES == 0 and t.shape == list(tensor.shape)
-        assert t.offset_bytes + tensor.numel() * tensor.element_size() <= sizes[t.buffer]
-        dtypes.setdefault(t.buffer, set()).add(t.dtype)
-    assert all(len(d) == 1 for d in dtypes.values())
-    assert all(s % BLOCK_BYTES == 0 for s in sizes)
-    big = layout[-1]
-    assert sizes[big.buffer] == 24576 and big.offset_bytes == 0  # a tensor over the bucket size: a buffer of its own
-    assert all(s <= 3 * BLOCK_BYTES for i, s in enumerate(sizes) if i != big.buffer)
-    spans = sorted((t.buffer, t.offset_bytes) for t in layout)
-    assert len(set(spans)) == len(spans)
-
-
-def test_layout_rejects_nothing_and_duplicates() -> None:
-    with pytest.raises(ValueError, match="no tensors"):
-        plan_layout([], bucket_bytes=BLOCK_BYTES)
-    with pytest.raises(ValueError, match="unique"):
-        plan_layout(_weights(0)[:1] * 2, bucket_bytes=BLOCK_BYTES)
-
-
-def test_checksum_matches_the_documented_definition() -> None:
-    publisher = IpcWeightPublisher(bucket_bytes=2 * BLOCK_BYTES)
-    checksum = publisher.pack(_weights(0), version=7)
-    assert checksum == _reference_checksum(publisher._buffers, 7)
-    buffers = [torch.randint(0, 256, (3 * BLOCK_BYTES,), dtype=torch.uint8) for _ in range(2)]
-    assert weights_checksum(buffers, 1) == _reference_checksum(buffers, 1)
 
 
 def test_checksum_detects_a_flipped_byte_swapped_tensors_and_a_stale_version() -> None:

@@ -1,4 +1,4 @@
-"""The RL learner on a vision-language policy (the tiny Idefics3 of streamrl.rollout.tiny_model).
+"""The RL learner on a vision-language policy (the tiny Idefics3 of streamrl.torchkit.testing).
 
 Episodes hold an image in the prompt and, in some, an image returned by an environment step inside
 the response (its tokens masked, as the rollout tier records them). Checked against plain
@@ -31,7 +31,7 @@ from streamrl.learner.rl.batch import collate
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.trainer import RLTrainer
 from streamrl.learner.vision import ImageInputs, check_learner, token_types
-from streamrl.rollout.tiny_model import build_tiny_idefics3
+from streamrl.torchkit.testing import build_tiny_idefics3
 
 IMAGE_TOKEN_ID = 387  # <image> in the tiny Idefics3's tokenizer
 PROMPT = "<|im_start|>user\n<image>what is in the picture<|im_end|>\n<|im_start|>assistant\n"

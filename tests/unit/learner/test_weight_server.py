@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamrl.common.weights.wire import fetch_buckets
-from streamrl.learner.rl.weights import WeightServer
+from streamrl.learner.rl.weights.zmq import WeightServer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The five streamrl packages as their pyproject.toml files declare them, and what their code imports.
+"""The streamrl packages as their pyproject.toml files declare them, and what their code imports.
 
 Shared by the packaging tests:
 
@@ -47,7 +47,7 @@ class Package:
     """One streamrl package as its pyproject.toml declares it."""
 
     name: str
-    """Short name: ``common``, ``coordinator``, ``rollout``, ``reward``, ``learner``."""
+    """Short name: ``common``, ``torchkit``, ``coordinator``, ``rollout``, ``reward``, ``learner``."""
     root: Path
     """Folder of its pyproject.toml."""
     project: dict
@@ -105,6 +105,7 @@ def _load(name: str, root: Path) -> Package:
 
 PACKAGES = {
     "common": _load("common", REPO / "libs" / "common"),
+    "torchkit": _load("torchkit", REPO / "libs" / "torchkit"),
     **{name: _load(name, REPO / "services" / name) for name in ("coordinator", "rollout", "reward", "learner")},
 }
 BY_DIST = {p.dist: p for p in PACKAGES.values()}

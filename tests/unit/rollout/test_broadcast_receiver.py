@@ -12,8 +12,8 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcTensor, WeightsBroadcast
-from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
-from streamrl.rollout.broadcast_receiver import BroadcastReceiver, member_for, staging_device
+from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
+from streamrl.rollout.weights.broadcast import BroadcastReceiver, member_for, staging_device
 
 
 def _rendezvous(store: str, backend: str = "gloo", session: str = "s1") -> WeightsBroadcast:

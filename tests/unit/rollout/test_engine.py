@@ -16,11 +16,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
-from streamrl.learner.rl.weights import WeightServer
-from streamrl.rollout.engine import Engine, GenerationRequest, Sample, build_engine
-from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.hf_engine import HFEngine, processed_logprobs
-from streamrl.rollout.tiny_model import build_tiny_qwen2
+from streamrl.learner.rl.weights.zmq import WeightServer
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
+from streamrl.rollout.engines.factory import build_engine
+from streamrl.rollout.engines.hf_engine import HFEngine, processed_logprobs
+from streamrl.torchkit.testing import build_tiny_qwen2
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPT = [5, 6, 7, 8, 9]

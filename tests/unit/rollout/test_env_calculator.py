@@ -6,8 +6,8 @@ from fractions import Fraction
 
 import pytest
 
-from streamrl.rollout.env_calculator import CalculatorEnvironment, CalculatorError, evaluate, format_value
-from streamrl.rollout.environments import StepResult
+from streamrl.rollout.environments.calculator import CalculatorEnvironment, CalculatorError, evaluate, format_value
+from streamrl.rollout.environments.environment import StepResult
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.rollout.env_calculator import CalculatorEnvironment
-from streamrl.rollout.environments import (
+from streamrl.rollout.environments.calculator import CalculatorEnvironment
+from streamrl.rollout.environments.environment import (
     EnvironmentCallError,
     StepResult,
     as_step_result,
@@ -54,7 +54,9 @@ def test_a_class_loads_from_a_file_or_a_module(plugin: Path) -> None:
     env = factory()
     assert type(env).__name__ == "Environment" and env.greeting == "hi"
     assert load_environment(f"{plugin}:Other", {"greeting": "yo"})().reset("p", None, {}) == "yo"
-    builtin = load_environment("streamrl.rollout.env_calculator:CalculatorEnvironment", {"max_calls_per_turn": 2})
+    builtin = load_environment(
+        "streamrl.rollout.environments.calculator:CalculatorEnvironment", {"max_calls_per_turn": 2}
+    )
     assert builtin.cls is CalculatorEnvironment and builtin().max_calls_per_turn == 2
     assert factory() is not factory(), "one instance per episode"
 

@@ -21,11 +21,11 @@ from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, Trajectory, Turn
 from streamrl.common.streams import StreamNames
 from streamrl.rollout.config import EnvironmentConfig, RolloutConfig
-from streamrl.rollout.engine import GenerationRequest, Sample
-from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.env_calculator import CalculatorEnvironment
-from streamrl.rollout.environments import EnvironmentCallError, StepResult
-from streamrl.rollout.episode import Episode, EpisodeRunner
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import GenerationRequest, Sample
+from streamrl.rollout.environments.calculator import CalculatorEnvironment
+from streamrl.rollout.environments.environment import EnvironmentCallError, StepResult
+from streamrl.rollout.environments.episode import Episode, EpisodeRunner
 from streamrl.rollout.service import RolloutService
 
 EOS = 1
@@ -318,7 +318,7 @@ def test_an_engine_abort_is_retried_and_stops_the_other_episodes() -> None:
 @pytest.fixture
 def service(redis_url: str, run_id: str) -> Iterator[RolloutService]:
     engine = ScriptEngine(calculator_script)
-    env = EnvironmentConfig(path="streamrl.rollout.env_calculator:CalculatorEnvironment", max_turns=2)
+    env = EnvironmentConfig(path="streamrl.rollout.environments.calculator:CalculatorEnvironment", max_turns=2)
     config = RolloutConfig(run_id=run_id, engine=EngineConfig(model="unused", type="hf"), environment=env)
     ctx = ServiceContext("rollout", "rollout-0", config, Bus(connect(redis_url)), StreamNames(run_id), asyncio.Event())
     runner = EpisodeRunner(engine, CalculatorEnvironment, tokenize, env, max_model_len=64)  # type: ignore[arg-type]

@@ -8,8 +8,8 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcWeights
-from streamrl.learner.rl.ipc_weights import plan_layout
-from streamrl.rollout.ipc_weights import FlatParameters, tensor_views
+from streamrl.learner.rl.weights.ipc import plan_layout
+from streamrl.rollout.weights.ipc import FlatParameters, tensor_views
 
 
 def _model() -> torch.nn.Module:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.rollout.vllm_engine import CPU_KV_CACHE_GIB, kv_cache_bytes
+from streamrl.rollout.engines.vllm_engine import CPU_KV_CACHE_GIB, kv_cache_bytes
 
 GIB = 2**30
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
-from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason
+from streamrl.rollout.engines.kv_decoder import KVDecoder, unsupported_reason
 
 CONFIGS = {
     "llama": LlamaConfig(

@@ -25,13 +25,13 @@ from streamrl.common.codec import decode, encode
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
-from streamrl.rollout import openai_server
-from streamrl.rollout.agent_config import AgentEndpointConfig, agent_token
-from streamrl.rollout.agent_gateway import AgentGateway
+from streamrl.rollout.agents import openai_server
+from streamrl.rollout.agents.config import AgentEndpointConfig, agent_token
+from streamrl.rollout.agents.conversation import AgentEpisode
+from streamrl.rollout.agents.gateway import AgentGateway
 from streamrl.rollout.config import EnvironmentConfig, RolloutConfig
-from streamrl.rollout.conversation import AgentEpisode
-from streamrl.rollout.engine import GenerationRequest, Sample
-from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import GenerationRequest, Sample
 from streamrl.rollout.service import RolloutService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "agent"))
@@ -373,7 +373,7 @@ def test_the_service_publishes_the_conversation_with_its_own_prompt_and_the_agen
 
 
 def test_the_agent_section_is_checked() -> None:
-    env = EnvironmentConfig(path="streamrl.rollout.env_calculator")
+    env = EnvironmentConfig(path="streamrl.rollout.environments.calculator")
     with pytest.raises(ValueError, match="exclude each other"):
         RolloutConfig(run_id="r", engine=EngineConfig(model="m"), agent=AgentEndpointConfig(), environment=env)
     with pytest.raises(ValueError, match=r"STREAMRL_TEST_NO_SUCH_TOKEN"):

@@ -59,8 +59,8 @@ from streamrl.common.telemetry.tracing import (
 )
 from streamrl.common.telemetry.tracing_config import TracingConfig
 from streamrl.rollout.config import RolloutConfig
-from streamrl.rollout.engine import GenerationRequest, Sample
-from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import GenerationRequest, Sample
 from streamrl.rollout.service import RolloutService
 
 ISSUE_TRACE, ISSUE_SPAN = 0xABC, 0x123

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.rollout.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
+from streamrl.rollout.engines.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
 
 SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 7, 0.6), (0.0, 3, 0.5), (2.0, 100, 0.99)]
 

@@ -15,10 +15,10 @@ import pytest
 
 from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Tensor
 from streamrl.rollout.config import EnvironmentConfig
-from streamrl.rollout.engine import GenerationRequest, Sample
-from streamrl.rollout.episode import Episode, EpisodeRunner
-from streamrl.rollout.tiny_model import build_tiny_idefics3
+from streamrl.rollout.engines.engine import GenerationRequest, Sample
+from streamrl.rollout.environments.episode import Episode, EpisodeRunner
 from streamrl.rollout.vision import ImageExpander, load_expander
+from streamrl.torchkit.testing import build_tiny_idefics3
 
 IMAGE, EOS = 387, 0
 WIDTH = 7

@@ -11,8 +11,7 @@ import PIL.Image
 import pytest
 
 from streamrl.common.messages import Image
-from streamrl.rollout.environments import EnvironmentCallError, as_step_result
-from streamrl.rollout.tiny_model import build_tiny_idefics3, build_tiny_qwen2
+from streamrl.rollout.environments.environment import EnvironmentCallError, as_step_result
 from streamrl.rollout.vision import (
     check_image_count,
     decode_image,
@@ -20,9 +19,10 @@ from streamrl.rollout.vision import (
     expand_image_tokens,
     image_token_id,
     load_expander,
-    load_processor,
     to_image,
+    vision_processor,
 )
+from streamrl.torchkit.testing import build_tiny_idefics3, build_tiny_qwen2
 
 IMAGE, AROUND, GLOBAL = 387, 386, 388
 """Ids of ``<image>``, ``<fake_token_around_image>`` and ``<global-img>`` in the tiny Idefics3."""
@@ -47,7 +47,7 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def processor(vl_dir: Path) -> object:
-    return load_processor(vl_dir)
+    return vision_processor(vl_dir)
 
 
 def test_to_image_keeps_messages_and_stores_pil_images_as_png() -> None:
@@ -64,7 +64,7 @@ def test_to_image_keeps_messages_and_stores_pil_images_as_png() -> None:
 
 
 def test_only_vision_language_models_have_a_processor(vl_dir: Path, tmp_path: Path, processor: object) -> None:
-    assert load_processor(build_tiny_qwen2(tmp_path / "text")) is None
+    assert vision_processor(build_tiny_qwen2(tmp_path / "text")) is None
     assert load_expander(tmp_path / "text") is None
     assert image_token_id(processor) == IMAGE
     expander = load_expander(vl_dir)

@@ -26,21 +26,22 @@ from streamrl.common.codec import decode, encode
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
-from streamrl.learner.rl.weights import WeightServer
+from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.config import EnvironmentConfig, RolloutConfig
-from streamrl.rollout.engine import Engine, GenerationRequest, Sample, build_engine
-from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.episode import EpisodeRunner
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
+from streamrl.rollout.engines.factory import build_engine
+from streamrl.rollout.environments.episode import EpisodeRunner
 from streamrl.rollout.service import RolloutService
-from streamrl.rollout.tiny_model import build_tiny_idefics3
 from streamrl.rollout.vision import (
     ImageExpander,
     decode_image,
     expand_image_tokens,
     expansion_token_ids,
-    load_processor,
+    vision_processor,
 )
 from streamrl.rollout.vision import encode as encode_images
+from streamrl.torchkit.testing import build_tiny_idefics3
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 IMAGE = 387
@@ -65,7 +66,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def processor(model_dirs: tuple[Path, Path]) -> Any:
-    return load_processor(model_dirs[0])
+    return vision_processor(model_dirs[0])
 
 
 @pytest.fixture(scope="module")

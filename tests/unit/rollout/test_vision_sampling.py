@@ -25,11 +25,13 @@ import torch
 from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from streamrl.common.messages import Image, SamplingParams
-from streamrl.rollout.engine import Engine, GenerationRequest, Sample, build_engine
-from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.tiny_model import build_tiny_idefics3
-from streamrl.rollout.vision import decode_image, expansion_token_ids, image_token_id, load_processor
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
+from streamrl.rollout.engines.factory import build_engine
+from streamrl.rollout.vision import decode_image, expansion_token_ids, vision_processor
 from streamrl.rollout.vision import encode as encode_images
+from streamrl.torchkit.testing import build_tiny_idefics3
+from streamrl.torchkit.vision import image_token_id
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 LIFT = 10.0
@@ -42,7 +44,7 @@ FAVOURITES = (4.0, 5.0, 4.5)
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = build_tiny_idefics3(tmp_path_factory.mktemp("idefics3") / "m")
     model = AutoModelForImageTextToText.from_pretrained(path)
-    banned = expansion_token_ids(load_processor(path))
+    banned = expansion_token_ids(vision_processor(path))
     embeddings = model.get_input_embeddings().weight
     assert embeddings is model.get_output_embeddings().weight, "tied embeddings"
     with torch.no_grad():
@@ -54,7 +56,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def processor(model_dir: Path) -> Any:
-    return load_processor(model_dir)
+    return vision_processor(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,6 @@ def decode(data: bytes, expected: type[M] | tuple[type[Message], ...] | None = N
         raise PoisonMessageError(f"invalid {header.type!r} v{header.v} message: {e}") from e
     if expected is not None and not isinstance(message, expected):
         wanted = expected if isinstance(expected, tuple) else (expected,)
-        tags = " or ".join(repr(t.__struct_config__.tag) for t in wanted)
+        tags = " or ".join(repr(t.__struct_config__.tag) for t in wanted)  # type: ignore[attr-defined]
         raise PoisonMessageError(f"expected a {tags} message, got a {header.type!r} message")
     return message  # type: ignore[return-value]

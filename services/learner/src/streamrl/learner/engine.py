@@ -47,7 +47,8 @@ from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.kernels import apply_kernels
 from streamrl.learner.safe_checkpoint import SafeLoads, load_checkpoint_file
 from streamrl.learner.varlen_attention import register as register_varlen_attention
-from streamrl.learner.vision import is_vision_language, load_processor, vision_tower
+from streamrl.learner.vision import vision_tower
+from streamrl.torchkit.vision import has_vision_tower, load_processor
 
 logger = logging.getLogger(__name__)
 ModelKind = Literal["causal_lm", "reward", "value"]
@@ -241,7 +242,7 @@ def _vision_checkpoint(model_path: str, kind: ModelKind, freeze_vision_tower: bo
     """Whether ``model_path`` loads as a vision-language model; ValueError for ``freeze_vision_tower`` on another."""
     import transformers
 
-    vision = kind == "causal_lm" and is_vision_language(transformers.AutoConfig.from_pretrained(model_path))
+    vision = kind == "causal_lm" and has_vision_tower(transformers.AutoConfig.from_pretrained(model_path))
     if freeze_vision_tower and not vision:
         raise ValueError(f"freeze_vision_tower = true needs a vision-language model; {model_path} has no vision_config")
     return vision

@@ -1,7 +1,8 @@
 """Vision-language policies in the learner: which checkpoints are one, a trajectory's images as model
 inputs, and the forward that feeds them.
 
-A checkpoint is vision-language when its config has a ``vision_config``; the engine then loads it with
+A checkpoint is vision-language when its config has a ``vision_config`` (:mod:`streamrl.torchkit.vision`,
+which the rollout engines use too); the engine then loads it with
 ``AutoModelForImageTextToText`` and its ``AutoProcessor`` (:mod:`streamrl.learner.engine`). A
 trajectory's ``prompt_ids`` / ``response_ids`` are the *expanded* form (every image already replaced
 by its tokens, exactly what the model saw) and ``images`` holds every image in order of appearance
@@ -62,23 +63,6 @@ from streamrl.learner.lm_forward import head_logprobs, lm_parts, to_device, zero
 from streamrl.learner.model_batch import PixelInputs, RLBatch
 
 _TEXT_KEYS = ("input_ids", "attention_mask")
-
-
-def is_vision_language(config: Any) -> bool:
-    """Whether a transformers model config is a vision-language model's (it has a vision tower)."""
-    return getattr(config, "vision_config", None) is not None
-
-
-def load_processor(path: str) -> Any:
-    """The ``AutoProcessor`` of the vision-language checkpoint at ``path``; ValueError when it names no image token."""
-    import transformers
-
-    processor = transformers.AutoProcessor.from_pretrained(path)
-    if getattr(processor, "image_token", None) is None:
-        raise ValueError(
-            f"the processor of {path} ({type(processor).__name__}) names no image token (processor.image_token)"
-        )
-    return processor
 
 
 def image_token_id(config: Any) -> int:

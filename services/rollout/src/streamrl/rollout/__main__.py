@@ -8,17 +8,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from streamrl.common.lifecycle import ServiceContext, service_main
-from streamrl.rollout.agent_config import agent_token
+from streamrl.rollout.agents.config import agent_token
 from streamrl.rollout.config import RolloutConfig
 
 if TYPE_CHECKING:
-    from streamrl.rollout.engine import Engine
+    from streamrl.rollout.engines.engine import Engine
 
 
 async def _run(config: RolloutConfig, ctx: ServiceContext) -> None:
-    from streamrl.rollout.engine import build_engine
-    from streamrl.rollout.environments import load_environment
-    from streamrl.rollout.episode import EpisodeRunner
+    from streamrl.rollout.engines.factory import build_engine
+    from streamrl.rollout.environments.environment import load_environment
+    from streamrl.rollout.environments.episode import EpisodeRunner
     from streamrl.rollout.service import RolloutService
 
     assert config.redis.url is not None  # service_main refuses to start without one
@@ -45,7 +45,7 @@ async def _run_with_agents(config: RolloutConfig, ctx: ServiceContext, engine: E
     """The worker with the OpenAI endpoint in front (``rollout.agent``): agents drive every sample."""
     from transformers import AutoTokenizer
 
-    from streamrl.rollout import openai_server
+    from streamrl.rollout.agents import openai_server
     from streamrl.rollout.service import RolloutService
 
     agent, cfg = config.agent, config.engine

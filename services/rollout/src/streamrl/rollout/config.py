@@ -8,18 +8,18 @@ from pydantic import Field, model_validator
 
 from streamrl.common.config import BaseConfig
 from streamrl.common.lifecycle import ServiceConfig
-from streamrl.rollout.agent_config import AgentEndpointConfig
-from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.agents.config import AgentEndpointConfig
+from streamrl.rollout.engines.config import EngineConfig
 
 
 class EnvironmentConfig(BaseConfig):
     """A multi-turn environment: every sample becomes an episode of model turns and environment replies
-    (:mod:`streamrl.rollout.episode`). Sampling (``coordinator.sampling``) applies to each turn:
+    (:mod:`streamrl.rollout.environments.episode`). Sampling (``coordinator.sampling``) applies to each turn:
     ``max_new_tokens`` is a turn's limit."""
 
     path: str = Field(min_length=1)
     """The environment class: ``/path/env.py`` or ``pkg.module``, optionally ``:ClassName`` (default
-    ``Environment``); e.g. ``streamrl.rollout.env_calculator:CalculatorEnvironment``."""
+    ``Environment``); e.g. ``streamrl.rollout.environments.calculator:CalculatorEnvironment``."""
     options: dict[str, Any] = {}
     """Keyword arguments of the class's constructor (one instance per episode)."""
     max_turns: int = Field(4, ge=1)

@@ -20,7 +20,7 @@
   ``served`` hash. A worker that joins late
   loads the latest published version before it takes prompts.
 * With ``rollout.environment`` set, each sample is a multi-turn episode with that environment
-  (:mod:`streamrl.rollout.episode`): the Trajectory then carries the turns, the loss mask (0 on the
+  (:mod:`streamrl.rollout.environments.episode`): the Trajectory then carries the turns, the loss mask (0 on the
   environment's tokens), the stop reason and - when the environment failed - ``metadata["env_error"]``.
 * A prompt's images go to the engine with its prompt (one image token per image); the Trajectory
   records the prompt as the model saw it (image tokens expanded, as the engine reports it) and every
@@ -71,11 +71,11 @@ from streamrl.common.telemetry.trace_schema import (
 )
 from streamrl.common.telemetry.tracing import weights_traceparent
 from streamrl.common.weights.auth import KEY_ENV, check, weights_key
-from streamrl.rollout.agent_gateway import AgentGateway
+from streamrl.rollout.agents.conversation import AgentEpisode
+from streamrl.rollout.agents.gateway import AgentGateway
 from streamrl.rollout.config import RolloutConfig
-from streamrl.rollout.conversation import AgentEpisode
-from streamrl.rollout.engine import Engine, GenerationRequest, Sample
-from streamrl.rollout.episode import Episode, EpisodeRunner
+from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
+from streamrl.rollout.environments.episode import Episode, EpisodeRunner
 
 logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 10.0

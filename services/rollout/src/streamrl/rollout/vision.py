@@ -14,6 +14,9 @@ tokens), so a prompt's expansion is the concatenation of its pieces. :func:`enco
 claim for every prompt the transformers engine runs, against the processor's output for all of
 the prompt's images at once.
 
+Which checkpoints are vision-language, their processor and its image token are
+:mod:`streamrl.torchkit.vision`'s (the learner reads them with the same code).
+
 Images travel as :class:`streamrl.common.messages.Image` (encoded bytes) everywhere; every
 consumer decodes them with :func:`streamrl.common.images.decode_image` (PIL, converted to RGB as the processors do
 anyway), so the rollout engines and the learner see the same pixels.
@@ -39,6 +42,7 @@ import PIL.Image
 
 from streamrl.common.images import decode_image, encode_png
 from streamrl.common.messages import Image
+from streamrl.torchkit.vision import image_token_id, is_vision_language, load_processor
 
 if TYPE_CHECKING:
     import torch
@@ -55,33 +59,12 @@ def to_image(value: Any) -> Image:
     raise ValueError(f"an image must be a streamrl Image or a PIL image, not a {type(value).__name__}")
 
 
-def is_vision_language(model: str | Path, trust_remote_code: bool = False) -> bool:
-    """Whether the checkpoint at ``model`` is a vision-language model (its config has a vision tower)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)
-    return getattr(config, "vision_config", None) is not None
-
-
-def load_processor(model: str | Path, trust_remote_code: bool = False) -> Any:
+def vision_processor(model: str | Path, trust_remote_code: bool = False) -> Any:
     """The model's processor (tokenizer + image processor) when ``model`` is a vision-language model,
-    else None."""
+    else None (:mod:`streamrl.torchkit.vision`: the learner loads it the same way)."""
     if not is_vision_language(model, trust_remote_code):
         return None
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(model), trust_remote_code=trust_remote_code)
-    if getattr(processor, "image_token", None) is None:
-        raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
-    return processor
-
-
-def image_token_id(processor: Any) -> int:
-    """Id of the token that stands for one image in the collapsed form."""
-    token_id = getattr(processor, "image_token_id", None)
-    if token_id is None:
-        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return int(token_id)
+    return load_processor(model, trust_remote_code)
 
 
 def expansion_token_ids(processor: Any) -> list[int]:
@@ -127,7 +110,7 @@ class ImageExpander:
 
 def load_expander(model: str | Path, trust_remote_code: bool = False) -> ImageExpander | None:
     """The expander of a vision-language model's processor; None for a text model."""
-    processor = load_processor(model, trust_remote_code)
+    processor = vision_processor(model, trust_remote_code)
     return None if processor is None else ImageExpander(processor)
 
 

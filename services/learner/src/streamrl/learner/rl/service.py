@@ -80,14 +80,14 @@ from streamrl.common.telemetry.trace_schema import NUM_BYTES, POLICY_VERSION, ST
 from streamrl.common.telemetry.tracing import weights_traceparent
 from streamrl.common.weights.auth import sign, weights_key
 from streamrl.learner.rl.batch_order import behind_verdict, fingerprint, gap_verdict
-from streamrl.learner.rl.broadcast_weights import BroadcastWeightPublisher
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
-from streamrl.learner.rl.ipc_weights import IpcWeightPublisher
 from streamrl.learner.rl.ledger import LearnerLedger
 from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
 from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
-from streamrl.learner.rl.weights import WeightServer
+from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
+from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+from streamrl.learner.rl.weights.zmq import WeightServer
 
 logger = logging.getLogger(__name__)
 

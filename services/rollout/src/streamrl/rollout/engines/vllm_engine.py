@@ -9,7 +9,7 @@ process, as vLLM is configured) and runs this loop::
   call only enqueues its requests and waits for its own samples.
 * A weight update waits until the running requests finish; requests submitted after it wait for
   it (every sample comes from one version). The worker extension
-  (:mod:`streamrl.rollout.weight_receiver`) pulls and verifies the buckets on every worker, then
+  (:mod:`streamrl.rollout.weights.vllm_extension`) pulls and verifies the buckets on every worker, then
   loads them (a failed transfer leaves the served weights untouched) and the prefix cache (and a
   vision-language model's cache of image embeddings) is reset.
   Over the learner's weight-broadcast group every worker (tensor-parallel rank) is a member of its
@@ -63,13 +63,14 @@ from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
 from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcast
 from streamrl.common.weights.broadcast import encode as encode_rendezvous
-from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
-from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.vision import expansion_token_ids, image_token_id, load_processor
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
+from streamrl.rollout.vision import expansion_token_ids, vision_processor
+from streamrl.torchkit.vision import image_token_id
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "streamrl.rollout.weight_receiver.WeightReceiver"
+WORKER_EXTENSION = "streamrl.rollout.weights.vllm_extension.WeightReceiver"
 FETCH_METHOD = "streamrl_fetch_weights"
 APPLY_METHOD = "streamrl_apply_weights"
 DISCARD_METHOD = "streamrl_discard_weights"
@@ -150,7 +151,7 @@ Command = _Job | WeightUpdate | _Abort | _Stop
 
 
 class VLLMEngine:
-    """vLLM behind the :class:`streamrl.rollout.engine.Engine` protocol (see module docstring)."""
+    """vLLM behind the :class:`streamrl.rollout.engines.engine.Engine` protocol (see module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
@@ -162,7 +163,7 @@ class VLLMEngine:
         """Without partial_rollout: a weight update waiting for the running requests, then the
         commands that came after it, in order."""
         self._tokenizer: Any = None
-        processor = load_processor(config.model, config.trust_remote_code)
+        processor = vision_processor(config.model, config.trust_remote_code)
         self._image_token_id = None if processor is None else image_token_id(processor)
         """The model's image token; None: not a vision-language model."""
         self._banned = None if processor is None else dict.fromkeys(expansion_token_ids(processor), float("-inf"))

@@ -4,10 +4,10 @@ When ``WeightsPublished.broadcast`` advertises a rendezvous (``learner.weights_t
 "broadcast"``), an engine - the transformers engine, or each tensor-parallel worker of a vLLM
 engine through its worker extension - builds a :class:`BroadcastReceiver`. Its background thread
 registers in the learner's TCP store, joins the group (a process group of its own, built on the
-store: NCCL on CUDA, gloo on CPU; never the default group), and follows the protocol of
+store: NCCL on CUDA, gloo on CPU; never the default group: :mod:`streamrl.torchkit.process_group`), and follows the protocol of
 :mod:`streamrl.common.weights.broadcast`: for every version the learner broadcasts, it receives the
 buckets into its staging buffers, recomputes the device-side block checksum (the CUDA IPC path's
-definition, :func:`streamrl.rollout.ipc_weights.weights_checksum`) and acknowledges. Receiving
+definition, :func:`streamrl.torchkit.flat.weights_checksum`) and acknowledges. Receiving
 runs while the engine generates; the engine takes a verified version between two batches::
 
     version, tensors = receiver.acquire(version, timeout_s, checksum=signed)  # waits, then pins the buffers
@@ -36,23 +36,22 @@ host memory (gloo).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from streamrl.common.weights import broadcast as wb
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import WeightsBroadcast
-from streamrl.rollout.ipc_weights import tensor_views, weights_checksum
+from streamrl.common.weights import broadcast as wb
+from streamrl.torchkit.flat import tensor_views, weights_checksum
+from streamrl.torchkit.process_group import new_group
 
 logger = logging.getLogger(__name__)
 
@@ -61,34 +60,6 @@ STORE_CONNECT_TIMEOUT_S = 10.0
 REJOIN_AFTER_S = 60.0
 """A failed member is replaced by a new one (a new try to join) only this long after it failed: until
 then updates fail at once, and the caller fetches over ZMQ where it can."""
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
-
-
-def new_group(
-    store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, device: torch.device
-) -> dist.Backend:
-    """A process group built directly on ``store`` (the learner's side does the same)."""
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):  # abort the communicator on error, not the process
-        group = dist.ProcessGroupNCCL(store, rank, size, options)
-    group.eager_connect_single_device(device)
-    return group
 
 
 def staging_device(backend: str, device: torch.device) -> torch.device:

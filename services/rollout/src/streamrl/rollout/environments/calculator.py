@@ -7,7 +7,7 @@ own (``reward`` 0 on every step): whether the answer is right is the reward tier
 call on the whole episode text (``examples/multiturn/task.py``), so the same scorer gives held-out
 accuracy and the training reward. ``info`` counts the calls of the step and the ones that failed.
 
-Use it with ``[rollout.environment] path = "streamrl.rollout.env_calculator:CalculatorEnvironment"``.
+Use it with ``[rollout.environment] path = "streamrl.rollout.environments.calculator:CalculatorEnvironment"``.
 
 Expressions are parsed with :mod:`ast` and evaluated by walking the tree - never ``eval``: only
 numbers, ``+ - * /`` (binary and unary ``+ -``) and parentheses, in exact rational arithmetic
@@ -25,7 +25,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from streamrl.rollout.environments import StepResult
+from streamrl.rollout.environments.environment import StepResult
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 ANSWER = re.compile(r"Answer:")

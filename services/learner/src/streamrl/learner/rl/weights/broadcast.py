@@ -7,10 +7,11 @@ With ``learner.weights_transport = "broadcast"``, learner rank 0 owns a
   ``WeightsPublished.broadcast``) and builds the weight group directly on it -
   ``ProcessGroupNCCL`` when the weights are on CUDA, ``ProcessGroupGloo`` on CPU - on a
   ``PrefixStore`` per generation: the learner's default group (its DeepSpeed data-parallel group)
-  is never touched. Rollout workers (``streamrl.rollout.broadcast_receiver``) are ranks 1..n.
+  is never touched (:func:`streamrl.torchkit.process_group.new_group`). Rollout workers
+  (``streamrl.rollout.weights.broadcast``) are ranks 1..n.
 * :meth:`publish` copies the weights into flat device buckets of ``bucket_bytes`` and computes
   the device-side block checksum - the packing, layout and checksum of the CUDA IPC path
-  (:mod:`streamrl.learner.rl.ipc_weights`) - then returns. A background thread broadcasts the
+  (:mod:`streamrl.learner.rl.weights.ipc`, :mod:`streamrl.torchkit.flat`) - then returns. A background thread broadcasts the
   buckets: the training step waits only for the copy, and for a broadcast of the previous version
   that is still reading the buckets.
 * The thread also keeps the membership (protocol: :mod:`streamrl.common.weights.broadcast`): a
@@ -31,68 +32,30 @@ takes the learner down.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from streamrl.common.weights import broadcast as wb
 from streamrl.common.messages import WeightsBroadcast
+from streamrl.common.weights import broadcast as wb
 from streamrl.learner.rl.config import LearnerConfig
-from streamrl.learner.rl.ipc_weights import BLOCK_BYTES, IpcWeightPublisher, tensor_views
-from streamrl.learner.rl.weights import TIED_ALIASES
+from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+from streamrl.learner.rl.weights.tied import TIED_ALIASES
+from streamrl.torchkit.flat import BLOCK_BYTES, tensor_views
+from streamrl.torchkit.process_group import new_group, wait_work
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 JOIN_POLL_S = 0.1
 """How often the thread looks for new registrations while idle (s)."""
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
-
-
-def new_group(
-    store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, device: torch.device
-) -> dist.Backend:
-    """A process group built directly on ``store`` (every member calls it; blocks until all came)."""
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):  # abort the communicator on error, not the process
-        group = dist.ProcessGroupNCCL(store, rank, size, options)
-    group.eager_connect_single_device(device)
-    return group
-
-
-def wait_work(work: dist.Work, deadline: float) -> bool:
-    """Poll ``work`` until it completes (then raise its error, if any) or ``deadline``; True if done."""
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.0005)
-    work.wait()
-    return True
 
 
 class BroadcastWeightPublisher:

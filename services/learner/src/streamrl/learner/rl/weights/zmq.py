@@ -6,52 +6,24 @@ thread; rollout workers pull them (``fetch_buckets``), late joiners included. Th
 learner's rank 0, after gathering ZeRO-3 shards) publishes a ``WeightsPublished`` message with the
 returned checksum, sizes and :attr:`WeightServer.endpoint`.
 
-Tensors are copied to host memory once per version (bf16 stays bf16 on the wire: half the bytes
-of fp32). With tied embeddings ``lm_head.weight`` is sent explicitly: vLLM's CPU backend keeps a
-separately packed copy of the head, which must be refreshed too.
+Tensors are copied to host memory once per version (:func:`streamrl.torchkit.wire.to_wire`: bf16
+stays bf16 on the wire, half the bytes of fp32). With tied embeddings ``lm_head.weight`` is sent
+explicitly (:mod:`streamrl.learner.rl.weights.tied`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
-import numpy as np
 import torch
 
-from streamrl.common.weights.wire import BF16, DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version
+from streamrl.common.weights.wire import DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version
+from streamrl.learner.rl.weights.tied import TIED_ALIASES, tied_copies
+from streamrl.torchkit.wire import to_wire
 
 logger = logging.getLogger(__name__)
-
-TIED_ALIASES: Mapping[str, tuple[str, ...]] = {
-    "lm_head.weight": (
-        "model.embed_tokens.weight",  # causal LMs
-        "model.text_model.embed_tokens.weight",  # vision-language models: Idefics3, SmolVLM
-        "model.language_model.embed_tokens.weight",  # LLaVA, Qwen2-VL
-    ),
-}
-"""Names sent as a copy of another tensor when the caller's tensors lack them (tied weights): the
-first of the candidate sources that is present."""
-
-
-def tied_copies(names: Collection[str], aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES) -> list[tuple[str, str]]:
-    """(alias, source) for each alias missing from ``names`` whose source is there."""
-    copies = []
-    for alias, sources in aliases.items():
-        source = next((s for s in sources if s in names), None)
-        if alias not in names and source is not None:
-            copies.append((alias, source))
-    return copies
-
-
-def to_wire(name: str, tensor: torch.Tensor) -> WireTensor:
-    """A host, C-contiguous numpy view of ``tensor`` (bf16 as raw uint16 words)."""
-    host = tensor.detach().to("cpu").contiguous()
-    if host.dtype == torch.bfloat16:
-        return WireTensor(name, BF16, host.view(torch.int16).numpy().view(np.uint16))
-    array = host.numpy()
-    return WireTensor(name, array.dtype.name, array)
 
 
 class WeightServer:

@@ -57,8 +57,8 @@ from streamrl.common.aio import cancel_and_wait
 from streamrl.common.errors import RetryableError
 from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Turn
 from streamrl.rollout.config import EnvironmentConfig
-from streamrl.rollout.engine import Engine, FinishReason, GenerationRequest, Sample
-from streamrl.rollout.environments import EnvironmentCallError, as_step_result, call
+from streamrl.rollout.engines.engine import Engine, FinishReason, GenerationRequest, Sample
+from streamrl.rollout.environments.environment import EnvironmentCallError, as_step_result, call
 from streamrl.rollout.vision import ImageExpander, check_image_count
 
 logger = logging.getLogger(__name__)

@@ -3,8 +3,8 @@
 The rollout service hands each PromptWorkItem to :meth:`AgentGateway.run_group` as it would to the
 episode runner. The gateway offers the item's ``n`` samples as tasks; an agent takes one
 (:meth:`take`), gets a conversation id and the prompt, label and metadata, and talks to the model
-through the OpenAI endpoint (:mod:`streamrl.rollout.openai_server`); every request is recorded
-(:mod:`streamrl.rollout.conversation`). When the agent reports its reward (:meth:`finish`), the
+through the OpenAI endpoint (:mod:`streamrl.rollout.agents.openai_server`); every request is recorded
+(:mod:`streamrl.rollout.agents.conversation`). When the agent reports its reward (:meth:`finish`), the
 sample is done; when all ``n`` are, ``run_group`` returns them and the service publishes them as
 one group of trajectories - with the work item's ack, de-duplicated by its id, as for any other
 prompt. The coordinator's issuing, staleness, admission and grouping see nothing new.
@@ -30,10 +30,10 @@ import msgspec
 from streamrl.common.aio import timeout
 from streamrl.common.errors import RetryableError
 from streamrl.common.messages import PromptWorkItem
-from streamrl.rollout.agent_config import AgentEndpointConfig
-from streamrl.rollout.conversation import AgentEpisode, Conversation, Plan
-from streamrl.rollout.engine import Engine, GenerationRequest, Sample
-from streamrl.rollout.episode import Episode
+from streamrl.rollout.agents.config import AgentEndpointConfig
+from streamrl.rollout.agents.conversation import AgentEpisode, Conversation, Plan
+from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
+from streamrl.rollout.environments.episode import Episode
 
 logger = logging.getLogger(__name__)
 

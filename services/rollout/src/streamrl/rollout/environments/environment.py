@@ -19,7 +19,7 @@ per-step reward and a done flag), with typed results instead of dicts.
 
 What a plug-in does wrong - raising, overrunning ``step_timeout_s``, returning a malformed result -
 becomes an :class:`EnvironmentCallError` naming the call: the episode runner
-(:mod:`streamrl.rollout.episode`) ends that episode with stop reason ``error``.
+(:mod:`streamrl.rollout.environments.episode`) ends that episode with stop reason ``error``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from streamrl.common.config import BaseConfig
 
 class AgentEndpointConfig(BaseConfig):
     """An OpenAI-compatible HTTP endpoint on the rollout worker: each sample of a prompt becomes a
-    conversation that an external agent program drives (:mod:`streamrl.rollout.openai_server`,
+    conversation that an external agent program drives (:mod:`streamrl.rollout.agents.openai_server`,
     docs/agents.md). The run's sampling (``coordinator.sampling``) applies to every request."""
 
     host: str = "127.0.0.1"

@@ -2,27 +2,21 @@
 
 With ``learner.weights_transport = "ipc"`` the weights never leave the GPU:
 
-1. On the first publish, :class:`IpcWeightPublisher` plans a layout (:func:`plan_layout`), allocates
+1. On the first publish, :class:`IpcWeightPublisher` plans a layout (:func:`streamrl.torchkit.flat.plan_layout`), allocates
    persistent flat buffers on the learner's device (about ``bucket_bytes`` each, one dtype per
    buffer, every tensor starting at a multiple of ``BLOCK_BYTES``) and shares each buffer once
    (``UntypedStorage._share_cuda_()``).
 2. Every publish copies the parameters into views of those buffers (``torch._foreach_copy_``, a
    bucket at a time so a streamed ZeRO-3 gather holds little extra memory), computes the checksum
-   on the device (:func:`weights_checksum`) and waits for the copies; the receiver can read as soon
+   on the device (:func:`streamrl.torchkit.flat.weights_checksum`) and waits for the copies; the receiver can read as soon
    as the ``WeightsPublished`` message (carrying :class:`IpcWeights` and the checksum) is out.
 
-Receivers (``streamrl.rollout.ipc_weights``) open each handle once, copy the buffers into their
+Receivers (``streamrl.rollout.weights.ipc``) open each handle once, copy the buffers into their
 own staging memory and verify the checksum there, so the learner may overwrite its buffers at the
 next step; a receiver that reads while they change sees a checksum mismatch, never a silent mix.
 
-Checksum (same definition on both sides, on any device; no host hashing of the bytes): the
-buffers are read as int32 words in blocks of ``BLOCK_BYTES``; ``s_b`` = the sum of block ``b``'s
-words mod 2^32 (one reduction kernel, one read of the bytes), blocks numbered across all buffers.
-Then ``plain = sum_b s_b`` and ``mixed = sum_b (s_b * w_b mod 2^32)`` with ``w_b`` a fixed odd
-pseudo-random 31-bit weight per block position; digest ``"v{version}:{plain}:{mixed}"`` in hex.
-A changed word changes its block sum, hence ``plain``; two tensors swapped (each starts on its own
-block) move their block sums to other weights, which changes ``mixed``; a digest of another version
-never matches. The tensors and buffers are padded with zeros to whole blocks.
+The layout, the typed views and the checksum are :mod:`streamrl.torchkit.flat`'s (the receiver
+uses the same code): every tensor on its own block, a digest of block sums computed on the device.
 
 With tied embeddings ``lm_head.weight`` is sent explicitly (as on the ZMQ path).
 """
@@ -31,81 +25,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
-from streamrl.learner.rl.weights import TIED_ALIASES, tied_copies
+from streamrl.learner.rl.weights.tied import TIED_ALIASES, tied_copies
+from streamrl.torchkit.flat import BLOCK_BYTES, plan_layout, tensor_views, weights_checksum
 
 logger = logging.getLogger(__name__)
 
-BLOCK_BYTES = 4096
-"""Alignment of every tensor in its buffer, and the checksum's block."""
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-_MIX = 0x9E3779B1
-"""Odd 32-bit constant (golden ratio): block ``b``'s weight is ``((b + 1) * _MIX mod 2^31) | 1``."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def plan_layout(
-    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, block_bytes: int = BLOCK_BYTES
-) -> tuple[list[IpcTensor], list[int]]:
-    """Place ``named`` tensors in flat buffers: returns (layout in input order, buffer sizes in bytes).
-
-    Each buffer holds one dtype and fills up to ``bucket_bytes`` (a larger tensor gets a buffer of
-    its own); each tensor starts at a multiple of ``block_bytes`` and takes whole blocks (at least one).
-    Only the tensors' dtype and shape are read (meta tensors will do).
-    """
-    if not named:
-        raise ValueError("no tensors to publish")
-    names = [name for name, _ in named]
-    if len(set(names)) != len(names):
-        raise ValueError("tensor names must be unique")
-    layout: list[IpcTensor] = []
-    sizes: list[int] = []
-    open_buffer: dict[torch.dtype, int] = {}
-    for name, t in named:
-        padded = max(block_bytes, -(-t.numel() * t.element_size() // block_bytes) * block_bytes)
-        index = open_buffer.get(t.dtype)
-        if index is None or sizes[index] + padded > bucket_bytes:
-            index = open_buffer[t.dtype] = len(sizes)
-            sizes.append(0)
-        layout.append(IpcTensor(name, dtype_name(t.dtype), list(t.shape), index, sizes[index]))
-        sizes[index] += padded
-    return layout, sizes
-
-
-def tensor_views(buffers: Sequence[torch.Tensor], layout: Sequence[IpcTensor]) -> list[torch.Tensor]:
-    """Typed views of ``layout``'s tensors into flat uint8 ``buffers`` (no copy)."""
-    views = []
-    for t in layout:
-        dtype = getattr(torch, t.dtype)
-        assert isinstance(dtype, torch.dtype), t.dtype
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        raw = buffers[t.buffer][t.offset_bytes : t.offset_bytes + numel * dtype.itemsize]
-        views.append(raw.view(dtype).view(t.shape))
-    return views
-
-
-def weights_checksum(buffers: Sequence[torch.Tensor], version: int, block_bytes: int = BLOCK_BYTES) -> str:
-    """Digest of flat uint8 ``buffers`` (sizes multiples of ``block_bytes``) and ``version``, computed
-    on the buffers' device (see the module docstring). Waits for the device (reads two numbers)."""
-    # int32 sums of int32 words: no widened copy of the bytes; mod 2^32 whatever the accumulator
-    block_sums = torch.cat(
-        [b.view(torch.int32).view(-1, block_bytes // 4).sum(dim=1, dtype=torch.int32) for b in buffers]
-    )
-    sums = block_sums.to(torch.int64) & 0xFFFFFFFF
-    position = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
-    weights = ((position * _MIX) & 0x7FFFFFFF) | 1
-    plain, mixed = torch.stack([sums.sum(), ((sums * weights) & 0xFFFFFFFF).sum()]).tolist()
-    return f"v{version}:{plain:x}:{mixed:x}"
 
 
 class IpcWeightPublisher:

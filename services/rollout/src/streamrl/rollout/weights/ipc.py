@@ -1,6 +1,6 @@
 """Receive the learner's weights over CUDA IPC, for an engine on the learner's own GPU (colocated mode).
 
-The learner (``streamrl.learner.rl.ipc_weights``) keeps its weights in persistent flat buffers on its
+The learner (``streamrl.learner.rl.weights.ipc``) keeps its weights in persistent flat buffers on its
 GPU and describes them in ``WeightsPublished.ipc`` (:class:`IpcWeights`: CUDA IPC handles, tensor
 layout) with a checksum. :class:`IpcWeightReceiver` on the engine's side:
 
@@ -14,11 +14,8 @@ layout) with a checksum. :class:`IpcWeightReceiver` on the engine's side:
 4. returns ``(name, tensor)`` views of the staging buffers; the engine copies them into its
    parameters before the next fetch.
 
-The checksum is the learner's definition, repeated here because services never import each
-other (``tests/unit/rollout/test_ipc_receiver.py`` checks that both give the same digest): the
-buffers as int32 words in blocks of ``block_bytes``, ``s_b`` = block ``b``'s sum mod 2^32,
-``plain = sum_b s_b``, ``mixed = sum_b (s_b * w_b mod 2^32)`` with ``w_b = ((b + 1) * 0x9E3779B1
-mod 2^31) | 1``; digest ``"v{version}:{plain:x}:{mixed:x}"``.
+The checksum and the typed views are :mod:`streamrl.torchkit.flat`'s, the code the learner packs
+and hashes its buffers with (``tests/unit/torchkit/test_flat.py`` checks the documented definition).
 
 Memory: the staging buffers are a second copy of the weights on the GPU. In containers, CUDA IPC
 between the learner and the engine needs a shared IPC namespace and ``/dev/shm`` (torch's
@@ -34,36 +31,9 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
+from streamrl.torchkit.flat import tensor_views, weights_checksum
 
 logger = logging.getLogger(__name__)
-
-_MIX = 0x9E3779B1
-
-
-def tensor_views(buffers: Sequence[torch.Tensor], layout: Sequence[IpcTensor]) -> list[torch.Tensor]:
-    """Typed views of ``layout``'s tensors into flat uint8 ``buffers`` (no copy)."""
-    views = []
-    for t in layout:
-        dtype = getattr(torch, t.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise WeightSyncError(f"tensor {t.name!r} has an unknown dtype {t.dtype!r}")
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        raw = buffers[t.buffer][t.offset_bytes : t.offset_bytes + numel * dtype.itemsize]
-        views.append(raw.view(dtype).view(t.shape))
-    return views
-
-
-def weights_checksum(buffers: Sequence[torch.Tensor], version: int, block_bytes: int) -> str:
-    """Digest of flat uint8 ``buffers`` and ``version`` on their device (see the module docstring)."""
-    words = [b.view(torch.int32).view(-1, block_bytes // 4) for b in buffers]
-    block_sums = torch.cat([w.sum(dim=1, dtype=torch.int32) for w in words])  # mod 2^32, no widened copy
-    sums = block_sums.to(torch.int64) & 0xFFFFFFFF
-    position = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
-    weights = ((position * _MIX) & 0x7FFFFFFF) | 1
-    plain, mixed = torch.stack([sums.sum(), ((sums * weights) & 0xFFFFFFFF).sum()]).tolist()
-    return f"v{version}:{plain:x}:{mixed:x}"
 
 
 class IpcWeightReceiver:

@@ -2,8 +2,8 @@
 
 vLLM mixes this class into every worker (``worker_extension_cls``). The rollout engine calls its
 methods by name through ``collective_rpc``, so no Python function is shipped to the workers: each
-worker pulls the buckets of the version itself with :func:`streamrl.common.weights.wire.fetch_buckets`
-(which verifies the checksum), and once every worker holds the whole version the engine asks them
+worker pulls the buckets of the version itself (:func:`streamrl.rollout.weights.zmq.torch_tensors`,
+which verifies the checksum), and once every worker holds the whole version the engine asks them
 to feed it to the model runner's ``reload_weights``. That entry point is what works
 on the CPU backend, which repacks linear weights (calling the model's ``load_weights`` directly
 changes nothing there) - unless the engine was built with ``cpu_weight_packing`` off: then the
@@ -11,7 +11,7 @@ kernels read the live parameters and ``load_weights`` copies the new values into
 
 Over the learner's weight-broadcast group (``learner.weights_transport = "broadcast"``) every worker
 - each tensor-parallel rank - is a member of its own
-(:class:`streamrl.rollout.broadcast_receiver.BroadcastReceiver`, built at the first such update):
+(:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`, built at the first such update):
 it receives every version into staging buffers on its device in the background, and the stage
 call only waits for the version asked for, checks it against the signed event's checksum and pins
 it; vLLM's loader then takes from the full tensors the shard its rank needs.
@@ -23,38 +23,15 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights.broadcast import decode_rendezvous
-from streamrl.common.weights.wire import BF16, ReceivedTensor, fetch_buckets
+from streamrl.rollout.weights.zmq import torch_tensors
 
 logger = logging.getLogger(__name__)
-
-
-def to_torch(tensor: ReceivedTensor) -> torch.Tensor:
-    """A torch view of a received (read-only) tensor, bf16 words reinterpreted; no copy.
-
-    The view must only be read (``reload_weights`` copies from it into the parameters).
-    """
-    array = tensor.array.view(np.int16) if tensor.dtype == BF16 else tensor.array
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        out = torch.from_numpy(array)
-    return out.view(torch.bfloat16) if tensor.dtype == BF16 else out
-
-
-def torch_tensors(
-    endpoint: str, version: int, checksum: str | None, timeout_s: float
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of one version as ``reload_weights`` wants them."""
-    for received in fetch_buckets(endpoint, version, checksum, timeout_s):
-        yield received.name, to_torch(received)
 
 
 def _reads_weight(cpu_linear: Any) -> bool:
@@ -99,7 +76,7 @@ class WeightReceiver:
         """Wait until this worker's member of the learner's weight group (``broadcast``: a msgpack
         WeightsBroadcast) has received ``version`` hashing to ``checksum`` (the signed event's), and
         stage it (pinned). Return (``version``, None), or (-1, why it failed or was refused)."""
-        from streamrl.rollout.broadcast_receiver import member_for
+        from streamrl.rollout.weights.broadcast import member_for
 
         self.streamrl_discard_weights()
         info = decode_rendezvous(broadcast)

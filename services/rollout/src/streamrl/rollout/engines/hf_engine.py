@@ -6,13 +6,13 @@ One driver thread owns the model and runs a continuous-batching loop::
     slots -> decode every live slot for a few steps -> hand back finished samples -> repeat
 
 * Llama-family models (llama, qwen2, qwen3, mistral) decode through
-  :class:`streamrl.rollout.kv_decoder.KVDecoder`: the model's own modules over a preallocated
+  :class:`streamrl.rollout.engines.kv_decoder.KVDecoder`: the model's own modules over a preallocated
   slot-based KV cache, each decode step a CUDA graph on GPU. Up to ``max_num_seqs`` samples decode
   together; a finished sample's slot takes the next waiting one. A prompt is prefilled once for its
   ``n`` samples. At start the decoder's logits are checked against the model's own forward; other
   architectures (or a failed check) use the model's plain forward with transformers' cache, one
   batch at a time.
-* Sampling runs on the logits' device (:mod:`streamrl.rollout.sampling`): temperature, then top-k,
+* Sampling runs on the logits' device (:mod:`streamrl.rollout.engines.sampling`): temperature, then top-k,
   then top-p (vLLM's order), and each token's behaviour log-prob is read from exactly the
   distribution it was sampled from; greedy (temperature 0) reports the raw log-softmax, as vLLM
   does. Rows with different sampling parameters share the batch. Tokens, log-probs and stop flags
@@ -31,7 +31,7 @@ One driver thread owns the model and runs a continuous-batching loop::
 * Weight updates are commands too: an update waits until the samples admitted before it finish,
   jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
   failed transfer leaves the served weights untouched. Over the learner's weight-broadcast group
-  a member (:class:`streamrl.rollout.broadcast_receiver.BroadcastReceiver`) receives in the
+  a member (:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`) receives in the
   background while the engine decodes, and an update copies the version asked for in once what was
   received hashes to the signed event's checksum (anything else the store offered is refused).
 
@@ -57,13 +57,13 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
 from streamrl.common.messages import SamplingParams
-from streamrl.common.weights.wire import fetch_buckets
-from streamrl.rollout.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
-from streamrl.rollout.engine_config import EngineConfig
-from streamrl.rollout.kv_decoder import KVDecoder, unsupported_reason
-from streamrl.rollout.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
-from streamrl.rollout.vision import encode, expansion_token_ids, image_token_id, load_processor
-from streamrl.rollout.weight_receiver import to_torch
+from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
+from streamrl.rollout.engines.kv_decoder import KVDecoder, unsupported_reason
+from streamrl.rollout.engines.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
+from streamrl.rollout.vision import encode, expansion_token_ids, vision_processor
+from streamrl.rollout.weights.zmq import torch_tensors
+from streamrl.torchkit.vision import image_token_id
 
 __all__ = ["HFEngine", "processed_logprobs"]
 
@@ -132,7 +132,7 @@ Command = _Job | WeightUpdate | _Stop
 
 
 class HFEngine:
-    """transformers behind the :class:`streamrl.rollout.engine.Engine` protocol (see module docstring)."""
+    """transformers behind the :class:`streamrl.rollout.engines.engine.Engine` protocol (see module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
@@ -142,7 +142,7 @@ class HFEngine:
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._processor = load_processor(config.model, config.trust_remote_code)
+        self._processor = vision_processor(config.model, config.trust_remote_code)
         self._image_token_id = None if self._processor is None else image_token_id(self._processor)
         self._banned: torch.Tensor | None = None
         """Ids of an image's expansion, never sampled (on the device); None for a text model."""
@@ -579,10 +579,7 @@ class HFEngine:
             elif update.broadcast is not None:
                 version = self._load_broadcast(update)
             else:
-                received = [
-                    (t.name, to_torch(t))
-                    for t in fetch_buckets(update.endpoint, update.version, update.checksum, update.timeout_s)
-                ]
+                received = list(torch_tensors(update.endpoint, update.version, update.checksum, update.timeout_s))
                 self._load(update.version, received)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the old weights stay
             update.future.set_exception(e)
@@ -593,7 +590,7 @@ class HFEngine:
     def _load_ipc(self, update: WeightUpdate) -> None:
         """Fetch + verify a version from the learner's CUDA IPC buffers, then copy it into the
         parameters, which live in flat buffers of the same layout (moved there at the first update)."""
-        from streamrl.rollout.ipc_weights import FlatParameters, IpcWeightReceiver
+        from streamrl.rollout.weights.ipc import FlatParameters, IpcWeightReceiver
 
         if self._ipc is None:
             self._ipc = IpcWeightReceiver(self._device)
@@ -609,7 +606,7 @@ class HFEngine:
     def _load_broadcast(self, update: WeightUpdate) -> int:
         """Copy ``update.version`` from the engine's member of the learner's weight group into the
         parameters, only if what it received hashes to the signed event's checksum; returns the version."""
-        from streamrl.rollout.broadcast_receiver import member_for
+        from streamrl.rollout.weights.broadcast import member_for
 
         assert update.broadcast is not None
         self._member = member_for(self._member, update.broadcast, self._device, "hf", update.timeout_s)

@@ -1,6 +1,6 @@
 """A slot-based KV-cache decoder over a Hugging Face Llama-family model's own modules.
 
-The transformers engine's fast path (:mod:`streamrl.rollout.hf_engine`). It runs the model's own
+The transformers engine's fast path (:mod:`streamrl.rollout.engines.hf_engine`). It runs the model's own
 layers (embeddings, norms, projections, MLPs, rotary embedding, head: the loaded ``nn.Module``s and
 their parameters, so a weight update is a copy into them) and replaces only the attention's cache
 handling:

@@ -41,10 +41,10 @@ from jinja2 import TemplateError
 
 from streamrl.common.aio import cancel_and_wait
 from streamrl.common.errors import RetryableError
-from streamrl.rollout.agent_config import AgentEndpointConfig
-from streamrl.rollout.agent_gateway import AgentGateway, ConversationBusyError, Live, Reply, UnknownConversationError
-from streamrl.rollout.conversation import ContextExhaustedError, HistoryRewrittenError
-from streamrl.rollout.engine import Engine
+from streamrl.rollout.agents.config import AgentEndpointConfig
+from streamrl.rollout.agents.conversation import ContextExhaustedError, HistoryRewrittenError
+from streamrl.rollout.agents.gateway import AgentGateway, ConversationBusyError, Live, Reply, UnknownConversationError
+from streamrl.rollout.engines.engine import Engine
 
 logger = logging.getLogger(__name__)
 EPISODE_HEADER = "X-Streamrl-Episode"

@@ -1,4 +1,7 @@
-"""A tiny random Qwen2 (and Idefics3 vision-language) checkpoint with a locally trained tokenizer, for tests and CPU demos.
+"""Tiny random checkpoints (Qwen2, and the Idefics3 vision-language model) with a locally trained tokenizer.
+
+For tests, benchmarks and the CPU demos (examples/vlm/prepare.py); test-only code, so it lives here
+rather than in a service, and no service module imports it.
 
 No model hub is needed: the tokenizer is a byte-level BPE trained on a few hundred generated
 sentences with the ``tokenizers`` library and saved as a ``PreTrainedTokenizerFast`` (vLLM and

@@ -19,7 +19,7 @@ does extend it. Why refuse rather than start a new segment: one trajectory has o
 second segment would be a different sample of the group that the coordinator did not ask for.
 
 When the agent reports its reward, the record becomes an :class:`AgentEpisode` (an
-:class:`streamrl.rollout.episode.Episode` with the conversation's own prompt and the reward).
+:class:`streamrl.rollout.environments.episode.Episode` with the conversation's own prompt and the reward).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import msgspec
 
 from streamrl.common.messages import Turn
-from streamrl.rollout.engine import Sample
-from streamrl.rollout.episode import Episode
+from streamrl.rollout.engines.engine import Sample
+from streamrl.rollout.environments.episode import Episode
 
 
 class HistoryRewrittenError(ValueError):
