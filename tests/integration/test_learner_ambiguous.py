@@ -2,8 +2,9 @@
 batch twice and never leaves a version unpublished.
 
 * A re-sent copy of a batch (same index, same content) is skipped quietly; another batch with a taken
-  index is dead-lettered naming both; a missing index that no entry will ever fill is recorded as
-  lost (its version still published) and the run goes on.
+  index is dead-lettered naming both; a batch ahead of a missing index still in the stream (re-sent, or
+  its delivery's reply lost) waits for it: that entry is trained first; a missing index that no entry
+  will ever fill is recorded as lost (its version still published) and the run goes on.
 * A learner whose checkpoint is behind the batches already acknowledged refuses to start, in one line.
 * A batch that kills the learner mid-step is counted before the step, and skipped once it killed it
   ``consumer.max_deliveries`` times.
@@ -105,21 +106,38 @@ def test_a_missing_index_is_recorded_as_lost_and_the_run_goes_on(
     assert int(client.hget(names.state("learner"), "acked")) == 4
 
 
-def test_a_batch_from_the_future_waits_for_no_one_when_its_predecessor_is_still_to_come(
+def test_a_batch_ahead_of_a_predecessor_still_in_the_stream_trains_after_it(
     model: Path, tmp_path: Path, redis_url: str, run_id: str
 ) -> None:
-    """Index 1 is in the stream after index 2: the stream is out of order, 2 is refused (never trained
-    ahead of 1), 1 trains; no index is recorded as lost."""
+    """Index 1 is in the stream after index 2 (a re-sent publication): 1 is taken from the stream and trained
+    first, then 2; nothing is dead-lettered or recorded as lost, and the later delivery of 1 is a copy."""
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
     _feed(client, names, training_batch(0), training_batch(2), training_batch(1))
-    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "2")
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "3")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _events(client, names) == [(0, ""), (1, "batch-0"), (2, "batch-1")]
-    (letter,) = _letters(client, names)
-    assert "batch-2 is ahead of the learner, whose next batch is 1, and batch index 1 is still in the stream" in (
-        letter.error
-    )
+    assert _events(client, names) == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
+    assert _letters(client, names) == []
+    assert "batch index 1 is still in the stream" in done.stderr and "training it first" in done.stderr
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+
+
+def test_a_batch_whose_delivery_reply_was_lost_is_trained_before_the_next(
+    model: Path, tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    """The soak's loss: the reply of the XREADGROUP that delivered batch 1 was lost, so 1 sits pending under
+    the learner, never handed to it, when batch 2 arrives. 2 must not be dead-lettered (its groups would be
+    dropped): 1 trains first, then 2."""
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    _feed(client, names, training_batch(1), training_batch(0), training_batch(2))
+    client.xgroup_create(names.batches, "learner", id="0")
+    client.xreadgroup("learner", "learner", {names.batches: ">"}, count=1)  # 1 pending; its reader never saw it
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _events(client, names) == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
+    assert _letters(client, names) == []
+    assert client.xpending(names.batches, "learner")["pending"] == 0
 
 
 def test_a_checkpoint_behind_the_acknowledged_batches_refuses_to_start(

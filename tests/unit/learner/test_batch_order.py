@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from streamrl.common.messages import SamplingParams, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
-from streamrl.learner.rl.batch_order import LOST, Attempts, behind_verdict, fingerprint, gap_verdict
+from streamrl.learner.rl.batch_order import LOST, Attempts, Gap, behind_verdict, fingerprint, gap_verdict
 
 
 def batch(index: int, ids: tuple[str, ...] = ("a", "b"), name: str | None = None) -> TrainingBatch:
@@ -50,15 +50,16 @@ def test_behind_a_copy_is_skipped_and_anything_else_is_refused_naming_both() -> 
 
 
 def test_a_gap_is_confirmed_only_when_no_missing_index_is_still_to_come() -> None:
-    assert gap_verdict(batch(5), 2, {5: "9-0", 7: "11-0"}, published=8) == ([2, 3, 4], None)
-    missing, error = gap_verdict(batch(5), 2, {4: "8-0", 3: "7-0"}, published=8)
-    assert missing == [] and error is not None and "batch index 3 is still in the stream (entry 7-0)" in error
+    assert gap_verdict(batch(5), 2, {5: "9-0", 7: "11-0"}, published=8) == Gap(lost=[2, 3, 4])
+    # a missing index still in the stream (its delivery's reply lost, or re-sent): the earliest one trains first
+    assert gap_verdict(batch(5), 2, {4: "8-0", 3: "7-0"}, published=8) == Gap(first=(3, "7-0"))
+    assert gap_verdict(batch(5), 2, {2: "6-0"}, published=5) == Gap(first=(2, "6-0"))  # even when not published past
 
 
 def test_a_batch_the_coordinator_has_not_reached_is_from_the_future() -> None:
     """A forged batch far ahead: its predecessors are still to be written, none is recorded as lost."""
-    missing, error = gap_verdict(batch(503), 2, {}, published=6)
-    assert missing == [] and error is not None and "a batch from the future" in error
+    gap = gap_verdict(batch(503), 2, {}, published=6)
+    assert gap.lost == [] and gap.first is None and gap.error is not None and "a batch from the future" in gap.error
 
 
 def test_attempts_count_kills_as_steps_started_that_never_returned() -> None:

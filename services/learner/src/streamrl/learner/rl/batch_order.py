@@ -7,14 +7,17 @@ other content, or skip an index (an entry lost before it was read). The rules:
 * **behind** (index below the next one): a copy of what was consumed at that index (same
   :func:`fingerprint`: batch id, sample count and trajectory ids) is skipped quietly; anything else
   is a conflict, dead-lettered loudly naming both batches, never trained.
-* **ahead** (index above the next one): a batch whose index the coordinator has not reached yet (its
+* **ahead** (index above the next one): while an entry for a missing index is still in the stream
+  (pending for the learner - its delivery's reply was lost, or it came before a restart - or not yet
+  delivered: a re-sent publication), the learner takes that entry first, the earliest such index, and
+  trains it before the batch in hand: batches are trained in index order and nothing is dropped for
+  arriving out of order. A batch whose index the coordinator has not reached yet (its
   ``state:batch_index`` counter, the index of the next batch it will publish, is not above it) comes
   from the future - forged, or a bug upstream - and is dead-lettered: the missing indices are still to
-  be written. So is a batch while an entry for a missing index is still to come (pending for the
-  learner, or not yet delivered): the stream is out of order. Otherwise the gap is confirmed - the
-  coordinator has moved past those indices and no entry for them is left - and each missing index is
-  recorded as lost (its version published with unchanged weights, as a skipped batch's) before the
-  batch trains. The learner never waits on an index no one will write.
+  be written. Otherwise the gap is confirmed - the coordinator has moved past those indices and no
+  entry for them is left - and each missing index is recorded as lost (its version published with
+  unchanged weights, as a skipped batch's) before the batch trains. The learner never waits on an
+  index no one will write.
 * **attempts**: every step is counted before it starts and again when it returns, so a step that
   killed the process (OOM-kill, segfault, a follower rank dying) shows as started but never
   finished; failures and kills together reach ``consumer.max_deliveries`` and the batch is skipped.
@@ -23,7 +26,7 @@ other content, or skip an index (an entry lost before it was read). The rules:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamrl.common.messages import TrainingBatch
 
@@ -64,27 +67,35 @@ def behind_verdict(batch: TrainingBatch, next_index: int, record: str | None) ->
     )
 
 
-def gap_verdict(
-    batch: TrainingBatch, next_index: int, still_to_come: dict[int, str], published: int
-) -> tuple[list[int], str | None]:
-    """For a batch above ``next_index``: (the missing indices to record as lost, None) when the gap is
-    confirmed, or ([], the error) when the batch comes from the future or an entry for a missing index is
-    still to come. ``still_to_come``: index -> entry id of the batches pending for the learner or not yet
-    delivered; ``published``: the coordinator's ``batch_index`` (every index below it was published)."""
+@dataclass(frozen=True)
+class Gap:
+    """What to do with a batch above the learner's next index (:func:`gap_verdict`)."""
+
+    lost: list[int] = field(default_factory=list)
+    """Missing indices to record as lost before the batch trains (the gap is confirmed)."""
+    first: tuple[int, str] | None = None
+    """(index, entry id) of the earliest missing index still in the stream: train that entry first."""
+    error: str | None = None
+    """Why the batch is refused (dead-lettered): it comes from the future."""
+
+
+def gap_verdict(batch: TrainingBatch, next_index: int, still_to_come: dict[int, str], published: int) -> Gap:
+    """For a batch above ``next_index``: the earliest missing index still to come (train it first), else the
+    error of a batch from the future, else the confirmed gap. ``still_to_come``: index -> entry id of the
+    batches pending for the learner or not yet delivered; ``published``: the coordinator's ``batch_index``
+    (every index below it was published)."""
     missing = range(next_index, batch.index)
     waiting = sorted((i, entry) for i, entry in still_to_come.items() if i in missing)
     if waiting:
-        index, entry = waiting[0]
-        return [], (
-            f"{batch.id} is ahead of the learner, whose next batch is {next_index}, and batch index {index} is "
-            f"still in the stream (entry {entry}): batches are never trained out of order"
-        )
+        return Gap(first=waiting[0])
     if batch.index >= published:
-        return [], (
-            f"{batch.id} is ahead of the learner, whose next batch is {next_index}, and the coordinator has "
-            f"published indices below {published} only: a batch from the future, never trained out of order"
+        return Gap(
+            error=(
+                f"{batch.id} is ahead of the learner, whose next batch is {next_index}, and the coordinator has "
+                f"published indices below {published} only: a batch from the future, never trained out of order"
+            )
         )
-    return list(missing), None
+    return Gap(lost=list(missing))
 
 
 @dataclass(frozen=True)

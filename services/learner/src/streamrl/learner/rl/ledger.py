@@ -108,6 +108,16 @@ class LearnerLedger:
             found.setdefault(batch.index, str(_text(entry_id)))
         return found
 
+    async def entry(self, stream: str, entry_id: str) -> TrainingBatch | None:
+        """The batch of one entry, None when it is gone (acknowledged and trimmed) or undecodable."""
+        found = await self.bus.redis.xrange(stream, entry_id, entry_id)
+        if not found:
+            return None
+        try:
+            return decode(found[0][1].get(b"d", b""), TrainingBatch)
+        except PoisonMessageError:
+            return None
+
     # --------------------------------------------------------------- writes
     async def claim(self, index: int, fingerprint: str) -> None:
         """Record what is consumed at ``index`` (the same value again is a no-op)."""

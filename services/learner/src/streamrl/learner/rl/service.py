@@ -72,7 +72,7 @@ from pathlib import Path
 from streamrl.common.bus import Output
 from streamrl.common.codec import encode
 from streamrl.common.consumer import ConsumerLoop
-from streamrl.common.errors import PoisonMessageError
+from streamrl.common.errors import PoisonMessageError, RetryableError
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
@@ -323,13 +323,34 @@ class LearnerService:
         raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
 
     async def _fill_gap(self, batch: TrainingBatch) -> None:
-        """``batch`` is ahead of the next index: refuse it while a missing index is still to come, else record
-        every missing index as lost (dead letter, version published with unchanged weights)."""
-        still_to_come = await self.ledger.still_to_come(self.ctx.names.batches)
-        missing, error = gap_verdict(batch, self.next_index, still_to_come, await self.ledger.coordinator_index())
-        if error is not None:
-            logger.error("%s", error)
-            raise PoisonMessageError(error)
+        """``batch`` is ahead of the next index: train first each missing index still in the stream (taken from
+        it by entry id), refuse a batch from the future, and record every missing index no entry is left for as
+        lost (dead letter, version published with unchanged weights)."""
+        while True:
+            still_to_come = await self.ledger.still_to_come(self.ctx.names.batches)
+            gap = gap_verdict(batch, self.next_index, still_to_come, await self.ledger.coordinator_index())
+            if gap.error is not None:
+                logger.error("%s", gap.error)
+                raise PoisonMessageError(gap.error)
+            if gap.first is None:
+                break
+            index, entry_id = gap.first
+            earlier = await self.ledger.entry(self.ctx.names.batches, entry_id)
+            if earlier is None:  # acknowledged or trimmed since the look, or undecodable (dead-lettered on delivery)
+                raise RetryableError(f"{batch.id} waits for batch index {index} (entry {entry_id})", defer_s=1.0)
+            logger.warning(
+                "%s is ahead of the learner, whose next batch is %d; batch index %d is still in the stream "
+                "(entry %s: its delivery was lost or it was published again): training it first",
+                batch.id,
+                self.next_index,
+                index,
+                entry_id,
+            )
+            await self.handle(earlier)
+            await self._on_committed(entry_id, earlier)
+            if batch.index <= self.next_index:
+                return
+        missing = gap.lost
         logger.error(
             "batch indices %d..%d never reached the learner: %s came next and no entry for them is pending or left "
             "in the stream; recording them as lost (their versions are published with unchanged weights)",
