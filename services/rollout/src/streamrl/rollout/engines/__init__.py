@@ -1,0 +1,2 @@
+"""Generation engines: one protocol (:mod:`.engine`), two implementations (:mod:`.hf_engine`,
+:mod:`.vllm_engine`), and :func:`.factory.build_engine` to pick one from the config (:mod:`.config`)."""
