@@ -14,12 +14,12 @@ its own process, restarted like an orchestrator would) and, for ``--minutes``:
 * Redis's ``used_memory`` (and the streams' lengths, the policy version) is sampled every
   ``--sample-s`` seconds.
 
-Then the faults stop and the coordinator is restarted with ``total_steps`` a few steps ahead, so
-the run ends on its own; it is counted from every entry written (the harness's stream tap) like a
+Then the faults stop and the coordinator and the learner (SIGTERM: it drains) are restarted with
+``total_steps`` a few steps ahead, so the run ends on its own; it is counted from every entry written (the harness's stream tap) like a
 fault-suite row: issued, trained, dropped with reason, lost, trained twice, pending at the end,
 steps, and the recovery after each kill (restart to the next trained batch). The maximum of
 ``used_memory`` is compared with the run's stated bound when libs/common has one
-(``streamrl.common.memory_budget``), else reported alone.
+(``streamrl.ops.memory_budget``), else reported alone.
 
 Writes ``bench/results/soak-<date>.json`` (settings, machine, command, the row, the kills, every
 memory sample) and ``soak-<date>.png`` (used memory and policy version over time, the kills
@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -114,16 +115,16 @@ def _stated_bound(run: FaultRun, end_step: int) -> tuple[int | None, str]:
     """The bytes the run may hold in Redis by libs/common's formula (docs/operations.md) for the
     recipe as run, ``end_step`` steps long; and where it came from (or why there is none)."""
     try:
-        from streamrl.common import memory_budget
+        from streamrl.ops import memory_budget
     except ImportError:
-        return None, "no stated bound in this checkout (streamrl.common.memory_budget is missing)"
+        return None, "no stated bound in this checkout (streamrl.ops.memory_budget is missing)"
     data = tomllib.loads(run.recipe.read_text())
     data["total_steps"] = end_step
     try:
         bound = memory_budget.memory_bound(memory_budget.shape_from_recipe(data))
     except ValueError as e:
         return None, f"memory_budget could not bound the recipe: {e}"
-    return bound.total, f"streamrl.common.memory_budget.memory_bound: {bound.describe()}"
+    return bound.total, f"streamrl.ops.memory_budget.memory_bound: {bound.describe()}"
 
 
 def _recoveries(run: FaultRun, kills: list[Kill]) -> list[float | None]:
@@ -209,8 +210,13 @@ def _soak(run: FaultRun, args: argparse.Namespace, samples: list[dict[str, Any]]
         proxy.set_policy(None)
         end_step = run.version() + DRAIN_STEPS
         print(f"soak: faults over at version {end_step - DRAIN_STEPS}; the run ends at {end_step}", flush=True)
+        # the coordinator and the learner learn the real end (the learner's final checkpoint then covers, and
+        # acknowledges, every batch it trained: without it the batches after its last periodic checkpoint stay
+        # pending, to be replayed by a next life)
         run.kill("coordinator-0")
         run.start_service("coordinator", "coordinator-0", extra=[f"--total_steps={end_step}"])
+        run.kill("learner-0", signal.SIGTERM)
+        run.start_service("learner", "learner-0", extra=[f"--total_steps={end_step}"])
         completed = run.wait_done(END_TIMEOUT_S, stall_s=180)
     except AssertionError as e:
         completed, end_step, error = False, max(run.version(), 1), str(e)
