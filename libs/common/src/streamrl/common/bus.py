@@ -47,6 +47,7 @@ from redis.exceptions import AuthenticationError, BusyLoadingError, OutOfMemoryE
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from streamrl.common.codec import PAYLOAD_FIELD as PAYLOAD_FIELD
 from streamrl.common.codec import encode
 from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import Message
@@ -56,8 +57,6 @@ from streamrl.common.tx import PreconditionFailed as PreconditionFailed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-PAYLOAD_FIELD = b"d"
-"""Field of a stream entry that holds the msgpack payload."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ class _Header(msgspec.Struct):
     v: int
 
 
+PAYLOAD_FIELD = b"d"
+"""Field of a stream entry that holds the msgpack payload (re-exported by :mod:`streamrl.common.bus`)."""
+
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(_Header)
 _decoders = {tag: msgspec.msgpack.Decoder(cls) for tag, cls in MESSAGE_TYPES.items()}
@@ -49,6 +52,6 @@ def decode(data: bytes, expected: type[M] | tuple[type[Message], ...] | None = N
         raise PoisonMessageError(f"invalid {header.type!r} v{header.v} message: {e}") from e
     if expected is not None and not isinstance(message, expected):
         wanted = expected if isinstance(expected, tuple) else (expected,)
-        tags = " or ".join(repr(t.__struct_config__.tag) for t in wanted)  # type: ignore[attr-defined]
+        tags = " or ".join(repr(t.__struct_config__.tag) for t in wanted)
         raise PoisonMessageError(f"expected a {tags} message, got a {header.type!r} message")
     return message  # type: ignore[return-value]

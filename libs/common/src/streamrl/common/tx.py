@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 from redis.exceptions import ResponseError
 
+from streamrl.common.codec import PAYLOAD_FIELD
 from streamrl.common.lease import LeaseLostError, holder_of
 
 if TYPE_CHECKING:
@@ -166,8 +167,6 @@ class Tx:
 
     def xadd_raw(self, stream: str, payload: bytes, maxlen: int | None = None) -> Tx:
         """Append an already encoded payload (its entry id is the reply)."""
-        from streamrl.common.bus import PAYLOAD_FIELD
-
         cap = self.bus.maxlen if maxlen is None else maxlen
         return self.call("XADD", stream, "MAXLEN", "~", cap, "*", PAYLOAD_FIELD, payload)
 
