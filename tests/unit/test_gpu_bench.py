@@ -1,10 +1,10 @@
 """bench/gpu.py and bench/gpu_pipeline.py without a GPU: the steady window, the metric and log parsing,
-the GPU memory poller, the run settings, and the driver's per-part failure handling and report."""
+the GPU memory line parser, the run settings and per-part options (the poller's process and the driver's
+report: tests/integration/gpu)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import types
 from pathlib import Path
@@ -35,19 +35,6 @@ def test_parse_memory_line() -> None:
     assert pipeline.parse_memory_line("0, 1234\n") == (0, 1234)
     assert pipeline.parse_memory_line("[N/A]") is None
     assert pipeline.parse_memory_line("0, [N/A]") is None
-
-
-def test_gpu_memory_reads_first_and_peak_per_gpu() -> None:
-    fake = [sys.executable, "-c", "print('0, 100'); print('1, 7'); print('junk'); print('0, 900'); print('0, 300')"]
-    memory = pipeline.GpuMemory(command=fake)
-    with memory:
-        assert memory._proc is not None
-        memory._proc.wait(10)
-    assert memory.summary() == {
-        "peak_mib": {"0": 900, "1": 7},
-        "before_mib": {"0": 100, "1": 7},
-        "peak_minus_before_mib": {"0": 800, "1": 0},
-    }
 
 
 def _learner_row(step: int, time: float) -> dict[str, Any]:
@@ -141,7 +128,7 @@ def test_parse_args_checks_parts_and_picks_the_report_folder(monkeypatch: pytest
         gpu.parse_args(["--parts", "d"])
 
 
-def _fake_part(monkeypatch: pytest.MonkeyPatch, name: str, run: Any, add_args: Any = None) -> None:
+def fake_part(monkeypatch: pytest.MonkeyPatch, name: str, run: Any, add_args: Any = None) -> None:
     module = types.ModuleType(name)
     module.run = run  # type: ignore[attr-defined]
     if add_args is not None:
@@ -155,34 +142,10 @@ def test_a_part_gets_its_own_options_and_the_drivers(monkeypatch: pytest.MonkeyP
         parser.add_argument("--new-tokens", type=int, default=256)
         parser.add_argument("--tiny", action="store_true")
 
-    _fake_part(monkeypatch, "gpu_test_opts", lambda args: {}, add_args)
+    fake_part(monkeypatch, "gpu_test_opts", lambda args: {}, add_args)
     args = gpu.parse_args(["--tiny", "--prompts", "8", "--pipeline-steps=50"])
     namespace, unknown = gpu.part_args(sys.modules["gpu_test_opts"], args)
     assert (namespace.prompts, namespace.new_tokens, namespace.tiny) == (8, 256, True)
     assert unknown == {"--pipeline-steps=50"}
     namespace, unknown = gpu.part_args(pipeline, args)
     assert namespace.pipeline_steps == 50 and unknown == {"--prompts", "8"}
-
-
-def test_main_records_each_part_and_a_failure_does_not_stop_the_others(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    def broken(args: argparse.Namespace) -> dict[str, Any]:
-        raise RuntimeError("no GPU here")
-
-    _fake_part(monkeypatch, "gpu_test_a", broken)
-    _fake_part(monkeypatch, "gpu_test_b", lambda args: {"tokens_per_s": 1.0, "out": args.out_dir})
-    _fake_part(monkeypatch, "gpu_test_c", lambda args: {"errors": ["trl: exit code 1"]})
-    monkeypatch.setattr(gpu, "PARTS", {"a": "gpu_test_a", "b": "gpu_test_b", "c": "gpu_test_c"})
-    code = gpu.main(["--out", str(tmp_path), "--typo-steps=3"])
-    assert code == 1
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    (written,) = tmp_path.glob("gpu-*.json")
-    assert json.loads(written.read_text()) == last
-    parts = last["parts"]
-    assert not parts["a"]["ok"] and "RuntimeError: no GPU here" in parts["a"]["error"]
-    assert parts["b"]["ok"] and parts["b"]["result"] == {"tokens_per_s": 1.0, "out": str(tmp_path)}
-    assert not parts["c"]["ok"]
-    assert last["command"] == f"python bench/gpu.py --out {tmp_path} --typo-steps=3"
-    assert last["ignored_args"] == ["--typo-steps=3"]
-    assert last["machine"]["cpu_count"] >= 1 and "torch" in last["machine"]

@@ -1,42 +1,14 @@
-"""The vLLM kit's device-side installer (scripts/gpu_vllm_install.sh) and bench/gpu_vllm.py's
-reference log-probs, on the CPU."""
+"""bench/gpu_vllm.py's reference log-probs, on the CPU (the vLLM kit's installer script: tests/integration/gpu)."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _install(repo: Path, stash: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "VLLMKIT_STASH": str(stash), "VLLMKIT_SITE": str(stash / "site")}
-    script = repo / "scripts" / "gpu_vllm_install.sh"
-    return subprocess.run(["bash", str(script), mode], cwd=repo, env=env, capture_output=True, text=True)
-
-
-def test_parts_are_stashed_across_calls_and_a_damaged_set_is_refused(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    (repo / "scripts" / "gpu_vllm_install.sh").write_bytes((ROOT / "scripts" / "gpu_vllm_install.sh").read_bytes())
-    parts = repo / ".vllmkit" / "parts"
-    parts.mkdir(parents=True)
-    blobs = {"part0": b"first half", "part1": b"second half"}
-    (parts / "SHA256SUMS").write_text("".join(f"{hashlib.sha256(b).hexdigest()}  {n}\n" for n, b in blobs.items()))
-    stash = tmp_path / "stash"
-    (parts / "part0").write_bytes(blobs["part0"])  # the first call carries part0
-    assert _install(repo, stash, "stash").returncode == 0
-    (parts / "part0").unlink()
-    (parts / "part1").write_bytes(b"second half, damaged")  # the second call carries part1
-    done = _install(repo, stash, "install")
-    assert (stash / "part0").read_bytes() == blobs["part0"]
-    assert done.returncode == 1 and "a part is missing or damaged" in done.stderr
 
 
 def test_reference_logprobs_are_the_tempered_log_softmax(tmp_path: Path) -> None:
