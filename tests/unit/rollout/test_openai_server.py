@@ -16,15 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
-from streamrl.common.bus import Bus, connect
-from streamrl.common.codec import decode, encode
-from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, Trajectory
-from streamrl.common.streams import StreamNames
+from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor
 from streamrl.rollout.agents import openai_server
 from streamrl.rollout.agents.config import AgentEndpointConfig, agent_token
 from streamrl.rollout.agents.conversation import AgentEpisode
@@ -32,7 +27,6 @@ from streamrl.rollout.agents.gateway import AgentGateway
 from streamrl.rollout.config import EnvironmentConfig, RolloutConfig
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import GenerationRequest, Sample
-from streamrl.rollout.service import RolloutService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "agent"))
 import chat_model
@@ -337,39 +331,6 @@ def test_a_withdrawn_group_ends_its_conversations() -> None:
             assert (await take(url, wait_s=0)).status_code == 204  # its other sample is not offered
 
     run(main)
-
-
-def test_the_service_publishes_the_conversation_with_its_own_prompt_and_the_agents_reward(
-    redis_url: str, run_id: str
-) -> None:
-    engine = ScriptEngine()
-    config = RolloutConfig(
-        run_id=run_id, engine=EngineConfig(model="unused", type="hf"), agent=AgentEndpointConfig(port=0)
-    )
-    ctx = ServiceContext("rollout", "rollout-0", config, Bus(connect(redis_url)), StreamNames(run_id), asyncio.Event())
-
-    async def main() -> list[Trajectory]:
-        async with endpoint(engine) as (url, gateway):
-            service = RolloutService(config, ctx, engine, gateway)  # type: ignore[arg-type]
-            handled = asyncio.create_task(service.handle(item(n=2)))
-            for reward in (0.25, 0.75):
-                task = (await take(url)).json()
-                await chat(task, [{"role": "system", "content": "#"}, {"role": "user", "content": task["prompt"]}])
-                await report(url, task["id"], reward)
-            outputs = await handled
-            await service.redis.aclose()
-            return [decode(encode(out.message), Trajectory) for out in outputs]  # as the reward tier sees them
-
-    trajectories = run(main)
-    assert [t.id for t in trajectories] == ["p1/0", "p1/1"]
-    for t, reward in zip(trajectories, (0.25, 0.75), strict=True):
-        assert t.prompt_ids.tolist() == ids("<|system|>#<|user|>12+34=<|assistant|>")
-        assert t.prompt_text == "<|system|>#<|user|>12+34=<|assistant|>"
-        assert t.response_ids.tolist() == ids("42</s>") and t.loss_mask.tolist() == [1, 1, 1]
-        assert np.allclose(t.logprobs.to_numpy(), [-0.11, -0.12, -0.13])  # positions 10-12 after a prompt of 10
-        assert t.metadata == {"source": "test", "env_info": [], "agent_reward": reward}
-        assert (t.label, t.group_size, t.stop_reason, t.policy_version_start) == ("46", 2, "done", 3)
-        assert [(turn.start, turn.end) for turn in t.turns] == [(0, 3)]
 
 
 def test_the_agent_section_is_checked() -> None:
