@@ -17,15 +17,18 @@ demo: setup
 	rm -rf runs/demo
 	.venv/bin/streamrl up recipes/demo.toml
 
-## test: set up if needed, then run the whole test suite (CPU, real Redis, real vLLM/DeepSpeed).
+## test: set up if needed, then run the whole test suite (CPU, real Redis, real vLLM/DeepSpeed): every tier below.
 test: setup
 	$(PY) -m pytest -q --durations=30
 
+## test-unit: the quick loop to run on every edit (under 2 minutes on 2 cores): tests/unit, one process, no Redis,
+## no child process (tests/unit/conftest.py fails a test that tries), no real engine run.
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
+## test-integration: what needs a real redis-server, child processes, real engines or external tools (kubectl).
 test-integration: setup
-	$(PY) -m pytest -q tests/integration tests/e2e
+	$(PY) -m pytest -q tests/integration tests/e2e tests/faults tests/deploy
 
 lint: setup
 	.venv/bin/ruff check libs services tests bench examples
