@@ -28,6 +28,7 @@ from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
     BATCH_SKIPPED,
     DeadLetter,
+    Message,
     PromptWorkItem,
     ScoredTrajectory,
     TrainingBatch,
@@ -76,7 +77,7 @@ Loss = LostGroup | LostEvalPrompt | LostBatch | RefusedBatch
 def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
     """The group, evaluation prompt or batch that ``letter`` gives up on, or None."""
     try:
-        inner = decode(letter.payload)
+        inner: Message = decode(letter.payload)
     except PoisonMessageError:
         named = BATCH_ID.search(letter.error)
         if letter.stream == batches_stream and named:  # a batch's letter, its payload cut

@@ -23,6 +23,7 @@ import numpy as np
 from streamrl.common.codec import decode
 from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import PromptWorkItem, SamplingParams, ScoredTrajectory, Tensor
+from streamrl.common.replies import raw, text
 from streamrl.coordinator import state as st
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.metrics import MetricsWriter
@@ -126,7 +127,14 @@ class EvalRounds:
                 logger.warning("evaluation prompt %d counts as dead in round %d: %s", i, version, e)
                 skipped.append(item.id)
         keys = [rounds, self.state.names.prompts, self.state.key(st.eval_dead(version))]
-        args = [version, f"started@{time.time():.3f}", self.bus.maxlen, len(skipped), *skipped, *payloads]
+        args: list[str | bytes | int | float] = [
+            version,
+            f"started@{time.time():.3f}",
+            self.bus.maxlen,
+            len(skipped),
+            *skipped,
+            *payloads,
+        ]
         if await self._start(keys, args):
             logger.info("evaluation round at version %d: %d greedy prompts issued", version, len(payloads))
 
@@ -164,7 +172,7 @@ class EvalRounds:
         if not look:
             return self.pending == 0
         redis = self.state.redis
-        rounds = {int(k): v.decode() for k, v in (await redis.hgetall(self.state.key(st.EVAL_ROUNDS))).items()}
+        rounds = {int(k): text(v) for k, v in (await redis.hgetall(self.state.key(st.EVAL_ROUNDS))).items()}
         pending = 0
         for version, status in sorted(rounds.items()):
             if not status.startswith("started"):
@@ -180,9 +188,9 @@ class EvalRounds:
             if stored_count + dead_count < self.num_prompts and not timed_out:
                 pending += 1
                 continue
-            samples = [decode(v, ScoredTrajectory) for v in (await redis.hgetall(buffer)).values()]
+            samples = [decode(raw(v), ScoredTrajectory) for v in (await redis.hgetall(buffer)).values()]
             answered = {s.trajectory.group_id for s in samples}
-            dead = {d.decode() for d in await redis.smembers(dead_key)} - answered
+            dead = {text(d) for d in await redis.smembers(dead_key)} - answered
             if len(answered) + len(dead) < self.num_prompts and not timed_out:
                 pending += 1
                 continue

@@ -17,7 +17,8 @@ from typing import Any
 from streamrl.common.bus import PAYLOAD_FIELD
 from streamrl.common.codec import decode
 from streamrl.common.follower import StreamFollower
-from streamrl.common.messages import WeightsPublished
+from streamrl.common.messages import Message, WeightsPublished
+from streamrl.common.replies import text
 from streamrl.common.weights.auth import check
 from streamrl.coordinator.state import RunState
 
@@ -35,10 +36,10 @@ async def follow(
     weights_key: bytes | None,
 ) -> None:
     """Hand every entry of ``stream`` to ``handle``, from the cursor kept in ``state:{cursor_name}``."""
-    cursor = (await state.redis.get(state.key(cursor_name)) or b"0-0").decode()
+    cursor = text(await state.redis.get(state.key(cursor_name)) or b"0-0")
 
     def decode_entry(fields: dict[bytes, bytes]) -> Any:
-        msg = decode(fields.get(PAYLOAD_FIELD, b""))
+        msg: Message = decode(fields.get(PAYLOAD_FIELD, b""))
         if isinstance(msg, WeightsPublished):
             check(msg, weights_key, run_id=state.names.run_id)  # a forged version must not move the run
         return msg

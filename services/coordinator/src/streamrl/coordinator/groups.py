@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from streamrl.common.codec import decode
 from streamrl.common.messages import ScoredTrajectory
+from streamrl.common.replies import text
 from streamrl.common.tx import Tx
 from streamrl.coordinator import state as st
 from streamrl.coordinator.filtering import has_spread
@@ -128,8 +129,8 @@ class GroupBuffer:
         """Record groups in flight with no ``inflight_info`` (issued by an older coordinator) as
         requiring the current ``version``, issued ``now``. A version too low is harmless (the group
         is too stale at batching and replaced again); one too high could deadlock."""
-        groups = {g.decode() for g in await self.redis.smembers(self.state.key(st.INFLIGHT))}
-        known = {g.decode() for g in await self.redis.hkeys(self.state.key(st.INFLIGHT_INFO))}
+        groups = {text(g) for g in await self.redis.smembers(self.state.key(st.INFLIGHT))}
+        known = {text(g) for g in await self.redis.hkeys(self.state.key(st.INFLIGHT_INFO))}
         if groups - known:
             tx = self.state.tx()
             for group in groups - known:
@@ -159,7 +160,7 @@ class GroupBuffer:
         """Move complete groups to ``ready`` (or drop them: dynamic filtering). Only ``candidates``
         are checked, or every in-flight group when None."""
         if candidates is None:
-            groups = [g.decode() for g in await self.redis.smembers(self.state.key(st.INFLIGHT))]
+            groups = [text(g) for g in await self.redis.smembers(self.state.key(st.INFLIGHT))]
         else:
             groups = list(candidates)
         if not groups:
@@ -197,7 +198,7 @@ class GroupBuffer:
     async def time_out(self, *, version: int, now: float, timeout_s: float) -> list[str]:
         """Fail the groups past ``timeout_s`` (one warning line each); returns them."""
         raw = await self.redis.hgetall(self.state.key(st.INFLIGHT_INFO))
-        groups = {g.decode(): InFlight.parse(v) for g, v in raw.items()}
+        groups = {text(g): InFlight.parse(v) for g, v in raw.items()}
         seen = {int(v): float(t) for v, t in (await self.redis.hgetall(self.state.key(st.VERSION_SEEN_AT))).items()}
         failed = []
         for group in overdue(groups, version=version, version_seen_at=seen, now=now, timeout_s=timeout_s):
@@ -232,7 +233,7 @@ class GroupBuffer:
 
     # -- ready groups ----------------------------------------------------------------------------
     async def ready(self) -> list[str]:
-        return [g.decode() for g in await self.redis.lrange(self.state.key(st.READY), 0, -1)]
+        return [text(g) for g in await self.redis.lrange(self.state.key(st.READY), 0, -1)]
 
     async def samples(self, groups: list[str]) -> dict[str, list[ScoredTrajectory]]:
         """The stored samples of each group (one round trip), in sample order."""

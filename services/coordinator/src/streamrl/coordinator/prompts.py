@@ -250,6 +250,7 @@ class PromptSource:
                 except ValueError as e:
                     raise BadRowError(f"{where}: {e}") from e
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert isinstance(text, str), "tokenize=False renders the conversation as text"
         else:
             text = str(raw)
         ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]

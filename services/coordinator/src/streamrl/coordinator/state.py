@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from streamrl.common.bus import Bus
+from streamrl.common.replies import raw
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import Tx
 
@@ -170,12 +171,12 @@ class RunState:
 
     async def get_raw(self, name: str) -> bytes | None:
         """A state key's value as stored (None: absent) - what a ``tx.require`` compares against."""
-        raw = await self.redis.get(self.key(name))
-        return bytes(raw) if raw is not None else None
+        value = await self.redis.get(self.key(name))
+        return raw(value) if value is not None else None
 
     async def get_int(self, name: str) -> int:
-        raw = await self.redis.get(self.key(name))
-        return int(raw) if raw is not None else 0
+        value = await self.redis.get(self.key(name))
+        return int(value) if value is not None else 0
 
     async def counters(self) -> dict[str, int]:
         """Every counter of :data:`COUNTERS` (one round trip)."""

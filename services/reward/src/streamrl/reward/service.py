@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 from streamrl.common.bus import Output
@@ -206,9 +205,10 @@ class RewardService:
     def metrics(self) -> dict[str, float]:
         """Counters: scorers' own (``reward/http/retries``, ...) summed by name, plus outcomes, batching
         and latency."""
-        totals: Counter[str] = Counter()
+        totals: dict[str, float] = {}
         for scorer in self._scorers:
-            totals.update(scorer.metrics())
+            for name, value in scorer.metrics().items():
+                totals[name] = totals.get(name, 0.0) + value
         batches = self._batcher.num_batches
         totals["reward/scored"] = float(self._num_scored)
         totals["reward/failed"] = float(self._num_failed)
@@ -216,7 +216,7 @@ class RewardService:
         totals["reward/batches"] = float(batches)
         totals["reward/batch_size_mean"] = self._batcher.num_items / batches if batches else 0.0
         totals["reward/latency_ms_mean"] = self._latency_ms_sum / self._num_scored if self._num_scored else 0.0
-        return dict(totals)
+        return totals
 
     async def close(self) -> None:
         """Cancel the calls still waiting for scores (their entries stay pending), then close the scorers."""
