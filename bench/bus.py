@@ -38,8 +38,8 @@ from streamrl.common.codec import encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.messages import Tensor, Trajectory
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 
 RESULTS = Path(__file__).parent / "results"
 

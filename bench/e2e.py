@@ -224,7 +224,7 @@ def run_streamrl(
 
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = streamrl_overrides(spec, run_dir, steps, engine, updates, eval_mode, seed)
-    cmd = [PY, "-m", "streamrl.common.cli", "up", str(ROOT / "recipes/demo.toml"), *overrides, *spec.get("extra", [])]
+    cmd = [PY, "-m", "streamrl.ops.cli", "up", str(ROOT / "recipes/demo.toml"), *overrides, *spec.get("extra", [])]
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     metrics = run_dir / "metrics.jsonl"

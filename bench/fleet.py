@@ -51,9 +51,9 @@ import redis as syncredis
 from fleet_profile import coordinator_split
 
 from streamrl.common.config import ConsumerConfig
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator import state as st
+from streamrl.ops.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -177,7 +177,7 @@ def start_step(
         f"--gpus-per-worker={args.gpus_per_worker}",
     ]
     sim = [sys.executable, str(ROOT / "bench" / "fleet_sim.py")]
-    cli = [sys.executable, "-m", "streamrl.common.cli"]
+    cli = [sys.executable, "-m", "streamrl.ops.cli"]
     profiled = [sys.executable, "-m", "cProfile", "-o", str(folder / "coordinator.prof"), *cli[1:]]
     procs = {
         "learner_sim": spawn("learner_sim", [*sim, "learner", *common, f"--step-s={sizing.learner_step_s}"], folder)

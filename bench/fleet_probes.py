@@ -17,8 +17,8 @@ import fleet_model as fm
 import redis as syncredis
 
 from streamrl.common.bus import COMMIT_LUA
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 
 GROUPS = {"prompts": "rollout", "trajectories": "reward", "scored": "coordinator", "batches": "learner"}
 """Each stream and the consumer group that works it."""

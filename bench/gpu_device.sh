@@ -46,7 +46,7 @@ export TORCH_CUDA_ARCH_LIST=9.0   # the image's 9.0a is not parsed by DeepSpeed'
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1   # nothing can be reached there
-commands=$("$PY" -m streamrl.common.cli --help)
+commands=$("$PY" -m streamrl.ops.cli --help)
 for command in up coordinator rollout reward learner; do
   [[ $commands == *" $command"* ]] || fail "streamrl command '$command' is not registered: $commands"
 done

@@ -355,7 +355,7 @@ def run_streamrl(spec: PipelineSpec, work: Path) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
-        "streamrl.common.cli",
+        "streamrl.ops.cli",
         "up",
         spec.recipe,
         *spec.overrides,

@@ -15,13 +15,15 @@ COPY constraints.txt ./
 # The dependencies that the packages' pyproject.toml files declare, installed from those files alone
 # (empty src/ folders), so that editing streamrl code reuses this layer; then the code, --no-deps.
 COPY libs/common/pyproject.toml libs/common/
+COPY libs/ops/pyproject.toml libs/ops/
 COPY services/coordinator/pyproject.toml services/coordinator/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    mkdir -p libs/common/src services/coordinator/src \
-    && pip install -c constraints.txt ./libs/common ./services/coordinator
+    mkdir -p libs/common/src libs/ops/src services/coordinator/src \
+    && pip install -c constraints.txt ./libs/common ./libs/ops ./services/coordinator
 COPY libs/common libs/common
+COPY libs/ops libs/ops
 COPY services/coordinator services/coordinator
-RUN pip install --no-deps --force-reinstall ./libs/common ./services/coordinator
+RUN pip install --no-deps --force-reinstall ./libs/common ./libs/ops ./services/coordinator
 
 # /app mirrors the repository root: compose mounts recipes/ and the shared runs/ volume here, and the
 # Hugging Face cache at /cache/huggingface; compose's one-shot `redis-acl` (this image) writes the Redis

@@ -35,15 +35,17 @@ RUN DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 pip install --no-cache-dir --no-build-iso
 # The dependencies that the packages' pyproject.toml files declare, installed from those files alone
 # (empty src/ folders), so that editing streamrl code reuses this layer; then the code, --no-deps.
 COPY libs/common/pyproject.toml libs/common/
+COPY libs/ops/pyproject.toml libs/ops/
 COPY libs/torchkit/pyproject.toml libs/torchkit/
 COPY services/learner/pyproject.toml services/learner/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    mkdir -p libs/common/src libs/torchkit/src services/learner/src \
-    && pip install -c constraints.txt ./libs/common ./libs/torchkit ./services/learner
+    mkdir -p libs/common/src libs/ops/src libs/torchkit/src services/learner/src \
+    && pip install -c constraints.txt ./libs/common ./libs/ops ./libs/torchkit ./services/learner
 COPY libs/common libs/common
+COPY libs/ops libs/ops
 COPY libs/torchkit libs/torchkit
 COPY services/learner services/learner
-RUN pip install --no-deps --force-reinstall ./libs/common ./libs/torchkit ./services/learner
+RUN pip install --no-deps --force-reinstall ./libs/common ./libs/ops ./libs/torchkit ./services/learner
 
 # The demo task and its preparation script (examples/arithmetic/prepare.py), relative to /app.
 COPY examples /app/examples

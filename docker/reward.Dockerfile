@@ -26,14 +26,16 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # so that editing streamrl code reuses this layer; then the code, --no-deps. `pip show` fails the
 # build if the extra brought no transformers.
 COPY libs/common/pyproject.toml libs/common/
+COPY libs/ops/pyproject.toml libs/ops/
 COPY services/reward/pyproject.toml services/reward/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    mkdir -p libs/common/src services/reward/src \
-    && pip install -c constraints.txt ./libs/common "./services/reward[model]" \
+    mkdir -p libs/common/src libs/ops/src services/reward/src \
+    && pip install -c constraints.txt ./libs/common ./libs/ops "./services/reward[model]" \
     && pip show transformers >/dev/null
 COPY libs/common libs/common
+COPY libs/ops libs/ops
 COPY services/reward services/reward
-RUN pip install --no-deps --force-reinstall ./libs/common ./services/reward
+RUN pip install --no-deps --force-reinstall ./libs/common ./libs/ops ./services/reward
 
 # Reward functions that recipes name by path (examples/arithmetic/task.py), relative to /app.
 COPY examples /app/examples

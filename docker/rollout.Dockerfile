@@ -25,15 +25,17 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # The dependencies that the packages' pyproject.toml files declare, installed from those files alone
 # (empty src/ folders), so that editing streamrl code reuses this layer; then the code, --no-deps.
 COPY libs/common/pyproject.toml libs/common/
+COPY libs/ops/pyproject.toml libs/ops/
 COPY libs/torchkit/pyproject.toml libs/torchkit/
 COPY services/rollout/pyproject.toml services/rollout/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    mkdir -p libs/common/src libs/torchkit/src services/rollout/src \
-    && pip install -c constraints.txt ./libs/common ./libs/torchkit ./services/rollout
+    mkdir -p libs/common/src libs/ops/src libs/torchkit/src services/rollout/src \
+    && pip install -c constraints.txt ./libs/common ./libs/ops ./libs/torchkit ./services/rollout
 COPY libs/common libs/common
+COPY libs/ops libs/ops
 COPY libs/torchkit libs/torchkit
 COPY services/rollout services/rollout
-RUN pip install --no-deps --force-reinstall ./libs/common ./libs/torchkit ./services/rollout
+RUN pip install --no-deps --force-reinstall ./libs/common ./libs/ops ./libs/torchkit ./services/rollout
 
 # /app mirrors the repository root: compose mounts recipes/ and the shared runs/ volume here, and the
 # Hugging Face cache at /cache/huggingface. Both are created owned by the service user so that fresh

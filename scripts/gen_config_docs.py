@@ -17,10 +17,10 @@ from pathlib import Path
 
 from streamrl.common.config_docs import FieldDoc, field_docs, markdown_table, service_field_docs
 from streamrl.common.lifecycle import ServiceConfig
-from streamrl.common.up_config import LaunchRecipe
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.learner.offline.config import DPOConfig, RMConfig, SFTConfig
 from streamrl.learner.rl.config import LearnerConfig
+from streamrl.ops.up_config import LaunchRecipe
 from streamrl.reward.__main__ import RewardServiceConfig
 from streamrl.reward.config import ServeRmConfig
 from streamrl.rollout.config import RolloutConfig

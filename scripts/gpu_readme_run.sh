@@ -40,8 +40,8 @@ if ! step setup scripts/setup.sh; then
   python3 -m pip list 2>/dev/null | grep -iE '^(pyarrow|typing.extensions|protobuf|fsspec|huggingface|requests|setuptools|pip) ' \
     >>"$OUT/setup.log"
   step setup-fallback bash -c '.venv/bin/python -m pip install -q --no-index --no-deps .gpukit/wheels/*.whl &&
-    .venv/bin/python -m pip install -q --no-index --no-deps --no-build-isolation -e libs/common \
-      -e services/coordinator -e services/rollout -e services/reward -e services/learner'
+    .venv/bin/python -m pip install -q --no-index --no-deps --no-build-isolation -e libs/common -e libs/ops \
+      -e libs/torchkit -e services/coordinator -e services/rollout -e services/reward -e services/learner'
 fi
 step prepare .venv/bin/python examples/gpu_arithmetic/prepare.py recipes/gpu_arithmetic.toml
 step dry-run .venv/bin/streamrl up recipes/gpu_arithmetic.toml --dry-run

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis as syncredis
 
-from streamrl.common.redis_server import RedisServer, free_port
+from streamrl.ops.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "arithmetic"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prints the two Secrets the Kubernetes base reads (docs/kubernetes.md), for the in-cluster Redis:
 #   deploy/k8s/make-secrets.sh [NAMESPACE] | kubectl apply -n NAMESPACE -f -
-# streamrl-redis: a password per Redis ACL user (streamrl.common.redis_acl), each service's
+# streamrl-redis: a password per Redis ACL user (streamrl.ops.redis_acl), each service's
 #   redis:// URL with its own user, and KEDA's login (the read-only observer; the address as seen from
 #   KEDA's namespace).
 # streamrl-keys: the weights key (signs the learner's weights events), the bearer token of the

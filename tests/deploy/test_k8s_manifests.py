@@ -39,11 +39,11 @@ import yaml
 
 from streamrl.common.config import load_config, read_recipe
 from streamrl.common.lifecycle import ServiceConfig
-from streamrl.common.redis_acl import PASSWORD_ENV, USERS, acl_file, check_password
-from streamrl.common.redis_server import find_redis_server, free_port
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.learner.rl.config import LearnerConfig
+from streamrl.ops.redis_acl import PASSWORD_ENV, USERS, acl_file, check_password
+from streamrl.ops.redis_server import find_redis_server, free_port
 from streamrl.reward.__main__ import RewardServiceConfig
 from streamrl.rollout.config import RolloutConfig
 
@@ -559,7 +559,7 @@ def test_redis_persists_with_aof_and_loads_the_acl_file_of_the_run() -> None:
     (claim,) = statefulset["spec"]["volumeClaimTemplates"]
     assert {"name": claim["metadata"]["name"], "mountPath": data_dir} in server["volumeMounts"]
     (acl,) = pod_spec(statefulset)["initContainers"]
-    assert acl["command"] == ["python", "-m", "streamrl.common.redis_acl"]
+    assert acl["command"] == ["python", "-m", "streamrl.ops.redis_acl"]
     args = acl["args"]
     assert args[0] == "acl" and args[args.index("--out") + 1] == command[command.index("--aclfile") + 1]
     assert args[args.index("--run-id") + 1] == "$(STREAMRL_RUN_ID)"

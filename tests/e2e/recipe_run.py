@@ -58,7 +58,7 @@ def up(recipe: str, task_dir: Path, workdir: Path, overrides: list[str]) -> None
     path = workdir / f"{recipe}.toml"
     path.write_text((ROOT / "recipes" / f"{recipe}.toml").read_text().replace(f"runs/{recipe}_task", str(task_dir)))
     proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(path), *overrides],
+        [sys.executable, "-m", "streamrl.ops.cli", "up", str(path), *overrides],
         env=VLLM_ENV,
         capture_output=True,
         text=True,

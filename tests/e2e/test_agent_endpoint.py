@@ -28,8 +28,8 @@ import redis
 from recipe_run import entries
 
 from streamrl.common.messages import TrainingBatch, WeightsPublished
-from streamrl.common.redis_server import free_port
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_an_openai_client_agent_drives_a_run_and_each_conversation_is_trained_on
         "--learner.checkpoint_every=100",
     ]
     up = subprocess.Popen(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],
+        [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), *overrides],
         env=ENV,
         cwd=ROOT,
         stdout=subprocess.PIPE,

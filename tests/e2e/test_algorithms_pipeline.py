@@ -77,7 +77,7 @@ def test_algorithm_runs_in_the_pipeline(
     ):  # the estimators' pipeline is the engine's tokens: the transformers engine starts in seconds
         overrides.append("--rollout.engine.type=hf")
     proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), *overrides],
+        [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), *overrides],
         env=ENV,
         capture_output=True,
         text=True,

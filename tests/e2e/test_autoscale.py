@@ -19,8 +19,8 @@ from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
 from streamrl.common.health import live_heartbeats
 from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
-from streamrl.common.scaling import desired_replicas
 from streamrl.common.streams import StreamNames
+from streamrl.ops.scaling import desired_replicas
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -90,7 +90,7 @@ def test_a_burst_adds_reward_replicas_and_draining_it_removes_them_losing_nothin
     log = tmp_path / "up.log"
     env = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe)],
+        [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe)],
         env=env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,

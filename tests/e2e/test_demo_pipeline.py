@@ -62,7 +62,7 @@ def test_demo_steps_end_to_end(
         [
             sys.executable,
             "-m",
-            "streamrl.common.cli",
+            "streamrl.ops.cli",
             "up",
             str(recipe),
             f"--run_id={run_id}",

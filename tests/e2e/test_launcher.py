@@ -31,7 +31,7 @@ ENV = {
 
 def start_up(recipe: Path, log: Path) -> subprocess.Popen[bytes]:
     # many steps: the run must still be going when the test stops it
-    cmd = [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), "--total_steps=1000", "--run_id=up"]
+    cmd = [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), "--total_steps=1000", "--run_id=up"]
     return subprocess.Popen(cmd, env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 

@@ -30,7 +30,7 @@ from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.trace_file import decode_request, trace_files
 from streamrl.common.telemetry.trace_schema import GENERATE, TRAJECTORY_ID
 
-pytest.importorskip("ray", reason="the Ray backend needs pip install 'streamrl-common[ray]' (scripts/setup.sh does)")
+pytest.importorskip("ray", reason="the Ray backend needs pip install 'streamrl-ops[ray]' (scripts/setup.sh does)")
 pytestmark = pytest.mark.slow
 TOTAL_STEPS, SAMPLES_PER_STEP = 200, 16
 ENV = {
@@ -87,7 +87,7 @@ class Run:
 
     def scale(self, run_dir: Path, count: int) -> str:
         out = subprocess.run(
-            [sys.executable, "-m", "streamrl.common.cli", "scale", str(run_dir), f"rollout={count}"],
+            [sys.executable, "-m", "streamrl.ops.cli", "scale", str(run_dir), f"rollout={count}"],
             env=self.env,
             capture_output=True,
             text=True,
@@ -120,7 +120,7 @@ def test_ray_run_scaled_and_a_rollout_actor_killed_trains_every_trajectory_once(
     recipe = write_recipe(tiny_task, run_dir, redis_url)
     log = tmp_path / "up.log"
     started = time.monotonic()
-    cmd = [sys.executable, "-m", "streamrl.common.cli", "up", str(recipe), f"--run_id={run_id}", *UP]
+    cmd = [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), f"--run_id={run_id}", *UP]
     env = {**worker_env, **ENV}
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     client = redis.Redis.from_url(redis_url)

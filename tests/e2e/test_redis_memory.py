@@ -3,7 +3,7 @@ embedded redis-server).
 
 The streams are sampled while the run goes on: each holds what is in flight, not what the run has
 handled so far (a stream that is never trimmed holds one batch, or 16 trajectories, per step), and the
-launcher's printed peak ``used_memory`` is under the run's bound (``streamrl.common.memory_budget``),
+launcher's printed peak ``used_memory`` is under the run's bound (``streamrl.ops.memory_budget``),
 with the embedded server's ``maxmemory`` set from it under ``noeviction``.
 """
 
@@ -65,7 +65,7 @@ def test_a_run_holds_its_in_flight_work_not_its_history(
         [
             sys.executable,
             "-m",
-            "streamrl.common.cli",
+            "streamrl.ops.cli",
             "up",
             str(recipe),
             f"--run_id={run_id}",

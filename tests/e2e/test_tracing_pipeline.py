@@ -33,7 +33,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from recipe_run import entries
 
 from streamrl.common.messages import TrainingBatch, WeightsPublished
-from streamrl.common.redis_server import free_port
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.trace_file import SpanRecord
 from streamrl.common.telemetry.trace_schema import (
@@ -57,7 +56,8 @@ from streamrl.common.telemetry.trace_schema import (
     WEIGHTS_PUBLISH,
 )
 from streamrl.common.telemetry.tracing import parse_traceparent, weights_traceparent
-from streamrl.common.trace_report import build_report, format_report
+from streamrl.ops.redis_server import free_port
+from streamrl.ops.trace_report import build_report, format_report
 
 pytestmark = pytest.mark.slow
 SERVICES = ("coordinator", "rollout", "reward", "learner")
@@ -205,7 +205,7 @@ def test_every_trained_sample_has_one_complete_trace_over_otlp_and_every_service
         cmd = [
             sys.executable,
             "-m",
-            "streamrl.common.cli",
+            "streamrl.ops.cli",
             "up",
             str(recipe),
             f"--run_id={run_id}",

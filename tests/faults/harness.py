@@ -6,7 +6,7 @@ A :class:`FaultRun` owns, under its own folder:
   :meth:`FaultRun.kill_redis` SIGKILLs and :meth:`FaultRun.start_redis` brings back on the same
   port with the same data;
 * each service as its own OS process and process group, started the way ``streamrl up`` starts
-  it (``python -m streamrl.common.cli SERVICE RECIPE --instance=NAME``, the Redis URL and the run's
+  it (``python -m streamrl.ops.cli SERVICE RECIPE --instance=NAME``, the Redis URL and the run's
   weights key in the environment), so any one can be SIGKILLed, stopped or restarted alone;
 * a supervisor thread that plays the orchestrator (compose ``restart: on-failure``): a service that
   exits non-zero when the scenario did not kill it is recorded as an unexpected exit (with the last
@@ -42,10 +42,10 @@ from resp import ScriptNames
 from tap import StreamTap
 
 from streamrl.common.config import RedisConfig
-from streamrl.common.launcher import child_env
-from streamrl.common.redis_server import RedisServer, free_port
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
+from streamrl.ops.redis_server import RedisServer, free_port
+from streamrl.ops.replicas import child_env
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,7 +228,7 @@ class FaultRun:
         cmd = [
             sys.executable,
             "-m",
-            "streamrl.common.cli",
+            "streamrl.ops.cli",
             service,
             str(self.recipe),
             *self.all_overrides,

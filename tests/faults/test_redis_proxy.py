@@ -14,7 +14,7 @@ from redis_proxy import FaultProxy, LoseEachKind, LoseRandom
 from resp import ScriptNames, command_kind, key_shape, next_frame, parse_command
 
 from streamrl.common.bus import connect
-from streamrl.common.redis_server import RedisServer
+from streamrl.ops.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -32,7 +32,7 @@ from scorer_server import ScorerServer
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import DeadLetter
-from streamrl.common.redis_server import free_port
+from streamrl.ops.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 6

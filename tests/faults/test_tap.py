@@ -12,8 +12,8 @@ from tap import StreamTap, slim
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import ScoredTrajectory, Tensor, TrainingBatch, Trajectory
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 
 
 def _trajectory(i: int) -> Trajectory:

@@ -16,7 +16,7 @@ from harness import FaultRun, MakeRun
 from scenario import conclude
 from weights_proxy import LISTEN_HOST, WeightsProxy
 
-from streamrl.common.redis_server import free_port
+from streamrl.ops.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 12

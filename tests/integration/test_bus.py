@@ -19,8 +19,8 @@ from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
 from streamrl.common.health import live_heartbeats
 from streamrl.common.messages import DeadLetter, ScoredTrajectory, Tensor, Trajectory
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 
 WORKER = Path(__file__).with_name("bus_worker.py")
 
@@ -386,7 +386,7 @@ def test_messages_over_the_size_limit_are_refused_and_dead_lettered(redis_url: s
 
 def _tls_redis(tmp_path: Path, password: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     """A redis-server that takes only TLS connections with a password; its CA certificate for clients."""
-    from streamrl.common.redis_server import find_redis_server, free_port
+    from streamrl.ops.redis_server import find_redis_server, free_port
 
     d = tmp_path / "tls"
     d.mkdir()
@@ -512,7 +512,7 @@ def test_a_worker_runs_over_tls_with_a_password(tmp_path: Path, run_id: str) -> 
 def test_a_wrong_password_stops_a_worker_at_once_with_a_clear_line(tmp_path: Path, run_id: str) -> None:
     """A refused login is not an outage: no minute of retries, one line saying what to check, and
     the (wrong) password shown nowhere."""
-    from streamrl.common.redis_server import find_redis_server, free_port
+    from streamrl.ops.redis_server import find_redis_server, free_port
 
     port = free_port()
     server = subprocess.Popen(

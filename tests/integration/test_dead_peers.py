@@ -16,8 +16,8 @@ from streamrl.common.bus import Bus, OutageRetry, Output, connect
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.consumer import ConsumerLoop, encode_payload
 from streamrl.common.messages import Trajectory
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 
 INTERVAL_S = 0.2
 """Heartbeat interval of the test loops (heartbeat TTL 0.4 s)."""

@@ -12,8 +12,8 @@ import redis
 from test_bus import make_trajectory, pending, scored_ids, start_worker, wait_for
 
 from streamrl.common.consumer import encode_payload
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 
 
 def test_a_service_rides_out_a_full_redis(tmp_path: Path, run_id: str) -> None:

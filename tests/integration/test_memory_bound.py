@@ -1,7 +1,7 @@
 """The Redis memory bound against a real redis-server: a run at its in-flight maximum fits under it.
 
 Each test fills a fresh redis-server with what a run of the given shape holds at its worst (per the
-terms of :mod:`streamrl.common.memory_budget`): prompt items, trajectories and scored entries pending
+terms of :mod:`streamrl.ops.memory_budget`): prompt items, trajectories and scored entries pending
 in their consumer groups and consumed ones not yet trimmed, group buffers, untrained and retained
 batches, evaluation rounds, a ``weights`` entry per version, dead letters, operation keys, heartbeats
 and leases - messages built and encoded as the services build them. ``used_memory`` above the empty
@@ -22,7 +22,6 @@ import redis as syncredis
 
 from streamrl.common.bus import PAYLOAD_FIELD
 from streamrl.common.codec import encode
-from streamrl.common.memory_budget import MIB, RunShape, memory_bound
 from streamrl.common.messages import (
     DeadLetter,
     Heartbeat,
@@ -34,8 +33,9 @@ from streamrl.common.messages import (
     Trajectory,
     WeightsPublished,
 )
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.memory_budget import MIB, RunShape, memory_bound
+from streamrl.ops.redis_server import RedisServer
 
 TRACEPARENT = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
 

@@ -18,8 +18,8 @@ from streamrl.common.bus import Bus, Fence, Output, PreconditionFailed, connect
 from streamrl.common.consumer import encode_payload
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import Heartbeat
-from streamrl.common.redis_server import RedisServer
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 
 
 def _beat(i: int = 0) -> Heartbeat:

@@ -22,9 +22,9 @@ from test_dockerfiles import copy_sources_and_destination, parse_dockerfile
 
 from streamrl.common.config import apply_overrides, load_config, read_recipe, validate
 from streamrl.common.lifecycle import ServiceConfig
-from streamrl.common.redis_acl import PASSWORD_ENV, SERVICES, USERS, acl_file
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.learner.rl.config import LearnerConfig
+from streamrl.ops.redis_acl import PASSWORD_ENV, SERVICES, USERS, acl_file
 from streamrl.reward.__main__ import RewardServiceConfig
 from streamrl.rollout.config import RolloutConfig
 
@@ -160,7 +160,7 @@ def test_redis_loads_the_acl_file_that_redis_acl_writes_for_the_run(cpu: dict[st
     redis, writer = services["redis"], services["redis-acl"]
     command = redis["command"]
     path = command[command.index("--aclfile") + 1]
-    assert writer["entrypoint"] == ["python", "-m", "streamrl.common.redis_acl"]
+    assert writer["entrypoint"] == ["python", "-m", "streamrl.ops.redis_acl"]
     assert writer["command"][0] == "acl" and writer["command"][writer["command"].index("--out") + 1] == path
     run_id = writer["command"][writer["command"].index("--run-id") + 1]
     assert {services[name]["environment"]["STREAMRL_RUN_ID"] for name in STREAMRL_SERVICES} == {run_id}
@@ -174,7 +174,7 @@ def test_redis_loads_the_acl_file_that_redis_acl_writes_for_the_run(cpu: dict[st
     )
     assert redis["depends_on"]["redis-acl"]["condition"] == "service_completed_successfully"
     assert writer["restart"] == "no" and writer["image"] == services["coordinator"]["image"]
-    # it gets every user's password, the file it renders from them loads (tests/integration/test_redis_acl.py)
+    # it gets every user's password, the file it renders from them loads (tests/integration/ops/test_redis_acl.py)
     passwords = {user: writer["environment"][PASSWORD_ENV.format(user=user.upper())] for user in USERS}
     assert passwords == PASSWORDS and acl_file(run_id, passwords)
 

@@ -251,6 +251,17 @@ def test_image_installs_the_local_packages_its_service_depends_on(path: Path) ->
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=_name)
+def test_image_installs_the_streamrl_command_it_runs(path: Path) -> None:
+    """The entry point is ``streamrl <service>``: the command is streamrl-ops' console script
+    (libs/ops), so every image installs that package too, with its dependencies, then its code."""
+    installs = pip_installs(_dockerfile(path))
+    with_deps = {word for args in installs if "--no-deps" not in args for word in args}
+    code = [args for args in installs if "--no-deps" in args]
+    assert "./libs/ops" in with_deps, "libs/ops (the streamrl command) is not installed with its dependencies"
+    assert code and "./libs/ops" in code[-1], "the code of libs/ops (the streamrl command) is never installed"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=_name)
 def test_cpu_images_stay_cpu_and_gpu_images_use_cuda_with_python_3_12(path: Path) -> None:
     instructions = _dockerfile(path)
     image = base_image(instructions)

@@ -144,7 +144,7 @@ def test_offline_and_serve_rm_help_list_every_field(entry: str, model: str, caps
 
 
 def test_up_help_lists_every_up_and_autoscale_field(capsys: pytest.CaptureFixture[str]) -> None:
-    from streamrl.common.launcher import main
+    from streamrl.ops.launcher import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])

@@ -9,9 +9,9 @@ import prepare as prepare_lib
 import pytest
 
 from streamrl.common.config import load_config
-from streamrl.common.launcher import Launcher
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.learner.rl.config import LearnerConfig
+from streamrl.ops.launcher import Launcher
 from streamrl.reward.__main__ import RewardServiceConfig
 from streamrl.rollout.config import RolloutConfig
 

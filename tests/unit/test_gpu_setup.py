@@ -127,7 +127,7 @@ def test_the_kit_redis_server_lands_beside_the_venv_python(tmp_path: Path) -> No
 
 
 def test_find_redis_server_looks_beside_the_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from streamrl.common import redis_server
+    from streamrl.ops import redis_server
 
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)

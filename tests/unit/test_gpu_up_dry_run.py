@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.common.cli import split_dry_run
+from streamrl.ops.cli import split_dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/gpu_qwen2_0.5b.toml"
 
 
 def _up(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "streamrl.common.cli", "up", *args]
+    command = [sys.executable, "-m", "streamrl.ops.cli", "up", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
 
 

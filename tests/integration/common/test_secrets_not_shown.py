@@ -15,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from streamrl.common.lifecycle import ServiceConfig, ServiceContext, service_main
-from streamrl.common.redis_server import find_redis_server, free_port
+from streamrl.ops.redis_server import find_redis_server, free_port
 
 PASSWORD = "s3cret"
 

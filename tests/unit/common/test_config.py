@@ -91,7 +91,7 @@ def test_malformed_override_and_recipe(tmp_path: Path) -> None:
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
 def test_every_service_recipe_parses(recipe: Path) -> None:
     from streamrl.common.config import read_recipe
-    from streamrl.common.launcher import UpConfig
+    from streamrl.ops.up_config import UpConfig
     from streamrl.reward.__main__ import RewardServiceConfig
     from streamrl.rollout.config import RolloutConfig
 

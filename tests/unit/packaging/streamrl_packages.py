@@ -47,7 +47,7 @@ class Package:
     """One streamrl package as its pyproject.toml declares it."""
 
     name: str
-    """Short name: ``common``, ``torchkit``, ``coordinator``, ``rollout``, ``reward``, ``learner``."""
+    """Short name: ``common``, ``torchkit``, ``ops``, ``coordinator``, ``rollout``, ``reward``, ``learner``."""
     root: Path
     """Folder of its pyproject.toml."""
     project: dict
@@ -106,6 +106,7 @@ def _load(name: str, root: Path) -> Package:
 PACKAGES = {
     "common": _load("common", REPO / "libs" / "common"),
     "torchkit": _load("torchkit", REPO / "libs" / "torchkit"),
+    "ops": _load("ops", REPO / "libs" / "ops"),
     **{name: _load(name, REPO / "services" / name) for name in ("coordinator", "rollout", "reward", "learner")},
 }
 BY_DIST = {p.dist: p for p in PACKAGES.values()}
@@ -293,7 +294,8 @@ def _link_tree(site: Path, chosen: dict[str, md.Distribution]) -> int:
 
 
 def _write_dist_info(site: Path, package: Package) -> None:
-    """Minimal metadata for a streamrl package (what ``streamrl.common.cli`` needs to list commands)."""
+    """Minimal metadata for a streamrl package (its ``streamrl.commands`` entry points, which ``streamrl``
+    lists)."""
     info = site / f"{package.dist.replace('-', '_')}-{package.project['version']}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(

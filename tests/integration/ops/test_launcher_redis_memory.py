@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import redis as syncredis
 
-from streamrl.common.launcher import Launcher
-from streamrl.common.memory_budget import MIB, maxmemory_for
-from streamrl.common.redis_server import RedisServer
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.memory_budget import MIB, maxmemory_for
+from streamrl.ops.redis_server import RedisServer
 
 RECIPE = """
 run_id = "mem"

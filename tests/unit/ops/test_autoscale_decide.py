@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from streamrl.common.autoscale import AutoscaleConfig, ScalePolicy, ScaleState, decide
+from streamrl.ops.autoscale import AutoscaleConfig, ScalePolicy, ScaleState, decide
 
 POLICY = ScalePolicy(min_replicas=1, max_replicas=4, target_backlog=10, scale_up_cooldown_s=5, scale_down_cooldown_s=20)
 

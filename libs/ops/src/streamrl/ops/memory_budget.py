@@ -460,7 +460,7 @@ def shape_from_recipe(data: dict[str, Any], assumptions: dict[str, Any] | None =
     ``dead_letters``, ``dead_batches``); None: the recipe's ``[up.redis_memory]`` (its defaults where
     unset). Bad values raise ValueError naming the field."""
     if assumptions is None:
-        from streamrl.common.up_config import RedisMemoryConfig
+        from streamrl.ops.up_config import RedisMemoryConfig
 
         section = (data.get("up") or {}).get("redis_memory") or {}
         try:
@@ -516,16 +516,16 @@ def shape_from_recipe(data: dict[str, Any], assumptions: dict[str, Any] | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m streamrl.common.memory_budget RECIPE [overrides]``: the recipe's bound, term by term, the
+    """``python -m streamrl.ops.memory_budget RECIPE [overrides]``: the recipe's bound, term by term, the
     message sizes and the ``maxmemory`` ``streamrl up`` would set; the last line is one JSON object."""
     import argparse
     import json
     import sys
 
     from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
-    from streamrl.common.up_config import LaunchRecipe
+    from streamrl.ops.up_config import LaunchRecipe
 
-    parser = argparse.ArgumentParser(prog="python -m streamrl.common.memory_budget", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m streamrl.ops.memory_budget", description=main.__doc__)
     parser.add_argument("recipe")
     args, overrides = parser.parse_known_args(argv)
     try:

@@ -39,10 +39,10 @@ from typing import Any
 
 import redis as syncredis
 
-from streamrl.common.launcher import Ended, Say, child_env, die_with_parent, service_command, signal_group
-from streamrl.common.scaling import instance_name
 from streamrl.common.streams import StreamNames
-from streamrl.common.up_config import ServiceResources, UpConfig
+from streamrl.ops.replicas import Ended, Say, child_env, die_with_parent, service_command, signal_group
+from streamrl.ops.scaling import instance_name
+from streamrl.ops.up_config import ServiceResources, UpConfig
 
 ACTOR_CONCURRENCY = 4
 """Threads of a replica's actor: its ``wait`` call and a ``stop`` (or ``name``) must run side by side."""
@@ -193,7 +193,7 @@ class RayReplica:
 
 
 class RayReplicas:
-    """The launcher's replicas as Ray actors (the :class:`streamrl.common.launcher.Replicas` of ``backend = "ray"``)."""
+    """The launcher's replicas as Ray actors (the :class:`streamrl.ops.launcher.Replicas` of ``backend = "ray"``)."""
 
     def __init__(
         self,

@@ -5,7 +5,7 @@
 
 RUN is the run's recipe (its ``redis.url``, else the ``up.json`` that ``streamrl up`` wrote in its
 ``run_dir``) or the run directory itself. The counts go into the run's replicas hash
-(:func:`streamrl.common.scaling.request_replicas`); the run's launcher starts or drains replicas
+(:func:`streamrl.ops.scaling.request_replicas`); the run's launcher starts or drains replicas
 within ``up.reconcile_interval_s``. Prints what was asked, the desired counts, and the live ones.
 """
 
@@ -21,9 +21,9 @@ from streamrl.common.config import apply_overrides, read_recipe, validate
 from streamrl.common.errors import ConfigError
 from streamrl.common.health import live_heartbeats
 from streamrl.common.run_info import read_run_info
-from streamrl.common.scaling import SCALABLE, desired_replicas, request_replicas
 from streamrl.common.streams import StreamNames
-from streamrl.common.up_config import LaunchRecipe
+from streamrl.ops.scaling import SCALABLE, desired_replicas, request_replicas
+from streamrl.ops.up_config import LaunchRecipe
 
 
 def parse_counts(items: list[str]) -> dict[str, int]:

@@ -12,6 +12,9 @@ record three prompt groups with chosen durations (ms):
 
 plus one weight version (publish 20, loads 30 and 50) and one batch with its step. Percentiles
 interpolate linearly, e.g. generation over [100, 200, 300, 400, 500]: p95 = 400 + 0.8 * 100.
+
+Two processes (or a forked child) writing one traces folder:
+tests/integration/common/test_trace_file_processes.py.
 """
 
 from __future__ import annotations
@@ -20,18 +23,14 @@ import base64
 import enum
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from streamrl.common.cli import main as streamrl_main
-from streamrl.common.telemetry.trace_file import JsonLinesSpanExporter, read_spans
+from streamrl.common.telemetry.trace_file import read_spans
 from streamrl.common.telemetry.trace_schema import (
     BATCH,
     BATCH_WAIT,
@@ -49,10 +48,13 @@ from streamrl.common.telemetry.trace_schema import (
 )
 from streamrl.common.telemetry.tracing import Tracing, setup_tracing, weights_traceparent
 from streamrl.common.telemetry.tracing_config import TracingConfig
-from streamrl.common.trace_cli import main as trace_main
-from streamrl.common.trace_report import END_TO_END, build_report
+from streamrl.ops.cli import main as streamrl_main
+from streamrl.ops.trace_cli import main as trace_main
+from streamrl.ops.trace_report import END_TO_END, build_report
 
 T0 = 1_000.0
+
+
 SAMPLES = [
     # group, queue, generate, reward attempts (ms, failed?), group wait, batch wait, staleness (None: not trained)
     ("g0", 10, 100, [(40, False)], 150, 10, 0),
@@ -61,6 +63,8 @@ SAMPLES = [
     ("g1", 30, 400, [(20, True), (70, False)], 30, 10, 2),
     ("g2", 50, 500, [(20, True), (20, True)], None, None, None),
 ]
+
+
 TRAIN_MS = 500
 
 
@@ -237,51 +241,6 @@ def test_every_line_is_an_otlp_export_request(run_dir: Path) -> None:
         if s.get("status", {}).get("code") == 2
     ]
     assert len(failed) == 3 and {s["status"]["message"] for s in failed} == {"HttpError: 503"}
-
-
-WRITER = """
-import sys
-from streamrl.common.telemetry.tracing import setup_tracing
-from streamrl.common.telemetry.tracing_config import TracingConfig
-tracing = setup_tracing(TracingConfig(sampling="all", dir=sys.argv[1]), service="rollout", instance="same-name",
-                        run_id="r", run_dir="unused")
-for i in range(int(sys.argv[2])):
-    tracing.record("rollout.generate", start_s=1000.0, end_s=1000.1, attributes={"i": i})
-    if i % 100 == 0:
-        tracing.flush()
-tracing.shutdown()
-"""
-
-
-def test_processes_writing_one_folder_each_have_their_own_file(tmp_path: Path) -> None:
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), "500"]) for _ in range(2)]
-    assert [w.wait(timeout=120) for w in writers] == [0, 0]
-    files = sorted(tmp_path.glob("*.jsonl"))
-    assert len(files) == 2 and {f.name for f in files} == {f"rollout-same-name-{w.pid}.jsonl" for w in writers}
-    spans, unreadable = read_spans(tmp_path)
-    assert unreadable == 0 and len(spans) == 1000
-    assert sorted(s.attributes["i"] for s in spans) == sorted(list(range(500)) * 2)
-
-
-def test_a_forked_child_writes_its_own_file(tmp_path: Path) -> None:
-    memory = InMemorySpanExporter()
-    tracing = setup_tracing(
-        TracingConfig(sampling="all"), service="s", instance="i", run_id="r", run_dir="x", exporter=memory
-    )
-    tracing.record("one", start_s=T0, end_s=T0 + 1)
-    tracing.shutdown()
-    spans = memory.get_finished_spans()
-    exporter = JsonLinesSpanExporter(tmp_path, "s-i")
-    exporter.export(spans)
-    pid = os.fork()
-    if pid == 0:  # the child: its export must go to a file of its own
-        exporter.export(spans)
-        os._exit(0)
-    assert os.waitpid(pid, 0)[1] == 0
-    exporter.export(spans)
-    exporter.shutdown()
-    sizes = {f.name: len(f.read_text().splitlines()) for f in tmp_path.glob("*.jsonl")}
-    assert sizes == {f"s-i-{os.getpid()}.jsonl": 2, f"s-i-{pid}.jsonl": 1}
 
 
 def test_without_matplotlib_the_report_is_text_only(

@@ -1,7 +1,7 @@
 """``streamrl <command> ...``: one umbrella command; each package registers its subcommands.
 
 Subcommands are entry points in the ``streamrl.commands`` group (``name = "module:function"``,
-the function takes ``argv: list[str]`` and returns an exit code), so ``streamrl.common`` never
+the function takes ``argv: list[str]`` and returns an exit code), so ``streamrl.ops`` never
 imports a service.
 
 ``streamrl up RECIPE [overrides] --dry-run`` validates the launch recipe and asks each service it
@@ -39,7 +39,7 @@ def up_dry_run(argv: list[str]) -> int:
     """``streamrl up ... --dry-run``: print the launch config and every service's resolved config."""
     from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
     from streamrl.common.redact import redact
-    from streamrl.common.up_config import SERVICES, LaunchRecipe
+    from streamrl.ops.up_config import SERVICES, LaunchRecipe
 
     try:
         recipe, overrides = split_dry_run(argv)
@@ -53,7 +53,7 @@ def up_dry_run(argv: list[str]) -> int:
     resolved: dict[str, Any] = {"up": redact(launch.model_dump(mode="json"))}
     procs = {}
     for service in launch.up.services:
-        command = [sys.executable, "-m", "streamrl.common.cli", service, recipe, *overrides, "--dry-run"]
+        command = [sys.executable, "-m", "streamrl.ops.cli", service, recipe, *overrides, "--dry-run"]
         procs[service] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     code = 0
     for service, proc in procs.items():

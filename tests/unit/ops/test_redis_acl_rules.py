@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.common.redis_acl import (
+from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_acl import (
     CONSUME,
     PASSWORD_ENV,
     SERVICES,
@@ -22,7 +23,6 @@ from streamrl.common.redis_acl import (
     new_passwords,
     user_rule,
 )
-from streamrl.common.streams import StreamNames
 
 NAMES = StreamNames("r1")
 

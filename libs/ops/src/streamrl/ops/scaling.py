@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 import redis as syncredis
 
 from streamrl.common.streams import StreamNames
-from streamrl.common.up_config import SCALABLE, SERVICES
+from streamrl.ops.up_config import SCALABLE, SERVICES
 
 SINGLE_INSTANCE = tuple(s for s in SERVICES if s not in SCALABLE)
 

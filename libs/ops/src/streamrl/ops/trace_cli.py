@@ -5,7 +5,7 @@
     streamrl trace runs/demo/traces --top 20 --no-plot
 
 Reads the OTLP JSON lines the ``file`` exporter writes (:mod:`streamrl.common.telemetry.trace_file`); the
-analysis is :mod:`streamrl.common.trace_report`.
+analysis is :mod:`streamrl.ops.trace_report`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from streamrl.common.telemetry.trace_file import read_spans, trace_files
-from streamrl.common.trace_report import TraceReport, build_report, format_report
+from streamrl.ops.trace_report import TraceReport, build_report, format_report
 
 
 def write_plot(report: TraceReport, path: Path) -> None:
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name != "matplotlib":
             raise
-        print("no plot: matplotlib is not installed (pip install 'streamrl-common[plot]')")
+        print("no plot: matplotlib is not installed (pip install 'streamrl-ops[plot]')")
         return 0
     print(f"plot: {plot}")
     return 0

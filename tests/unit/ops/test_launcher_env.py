@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from streamrl.common.errors import ConfigError
-from streamrl.common.launcher import UpConfig, child_env
+from streamrl.ops.replicas import child_env
+from streamrl.ops.up_config import UpConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -61,7 +62,7 @@ def test_gpus_of_an_unknown_service_are_rejected() -> None:
 def test_up_without_a_redis_server_says_so_and_exits_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamrl.common.launcher import main
+    from streamrl.ops.launcher import main
 
     monkeypatch.setenv("STREAMRL_REDIS_SERVER", str(tmp_path / "missing-redis-server"))
     assert main([str(ROOT / "recipes" / "demo.toml"), f"--run_dir={tmp_path / 'run'}"]) == 2

@@ -2,22 +2,22 @@
 
 1. If the recipe names no Redis (``redis.url``), start an embedded real ``redis-server`` on a free
    port with its data (AOF) under ``{run_dir}/redis``, its ``maxmemory`` the run's memory bound
-   (:mod:`streamrl.common.memory_budget`) times ``[up.redis_memory] margin`` and its policy
+   (:mod:`streamrl.ops.memory_budget`) times ``[up.redis_memory] margin`` and its policy
    ``noeviction``; both are printed. A Redis named by ``redis.url`` is checked instead: a WARNING when
    its ``maxmemory-policy`` could evict streamrl keys or its ``maxmemory`` is below the bound
    (docs/operations.md). Write ``{run_dir}/up.json`` (:mod:`streamrl.common.run_info`) so
    ``streamrl scale`` finds the run.
 2. Start every service of ``[up]`` with replicas as configured, on the backend of ``[up] backend``:
-   ``local`` (:class:`LocalReplicas`, this module): each replica a child process
+   ``local`` (:mod:`streamrl.ops.local_backend`): each replica a child process
    (``streamrl <service> RECIPE ...``) in its own process group, its output interleaved prefixed by
    its instance name, ``[up] gpus`` giving each its ``CUDA_VISIBLE_DEVICES`` (rollout and learner
-   on the same device = the colocated mode); ``ray`` (:mod:`streamrl.common.ray_backend`): each
+   on the same device = the colocated mode); ``ray`` (:mod:`streamrl.ops.ray_backend`): each
    replica a Ray actor running the same command as its child.
 3. Watch: show a live progress display (heartbeats + the coordinator's progress hash + Redis's
    ``used_memory``; the embedded server's above the run's bound is one WARNING, and its peak is
    printed at the end), and every
    ``reconcile_interval_s`` bring rollout and reward to the replica counts asked for in the run's
-   replicas hash (:mod:`streamrl.common.scaling`): new replicas at the next free index, removed
+   replicas hash (:mod:`streamrl.ops.scaling`): new replicas at the next free index, removed
    ones drained (SIGTERM, ``grace_s``, then SIGKILL). A removed replica's exit is not a failure.
 4. A crashed replica (non-zero exit, or any exit but the ``until`` service's exit 0) is restarted
    under a new instance name if ``[up] max_restarts`` allows it for its service (local: after
@@ -30,26 +30,25 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
 
 import redis as syncredis
 
-from streamrl.common.autoscale import Autoscaler
 from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.health import live_heartbeats
-from streamrl.common.memory_budget import (
+from streamrl.common.run_info import RunInfo, write_run_info
+from streamrl.common.streams import StreamNames
+from streamrl.common.weights.auth import KEY_ENV
+from streamrl.ops.autoscale import Autoscaler
+from streamrl.ops.local_backend import LocalReplicas
+from streamrl.ops.memory_budget import (
     MIB,
     MemoryBound,
     maxmemory_for,
@@ -57,223 +56,13 @@ from streamrl.common.memory_budget import (
     policy_warnings,
     shape_from_recipe,
 )
-from streamrl.common.redis_server import RedisServer, memory_settings
-from streamrl.common.run_info import RunInfo, write_run_info
-from streamrl.common.scaling import desired_replicas, instance_name, plan, request_replicas
-from streamrl.common.streams import StreamNames
-from streamrl.common.up_config import SCALABLE, SERVICES, LaunchRecipe, UpConfig
-from streamrl.common.weights.auth import KEY_ENV
+from streamrl.ops.redis_server import RedisServer, memory_settings
+from streamrl.ops.replicas import Replicas
+from streamrl.ops.scaling import desired_replicas, plan, request_replicas
+from streamrl.ops.up_config import SCALABLE, SERVICES, LaunchRecipe
 
 MEMORY_CHECK_S = 5.0
 """How often the launcher reads Redis's ``used_memory`` (s)."""
-COLORS = {"coordinator": 36, "rollout": 32, "reward": 35, "learner": 33, "redis": 90}
-Say = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class Ended:
-    """A replica gone for good: no restart follows."""
-
-    service: str
-    index: int
-    name: str
-    code: int | None
-    """Exit code of the service process (None: not known, e.g. its Ray actor died)."""
-    removed: bool
-    """It was drained on purpose (scaled down)."""
-    detail: str = ""
-    """Why, when the exit code does not say it."""
-
-
-class Replicas(Protocol):
-    """What the launcher needs of a backend: start, drain and watch the replicas of each service."""
-
-    def start(self, service: str, index: int) -> None: ...
-
-    def drain(self, service: str, index: int) -> None:
-        """Remove a replica: SIGTERM its service, SIGKILL after ``grace_s``; reported by :meth:`poll` once gone."""
-
-    def poll(self) -> list[Ended]:
-        """Replicas gone for good since the last call; restarts what may restart."""
-
-    def active(self, service: str) -> list[int]:
-        """Indices of replicas running or about to (re)start, not being drained."""
-
-    def occupied(self, service: str) -> list[int]:
-        """Indices not free: active ones and those still draining."""
-
-    def stop_all(self) -> None:
-        """SIGTERM every replica, wait ``grace_s``, SIGKILL the rest."""
-
-
-def die_with_parent() -> None:
-    """In the child: get SIGTERM if its parent dies (no orphans even on SIGKILL of the launcher or actor).
-
-    The signal follows the death of the *thread* that started the child: start it from a thread that
-    lives as long as the child (the main thread, or one that waits for it)."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def child_env(
-    base: Mapping[str, str], instance: str, threads: int | None, cuda_devices: str | None = None
-) -> dict[str, str]:
-    """The environment of one service process: ``threads`` (if set) caps its CPU threads,
-    ``cuda_devices`` (if set) is its ``CUDA_VISIBLE_DEVICES``."""
-    env = {**base, "PYTHONUNBUFFERED": "1", "STREAMRL_INSTANCE": instance}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if cuda_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cuda_devices
-    return env
-
-
-def service_command(python: str, service: str, recipe: str, overrides: list[str], instance: str) -> list[str]:
-    """The command line of one replica (the Redis URL and keys travel in its environment, never here: ``ps``
-    shows command lines)."""
-    return [python, "-m", "streamrl.common.cli", service, recipe, *overrides, f"--instance={instance}"]
-
-
-def pump_lines(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
-    """Copy ``stream`` to ``out`` line by line, each prefixed by ``name`` (coloured on a terminal)."""
-    color = COLORS.get(name.split("-")[0], 37)
-    prefix = f"\x1b[{color}m{name:<14}\x1b[0m| " if out.isatty() else f"{name:<14}| "
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip()
-        with lock:
-            out.write(prefix + line + "\n")
-            out.flush()
-
-
-def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-@dataclass
-class LocalReplica:
-    service: str
-    index: int
-    name: str
-    proc: subprocess.Popen[bytes]
-    pump: threading.Thread
-    kill_at: float | None = None
-    """Set once it is being drained: when it gets SIGKILL."""
-
-
-class LocalReplicas:
-    """The local backend: every replica a child process of the launcher, restarted by the launcher.
-
-    A crashed replica restarts after ``restart_backoff_s * 2**k`` (k = its restarts so far) while it has
-    ``max_restarts`` left, as ``{service}-{index}.{n}``.
-    """
-
-    def __init__(
-        self, up: UpConfig, recipe: str, overrides: list[str], env: Mapping[str, str], say: Say, lock: threading.Lock
-    ) -> None:
-        self.up = up
-        self.recipe = recipe
-        self.overrides = overrides
-        self.env = dict(env)
-        """Environment every replica starts from (the Redis URL and weights key in it)."""
-        self.say = say
-        self.lock = lock
-        """Held while a line is written to the terminal."""
-        self.running: list[LocalReplica] = []
-        self.incarnations: dict[tuple[str, int], int] = {}
-        self.restarts: dict[tuple[str, int], int] = {}
-        self.due: dict[tuple[str, int], float] = {}
-        """Replicas waiting for their restart: when."""
-
-    def start(self, service: str, index: int) -> None:
-        incarnation = self.incarnations.get((service, index), 0)
-        self.incarnations[(service, index)] = incarnation + 1
-        name = instance_name(service, index, incarnation)
-        gpus = self.up.cuda_devices(service, index)
-        env = child_env(self.env, name, self.up.threads.get(service), gpus)
-        cmd = service_command(sys.executable, service, self.recipe, self.overrides, name)
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
-        )
-        assert proc.stdout is not None
-        pump = threading.Thread(target=pump_lines, args=(name, proc.stdout, sys.stdout, self.lock), daemon=True)
-        pump.start()
-        self.running.append(LocalReplica(service, index, name, proc, pump))
-        placed = "inherited" if gpus is None else f"CUDA_VISIBLE_DEVICES={gpus!r}"
-        self.say(f"started {name} (pid {proc.pid}; GPUs: {placed})")
-
-    def drain(self, service: str, index: int) -> None:
-        if self.due.pop((service, index), None) is not None:
-            self.say(f"{service}-{index}: restart cancelled (scaled down)")
-            return
-        for replica in self.running:
-            if (replica.service, replica.index) == (service, index) and replica.kill_at is None:
-                replica.kill_at = time.monotonic() + self.up.grace_s
-                signal_group(replica.proc, signal.SIGTERM)
-                self.say(f"draining {replica.name} (scaled down)")
-
-    def poll(self) -> list[Ended]:
-        now = time.monotonic()
-        ended: list[Ended] = []
-        for replica in list(self.running):
-            code = replica.proc.poll()
-            if code is None:
-                if replica.kill_at is not None and now >= replica.kill_at:
-                    self.say(f"{replica.name} did not stop within {self.up.grace_s} s: killing it", error=True)
-                    signal_group(replica.proc, signal.SIGKILL)
-                    replica.kill_at = float("inf")
-                continue
-            self.running.remove(replica)
-            replica.pump.join(timeout=2)
-            key = (replica.service, replica.index)
-            if replica.kill_at is not None or (code == 0 and replica.service == self.up.until):
-                ended.append(Ended(*key, replica.name, code, removed=replica.kill_at is not None))
-                continue
-            used = self.restarts.get(key, 0)
-            if used < self.up.max_restarts.get(replica.service, 0):
-                delay = self.up.restart_backoff_s * 2**used
-                self.restarts[key] = used + 1
-                self.due[key] = now + delay
-                self.say(
-                    f"{replica.name} exited with code {code}: restart {used + 1} of "
-                    f"{self.up.max_restarts[replica.service]} in {delay:.1f} s",
-                    error=True,
-                )
-                continue
-            ended.append(Ended(*key, replica.name, code, removed=False))
-        for key, when in list(self.due.items()):
-            if now >= when:
-                del self.due[key]
-                self.start(*key)
-        return ended
-
-    def active(self, service: str) -> list[int]:
-        running = [r.index for r in self.running if r.service == service and r.kill_at is None]
-        return running + [i for s, i in self.due if s == service]
-
-    def occupied(self, service: str) -> list[int]:
-        return self.active(service) + [r.index for r in self.running if r.service == service and r.kill_at is not None]
-
-    def stop_all(self) -> None:
-        self.due.clear()
-        for replica in self.running:
-            signal_group(replica.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.up.grace_s
-        for replica in self.running:
-            try:
-                replica.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.say(f"{replica.name} did not stop within {self.up.grace_s} s: killing it", error=True)
-        for replica in self.running:
-            signal_group(replica.proc, signal.SIGKILL)  # also reaps grandchildren left in the group
-            replica.proc.wait()
-            replica.pump.join(timeout=2)
-        self.running.clear()
 
 
 class Launcher:
@@ -403,9 +192,9 @@ class Launcher:
                     self._say(f"note: up.{field} has no effect with up.backend = 'local'", error=True)
             return LocalReplicas(up, self.recipe, self.overrides, env, self._say, self.lock)
         try:
-            from streamrl.common.ray_backend import RayReplicas
+            from streamrl.ops.ray_backend import RayReplicas
         except ImportError as e:
-            raise ConfigError(f"up.backend = 'ray' needs Ray: pip install 'streamrl-common[ray]' ({e})") from e
+            raise ConfigError(f"up.backend = 'ray' needs Ray: pip install 'streamrl-ops[ray]' ({e})") from e
         return RayReplicas(up, self.cfg.run_id, self.recipe, self.overrides, env, self.learner_ranks, self._say)
 
     def watch(self) -> int:

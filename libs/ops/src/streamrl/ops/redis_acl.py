@@ -48,7 +48,7 @@ touches; EVAL counts each as read and written, so the heartbeat keys of other se
 dead-peer script checks with EXISTS are declared too). No service sends MULTI / EXEC (a re-sent
 EXEC would run twice): those are not granted.
 
-Run ``python -m streamrl.common.redis_acl --help``: ``passwords`` prints new random passwords as
+Run ``python -m streamrl.ops.redis_acl --help``: ``passwords`` prints new random passwords as
 ``.env`` lines, ``acl --run-id RUN`` renders the file from ``STREAMRL_REDIS_PASSWORD_<USER>``.
 """
 
@@ -247,7 +247,7 @@ def new_passwords() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamrl.common.redis_acl", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m streamrl.ops.redis_acl", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("passwords", help="print a new random password per user, as .env lines")
     acl = sub.add_parser("acl", help="render the ACL file from STREAMRL_REDIS_PASSWORD_<USER> variables")

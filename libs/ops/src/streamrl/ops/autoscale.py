@@ -15,7 +15,7 @@ Up jumps to what the backlog asks (a burst of prompts should not wait one cooldo
 down removes one replica at a time, and only after the backlog stayed low for a whole cooldown:
 a replica is removed by draining it (SIGTERM: it finishes or hands back what it holds), which costs
 its start-up again if the backlog comes back. The counts are written where ``streamrl scale``
-writes them (:func:`streamrl.common.scaling.request_replicas`); the launcher's backend
+writes them (:func:`streamrl.ops.scaling.request_replicas`); the launcher's backend
 (local processes or Ray actors) makes them so. On Kubernetes, KEDA plays this part (deploy/k8s).
 """
 

@@ -9,7 +9,8 @@ import pytest
 
 from streamrl.common.codec import encode
 from streamrl.common.config import ConfigError, ConsumerConfig, RedisConfig, read_recipe, validate
-from streamrl.common.memory_budget import (
+from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
+from streamrl.ops.memory_budget import (
     MIB,
     SERVICE_DEFAULTS,
     RunShape,
@@ -20,8 +21,7 @@ from streamrl.common.memory_budget import (
     policy_warnings,
     shape_from_recipe,
 )
-from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
-from streamrl.common.up_config import LaunchRecipe
+from streamrl.ops.up_config import LaunchRecipe
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = RunShape(
@@ -202,10 +202,10 @@ def test_policy_warnings(policy: str, maxmemory: int, expected: list[str]) -> No
 
 
 def test_command_line_prints_the_bound(capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m streamrl.common.memory_budget RECIPE``: terms, total, maxmemory; last line one JSON object."""
+    """``python -m streamrl.ops.memory_budget RECIPE``: terms, total, maxmemory; last line one JSON object."""
     import json
 
-    from streamrl.common.memory_budget import main
+    from streamrl.ops.memory_budget import main
 
     assert main([str(ROOT / "recipes" / "demo.toml"), "--up.redis_memory.margin=3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
