@@ -23,6 +23,7 @@ def test_with_a_token_every_scrape_must_carry_it() -> None:
         for token in (None, "wrong"):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 scrape(served.port, token)
+            refused.value.close()  # the error holds the refused response's connection
             assert refused.value.code == 401
         assert scrape(served.port, "s3cret")[("streamrl_engine_queue_depth", ())] == 2
     finally:

@@ -380,6 +380,7 @@ def test_otlp_http_export_reaches_a_receiver(via: str, monkeypatch: pytest.Monke
     traceparent = tracing.record(REWARD, start_s=T0, end_s=T0 + 0.5, attributes={STALENESS: 1})
     tracing.shutdown()
     server.shutdown()
+    server.server_close()
     ((path, request),) = _Receiver.received
     assert path == "/v1/traces"
     (resource_spans,) = request.resource_spans
