@@ -1,15 +1,13 @@
 """Checkpoints are on disk before they count (streamrl.learner.durable, ModelEngine.save_checkpoint,
 LearnerGroup.checkpoint): every file and folder fsync'ed before ``latest`` names the checkpoint (and
 so before the learner acknowledges the batches it covers), ``latest`` replaced atomically and its
-folder fsync'ed after, and the critic's checkpoint written before the policy's ``latest``.
+folder fsync'ed after, and the critic's checkpoint written before the policy's ``latest``. A whole DeepSpeed
+checkpoint in its own process: tests/integration/learner/test_durable_checkpoint_process.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,8 +15,6 @@ from typing import Any
 import pytest
 
 from streamrl.learner import durable
-
-WORKER = Path(__file__).with_name("durable_checkpoint_worker.py")
 
 
 @pytest.fixture
@@ -50,22 +46,6 @@ def test_write_marker_syncs_the_new_file_before_the_rename_and_the_folder_after(
     durable.write_marker(tmp_path / "latest", "step_3")
     assert synced == ["latest.tmp", "rename", "."]
     assert (tmp_path / "latest").read_text() == "step_3" and not (tmp_path / "latest.tmp").exists()
-
-
-@pytest.mark.slow
-def test_a_checkpoint_is_fsynced_whole_before_latest_names_it(tmp_path: Path, worker_env: dict[str, str]) -> None:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, env=worker_env, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
-    *events, (_, *files) = record
-    renamed = events.index(["replace", "latest.tmp", "latest"])
-    before = [e[1] for e in events[:renamed] if e[0] == "fsync"]
-    checkpoint_files = [f for f in files if f.startswith("step_1/")]
-    assert checkpoint_files and set(checkpoint_files) <= set(before), "a file of the checkpoint was not fsync'ed"
-    assert {"step_1", ".", "latest.tmp"} <= set(before)  # its folder, the checkpoints folder, the new marker
-    assert ["fsync", "."] in events[renamed + 1 :]  # the rename made durable
 
 
 class _Model:

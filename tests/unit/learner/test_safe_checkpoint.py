@@ -2,23 +2,18 @@
 
 A checkpoint file holding a pickle that would run code (here: create a marker file) is refused with
 an error naming the file, and the marker is never written; a real DeepSpeed checkpoint (ZeRO 2 and 3:
-loss scaler, ZeRO stage, fragment addresses) still resumes exactly. DeepSpeed runs in a subprocess
-(safe_checkpoint_worker.py), never in the pytest process.
+loss scaler, ZeRO stage, fragment addresses) still resumes exactly: that one runs DeepSpeed in a
+subprocess (safe_checkpoint_worker.py), so it is in tests/integration/learner/test_safe_checkpoint_process.py.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from streamrl.learner.safe_checkpoint import SafeLoads, UnsafeCheckpointError, load_checkpoint_file
-
-WORKER = Path(__file__).with_name("safe_checkpoint_worker.py")
 
 
 class TouchMarker:
@@ -79,27 +74,3 @@ def test_safe_loads_routes_loads_and_keeps_the_rest(tmp_path: Path) -> None:
     safe = SafeLoads(Engine())
     assert safe.name == "TorchCheckpointEngine"
     assert torch.equal(safe.load(str(tmp_path / "f.pt"), map_location="cpu")["w"], torch.ones(1))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_a_checkpoint_resumes_and_a_tampered_file_of_it_is_refused(
-    tmp_path: Path, zero_stage: int, worker_env: dict[str, str]
-) -> None:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), str(zero_stage)],
-        env={**worker_env, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(lines[0].removeprefix("REPORT "))
-    assert report["client_state"] == {"batch_index": 3} and report["global_steps"] == 1
-    assert report["trained_weights_restored"]
-    refused = report["refused"]
-    assert len(refused) == 3, "model states, optimizer states and RNG states"
-    for name, error in refused.items():
-        assert f"refusing to load checkpoint file {tmp_path / 'ckpt' / 'step_1' / name}: " in error
-    assert report["marker_written"] is False
