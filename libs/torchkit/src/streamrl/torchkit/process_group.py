@@ -15,9 +15,24 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
+
+
+class Group(Protocol):
+    """What streamrl calls on the group :func:`new_group` builds (a c10d ``ProcessGroupGloo`` or
+    ``ProcessGroupNCCL``; torch's stubs leave their ``broadcast`` out)."""
+
+    def abort(self) -> None: ...
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+
+def put(store: dist.Store, key: str, value: bytes | str) -> None:
+    """``store.set``: a c10d store keeps bytes as they are (torch's stubs declare ``str`` values only)."""
+    store.set(key, value)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -33,22 +48,20 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = saved
 
 
-def new_group(
-    store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, device: torch.device
-) -> dist.Backend:
+def new_group(store: dist.Store, rank: int, size: int, backend: str, timeout_s: float, device: torch.device) -> Group:
     """A process group of ``size`` ranks built directly on ``store``, ``backend`` ``nccl`` (connected
     on ``device`` at once) or ``gloo``; every member calls it, and it blocks until all came."""
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"unknown process-group backend {backend!r}: nccl or gloo")
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        return cast(Group, dist.ProcessGroupGloo(store, rank, size, timeout))
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):  # abort the communicator on error, not the process
         group = dist.ProcessGroupNCCL(store, rank, size, options)
     group.eager_connect_single_device(device)
-    return group
+    return cast(Group, group)
 
 
 def wait_work(work: dist.Work, deadline: float) -> bool:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers is imported where used
+    from transformers import PreTrainedTokenizerBase
 
 EOS_TOKEN = "<|endoftext|>"
 HEAD_DIM = 64
@@ -86,7 +90,7 @@ def build_tiny_qwen2(
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         initializer_range=initializer_range,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
@@ -184,13 +188,14 @@ def build_tiny_idefics3(
             "patch_size": patch_size,
             "initializer_range": initializer_range,
         },
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_token_id=_token_id(tokenizer, IMAGE_TOKEN),
         scale_factor=2,
         tie_word_embeddings=True,
         pad_token_id=eos_id,
     )
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    model = Idefics3ForConditionalGeneration(config)
+    model.float()
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id)
     model.save_pretrained(str(path))
     images = Idefics3ImageProcessor(
@@ -201,3 +206,11 @@ def build_tiny_idefics3(
         image_processor=images, tokenizer=tokenizer, image_seq_len=seq_len, chat_template=VL_CHAT_TEMPLATE
     ).save_pretrained(str(path))
     return path
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of one token of ``tokenizer``'s vocabulary (``ValueError`` if it is not a single token)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int):
+        raise ValueError(f"{token!r} is not a single token of the tokenizer")
+    return token_id

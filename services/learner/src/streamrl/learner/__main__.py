@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamrl.common.config import load_config
 from streamrl.common.errors import ConfigError
@@ -20,8 +21,12 @@ from streamrl.common.lifecycle import ServiceContext, parse_args, service_main
 from streamrl.common.log import setup_logging
 from streamrl.learner.rl.config import LearnerConfig
 
+if TYPE_CHECKING:  # imported where used: they import torch
+    from streamrl.learner.rl.group import LearnerGroup
+    from streamrl.learner.rl.trainer import RLTrainer
 
-def _group(config: LearnerConfig):  # type: ignore[no-untyped-def]
+
+def _group(config: LearnerConfig) -> tuple[RLTrainer, LearnerGroup]:
     from streamrl.learner.rl.group import LearnerGroup
     from streamrl.learner.rl.trainer import RLTrainer
 

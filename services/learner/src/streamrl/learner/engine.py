@@ -101,7 +101,8 @@ def seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy=True: ("MT19937", keys, pos, has_gauss, cached_gaussian)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -189,11 +190,11 @@ def compile_and_warm_up(model: Any, batch: int = 6, length: int = 17, shared_pro
 
     def forward() -> torch.Tensor:
         if shared_prompts:
-            return shared_prompt_logits(model, ids, mask, prompt_lens, length - prompt_len)  # type: ignore[no-any-return]
+            return shared_prompt_logits(model, ids, mask, prompt_lens, length - prompt_len)
         if flat:
             out = body(input_ids=ids.flatten()[None, :21], position_ids=positions, **varlen_kwargs(cu, 9, device))
-            return out.last_hidden_state  # type: ignore[no-any-return]
-        return model(input_ids=ids, attention_mask=mask).logits  # type: ignore[no-any-return]
+            return out.last_hidden_state
+        return model(input_ids=ids, attention_mask=mask).logits
 
     (forward().float().sum() * 0.0).backward()
     model.zero_grad(set_to_none=True)
@@ -263,7 +264,7 @@ def _apply_lora(model: Any, lora: LoraConfig, kind: ModelKind, gradient_checkpoi
     task = {"causal_lm": peft.TaskType.CAUSAL_LM, "reward": peft.TaskType.SEQ_CLS, "value": peft.TaskType.TOKEN_CLS}
     config = peft.LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float scales the same (alpha / r)
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
         task_type=task[kind],
@@ -272,7 +273,8 @@ def _apply_lora(model: Any, lora: LoraConfig, kind: ModelKind, gradient_checkpoi
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue

@@ -63,7 +63,7 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ch
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -145,7 +145,7 @@ def linear_logprobs(
 
 class _LinearNLL(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, chunk: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]

@@ -27,7 +27,7 @@ try:  # Triton ships with CUDA torch; on CPU-only installs it is absent and the 
     import triton
     import triton.language as tl
 except ImportError:
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 _BLOCK = 4096
 
@@ -221,8 +221,8 @@ def _grad_triton(
             inv_t.float().contiguous(),
             lse.contiguous(),
             g_lp.float().contiguous(),
-            entropy.contiguous() if with_entropy else lse,
-            g_ent.float().contiguous() if with_entropy else lse,
+            entropy.contiguous() if entropy is not None and with_entropy else lse,
+            g_ent.float().contiguous() if g_ent is not None and with_entropy else lse,
             vocab,
             block=_BLOCK,
             entropy_on=with_entropy,

@@ -54,7 +54,7 @@ def shared_prompt_logits(
     on_device = source.to(out.logits.device)
     first = out.logits[:, -1:][on_device]
     if width == 1:
-        return first  # type: ignore[no-any-return]
+        return first
     cache.batch_select_indices(on_device)
     ids, prompt_lens = input_ids.cpu(), prompt_lens.cpu()
     steps = torch.arange(width - 1)

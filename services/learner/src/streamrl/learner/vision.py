@@ -82,7 +82,7 @@ def vision_tower(model: Any) -> torch.nn.Module:
     tower = model.get_encoder(modality="image")
     if tower is model:
         raise ValueError(f"{type(model).__name__} has no vision tower that transformers can find")
-    return tower  # type: ignore[no-any-return]
+    return tower
 
 
 def check_learner(*, uses_critic: bool, zero_stage: int, world_size: int) -> None:
@@ -198,9 +198,9 @@ def row_features(engine: Any, input_ids: torch.Tensor, pixels: PixelInputs | Non
     }
     ids = to_device(input_ids, param.device)
     if zero3(engine):
-        return engine(input_ids=ids, **inputs).logits[0]  # type: ignore[no-any-return]
+        return engine(input_ids=ids, **inputs).logits[0]
     body, _ = lm_parts(engine)
-    return body(input_ids=ids, **inputs).last_hidden_state[0]  # type: ignore[no-any-return]
+    return body(input_ids=ids, **inputs).last_hidden_state[0]
 
 
 def response_logprobs(

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -52,6 +53,7 @@ from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyn
 from streamrl.common.follower import StreamFollower, previous_id, supervise
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
+from streamrl.common.replies import entries as stream_entries
 from streamrl.common.telemetry.trace_schema import (
     ENGINE,
     FINISH_REASON,
@@ -165,7 +167,9 @@ class RolloutService:
         with contextlib.ExitStack() as stack:  # an engine error fails every sample's span
             n = request.sampling.n if traced else 0
             spans = [stack.enter_context(tracing.span(GENERATE, queued, start_s=started)) for _ in range(n)]
-            samples = await (self._generate(request) if self.episodes is None else self._run_episodes(item))
+            samples: Sequence[Sample | Episode] = await (
+                self._generate(request) if self.episodes is None else self._run_episodes(item)
+            )
             ended = time.time()
             for j, (sample, span) in enumerate(zip(samples, spans, strict=traced)):
                 span.set_attributes(
@@ -235,7 +239,7 @@ class RolloutService:
         """Load the newest published weights (late joiners); returns the stream cursor to follow from:
         after it, or just before it when loading failed (the follower then retries it, or takes a
         newer version, while the worker runs: prompts for newer versions wait for it)."""
-        last = await self.redis.xrevrange(self.ctx.names.weights, count=16)
+        last = stream_entries(await self.redis.xrevrange(self.ctx.names.weights, count=16))
         for entry_id, fields in last:
             try:
                 msg = self._weights_event(fields)
@@ -288,7 +292,7 @@ class RolloutService:
 
     async def _newest_event_id(self) -> str:
         """Stream id of the newest valid WeightsPublished ("0-0" = none)."""
-        for entry_id, fields in await self.redis.xrevrange(self.ctx.names.weights, count=16):
+        for entry_id, fields in stream_entries(await self.redis.xrevrange(self.ctx.names.weights, count=16)):
             try:
                 self._weights_event(fields)
             except PoisonMessageError:

@@ -23,6 +23,7 @@ failure keys and old fingerprints deleted).
 
 from __future__ import annotations
 
+from streamrl.common import replies
 from streamrl.common.bus import Bus, PreconditionFailed
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
@@ -57,8 +58,8 @@ class LearnerLedger:
 
     # ---------------------------------------------------------------- reads
     async def published(self) -> WeightsPublished | None:
-        raw = await self.bus.redis.hget(self.learner, "published")
-        return decode(raw, WeightsPublished) if raw else None
+        value = await self.bus.redis.hget(self.learner, "published")
+        return decode(replies.raw(value), WeightsPublished) if value else None
 
     async def version_mark(self) -> str | None:
         return _text(await self.bus.redis.get(self.version_key))
@@ -71,7 +72,9 @@ class LearnerLedger:
         return _text(await self.bus.redis.hget(self.fingerprints, str(index)))
 
     async def attempts(self, batch_id: str) -> Attempts:
-        raw = {k.decode(): v for k, v in (await self.bus.redis.hgetall(self._failures(batch_id))).items()}
+        raw = {
+            replies.text(k): replies.raw(v) for k, v in (await self.bus.redis.hgetall(self._failures(batch_id))).items()
+        }
         return Attempts(
             started=int(raw.get("started", 0)),
             finished=int(raw.get("finished", 0)),
@@ -90,27 +93,29 @@ class LearnerLedger:
         or after the group's last delivered entry. Undecodable entries are left out (they are dead-lettered)."""
         groups = [g for g in await self.bus.redis.xinfo_groups(stream) if _text(g["name"]) == self.group]
         last = _text(groups[0]["last-delivered-id"]) if groups else "0-0"
-        entries: list[tuple[bytes | str, dict[bytes, bytes]]] = []
+        entries: list[replies.Entry] = []
         start = "-"
-        while held := await self.bus.redis.xpending_range(stream, self.group, min=start, max="+", count=256):
-            for h in held:
-                entries += await self.bus.redis.xrange(stream, h["message_id"], h["message_id"])
-            start = "(" + str(_text(held[-1]["message_id"]))
+        while held := replies.pending(
+            await self.bus.redis.xpending_range(stream, self.group, min=start, max="+", count=256)
+        ):
+            for row in held:
+                entries += replies.entries(await self.bus.redis.xrange(stream, row.entry_id, row.entry_id))
+            start = "(" + held[-1].entry_id
             if len(held) < 256:
                 break
-        entries += await self.bus.redis.xrange(stream, f"({last}", "+")
+        entries += replies.entries(await self.bus.redis.xrange(stream, f"({last}", "+"))
         found: dict[int, str] = {}
         for entry_id, fields in entries:
             try:
                 batch = decode(fields.get(b"d", b""), TrainingBatch)
             except PoisonMessageError:
                 continue
-            found.setdefault(batch.index, str(_text(entry_id)))
+            found.setdefault(batch.index, entry_id.decode())
         return found
 
     async def entry(self, stream: str, entry_id: str) -> TrainingBatch | None:
         """The batch of one entry, None when it is gone (acknowledged and trimmed) or undecodable."""
-        found = await self.bus.redis.xrange(stream, entry_id, entry_id)
+        found = replies.entries(await self.bus.redis.xrange(stream, entry_id, entry_id))
         if not found:
             return None
         try:

@@ -149,9 +149,11 @@ class HFEngine:
         if self._processor is not None:
             self._banned = torch.tensor(expansion_token_ids(self._processor), device=self._device)
         auto = AutoModelForCausalLM if self._processor is None else AutoModelForImageTextToText
-        self._model: PreTrainedModel = auto.from_pretrained(
+        model: PreTrainedModel = auto.from_pretrained(
             config.model, dtype=_DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
-        ).to(self._device)
+        )
+        # transformers declares PreTrainedModel.to through a wrapper typed as unbound: the device is taken for `self`
+        self._model: PreTrainedModel = model.to(self._device)  # type: ignore[arg-type]
         self._model.eval()
         self._tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         eos = self._model.generation_config.eos_token_id
@@ -594,6 +596,7 @@ class HFEngine:
 
         if self._ipc is None:
             self._ipc = IpcWeightReceiver(self._device)
+        assert update.ipc is not None, "an ipc weight update names its buffers"
         self._ipc.fetch(update.ipc, update.version, update.checksum)
         if self._flat is None or self._flat.layout != update.ipc.tensors:
             parameters = list(self._model.parameters())

@@ -256,7 +256,9 @@ class VLLMEngine:
 
     def _new_llm(self, on_cpu: bool) -> LLM:
         c = self._config
-        vision = {} if self._image_token_id is None else {"limit_mm_per_prompt": {"image": c.max_images_per_prompt}}
+        vision: dict[str, Any] = (
+            {} if self._image_token_id is None else {"limit_mm_per_prompt": {"image": c.max_images_per_prompt}}
+        )
         return LLM(
             model=c.model,
             tokenizer=c.tokenizer or c.model,

@@ -71,7 +71,7 @@ def _value(node: ast.expr) -> Fraction:
             raise CalculatorError("division by zero")
         return left / right
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return _BINARY[type(node.op)](_value(node.left), _value(node.right))  # type: ignore[no-any-return]
+        return _BINARY[type(node.op)](_value(node.left), _value(node.right))
     raise CalculatorError("only numbers, + - * / and parentheses")
 
 

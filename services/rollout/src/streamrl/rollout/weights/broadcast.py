@@ -51,7 +51,7 @@ from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import WeightsBroadcast
 from streamrl.common.weights import broadcast as wb
 from streamrl.torchkit.flat import tensor_views, weights_checksum
-from streamrl.torchkit.process_group import new_group
+from streamrl.torchkit.process_group import Group, new_group, put
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class BroadcastReceiver:
                     break
                 generation, rank, group, registration = joined
                 seen = self._serve(store, generation, rank, group)
-            store.set(wb.leave_key(self.member), b"1")  # closed: the learner stops waiting for us at once
+            put(store, wb.leave_key(self.member), b"1")  # closed: the learner stops waiting for us at once
             store.add(wb.LEAVES, 1)
         except dist.DistNetworkError as e:  # the learner is gone
             logger.warning(
@@ -233,7 +233,7 @@ class BroadcastReceiver:
 
     def _register(self, store: dist.Store) -> int:
         registration = store.add(wb.JOINS, 1)
-        store.set(wb.join_key(registration), self.member)
+        put(store, wb.join_key(registration), self.member)
         logger.info("weight broadcast: %s registered at %s", self.member, self.info.store)
         return registration
 
@@ -245,7 +245,7 @@ class BroadcastReceiver:
             time.sleep(wb.POLL_S)
         return store.get(key)
 
-    def _join(self, store: dist.Store, seen: int, registration: int) -> tuple[int, int, dist.Backend, int] | None:
+    def _join(self, store: dist.Store, seen: int, registration: int) -> tuple[int, int, Group, int] | None:
         """Wait for a generation newer than ``seen`` that lists this member and build its group;
         returns (generation, rank, group, registration), or None when stopped."""
         while not self._stop.is_set():
@@ -260,7 +260,7 @@ class BroadcastReceiver:
                     logger.warning("weight broadcast: %s was dropped from the group: registering again", self.member)
                     registration = self._register(store)
                 continue
-            store.set(wb.ready_key(generation, self.member), b"1")
+            put(store, wb.ready_key(generation, self.member), b"1")
             start = self._wait_key(store, wb.start_key(generation), time.monotonic() + 2 * self._timeout_s)
             if start is None:
                 if self._stop.is_set():
@@ -281,7 +281,7 @@ class BroadcastReceiver:
             return generation, rank, group, registration
         return None
 
-    def _serve(self, store: dist.Store, generation: int, rank: int, group: dist.Backend) -> int:
+    def _serve(self, store: dist.Store, generation: int, rank: int, group: Group) -> int:
         """Answer the ops of ``generation`` until it ends; returns the last generation not to look at."""
         op = 0
         while True:
@@ -297,14 +297,14 @@ class BroadcastReceiver:
             op += 1
 
     def _receive(
-        self, store: dist.Store, generation: int, op: int, rank: int, group: dist.Backend, record: wb.BroadcastOp
+        self, store: dist.Store, generation: int, op: int, rank: int, group: Group, record: wb.BroadcastOp
     ) -> None:
         started = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
         checksum = ""
         with self._lock:
             self._set_staged(-1)  # the buffers are about to change
-            store.set(wb.op_ready_key(generation, op, rank), b"1")
+            put(store, wb.op_ready_key(generation, op, rank), b"1")
             error = self._receive_buckets(store, generation, op, group, deadline)
             if error is None:
                 checksum = weights_checksum(self._staging, record.version, self.info.block_bytes)
@@ -312,7 +312,7 @@ class BroadcastReceiver:
                     error = f"checksum mismatch: received {checksum}, published {record.checksum}"
             if error is None:
                 self._set_staged(record.version, checksum)
-        store.set(wb.ack_key(generation, op, rank), wb.encode(wb.Ack(checksum=checksum, error=error or "")))
+        put(store, wb.ack_key(generation, op, rank), wb.encode(wb.Ack(checksum=checksum, error=error or "")))
         if error is not None:
             logger.warning("weight broadcast: %s did not receive version %d: %s", self.member, record.version, error)
         else:
@@ -324,7 +324,7 @@ class BroadcastReceiver:
             )
 
     def _receive_buckets(
-        self, store: dist.Store, generation: int, op: int, group: dist.Backend, deadline: float
+        self, store: dist.Store, generation: int, op: int, group: Group, deadline: float
     ) -> str | None:
         """Receive every bucket into the staging buffers; None, or why not."""
         options = dist.BroadcastOptions()

@@ -49,7 +49,7 @@ from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
 from streamrl.learner.rl.weights.tied import TIED_ALIASES
 from streamrl.torchkit.flat import BLOCK_BYTES, tensor_views
-from streamrl.torchkit.process_group import new_group, wait_work
+from streamrl.torchkit.process_group import Group, new_group, put, wait_work
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class BroadcastWeightPublisher:
         self._store = dist.TCPStore(
             "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
-        self._store.set(wb.GENERATION, "0")
+        put(self._store, wb.GENERATION, "0")
         self.address = f"{advertise_host}:{self._store.port}"
         """``host:port`` of the rendezvous, as advertised to the rollout workers."""
         self.session = secrets.token_hex(8)
@@ -99,7 +99,7 @@ class BroadcastWeightPublisher:
         # thread state
         self._generation = 0
         self._members: list[str] = []
-        self._group: dist.Backend | None = None
+        self._group: Group | None = None
         self._next_op = 0
         self._joins_seen = 0
         self._join_gap_since: float | None = None
@@ -309,7 +309,7 @@ class BroadcastWeightPublisher:
         candidates = [m for m in dict.fromkeys(self._members + joiners) if m not in leaving]
         self._unresponsive = []
         if self._group is not None or self._members:  # members of the old generation wait for its next op
-            self._store.set(wb.op_key(self._generation, self._next_op), wb.encode(wb.RegroupOp(self._generation + 1)))
+            put(self._store, wb.op_key(self._generation, self._next_op), wb.encode(wb.RegroupOp(self._generation + 1)))
         if self._group is not None:
             self._group.abort()
             self._group = None
@@ -317,19 +317,19 @@ class BroadcastWeightPublisher:
         assert self._backend is not None
         while not self._stop.is_set():
             generation = self._generation + 1
-            self._store.set(wb.members_key(generation), wb.encode(wb.GroupMembers(candidates, self._joins_seen)))
-            self._store.set(wb.GENERATION, str(generation))
+            put(self._store, wb.members_key(generation), wb.encode(wb.GroupMembers(candidates, self._joins_seen)))
+            put(self._store, wb.GENERATION, str(generation))
             self._set_members(generation, [])
             if not candidates:
                 return
             deadline = time.monotonic() + self._timeout_s
             missing = self._wait_keys({m: wb.ready_key(generation, m) for m in candidates}, deadline)
             if missing:
-                self._store.set(wb.start_key(generation), wb.encode(wb.GroupStart(ok=False, missing=missing)))
+                put(self._store, wb.start_key(generation), wb.encode(wb.GroupStart(ok=False, missing=missing)))
                 logger.warning("weight broadcast: dropped from generation %d: %s", generation, self._missing(missing))
                 candidates = [c for c in candidates if c not in missing]
                 continue
-            self._store.set(wb.start_key(generation), wb.encode(wb.GroupStart(ok=True)))
+            put(self._store, wb.start_key(generation), wb.encode(wb.GroupStart(ok=True)))
             device = self._packer.buffers[0].device
             store = dist.PrefixStore(wb.group_prefix(generation), self._store)
             self._next_op = 0
@@ -358,7 +358,7 @@ class BroadcastWeightPublisher:
             self._next_op += 1
             deadline = time.monotonic() + self._timeout_s
             started = time.perf_counter()
-            self._store.set(wb.op_key(generation, op), wb.encode(wb.BroadcastOp(version, checksum)))
+            put(self._store, wb.op_key(generation, op), wb.encode(wb.BroadcastOp(version, checksum)))
             ranks = {m: wb.op_ready_key(generation, op, rank) for rank, m in enumerate(members, start=1)}
             missing = self._wait_keys(ranks, deadline)
             failure = f"not ready: {self._missing(missing)}" if missing else None
@@ -368,7 +368,7 @@ class BroadcastWeightPublisher:
                 failure = self._broadcast_buckets(deadline)
             sent = time.perf_counter()
         if failure is not None:
-            self._store.set(wb.abort_key(generation, op), b"1")
+            put(self._store, wb.abort_key(generation, op), b"1")
             logger.warning(
                 "weight broadcast of version %d to generation %d failed: %s; re-forming the group",
                 version,
