@@ -108,7 +108,7 @@ def decide(policy: ScalePolicy, backlog: int, current: int, state: ScaleState, n
     return target
 
 
-def backlog(client: syncredis.Redis, names: StreamNames, service: str) -> int:  # type: ignore[type-arg]
+def backlog(client: syncredis.Redis, names: StreamNames, service: str) -> int:
     """Entries of ``service``'s input its consumer group has not finished: ``lag + pending`` (0 before
     the stream or group exists). Redis < 7 reports no lag: then pending plus the entries after the
     group's last delivered id are counted by range."""
@@ -125,7 +125,7 @@ def backlog(client: syncredis.Redis, names: StreamNames, service: str) -> int:  
         lag = info.get("lag")
         if lag is None:  # not reported (Redis < 7, or a trimmed stream it cannot count)
             last = info["last-delivered-id"]
-            lag = len(client.xrange(stream, min=b"(" + last if isinstance(last, bytes) else "(" + last, max="+"))
+            lag = len(client.xrange(stream, min=b"(" + last if isinstance(last, bytes) else "(" + last, max="+") or [])
         return int(lag) + int(info["pending"])
     return int(client.xlen(stream))  # no group yet: every entry waits
 
@@ -154,7 +154,7 @@ class Autoscaler:
 
     def tick(
         self,
-        client: syncredis.Redis,  # type: ignore[type-arg]
+        client: syncredis.Redis,
         current: dict[str, int],
         now_s: float | None = None,
     ) -> list[Change]:

@@ -43,6 +43,7 @@ import redis as syncredis
 from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.health import live_heartbeats
+from streamrl.common.replies import text
 from streamrl.common.run_info import RunInfo, write_run_info
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
@@ -301,7 +302,7 @@ class Launcher:
         assert self.client is not None
         try:
             beats = live_heartbeats(self.client, self.names)
-            progress = {k.decode(): v.decode() for k, v in self.client.hgetall(self.names.state("progress")).items()}
+            progress = {text(k): text(v) for k, v in self.client.hgetall(self.names.state("progress")).items()}
         except (syncredis.RedisError, ValueError, OSError):
             return
         alive = ", ".join(sorted(f"{b.instance}:{b.status}" for b in beats))

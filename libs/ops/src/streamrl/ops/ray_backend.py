@@ -235,7 +235,7 @@ class RayReplicas:
             where = f"the Ray cluster at {up.ray_address}"
         total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
         say(f"ray: running on {where} (resources {total})")
-        self.remote_actor = ray.remote(ServiceActor)
+        self.remote_actor: Any = ray.remote(ServiceActor)  # an actor class: Ray types its .options/.remote loosely
 
     def start(self, service: str, index: int) -> None:
         resources = self.up.resources_of(service)

@@ -139,6 +139,7 @@ class RedisServer:
                 pass
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                self.stop()
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
             if time.monotonic() > deadline:
                 self.stop()
@@ -146,13 +147,19 @@ class RedisServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
+        """Stop the server (SIGTERM, SIGKILL after 5 s) and close its stderr pipe; a no-op once stopped."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
             try:
-                self.proc.wait(5)
+                proc.wait(5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 def memory_settings(client: syncredis.Redis) -> tuple[int, str]:

