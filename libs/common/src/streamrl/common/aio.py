@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout
@@ -34,11 +35,14 @@ else:
             raise TimeoutError from e
 
 
+__all__ = ["RECANCEL_S", "cancel_and_wait", "timeout", "wait_set"]
+
+
 RECANCEL_S = 0.5
 """How long a cancelled task gets to end before it is cancelled again (s)."""
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Future[object]], *, recancel_s: float = RECANCEL_S) -> None:
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *, recancel_s: float = RECANCEL_S) -> None:
     """Cancel ``tasks`` and return once every one has ended, cancelling again those that carry on."""
     pending = {task for task in tasks if not task.done()}
     while pending:

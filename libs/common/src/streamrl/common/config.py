@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from streamrl.common.errors import ConfigError
+from streamrl.common.errors import ConfigError as ConfigError  # re-exported: recipe errors come from here
 from streamrl.common.redact import redact
 
 if sys.version_info >= (3, 11):
@@ -179,8 +180,8 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
 def apply_overrides(data: dict[str, Any], overrides: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Apply ``STREAMRL_A__B=v`` environment variables, then ``a.b=v`` / ``--a.b=v`` overrides."""
     data = json.loads(json.dumps(data))  # deep copy of plain data
-    env = os.environ if env is None else env
-    for name, raw in sorted(env.items()):
+    environ: Mapping[str, str] = os.environ if env is None else env
+    for name, raw in sorted(environ.items()):
         if name in TOP_LEVEL_ENV:
             _set_dotted(data, TOP_LEVEL_ENV[name], raw)
         elif name.startswith(ENV_PREFIX) and "__" in name:

@@ -51,9 +51,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from redis.exceptions import ResponseError
+from redis.typing import StreamIdT
 
 from streamrl.common.aio import cancel_and_wait, timeout
 from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, OutageRetry, Output
@@ -63,6 +64,8 @@ from streamrl.common.errors import PoisonMessageError, RetryableError
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import DeadLetter, Message
 from streamrl.common.peers import FORGET_LUA, PeerWatch, may_judge
+from streamrl.common.replies import entries as entries_of
+from streamrl.common.replies import entry_ids, pending, read_entries, text
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.tracing import set_delivery_attempt
 from streamrl.common.trim import trim_consumed
@@ -228,7 +231,7 @@ class ConsumerLoop(Generic[M]):
             for _ in range(free):
                 self._slots.release()
             raise
-        entries = reply[0][1] if reply else []
+        entries = read_entries(reply)
         for _ in range(free - len(entries)):
             self._slots.release()
         for entry_id, fields in entries:  # new entries: their first delivery
@@ -244,10 +247,11 @@ class ConsumerLoop(Generic[M]):
             page = await self.redis.xpending_range(
                 self.stream, self.group, min=start, max="+", count=256, consumername=self.consumer
             )
-            self._held.extend((_text(h["message_id"]), int(h["times_delivered"])) for h in page)
-            if len(page) < 256:
+            rows = pending(page)
+            self._held.extend(rows)
+            if len(rows) < 256:
                 return
-            start = "(" + _text(page[-1]["message_id"])
+            start = "(" + rows[-1].entry_id
 
     async def _start_held(self) -> None:
         """Start the first entry of ``_held`` (pending under this consumer, delivered ``prior`` times).
@@ -267,7 +271,7 @@ class ConsumerLoop(Generic[M]):
             return  # the loop comes round (keep-alive, stop) and tries again
         self._held.popleft()
         reserved, self._reserved = self._reserved, 0
-        claimed = await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [entry_id])
+        claimed = entries_of(await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [entry_id]))
         if not claimed or not claimed[0][1]:  # acknowledged meanwhile, or trimmed from the stream
             for _ in range(reserved):
                 self._slots.release()
@@ -307,7 +311,7 @@ class ConsumerLoop(Generic[M]):
 
     def _spawn(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None, deliveries: int, slots: int = 1) -> None:
         """Handle an entry in a task that holds ``slots`` in-flight slots (all of them: it runs alone)."""
-        entry = _text(entry_id)
+        entry = text(entry_id)
         task = asyncio.create_task(self._process(entry, fields, deliveries))
         self._tasks.add(task)
         self._active.add(entry)
@@ -339,14 +343,16 @@ class ConsumerLoop(Generic[M]):
         seen: set[str] = set()
         start = "-"
         while True:
-            held = await self.redis.xpending_range(
-                self.stream, self.group, min=start, max="+", count=256, consumername=self.consumer
+            held = pending(
+                await self.redis.xpending_range(
+                    self.stream, self.group, min=start, max="+", count=256, consumername=self.consumer
+                )
             )
             if not held:
                 break
-            ids = [_text(h["message_id"]) for h in held]
-            seen.update(ids)
-            orphans = [(i, int(h["times_delivered"])) for i, h in zip(ids, held, strict=True) if i not in known]
+            ids: list[StreamIdT] = [row.entry_id for row in held]
+            seen.update(row.entry_id for row in held)
+            orphans = [row for row in held if row.entry_id not in known]
             if orphans:
                 logger.warning(
                     "%s: %d entries pending under %s that it never received (a lost reply): queued",
@@ -358,7 +364,7 @@ class ConsumerLoop(Generic[M]):
             await self.redis.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
             if len(held) < 256:
                 break
-            start = "(" + ids[-1]
+            start = "(" + held[-1].entry_id
         self._kept &= seen
 
     async def _reclaim(self) -> None:
@@ -370,12 +376,14 @@ class ConsumerLoop(Generic[M]):
             idle = await self.redis.xpending_range(
                 self.stream, self.group, min="-", max="+", count=min(32, free), idle=self.config.claim_idle_ms
             )
-            ids = [h["message_id"] for h in idle]
+            ids: list[StreamIdT] = [row.entry_id for row in pending(idle)]
             if ids:  # JUSTID: no delivery counted until an entry starts; min idle again: one claimer wins
-                claimed = await self.redis.xclaim(
-                    self.stream, self.group, self.consumer, self.config.claim_idle_ms, ids, justid=True
+                claimed = entry_ids(
+                    await self.redis.xclaim(
+                        self.stream, self.group, self.consumer, self.config.claim_idle_ms, ids, justid=True
+                    )
                 )
-                await self._report_trimmed({_text(i) for i in ids} - {_text(c) for c in claimed})
+                await self._report_trimmed({str(i) for i in ids} - set(claimed))
                 await self._take(claimed)
         try:
             await trim_consumed(self.redis, self.stream, self.bus.retain_consumed_s)
@@ -395,17 +403,14 @@ class ConsumerLoop(Generic[M]):
                     entry_id,
                 )
 
-    async def _take(self, claimed: list[Any]) -> None:
+    async def _take(self, ids: list[str]) -> None:
         """Queue entries just claimed (JUSTID: no delivery counted yet) to start as slots allow."""
-        if not claimed:
+        if not ids:
             return
-        ids = [_text(c) for c in claimed]
-        counts = {
-            _text(h["message_id"]): int(h["times_delivered"])
-            for h in await self.redis.xpending_range(
-                self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.consumer
-            )
-        }
+        rows = await self.redis.xpending_range(
+            self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.consumer
+        )
+        counts = dict(pending(rows))
         self.stats.reclaimed += len(ids)
         self._held.extend((i, counts.get(i, 1)) for i in ids)
 
@@ -423,10 +428,10 @@ class ConsumerLoop(Generic[M]):
             self._peers.missing_since.clear()  # looks from before the outage do not count
             return
         consumers = await self.redis.xinfo_consumers(self.stream, self.group)
-        others = [_text(c["name"]) for c in consumers if _text(c["name"]) != self.consumer]
+        others = [text(c["name"]) for c in consumers if text(c["name"]) != self.consumer]
         if not others:
             return
-        members = [_text(m).split(":", 1) for m in await self.redis.smembers(self.names.instances)]
+        members = [text(m).split(":", 1) for m in await self.redis.smembers(self.names.instances)]
         keys = {name: [self.names.heartbeat(s, i) for s, i in members if i == name] for name in others}
         candidates = [name for name in others if keys[name]]
         pipe = self.redis.pipeline(transaction=False)
@@ -436,7 +441,7 @@ class ConsumerLoop(Generic[M]):
         dead = self._peers.look(
             {n for n in candidates if not alive[n]}, {n for n in candidates if alive[n]}, time.monotonic()
         )
-        holding = {_text(c["name"]): int(c["pending"]) for c in consumers}
+        holding = {text(c["name"]): int(c["pending"]) for c in consumers}
         for name in sorted(dead):
             if holding[name]:  # (one that holds nothing - its entries taken after claim_idle_ms - is just forgotten)
                 if (free := self._free_slots() - len(self._held)) <= 0:
@@ -445,8 +450,9 @@ class ConsumerLoop(Generic[M]):
                     self.stream, self.group, min="-", max="+", count=free, consumername=name
                 )
                 min_idle_ms = int(1000 * self.config.heartbeat_interval_s)
-                claimed = await self.redis.xclaim(
-                    self.stream, self.group, self.consumer, min_idle_ms, [h["message_id"] for h in held], justid=True
+                ids = [row.entry_id for row in pending(held)]
+                claimed = entry_ids(
+                    await self.redis.xclaim(self.stream, self.group, self.consumer, min_idle_ms, [*ids], justid=True)
                 )
                 if claimed:
                     logger.info(
@@ -473,7 +479,7 @@ class ConsumerLoop(Generic[M]):
         if task not in self._holding:
             yield
             return
-        slots = self._holding.pop(task)  # type: ignore[arg-type]
+        slots = self._holding.pop(task)
         for _ in range(slots):
             self._slots.release()
         try:
@@ -485,11 +491,11 @@ class ConsumerLoop(Generic[M]):
                     await self._slots.acquire()
                     taken += 1
             finally:  # cancelled here: the task holds what it took, _done releases that
-                self._holding[task] = taken  # type: ignore[index]
+                self._holding[task] = taken
 
     async def _delivery_count(self, entry_id: bytes | str) -> int:
         info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
-        return int(info[0]["times_delivered"]) if info else 1
+        return pending(info)[0].delivered if info else 1
 
     async def _process(self, entry_id: str, fields: dict[bytes, bytes] | None, deliveries: int) -> None:
         try:
@@ -546,7 +552,7 @@ class ConsumerLoop(Generic[M]):
                     return
                 logger.warning("%s %s failed (delivery %d): %s", self.stream, entry_id, deliveries, reason)
                 await asyncio.sleep(e.defer_s if isinstance(e, RetryableError) else self.config.retry_delay_s)
-                claimed = await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [entry_id])
+                claimed = entries_of(await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [entry_id]))
                 if not claimed or not claimed[0][1]:
                     return  # acked or trimmed meanwhile
                 self.stats.retried += 1
@@ -589,10 +595,6 @@ class ConsumerLoop(Generic[M]):
         )
         self.stats.dead_lettered += 1
         logger.error("dead-lettered %s %s: %s", self.stream, entry_id, reason)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def encode_payload(message: Message) -> dict[bytes, bytes]:

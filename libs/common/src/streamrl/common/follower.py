@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 import redis.asyncio as aioredis
 
 from streamrl.common.errors import PoisonMessageError
+from streamrl.common.replies import read_entries
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,18 +62,18 @@ class StreamFollower(Generic[T]):
     async def run(self, cursor: str, stop: asyncio.Event | None = None) -> None:
         """Follow until ``stop`` is set (or forever, until cancelled)."""
         while stop is None or not stop.is_set():
-            reply = await self.redis.xread({self.stream: cursor}, count=self.count, block=self.block_ms)
-            for _, raw in reply or []:
-                entries: list[tuple[str, T]] = []
-                for entry_id, fields in raw:
-                    text_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                    try:
-                        entries.append((text_id, self.decode_entry(fields)))
-                    except PoisonMessageError as e:
-                        self.skipped += 1
-                        logger.error("skipping %s entry %s: %s", self.stream.rsplit(":", 1)[-1], text_id, e)
-                last = raw[-1][0]
-                cursor = await self.handle(entries, last.decode() if isinstance(last, bytes) else str(last))
+            got = read_entries(await self.redis.xread({self.stream: cursor}, count=self.count, block=self.block_ms))
+            if not got:
+                continue
+            entries: list[tuple[str, T]] = []
+            for entry_id, fields in got:
+                text_id = entry_id.decode()
+                try:
+                    entries.append((text_id, self.decode_entry(fields)))
+                except PoisonMessageError as e:
+                    self.skipped += 1
+                    logger.error("skipping %s entry %s: %s", self.stream.rsplit(":", 1)[-1], text_id, e)
+            cursor = await self.handle(entries, got[-1][0].decode())
 
 
 def supervise(task: asyncio.Task[None], what: str, on_death: Callable[[BaseException], None]) -> None:

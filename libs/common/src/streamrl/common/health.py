@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import Heartbeat
+from streamrl.common.replies import raw, text
 from streamrl.common.streams import StreamNames
 
 
@@ -54,13 +55,13 @@ def live_heartbeats(client: syncredis.Redis, names: StreamNames, service: str = 
     but stays in the set: a consumer loop judges its entries by it (the one that takes them over
     removes it, :meth:`streamrl.common.consumer.ConsumerLoop._reclaim_from_the_dead`); one that
     stopped cleanly removed itself."""
-    members = sorted(m.decode() for m in client.smembers(names.instances))
+    members = sorted(text(m) for m in client.smembers(names.instances))
     if service != "*":
         members = [m for m in members if m.split(":", 1)[0] == service]
     if not members:
         return []
     raws = client.mget([names.heartbeat(*m.split(":", 1)) for m in members])
-    return [decode(raw, Heartbeat) for raw in raws if raw]
+    return [decode(raw(value), Heartbeat) for value in raws if value]
 
 
 def read_heartbeats(redis_url: str, names: StreamNames, service: str = "*") -> list[Heartbeat]:
