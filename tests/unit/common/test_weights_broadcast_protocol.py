@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgpack
 
-from streamrl.common.weights import broadcast as wb
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import IpcTensor, WeightsBroadcast, WeightsPublished
+from streamrl.common.weights import broadcast as wb
 
 RENDEZVOUS = WeightsBroadcast(
     store="learner-0:29600",
