@@ -193,7 +193,7 @@ class RayReplica:
 
 
 class RayReplicas:
-    """The launcher's replicas as Ray actors (the :class:`streamrl.ops.launcher.Replicas` of ``backend = "ray"``)."""
+    """The launcher's replicas as Ray actors (the :class:`streamrl.ops.replicas.Replicas` of ``backend = "ray"``)."""
 
     def __init__(
         self,
