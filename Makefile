@@ -1,5 +1,5 @@
 # streamrl: the two commands of README.md, plus developer targets.
-.PHONY: setup demo test test-unit test-integration lint up bench-bus
+.PHONY: setup demo test test-unit test-integration lint lint-ruff lint-format lint-types up bench-bus
 
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
@@ -30,8 +30,25 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest -q tests/integration tests/e2e tests/faults tests/deploy
 
+## lint: the CI gate (.ci/run runs it before the tests; .pre-commit-config.yaml runs the three parts):
+## ruff check and ruff format --check over all Python, mypy (mypy.ini) over the packages in libs and services.
+LINT_PATHS := libs services tests bench examples scripts
+SRC_ROOTS := $(wildcard libs/*/src services/*/src)
+empty :=
+space := $(empty) $(empty)
+
 lint: setup
-	.venv/bin/ruff check libs services tests bench examples
+	@$(MAKE) --no-print-directory lint-ruff lint-format lint-types
+
+lint-ruff:
+	.venv/bin/ruff check $(LINT_PATHS)
+
+lint-format:
+	.venv/bin/ruff format --check $(LINT_PATHS)
+
+## every src root is a mypy search path, so a new package under libs/ or services/ is checked without edits here
+lint-types:
+	MYPYPATH=$(subst $(space),:,$(SRC_ROOTS)) .venv/bin/mypy $(SRC_ROOTS)
 
 up: setup
 	.venv/bin/streamrl up $(RECIPE)
