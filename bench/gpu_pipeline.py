@@ -166,6 +166,8 @@ class GpuMemory:
             self._proc.wait(10)
         if self._thread is not None:
             self._thread.join(5)
+        if self._proc is not None and self._proc.stdout is not None:
+            self._proc.stdout.close()  # the reader has seen its end: the pipe is ours to close
 
     def summary(self) -> dict[str, Any] | None:
         """``{"peak_mib", "before_mib", "peak_minus_before_mib"}``, each ``{gpu index: MiB}`` (the

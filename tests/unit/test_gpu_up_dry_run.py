@@ -1,14 +1,12 @@
 """``streamrl up RECIPE --dry-run``: every service's resolved config, nothing started.
 
 It was refused as a bad override (``--dry-run`` read as ``--section.field=value``); a user checking
-a GPU recipe and its overrides before taking a GPU needs it.
+a GPU recipe and its overrides before taking a GPU needs it. The runs of the command (a process each) are in
+tests/integration/gpu/test_gpu_up_dry_run_cli.py; here, the argument split.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,39 +15,6 @@ from streamrl.ops.cli import split_dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/gpu_qwen2_0.5b.toml"
-
-
-def _up(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "streamrl.ops.cli", "up", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
-
-
-@pytest.mark.timeout(300)
-def test_dry_run_prints_every_service_and_starts_nothing(tmp_path: Path) -> None:
-    run_dir = tmp_path / "never"
-    done = _up(
-        RECIPE,
-        "--dry-run",
-        f"--run_dir={run_dir}",
-        "--learner.weights_transport=zmq",
-        '--up.gpus={"rollout": "1", "learner": "0"}',
-    )
-    assert done.returncode == 0, done.stderr
-    resolved = json.loads(done.stdout)
-    assert list(resolved) == ["up", "coordinator", "rollout", "reward", "learner"]
-    assert resolved["up"]["up"]["gpus"] == {"rollout": "1", "learner": "0"}
-    assert resolved["rollout"]["engine"]["device"] == "cuda"
-    assert resolved["learner"]["weights_transport"] == "zmq"  # the override reached the service
-    assert {resolved[s]["run_dir"] for s in resolved} == {str(run_dir)}
-    assert not run_dir.exists()
-
-
-@pytest.mark.timeout(300)
-def test_dry_run_names_a_bad_value_and_exits_2() -> None:
-    done = _up(RECIPE, "--learner.weights_transport=carrier-pigeon", "--dry-run")
-    assert done.returncode == 2
-    assert "learner refuses the recipe" in done.stderr and "weights_transport" in done.stderr
-    assert "streamrl up:" in _up("--dry-run").stderr
 
 
 def test_split_dry_run() -> None:
