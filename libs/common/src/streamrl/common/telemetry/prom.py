@@ -84,7 +84,7 @@ class Metrics:
     def watch_streams(self, redis_url: str, streams: Mapping[str, str]) -> None:
         """Export lag and pending counts of every consumer group of ``streams`` (label -> key) at each scrape."""
 
-    def watch_consumers(self, snapshot: Callable[[], Mapping[str, int | str]]) -> None:
+    def watch_consumers(self, snapshot: Callable[[], Mapping[str, int | str | float]]) -> None:
         """Export the instance's consumer counters (``ServiceContext.snapshot``) at each scrape."""
 
     def close(self) -> None:
@@ -166,7 +166,7 @@ class StreamGroupsCollector(Collector):
 class ConsumerCountersCollector(Collector):
     """The instance's heartbeat counters (processed, failed, ...) when scraped."""
 
-    def __init__(self, snapshot: Callable[[], Mapping[str, int | str]]) -> None:
+    def __init__(self, snapshot: Callable[[], Mapping[str, int | str | float]]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
@@ -270,7 +270,7 @@ class PromMetrics(Metrics):
         self.registry.register(collector)
         self._streams.append(collector)
 
-    def watch_consumers(self, snapshot: Callable[[], Mapping[str, int | str]]) -> None:
+    def watch_consumers(self, snapshot: Callable[[], Mapping[str, int | str | float]]) -> None:
         self.registry.register(ConsumerCountersCollector(snapshot))
 
     def serve(self, host: str, port: int, token: str | None) -> None:

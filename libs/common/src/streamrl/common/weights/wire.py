@@ -276,7 +276,7 @@ def fetch_buckets(
     version: int,
     checksum: str | None,
     timeout_s: float,
-    context: zmq.Context | None = None,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
 ) -> Iterator[ReceivedTensor]:
     """Pull every bucket of ``version`` from ``endpoint`` and yield its tensors in order.
 
@@ -302,7 +302,7 @@ def fetch_buckets(
 
 
 def _receive_all(
-    sock: zmq.Socket, version: int, deadline: float, endpoint: str
+    sock: zmq.Socket[bytes], version: int, deadline: float, endpoint: str
 ) -> tuple[list[tuple[BucketHeader, memoryview]], str]:
     """Request buckets with ``PIPELINE_DEPTH`` in flight until all arrived; return them and their checksum.
 
