@@ -30,15 +30,16 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest -q tests/integration tests/e2e tests/faults tests/deploy
 
-## lint: the CI gate (.ci/run runs it before the tests; .pre-commit-config.yaml runs the three parts):
-## ruff check and ruff format --check over all Python, mypy (mypy.ini) over the packages in libs and services.
+## lint: the CI gate (.ci/run runs it before the tests; .pre-commit-config.yaml runs its three parts): ruff check
+## and ruff format --check over all Python, mypy (mypy.ini) over the packages in libs and services. -k: every part
+## reports, then it fails.
 LINT_PATHS := libs services tests bench examples scripts
 SRC_ROOTS := $(wildcard libs/*/src services/*/src)
 empty :=
 space := $(empty) $(empty)
 
 lint: setup
-	@$(MAKE) --no-print-directory lint-ruff lint-format lint-types
+	@$(MAKE) --no-print-directory -k lint-ruff lint-format lint-types
 
 lint-ruff:
 	.venv/bin/ruff check $(LINT_PATHS)
