@@ -13,7 +13,7 @@ Layout (each folder a concept; the arrows of the import graph point down this li
 * ``engines/`` - generation: ``engine`` (the protocol and its request/sample types), ``factory``
   (``build_engine``: the one module that imports both implementations), ``hf_engine`` (plain
   transformers, with ``kv_decoder`` and ``sampling``), ``vllm_engine`` (the only module importing
-  vLLM), ``config``.
+  vLLM), ``driver`` (the driver thread both run their model in), ``config``.
 * ``weights/`` - the engines' ends of the three weight paths (ZMQ, CUDA IPC, broadcast) and the vLLM
   worker extension; the torch code they share with the learner is ``streamrl.torchkit``.
 * ``vision`` - images for vision-language policies (collapsed and expanded prompts), used by the

@@ -58,6 +58,7 @@ from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
 from streamrl.common.messages import SamplingParams
 from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.driver import DriverThread
 from streamrl.rollout.engines.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.engines.kv_decoder import KVDecoder, unsupported_reason
 from streamrl.rollout.engines.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
@@ -131,7 +132,7 @@ class _Row:
 Command = _Job | WeightUpdate | _Stop
 
 
-class HFEngine:
+class HFEngine(DriverThread):
     """transformers behind the :class:`streamrl.rollout.engines.engine.Engine` protocol (see module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -206,10 +207,6 @@ class HFEngine:
         )
         return decoder
 
-    @property
-    def version(self) -> int:
-        return self._version
-
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         check_requests(requests, self._config, self._image_token_id)
         if not requests:
@@ -222,19 +219,10 @@ class HFEngine:
     async def update_weights(
         self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: Any = None, broadcast: Any = None
     ) -> None:
-        update = WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, broadcast=broadcast)
-        self._submit(update)
-        seconds = await asyncio.wrap_future(update.future)
-        logger.info("serving weights version %d (update took %.3f s)", version, seconds)
+        await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, broadcast=broadcast))
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._commands.put(_Stop())
-        self._thread.join()
-        if self._member is not None:
+        if self._stop_driver(_Stop()) and self._member is not None:
             self._member.close()
 
     def _encode(self, request: GenerationRequest) -> _Inputs:

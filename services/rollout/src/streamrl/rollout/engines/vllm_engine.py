@@ -64,6 +64,7 @@ from streamrl.common.images import decode_image
 from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcast
 from streamrl.common.weights.broadcast import encode as encode_rendezvous
 from streamrl.rollout.engines.config import EngineConfig
+from streamrl.rollout.engines.driver import DriverThread
 from streamrl.rollout.engines.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.vision import expansion_token_ids, vision_processor
 from streamrl.torchkit.vision import image_token_id
@@ -150,7 +151,7 @@ class _Stop:
 Command = _Job | WeightUpdate | _Abort | _Stop
 
 
-class VLLMEngine:
+class VLLMEngine(DriverThread):
     """vLLM behind the :class:`streamrl.rollout.engines.engine.Engine` protocol (see module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -180,10 +181,6 @@ class VLLMEngine:
         self._thread.start()
         built.result()  # re-raises a failed engine start here
 
-    @property
-    def version(self) -> int:
-        return self._version
-
     async def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         check_requests(requests, self._config, self._image_token_id)
         if not requests:
@@ -207,18 +204,10 @@ class VLLMEngine:
     ) -> None:
         if ipc is not None and not endpoint:  # weights published only as CUDA IPC buffers
             raise WeightSyncError("the vLLM engine takes weights over zmq; set learner.weights_transport = 'zmq'")
-        update = WeightUpdate(endpoint, version, checksum, timeout_s, broadcast=broadcast)
-        self._submit(update)
-        seconds = await asyncio.wrap_future(update.future)
-        logger.info("serving weights version %d (update took %.3f s)", version, seconds)
+        await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, broadcast=broadcast))
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._commands.put(_Stop())
-        self._thread.join()
+        self._stop_driver(_Stop())
 
     def _submit(self, command: Command) -> None:
         with self._lock:
