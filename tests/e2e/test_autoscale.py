@@ -89,12 +89,10 @@ def test_a_burst_adds_reward_replicas_and_draining_it_removes_them_losing_nothin
     recipe.write_text(RECIPE.format(run_id=RUN_ID, run_dir=tmp_path / "run", scorer=HERE / "slow_reward.py"))
     log = tmp_path / "up.log"
     env = {**os.environ, "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400", "OMP_NUM_THREADS": "1"}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe)],
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    with log.open("wb") as out:  # the child keeps its own descriptor; ours is closed at once
+        up = subprocess.Popen(
+            [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe)], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     names = StreamNames(RUN_ID)
     sent = 0
     try:

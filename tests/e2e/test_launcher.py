@@ -32,7 +32,8 @@ ENV = {
 def start_up(recipe: Path, log: Path) -> subprocess.Popen[bytes]:
     # many steps: the run must still be going when the test stops it
     cmd = [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), "--total_steps=1000", "--run_id=up"]
-    return subprocess.Popen(cmd, env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    with log.open("wb") as out:  # the child keeps its own descriptor; ours is closed at once
+        return subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
 
 
 def embedded_redis_url(run_dir: Path, log: Path, timeout_s: float = 60) -> str:

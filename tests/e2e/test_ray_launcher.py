@@ -122,7 +122,8 @@ def test_ray_run_scaled_and_a_rollout_actor_killed_trains_every_trajectory_once(
     started = time.monotonic()
     cmd = [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), f"--run_id={run_id}", *UP]
     env = {**worker_env, **ENV}
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    with log.open("wb") as out:  # the child keeps its own descriptor; ours is closed at once
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
     run = Run(client, names, proc, log, env)
