@@ -1,4 +1,4 @@
-"""Run by test_durable_checkpoint.py in its own process (DeepSpeed never runs in the pytest process).
+"""Run by test_durable_checkpoint_process.py in its own process (DeepSpeed never runs in the pytest process).
 
 ``python durable_checkpoint_worker.py OUT``: trains one step of a tiny Qwen2 and checkpoints it, with
 :func:`streamrl.learner.durable.fsync` and the rename of ``latest`` recorded; prints the record as JSON

@@ -1,4 +1,4 @@
-"""Run by test_safe_checkpoint.py in its own process (DeepSpeed never runs in the pytest process).
+"""Run by test_safe_checkpoint_process.py in its own process (DeepSpeed never runs in the pytest process).
 
 ``python safe_checkpoint_worker.py OUT ZERO_STAGE``: trains one step of a tiny Qwen2 and checkpoints
 it; a fresh engine resumes from the checkpoint; then every file of the checkpoint in turn is replaced
