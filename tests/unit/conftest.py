@@ -14,6 +14,10 @@ under the same name. Around each phase of a unit test (setup, call, teardown) th
 Each replacement raises :class:`TierViolationError` naming what was attempted, and the test fails even if
 the code under test swallowed that error. Threads and loopback sockets (an HTTP server under test)
 stay allowed. tests/unit/test_tier_guard.py plants each case and checks that it is caught.
+
+Warnings are errors everywhere (pytest.ini); here also an unclosed socket, file or client (ResourceWarning,
+and the unraisable-exception warning that carries it from a destructor) found while a unit test runs, which
+pytest.ini still lets pass in the other tiers (make test-unit ran clean with both as errors session-wide).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import subprocess
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,6 +97,19 @@ def _phase() -> Generator[None, Any, Any]:
     if seen:
         raise TierViolationError(f"this unit test {seen[0]} (the error was swallowed); {MOVE_HINT}")
     return result
+
+
+STRICT_HERE = ("error::ResourceWarning", "error::pytest.PytestUnraisableExceptionWarning")
+
+
+UNIT_TIER = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(UNIT_TIER):  # the hook sees the whole session's items
+            for rule in STRICT_HERE:
+                item.add_marker(pytest.mark.filterwarnings(rule))
 
 
 @pytest.hookimpl(wrapper=True)
