@@ -97,7 +97,7 @@ def test_lost_reply(service: str, fault_run: MakeRun) -> None:
 
 EACH_KIND_ENV = "FAULTS_EACH_KIND"
 """Set to 1 to run one row per (service, kind of write) (off CI: ~80 runs): ``bench/faults.py --each-kind``."""
-SHUTDOWN_KINDS = ("DEL hb:", "SREM instances", "EVAL lease.RELEASE_LUA")
+SHUTDOWN_KINDS = ("DEL hb:", "SREM instances", "EVAL lease.RELEASE_LUA", "HDEL served")
 """Writes a service makes only as it stops: their replies are lost up to the end of the run."""
 WRITE_POINTS = Path(__file__).with_name("write_points.json")
 """Every kind of write each service made in a run through the proxy (``test_write_points``'s list, kept
