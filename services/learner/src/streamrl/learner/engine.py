@@ -76,6 +76,7 @@ def init_distributed() -> None:
     # JIT-built ops (when setup did not pre-build them) go next to this interpreter's packages, so
     # two virtual environments never rebuild, and lock, each other's copy.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    _release_stale_deepspeed_groups()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -91,6 +92,26 @@ def init_distributed() -> None:
         deepspeed.init_distributed(dist_backend="nccl")
     else:
         deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _release_stale_deepspeed_groups() -> None:
+    """Forget the process groups DeepSpeed cached in a world that no longer exists.
+
+    Something else in this process (a vLLM engine's shutdown calls ``torch.distributed.destroy_process_group``)
+    may have destroyed the world DeepSpeed built its groups in. DeepSpeed only forgets them when the world is
+    destroyed through ``deepspeed.comm``; otherwise the next ``deepspeed.initialize`` broadcasts over a dead
+    group and fails with "Group ... is not registered".
+    """
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None or groups._WORLD_GROUP is None:
+        return
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.get_process_group_ranks(groups._WORLD_GROUP)
+            return
+        except (KeyError, ValueError, RuntimeError):
+            pass
+    groups._release_process_group_references()
 
 
 def seed_everything(seed: int) -> None:
