@@ -1,5 +1,5 @@
 # streamrl: the two commands of README.md, plus developer targets.
-.PHONY: setup demo test test-unit test-integration lint lint-ruff lint-format lint-types up bench-bus
+.PHONY: setup demo test test-slow test-all test-unit test-integration lint lint-ruff lint-format lint-types up bench-bus
 
 export OMP_NUM_THREADS ?= 2
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
@@ -17,9 +17,18 @@ demo: setup
 	rm -rf runs/demo
 	.venv/bin/streamrl up recipes/demo.toml
 
-## test: set up if needed, then run the whole test suite (CPU, real Redis, real vLLM/DeepSpeed): every tier below.
+## test: set up if needed, then run every test not marked slow (CPU, real Redis, real vLLM/DeepSpeed): the unit
+## and integration tiers (tests/unit, tests/integration, tests/deploy), under 30 minutes on 2 cores.
 test: setup
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=20 -m "not slow"
+
+## test-slow: the whole-pipeline tier: tests/e2e, tests/faults and the integration tests marked slow. CI (.ci/run)
+## runs it after `make test`.
+test-slow: setup
+	$(PY) -m pytest -q --durations=20 -m slow
+
+## test-all: both, as CI runs them.
+test-all: test test-slow
 
 ## test-unit: the quick loop to run on every edit (under 2 minutes on 2 cores): tests/unit, one process, no Redis,
 ## no child process (tests/unit/conftest.py fails a test that tries), no real engine run.

@@ -32,6 +32,16 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server.stop()
 
 
+SLOW_TIERS = (ROOT / "tests" / "e2e", ROOT / "tests" / "faults")
+"""Whole-pipeline runs: every test under these folders is ``slow`` (``make test-slow``; CI runs it after ``make test``)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.path.is_relative_to(tier) for tier in SLOW_TIERS):
+            item.add_marker(pytest.mark.slow)
+
+
 DIST_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What torch.distributed reads from the environment. A test that initialised DeepSpeed in the pytest
 process left them there; a worker process inheriting them would rendezvous on that process's port."""
