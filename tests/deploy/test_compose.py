@@ -155,6 +155,12 @@ def test_redis_persists_with_aof_and_has_a_healthcheck(cpu: dict[str, Any]) -> N
     assert redis["environment"]["REDISCLI_AUTH"] == PASSWORDS["observer"]
 
 
+def test_redis_has_a_memory_limit_and_never_evicts(cpu: dict[str, Any]) -> None:
+    command = cpu["services"]["redis"]["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert command[command.index("--maxmemory") + 1] == "2gb"  # STREAMRL_REDIS_MAXMEMORY overrides it
+
+
 def test_redis_loads_the_acl_file_that_redis_acl_writes_for_the_run(cpu: dict[str, Any]) -> None:
     services = cpu["services"]
     redis, writer = services["redis"], services["redis-acl"]

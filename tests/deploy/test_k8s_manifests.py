@@ -275,6 +275,16 @@ def test_base_holds_redis_the_four_services_the_recipe_the_runs_volume_and_keda(
     assert all(o["metadata"]["namespace"] == NAMESPACE for o in rendered("base"))
 
 
+def test_redis_has_a_memory_limit_below_its_containers_and_never_evicts() -> None:
+    (container,) = find(rendered("base"), "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    maxmemory = command[command.index("--maxmemory") + 1]
+    limit = container["resources"]["limits"]["memory"]
+    assert maxmemory.endswith("gb") and limit.endswith("Gi")
+    assert int(maxmemory[:-2]) < int(limit[:-2]), "leave the AOF rewrite's fork room under the container limit"
+
+
 def test_external_redis_overlay_drops_the_redis_and_nothing_else() -> None:
     base = {(o["kind"], o["metadata"]["name"]) for o in rendered("base")}
     external = {(o["kind"], o["metadata"]["name"]) for o in rendered("external-redis")}
