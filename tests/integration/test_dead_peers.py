@@ -150,3 +150,56 @@ def test_no_peer_is_judged_dead_right_after_a_redis_blip(
         server.stop()
     assert len(after_blip) == 1, "a live peer's entries were taken right after the blip"
     assert taken == [], "a peer silent after Redis was healthy again is taken over"
+
+
+class _CountingRedis:
+    """The loop's Redis client, counting round trips: each command called on it, and each pipeline
+    (sent as one round trip when executed)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.round_trips = real, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.real, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.round_trips += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("peers", [2, 64])
+def test_checking_every_peer_costs_the_same_round_trips_whatever_their_number(
+    redis_url: str, run_id: str, peers: int
+) -> None:
+    """Issue 27 item 5: a consumer checks all its peers' heartbeats in one pipelined round, so W busy
+    consumers cost W rounds a check interval, not W(W-1)."""
+    names = StreamNames(run_id)
+    client = redis.Redis.from_url(redis_url)
+    client.xgroup_create(names.trajectories, "reward", id="0", mkstream=True)
+    for i in range(peers):
+        client.xadd(names.trajectories, encode_payload(make_trajectory(i)))
+        client.xreadgroup("reward", f"peer{i}", {names.trajectories: ">"}, count=1)  # a consumer holding one entry
+        client.sadd(names.instances, f"echo:peer{i}")
+        client.set(names.heartbeat("echo", f"peer{i}"), b"x", px=60_000)  # alive
+
+    async def main() -> int:
+        bus = Bus(connect(redis_url))
+        loop = _loop(bus, names)
+        counting = _CountingRedis(bus.redis)
+        loop.redis = counting  # type: ignore[assignment]
+        await loop._reclaim_from_the_dead()
+        await loop.drain()
+        await bus.redis.aclose()
+        return counting.round_trips
+
+    try:
+        round_trips = asyncio.run(main())
+        assert len(_held_by(client, names, "alive")) == 0, "a live peer's entry was taken"
+    finally:
+        client.close()
+    # the consumers (XINFO CONSUMERS), the instances (SMEMBERS), every heartbeat (one pipeline)
+    assert round_trips == 3, f"{round_trips} round trips for {peers} peers"
