@@ -188,7 +188,7 @@ import os
 import time
 
 def reward_func(queries, prompts, labels):
-    time.sleep(0.2)
+    time.sleep(0.5)  # the first replica alone needs ~10 s for all: the second, started under load, still finds work
     return {"rewards": [1.0] * len(queries), "extra_logs": {"pid": [float(os.getpid())] * len(queries)}}
 """
 
@@ -199,7 +199,7 @@ def test_a_replica_added_mid_run_takes_load_at_once(tmp_path: Path, redis_url: s
     recipe = write_recipe(tmp_path, redis_url, run_id, scorer)
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
-    num = 120
+    num = 160
     for i in range(num):
         client.xadd(names.trajectories, encode_payload(trajectory(i)))
     first = start_replica(recipe, "first", tmp_path)
