@@ -35,7 +35,7 @@ One driver thread owns the model and runs a continuous-batching loop::
   background while the engine decodes, and an update copies the version asked for in once what was
   received hashes to the signed event's checksum (anything else the store offered is refused).
 * Sleep (``sleep_between_versions``) is a command too, taken once the samples before it finish: the
-  KV decoder's cache and its captured CUDA graphs are freed and the allocator's cached blocks
+  KV decoder's cache, its captured CUDA graphs and the CUDA IPC staging buffers are freed and the allocator's cached blocks
   returned to the device (``torch.cuda.empty_cache``); the weights stay where they are (this engine
   does not offload them). Waking changes nothing: the next batch reserves the cache again (and
   recaptures its graphs).
@@ -607,6 +607,8 @@ class HFEngine(DriverThread):
         start = time.perf_counter()
         if self._decoder is not None:
             self._decoder.release()
+        if self._ipc is not None:  # the CUDA IPC staging copy of the weights (the next update allocates it)
+            self._ipc.release_staging()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
         self._asleep = True

@@ -33,7 +33,7 @@ process, as vLLM is configured) and runs this loop::
 * Sleep (``sleep_between_versions``, colocated synchronous runs): the engine is built with vLLM's
   sleep mode; :meth:`VLLMEngine.sleep` waits for the running requests and calls ``LLM.sleep(level=1)``
   (KV cache discarded, weights offloaded to host memory: the GPU memory is the learner's while it
-  trains); :meth:`VLLMEngine.wake` calls ``LLM.wake_up()``. A request or an update that arrives
+  trains) after the workers freed their CUDA IPC staging buffers (allocated again by the next update); :meth:`VLLMEngine.wake` calls ``LLM.wake_up()``. A request or an update that arrives
   while asleep wakes the engine first. Level 1, not 2: level 2 discards the weights, which is only
   right when the next thing the engine does is load a whole new version - but a prompt still owed
   the current version (a filtered group's replacement, a retry) may arrive while it sleeps, and it
@@ -97,6 +97,7 @@ DISCARD_METHOD = "streamrl_discard_weights"
 LIVE_METHOD = "streamrl_has_live_weights"
 STAGE_BROADCAST_METHOD = "streamrl_stage_broadcast"
 STAGE_IPC_METHOD = "streamrl_stage_ipc"
+RELEASE_STAGING_METHOD = "streamrl_release_staging"
 CLOSE_BROADCAST_METHOD = "streamrl_close_broadcast"
 RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
@@ -215,6 +216,8 @@ class VLLMEngine(DriverThread):
         """Why this engine cannot take CUDA IPC weights (None: it can try)."""
         self._asleep = 0
         """vLLM sleep level the engine is at (0: awake)."""
+        self._discarded = False
+        """The weights were discarded (sleep level 2) and no update has loaded a version since."""
         self._num_jobs = 0
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._drive, args=(built,), name="vllm-engine", daemon=True)
@@ -255,12 +258,17 @@ class VLLMEngine(DriverThread):
         """Whether the engine's GPU memory is released (:meth:`sleep`)."""
         return self._asleep > 0
 
-    async def sleep(self) -> float:
+    async def sleep(self, level: int = SLEEP_LEVEL) -> float:
         """Once the running requests are done, free the KV cache and offload the weights (vLLM
-        ``sleep(level=1)``); returns the seconds it took. Needs ``sleep_between_versions``."""
+        ``sleep(level=1)``); returns the seconds it took. Needs ``sleep_between_versions``.
+
+        ``level=2`` discards the weights instead of offloading them (for measurements): the engine
+        then refuses to generate until a weight update has loaded a whole version."""
         if not self._config.sleep_between_versions:
             raise RuntimeError("the vLLM engine sleeps only when built with rollout.engine.sleep_between_versions")
-        command = _Sleep()
+        if level not in (1, 2):
+            raise ValueError(f"vLLM sleep level must be 1 or 2, got {level}")
+        command = _Sleep(level)
         self._submit(command)
         return await asyncio.wrap_future(command.future)
 
@@ -315,28 +323,7 @@ class VLLMEngine(DriverThread):
         return llm
 
     def _new_llm(self, on_cpu: bool) -> LLM:
-        c = self._config
-        vision: dict[str, Any] = (
-            {} if self._image_token_id is None else {"limit_mm_per_prompt": {"image": c.max_images_per_prompt}}
-        )
-        return LLM(
-            model=c.model,
-            tokenizer=c.tokenizer or c.model,
-            dtype=c.dtype,
-            max_model_len=c.max_model_len,
-            max_num_seqs=c.max_num_seqs,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_bytes(c.kv_cache_gib, on_cpu=on_cpu, env=os.environ),
-            tensor_parallel_size=c.tensor_parallel_size,
-            enable_prefix_caching=c.enable_prefix_caching,
-            enforce_eager=c.enforce_eager,
-            seed=c.seed,
-            trust_remote_code=c.trust_remote_code,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            enable_sleep_mode=c.sleep_between_versions,
-            **vision,
-        )
+        return LLM(**llm_kwargs(self._config, on_cpu=on_cpu, env=os.environ, vision=self._image_token_id is not None))
 
     def _drive(self, built: concurrent.futures.Future[None]) -> None:
         # The engine is built on this thread so that every call into it (and the CPU backend's
@@ -397,6 +384,13 @@ class VLLMEngine(DriverThread):
             command.future.set_result(self._wake())
         elif isinstance(command, _Job):
             self._wake()
+            if self._discarded:
+                command.future.set_exception(
+                    RuntimeError(
+                        "the vLLM engine slept at level 2 (weights discarded): load a version before generating"
+                    )
+                )
+                return
             self._add(command)
         elif isinstance(command, WeightUpdate):
             self._wake()
@@ -408,8 +402,10 @@ class VLLMEngine(DriverThread):
         assert self._llm is not None
         start = time.perf_counter()
         if not self._asleep:
+            self._llm.collective_rpc(RELEASE_STAGING_METHOD)  # the IPC staging copy of the weights too
             self._llm.sleep(level=command.level)
             self._asleep = command.level
+            self._discarded = self._discarded or command.level == 2
         command.future.set_result(time.perf_counter() - start)
 
     def _wake(self) -> float:
@@ -496,6 +492,7 @@ class VLLMEngine(DriverThread):
         if self._image_token_id is not None:  # and so were cached image embeddings (vision tower)
             self._llm.llm_engine.reset_encoder_cache()
         self._version = version
+        self._discarded = False
         update.future.set_result(time.perf_counter() - start)
 
     def _fetch(self, update: WeightUpdate) -> str | None:
@@ -551,6 +548,31 @@ class VLLMEngine(DriverThread):
         for command in waiting:
             if isinstance(command, _Job | WeightUpdate | _Sleep | _Wake) and not command.future.done():
                 command.future.set_exception(error)
+
+
+def llm_kwargs(config: EngineConfig, *, on_cpu: bool, env: Mapping[str, str], vision: bool = False) -> dict[str, Any]:
+    """The arguments the engine builds ``vllm.LLM`` with (``vision``: a vision-language model)."""
+    c = config
+    kwargs: dict[str, Any] = dict(
+        model=c.model,
+        tokenizer=c.tokenizer or c.model,
+        dtype=c.dtype,
+        max_model_len=c.max_model_len,
+        max_num_seqs=c.max_num_seqs,
+        gpu_memory_utilization=c.gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_bytes(c.kv_cache_gib, on_cpu=on_cpu, env=env),
+        tensor_parallel_size=c.tensor_parallel_size,
+        enable_prefix_caching=c.enable_prefix_caching,
+        enforce_eager=c.enforce_eager,
+        seed=c.seed,
+        trust_remote_code=c.trust_remote_code,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_sleep_mode=c.sleep_between_versions,
+    )
+    if vision:
+        kwargs["limit_mm_per_prompt"] = {"image": c.max_images_per_prompt}
+    return kwargs
 
 
 def _prompt(request: GenerationRequest) -> dict[str, Any]:

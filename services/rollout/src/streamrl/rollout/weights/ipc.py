@@ -92,6 +92,11 @@ class IpcWeightReceiver:
             raise WeightSyncError(problem)
         return list(self._named_views)
 
+    def release_staging(self) -> None:
+        """Free the staging buffers (the engine sleeps); the next :meth:`fetch` allocates them again.
+        The learner's buffers stay open: they are the learner's memory, not a copy."""
+        self._staging, self._layout, self._named_views = [], [], []
+
     @property
     def staging(self) -> list[torch.Tensor]:
         """The staging buffers (flat uint8) holding the last fetched version."""

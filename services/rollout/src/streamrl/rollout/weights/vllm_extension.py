@@ -98,6 +98,13 @@ class WeightReceiver:
         self._streamrl_staged = (version, weights)
         return None
 
+    def streamrl_release_staging(self) -> None:
+        """Free the IPC staging buffers (the engine is going to sleep: the memory is the learner's meanwhile)."""
+        self.streamrl_discard_weights()
+        if self._streamrl_ipc is not None:
+            self._streamrl_ipc.release_staging()
+            torch.cuda.empty_cache()
+
     def streamrl_stage_broadcast(
         self, broadcast: bytes, version: int, checksum: str, timeout_s: float
     ) -> tuple[int, str | None]:
@@ -135,7 +142,7 @@ class WeightReceiver:
         start = time.perf_counter()
         try:
             if in_place:
-                model = self.model_runner.model
+                model = self.model_runner.get_model()  # (under a CUDA graph wrapper on a GPU)
                 loaded = model.load_weights(iter(staged[1]))
                 missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
                 if missing:
@@ -152,7 +159,7 @@ class WeightReceiver:
     def streamrl_has_live_weights(self) -> bool:
         """Whether every linear and embedding layer still holds its full weight (no repacked copy
         replaced it, no quantized layer), so that an in-place update reaches the kernels."""
-        for module in self.model_runner.model.modules():
+        for module in self.model_runner.get_model().modules():
             method = type(getattr(module, "quant_method", None)).__name__
             if method != "NoneType" and not method.startswith("Unquantized"):
                 return False  # a quantized layer: its loaded tensors are processed into others
