@@ -415,13 +415,15 @@ def _generate(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def _scheduler(llm: Any) -> dict[str, Any]:
     """What vLLM resolved: batch limits, prefix caching, CUDA graphs (for the ladder's explanation)."""
-    config = llm.llm_engine.vllm_config
-    return {
-        "max_num_seqs": config.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
-        "enforce_eager": config.model_config.enforce_eager,
+    fields = {
+        "max_num_seqs": ("scheduler_config", "max_num_seqs"),
+        "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
+        "enable_prefix_caching": ("cache_config", "enable_prefix_caching"),
+        "enforce_eager": ("model_config", "enforce_eager"),
+        "gpu_memory_utilization": ("cache_config", "gpu_memory_utilization"),
     }
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    return {key: getattr(getattr(config, part, None), name, None) for key, (part, name) in fields.items()}
 
 
 def _generate_engine(args: argparse.Namespace, out: dict[str, Any]) -> None:
