@@ -90,9 +90,10 @@ class WeightReceiver:
 
         self.streamrl_discard_weights()
         try:
+            message = decode_ipc(ipc)
             if self._streamrl_ipc is None:
                 self._streamrl_ipc = IpcWeightReceiver(self.device)
-            weights = self._streamrl_ipc.fetch(decode_ipc(ipc), version, checksum)
+            weights = self._streamrl_ipc.fetch(message, version, checksum)
         except (WeightSyncError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
         self._streamrl_staged = (version, weights)
