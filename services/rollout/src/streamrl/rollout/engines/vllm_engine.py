@@ -27,7 +27,7 @@ process, as vLLM is configured) and runs this loop::
   loads them like any other version. Refused, with the reason, where it cannot work
   (:func:`streamrl.rollout.weights.ipc_plan.ipc_refusal`: vLLM's CPU build, tensor parallelism) -
   then over ZMQ when the learner serves the version there too.
-* Loading on a GPU: when every layer is unquantized (checked at start), the model's own
+* Loading on a GPU: for a text model whose every layer is unquantized (checked at start), the model's own
   ``load_weights`` copies each update into the live parameters (no re-processing is needed there:
   vLLM's unquantized layers keep the checkpoint's tensors); otherwise vLLM's ``reload_weights``.
 * Sleep (``sleep_between_versions``, colocated synchronous runs): the engine is built with vLLM's
@@ -317,8 +317,10 @@ class VLLMEngine(DriverThread):
             raise RuntimeError(
                 "cpu_weight_packing=false: vLLM still repacked some weights (a CPU kernel this version adds?)"
             )
-        # on a GPU, unquantized layers compute on the checkpoint's own tensors: load in place
-        self._in_place = in_place or (not on_cpu and all(llm.collective_rpc(LIVE_METHOD)))
+        # on a GPU, unquantized layers compute on the checkpoint's own tensors: load in place (text
+        # models: a vision-language model keeps vLLM's reload, not checked in place yet)
+        text = self._image_token_id is None
+        self._in_place = in_place or (not on_cpu and text and all(llm.collective_rpc(LIVE_METHOD)))
         self._ipc_refusal = ipc_refusal("vllm", on_cpu=on_cpu, tensor_parallel_size=c.tensor_parallel_size)
         return llm
 
