@@ -27,13 +27,15 @@ process, as vLLM is configured) and runs this loop::
   loads them like any other version. Refused, with the reason, where it cannot work
   (:func:`streamrl.rollout.weights.ipc_plan.ipc_refusal`: vLLM's CPU build, tensor parallelism) -
   then over ZMQ when the learner serves the version there too.
-* Loading on a GPU: for a text model whose every layer is unquantized (checked at start), the model's own
-  ``load_weights`` copies each update into the live parameters (no re-processing is needed there:
-  vLLM's unquantized layers keep the checkpoint's tensors); otherwise vLLM's ``reload_weights``.
+* Loading on a GPU: for a text model whose every layer is unquantized (checked at start), the
+  model's own ``load_weights`` copies each update into the live parameters (no re-processing is
+  needed there: vLLM's unquantized layers keep the checkpoint's tensors); otherwise vLLM's
+  ``reload_weights``.
 * Sleep (``sleep_between_versions``, colocated synchronous runs): the engine is built with vLLM's
-  sleep mode; :meth:`VLLMEngine.sleep` waits for the running requests and calls ``LLM.sleep(level=1)``
+  sleep mode; :meth:`VLLMEngine.sleep` waits for the running requests, has the workers free their
+  CUDA IPC staging buffers (the next update allocates them again) and calls ``LLM.sleep(level=1)``
   (KV cache discarded, weights offloaded to host memory: the GPU memory is the learner's while it
-  trains) after the workers freed their CUDA IPC staging buffers (allocated again by the next update); :meth:`VLLMEngine.wake` calls ``LLM.wake_up()``. A request or an update that arrives
+  trains); :meth:`VLLMEngine.wake` calls ``LLM.wake_up()``. A request or an update that arrives
   while asleep wakes the engine first. Level 1, not 2: level 2 discards the weights, which is only
   right when the next thing the engine does is load a whole new version - but a prompt still owed
   the current version (a filtered group's replacement, a retry) may arrive while it sleeps, and it
