@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def stages(args: argparse.Namespace) -> list[str]:
-    """The stages to run, in order: ``updates:<size>`` (sleep rides on its engine), ``generate``, ``generate:engine``."""
+    """The stages to run, in order: ``updates:<size>`` (sleep rides on its engine), ``generate``,
+    ``generate:engine``."""
     out = [f"updates:{size}" for size in args.sizes] if {"updates", "sleep"} & set(args.parts) else []
     if "generate" in args.parts:
         out.append("generate")

@@ -35,9 +35,9 @@ One driver thread owns the model and runs a continuous-batching loop::
   background while the engine decodes, and an update copies the version asked for in once what was
   received hashes to the signed event's checksum (anything else the store offered is refused).
 * Sleep (``sleep_between_versions``) is a command too, taken once the samples before it finish: the
-  KV decoder's cache, its captured CUDA graphs and the CUDA IPC staging buffers are freed and the allocator's cached blocks
-  returned to the device (``torch.cuda.empty_cache``); the weights stay where they are (this engine
-  does not offload them). Waking changes nothing: the next batch reserves the cache again (and
+  KV decoder's cache, its captured CUDA graphs and the CUDA IPC staging buffers are freed and the
+  allocator's cached blocks returned to the device (``torch.cuda.empty_cache``); the weights stay
+  where they are (this engine does not offload them). Waking changes nothing: the next batch reserves the cache again (and
   recaptures its graphs).
 
 The asyncio side never blocks: commands go through a thread-safe queue, results come back as

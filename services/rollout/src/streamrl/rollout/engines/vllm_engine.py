@@ -510,7 +510,8 @@ class VLLMEngine(DriverThread):
         return next((r for r in results if r is not None), None)
 
     def _stage_ipc(self, update: WeightUpdate) -> str | None:
-        """Every worker copies the version from the learner's CUDA IPC buffers and verifies it; None, or why one failed."""
+        """Every worker copies the version from the learner's CUDA IPC buffers and verifies it; None, or
+        why one failed."""
         assert self._llm is not None and update.ipc is not None
         args = (encode_ipc(update.ipc), update.version, update.checksum)
         try:
