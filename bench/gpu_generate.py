@@ -65,17 +65,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="small model on the CPU: checks the script only")
 
 
-def _build_model(folder: Path, tiny: bool) -> None:
-    """A random Qwen2 of the chosen shape with a byte-level tokenizer (ids past its vocabulary decode to '')."""
+def _build_model(folder: Path, tiny: bool, shape: dict[str, Any] | None = None, device: str = "cpu") -> None:
+    """A random Qwen2 of the chosen shape (``shape``: Qwen2Config fields; default TINY or QWEN2_05B)
+    with a byte-level tokenizer (ids past its vocabulary decode to ''), bf16 (float32 when ``tiny``),
+    initialised on ``device`` (another device draws other random weights)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from streamrl.torchkit.testing import build_tokenizer
 
     _, eos = build_tokenizer(folder)
-    config = Qwen2Config(**(TINY if tiny else QWEN2_05B), eos_token_id=eos, bos_token_id=eos)
+    config = Qwen2Config(**(shape or (TINY if tiny else QWEN2_05B)), eos_token_id=eos, bos_token_id=eos)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.float32 if tiny else torch.bfloat16)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.float32 if tiny else torch.bfloat16)
     model.generation_config.eos_token_id = eos
     model.save_pretrained(folder)
 

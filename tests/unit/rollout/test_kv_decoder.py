@@ -88,6 +88,26 @@ def test_moved_slots_and_a_grown_cache_keep_their_sequences() -> None:
         decoder.reserve(17, 10)
 
 
+def test_a_released_cache_frees_its_memory_and_is_reserved_again_at_the_next_batch() -> None:
+    """The transformers engine's sleep (``sleep_between_versions``): the KV cache goes, and the next
+    batch decodes exactly as before it."""
+    model = _model("qwen2")
+    decoder = KVDecoder(model, max_slots=4, max_len=64, cuda_graphs=False)
+    prompt = [5, 6, 7]
+    with torch.inference_mode():
+        decoder.reserve(1, 8)
+        decoder.prefill([prompt], torch.arange(1), torch.arange(1))
+        assert decoder.cache_bytes > 0
+        decoder.release()
+        assert (decoder.cache_bytes, decoder.slots, decoder.capacity) == (0, 0, 0)
+        decoder.reserve(1, 8)
+        first = decoder.prefill([prompt], torch.arange(1), torch.arange(1))
+        step = decoder.decode(torch.tensor([42]), torch.tensor([3]), 3)
+    ref = _reference(model, [*prompt, 42])
+    torch.testing.assert_close(first[0], ref[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step[0], ref[3], atol=1e-4, rtol=1e-4)
+
+
 def test_other_architectures_are_refused_with_a_reason() -> None:
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=100, n_embd=64, n_layer=1, n_head=2))
     assert "gpt2" in (unsupported_reason(gpt2) or "")

@@ -6,7 +6,8 @@ Pydantic only (no Ray import): a recipe is validated before any backend is touch
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
@@ -170,6 +171,37 @@ class UpConfig(BaseConfig):
         return self.resources.get(service, ServiceResources())
 
 
+def colocated_sleep_problem(recipe: Mapping[str, Any]) -> str | None:
+    """Why a recipe may not set ``rollout.engine.sleep_between_versions`` (None: it may, or does not).
+
+    The engine gives its GPU memory back while the learner trains only in colocated synchronous
+    runs: every prompt of a version is answered before the learner trains on them
+    (``coordinator.max_staleness = 0``) and the weights stay on the shared GPU
+    (``learner.weights_transport = "ipc"``). Reads the raw sections (each service validates its own).
+    """
+
+    def section(name: str) -> Mapping[str, Any]:
+        value = recipe.get(name)
+        return value if isinstance(value, Mapping) else {}
+
+    engine = section("rollout").get("engine")
+    if not (isinstance(engine, Mapping) and engine.get("sleep_between_versions") is True):
+        return None
+    staleness = section("coordinator").get("max_staleness", 0)
+    if staleness != 0:
+        return (
+            "rollout.engine.sleep_between_versions is for synchronous runs: it needs coordinator.max_staleness = 0, "
+            f"it is {staleness} (the engine would sleep while prompts of the current version are still owed)"
+        )
+    transport = section("learner").get("weights_transport", "zmq")
+    if transport != "ipc":
+        return (
+            "rollout.engine.sleep_between_versions is for a rollout engine on the learner's GPU: it needs "
+            f"learner.weights_transport = 'ipc' (colocated), it is {transport!r}"
+        )
+    return None
+
+
 class LaunchRecipe(BaseConfig):
     """Top level of a recipe as the launcher sees it (service sections are validated by each service)."""
 
@@ -179,6 +211,13 @@ class LaunchRecipe(BaseConfig):
     up: UpConfig = UpConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
     """Replica counts of rollout and reward from their backlog (:mod:`streamrl.ops.autoscale`)."""
+
+    @model_validator(mode="after")
+    def _check_colocated_sleep(self) -> LaunchRecipe:
+        problem = colocated_sleep_problem(self.model_extra or {})
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _check_autoscale(self) -> LaunchRecipe:

@@ -19,6 +19,13 @@
   for that one's event). The version the engine serves is reported in the heartbeat and in the
   ``served`` hash. A worker that joins late
   loads the latest published version before it takes prompts.
+* With ``rollout.engine.sleep_between_versions`` (colocated synchronous runs: ``streamrl up`` checks
+  ``coordinator.max_staleness = 0`` and ``learner.weights_transport = "ipc"``) the engine sleeps
+  when it has no work left: no prompt in the engine for ``SLEEP_IDLE_S`` - the current version's
+  groups are done and the learner trains on them, on the same GPU. When the next version's weights
+  arrive it is woken, then updated, then the prompts waiting for that version generate. A prompt
+  that arrives while it sleeps (a replacement owed the current version) wakes it too (the engine
+  wakes itself before it generates).
 * With ``rollout.environment`` set, each sample is a multi-turn episode with that environment
   (:mod:`streamrl.rollout.environments.episode`): the Trajectory then carries the turns, the loss mask (0 on the
   environment's tokens), the stop reason and - when the environment failed - ``metadata["env_error"]``.
@@ -81,6 +88,9 @@ from streamrl.rollout.environments.episode import Episode, EpisodeRunner
 
 logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 10.0
+SLEEP_IDLE_S = 0.2
+"""With ``sleep_between_versions``: how long the engine must have had no prompt before it sleeps (prompts
+of one version arrive in reads of a few; this keeps it from sleeping between two of them)."""
 
 
 class RolloutService:
@@ -108,6 +118,10 @@ class RolloutService:
         self.weights_key = weights_key()
         self.in_engine = 0
         """Prompts waiting in or running on the engine now (``streamrl_engine_queue_depth``)."""
+        self.idle_since = 0.0
+        """When the last prompt left the engine (``time.monotonic()``)."""
+        self.sleeper: asyncio.Task[None] | None = None
+        """Puts the engine to sleep once it has been idle for SLEEP_IDLE_S (``sleep_between_versions``)."""
         self.loop: ConsumerLoop[PromptWorkItem] | None = None
         """The consumer loop on ``prompts`` (set by :meth:`run`): prompts park in it while they wait for weights."""
         if self.weights_key is None:
@@ -141,7 +155,7 @@ class RolloutService:
             if tail.done() and not tail.cancelled() and tail.exception() is not None:
                 raise RuntimeError(f"the weight follower died: {tail.exception()!r}") from tail.exception()
         finally:
-            await cancel_and_wait([tail])
+            await cancel_and_wait([tail] if self.sleeper is None else [tail, self.sleeper])
             await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
             try:
                 async with timeout(ENGINE_CLOSE_TIMEOUT_S):
@@ -201,8 +215,7 @@ class RolloutService:
         try:
             (samples,) = await self.engine.generate([request])
         finally:
-            self.in_engine -= 1
-            metrics.set_engine_queue_depth(self.in_engine)
+            self._left_engine()
         return samples
 
     async def _run_episodes(self, item: PromptWorkItem) -> list[Episode]:
@@ -214,8 +227,29 @@ class RolloutService:
         try:
             return await self.episodes.run_group(item)
         finally:
-            self.in_engine -= 1
-            metrics.set_engine_queue_depth(self.in_engine)
+            self._left_engine()
+
+    def _left_engine(self) -> None:
+        """A prompt is done with the engine; the last one starts the idle timer of the sleep policy."""
+        self.in_engine -= 1
+        self.ctx.metrics.set_engine_queue_depth(self.in_engine)
+        if self.cfg.engine.sleep_between_versions and self.in_engine == 0:
+            self.idle_since = time.monotonic()
+            if self.sleeper is None or self.sleeper.done():
+                self.sleeper = asyncio.create_task(self._sleep_when_idle())
+
+    async def _sleep_when_idle(self) -> None:
+        """Sleep the engine once no prompt has been in it for SLEEP_IDLE_S and no update is loading."""
+        while (left := self.idle_since + SLEEP_IDLE_S - time.monotonic()) > 0:
+            await asyncio.sleep(left)
+        if self.in_engine or self.update_lock.locked() or self.engine.asleep:
+            return
+        try:
+            seconds = await self.engine.sleep()
+        except Exception:  # the engine stays awake and serves on; its own errors surface in generate
+            logger.exception("the engine could not sleep")
+            return
+        logger.info("engine asleep at policy version %d (%.0f ms)", self.engine.version, seconds * 1e3)
 
     async def _wait_for_version(self, version: int) -> None:
         """Block until the engine serves ``version`` or newer (pulling it if it is published)."""
@@ -312,6 +346,9 @@ class RolloutService:
             parent = weights_traceparent(self.cfg.run_id, msg.version)
             attributes = {POLICY_VERSION: msg.version, NUM_BYTES: msg.num_bytes}
             with self.ctx.tracing.span(WEIGHTS_LOAD, parent, attributes=attributes) as span:
+                if self.cfg.engine.sleep_between_versions and self.engine.asleep:  # wake, update, generate
+                    woke = await self.engine.wake()
+                    logger.info("engine awake for policy version %d (%.0f ms)", msg.version, woke * 1e3)
                 if msg.broadcast is None:
                     path = "zmq" if msg.ipc is None else "ipc"
                     await self.engine.update_weights(

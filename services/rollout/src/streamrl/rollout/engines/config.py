@@ -47,6 +47,15 @@ class EngineConfig(BaseConfig):
     here). False: linears compute with torch's F.linear on the live parameters (about as fast for
     small models here) and an update copies into them in place (~3 ms). Needs the engine in this
     process (tensor_parallel_size 1, VLLM_ENABLE_V1_MULTIPROCESSING=0, the default on CPU)."""
+    sleep_between_versions: bool = False
+    """Colocated synchronous runs (``coordinator.max_staleness = 0``, ``learner.weights_transport =
+    "ipc"``: checked by ``streamrl up``): the engine gives its GPU memory back while it has no work for
+    the current version, and takes it back when the next version's weights arrive (wake, then
+    update, then generate); it sleeps once no prompt has been in it for 0.2 s. Both engines free
+    their CUDA IPC staging buffers. vLLM: built with sleep mode, ``LLM.sleep(level=1)`` (KV cache
+    freed, weights offloaded to host memory) - needs CUDA (vLLM's CPU build refuses it at start).
+    hf: its KV cache and captured CUDA graphs are freed (the weights stay; the cache is reallocated
+    at the next batch)."""
     batch_wait_ms: float = Field(5.0, ge=0)
     """hf engine: once a request arrives, collect others for this long and decode them as one batch."""
     seed: int = 0

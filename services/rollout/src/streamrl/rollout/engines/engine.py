@@ -15,7 +15,9 @@ the policy versions that produced the first and the last token. Both take new we
 learner's weight server (:mod:`streamrl.common.weights.wire`), or as members of the learner's
 weight-broadcast group (:mod:`streamrl.rollout.weights.broadcast`), and report the version they
 serve; the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
-(:mod:`streamrl.rollout.weights.ipc`).
+(:mod:`streamrl.rollout.weights.ipc`), and so does the vLLM engine on a GPU. In colocated synchronous
+runs both can sleep between versions (``rollout.engine.sleep_between_versions``): give back GPU
+memory while the learner trains, take it back when the next version's weights arrive.
 
 This module imports no torch, vllm or transformers; :func:`streamrl.rollout.engines.factory.build_engine`
 builds the engine a config names (the implementations import this module, never the factory).
@@ -137,6 +139,21 @@ class Engine(Protocol):
         mismatch, a broadcast version replaced by a newer one before it was loaded, or ``ipc`` /
         ``broadcast`` weights the engine cannot take; the engine then keeps serving its previous version.
         """
+        ...
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine has given its GPU memory back (:meth:`sleep`) and not taken it again."""
+        ...
+
+    async def sleep(self) -> float:
+        """Once the requests running now are done, free what GPU memory the engine can while it has no
+        work (``rollout.engine.sleep_between_versions``: colocated synchronous runs, the learner trains
+        meanwhile); returns the seconds it took. A later ``generate`` or ``update_weights`` wakes it first."""
+        ...
+
+    async def wake(self) -> float:
+        """Take back what :meth:`sleep` freed (nothing when awake); returns the seconds it took."""
         ...
 
     def close(self) -> None:

@@ -34,6 +34,11 @@ One driver thread owns the model and runs a continuous-batching loop::
   a member (:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`) receives in the
   background while the engine decodes, and an update copies the version asked for in once what was
   received hashes to the signed event's checksum (anything else the store offered is refused).
+* Sleep (``sleep_between_versions``) is a command too, taken once the samples before it finish: the
+  KV decoder's cache, its captured CUDA graphs and the CUDA IPC staging buffers are freed and the
+  allocator's cached blocks returned to the device (``torch.cuda.empty_cache``); the weights stay
+  where they are (this engine does not offload them). Waking changes nothing: the next batch reserves the cache again (and
+  recaptures its graphs).
 
 The asyncio side never blocks: commands go through a thread-safe queue, results come back as
 ``concurrent.futures.Future``s.
@@ -106,6 +111,16 @@ class _Stop:
 
 
 @dataclass
+class _Sleep:
+    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Wake:
+    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
 class _Row:
     """One sample being generated."""
 
@@ -129,7 +144,7 @@ class _Row:
     """Tokens already scanned for stop strings."""
 
 
-Command = _Job | WeightUpdate | _Stop
+Command = _Job | WeightUpdate | _Stop | _Sleep | _Wake
 
 
 class HFEngine(DriverThread):
@@ -175,6 +190,7 @@ class HFEngine(DriverThread):
         if self._decoder is not None:
             self._state = _SlotState(config.max_num_seqs, config.max_model_len, self._device)
         self._version = 0
+        self._asleep = False
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -221,6 +237,23 @@ class HFEngine(DriverThread):
     ) -> None:
         await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, broadcast=broadcast))
 
+    @property
+    def asleep(self) -> bool:
+        """Whether the KV cache is freed (:meth:`sleep`) and no batch has run since."""
+        return self._asleep
+
+    async def sleep(self) -> float:
+        """Once the samples before it finish, free the KV cache and the CUDA graphs (the weights stay)."""
+        command = _Sleep()
+        self._submit(command)
+        return await asyncio.wrap_future(command.future)
+
+    async def wake(self) -> float:
+        """Nothing to take back ahead of time: the next batch reserves its cache (returns 0.0 when it ran)."""
+        command = _Wake()
+        self._submit(command)
+        return await asyncio.wrap_future(command.future)
+
     def close(self) -> None:
         if self._stop_driver(_Stop()) and self._member is not None:
             self._member.close()
@@ -238,7 +271,7 @@ class HFEngine(DriverThread):
         moved = {k: v.to(self._device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in pixels.items()}
         return _Inputs(prompt, moved)
 
-    def _submit(self, command: _Job | WeightUpdate) -> None:
+    def _submit(self, command: _Job | WeightUpdate | _Sleep | _Wake) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the transformers engine is closed")
@@ -256,6 +289,7 @@ class HFEngine(DriverThread):
                 command = backlog[0]
                 if isinstance(command, _Job):
                     backlog.popleft()
+                    self._asleep = False
                     waiting.extend(self._admit(command))
                     continue
                 if live or waiting:
@@ -265,7 +299,7 @@ class HFEngine(DriverThread):
                     self._fail_rest(backlog, RuntimeError("the transformers engine was closed"))
                     self._model = None  # type: ignore[assignment]
                     return
-                self._update(command)
+                self._between_batches(command)
             if not (live or waiting):
                 continue
             try:
@@ -284,6 +318,16 @@ class HFEngine(DriverThread):
                 live.clear()
                 waiting.clear()
 
+    def _between_batches(self, command: WeightUpdate | _Sleep | _Wake) -> None:
+        """Run a command that waits for the samples admitted before it."""
+        if isinstance(command, _Sleep):
+            command.future.set_result(self._sleep())
+        elif isinstance(command, _Wake):
+            self._asleep = False
+            command.future.set_result(0.0)
+        else:
+            self._update(command)
+
     def _take(self, backlog: collections.deque[Command], block: bool) -> None:
         """Move queued commands to ``backlog``; when ``block``, wait for one and then ``batch_wait_ms``."""
         if block:
@@ -300,7 +344,7 @@ class HFEngine(DriverThread):
     def _fail_rest(self, backlog: collections.deque[Command], error: BaseException) -> None:
         self._take(backlog, block=False)
         for command in backlog:
-            if isinstance(command, _Job | WeightUpdate):
+            if isinstance(command, _Job | WeightUpdate | _Sleep | _Wake):
                 command.future.set_exception(error)
 
     def _admit(self, job: _Job) -> list[_Row]:
@@ -557,6 +601,18 @@ class HFEngine(DriverThread):
 
     def _decode_text(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _sleep(self) -> float:
+        """Free the KV cache and the captured graphs; the seconds it took."""
+        start = time.perf_counter()
+        if self._decoder is not None:
+            self._decoder.release()
+        if self._ipc is not None:  # the CUDA IPC staging copy of the weights (the next update allocates it)
+            self._ipc.release_staging()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._asleep = True
+        return time.perf_counter() - start
 
     # --- weights -------------------------------------------------------------------------
 

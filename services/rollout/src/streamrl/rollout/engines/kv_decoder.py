@@ -123,6 +123,12 @@ class KVDecoder:
         self.drop_graphs()  # they captured the old cache's addresses
         logger.info("KV cache: %d slots x %d positions (%.2f GiB)", new_slots, new_len, self.cache_bytes / 2**30)
 
+    def release(self) -> None:
+        """Free the KV cache and the captured graphs (no sequence may be live); :meth:`reserve` allocates again."""
+        self._k, self._v = [], []
+        self.slots = self.capacity = 0
+        self.drop_graphs()
+
     def drop_graphs(self) -> None:
         """Forget the captured decode steps (after the cache or the parameters moved in memory)."""
         self._graphs.clear()

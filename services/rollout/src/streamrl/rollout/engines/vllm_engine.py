@@ -21,6 +21,26 @@ process, as vLLM is configured) and runs this loop::
   With ``partial_rollout`` the update runs between two engine steps instead: running requests are
   preempted, recompute their KV cache with the new weights and go on, and a sample records the
   version of its first and of its last token.
+* CUDA IPC (``learner.weights_transport = "ipc"``, the engine on the learner's GPU): the update
+  hands each worker the event's :class:`IpcWeights` (as bytes); the worker opens the learner's
+  buffers once, copies them into its own staging buffers, verifies the device checksum there and
+  loads them like any other version. Refused, with the reason, where it cannot work
+  (:func:`streamrl.rollout.weights.ipc_plan.ipc_refusal`: vLLM's CPU build, tensor parallelism) -
+  then over ZMQ when the learner serves the version there too.
+* Loading on a GPU: for a text model whose every layer is unquantized (checked at start), the
+  model's own ``load_weights`` copies each update into the live parameters (no re-processing is
+  needed there: vLLM's unquantized layers keep the checkpoint's tensors); otherwise vLLM's
+  ``reload_weights``.
+* Sleep (``sleep_between_versions``, colocated synchronous runs): the engine is built with vLLM's
+  sleep mode; :meth:`VLLMEngine.sleep` waits for the running requests, has the workers free their
+  CUDA IPC staging buffers (the next update allocates them again) and calls ``LLM.sleep(level=1)``
+  (KV cache discarded, weights offloaded to host memory: the GPU memory is the learner's while it
+  trains); :meth:`VLLMEngine.wake` calls ``LLM.wake_up()``. A request or an update that arrives
+  while asleep wakes the engine first. Level 1, not 2: level 2 discards the weights, which is only
+  right when the next thing the engine does is load a whole new version - but a prompt still owed
+  the current version (a filtered group's replacement, a retry) may arrive while it sleeps, and it
+  must be answered with the weights it was promised. vLLM's CPU build has no sleep mode: the
+  engine then refuses to start, saying so.
 * A request is one vLLM request with ``n`` children (sample ``j`` seeded ``seed + j``: the prompt
   is processed once), streamed as deltas so the version of each sample's first token is exact.
 * Vision-language models (a ``vision_config`` in the model's config): the engine is built with room
@@ -67,6 +87,7 @@ from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.driver import DriverThread
 from streamrl.rollout.engines.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
 from streamrl.rollout.vision import expansion_token_ids, vision_processor
+from streamrl.rollout.weights.ipc_plan import encode_ipc, ipc_refusal
 from streamrl.torchkit.vision import image_token_id
 
 logger = logging.getLogger(__name__)
@@ -77,9 +98,13 @@ APPLY_METHOD = "streamrl_apply_weights"
 DISCARD_METHOD = "streamrl_discard_weights"
 LIVE_METHOD = "streamrl_has_live_weights"
 STAGE_BROADCAST_METHOD = "streamrl_stage_broadcast"
+STAGE_IPC_METHOD = "streamrl_stage_ipc"
+RELEASE_STAGING_METHOD = "streamrl_release_staging"
 CLOSE_BROADCAST_METHOD = "streamrl_close_broadcast"
 RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
+SLEEP_LEVEL = 1
+"""vLLM sleep level of :meth:`VLLMEngine.sleep`: KV cache discarded, weights offloaded (see the module docstring)."""
 
 
 def to_vllm_params(sampling: SamplingParams, banned: Mapping[int, float] | None = None) -> VLLMSamplingParams:
@@ -148,7 +173,20 @@ class _Stop:
     pass
 
 
-Command = _Job | WeightUpdate | _Abort | _Stop
+@dataclass
+class _Sleep:
+    """Free the engine's GPU memory once the running requests are done; ``future`` gets the seconds it took."""
+
+    level: int = SLEEP_LEVEL
+    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Wake:
+    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+
+
+Command = _Job | WeightUpdate | _Abort | _Stop | _Sleep | _Wake
 
 
 class VLLMEngine(DriverThread):
@@ -174,7 +212,14 @@ class VLLMEngine(DriverThread):
         self._lock = threading.Lock()
         self._llm: LLM | None = None
         self._in_place = False
-        """Updates copy into the live parameters (cpu_weight_packing off on CPU) instead of vLLM's reload."""
+        """Updates copy into the live parameters (cpu_weight_packing off on CPU; unquantized layers on a
+        GPU) instead of vLLM's reload."""
+        self._ipc_refusal: str | None = None
+        """Why this engine cannot take CUDA IPC weights (None: it can try)."""
+        self._asleep = 0
+        """vLLM sleep level the engine is at (0: awake)."""
+        self._discarded = False
+        """The weights were discarded (sleep level 2) and no update has loaded a version since."""
         self._num_jobs = 0
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._drive, args=(built,), name="vllm-engine", daemon=True)
@@ -202,9 +247,38 @@ class VLLMEngine(DriverThread):
         ipc: IpcWeights | None = None,
         broadcast: WeightsBroadcast | None = None,
     ) -> None:
-        if ipc is not None and not endpoint:  # weights published only as CUDA IPC buffers
-            raise WeightSyncError("the vLLM engine takes weights over zmq; set learner.weights_transport = 'zmq'")
+        if ipc is not None and broadcast is None:
+            if self._ipc_refusal is None:
+                await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc))
+                return
+            if not endpoint:  # weights published only as CUDA IPC buffers
+                raise WeightSyncError(f"the vLLM engine cannot take CUDA IPC weights: {self._ipc_refusal}")
         await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, broadcast=broadcast))
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine's GPU memory is released (:meth:`sleep`)."""
+        return self._asleep > 0
+
+    async def sleep(self, level: int = SLEEP_LEVEL) -> float:
+        """Once the running requests are done, free the KV cache and offload the weights (vLLM
+        ``sleep(level=1)``); returns the seconds it took. Needs ``sleep_between_versions``.
+
+        ``level=2`` discards the weights instead of offloading them (for measurements): the engine
+        then refuses to generate until a weight update has loaded a whole version."""
+        if not self._config.sleep_between_versions:
+            raise RuntimeError("the vLLM engine sleeps only when built with rollout.engine.sleep_between_versions")
+        if level not in (1, 2):
+            raise ValueError(f"vLLM sleep level must be 1 or 2, got {level}")
+        command = _Sleep(level)
+        self._submit(command)
+        return await asyncio.wrap_future(command.future)
+
+    async def wake(self) -> float:
+        """Take the GPU memory back (vLLM ``wake_up()``); returns the seconds it took (0 when awake)."""
+        command = _Wake()
+        self._submit(command)
+        return await asyncio.wrap_future(command.future)
 
     def close(self) -> None:
         self._stop_driver(_Stop())
@@ -233,6 +307,11 @@ class VLLMEngine(DriverThread):
                 "cpu_weight_packing=false needs the vLLM engine in the rollout process: tensor_parallel_size=1 "
                 "and VLLM_ENABLE_V1_MULTIPROCESSING=0"
             )
+        if on_cpu and c.sleep_between_versions:
+            raise ValueError(
+                "rollout.engine.sleep_between_versions needs vLLM on CUDA: this is vLLM's CPU build, which has no "
+                "sleep mode (LLM.sleep frees GPU memory; vLLM refuses enable_sleep_mode on this platform)"
+            )
         with _no_cpu_weight_packing() if in_place else contextlib.nullcontext():
             llm = self._new_llm(on_cpu)
         if in_place and not all(llm.collective_rpc(LIVE_METHOD)):
@@ -240,31 +319,15 @@ class VLLMEngine(DriverThread):
             raise RuntimeError(
                 "cpu_weight_packing=false: vLLM still repacked some weights (a CPU kernel this version adds?)"
             )
-        self._in_place = in_place
+        # on a GPU, unquantized layers compute on the checkpoint's own tensors: load in place (text
+        # models: a vision-language model keeps vLLM's reload, not checked in place yet)
+        text = self._image_token_id is None
+        self._in_place = in_place or (not on_cpu and text and all(llm.collective_rpc(LIVE_METHOD)))
+        self._ipc_refusal = ipc_refusal("vllm", on_cpu=on_cpu, tensor_parallel_size=c.tensor_parallel_size)
         return llm
 
     def _new_llm(self, on_cpu: bool) -> LLM:
-        c = self._config
-        vision: dict[str, Any] = (
-            {} if self._image_token_id is None else {"limit_mm_per_prompt": {"image": c.max_images_per_prompt}}
-        )
-        return LLM(
-            model=c.model,
-            tokenizer=c.tokenizer or c.model,
-            dtype=c.dtype,
-            max_model_len=c.max_model_len,
-            max_num_seqs=c.max_num_seqs,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_bytes(c.kv_cache_gib, on_cpu=on_cpu, env=os.environ),
-            tensor_parallel_size=c.tensor_parallel_size,
-            enable_prefix_caching=c.enable_prefix_caching,
-            enforce_eager=c.enforce_eager,
-            seed=c.seed,
-            trust_remote_code=c.trust_remote_code,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            **vision,
-        )
+        return LLM(**llm_kwargs(self._config, on_cpu=on_cpu, env=os.environ, vision=self._image_token_id is not None))
 
     def _drive(self, built: concurrent.futures.Future[None]) -> None:
         # The engine is built on this thread so that every call into it (and the CPU backend's
@@ -310,19 +373,54 @@ class VLLMEngine(DriverThread):
         if isinstance(command, _Abort) and any(c is command.job for c in self._held):
             self._held = [c for c in self._held if c is not command.job]
             return
+        running = self._llm.llm_engine.has_unfinished_requests()
         defer = self._held or (
-            isinstance(command, WeightUpdate)
-            and not self._config.partial_rollout
-            and self._llm.llm_engine.has_unfinished_requests()
+            running
+            and (
+                isinstance(command, _Sleep) or (isinstance(command, WeightUpdate) and not self._config.partial_rollout)
+            )
         )
         if defer and not isinstance(command, _Abort):
             self._held.append(command)
+        elif isinstance(command, _Sleep):
+            self._sleep(command)
+        elif isinstance(command, _Wake):
+            command.future.set_result(self._wake())
         elif isinstance(command, _Job):
+            self._wake()
+            if self._discarded:
+                command.future.set_exception(
+                    RuntimeError(
+                        "the vLLM engine slept at level 2 (weights discarded): load a version before generating"
+                    )
+                )
+                return
             self._add(command)
         elif isinstance(command, WeightUpdate):
+            self._wake()
             self._apply_update(command)
         elif isinstance(command, _Abort):
             self._abort(command.job)
+
+    def _sleep(self, command: _Sleep) -> None:
+        assert self._llm is not None
+        start = time.perf_counter()
+        if not self._asleep:
+            self._llm.collective_rpc(RELEASE_STAGING_METHOD)  # the IPC staging copy of the weights too
+            self._llm.sleep(level=command.level)
+            self._asleep = command.level
+            self._discarded = self._discarded or command.level == 2
+        command.future.set_result(time.perf_counter() - start)
+
+    def _wake(self) -> float:
+        """Wake the engine if it sleeps; the seconds it took."""
+        assert self._llm is not None
+        if not self._asleep:
+            return 0.0
+        start = time.perf_counter()
+        self._llm.wake_up()
+        self._asleep = 0
+        return time.perf_counter() - start
 
     def _add(self, job: _Job) -> None:
         assert self._llm is not None
@@ -382,6 +480,8 @@ class VLLMEngine(DriverThread):
         start = time.perf_counter()
         if update.broadcast is not None:
             version, failure = self._stage_broadcast(update)
+        elif update.ipc is not None:
+            version, failure = update.version, self._stage_ipc(update)
         else:
             version, failure = update.version, self._fetch(update)
         if failure is not None:
@@ -396,6 +496,7 @@ class VLLMEngine(DriverThread):
         if self._image_token_id is not None:  # and so were cached image embeddings (vision tower)
             self._llm.llm_engine.reset_encoder_cache()
         self._version = version
+        self._discarded = False
         update.future.set_result(time.perf_counter() - start)
 
     def _fetch(self, update: WeightUpdate) -> str | None:
@@ -404,6 +505,17 @@ class VLLMEngine(DriverThread):
         args = (update.endpoint, update.version, update.checksum, update.timeout_s)
         try:
             results = self._llm.collective_rpc(FETCH_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
+        except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
+            return f"{type(e).__name__}: {e}"
+        return next((r for r in results if r is not None), None)
+
+    def _stage_ipc(self, update: WeightUpdate) -> str | None:
+        """Every worker copies the version from the learner's CUDA IPC buffers and verifies it; None, or
+        why one failed."""
+        assert self._llm is not None and update.ipc is not None
+        args = (encode_ipc(update.ipc), update.version, update.checksum)
+        try:
+            results = self._llm.collective_rpc(STAGE_IPC_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
         except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
             return f"{type(e).__name__}: {e}"
         return next((r for r in results if r is not None), None)
@@ -439,8 +551,33 @@ class VLLMEngine(DriverThread):
         while not self._commands.empty():
             waiting.append(self._commands.get())
         for command in waiting:
-            if isinstance(command, _Job | WeightUpdate) and not command.future.done():
+            if isinstance(command, _Job | WeightUpdate | _Sleep | _Wake) and not command.future.done():
                 command.future.set_exception(error)
+
+
+def llm_kwargs(config: EngineConfig, *, on_cpu: bool, env: Mapping[str, str], vision: bool = False) -> dict[str, Any]:
+    """The arguments the engine builds ``vllm.LLM`` with (``vision``: a vision-language model)."""
+    c = config
+    kwargs: dict[str, Any] = dict(
+        model=c.model,
+        tokenizer=c.tokenizer or c.model,
+        dtype=c.dtype,
+        max_model_len=c.max_model_len,
+        max_num_seqs=c.max_num_seqs,
+        gpu_memory_utilization=c.gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_bytes(c.kv_cache_gib, on_cpu=on_cpu, env=env),
+        tensor_parallel_size=c.tensor_parallel_size,
+        enable_prefix_caching=c.enable_prefix_caching,
+        enforce_eager=c.enforce_eager,
+        seed=c.seed,
+        trust_remote_code=c.trust_remote_code,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_sleep_mode=c.sleep_between_versions,
+    )
+    if vision:
+        kwargs["limit_mm_per_prompt"] = {"image": c.max_images_per_prompt}
+    return kwargs
 
 
 def _prompt(request: GenerationRequest) -> dict[str, Any]:

@@ -4,7 +4,8 @@ The learner (``streamrl.learner.rl.weights.ipc``) keeps its weights in persisten
 GPU and describes them in ``WeightsPublished.ipc`` (:class:`IpcWeights`: CUDA IPC handles, tensor
 layout) with a checksum. :class:`IpcWeightReceiver` on the engine's side:
 
-1. checks that the engine's GPU is the learner's (same device UUID);
+1. checks that the engine's GPU is the learner's (same device UUID) and that the layout fits the
+   buffers (:func:`streamrl.rollout.weights.ipc_plan.plan_ipc`);
 2. opens each buffer's handle once (``UntypedStorage._new_shared_cuda``) and keeps it open: the
    learner reuses its buffers for every version;
 3. copies the learner's buffers into its own staging buffers on the device, so the learner may
@@ -31,6 +32,7 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
+from streamrl.rollout.weights.ipc_plan import checksum_problem, plan_ipc
 from streamrl.torchkit.flat import tensor_views, weights_checksum
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class IpcWeightReceiver:
                 f"the engine is not on the learner's GPU (learner: {ipc.device_uuid}, engine: {self.device} = "
                 f"{self.device_uuid}): CUDA IPC weights need both on one device; use learner.weights_transport = 'zmq'"
             )
+        plan_ipc(ipc)  # a layout that does not fit its buffers is refused before a handle is opened
         sources = [self._open(b) for b in ipc.buffers]
         keep = {(b.handle, b.storage_offset_bytes) for b in ipc.buffers}
         self._opened = {k: v for k, v in self._opened.items() if k in keep}  # buffers the learner replaced
@@ -84,12 +87,15 @@ class IpcWeightReceiver:
             for staging, source in zip(self._staging, sources, strict=True):
                 staging.copy_(source)  # one device-to-device memcpy per buffer (a foreach copy of bytes is slower)
             staged = weights_checksum(self._staging, version, ipc.block_bytes)  # waits for the copies
-        if staged != checksum:
-            raise WeightSyncError(
-                f"checksum mismatch for version {version}: staged {staged}, published {checksum} (the learner's "
-                "buffers changed during the copy, or were corrupted); nothing applied"
-            )
+        problem = checksum_problem(version, staged, checksum)
+        if problem is not None:
+            raise WeightSyncError(problem)
         return list(self._named_views)
+
+    def release_staging(self) -> None:
+        """Free the staging buffers (the engine sleeps); the next :meth:`fetch` allocates them again.
+        The learner's buffers stay open: they are the learner's memory, not a copy."""
+        self._staging, self._layout, self._named_views = [], [], []
 
     @property
     def staging(self) -> list[torch.Tensor]:

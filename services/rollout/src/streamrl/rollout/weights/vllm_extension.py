@@ -1,4 +1,4 @@
-"""vLLM worker extension that receives new weights (over ZMQ, or the learner's broadcast group) and loads them.
+"""vLLM worker extension that receives new weights (over ZMQ, CUDA IPC or the learner's broadcast group) and loads them.
 
 vLLM mixes this class into every worker (``worker_extension_cls``). The rollout engine calls its
 methods by name through ``collective_rpc``, so no Python function is shipped to the workers: each
@@ -8,6 +8,14 @@ to feed it to the model runner's ``reload_weights``. That entry point is what wo
 on the CPU backend, which repacks linear weights (calling the model's ``load_weights`` directly
 changes nothing there) - unless the engine was built with ``cpu_weight_packing`` off: then the
 kernels read the live parameters and ``load_weights`` copies the new values into them in place.
+
+Over CUDA IPC (``learner.weights_transport = "ipc"``, the engine on the learner's GPU) the stage call
+runs :class:`streamrl.rollout.weights.ipc.IpcWeightReceiver` in the worker process: it opens the
+learner's buffers once (the handles arrive as the msgpack bytes of the event's ``IpcWeights``),
+copies them into staging buffers on the worker's GPU and verifies the device checksum there
+(:func:`streamrl.torchkit.flat.weights_checksum`); the staged views are then loaded like any other
+version. The staging buffers stay allocated (a second copy of the weights) so the next version
+opens nothing and allocates nothing.
 
 Over the learner's weight-broadcast group (``learner.weights_transport = "broadcast"``) every worker
 - each tensor-parallel rank - is a member of its own
@@ -29,6 +37,7 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights.broadcast import decode_rendezvous
+from streamrl.rollout.weights.ipc_plan import decode_ipc
 from streamrl.rollout.weights.zmq import torch_tensors
 
 logger = logging.getLogger(__name__)
@@ -57,6 +66,8 @@ class WeightReceiver:
     _streamrl_staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
     _streamrl_member: Any = None
     """BroadcastReceiver of this worker (the learner's weight group), once one is advertised."""
+    _streamrl_ipc: Any = None
+    """IpcWeightReceiver of this worker (the learner's CUDA IPC buffers, opened once), from the first IPC update."""
     _streamrl_pinned = False
     """The staged version is the member's pinned staging buffers (released once loaded or discarded)."""
 
@@ -69,6 +80,31 @@ class WeightReceiver:
             return str(e)
         self._streamrl_staged = (version, weights)
         return None
+
+    def streamrl_stage_ipc(self, ipc: bytes, version: int, checksum: str) -> str | None:
+        """Copy ``version`` from the learner's CUDA IPC buffers (``ipc``: the msgpack bytes of its
+        IpcWeights) into this worker's staging buffers and verify ``checksum`` there; keep it staged.
+        Return None, or why it failed (nothing staged: not the learner's GPU, a handle that does not
+        open, a layout that does not fit, a checksum mismatch)."""
+        from streamrl.rollout.weights.ipc import IpcWeightReceiver
+
+        self.streamrl_discard_weights()
+        try:
+            message = decode_ipc(ipc)
+            if self._streamrl_ipc is None:
+                self._streamrl_ipc = IpcWeightReceiver(self.device)
+            weights = self._streamrl_ipc.fetch(message, version, checksum)
+        except (WeightSyncError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        self._streamrl_staged = (version, weights)
+        return None
+
+    def streamrl_release_staging(self) -> None:
+        """Free the IPC staging buffers (the engine is going to sleep: the memory is the learner's meanwhile)."""
+        self.streamrl_discard_weights()
+        if self._streamrl_ipc is not None:
+            self._streamrl_ipc.release_staging()
+            torch.cuda.empty_cache()
 
     def streamrl_stage_broadcast(
         self, broadcast: bytes, version: int, checksum: str, timeout_s: float
@@ -107,7 +143,7 @@ class WeightReceiver:
         start = time.perf_counter()
         try:
             if in_place:
-                model = self.model_runner.model
+                model = self.model_runner.get_model()  # (under a CUDA graph wrapper on a GPU)
                 loaded = model.load_weights(iter(staged[1]))
                 missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
                 if missing:
@@ -123,9 +159,11 @@ class WeightReceiver:
 
     def streamrl_has_live_weights(self) -> bool:
         """Whether every linear and embedding layer still holds its full weight (no repacked copy
-        replaced it), so that an in-place update reaches the kernels."""
-        for module in self.model_runner.model.modules():
+        replaced it, no quantized layer), so that an in-place update reaches the kernels."""
+        for module in self.model_runner.get_model().modules():
             method = type(getattr(module, "quant_method", None)).__name__
+            if method != "NoneType" and not method.startswith("Unquantized"):
+                return False  # a quantized layer: its loaded tensors are processed into others
             if method in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
                 weight = getattr(module, "weight", None)
                 if weight is None or weight.numel() == 0 or not _reads_weight(getattr(module, "cpu_linear", None)):

