@@ -85,11 +85,13 @@ def test_a_run_holds_its_in_flight_work_not_its_history(
     sampler.join(timeout=5)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     # the recipe: 4 prompts x 4 samples a step, max_staleness 0, prefetch 1, checkpoint_every 2, trimmed
-    # every claim_interval_s = 1 s (measured here: at most 34 prompts, 51 trajectories, 4 batches); never
-    # trimmed, the streams would end with 40 batches, 640 trajectories, 240 prompts (with 5 evaluation rounds)
+    # every claim_interval_s = 1 s (measured here: at most 34 prompts, 51 trajectories, 4 batches alone; up to
+    # 162 trajectories on the 2 cores shared with other test runs, consumed entries waiting for a late trim);
+    # never trimmed, the streams would end with 40 batches, 640 trajectories, 240 prompts (5 evaluation rounds).
+    # The memory bound below is the contract; these lengths only tell trimmed from never trimmed.
     print(f"longest streams over {STEPS} steps: {sampler.longest}")
     assert sampler.longest["batches"] <= 12, sampler.longest
-    assert max(sampler.longest["trajectories"], sampler.longest["scored"]) <= 128, sampler.longest
+    assert max(sampler.longest["trajectories"], sampler.longest["scored"]) <= 256, sampler.longest
     assert sampler.longest["prompts"] <= 80, sampler.longest
     limit = re.search(r"redis maxmemory (\d+) MiB, maxmemory-policy noeviction", proc.stdout)
     assert limit is not None, proc.stdout[-3000:]
