@@ -82,6 +82,11 @@ class StreamNames:
         """Hash of the scored trajectories collected so far for one prompt group."""
         return self._key("groups", group_id)
 
+    def batched_samples(self, group_id: str) -> str:
+        """Hash of a batched group's scored trajectories (its buffer, renamed when the group was batched),
+        read by the learner; deleted once its batch is trained and checkpointed, or counted dead."""
+        return self._key("batched", group_id)
+
     @property
     def group_index(self) -> str:
         """Sorted set of group ids with collected samples, scored by first arrival."""
