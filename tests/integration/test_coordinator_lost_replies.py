@@ -20,7 +20,7 @@ import pytest
 
 from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import TX_LUA
 from streamrl.coordinator import state as st
@@ -110,7 +110,7 @@ def builder(state: RunState, max_staleness: int = 1) -> BatchBuilder:
 
 
 async def batch_indices(state: RunState) -> list[int]:
-    return [decode(f[b"d"], TrainingBatch).index for _, f in await state.redis.xrange(state.names.batches)]
+    return [decode(f[b"d"], BatchManifest).index for _, f in await state.redis.xrange(state.names.batches)]
 
 
 def test_a_lost_reply_to_a_batch_publication_publishes_it_once(redis_url: str, run_id: str) -> None:
@@ -320,7 +320,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
     steps = 4
 
-    async def scenario() -> tuple[int, list[TrainingBatch], list[PromptWorkItem], int]:
+    async def scenario() -> tuple[int, list[BatchManifest], list[PromptWorkItem], int]:
         url = urlparse(redis_url)
         proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
         args = [f"--run_id={run_id}", "--coordinator.eval.dataset=null", f"--total_steps={steps}"]
@@ -384,7 +384,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
         losing.cancel()
         await asyncio.wait_for(h.service_task, 60)
         cursor = int(h.client.get(names.state("cursor")) or 0)
-        batches = [decode(f[b"d"], TrainingBatch) for _, f in h.client.xrange(names.batches)]
+        batches = [decode(f[b"d"], BatchManifest) for _, f in h.client.xrange(names.batches)]
         items = h.prompts()
         await bus.redis.aclose()
         await proxy.close()
@@ -393,7 +393,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
     dropped, batches, items, cursor = asyncio.run(scenario())
     assert dropped >= 5, f"only {dropped} replies were lost"
     assert [b.index for b in batches] == list(range(steps)), "a batch index was published twice or skipped"
-    trained = [s.trajectory.id for b in batches for s in b.samples]
+    trained = [s.trajectory_id for b in batches for s in b.samples]
     assert len(trained) == len(set(trained)) == steps * 4 * 4, "a sample went into two batches"
     ids = [p.id for p in items]
     assert len(ids) == len(set(ids)), "a prompt was issued twice"

@@ -45,8 +45,12 @@ def plan_reads(sizes: Sequence[int], max_bytes: int) -> list[range]:
 
 
 def resolve(manifest: BatchManifest, samples: list[ScoredTrajectory]) -> TrainingBatch:
-    """The TrainingBatch ``manifest`` names, from its samples' payloads (in the manifest's order)."""
+    """The TrainingBatch ``manifest`` names, from its samples' payloads (in the manifest's order; each sample
+    given the manifest's trace context for it, in place)."""
     assert len(samples) == len(manifest.samples), "one payload per reference"
+    for ref, sample in zip(manifest.samples, samples, strict=True):
+        if ref.traceparent:
+            sample.traceparent = ref.traceparent
     return TrainingBatch(
         id=manifest.id,
         index=manifest.index,
@@ -73,6 +77,7 @@ def manifest_of(batch: TrainingBatch, keys: Sequence[str], sizes: Sequence[int])
             field=s.trajectory.id,
             policy_version_start=s.trajectory.policy_version_start,
             num_bytes=size,
+            traceparent=s.traceparent,
         )
         for s, key, size in zip(batch.samples, keys, sizes, strict=True)
     ]

@@ -259,6 +259,9 @@ class SampleRef(msgspec.Struct, frozen=True, kw_only=True):
     """The sample's ``trajectory.policy_version_start`` (what staleness is counted from)."""
     num_bytes: int
     """Size of the encoded payload (bytes): what the reader plans its reads by."""
+    traceparent: str = ""
+    """The sample's trace context in the batch (its batch-wait span), which replaces the stored payload's
+    ``traceparent``; empty: the payload's stands."""
 
 
 class BatchManifest(_Message, tag="batch_manifest"):
