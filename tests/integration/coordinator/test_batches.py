@@ -50,7 +50,7 @@ def test_a_batch_takes_its_groups_in_one_transaction(in_redis) -> None:  # type:
         assert taken | {left} == {"a", "b", "c"} and await state.get_int(st.BATCH_INDEX) == 1
         assert not any([await state.redis.exists(state.names.group_buffer(g)) for g in taken])
         # kept for the learner under their batched names, a late copy of a sample lands apart
-        assert all([await state.redis.hlen(state.names.batched_samples(g)) == 2 for g in taken])
+        assert all([await state.redis.hlen(state.names.batched_samples("batch-0", g)) == 2 for g in taken])
 
     in_redis(scenario)
 

@@ -382,11 +382,11 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
             staleness=[0],
         )
         sizes = [len(v) for v in samples.values()]
-        manifest = manifest_of(batch, [names.batched_samples("g0")], sizes)
+        manifest = manifest_of(batch, [names.batched_samples("batch-0", "g0")], sizes)
         publish = (
             bus.tx()
             .require(state("batch_index"), equals=None)
-            .rename(names.group_buffer("g0"), names.batched_samples("g0"))
+            .rename(names.group_buffer("g0"), names.batched_samples("batch-0", "g0"))
         )
         publish.xadd(names.batches, manifest).set(state("batch_index"), 1).lrem(state("ready"), 1, "g0")
         await publish.execute()
@@ -405,7 +405,7 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
     admin = acl.client("admin")
     assert admin.xlen(names.batches) == 2 and admin.xlen(names.prompts) == 1
     assert admin.get(names.state("cursor")) == b"1" and admin.get(names.state("batches_dead")) == b"1"
-    assert not admin.exists(names.batched_samples("g0"))
+    assert not admin.exists(names.batched_samples("batch-0", "g0"))
     assert refusals(acl) == []
 
 
@@ -415,8 +415,8 @@ def test_learner_user_does_the_learner_job(acl: AclRedis) -> None:
     names = acl.names
     batch = TrainingBatch(id="batch-0", index=0, samples=[scored(0)], policy_version=0, staleness=[0])
     payload = encode(batch.samples[0])
-    acl.client("admin").hset(names.batched_samples("g0"), batch.samples[0].trajectory.id, payload)
-    feed(acl, names.batches, manifest_of(batch, [names.batched_samples("g0")], [len(payload)]))
+    acl.client("admin").hset(names.batched_samples("batch-0", "g0"), batch.samples[0].trajectory.id, payload)
+    feed(acl, names.batches, manifest_of(batch, [names.batched_samples("batch-0", "g0")], [len(payload)]))
 
     async def job() -> None:
         committed: list[str] = []
@@ -451,7 +451,7 @@ def test_learner_user_does_the_learner_job(acl: AclRedis) -> None:
     admin = acl.client("admin")
     assert admin.xlen(names.weights) == 1 and len(dead_letters(acl)) == 2
     assert admin.xpending(names.batches, "learner")["pending"] == 0
-    assert not admin.exists(names.batched_samples("g0"))
+    assert not admin.exists(names.batched_samples("batch-0", "g0"))
     assert refusals(acl) == []
 
 
@@ -530,7 +530,9 @@ REFUSED = [
     Case("learner", ("XADD", N.prompts, "*", "d", "x"), "prompts come from the coordinator"),
     Case("learner", ("HSET", N.group_buffer("g"), "t", "x"), "group buffers are the coordinator's"),
     Case("learner", ("HGETALL", N.group_buffer("g")), "a group still collecting is the coordinator's"),
-    Case("learner", ("HSET", N.batched_samples("g"), "t", "x"), "a batch's payloads are read, never written"),
+    Case(
+        "learner", ("HSET", N.batched_samples("batch-0", "g"), "t", "x"), "a batch's payloads are read, never written"
+    ),
     Case("learner", ("SET", N.state("policy_version"), "99"), "the policy version is the coordinator's"),
     Case("coordinator", ("XADD", N.weights, "*", "d", W), "only the learner publishes weights"),
     Case("coordinator", ("XADD", N.trajectories, "*", "d", "x"), "trajectories come from rollout"),

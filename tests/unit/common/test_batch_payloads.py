@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.common.batch_payloads import manifest_of, plan_reads, resolve
+from streamrl.common.batch_payloads import manifest_of, owned_buffers, plan_reads, resolve
 from streamrl.common.bus import MAX_COMMITS_PER_CALL, take_commits
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import BatchManifest, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
@@ -33,7 +33,7 @@ def test_a_manifest_of_18000_samples_of_8k_tokens_is_far_below_16_mb() -> None:
     names = StreamNames("run-with-a-longish-name")
     samples = [scored(g, i) for g in range(1125) for i in range(16)]
     batch = TrainingBatch(id="batch-7", index=7, samples=samples, policy_version=9, staleness=[4] * len(samples))
-    keys = [names.batched_samples(s.trajectory.group_id) for s in samples]
+    keys = [names.batched_samples("batch-7", s.trajectory.group_id) for s in samples]
     sizes = [111 * 1024] * len(samples)  # what the samples would weigh at 8,192 tokens: ~2 GB in all
     manifest = manifest_of(batch, keys, sizes)
     wire = encode(manifest)
@@ -90,3 +90,11 @@ def test_a_read_budget_below_one_byte_is_refused() -> None:
 )
 def test_a_commit_call_is_capped_by_bytes_and_by_count(sizes: list[int], budget: int, taken: int) -> None:
     assert take_commits(sizes, budget) == taken
+
+
+def test_only_the_hashes_named_under_a_batchs_own_id_are_its_to_delete() -> None:
+    names = StreamNames("r")
+    mine = [names.batched_samples("batch-1", "g1"), names.batched_samples("batch-1", "g2")]
+    others = [names.batched_samples("batch-10", "g3"), names.batched_samples("batch-0", "g4"), names.group_buffer("g5")]
+    assert owned_buffers(names, "batch-1", [*mine, *others]) == mine
+    assert owned_buffers(names, "batch-1-other", mine) == []  # a conflicting copy deletes nothing of batch-1

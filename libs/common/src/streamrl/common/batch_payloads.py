@@ -16,11 +16,20 @@ batch is trained whole or not at all.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from streamrl.common.codec import decode
 from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch
+from streamrl.common.streams import StreamNames
+
+
+def owned_buffers(names: StreamNames, batch_id: str, keys: Iterable[str]) -> list[str]:
+    """Those of ``keys`` that hold samples of batch ``batch_id`` (named under it,
+    :meth:`StreamNames.batched_samples`): the only ones a service deletes for that batch, whatever else a
+    manifest (a conflicting or forged copy) names."""
+    prefix = names.batched_samples(batch_id, "")
+    return [k for k in keys if k.startswith(prefix)]
 
 
 class MissingPayloadError(Exception):

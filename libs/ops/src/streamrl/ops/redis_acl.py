@@ -171,7 +171,9 @@ def grants(user: str, run_id: str) -> list[Grant]:
         own = [
             Grant("W", (names.prompts, names.batches), PUBLISH),
             Grant("R", (names.weights, names.dead), FOLLOW),
-            Grant("RW", (*state, names.group_buffer("*"), names.group_index, names.batched_samples("*")), OWN_STATE),
+            Grant(
+                "RW", (*state, names.group_buffer("*"), names.group_index, names.batched_samples("*", "*")), OWN_STATE
+            ),
         ]
     elif user == "rollout":
         own = [
@@ -188,7 +190,7 @@ def grants(user: str, run_id: str) -> list[Grant]:
             Grant("R", (names.state("batch_index"),), ("get",)),  # how far the coordinator has published (gaps)
             Grant("RW", (names.state("learner*"),), OWN_STATE),
             # a batch's payloads, read by reference and deleted once the batch is trained and checkpointed
-            Grant("RW", (names.batched_samples("*"),), ("hmget", "unlink")),
+            Grant("RW", (names.batched_samples("*", "*"),), ("hmget", "unlink")),
         ]
     return common + own
 

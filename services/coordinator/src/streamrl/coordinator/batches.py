@@ -5,7 +5,7 @@ Which groups go into batch ``k`` is the pure rule of ``batching.py``. Here it me
 the staleness bound are dropped (their replacements owed the version batch ``k`` needs), and batch
 ``k`` (id ``batch-{k}``, from its index) is published - as a BatchManifest naming where each sample's
 payload lies, never the payloads - in the same transaction that removes its groups from ``ready``
-(renaming their buffers to ``batched:{group}``, :meth:`GroupBuffer.queue_batched`) and sets
+(renaming their buffers to ``batched:{batch}:{group}``, :meth:`GroupBuffer.queue_batched`) and sets
 ``batch_index`` to ``k + 1`` - on the precondition that ``batch_index`` is
 still ``k`` (compare-and-set). A re-send of that transaction after a lost reply runs it once
 (:mod:`streamrl.common.tx`), and a builder whose view is out of date (a restarted or deposed
@@ -18,7 +18,7 @@ learner never trains a batch short). The learner still publishes a version for i
 consumed), so admission goes on; here its groups are counted dropped once per batch id
 (``batches_dead``, ``samples_dead``, ``batch_groups_dead``) with one error line naming the reason -
 they are not in flight any more and are never failed or replaced - and their samples
-(``batched:{group}``) are deleted in the same script. A trained batch's samples are deleted by the
+(``batched:{batch}:{group}``, only those named under the batch's own id) are deleted in the same script. A trained batch's samples are deleted by the
 learner, when a checkpoint covers it.
 
 A batch the learner refused *without consuming it* (it arrived out of order, or conflicts with what
@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamrl.common.batch_payloads import manifest_of
+from streamrl.common.batch_payloads import manifest_of, owned_buffers
 from streamrl.common.messages import TrainingBatch
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
 from streamrl.common.telemetry.tracing import NULL_TRACING, Attributes, Tracing
@@ -161,11 +161,11 @@ class BatchBuilder:
             )
             manifest = manifest_of(
                 batch,
-                [self.groups.batched(g.group_id) for g in pick.chosen for _ in stored[g.group_id]],
+                [self.groups.batched(batch_id, g.group_id) for g in pick.chosen for _ in stored[g.group_id]],
                 [size for g in pick.chosen for _, size in stored[g.group_id]],
             )
             tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
-            self.groups.queue_batched(tx, [g.group_id for g in pick.chosen])  # first: it renames the buffers
+            self.groups.queue_batched(tx, [g.group_id for g in pick.chosen], batch_id)  # first: renames the buffers
             tx.xadd(self.state.names.batches, manifest)
             tx.set(self.state.key(st.BATCH_INDEX), index + 1)
             published = await self._execute(tx, index)
@@ -189,10 +189,12 @@ class BatchBuilder:
     async def record_dead(
         self, batch_id: str, num_samples: int, num_groups: int | None, reason: str, buffers: Sequence[str] = ()
     ) -> bool:
-        """Count a batch the learner dead-lettered as dropped (once per id), deleting ``buffers`` (the hashes
-        holding its samples); False when it was counted before."""
+        """Count a batch the learner dead-lettered as dropped (once per id), deleting those of ``buffers`` (the
+        hashes its letter's manifest names) that hold its samples (named under its id: a conflicting or forged
+        manifest naming another batch's never deletes them); False when it was counted before."""
         k = self.state.key
-        keys = [k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD), k(st.BATCH_GROUPS_DEAD), *buffers]
+        owned = owned_buffers(self.state.names, batch_id, buffers)
+        keys = [k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD), k(st.BATCH_GROUPS_DEAD), *owned]
         fresh = bool(await self._dead_batch(keys, [batch_id, num_samples, num_groups or 0]))
         if fresh:
             groups = f"{num_groups} groups, " if num_groups is not None else ""

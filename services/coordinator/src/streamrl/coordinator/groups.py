@@ -7,7 +7,7 @@ A group (the ``group_size`` samples answering one prompt) moves through::
     collecting  its scored samples land in the hash ``groups:{id}`` (written by the scored consumer)
     complete    every sample in: to ``ready`` (counted in ``accepted``), or dropped by dynamic filtering
     failed      a member was dead-lettered, or the group outlived ``group_timeout_s``: buffer deleted
-    batched     taken into a training batch (``batches.py``): its buffer renamed ``batched:{id}``, where
+    batched     taken into a training batch (``batches.py``): its buffer renamed ``batched:{batch}:{id}``, where
                 the learner reads it; deleted once the batch is trained and checkpointed (by the
                 learner) or counted dead (by the coordinator)
 
@@ -252,18 +252,18 @@ class GroupBuffer:
         """The stored samples of each group (one round trip), in sample order."""
         return {g: [s for s, _ in stored] for g, stored in (await self.stored(groups)).items()}
 
-    def batched(self, group: str) -> str:
-        """Where a batched group's samples are kept for the learner (its buffer, renamed)."""
-        return self.state.names.batched_samples(group)
+    def batched(self, batch_id: str, group: str) -> str:
+        """Where the samples of a group in batch ``batch_id`` are kept for the learner (its buffer, renamed)."""
+        return self.state.names.batched_samples(batch_id, group)
 
-    def queue_batched(self, tx: Tx, groups: Iterable[str]) -> None:
+    def queue_batched(self, tx: Tx, groups: Iterable[str], batch_id: str) -> None:
         """Add to ``tx`` (the transaction that XADDs the batch's manifest), before its other writes: these ready
-        groups are batched. Their buffers are renamed to :meth:`batched` (a late copy of a sample then lands in a
+        groups go into batch ``batch_id``. Their buffers are renamed to :meth:`batched` (a late copy of a sample then lands in a
         fresh buffer, dropped as late, never over a payload the batch names); the learner reads the payloads
         there and deletes them once the batch is trained and checkpointed (or the coordinator, when the batch is
         counted dead: ``batches.py``)."""
         for group in groups:
-            tx.rename(self.buffer(group), self.batched(group))
+            tx.rename(self.buffer(group), self.batched(batch_id, group))
             tx.lrem(self.state.key(st.READY), 1, group)
 
     def queue_drop_ready(self, tx: Tx, groups: list[str], owed_version: int) -> None:

@@ -18,7 +18,7 @@ and :meth:`finish` (a step's attempt, before and after it; :meth:`note`: the err
 the learner group), :meth:`publish` (a version: the event
 on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
-failure keys, old fingerprints and sample hashes - the ``batched:{group}`` payloads a manifest names -
+failure keys, old fingerprints and sample hashes - the ``batched:{batch}:{group}`` payloads of its manifest -
 deleted).
 """
 

@@ -7,7 +7,7 @@
   WeightsPublished (version, checksum, endpoint / IPC buffers / group rendezvous, step metrics).
 * A batch arrives as a BatchManifest (or, still accepted, a whole TrainingBatch): once its order is
   checked (a copy of a batch already consumed is recognised by its ids, before anything is read), the
-  learner reads its samples' payloads from the ``batched:{group}`` hashes the manifest names, in replies
+  learner reads its samples' payloads from the ``batched:{batch}:{group}`` hashes the manifest names, in replies
   of at most ``redis.max_command_mb`` (:mod:`streamrl.common.batch_payloads`; not overlapped with the
   previous step: batches are handled one at a time). A payload missing skips the batch (dead letter,
   version published with unchanged weights): never trained short. The hashes are deleted with the
@@ -76,7 +76,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch
+from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch, owned_buffers
 from streamrl.common.bus import Output
 from streamrl.common.codec import encode
 from streamrl.common.consumer import ConsumerLoop
@@ -566,7 +566,8 @@ class LearnerService:
         reason = self.skipped.pop(batch.id, None)
         if reason is not None:
             await self._dead_letter(batch, entry_id, reason)
-        payloads = batch.buffers if isinstance(batch, BatchManifest) else []
+        # the hashes of this batch's samples (named under its id: never another batch's, whatever a copy names)
+        payloads = owned_buffers(self.ctx.names, batch.id, batch.buffers) if isinstance(batch, BatchManifest) else []
         self.unacked.append((entry_id, batch.index, batch.id, payloads))
         covered = [u for u in self.unacked if u[1] < self.checkpointed_index]
         if covered:
