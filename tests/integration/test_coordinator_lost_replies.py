@@ -136,14 +136,14 @@ def test_two_builders_racing_never_publish_an_index_twice(redis_url: str, run_id
         first, second = builder(state), builder(state)
         await ready_groups(first.groups, ("a", 0), ("b", 0), ("c", 0), ("d", 0))
         for build in (first, second):
-            read = build.groups.samples
+            read = build.groups.stored
 
             async def slow_read(groups: list[str], read: Any = read) -> Any:
                 out = await read(groups)
                 await asyncio.sleep(0.2)  # both have read batch_index = 0 and the ready groups by now
                 return out
 
-            build.groups.samples = slow_read  # type: ignore[method-assign]
+            build.groups.stored = slow_read  # type: ignore[method-assign]
         await asyncio.gather(first.build(version=0), second.build(version=0))
         assert await batch_indices(state) == [0, 1], "two builders published the same index"
         assert await state.get_int(st.BATCH_INDEX) == 2 and await first.groups.ready() == []
