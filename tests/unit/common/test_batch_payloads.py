@@ -3,10 +3,12 @@ planned within their byte budget, in order, nothing left out."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from streamrl.common.batch_payloads import manifest_of, owned_buffers, plan_reads, resolve
-from streamrl.common.bus import MAX_COMMITS_PER_CALL, take_commits
+from streamrl.common.bus import MAX_COMMITS_PER_CALL, CommitBatcher, take_commits
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import BatchManifest, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
 from streamrl.common.streams import StreamNames
@@ -98,3 +100,29 @@ def test_only_the_hashes_named_under_a_batchs_own_id_are_its_to_delete() -> None
     others = [names.batched_samples("batch-10", "g3"), names.batched_samples("batch-0", "g4"), names.group_buffer("g5")]
     assert owned_buffers(names, "batch-1", [*mine, *others]) == mine
     assert owned_buffers(names, "batch-1-other", mine) == []  # a conflicting copy deletes nothing of batch-1
+
+
+class RecordingBus:
+    """A bus that records the commits of each script call (the unit tier has no Redis)."""
+
+    def __init__(self, max_command_bytes: int) -> None:
+        self.max_command_bytes = max_command_bytes
+        self.calls: list[int] = []
+
+    def commit_args(self, outputs: list[bytes], **_: object) -> list[str | bytes | int]:
+        return list(outputs)
+
+    async def run_commits(self, commits: list[list[str | bytes | int]]) -> list[int]:
+        self.calls.append(len(commits))
+        return [1] * len(commits)
+
+
+def test_the_commit_batcher_splits_calls_by_bytes() -> None:
+    bus = RecordingBus(max_command_bytes=3 * 1000)
+
+    async def main() -> list[bool]:
+        batcher = CommitBatcher(bus)  # type: ignore[arg-type]
+        return await asyncio.gather(*(batcher.commit([b"x" * 1000]) for _ in range(7)))
+
+    assert asyncio.run(main()) == [True] * 7
+    assert bus.calls == [3, 3, 1]
