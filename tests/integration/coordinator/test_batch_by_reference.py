@@ -87,7 +87,9 @@ def test_an_18000_sample_batch_travels_by_reference_no_entry_over_16_mb(in_redis
         assert payload_bytes > 30 * MIB  # the batch as one entry would be over 30 MB (2 GB at 8k tokens)
 
         build = BatchBuilder(state, groups, prompts_per_step=GROUPS, max_staleness=0, drop_stale=True)
+        started = time.perf_counter()
         (built,) = await build.build(version=0)
+        print(f"built and published in {time.perf_counter() - started:.2f} s")
         assert len(built.batch.samples) == GROUPS * GROUP_SIZE
 
         for stream in (state.names.batches, state.names.dead, state.names.scored):
