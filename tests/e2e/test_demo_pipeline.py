@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from recipe_run import entries
+from recipe_run import entries, trained_batches
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.common.messages import BatchManifest, ScoredTrajectory, Trajectory, WeightsPublished
@@ -157,7 +157,7 @@ def test_demo_steps_end_to_end(
 
     # stronger: the behaviour log-probs of batch k are those of the learner's version-k weights
     # (and not those of version k - 1): the engine really served each new version
-    for b in batches[1:]:
+    for b in trained_batches(client, names)[1:]:  # whole trajectories: from the retained scored stream
         current = AutoModelForCausalLM.from_pretrained(run_dir / "exports" / f"step-{b.index}").eval()
         before = AutoModelForCausalLM.from_pretrained(
             tiny_task / "model" if b.index == 1 else run_dir / "exports" / f"step-{b.index - 1}"
