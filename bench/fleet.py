@@ -4,7 +4,7 @@ For growing fleets of N simulated GPUs it runs, on this machine, a real ``redis-
 coordinator (``streamrl coordinator``) and the real reward tier (``streamrl reward``, one replica, a
 cheap Python reward function: ``fleet_reward.py``) with simulated rollout workers and a simulated
 learner (``fleet_sim.py``: real bus traffic - PromptWorkItems taken through the ConsumerLoop,
-8k-token Trajectory messages committed, TrainingBatches consumed, WeightsPublished versions).
+8k-token Trajectory messages committed, batches consumed - manifests, their payloads read -, WeightsPublished versions).
 Model and sizing: ``fleet_model.py`` (tokens/s per GPU, why 5,000, what an H200-equivalent is).
 
 Each step waits (up to ``--quiet-wait-s``) for other people's work on this shared machine to fall

@@ -14,9 +14,11 @@ Differences from real workers: one tail of ``weights`` per process instead of on
 the token ids, log-probs and text are the same bytes in every trajectory (msgpack does not compress).
 
 ``python bench/fleet_sim.py learner ...`` is the learner on the bus: it publishes version 0, then per
-TrainingBatch (group ``learner``, one at a time) waits ``step_s`` and publishes the next version
-(the WeightsPublished event and the ``state:learner`` copy, one atomic commit). It acknowledges each
-batch at once (the real learner waits for a checkpoint).
+batch (group ``learner``, one at a time; a BatchManifest, or a whole TrainingBatch) reads the batch's
+payloads as the real learner does (:func:`streamrl.common.batch_payloads.fetch_batch`: replies of at
+most ``redis.max_command_mb``, decoded), waits ``step_s`` and publishes the next version (the
+WeightsPublished event and the ``state:learner`` copy, one atomic commit). It acknowledges each batch at
+once and then deletes its payloads (the real learner does both once a checkpoint covers the batch).
 
 Both write their counters to the hash ``state:fleet_sim`` every second (one field per process) for
 the driver to read.
@@ -35,13 +37,14 @@ import time
 import numpy as np
 
 from streamrl.common.aio import wait_set
+from streamrl.common.batch_payloads import fetch_batch, owned_buffers
 from streamrl.common.bus import PAYLOAD_FIELD, Bus, Output, connect
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.follower import StreamFollower
 from streamrl.common.health import heartbeat_forever
-from streamrl.common.messages import PromptWorkItem, Tensor, TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.messages import BatchManifest, PromptWorkItem, Tensor, TrainingBatch, Trajectory, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 logger = logging.getLogger("fleet_sim")
@@ -268,7 +271,10 @@ async def run_learner(args: argparse.Namespace) -> None:
             Output(key=names.state("learner"), field="published", message=event),
         ]
 
-    async def handle(batch: TrainingBatch) -> list[Output]:
+    async def handle(entry: TrainingBatch | BatchManifest) -> list[Output]:
+        batch = entry
+        if isinstance(entry, BatchManifest):
+            batch = await fetch_batch(bus.redis, entry, max_reply_bytes=bus.max_command_bytes)
         await asyncio.sleep(args.step_s)
         state["version"] += 1
         state["batches"] += 1
@@ -276,16 +282,22 @@ async def run_learner(args: argparse.Namespace) -> None:
         return published(state["version"], batch.id)
 
     await bus.commit(published(0, ""))
-    loop: ConsumerLoop[TrainingBatch] = ConsumerLoop(
+
+    async def trained(entry_id: str, entry: TrainingBatch | BatchManifest) -> None:
+        if isinstance(entry, BatchManifest) and (keys := owned_buffers(names, entry.id, entry.buffers)):
+            await bus.redis.unlink(*keys)
+
+    loop: ConsumerLoop[TrainingBatch | BatchManifest] = ConsumerLoop(
         bus,
         names,
         stream=names.batches,
         group="learner",
         consumer="learner",
         handler=handle,
-        message_type=TrainingBatch,
+        message_type=(BatchManifest, TrainingBatch),
         config=ConsumerConfig(max_in_flight=1, count=1),
         max_message_bytes=None,
+        on_committed=trained,
     )
     stop = _stop_on_signals()
     task = asyncio.create_task(loop.run(stop))

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import redis
 
+from streamrl.common.batch_payloads import resolve
 from streamrl.common.codec import decode
-from streamrl.common.messages import WeightsPublished
+from streamrl.common.messages import BatchManifest, ScoredTrajectory, TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +34,22 @@ VLLM_ENV = {
 def entries(client: redis.Redis, stream: str) -> list[Any]:  # type: ignore[type-arg]
     """Every message of ``stream``, decoded."""
     return [decode(fields[b"d"]) for _, fields in client.xrange(stream)]
+
+
+def trained_batches(client: redis.Redis, names: StreamNames) -> list[TrainingBatch]:  # type: ignore[type-arg]
+    """Every batch on ``batches`` as the learner trained it. A manifest's payloads are deleted once its batch is
+    trained and checkpointed, so its samples are taken from the ``scored`` stream (these runs retain consumed
+    entries), with the manifest's trace context for each, as the learner's read gives them."""
+    scored = {m.trajectory.id: m for m in entries(client, names.scored) if isinstance(m, ScoredTrajectory)}
+    out = []
+    for m in entries(client, names.batches):
+        if isinstance(m, BatchManifest):
+            missing = [r.trajectory_id for r in m.samples if r.trajectory_id not in scored]
+            assert not missing, f"{m.id}: samples not on the scored stream: {missing[:5]}"
+            out.append(resolve(m, [msgspec.structs.replace(scored[r.trajectory_id]) for r in m.samples]))
+        elif isinstance(m, TrainingBatch):
+            out.append(m)
+    return out
 
 
 def prepare(example: str, recipe: str, out_dir: Path, *overrides: str) -> None:

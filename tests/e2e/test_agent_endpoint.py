@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from recipe_run import entries
+from recipe_run import entries, trained_batches
 
-from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.common.messages import WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.ops.redis_server import free_port
 
@@ -111,7 +111,7 @@ def test_an_openai_client_agent_drives_a_run_and_each_conversation_is_trained_on
         assert abs(w.metrics["learner/mismatch/kl"]) < 1e-3, w.metrics
 
     # trained exactly once: every step's full groups, no trajectory twice
-    batches = [b for b in entries(client, names.batches) if isinstance(b, TrainingBatch)]
+    batches = trained_batches(client, names)
     assert [b.index for b in batches] == list(range(STEPS))
     samples = [s for b in batches for s in b.samples]
     ids = [s.trajectory.id for s in samples]

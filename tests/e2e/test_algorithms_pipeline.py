@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from streamrl.common.codec import decode
-from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.common.messages import BatchManifest, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_algorithm_runs_in_the_pipeline(
             for key in ("learner/mismatch/kl", "learner/correction/masked_frac", "learner/correction/weight_mean"):
                 assert math.isfinite(w.metrics[key]), (case, key)
     if case in CORRECTIONS:
-        batches = [decode(f[b"d"], TrainingBatch) for _, f in client.xrange(names.batches)]
+        batches = [decode(f[b"d"], BatchManifest) for _, f in client.xrange(names.batches)]
         assert max(max(b.staleness) for b in batches) == 1, "async mode should train on one-step-stale samples"
         stale = [w for w in trained if w.metrics["learner/staleness_max"] == 1]
         assert stale and any(abs(w.metrics["learner/mismatch/kl"]) > 0 for w in stale)

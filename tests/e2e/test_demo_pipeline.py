@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from recipe_run import entries
+from recipe_run import entries, trained_batches
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.common.messages import ScoredTrajectory, TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.messages import BatchManifest, ScoredTrajectory, Trajectory, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
@@ -105,15 +105,17 @@ def test_demo_steps_end_to_end(
         assert math.isfinite(loss) and math.isfinite(w.metrics["learner/grad_norm"])
 
     # every batch holds complete groups, trained once; no trajectory in two batches
-    batches = [m for m in entries(client, names.batches) if isinstance(m, TrainingBatch)]
+    batches = [m for m in entries(client, names.batches) if isinstance(m, BatchManifest)]
     assert [b.index for b in batches] == list(range(total_steps))
-    ids = [s.trajectory.id for b in batches for s in b.samples]
+    ids = [s.trajectory_id for b in batches for s in b.samples]
     assert len(ids) == len(set(ids)) == total_steps * prompts_per_step * group_size
     for b in batches:
-        sizes = Counter(s.trajectory.group_id for s in b.samples)
+        sizes = Counter(s.group_id for s in b.samples)
         assert set(sizes.values()) == {group_size}
         assert all(lag == 0 for lag in b.staleness), "max_staleness = 0 is strictly on-policy"
-        assert all(s.trajectory.policy_version_start == b.index for s in b.samples)
+        assert all(s.policy_version_start == b.index for s in b.samples)
+    # the payloads the learner read are deleted once a checkpoint covers their batch: every batch here
+    assert not list(client.scan_iter(match=names.batched_samples("*", "*"))), "a trained batch's payloads stayed"
 
     # nothing left pending in any consumer group
     for stream, group in (
@@ -155,7 +157,7 @@ def test_demo_steps_end_to_end(
 
     # stronger: the behaviour log-probs of batch k are those of the learner's version-k weights
     # (and not those of version k - 1): the engine really served each new version
-    for b in batches[1:]:
+    for b in trained_batches(client, names)[1:]:  # whole trajectories: from the retained scored stream
         current = AutoModelForCausalLM.from_pretrained(run_dir / "exports" / f"step-{b.index}").eval()
         before = AutoModelForCausalLM.from_pretrained(
             tiny_task / "model" if b.index == 1 else run_dir / "exports" / f"step-{b.index - 1}"

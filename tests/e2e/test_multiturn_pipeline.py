@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import redis
 import torch
-from recipe_run import check_finished, entries, prepare, up
+from recipe_run import check_finished, prepare, trained_batches, up
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.common.messages import TrainingBatch, Trajectory
+from streamrl.common.messages import Trajectory
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def test_multiturn_recipe_trains_on_episodes_with_masked_environment_tokens(
         # environment token in there would add ~|log-prob| / tokens)
         assert abs(w.metrics["learner/mismatch/kl"]) < 1e-4, w.metrics
 
-    batches = [b for b in entries(client, names.batches) if isinstance(b, TrainingBatch)]
+    batches = trained_batches(client, names)
     assert [b.index for b in batches] == list(range(STEPS))
     ids = [s.trajectory.id for b in batches for s in b.samples]
     assert len(ids) == len(set(ids)) == STEPS * PROMPTS_PER_STEP * GROUP_SIZE

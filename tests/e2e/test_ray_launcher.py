@@ -22,10 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from recipe_run import entries
+from recipe_run import entries, trained_batches
 
 from streamrl.common.health import live_heartbeats
-from streamrl.common.messages import ScoredTrajectory, TrainingBatch
+from streamrl.common.messages import ScoredTrajectory
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.trace_file import decode_request, trace_files
 from streamrl.common.telemetry.trace_schema import GENERATE, TRAJECTORY_ID
@@ -158,7 +158,7 @@ def test_ray_run_scaled_and_a_rollout_actor_killed_trains_every_trajectory_once(
     )
 
     # every trajectory trained exactly once: each batch in order, no id in two batches, every scored one trained
-    batches = [m for m in entries(client, names.batches) if isinstance(m, TrainingBatch)]
+    batches = trained_batches(client, names)
     assert [b.index for b in batches] == list(range(TOTAL_STEPS))
     trained = [s.trajectory.id for b in batches for s in b.samples]
     assert len(trained) == len(set(trained)) == TOTAL_STEPS * SAMPLES_PER_STEP

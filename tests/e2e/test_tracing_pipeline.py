@@ -30,9 +30,9 @@ import pytest
 import redis
 from otlp_receiver import OtlpReceiver
 from prometheus_client.parser import text_string_to_metric_families
-from recipe_run import entries
+from recipe_run import entries, trained_batches
 
-from streamrl.common.messages import TrainingBatch, WeightsPublished
+from streamrl.common.messages import WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.trace_file import SpanRecord
 from streamrl.common.telemetry.trace_schema import (
@@ -238,7 +238,7 @@ def test_every_trained_sample_has_one_complete_trace_over_otlp_and_every_service
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
     published = [m for m in entries(client, names.weights) if isinstance(m, WeightsPublished) and m.batch_id]
-    batches = {m.id: m for m in entries(client, names.batches) if isinstance(m, TrainingBatch)}
+    batches = {m.id: m for m in trained_batches(client, names)}
     assert [w.version for w in published] == [1, 2, 3, 4]
     assert client.xlen(names.dead) == 0
 

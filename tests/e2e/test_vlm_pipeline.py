@@ -25,10 +25,10 @@ import pytest
 import redis
 import torch
 from PIL import Image as PILImage
-from recipe_run import check_finished, entries, prepare, up
+from recipe_run import check_finished, prepare, trained_batches, up
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from streamrl.common.messages import TrainingBatch, Trajectory
+from streamrl.common.messages import Trajectory
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def test_vlm_recipe_trains_on_image_episodes_with_the_same_pixels_in_every_tier(
     for w in trained:
         assert abs(w.metrics["learner/mismatch/kl"]) < 1e-2, w.metrics  # log(1 - p(image tokens)) per token
 
-    batches = [b for b in entries(client, names.batches) if isinstance(b, TrainingBatch)]
+    batches = trained_batches(client, names)
     assert [b.index for b in batches] == list(range(STEPS))
     ids = [s.trajectory.id for b in batches for s in b.samples]
     assert len(ids) == len(set(ids)) == STEPS * PROMPTS_PER_STEP * GROUP_SIZE

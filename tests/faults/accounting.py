@@ -46,6 +46,7 @@ from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
     BATCH_SKIPPED,
+    BatchManifest,
     DeadLetter,
     PromptWorkItem,
     ScoredTrajectory,
@@ -104,8 +105,20 @@ def _decode(payload: bytes) -> Any:
         return None
 
 
-def _batch_groups(batch: TrainingBatch) -> set[str]:
-    return {s.trajectory.group_id for s in batch.samples if not s.trajectory.is_eval}
+Batch = TrainingBatch | BatchManifest
+"""A batch on ``batches``: the manifest the coordinator publishes (the samples by reference), or a whole batch."""
+
+
+def batch_members(batch: Batch) -> list[tuple[str, str]]:
+    """(trajectory id, group id) of each training sample of ``batch`` (a manifest names them without payloads;
+    evaluation samples are never batched, and a whole batch's are left out)."""
+    if isinstance(batch, BatchManifest):
+        return [(s.trajectory_id, s.group_id) for s in batch.samples]
+    return [(s.trajectory.id, s.trajectory.group_id) for s in batch.samples if not s.trajectory.is_eval]
+
+
+def _batch_groups(batch: Batch) -> set[str]:
+    return {group for _, group in batch_members(batch)}
 
 
 def _dead_groups(letter: DeadLetter) -> tuple[set[str], bool]:
@@ -118,7 +131,7 @@ def _dead_groups(letter: DeadLetter) -> tuple[set[str], bool]:
     if isinstance(inner, ScoredTrajectory):
         t = inner.trajectory
         return (set() if t.is_eval else {t.group_id}), t.is_eval
-    if isinstance(inner, TrainingBatch):
+    if isinstance(inner, TrainingBatch | BatchManifest):
         return _batch_groups(inner), False
     return set(), False
 
@@ -165,10 +178,10 @@ def count_run(
             except PoisonMessageError:
                 continue
             events.append(msg)
-    batches: dict[str, TrainingBatch] = {}
+    batches: dict[str, Batch] = {}
     for eid, payload in read(names.batches):
         msg = _decode(payload)
-        if isinstance(msg, TrainingBatch) and (names.batches, eid) not in injected:
+        if isinstance(msg, TrainingBatch | BatchManifest) and (names.batches, eid) not in injected:
             if msg.id in batches and encode_ids(batches[msg.id]) != encode_ids(msg):
                 c.notes.append(f"two different batches named {msg.id}")
             batches.setdefault(msg.id, msg)
@@ -200,7 +213,7 @@ def count_run(
         if batch is None:
             c.notes.append(f"trained batch {batch_id} is not on the batches stream")
             continue
-        trained_ids.update(s.trajectory.id for s in batch.samples if not s.trajectory.is_eval)
+        trained_ids.update(t for t, _ in batch_members(batch))
         trained_groups |= _batch_groups(batch)
     twice = {t: n for t, n in trained_ids.items() if n > 1}
     c.trained_twice = sum(n - 1 for n in twice.values())
@@ -287,13 +300,17 @@ def _learner_dead_batches(read: Entries, names: StreamNames, injected: set[tuple
         if not isinstance(letter, DeadLetter) or (letter.stream, letter.entry_id) in injected:
             continue
         inner = _decode(letter.payload)
-        if letter.stream == names.batches and BATCH_SKIPPED in letter.error and isinstance(inner, TrainingBatch):
+        if (
+            letter.stream == names.batches
+            and BATCH_SKIPPED in letter.error
+            and isinstance(inner, TrainingBatch | BatchManifest)
+        ):
             out.add(inner.id)
     return out
 
 
-def encode_ids(batch: TrainingBatch) -> list[str]:
-    return [s.trajectory.id for s in batch.samples]
+def encode_ids(batch: Batch) -> list[str]:
+    return [t for t, _ in batch_members(batch)]
 
 
 def _pending(client: syncredis.Redis, names: StreamNames, notes: list[str]) -> int:

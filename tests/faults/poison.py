@@ -35,7 +35,7 @@ import msgspec
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import Heartbeat, Message, TrainingBatch, WeightsPublished
+from streamrl.common.messages import BatchManifest, Heartbeat, Message, TrainingBatch, WeightsPublished
 from streamrl.common.weights.auth import sign
 
 PAD_FIELD_BYTES = 3 * 2**19
@@ -60,8 +60,10 @@ def _padded(message: Message) -> bytes:
     """``message``, still well-formed, grown past 1 MiB through a free-form field."""
     data = _builtins(message)
     pad = "x" * PAD_FIELD_BYTES
-    if "samples" in data:  # a batch
+    if "samples" in data and "trajectory" in data["samples"][0]:  # a batch
         data["samples"][0]["trajectory"]["metadata"] = {"pad": pad}
+    elif "samples" in data:  # a batch's manifest: a sample's reference
+        data["samples"][0]["traceparent"] = pad
     elif "trajectory" in data:  # a scored trajectory
         data["trajectory"]["metadata"] = {"pad": pad}
     elif "metadata" in data:  # a prompt or a trajectory
@@ -89,7 +91,7 @@ def malformed(real: Message, *, oversized: bool = True) -> list[Poison]:
     return kinds
 
 
-def out_of_order_batches(trained: TrainingBatch) -> list[Poison]:
+def out_of_order_batches(trained: TrainingBatch | BatchManifest) -> list[Poison]:
     """Well-formed batches that must never be trained: from the future, from the past, oversized."""
     future = msgspec.structs.replace(trained, id="batch-1000", index=1000)
     huge = msgspec.structs.replace(trained, id="batch-2000", index=2000)

@@ -16,13 +16,14 @@ import json
 from pathlib import Path
 
 import pytest
+from accounting import batch_members
 from harness import FaultRun, MakeRun
 from huge_reward import FILE_ENV
 from scenario import conclude
 
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import DeadLetter, TrainingBatch
+from streamrl.common.messages import BatchManifest, DeadLetter, TrainingBatch
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 12
@@ -41,7 +42,7 @@ def _batch_dead_letters(run: FaultRun, group: str) -> list[DeadLetter]:
             inner = decode(letter.payload)
         except PoisonMessageError:
             continue
-        if isinstance(inner, TrainingBatch) and any(s.trajectory.group_id == group for s in inner.samples):
+        if isinstance(inner, TrainingBatch | BatchManifest) and group in {g for _, g in batch_members(inner)}:
             out.append(letter)
     return out
 

@@ -18,10 +18,10 @@ from scenario import conclude
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
+    BatchManifest,
     DeadLetter,
     PromptWorkItem,
     ScoredTrajectory,
-    TrainingBatch,
     Trajectory,
     WeightsPublished,
 )
@@ -70,7 +70,7 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     prompt, _ = first_message(run.written(n.prompts), PromptWorkItem)
     traj, _ = first_message(run.written(n.trajectories), Trajectory)
     scored, _ = first_message(run.written(n.scored), ScoredTrajectory)
-    batch, _ = first_message(run.written(n.batches), TrainingBatch)  # batch-0: trained by now
+    batch, _ = first_message(run.written(n.batches), BatchManifest)  # batch-0: trained by now
     weights, _ = first_message(run.written(n.weights), WeightsPublished)
     letter = DeadLetter(
         stream=n.trajectories,

@@ -9,12 +9,14 @@ serving the weights of its version (``publish``).
 
     python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX [MODE] [TOTAL_STEPS] [CKPT_EVERY]
 
-Environment: ``MAX_DELIVERIES`` (default 2).
+Environment: ``MAX_DELIVERIES`` (default 2); ``TRAINED_LOG``: a file where each step appends a line
+``{batch id} {sha256 of its samples, encoded}`` (what was trained, to compare with what was published).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from streamrl.common.bus import Bus, connect
+from streamrl.common.codec import encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import TrainingBatch
@@ -32,6 +35,11 @@ from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
 from streamrl.learner.rl.service import LearnerService
 from streamrl.learner.rl.trainer import RLTrainer
+
+
+def digest(batch: TrainingBatch) -> str:
+    """sha256 of a batch's samples, encoded in order."""
+    return hashlib.sha256(b"".join(encode(s) for s in batch.samples)).hexdigest()
 
 
 async def life(
@@ -50,6 +58,9 @@ async def life(
     real_step = trainer.step
 
     def step(batch: TrainingBatch) -> dict[str, Any]:
+        if log := os.environ.get("TRAINED_LOG"):
+            with open(log, "a") as f:
+                f.write(f"{batch.id} {digest(batch)}\n")
         if batch.index == fail_index and mode == "before":
             raise ValueError("a bad input (simulated)")
         if batch.index == fail_index and mode == "half":

@@ -20,7 +20,7 @@ import pytest
 
 from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredTrajectory, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import TX_LUA
 from streamrl.coordinator import state as st
@@ -110,7 +110,7 @@ def builder(state: RunState, max_staleness: int = 1) -> BatchBuilder:
 
 
 async def batch_indices(state: RunState) -> list[int]:
-    return [decode(f[b"d"], TrainingBatch).index for _, f in await state.redis.xrange(state.names.batches)]
+    return [decode(f[b"d"], BatchManifest).index for _, f in await state.redis.xrange(state.names.batches)]
 
 
 def test_a_lost_reply_to_a_batch_publication_publishes_it_once(redis_url: str, run_id: str) -> None:
@@ -136,14 +136,14 @@ def test_two_builders_racing_never_publish_an_index_twice(redis_url: str, run_id
         first, second = builder(state), builder(state)
         await ready_groups(first.groups, ("a", 0), ("b", 0), ("c", 0), ("d", 0))
         for build in (first, second):
-            read = build.groups.samples
+            read = build.groups.stored
 
             async def slow_read(groups: list[str], read: Any = read) -> Any:
                 out = await read(groups)
                 await asyncio.sleep(0.2)  # both have read batch_index = 0 and the ready groups by now
                 return out
 
-            build.groups.samples = slow_read  # type: ignore[method-assign]
+            build.groups.stored = slow_read  # type: ignore[method-assign]
         await asyncio.gather(first.build(version=0), second.build(version=0))
         assert await batch_indices(state) == [0, 1], "two builders published the same index"
         assert await state.get_int(st.BATCH_INDEX) == 2 and await first.groups.ready() == []
@@ -320,7 +320,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
     steps = 4
 
-    async def scenario() -> tuple[int, list[TrainingBatch], list[PromptWorkItem], int]:
+    async def scenario() -> tuple[int, list[BatchManifest], list[PromptWorkItem], int]:
         url = urlparse(redis_url)
         proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
         args = [f"--run_id={run_id}", "--coordinator.eval.dataset=null", f"--total_steps={steps}"]
@@ -384,7 +384,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
         losing.cancel()
         await asyncio.wait_for(h.service_task, 60)
         cursor = int(h.client.get(names.state("cursor")) or 0)
-        batches = [decode(f[b"d"], TrainingBatch) for _, f in h.client.xrange(names.batches)]
+        batches = [decode(f[b"d"], BatchManifest) for _, f in h.client.xrange(names.batches)]
         items = h.prompts()
         await bus.redis.aclose()
         await proxy.close()
@@ -393,7 +393,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
     dropped, batches, items, cursor = asyncio.run(scenario())
     assert dropped >= 5, f"only {dropped} replies were lost"
     assert [b.index for b in batches] == list(range(steps)), "a batch index was published twice or skipped"
-    trained = [s.trajectory.id for b in batches for s in b.samples]
+    trained = [s.trajectory_id for b in batches for s in b.samples]
     assert len(trained) == len(set(trained)) == steps * 4 * 4, "a sample went into two batches"
     ids = [p.id for p in items]
     assert len(ids) == len(set(ids)), "a prompt was issued twice"

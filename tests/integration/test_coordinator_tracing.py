@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_coordinator import Harness, score_sample
 
+from streamrl.common.batch_payloads import resolve
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import PromptWorkItem, TrainingBatch
+from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredTrajectory, TrainingBatch
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import PromMetrics
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_WAIT, GROUP_ID, GROUP_WAIT, ISSUE, REWARD
@@ -98,7 +99,9 @@ def test_a_traced_batch_through_the_running_service(
                 for i in range(1, item.sampling.n):
                     score(item, i)
             await h.until(lambda: h.client.xlen(h.names.batches) == 1, "batch 0")
-            return decode(h.client.xrange(h.names.batches)[0][1][b"d"], TrainingBatch)
+            manifest = decode(h.client.xrange(h.names.batches)[0][1][b"d"], BatchManifest)
+            payloads = [h.client.hget(r.key, r.field) for r in manifest.samples]  # as the learner reads them
+            return resolve(manifest, [decode(p, ScoredTrajectory) for p in payloads])
 
     batch = asyncio.run(scenario())
     assert tracing.flush() and reward.flush()

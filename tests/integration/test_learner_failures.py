@@ -40,11 +40,13 @@ def _own_process_group_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in DIST_ENV}
 
 
-def _life(model: Path, redis_url: str, run_id: str, run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _life(
+    model: Path, redis_url: str, run_id: str, run_dir: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """One learner life; by default batch 1 fails after its first backward pass."""
     return subprocess.run(
         [sys.executable, str(WORKER), str(model), redis_url, run_id, str(run_dir), *(args or ("1",))],
-        env={**_own_process_group_env(), "OMP_NUM_THREADS": "1"},
+        env={**_own_process_group_env(), "OMP_NUM_THREADS": "1", **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,

@@ -3,7 +3,8 @@
 Each test fills a fresh redis-server with what a run of the given shape holds at its worst (per the
 terms of :mod:`streamrl.ops.memory_budget`): prompt items, trajectories and scored entries pending
 in their consumer groups and consumed ones not yet trimmed, group buffers, untrained and retained
-batches, evaluation rounds, a ``weights`` entry per version, dead letters, operation keys, heartbeats
+batches (each a manifest on ``batches`` and its samples' ``batched:`` hashes; a consumed one's
+payloads are gone), evaluation rounds, a ``weights`` entry per version, dead letters, operation keys, heartbeats
 and leases - messages built and encoded as the services build them. ``used_memory`` above the empty
 server's must stay below the bound (less its fixed base and its transient term: the buffers of a
 command being written or read, which a fill cannot hold still) and above half of it: the bound holds
@@ -12,6 +13,7 @@ and is not absurdly loose.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -20,9 +22,11 @@ import numpy as np
 import pytest
 import redis as syncredis
 
-from streamrl.common.bus import PAYLOAD_FIELD
-from streamrl.common.codec import encode
+from streamrl.common.batch_payloads import fetch_samples, manifest_of
+from streamrl.common.bus import PAYLOAD_FIELD, connect
+from streamrl.common.codec import decode, encode
 from streamrl.common.messages import (
+    BatchManifest,
     DeadLetter,
     Heartbeat,
     PromptWorkItem,
@@ -128,19 +132,29 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
         gid = f"{tag}-{os.urandom(6).hex()}"
         return _prompt(shape, rng, gid, resp), [_sample(shape, rng, gid, i, resp) for i in range(n)]
 
-    def batch(index: int) -> bytes:
-        samples = [s for _ in range(pps) for s in group("b")[1]]
-        return encode(
-            TrainingBatch(
-                id=f"batch-{index}",
-                index=index,
-                samples=samples,
-                policy_version=index,
-                staleness=[1] * len(samples),
-                created_at=time.time(),
-                traceparent=TRACEPARENT,
-            )
+    def batch(index: int, payloads: bool = True) -> bytes:
+        """A batch's manifest (encoded), its samples' payloads in their ``batched:`` hashes when ``payloads``
+        (an untrained batch, or one trained but not yet covered by a checkpoint)."""
+        batch_id, groups = f"batch-{index}", [group("b")[1] for _ in range(pps)]
+        samples = [s for members in groups for s in members]
+        keys, sizes = [], []
+        for members in groups:
+            key = names.batched_samples(batch_id, members[0].trajectory.group_id)
+            stored = {s.trajectory.id: encode(s) for s in members}
+            if payloads:
+                client.hset(key, mapping=stored)
+            keys += [key] * len(members)
+            sizes += [len(v) for v in stored.values()]
+        whole = TrainingBatch(
+            id=batch_id,
+            index=index,
+            samples=samples,
+            policy_version=index,
+            staleness=[1] * len(samples),
+            created_at=time.time(),
+            traceparent=TRACEPARENT,
         )
+        return encode(manifest_of(whole, keys, sizes))
 
     # in flight: H batches' worth of groups - their prompt items pending at the rollout; the samples of
     # the oldest batch in a batch entry, of the next in group buffers, of the rest pending as scored entries
@@ -164,7 +178,7 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
     f.add(names.prompts, "rollout", [encode(p) for p, _ in lagging], consumed=True)
     f.add(names.trajectories, "reward", [encode(s.trajectory) for _, ss in lagging for s in ss], consumed=True)
     f.add(names.scored, "coordinator", [encode(s) for _, ss in lagging for s in ss], consumed=True)
-    f.add(names.batches, "learner", [batch(2000 + i) for i in range(shape.lag_batches)], consumed=True)
+    f.add(names.batches, "learner", [batch(2000 + i, False) for i in range(shape.lag_batches)], consumed=True)
     # two open evaluation rounds: one-sample prompts at every stage, answers in the round's buffer
     eval_response = min(shape.eval_response_tokens, shape.max_model_len - 1)
     for version in range(2 if shape.eval_prompts else 0):
@@ -234,7 +248,7 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
                 consumer="learner",
                 error="skipped",
                 deliveries=1,
-                payload=batch(3000 + k),
+                payload=batch(3000 + k, False),
                 ts=time.time(),
             )
         )
@@ -258,6 +272,16 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
         pipe.hset(names.served_versions, f"rollout-{k}", 3)
     pipe.execute()
     return batch(999)
+
+
+async def fetched_bytes(port: int, manifest: BatchManifest) -> int:
+    """The bytes of ``manifest``'s payloads, read as the learner reads them (replies of at most 8 MiB)."""
+    client = connect(f"redis://127.0.0.1:{port}/0")
+    try:
+        samples = await fetch_samples(client, manifest, max_reply_bytes=8 * MIB)
+    finally:
+        await client.aclose()
+    return sum(len(encode(s)) for s in samples)
 
 
 def used_memory(client: syncredis.Redis) -> int:
@@ -315,7 +339,10 @@ def test_a_run_at_its_maximum_fits_the_bound(tmp_path: Path, name: str) -> None:
         with syncredis.Redis(port=server.port) as client, syncredis.Redis(port=server.port) as learner:
             client.config_resetstat()  # the peak from here on: the last batch written through a script, then read
             client.eval("return redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])", 1, names.batches, last_batch)
-            learner.xreadgroup("learner", "c-1", {names.batches: ">"}, count=1)
+            ((_, ((_, fields),)),) = learner.xreadgroup("learner", "c-1", {names.batches: ">"}, count=1)
+            manifest = decode(fields[b"d"], BatchManifest)  # the learner reads its payloads
+            fetched = asyncio.run(fetched_bytes(server.port, manifest))
+            assert fetched == sum(r.num_bytes for r in manifest.samples)
             peak = int(client.info("memory")["used_memory_peak"]) - empty
         # measured from a new connection: the writer's query buffer (counted as transient) is gone
         with syncredis.Redis(port=server.port) as client:

@@ -16,8 +16,9 @@ from coordinator_fakes import Prompts, config, sample, store
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from streamrl.common.batch_payloads import fetch_batch
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import PromptWorkItem, ScoredTrajectory, TrainingBatch
+from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredTrajectory, TrainingBatch
 from streamrl.common.telemetry.trace_schema import (
     BATCH,
     BATCH_ID,
@@ -89,7 +90,7 @@ async def one_batch(
     builder = BatchBuilder(state, groups, prompts_per_step=1, max_staleness=0, drop_stale=True, tracing=coordinator)
     (built,) = await builder.build(version=0)
     ((_, fields),) = await state.redis.xrange(state.names.batches)
-    batch = decode(fields[b"d"], TrainingBatch)
+    batch = await fetch_batch(state.redis, decode(fields[b"d"], BatchManifest), max_reply_bytes=2**20)
     assert batch == built.batch
     return batch
 

@@ -33,6 +33,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.retry import Retry
 
+from streamrl.common.batch_payloads import fetch_batch, manifest_of
 from streamrl.common.bus import Bus, Output, connect
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
@@ -41,6 +42,7 @@ from streamrl.common.follower import StreamFollower
 from streamrl.common.health import check, heartbeat_forever, read_heartbeats
 from streamrl.common.lease import Lease, holder_token
 from streamrl.common.messages import (
+    BatchManifest,
     DeadLetter,
     Heartbeat,
     Message,
@@ -379,17 +381,23 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
             policy_version=0,
             staleness=[0],
         )
-        publish = bus.tx().require(state("batch_index"), equals=None).xadd(names.batches, batch)
-        publish.set(state("batch_index"), 1).delete(names.group_buffer("g0")).lrem(state("ready"), 1, "g0")
+        sizes = [len(v) for v in samples.values()]
+        manifest = manifest_of(batch, [names.batched_samples("batch-0", "g0")], sizes)
+        publish = (
+            bus.tx()
+            .require(state("batch_index"), equals=None)
+            .rename(names.group_buffer("g0"), names.batched_samples("batch-0", "g0"))
+        )
+        publish.xadd(names.batches, manifest).set(state("batch_index"), 1).lrem(state("ready"), 1, "g0")
         await publish.execute()
         await bus.tx().call("HSET", state("progress"), "step", "1").execute()
         # its own scripts, fenced and run once: one that sends a refused batch again (XADD batches)
         resend = FencedScript(bus, RESEND_LUA, "batches.RESEND_LUA")
         keys = [state("dead_batch_ids"), state("batch_resends"), names.batches]
-        assert await resend(keys, ["batch-0", 2, bus.maxlen, encode(batch)]) == 1
+        assert await resend(keys, ["batch-0", 2, bus.maxlen, encode(manifest)]) == 1
         dead = FencedScript(bus, DEAD_BATCH_LUA, "batches.DEAD_BATCH_LUA")
         counters = [state("dead_batch_ids"), state("batches_dead"), state("samples_dead"), state("batch_groups_dead")]
-        assert await dead(counters, ["batch-0", 1, 1]) == 1
+        assert await dead([*counters, *manifest.buffers], ["batch-0", 1, 1]) == 1  # its samples deleted
         await lease.release()
         await client.aclose()
 
@@ -397,22 +405,30 @@ def test_coordinator_user_does_the_coordinator_job(acl: AclRedis) -> None:
     admin = acl.client("admin")
     assert admin.xlen(names.batches) == 2 and admin.xlen(names.prompts) == 1
     assert admin.get(names.state("cursor")) == b"1" and admin.get(names.state("batches_dead")) == b"1"
+    assert not admin.exists(names.batched_samples("batch-0", "g0"))
     assert refusals(acl) == []
 
 
 def test_learner_user_does_the_learner_job(acl: AclRedis) -> None:
-    """Its consumer loop on ``batches`` (acks held back), and every write of its ledger, fenced by its lease."""
+    """Its consumer loop on ``batches`` (acks held back), the payloads a manifest names read, and every write of
+    its ledger (the ack deleting those payloads), fenced by its lease."""
     names = acl.names
-    feed(acl, names.batches, TrainingBatch(id="batch-0", index=0, samples=[scored(0)], policy_version=0, staleness=[0]))
+    batch = TrainingBatch(id="batch-0", index=0, samples=[scored(0)], policy_version=0, staleness=[0])
+    payload = encode(batch.samples[0])
+    acl.client("admin").hset(names.batched_samples("batch-0", "g0"), batch.samples[0].trajectory.id, payload)
+    feed(acl, names.batches, manifest_of(batch, [names.batched_samples("batch-0", "g0")], [len(payload)]))
 
     async def job() -> None:
         committed: list[str] = []
 
-        async def on_committed(entry_id: str, _: TrainingBatch) -> None:
+        async def on_committed(entry_id: str, _: BatchManifest) -> None:
             committed.append(entry_id)
 
-        await consume(acl, "learner", names.batches, TrainingBatch, lambda b: [], ack=False, on_committed=on_committed)
+        await consume(acl, "learner", names.batches, BatchManifest, lambda b: [], ack=False, on_committed=on_committed)
         bus, lease = await fenced_bus(acl, "learner")
+        ((_, fields),) = await bus.redis.xrange(names.batches, count=1)
+        manifest = decode(fields[b"d"], BatchManifest)
+        assert await fetch_batch(bus.redis, manifest, max_reply_bytes=2**20) == batch
         ledger = LearnerLedger(bus, names)
         assert list(await ledger.still_to_come(names.batches)) == [0]
         await ledger.claim(0, "fingerprint-0")
@@ -426,7 +442,7 @@ def test_learner_user_does_the_learner_job(acl: AclRedis) -> None:
         letter = DeadLetter(names.batches, entry, "learner", "learner", err, deliveries=1, payload=b"", ts=0.0)
         assert await ledger.dead_letter_once("batch-0", letter)
         assert not await ledger.dead_letter_once("batch-0", letter)
-        await ledger.ack(names.batches, committed, ["batch-0"], acked_from=0, acked_index=1)
+        await ledger.ack(names.batches, committed, ["batch-0"], acked_from=0, acked_index=1, payloads=manifest.buffers)
         assert await ledger.acked_index() == 1
         await lease.release()
         await bus.redis.aclose()
@@ -435,6 +451,7 @@ def test_learner_user_does_the_learner_job(acl: AclRedis) -> None:
     admin = acl.client("admin")
     assert admin.xlen(names.weights) == 1 and len(dead_letters(acl)) == 2
     assert admin.xpending(names.batches, "learner")["pending"] == 0
+    assert not admin.exists(names.batched_samples("batch-0", "g0"))
     assert refusals(acl) == []
 
 
@@ -512,6 +529,10 @@ REFUSED = [
     Case("reward", ("XACK", N.batches, "learner", "0-1"), "acknowledging the learner's input"),
     Case("learner", ("XADD", N.prompts, "*", "d", "x"), "prompts come from the coordinator"),
     Case("learner", ("HSET", N.group_buffer("g"), "t", "x"), "group buffers are the coordinator's"),
+    Case("learner", ("HGETALL", N.group_buffer("g")), "a group still collecting is the coordinator's"),
+    Case(
+        "learner", ("HSET", N.batched_samples("batch-0", "g"), "t", "x"), "a batch's payloads are read, never written"
+    ),
     Case("learner", ("SET", N.state("policy_version"), "99"), "the policy version is the coordinator's"),
     Case("coordinator", ("XADD", N.weights, "*", "d", W), "only the learner publishes weights"),
     Case("coordinator", ("XADD", N.trajectories, "*", "d", "x"), "trajectories come from rollout"),

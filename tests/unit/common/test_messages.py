@@ -10,9 +10,11 @@ from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
     MESSAGE_TYPES,
+    BatchManifest,
     DeadLetter,
     Heartbeat,
     PromptWorkItem,
+    SampleRef,
     ScoredTrajectory,
     Tensor,
     TrainingBatch,
@@ -46,6 +48,22 @@ SAMPLES = [
         policy_version=0,
         staleness=[0],
     ),
+    BatchManifest(
+        id="batch-0",
+        index=0,
+        samples=[
+            SampleRef(
+                trajectory_id="p1/0",
+                group_id="p1",
+                key="streamrl:{run}:batched:p1",
+                field="p1/0",
+                policy_version_start=0,
+                num_bytes=300,
+            )
+        ],
+        policy_version=0,
+        staleness=[0],
+    ),
     WeightsPublished(
         version=1, step=1, batch_id="batch-0", checksum="ab", num_bytes=1, num_buckets=1, endpoint="tcp://x:1"
     ),
@@ -66,6 +84,14 @@ def test_roundtrip_and_plain_msgpack_view(message: object) -> None:
     assert decode(data) == message
     plain = msgpack.unpackb(data, raw=False)
     assert isinstance(plain, dict) and plain["v"] == 1 and plain["type"] in MESSAGE_TYPES
+
+
+def test_a_manifests_plain_msgpack_view_names_where_each_payload_lies() -> None:
+    (manifest,) = [m for m in SAMPLES if isinstance(m, BatchManifest)]
+    plain = msgpack.unpackb(encode(manifest), raw=False)
+    assert plain["type"] == "batch_manifest" and plain["id"] == "batch-0"
+    (ref,) = plain["samples"]
+    assert (ref["key"], ref["field"], ref["num_bytes"]) == ("streamrl:{run}:batched:p1", "p1/0", 300)
 
 
 def test_tensor_layout_is_documented() -> None:

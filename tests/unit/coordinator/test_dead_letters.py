@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from coordinator_fakes import Prompts, sample
 
+from streamrl.common.batch_payloads import manifest_of
 from streamrl.common.codec import encode
 from streamrl.common.messages import (
     BATCH_SKIPPED,
@@ -70,3 +71,22 @@ def test_unreadable_payloads_and_other_messages() -> None:
     assert what_was_lost(letter(cut), batches_stream=BATCHES) is None
     weights = WeightsPublished(version=1, step=1, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="")
     assert what_was_lost(letter(weights, "streamrl:r:weights"), batches_stream=BATCHES) is None
+
+
+def test_a_manifests_letter_names_its_batch_and_the_hashes_of_its_samples() -> None:
+    """A batch travels as a manifest: its letter counts the same, and names the hashes to delete."""
+    batch = TrainingBatch(
+        id="batch-3",
+        index=3,
+        samples=[sample("p7", 0), sample("p7", 1), sample("p8", 0)],
+        policy_version=3,
+        staleness=[0] * 3,
+    )
+    keys = ["streamrl:{r}:batched:batch-3:p7"] * 2 + ["streamrl:{r}:batched:batch-3:p8"]
+    manifest = manifest_of(batch, keys, [100, 100, 100])
+    skipped = f"batch-3 (3 samples) {BATCH_SKIPPED}: batch-3: payloads missing in Redis (1 of the 3 ...)"
+    lost = what_was_lost(letter(manifest, BATCHES, skipped), batches_stream=BATCHES)
+    assert lost == LostBatch("batch-3", 3, 2, ("streamrl:{r}:batched:batch-3:p7", "streamrl:{r}:batched:batch-3:p8"))
+    refused = what_was_lost(letter(manifest, BATCHES, "PoisonMessageError: batch-3 is ahead"), batches_stream=BATCHES)
+    assert refused == RefusedBatch("batch-3", 3, 2, encode(manifest), lost.buffers)  # type: ignore[union-attr]
+    assert what_was_lost(letter(manifest, "streamrl:r:scored", skipped), batches_stream=BATCHES) is None

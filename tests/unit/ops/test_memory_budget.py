@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
+from streamrl.common.batch_payloads import manifest_of
 from streamrl.common.codec import encode
 from streamrl.common.config import ConfigError, ConsumerConfig, RedisConfig, read_recipe, validate
-from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.messages import ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.streams import StreamNames
 from streamrl.ops.memory_budget import (
     MIB,
     SERVICE_DEFAULTS,
@@ -143,6 +146,23 @@ def test_message_sizes_cover_real_messages() -> None:
     assert 0.9 * sizes.trajectory <= len(encode(traj)) <= sizes.trajectory
     assert 0.9 * sizes.scored <= len(encode(scored)) <= sizes.scored
     assert sizes.batch >= SHAPE.batch_samples * len(encode(scored))
+    # the batch's entry is its manifest: long ids (48 characters) and a trace context per sample
+    names, group = StreamNames("r" * 48), "g" * 48
+    samples = [
+        msgspec.structs.replace(
+            scored,
+            traceparent=traj.traceparent,
+            trajectory=msgspec.structs.replace(traj, id=f"{group}/{i}", group_id=group),
+        )
+        for i in range(SHAPE.batch_samples)
+    ]
+    batch = TrainingBatch(
+        id="batch-99999", index=99999, samples=samples, policy_version=99999, staleness=[99999] * len(samples)
+    )
+    keys = [names.batched_samples(batch.id, group)] * len(samples)
+    manifest = manifest_of(batch, keys, [len(encode(scored))] * len(samples))
+    assert 0.8 * sizes.manifest <= len(encode(manifest)) <= sizes.manifest
+    assert sizes.manifest < sizes.batch / 4, "a manifest is a small part of the batch it names"
 
 
 def test_the_bound_grows_with_what_the_run_holds() -> None:

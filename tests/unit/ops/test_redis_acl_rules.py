@@ -61,7 +61,9 @@ def test_categories_of_commands_are_granted_on_a_service_own_state_only() -> Non
     for user in SERVICES:
         for g in grants(user, "r1"):
             if any("@" in c for c in g.commands):
-                assert not streams & set(g.keys) and all(":state:" in k or ":groups" in k for k in g.keys), g
+                assert not streams & set(g.keys) and all(
+                    ":state:" in k or ":groups" in k or ":batched:" in k for k in g.keys
+                ), g
                 assert "-@dangerous" in g.commands and "-scan" in g.commands
 
 

@@ -128,7 +128,25 @@ duplicate: the entry was acked already, or the once key exists; nothing written)
 token. KEYS: every key the call touches (:func:`commit_keys`), declared as Redis Cluster requires;
 they share the run's hash tag (:mod:`streamrl.common.streams`), so one call stays on one slot."""
 MAX_COMMITS_PER_CALL = 256
-"""Commits in one script call (the server runs a call without interruption)."""
+"""Commits in one script call (the server runs a call without interruption); their bytes are capped too
+(``redis.max_command_mb``, :func:`take_commits`)."""
+
+
+def commit_bytes(args: Sequence[str | bytes | int]) -> int:
+    """The bulk bytes of one commit's ARGV (payloads and names; an int counts as its digits)."""
+    return sum(len(a) if isinstance(a, bytes | str) else len(str(a)) for a in args)
+
+
+def take_commits(sizes: Sequence[int], max_bytes: int, max_count: int = MAX_COMMITS_PER_CALL) -> int:
+    """How many of the waiting commits (``sizes``: bytes of each, in order) go into the next call: at most
+    ``max_count``, adding up to at most ``max_bytes`` - but always at least one (a commit bigger than the
+    budget goes alone; its outputs are bounded by ``redis.max_message_mb`` each)."""
+    total = 0
+    for n, size in enumerate(sizes[:max_count]):
+        if n and total + size > max_bytes:
+            return n
+        total += size
+    return min(len(sizes), max_count)
 
 
 RECONNECT_BACKOFF_CAP_S = 2.0
@@ -247,8 +265,11 @@ class Bus:
         max_message_bytes: int = 32 * 2**20,
         outage_s: float | None = None,
         retain_consumed_s: float = 0.0,
+        max_command_bytes: int = 8 * 2**20,
     ) -> None:
         self.redis = redis
+        self.max_command_bytes = max_command_bytes
+        """Bulk bytes of one command at most (``redis.max_command_mb``): commit calls, payload reads."""
         self.retain_consumed_s = retain_consumed_s
         """Consumed entries younger than this are kept when consumer loops trim their stream (``redis.retain_consumed_s``)."""
         self.maxlen = maxlen
@@ -381,35 +402,38 @@ def _fresh(reply: Any) -> bool:
 
 
 class CommitBatcher:
-    """Sends the commits of concurrently handled entries together: one script call per batch.
+    """Sends the commits of concurrently handled entries together: one script call per batch of at most
+    ``MAX_COMMITS_PER_CALL`` commits and ``bus.max_command_bytes`` bytes (:func:`take_commits`).
 
     Each commit keeps its own outcome (written, duplicate, or its own error).
     """
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        self._pending: list[tuple[list[str | bytes | int], asyncio.Future[bool]]] = []
+        self._pending: list[tuple[list[str | bytes | int], asyncio.Future[bool], int]] = []
         self._flusher: asyncio.Task[None] | None = None
 
     async def commit(self, outputs: Sequence[Output], **kwargs: Any) -> bool:
         """Like :meth:`Bus.commit`, sent with the other commits waiting."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending.append((self.bus.commit_args(outputs, **kwargs), future))
+        args = self.bus.commit_args(outputs, **kwargs)
+        self._pending.append((args, future, commit_bytes(args)))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         return await future
 
     async def _flush(self) -> None:
         while self._pending:
-            batch, self._pending = self._pending[:MAX_COMMITS_PER_CALL], self._pending[MAX_COMMITS_PER_CALL:]
+            n = take_commits([size for _, _, size in self._pending], self.bus.max_command_bytes)
+            batch, self._pending = self._pending[:n], self._pending[n:]
             try:
-                replies = await self.bus.run_commits([a for a, _ in batch])
+                replies = await self.bus.run_commits([a for a, _, _ in batch])
             except Exception as e:  # noqa: BLE001 - the call failed as a whole: every waiter gets the error
-                for _, future in batch:
+                for _, future, _ in batch:
                     if not future.done():
                         future.set_exception(e)
                 continue
-            for (_, future), reply in zip(batch, replies, strict=True):
+            for (_, future, _), reply in zip(batch, replies, strict=True):
                 if future.done():
                     continue
                 try:

@@ -47,6 +47,11 @@ class RedisConfig(BaseConfig):
     """Largest message (encoded) a service writes to or handles from a stream (MiB). A bigger output
     fails the entry that produced it (dead-lettered with the sizes); a bigger entry read is
     dead-lettered at once, its payload cut to the first 64 KiB."""
+    max_command_mb: float = Field(8.0, gt=0)
+    """Largest Redis command a service sends or reply it asks for, in bulk data (MiB): a batch's payloads
+    are read in replies of at most this (one payload bigger than it alone), and one call of the commit
+    script carries at most this much of outputs (one commit bigger than it alone). Keeps each command
+    short, so no client waits long behind another's."""
     outage_s: float = Field(60.0, gt=0)
     """How long a service rides out a Redis outage (a restart, a failover): its commands reconnect and
     retry with backoff for about this long, then the service stops with the error (s)."""
@@ -60,6 +65,10 @@ class RedisConfig(BaseConfig):
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mb * 2**20)
+
+    @property
+    def max_command_bytes(self) -> int:
+        return int(self.max_command_mb * 2**20)
 
 
 LEASE_TTL_FACTOR = 5.0

@@ -223,6 +223,7 @@ async def _serve(
             redis,
             maxlen=config.redis.maxlen,
             max_message_bytes=config.redis.max_message_bytes,
+            max_command_bytes=config.redis.max_command_bytes,
             outage_s=config.redis.outage_s,
             retain_consumed_s=config.redis.retain_consumed_s,
         ),

@@ -9,10 +9,19 @@ Flow (stream names come from :mod:`streamrl.common.streams`)::
     coordinator -> prompts      -> rollout      PromptWorkItem
     rollout     -> trajectories -> reward       Trajectory
     reward      -> scored       -> coordinator  ScoredTrajectory
-    coordinator -> batches      -> learner      TrainingBatch
+    coordinator -> batches      -> learner      BatchManifest (or a whole TrainingBatch)
     learner     -> weights      -> rollout, coordinator   WeightsPublished
     every consumer -> dead                      DeadLetter
     every service -> hb key (not a stream)      Heartbeat
+
+A batch travels by reference: the coordinator publishes a :class:`BatchManifest` (the batch's
+header and, per sample, a :class:`SampleRef` naming the Redis hash field that holds its
+ScoredTrajectory: the group buffer ``groups:{group id}``, field = trajectory id); the learner reads
+the payloads itself, in replies of at most ``redis.max_command_mb`` (:mod:`streamrl.common.batch_payloads`),
+and trains the :class:`TrainingBatch` they make. So no stream entry grows with the batch's tokens
+(18,000 samples: a manifest of a few MB). The payloads stay until the batch is trained and covered by
+a checkpoint (the learner deletes them with its acknowledgement) or counted dead (the coordinator
+deletes them). A whole TrainingBatch on ``batches`` is still accepted (v1 of the batch contract).
 
 A change that breaks compatibility adds a new version next to the old one; it never edits a
 published version in place.
@@ -236,6 +245,52 @@ class TrainingBatch(_Message, tag="batch"):
     traceparent: str = ""
 
 
+class SampleRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one sample of a :class:`BatchManifest` lives: a field of a Redis hash holding its encoded
+    :class:`ScoredTrajectory`."""
+
+    trajectory_id: str
+    group_id: str
+    key: str
+    """The Redis hash holding the payload (the group's buffer, ``streamrl:{run}:groups:{group id}``)."""
+    field: str
+    """The field of ``key`` holding it (the trajectory id)."""
+    policy_version_start: int
+    """The sample's ``trajectory.policy_version_start`` (what staleness is counted from)."""
+    num_bytes: int
+    """Size of the encoded payload (bytes): what the reader plans its reads by."""
+    traceparent: str = ""
+    """The sample's trace context in the batch (its batch-wait span), which replaces the stored payload's
+    ``traceparent``; empty: the payload's stands."""
+
+
+class BatchManifest(_Message, tag="batch_manifest"):
+    """A training batch by reference: what the learner fetches and trains as a :class:`TrainingBatch`.
+    coordinator -> batches -> learner.
+
+    The learner reads ``samples`` (payloads) from Redis, in order; a missing payload makes the batch
+    unusable (skipped, dead-lettered: its groups are counted dropped), never trained short.
+    """
+
+    id: str
+    """Batch id, unique per run: ``batch-{index}``."""
+    index: int
+    """Batch sequence number (0, 1, ...); the learner applies batches in this order."""
+    samples: list[SampleRef]
+    """Complete groups, contiguous by group (the TrainingBatch's samples, in its order)."""
+    policy_version: int
+    """Policy version when the batch was built."""
+    staleness: list[int]
+    """Per sample, as :attr:`TrainingBatch.staleness`."""
+    created_at: float = 0.0
+    traceparent: str = ""
+
+    @property
+    def buffers(self) -> list[str]:
+        """The Redis keys holding the payloads, each once, in order."""
+        return list(dict.fromkeys(s.key for s in self.samples))
+
+
 class IpcBuffer(msgspec.Struct, frozen=True):
     """One of the learner's flat weight buffers on its GPU, shared over CUDA IPC.
 
@@ -407,7 +462,16 @@ that are no batch) lost nothing the coordinator issued."""
 
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
-    for cls in (PromptWorkItem, Trajectory, ScoredTrajectory, TrainingBatch, WeightsPublished, Heartbeat, DeadLetter)
+    for cls in (
+        PromptWorkItem,
+        Trajectory,
+        ScoredTrajectory,
+        TrainingBatch,
+        BatchManifest,
+        WeightsPublished,
+        Heartbeat,
+        DeadLetter,
+    )
 }
 SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {tag: frozenset({SCHEMA_VERSION}) for tag in MESSAGE_TYPES}
 Message = _Message

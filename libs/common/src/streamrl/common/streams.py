@@ -82,6 +82,12 @@ class StreamNames:
         """Hash of the scored trajectories collected so far for one prompt group."""
         return self._key("groups", group_id)
 
+    def batched_samples(self, batch_id: str, group_id: str) -> str:
+        """Hash of a batched group's scored trajectories (its buffer, renamed when the group went into batch
+        ``batch_id``), read by the learner; deleted once the batch is trained and checkpointed, or counted dead.
+        ``batched_samples(batch_id, "")`` is the prefix of every hash of that batch."""
+        return self._key("batched", batch_id, group_id)
+
     @property
     def group_index(self) -> str:
         """Sorted set of group ids with collected samples, scored by first arrival."""

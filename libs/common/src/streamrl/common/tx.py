@@ -185,6 +185,11 @@ class Tx:
             self.call("DEL", key)
         return self
 
+    def rename(self, key: str, new_key: str) -> Tx:
+        """RENAME (both keys declared); an error when ``key`` does not exist, so queue it before any write."""
+        self.keys[new_key] = None
+        return self.call("RENAME", key, new_key)
+
     def expire(self, key: str, seconds: int) -> Tx:
         return self.call("EXPIRE", key, seconds)
 

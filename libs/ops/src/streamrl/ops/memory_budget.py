@@ -6,10 +6,11 @@ length by a fixed amount per step; the bound adds up each term (:func:`memory_bo
 * **in flight**: the coordinator admits groups for ``H = max_staleness + prefetch_steps + 1``
   batches ahead of the learner (:mod:`streamrl.coordinator.admission`), ``N = H x B`` samples with
   ``B = prompts_per_step x group_size``. Each sample's live copy sits in one place at a time (a
-  trajectory or scored entry, a group buffer, a batch), counted at the largest of them (a scored
-  trajectory); the groups' prompt items are counted besides.
-* **retained batches**: the learner acknowledges a batch only once a checkpoint covers it, so up to
-  ``min(checkpoint_every, total_steps)`` trained batches stay.
+  trajectory or scored entry, a group buffer - renamed ``batched:`` once batched, with the batch's
+  manifest naming it), counted at the largest of them; the groups' prompt items are counted besides.
+* **retained batches**: the learner acknowledges a batch only once a checkpoint covers it, and deletes
+  its payloads then, so up to ``min(checkpoint_every, total_steps)`` trained batches stay: each its
+  manifest entry and its samples' hashes.
 * **consumed, not yet trimmed**: streams are trimmed to what their groups still need every
   ``trim_interval_s``, keeping consumed entries ``redis.retain_consumed_s`` longer: at most
   ``L = ceil((retain_consumed_s + trim_interval_s) / min_step_s)`` batches' worth of every stream.
@@ -24,8 +25,9 @@ length by a fixed amount per step; the bound adds up each term (:func:`memory_bo
 * **lifetimes**: operation (``once:``) keys - one per transaction, and per commit that acknowledges
   no entry - about ``(2 x prompts_per_step + 16) / min_step_s`` a second, each kept ``2 x outage_s``;
   heartbeats, leases and the instance set, per instance.
-* **transient**: a batch is in Redis up to three more times while it is written and read (the
-  writer's query buffer, the AOF buffer, the reader's reply buffer), plus one read of scored entries.
+* **transient**: a batch's manifest is in Redis up to three more times while it is written and read
+  (the writer's query buffer, the AOF buffer, the reader's reply buffer), plus one read of its
+  payloads (at most ``redis.max_command_mb``, or one sample) and one read of scored entries.
 
 Message sizes are those the real codec produces for the longest trajectory the config allows
 (``prompt + response <= rollout.engine.max_model_len``, ``response <= max_new_tokens`` or, in
@@ -48,8 +50,10 @@ from pydantic import ValidationError
 
 from streamrl.common.codec import encode
 from streamrl.common.messages import (
+    BatchManifest,
     Image,
     PromptWorkItem,
+    SampleRef,
     SamplingParams,
     ScoredTrajectory,
     Tensor,
@@ -164,6 +168,8 @@ class RunShape:
     """Batch-sized dead letters kept (a batch the learner skipped; assumption)."""
     max_message_bytes: int = 32 * MIB
     """``redis.max_message_mb``: no entry is larger (a skipped batch's letter keeps at most half)."""
+    max_command_bytes: int = 8 * MIB
+    """``redis.max_command_mb``: one read of a batch's payloads returns at most this (or one sample)."""
     weights_transport: str = "zmq"
     """``learner.weights_transport``: CUDA IPC and broadcast events list every tensor."""
 
@@ -212,6 +218,7 @@ _AT_LEAST_ONE = {
     "read_count",
     "instances",
     "max_message_bytes",
+    "max_command_bytes",
 }
 
 
@@ -223,6 +230,9 @@ class MessageSizes:
     trajectory: int
     scored: int
     batch: int
+    """A batch's payloads together (its samples' scored trajectories)."""
+    manifest: int
+    """A batch's entry on ``batches``: its BatchManifest."""
     eval_prompt: int
     eval_scored: int
 
@@ -301,9 +311,34 @@ def message_sizes(shape: RunShape) -> MessageSizes:
         trajectory=traj,
         scored=scored,
         batch=batch_header + shape.batch_samples * scored,
+        manifest=batch_header + shape.batch_samples * sample_ref_bytes(),
         eval_prompt=eval_prompt,
         eval_scored=eval_scored,
     )
+
+
+GROUP_ID_CHARS = 48
+"""A group id's characters at most (``{run}-p{row}-...``; assumption), in a sample's reference."""
+RUN_ID_CHARS = 48
+"""A run id's characters at most (assumption), in the key names a reference holds."""
+
+
+def sample_ref_bytes() -> int:
+    """Encoded bytes of one sample's reference in a manifest (long ids, a trace context), each at most."""
+    group = "g" * GROUP_ID_CHARS
+    key = f"streamrl:{{{'r' * RUN_ID_CHARS}}}:batched:batch-{10**9}:{group}"
+    ref = SampleRef(
+        trajectory_id=f"{group}/{10**4}",
+        group_id=group,
+        key=key,
+        field=f"{group}/{10**4}",
+        policy_version_start=2**31,
+        num_bytes=2**31,
+        traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+    )
+    header = BatchManifest(id="", index=0, samples=[], policy_version=0, staleness=[])
+    with_ref = BatchManifest(id="", index=0, samples=[ref], policy_version=0, staleness=[])
+    return len(encode(with_ref)) - len(encode(header))
 
 
 @dataclass(frozen=True)
@@ -332,23 +367,27 @@ def _stream(entries: int, payload: int, maxlen: int, pending: bool = True) -> in
 def memory_bound(shape: RunShape) -> MemoryBound:
     """Upper bound on the bytes (``used_memory``) the run holds in Redis at any time, term by term."""
     s = message_sizes(shape)
-    big_batch = stream_entry_bytes(s.batch)
+    manifest = stream_entry_bytes(s.manifest)
     n_groups, n_samples = shape.horizon_batches * shape.prompts_per_step, shape.horizon_batches * shape.batch_samples
     lag_groups, lag_samples = shape.lag_batches * shape.prompts_per_step, shape.lag_batches * shape.batch_samples
-    per_sample = max(stream_entry_bytes(s.scored), hash_field_bytes(s.scored), big_batch / shape.batch_samples)
+    batched_sample = hash_field_bytes(s.scored) + manifest / shape.batch_samples  # a payload and its reference
+    per_sample = max(stream_entry_bytes(s.scored), batched_sample)
+    batch_hashes = shape.prompts_per_step * KEY_OVERHEAD  # the batched groups' hashes themselves
     eval_samples = OPEN_EVAL_ROUNDS * shape.eval_prompts
-    dead_batch = min(s.batch, shape.max_message_bytes // 2)
+    dead_batch = min(s.manifest, shape.max_message_bytes // 2)
+    payload_read = min(s.batch, max(shape.max_command_bytes, s.scored))
     once_rate = (2 * shape.prompts_per_step + 16) / shape.min_step_s
     terms = {
         "base": BASE_BYTES,
         "in_flight_samples": math.ceil(n_samples * per_sample),
         "in_flight_prompts": _stream(n_groups, s.prompt, shape.maxlen),
-        "retained_batches": min(shape.checkpoint_every, shape.total_steps) * big_batch,
+        "retained_batches": min(shape.checkpoint_every, shape.total_steps)
+        * math.ceil(shape.batch_samples * batched_sample + batch_hashes),
         "consumed_untrimmed": (
             _stream(lag_groups, s.prompt, shape.maxlen, pending=False)
             + _stream(lag_samples, s.trajectory, shape.maxlen, pending=False)
             + _stream(lag_samples, s.scored, shape.maxlen, pending=False)
-            + min(shape.lag_batches, shape.maxlen) * stream_entry_bytes(s.batch, pending=False)
+            + min(shape.lag_batches, shape.maxlen) * stream_entry_bytes(s.manifest, pending=False)
         ),
         "evaluation": eval_samples
         * (stream_entry_bytes(s.eval_prompt) + 2 * stream_entry_bytes(s.eval_scored) + hash_field_bytes(s.eval_scored)),
@@ -364,7 +403,9 @@ def memory_bound(shape: RunShape) -> MemoryBound:
         "run_state": RUN_STATE_BYTES + n_groups * GROUP_STATE_BYTES,
         "once_keys": math.ceil(once_rate * 2 * shape.outage_s) * ONCE_KEY_BYTES,
         "instances": shape.instances * INSTANCE_BYTES,
-        "transient": 3 * jemalloc_size(s.batch) + shape.read_count * jemalloc_size(s.scored),
+        "transient": 3 * jemalloc_size(s.manifest)
+        + jemalloc_size(payload_read)
+        + shape.read_count * jemalloc_size(s.scored),
     }
     return MemoryBound(terms=terms, sizes=s, shape=shape)
 
@@ -425,6 +466,7 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     "redis.maxlen": 100_000,
     "redis.outage_s": 60.0,
     "redis.max_message_mb": 32.0,
+    "redis.max_command_mb": 8.0,
     "redis.retain_consumed_s": 0.0,
     "consumer.claim_interval_s": 5.0,
     "consumer.count": 16,
@@ -508,6 +550,7 @@ def shape_from_recipe(data: dict[str, Any], assumptions: dict[str, Any] | None =
             read_count=number("consumer.count"),
             instances=max(1, instances),
             max_message_bytes=int(number("redis.max_message_mb", float) * MIB),
+            max_command_bytes=int(number("redis.max_command_mb", float) * MIB),
             weights_transport=str(recipe_value(data, "learner.weights_transport")),
             **(assumptions or {}),
         )

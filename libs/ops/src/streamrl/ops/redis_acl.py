@@ -7,10 +7,12 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
 
     user         consumes and trims (group)   follows            writes
     coordinator  scored (coordinator)         weights, dead      prompts, batches, dead, state:* but
-                                                                 state:learner*, groups*, once:*
+                                                                 state:learner*, groups*, batched:*,
+                                                                 once:*
     rollout      prompts (rollout)            weights            trajectories, dead, served
     reward       trajectories (reward)        -                  scored, dead
-    learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*
+    learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*,
+                                                                 batched:* (HMGET, UNLINK only)
     observer     -                            every key (reads)  nothing
 
 and every service: its own heartbeats ``hb:{service}:*`` and leases ``lease:instance:{service}:*``
@@ -169,7 +171,9 @@ def grants(user: str, run_id: str) -> list[Grant]:
         own = [
             Grant("W", (names.prompts, names.batches), PUBLISH),
             Grant("R", (names.weights, names.dead), FOLLOW),
-            Grant("RW", (*state, names.group_buffer("*"), names.group_index), OWN_STATE),
+            Grant(
+                "RW", (*state, names.group_buffer("*"), names.group_index, names.batched_samples("*", "*")), OWN_STATE
+            ),
         ]
     elif user == "rollout":
         own = [
@@ -185,6 +189,8 @@ def grants(user: str, run_id: str) -> list[Grant]:
             Grant("R", (names.batches,), ("xrange",)),  # the ledger reads what is still to come (after a restart)
             Grant("R", (names.state("batch_index"),), ("get",)),  # how far the coordinator has published (gaps)
             Grant("RW", (names.state("learner*"),), OWN_STATE),
+            # a batch's payloads, read by reference and deleted once the batch is trained and checkpointed
+            Grant("RW", (names.batched_samples("*", "*"),), ("hmget", "unlink")),
         ]
     return common + own
 

@@ -3,23 +3,28 @@ the learner gave up on are accounted for.
 
 Which groups go into batch ``k`` is the pure rule of ``batching.py``. Here it meets Redis: groups over
 the staleness bound are dropped (their replacements owed the version batch ``k`` needs), and batch
-``k`` (id ``batch-{k}``, from its index) is published in the same transaction that removes its groups
-from ``ready`` and sets ``batch_index`` to ``k + 1`` - on the precondition that ``batch_index`` is
+``k`` (id ``batch-{k}``, from its index) is published - as a BatchManifest naming where each sample's
+payload lies, never the payloads - in the same transaction that removes its groups from ``ready``
+(renaming their buffers to ``batched:{batch}:{group}``, :meth:`GroupBuffer.queue_batched`) and sets
+``batch_index`` to ``k + 1`` - on the precondition that ``batch_index`` is
 still ``k`` (compare-and-set). A re-send of that transaction after a lost reply runs it once
 (:mod:`streamrl.common.tx`), and a builder whose view is out of date (a restarted or deposed
 coordinator, which the lease fence stops anyway) finds the index taken, writes nothing and reads the
 state again: the ``batches`` stream never holds an index twice nor skips one.
 
 A batch the learner consumed without training it (it failed ``max_deliveries`` times) reaches the
-``dead`` stream as a DeadLetter holding the TrainingBatch. The learner still publishes a version for
-it (version = batches consumed), so admission goes on; here its groups are counted dropped once per
-batch id (``batches_dead``, ``samples_dead``, ``batch_groups_dead``) with one error line naming the
-reason - they are not in flight any more and are never failed or replaced.
+``dead`` stream as a DeadLetter holding the batch's manifest (a missing payload makes one such: the
+learner never trains a batch short). The learner still publishes a version for it (version = batches
+consumed), so admission goes on; here its groups are counted dropped once per batch id
+(``batches_dead``, ``samples_dead``, ``batch_groups_dead``) with one error line naming the reason -
+they are not in flight any more and are never failed or replaced - and their samples
+(``batched:{batch}:{group}``, only those named under the batch's own id) are deleted in the same script. A trained batch's samples are deleted by the
+learner, when a checkpoint covers it.
 
 A batch the learner refused *without consuming it* (it arrived out of order, or conflicts with what
 the learner holds at its index) gets no version: in synchronous mode admission would stay closed for
 ever, waiting for a version that needs that very index consumed. It is sent again, whole, at its
-index (:meth:`BatchBuilder.resend`; the learner takes a copy of a batch it already consumed as a
+index (:meth:`BatchBuilder.resend`: the same manifest, whose samples are still kept; the learner takes a copy of a batch it already consumed as a
 duplicate), at most ``consumer.max_deliveries - 1`` times; refused once more, its groups are counted
 dropped as above.
 
@@ -31,9 +36,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamrl.common.codec import encode
+from streamrl.common.batch_payloads import manifest_of, owned_buffers
 from streamrl.common.messages import TrainingBatch
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
 from streamrl.common.telemetry.tracing import NULL_TRACING, Attributes, Tracing
@@ -51,10 +57,11 @@ logger = logging.getLogger(__name__)
 DEAD_BATCH_LUA = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('INCR', KEYS[2]); redis.call('INCRBY', KEYS[3], ARGV[2]); redis.call('INCRBY', KEYS[4], ARGV[3])
+for i = 5, #KEYS do redis.call('DEL', KEYS[i]) end
 return 1
 """
-"""Count a dead-lettered batch once. KEYS: dead_batch_ids, batches_dead, samples_dead, batch_groups_dead;
-ARGV: id, samples, groups."""
+"""Count a dead-lettered batch once, deleting its samples. KEYS: dead_batch_ids, batches_dead, samples_dead,
+batch_groups_dead, then the hashes holding its samples; ARGV: id, samples, groups."""
 RESEND_LUA = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return -1 end
 local n = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
@@ -68,7 +75,8 @@ id, limit, maxlen, payload. Reply: the resend's number, 0 (limit reached) or -1 
 
 @dataclass(frozen=True)
 class Built:
-    """A batch published, with the samples dropped as too stale while it was built."""
+    """A batch published (its manifest; ``batch`` is what it names), with the samples dropped as too stale
+    while it was built."""
 
     batch: TrainingBatch
     num_too_stale: int
@@ -106,7 +114,8 @@ class BatchBuilder:
             stored_index = await self.state.get_raw(st.BATCH_INDEX)
             index = int(stored_index) if stored_index is not None else 0
             ready_ids = await self.groups.ready()
-            members = await self.groups.samples(ready_ids)
+            stored = await self.groups.stored(ready_ids)
+            members = {g: [sample for sample, _ in stored[g]] for g in ready_ids}
             ready = [ReadyGroup(g, min(s.trajectory.policy_version_start for s in members[g])) for g in ready_ids]
             pick = select_groups(
                 ready, index=index, max_staleness=self.max_staleness, per_step=self.per_step, drop_stale=self.drop_stale
@@ -150,10 +159,14 @@ class BatchBuilder:
                 created_at=created,
                 traceparent=span.traceparent,
             )
+            manifest = manifest_of(
+                batch,
+                [self.groups.batched(batch_id, g.group_id) for g in pick.chosen for _ in stored[g.group_id]],
+                [size for g in pick.chosen for _, size in stored[g.group_id]],
+            )
             tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
-            # not bus.encode: a batch is many trajectories, each already checked against the size limit
-            tx.xadd_raw(self.state.names.batches, encode(batch))
-            self.groups.queue_batched(tx, [g.group_id for g in pick.chosen])
+            self.groups.queue_batched(tx, [g.group_id for g in pick.chosen], batch_id)  # first: renames the buffers
+            tx.xadd(self.state.names.batches, manifest)
             tx.set(self.state.key(st.BATCH_INDEX), index + 1)
             published = await self._execute(tx, index)
             span.end()
@@ -173,10 +186,15 @@ class BatchBuilder:
             return False
         return True
 
-    async def record_dead(self, batch_id: str, num_samples: int, num_groups: int | None, reason: str) -> bool:
-        """Count a batch the learner dead-lettered as dropped (once per id); False when it was counted before."""
+    async def record_dead(
+        self, batch_id: str, num_samples: int, num_groups: int | None, reason: str, buffers: Sequence[str] = ()
+    ) -> bool:
+        """Count a batch the learner dead-lettered as dropped (once per id), deleting those of ``buffers`` (the
+        hashes its letter's manifest names) that hold its samples (named under its id: a conflicting or forged
+        manifest naming another batch's never deletes them); False when it was counted before."""
         k = self.state.key
-        keys = [k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD), k(st.BATCH_GROUPS_DEAD)]
+        owned = owned_buffers(self.state.names, batch_id, buffers)
+        keys = [k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD), k(st.BATCH_GROUPS_DEAD), *owned]
         fresh = bool(await self._dead_batch(keys, [batch_id, num_samples, num_groups or 0]))
         if fresh:
             groups = f"{num_groups} groups, " if num_groups is not None else ""

@@ -7,8 +7,9 @@ coordinator that is one of:
   issue a replacement (``groups.py``);
 * the same for an evaluation prompt (``is_eval``; its round is ``metadata["eval_version"]``): the
   prompt counts against its round, which closes without it (``evaluation.py``);
-* a training batch the learner consumed untrained (its letter says ``BATCH_SKIPPED``; it published that
-  index's version anyway): its groups are dropped, counted, never taken for a group (``batches.py``);
+* a training batch (a BatchManifest, or a whole TrainingBatch) the learner consumed untrained (its letter
+  says ``BATCH_SKIPPED``; it published that index's version anyway): its groups are dropped, counted,
+  never taken for a group, and a manifest's sample hashes deleted (``batches.py``);
 * a training batch the learner refused without consuming it (it came out of order, or conflicts with
   what the learner consumed at its index): no version comes for it, so the coordinator sends it again
   (``batches.py``) and counts it dropped only once that was refused too often. A batch whose payload
@@ -27,6 +28,7 @@ from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
     BATCH_SKIPPED,
+    BatchManifest,
     DeadLetter,
     Message,
     PromptWorkItem,
@@ -59,6 +61,8 @@ class LostBatch:
     num_samples: int
     num_groups: int | None
     """None when the letter kept no samples to count them from."""
+    buffers: tuple[str, ...] = ()
+    """The hashes holding its samples (a manifest's), to delete."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class RefusedBatch:
     num_samples: int
     num_groups: int
     payload: bytes
+    buffers: tuple[str, ...] = ()
+    """The hashes holding its samples (a manifest's): deleted if it is counted dropped."""
 
 
 Loss = LostGroup | LostEvalPrompt | LostBatch | RefusedBatch
@@ -83,13 +89,18 @@ def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
         if letter.stream == batches_stream and named:  # a batch's letter, its payload cut
             return LostBatch(named.group(0), _num_samples(letter.error[named.start() :], 0), None)
         return None
-    if isinstance(inner, TrainingBatch):
+    if isinstance(inner, TrainingBatch | BatchManifest):
         if letter.stream != batches_stream:
             return None
-        groups = len({s.trajectory.group_id for s in inner.samples})
+        if isinstance(inner, BatchManifest):
+            groups = len({s.group_id for s in inner.samples})
+            buffers = tuple(inner.buffers)
+        else:
+            groups = len({s.trajectory.group_id for s in inner.samples})
+            buffers = ()
         if BATCH_SKIPPED in letter.error or not inner.samples:
-            return LostBatch(inner.id, _num_samples(letter.error, len(inner.samples)), groups or None)
-        return RefusedBatch(inner.id, len(inner.samples), groups, letter.payload)
+            return LostBatch(inner.id, _num_samples(letter.error, len(inner.samples)), groups or None, buffers)
+        return RefusedBatch(inner.id, len(inner.samples), groups, letter.payload, buffers)
     if isinstance(inner, PromptWorkItem):
         group, is_eval, metadata = inner.id, inner.is_eval, inner.metadata
     elif isinstance(inner, Trajectory | ScoredTrajectory):

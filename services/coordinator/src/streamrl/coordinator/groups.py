@@ -7,7 +7,9 @@ A group (the ``group_size`` samples answering one prompt) moves through::
     collecting  its scored samples land in the hash ``groups:{id}`` (written by the scored consumer)
     complete    every sample in: to ``ready`` (counted in ``accepted``), or dropped by dynamic filtering
     failed      a member was dead-lettered, or the group outlived ``group_timeout_s``: buffer deleted
-    batched     taken into a training batch (``batches.py``)
+    batched     taken into a training batch (``batches.py``): its buffer renamed ``batched:{batch}:{id}``, where
+                the learner reads it; deleted once the batch is trained and checkpointed (by the
+                learner) or counted dead (by the coordinator)
 
 A group that leaves without reaching ``ready`` (filtered or failed) pushes the version it required
 onto ``owed_versions``, and its replacement takes that version (``admission.py`` says why). Every
@@ -235,26 +237,40 @@ class GroupBuffer:
     async def ready(self) -> list[str]:
         return [text(g) for g in await self.redis.lrange(self.state.key(st.READY), 0, -1)]
 
-    async def samples(self, groups: list[str]) -> dict[str, list[ScoredTrajectory]]:
-        """The stored samples of each group (one round trip), in sample order."""
+    async def stored(self, groups: list[str]) -> dict[str, list[tuple[ScoredTrajectory, int]]]:
+        """The stored samples of each group with their encoded sizes (bytes), in sample order (one round trip)."""
         pipe = self.redis.pipeline(transaction=False)
         for group in groups:
             pipe.hgetall(self.buffer(group))
         out = {}
         for group, raw in zip(groups, await pipe.execute(), strict=True):
-            samples = [decode(v, ScoredTrajectory) for v in raw.values()]
-            out[group] = sorted(samples, key=lambda s: s.trajectory.group_index)
+            samples = [(decode(v, ScoredTrajectory), len(v)) for v in raw.values()]
+            out[group] = sorted(samples, key=lambda s: s[0].trajectory.group_index)
         return out
 
-    def queue_batched(self, tx: Tx, groups: Iterable[str]) -> None:
-        """Add to ``tx`` (the transaction that XADDs the batch): these ready groups are batched."""
+    async def samples(self, groups: list[str]) -> dict[str, list[ScoredTrajectory]]:
+        """The stored samples of each group (one round trip), in sample order."""
+        return {g: [s for s, _ in stored] for g, stored in (await self.stored(groups)).items()}
+
+    def batched(self, batch_id: str, group: str) -> str:
+        """Where the samples of a group in batch ``batch_id`` are kept for the learner (its buffer, renamed)."""
+        return self.state.names.batched_samples(batch_id, group)
+
+    def queue_batched(self, tx: Tx, groups: Iterable[str], batch_id: str) -> None:
+        """Add to ``tx`` (the transaction that XADDs the batch's manifest), before its other writes: these ready
+        groups go into batch ``batch_id``. Their buffers are renamed to :meth:`batched` (a late copy of a sample then lands in a
+        fresh buffer, dropped as late, never over a payload the batch names); the learner reads the payloads
+        there and deletes them once the batch is trained and checkpointed (or the coordinator, when the batch is
+        counted dead: ``batches.py``)."""
+        for group in groups:
+            tx.rename(self.buffer(group), self.batched(batch_id, group))
+            tx.lrem(self.state.key(st.READY), 1, group)
+
+    def queue_drop_ready(self, tx: Tx, groups: list[str], owed_version: int) -> None:
+        """Add to ``tx``: drop these ready groups (buffers deleted); their replacements are owed ``owed_version``."""
         for group in groups:
             tx.lrem(self.state.key(st.READY), 1, group)
             tx.delete(self.buffer(group))
-
-    def queue_drop_ready(self, tx: Tx, groups: list[str], owed_version: int) -> None:
-        """Add to ``tx``: drop these ready groups; their replacements are owed ``owed_version``."""
-        self.queue_batched(tx, groups)
         tx.call("DECRBY", self.state.key(st.ACCEPTED), len(groups))
         for _ in groups:
             tx.rpush(self.state.key(st.OWED_VERSIONS), owed_version)

@@ -235,12 +235,16 @@ class CoordinatorService:
             if self.evals is not None:
                 await self.evals.record_dead(lost.version, lost.prompt_id)
         elif isinstance(lost, LostBatch):
-            await self.batches.record_dead(lost.batch_id, lost.num_samples, lost.num_groups, msg.error)
+            await self.batches.record_dead(lost.batch_id, lost.num_samples, lost.num_groups, msg.error, lost.buffers)
         elif isinstance(lost, RefusedBatch):
             limit = self.cfg.consumer.max_deliveries - 1
             if not await self.batches.resend(lost.batch_id, lost.payload, limit=limit, reason=msg.error):
                 await self.batches.record_dead(
-                    lost.batch_id, lost.num_samples, lost.num_groups, f"refused {limit + 1} times, last: {msg.error}"
+                    lost.batch_id,
+                    lost.num_samples,
+                    lost.num_groups,
+                    f"refused {limit + 1} times, last: {msg.error}",
+                    lost.buffers,
                 )
         counters = await self._publish_progress(refresh=True)
         self.metrics.write(

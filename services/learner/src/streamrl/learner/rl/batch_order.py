@@ -28,15 +28,26 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from streamrl.common.messages import TrainingBatch
+from streamrl.common.messages import BatchManifest, TrainingBatch
+
+Batch = TrainingBatch | BatchManifest
+"""What ``batches`` carries: a manifest (the learner reads its payloads) or a whole batch."""
 
 LOST = "(lost)"
 """The fingerprint recorded for an index that never reached the learner."""
 
 
-def fingerprint(batch: TrainingBatch) -> str:
-    """What identifies a batch's content: ``{id} {num_samples} {digest of the trajectory ids}``."""
-    ids = "\n".join(s.trajectory.id for s in batch.samples).encode()
+def trajectory_ids(batch: Batch) -> list[str]:
+    """The batch's trajectory ids, in order (a manifest names them without its payloads)."""
+    if isinstance(batch, BatchManifest):
+        return [s.trajectory_id for s in batch.samples]
+    return [s.trajectory.id for s in batch.samples]
+
+
+def fingerprint(batch: Batch) -> str:
+    """What identifies a batch's content: ``{id} {num_samples} {digest of the trajectory ids}`` (the same for a
+    manifest and the batch it names)."""
+    ids = "\n".join(trajectory_ids(batch)).encode()
     return f"{batch.id} {len(batch.samples)} {hashlib.sha256(ids).hexdigest()[:16]}"
 
 
@@ -45,7 +56,7 @@ def batch_name(record: str) -> str:
     return record.split(" ", 1)[0]
 
 
-def behind_verdict(batch: TrainingBatch, next_index: int, record: str | None) -> str | None:
+def behind_verdict(batch: Batch, next_index: int, record: str | None) -> str | None:
     """For a batch below ``next_index``: None when it is a copy of what was consumed at its index (skip it
     quietly), else the error of a conflict (dead-letter it). ``record``: the fingerprint of what the learner
     consumed at that index, None when no record is kept (acknowledged long ago)."""
@@ -79,7 +90,7 @@ class Gap:
     """Why the batch is refused (dead-lettered): it comes from the future."""
 
 
-def gap_verdict(batch: TrainingBatch, next_index: int, still_to_come: dict[int, str], published: int) -> Gap:
+def gap_verdict(batch: Batch, next_index: int, still_to_come: dict[int, str], published: int) -> Gap:
     """For a batch above ``next_index``: the earliest missing index still to come (train it first), else the
     error of a batch from the future, else the confirmed gap. ``still_to_come``: index -> entry id of the
     batches pending for the learner or not yet delivered; ``published``: the coordinator's ``batch_index``

@@ -18,18 +18,21 @@ and :meth:`finish` (a step's attempt, before and after it; :meth:`note`: the err
 the learner group), :meth:`publish` (a version: the event
 on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
-failure keys and old fingerprints deleted).
+failure keys, old fingerprints and sample hashes - the ``batched:{batch}:{group}`` payloads of its manifest -
+deleted).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from streamrl.common import replies
 from streamrl.common.bus import Bus, PreconditionFailed
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import DeadLetter, TrainingBatch, WeightsPublished
+from streamrl.common.messages import BatchManifest, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
-from streamrl.learner.rl.batch_order import LOST, Attempts
+from streamrl.learner.rl.batch_order import LOST, Attempts, Batch
 
 KEEP_FINGERPRINTS = 1024
 """Fingerprints kept below the acknowledged index (a copy arriving later than that is refused as unknown)."""
@@ -107,19 +110,19 @@ class LearnerLedger:
         found: dict[int, str] = {}
         for entry_id, fields in entries:
             try:
-                batch = decode(fields.get(b"d", b""), TrainingBatch)
+                batch: Batch = decode(fields.get(b"d", b""), (TrainingBatch, BatchManifest))
             except PoisonMessageError:
                 continue
             found.setdefault(batch.index, entry_id.decode())
         return found
 
-    async def entry(self, stream: str, entry_id: str) -> TrainingBatch | None:
+    async def entry(self, stream: str, entry_id: str) -> Batch | None:
         """The batch of one entry, None when it is gone (acknowledged and trimmed) or undecodable."""
         found = replies.entries(await self.bus.redis.xrange(stream, entry_id, entry_id))
         if not found:
             return None
         try:
-            return decode(found[0][1].get(b"d", b""), TrainingBatch)
+            return decode(found[0][1].get(b"d", b""), (TrainingBatch, BatchManifest))
         except PoisonMessageError:
             return None
 
@@ -174,13 +177,22 @@ class LearnerLedger:
         return True
 
     async def ack(
-        self, stream: str, entries: list[str], batch_ids: list[str], acked_from: int, acked_index: int
+        self,
+        stream: str,
+        entries: list[str],
+        batch_ids: list[str],
+        acked_from: int,
+        acked_index: int,
+        payloads: Sequence[str] = (),
     ) -> None:
         """Acknowledge ``entries`` (all covered by a checkpoint: indices below ``acked_index``) and forget what the
-        learner kept about their batches; ``acked`` moves from ``acked_from`` to ``acked_index``. (The entries
-        themselves go with the consumer loop's trimming by consumption, after ``redis.retain_consumed_s``.)"""
+        learner kept about their batches, with ``payloads`` (the hashes their manifests' samples were read from);
+        ``acked`` moves from ``acked_from`` to ``acked_index``. (The entries themselves go with the consumer
+        loop's trimming by consumption, after ``redis.retain_consumed_s``.)"""
         tx = self.bus.tx().xack(stream, self.group, *entries)
         tx.hset(self.learner, "acked", acked_index)
+        for key in payloads:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
+            tx.call("UNLINK", key)
         for batch_id in batch_ids:
             tx.delete(self._failures(batch_id), self._dead(batch_id))
         old = range(max(0, acked_from - KEEP_FINGERPRINTS), max(0, acked_index - KEEP_FINGERPRINTS))

@@ -5,6 +5,13 @@
   ``weights_transport = "ipc"`` copy them into the CUDA IPC buffers on the learner's GPU, or with
   ``"broadcast"`` into the buckets its weight group receives in the background, and publish
   WeightsPublished (version, checksum, endpoint / IPC buffers / group rendezvous, step metrics).
+* A batch arrives as a BatchManifest (or, still accepted, a whole TrainingBatch): once its order is
+  checked (a copy of a batch already consumed is recognised by its ids, before anything is read), the
+  learner reads its samples' payloads from the ``batched:{batch}:{group}`` hashes the manifest names, in replies
+  of at most ``redis.max_command_mb`` (:mod:`streamrl.common.batch_payloads`; not overlapped with the
+  previous step: batches are handled one at a time). A payload missing skips the batch (dead letter,
+  version published with unchanged weights): never trained short. The hashes are deleted with the
+  acknowledgement of the batch (below), so a replay after a restart reads them again.
 * Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps; the
   checkpoint's files are on disk by then, :mod:`streamrl.learner.durable`). A killed learner restarts
   from its last checkpoint and replays, in order, exactly the batches it had not checkpointed (they
@@ -69,17 +76,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch, owned_buffers
 from streamrl.common.bus import Output
 from streamrl.common.codec import encode
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError, RetryableError
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.messages import BATCH_SKIPPED, DeadLetter, TrainingBatch, WeightsPublished
+from streamrl.common.messages import BATCH_SKIPPED, BatchManifest, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.telemetry.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
 from streamrl.common.telemetry.tracing import weights_traceparent
 from streamrl.common.weights.auth import sign, weights_key
-from streamrl.learner.rl.batch_order import behind_verdict, fingerprint, gap_verdict
+from streamrl.learner.rl.batch_order import Batch, behind_verdict, fingerprint, gap_verdict
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
 from streamrl.learner.rl.ledger import LearnerLedger
@@ -120,8 +128,9 @@ class LearnerService:
         self.checkpointed_index = 0
         self.acked_index = 0
         """Every batch index below it is acknowledged (kept in Redis with the acks)."""
-        self.unacked: list[tuple[str, int, str]] = []
-        """(entry id, batch index, batch id) of entries handled but not yet acknowledged."""
+        self.unacked: list[tuple[str, int, str, list[str]]] = []
+        """(entry id, batch index, batch id, its manifest's sample hashes) of entries handled but not yet
+        acknowledged."""
         self.lost: list[tuple[int, str]] = []
         """(index, batch id) of indices recorded as lost, whose keys go with the next ack that covers them."""
         self.server: WeightServer | None = None
@@ -140,7 +149,7 @@ class LearnerService:
                 advertise_host=config.weights_advertise_host,
                 bucket_bytes=config.weights_bucket_mb * 2**20,
             )
-        self.loop: ConsumerLoop[TrainingBatch] | None = None
+        self.loop: ConsumerLoop[Batch] | None = None
         self.fatal: RuntimeError | None = None
         """Set when a step failed half-way: the service stops and ``run`` raises it."""
         self.published = -1
@@ -200,7 +209,7 @@ class LearnerService:
             group="learner",
             consumer="learner",
             handler=self.handle,
-            message_type=TrainingBatch,
+            message_type=(BatchManifest, TrainingBatch),
             config=self.cfg.consumer.model_copy(
                 # failures are counted per batch in Redis by ``handle`` (which skips a batch at the limit)
                 update={"max_in_flight": 1, "count": 1, "max_deliveries": 2**31 - 1}
@@ -227,14 +236,21 @@ class LearnerService:
         if self.broadcast is not None:
             self.broadcast.close()
 
-    async def handle(self, batch: TrainingBatch) -> list[Output]:
-        if not await self._in_order(batch):
+    async def handle(self, entry: Batch) -> list[Output]:
+        if not await self._in_order(entry):  # before any payload is read: a copy of a trained batch reads none
             return []
-        if not batch.samples:
-            return await self._skip(batch, "it has no samples")
-        attempts = await self.ledger.attempts(batch.id)
+        if not entry.samples:
+            return await self._skip(entry, "it has no samples")
+        attempts = await self.ledger.attempts(entry.id)
         if attempts.exhausted(self.cfg.consumer.max_deliveries):
-            return await self._skip(batch, attempts.reason())
+            return await self._skip(entry, attempts.reason())
+        if isinstance(entry, BatchManifest):
+            try:
+                batch = await fetch_batch(self.ctx.bus.redis, entry, max_reply_bytes=self.ctx.bus.max_command_bytes)
+            except (MissingPayloadError, PoisonMessageError) as e:  # never trained short
+                return await self._skip(entry, str(e))
+        else:
+            batch = entry
         backward_calls = self.trainer.policy.backward_calls
         traced = traced_rows(batch)
         span = start_step(self.ctx.tracing, batch, traced, version=self.step)
@@ -270,7 +286,7 @@ class LearnerService:
         await self._finish()
         return []
 
-    async def _in_order(self, batch: TrainingBatch) -> bool:
+    async def _in_order(self, batch: Batch) -> bool:
         """Whether ``batch`` is the one to train now (its index claimed); False: it was consumed before (a copy,
         or the batch whose checkpoint / export / publication is finished now). PoisonMessageError: refused."""
         if self.consumed is not None:  # what followed a consumed batch failed: finish it, never train it again
@@ -322,7 +338,7 @@ class LearnerService:
         self.ctx.stop.set()
         raise asyncio.CancelledError(str(self.fatal)) from e  # leaves the batch pending, unretried
 
-    async def _fill_gap(self, batch: TrainingBatch) -> None:
+    async def _fill_gap(self, batch: Batch) -> None:
         """``batch`` is ahead of the next index: train first each missing index still in the stream (taken from
         it by entry id), refuse a batch from the future, and record every missing index no entry is left for as
         lost (dead letter, version published with unchanged weights)."""
@@ -373,10 +389,11 @@ class LearnerService:
             self._consume(lost, {"learner/batches_skipped": float(self.num_skipped)}, skipped=reason)
             await self._finish()
 
-    async def _skip(self, batch: TrainingBatch, reason: str) -> list[Output]:
+    async def _skip(self, batch: Batch, reason: str) -> list[Output]:
         """Consume ``batch`` without training it: its version is published with unchanged weights."""
         logger.error("skipping %s untrained (its samples are dropped): %s", batch.id, reason)
-        with start_step(self.ctx.tracing, batch, traced_rows(batch), version=self.step) as span:
+        traced = batch if isinstance(batch, TrainingBatch) else _header(batch)  # a manifest: no sample traces
+        with start_step(self.ctx.tracing, traced, traced_rows(traced), version=self.step) as span:
             span.fail(f"{BATCH_SKIPPED}: {reason}")
         self.skipped[batch.id] = reason
         self.num_skipped += 1
@@ -384,7 +401,7 @@ class LearnerService:
         await self._finish()
         return []
 
-    def _consume(self, batch: TrainingBatch, metrics: dict[str, float], skipped: str = "") -> None:
+    def _consume(self, batch: Batch, metrics: dict[str, float], skipped: str = "") -> None:
         """Count ``batch`` as consumed: the step counter moves; :meth:`_finish` does what follows."""
         self.step += 1
         self.next_index = batch.index + 1
@@ -526,14 +543,11 @@ class LearnerService:
         self.checkpointed_step = self.step
         self.checkpointed_index = self.next_index
 
-    async def _dead_letter(self, batch: TrainingBatch, entry_id: str, reason: str) -> None:
+    async def _dead_letter(self, batch: Batch, entry_id: str, reason: str) -> None:
         """The dead letter of a batch consumed untrained (once per batch, even when replayed after a restart)."""
         payload = encode(batch)
         if len(payload) > self.ctx.bus.max_message_bytes // 2:  # the letter must fit: keep the batch's header
-            header = TrainingBatch(
-                id=batch.id, index=batch.index, samples=[], policy_version=batch.policy_version, staleness=[]
-            )
-            payload = encode(header)
+            payload = encode(_header(batch) if isinstance(batch, TrainingBatch) else _manifest_header(batch))
         letter = DeadLetter(
             stream=self.ctx.names.batches,
             entry_id=entry_id,
@@ -546,23 +560,46 @@ class LearnerService:
         )
         await self.ledger.dead_letter_once(batch.id, letter)
 
-    async def _on_committed(self, entry_id: str, batch: TrainingBatch) -> None:
+    async def _on_committed(self, entry_id: str, batch: Batch) -> None:
         """Acknowledge exactly the handled entries a checkpoint covers (index below the checkpointed one);
         the others stay pending, so a killed learner replays them after its last checkpoint."""
         reason = self.skipped.pop(batch.id, None)
         if reason is not None:
             await self._dead_letter(batch, entry_id, reason)
-        self.unacked.append((entry_id, batch.index, batch.id))
-        covered = [(entry, batch_id) for entry, index, batch_id in self.unacked if index < self.checkpointed_index]
+        # the hashes of this batch's samples (named under its id: never another batch's, whatever a copy names)
+        payloads = owned_buffers(self.ctx.names, batch.id, batch.buffers) if isinstance(batch, BatchManifest) else []
+        self.unacked.append((entry_id, batch.index, batch.id, payloads))
+        covered = [u for u in self.unacked if u[1] < self.checkpointed_index]
         if covered:
             lost = [batch_id for index, batch_id in self.lost if index < self.checkpointed_index]
             await self.ledger.ack(
                 self.ctx.names.batches,
-                [e for e, _ in covered],
-                [b for _, b in covered] + lost,
+                [e for e, _, _, _ in covered],
+                [b for _, _, b, _ in covered] + lost,
                 acked_from=self.acked_index,
                 acked_index=self.checkpointed_index,
+                payloads=[key for _, _, _, keys in covered for key in keys],
             )
             self.acked_index = self.checkpointed_index
             self.unacked = [u for u in self.unacked if u[1] >= self.checkpointed_index]
             self.lost = [x for x in self.lost if x[0] >= self.checkpointed_index]
+
+
+def _header(batch: Batch) -> TrainingBatch:
+    """``batch`` without its samples (what a dead letter keeps of a batch too large for it, or a skipped
+    manifest's step span)."""
+    return TrainingBatch(
+        id=batch.id,
+        index=batch.index,
+        samples=[],
+        policy_version=batch.policy_version,
+        staleness=[],
+        traceparent=batch.traceparent,
+    )
+
+
+def _manifest_header(manifest: BatchManifest) -> BatchManifest:
+    """A manifest too large for a dead letter: its header (its sample hashes go with the learner's ack)."""
+    return BatchManifest(
+        id=manifest.id, index=manifest.index, samples=[], policy_version=manifest.policy_version, staleness=[]
+    )

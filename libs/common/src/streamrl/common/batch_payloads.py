@@ -1,0 +1,145 @@
+"""A batch's payloads read by reference: what turns a :class:`BatchManifest` into the TrainingBatch it names.
+
+The coordinator publishes a manifest (one small entry per batch); the learner reads each sample's
+ScoredTrajectory from the hash field the manifest names. The reads are bounded: :func:`plan_reads`
+(pure) splits the samples, in order, into reads whose payloads add up to at most ``max_reply_bytes``
+(``redis.max_command_mb``); a sample bigger than that alone is read on its own (it is bounded by
+``redis.max_message_mb`` when written). A read is one pipeline of ``HMGET``, one per group buffer it
+touches, so no single reply is above the budget. Reads run one after another: the learner's memory
+holds the batch, Redis's output buffer one read.
+
+A payload missing (its buffer deleted: the batch was counted dead, or Redis lost it) is
+:class:`MissingPayloadError` naming the batch, how many samples are missing and the first one: a
+batch is trained whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from streamrl.common.codec import decode
+from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch
+from streamrl.common.streams import StreamNames
+
+
+def owned_buffers(names: StreamNames, batch_id: str, keys: Iterable[str]) -> list[str]:
+    """Those of ``keys`` that hold samples of batch ``batch_id`` (named under it,
+    :meth:`StreamNames.batched_samples`): the only ones a service deletes for that batch, whatever else a
+    manifest (a conflicting or forged copy) names."""
+    prefix = names.batched_samples(batch_id, "")
+    return [k for k in keys if k.startswith(prefix)]
+
+
+class MissingPayloadError(Exception):
+    """A sample a manifest names is not in Redis (any more): the batch cannot be trained whole."""
+
+
+def plan_reads(sizes: Sequence[int], max_bytes: int) -> list[range]:
+    """Consecutive ranges of sample indices, each of payloads adding up to at most ``max_bytes`` (a sample
+    bigger than that alone in its range), covering every index once, in order."""
+    if max_bytes < 1:
+        raise ValueError(f"plan_reads: max_bytes must be at least 1, got {max_bytes}")
+    reads: list[range] = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > max_bytes:
+            reads.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        reads.append(range(start, len(sizes)))
+    return reads
+
+
+def resolve(manifest: BatchManifest, samples: list[ScoredTrajectory]) -> TrainingBatch:
+    """The TrainingBatch ``manifest`` names, from its samples' payloads (in the manifest's order; each sample
+    given the manifest's trace context for it, in place)."""
+    assert len(samples) == len(manifest.samples), "one payload per reference"
+    for ref, sample in zip(manifest.samples, samples, strict=True):
+        if ref.traceparent:
+            sample.traceparent = ref.traceparent
+    return TrainingBatch(
+        id=manifest.id,
+        index=manifest.index,
+        samples=samples,
+        policy_version=manifest.policy_version,
+        staleness=manifest.staleness,
+        created_at=manifest.created_at,
+        traceparent=manifest.traceparent,
+    )
+
+
+def manifest_of(batch: TrainingBatch, keys: Sequence[str], sizes: Sequence[int]) -> BatchManifest:
+    """The manifest of ``batch`` whose samples are stored in the hashes ``keys`` (under their trajectory ids),
+    ``sizes`` bytes each (encoded)."""
+    if not len(keys) == len(sizes) == len(batch.samples):
+        raise ValueError(
+            f"{batch.id}: {len(batch.samples)} samples but {len(keys)} keys and {len(sizes)} sizes: one of each per sample"
+        )
+    refs = [
+        SampleRef(
+            trajectory_id=s.trajectory.id,
+            group_id=s.trajectory.group_id,
+            key=key,
+            field=s.trajectory.id,
+            policy_version_start=s.trajectory.policy_version_start,
+            num_bytes=size,
+            traceparent=s.traceparent,
+        )
+        for s, key, size in zip(batch.samples, keys, sizes, strict=True)
+    ]
+    return BatchManifest(
+        id=batch.id,
+        index=batch.index,
+        samples=refs,
+        policy_version=batch.policy_version,
+        staleness=batch.staleness,
+        created_at=batch.created_at,
+        traceparent=batch.traceparent,
+    )
+
+
+async def _read(redis: Any, refs: Sequence[SampleRef]) -> list[bytes | None]:
+    """The payloads of ``refs``, in order (None: missing): one HMGET per buffer, pipelined."""
+    by_key: dict[str, list[int]] = {}
+    for i, ref in enumerate(refs):
+        by_key.setdefault(ref.key, []).append(i)
+    pipe = redis.pipeline(transaction=False)
+    for key, positions in by_key.items():
+        pipe.hmget(key, [refs[i].field for i in positions])
+    out: list[bytes | None] = [None] * len(refs)
+    for positions, values in zip(by_key.values(), await pipe.execute(), strict=True):
+        for i, value in zip(positions, values, strict=True):
+            out[i] = value
+    return out
+
+
+def _decode_all(payloads: list[bytes]) -> list[ScoredTrajectory]:
+    return [decode(p, ScoredTrajectory) for p in payloads]
+
+
+async def fetch_samples(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> list[ScoredTrajectory]:
+    """Every sample ``manifest`` names, read in bounded replies (see the module docstring) and decoded off the
+    event loop. MissingPayloadError when one is gone; PoisonMessageError when one is not a ScoredTrajectory."""
+    refs = manifest.samples
+    samples: list[ScoredTrajectory] = []
+    for read in plan_reads([r.num_bytes for r in refs], max_reply_bytes):
+        chunk = [refs[i] for i in read]
+        payloads = await _read(redis, chunk)
+        missing = [ref for ref, p in zip(chunk, payloads, strict=True) if p is None]
+        if missing:
+            first = missing[0]
+            raise MissingPayloadError(
+                f"{manifest.id}: payloads missing in Redis ({len(missing)} of the {len(chunk)} samples of one read; "
+                f"first: {first.trajectory_id} in {first.key}): deleted (the batch was counted dead?) or lost; "
+                "it cannot be trained whole"
+            )
+        samples += await asyncio.to_thread(_decode_all, [p for p in payloads if p is not None])
+    return samples
+
+
+async def fetch_batch(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> TrainingBatch:
+    """The TrainingBatch ``manifest`` names, its payloads read from Redis (:func:`fetch_samples`)."""
+    return resolve(manifest, await fetch_samples(redis, manifest, max_reply_bytes=max_reply_bytes))

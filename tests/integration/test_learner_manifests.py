@@ -1,0 +1,84 @@
+"""The learner on batches by reference (issue 27): it reads a manifest's payloads itself, trains exactly
+what was published, recognises a copy of a consumed batch before reading anything, skips (dead letter,
+version published with unchanged weights) a batch whose payloads are missing - never trains it short -
+and deletes a batch's payloads with the acknowledgement that a checkpoint allows.
+
+Real redis-server, the real learner service in burst mode (learner_failure_worker.py, one process per life).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+from learner_failure_worker import digest
+from test_learner_failures import _life
+from test_learner_group import training_batch
+
+from streamrl.common.batch_payloads import manifest_of
+from streamrl.common.codec import decode, encode
+from streamrl.common.messages import BATCH_SKIPPED, BatchManifest, DeadLetter, TrainingBatch, WeightsPublished
+from streamrl.common.streams import StreamNames
+from streamrl.torchkit.testing import build_tiny_qwen2
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen2(tmp_path_factory.mktemp("manifests") / "model", hidden_size=64, vocab_size=384)
+
+
+def publish(
+    client: redis.Redis,  # type: ignore[type-arg]
+    names: StreamNames,
+    batch: TrainingBatch,
+    missing: frozenset[str] = frozenset(),
+) -> BatchManifest:
+    """Store ``batch``'s samples as the coordinator leaves them (one hash per group, under the batch) but those
+    in ``missing``, and publish its manifest."""
+    keys, sizes = [], []
+    for s in batch.samples:
+        key, payload = names.batched_samples(batch.id, s.trajectory.group_id), encode(s)
+        if s.trajectory.id not in missing:
+            client.hset(key, s.trajectory.id, payload)
+        keys.append(key)
+        sizes.append(len(payload))
+    manifest = manifest_of(batch, keys, sizes)
+    client.xadd(names.batches, {"d": encode(manifest)})
+    return manifest
+
+
+def test_manifests_are_trained_as_published_a_missing_payload_skips_its_batch_payloads_go_with_the_ack(
+    model: Path, tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    batches = [training_batch(i) for i in range(3)]
+    first = publish(client, names, batches[0])
+    # a copy of batch 0 (same ids) whose payloads are nowhere: recognised as a copy before anything is read
+    nowhere = [msgspec.structs.replace(r, key=names.batched_samples("batch-0", "nowhere")) for r in first.samples]
+    client.xadd(names.batches, {"d": encode(msgspec.structs.replace(first, samples=nowhere))})
+    lost = batches[1].samples[3].trajectory.id
+    second = publish(client, names, batches[1], missing=frozenset({lost}))
+    publish(client, names, batches[2])
+    log = tmp_path / "trained.log"
+
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "3", "1", env={"TRAINED_LOG": str(log)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    trained = dict(line.split() for line in log.read_text().splitlines())
+    assert trained == {"batch-0": digest(batches[0]), "batch-2": digest(batches[2])}  # exactly what was published
+    events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
+    assert [(w.version, w.batch_id) for w in events] == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
+    assert events[2].metrics["learner/batches_skipped"] == 1.0  # batch-1: its version, unchanged weights
+    (letter,) = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
+    assert f"batch-1 (20 samples) {BATCH_SKIPPED}: batch-1: payloads missing in Redis (1 of the 20" in letter.error
+    assert f"first: {lost} in {names.batched_samples('batch-1', batches[1].samples[3].trajectory.group_id)}" in (
+        letter.error
+    )
+    assert decode(letter.payload, BatchManifest) == second  # the coordinator counts its groups dropped from it
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+    assert client.keys(names.batched_samples("*", "*")) == []  # acknowledged: every batch's payloads deleted

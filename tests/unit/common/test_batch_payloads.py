@@ -1,0 +1,128 @@
+"""A batch by reference: the manifest stays small whatever the payloads weigh, reads and commit calls are
+planned within their byte budget, in order, nothing left out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamrl.common.batch_payloads import manifest_of, owned_buffers, plan_reads, resolve
+from streamrl.common.bus import MAX_COMMITS_PER_CALL, CommitBatcher, take_commits
+from streamrl.common.codec import decode, encode
+from streamrl.common.messages import BatchManifest, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.streams import StreamNames
+
+MIB = 2**20
+
+
+def scored(group: int, index: int, tokens: int = 4) -> ScoredTrajectory:
+    traj = Trajectory(
+        id=f"run-p{group}/{index}",
+        group_id=f"run-p{group}",
+        group_index=index,
+        group_size=16,
+        prompt_ids=Tensor.from_list([1, 2], "int32"),
+        response_ids=Tensor.from_list([7] * tokens, "int32"),
+        logprobs=Tensor.from_list([-0.5] * tokens, "float32"),
+        loss_mask=Tensor.from_list([1] * tokens, "uint8"),
+        policy_version_start=3,
+    )
+    return ScoredTrajectory(trajectory=traj, reward=1.0)
+
+
+def test_a_manifest_of_18000_samples_of_8k_tokens_is_far_below_16_mb() -> None:
+    names = StreamNames("run-with-a-longish-name")
+    samples = [scored(g, i) for g in range(1125) for i in range(16)]
+    batch = TrainingBatch(id="batch-7", index=7, samples=samples, policy_version=9, staleness=[4] * len(samples))
+    keys = [names.batched_samples("batch-7", s.trajectory.group_id) for s in samples]
+    sizes = [111 * 1024] * len(samples)  # what the samples would weigh at 8,192 tokens: ~2 GB in all
+    manifest = manifest_of(batch, keys, sizes)
+    wire = encode(manifest)
+    assert len(wire) < 4 * MIB, len(wire)
+    back = decode(wire, BatchManifest)
+    assert back == manifest and back.buffers == list(dict.fromkeys(keys)) and len(back.buffers) == 1125
+    assert [r.trajectory_id for r in back.samples] == [s.trajectory.id for s in samples]
+    assert {r.policy_version_start for r in back.samples} == {3} and back.staleness == batch.staleness
+    assert resolve(back, samples) == batch  # the manifest and its payloads make the batch again
+
+
+def test_a_manifest_needs_one_key_and_size_per_sample() -> None:
+    batch = TrainingBatch(
+        id="batch-0", index=0, samples=[scored(0, 0), scored(0, 1)], policy_version=0, staleness=[0, 0]
+    )
+    with pytest.raises(ValueError, match="batch-0: 2 samples but 1 keys and 2 sizes"):
+        manifest_of(batch, ["k"], [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("sizes", "budget", "reads"),
+    [
+        ([], 10, []),
+        ([3, 3, 3, 3], 6, [range(0, 2), range(2, 4)]),
+        ([3, 3, 3, 3], 7, [range(0, 2), range(2, 4)]),
+        ([3, 3, 3, 3], 100, [range(0, 4)]),
+        ([2, 9, 2], 5, [range(0, 1), range(1, 2), range(2, 3)]),  # one bigger than the budget: alone
+        ([5, 5], 5, [range(0, 1), range(1, 2)]),
+    ],
+)
+def test_reads_cover_every_sample_once_in_order_within_the_budget(
+    sizes: list[int], budget: int, reads: list[range]
+) -> None:
+    planned = plan_reads(sizes, budget)
+    assert planned == reads
+    assert [i for r in planned for i in r] == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in r) <= budget or len(r) == 1 for r in planned)
+
+
+def test_a_read_budget_below_one_byte_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_bytes must be at least 1, got 0"):
+        plan_reads([1], 0)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "budget", "taken"),
+    [
+        ([], 10, 0),
+        ([4, 4, 4], 8, 2),
+        ([4, 4, 4], 100, 3),
+        ([20, 1], 8, 1),  # a commit above the budget goes alone
+        ([1] * 1000, 10**9, MAX_COMMITS_PER_CALL),  # and never more commits than the count cap
+    ],
+)
+def test_a_commit_call_is_capped_by_bytes_and_by_count(sizes: list[int], budget: int, taken: int) -> None:
+    assert take_commits(sizes, budget) == taken
+
+
+def test_only_the_hashes_named_under_a_batchs_own_id_are_its_to_delete() -> None:
+    names = StreamNames("r")
+    mine = [names.batched_samples("batch-1", "g1"), names.batched_samples("batch-1", "g2")]
+    others = [names.batched_samples("batch-10", "g3"), names.batched_samples("batch-0", "g4"), names.group_buffer("g5")]
+    assert owned_buffers(names, "batch-1", [*mine, *others]) == mine
+    assert owned_buffers(names, "batch-1-other", mine) == []  # a conflicting copy deletes nothing of batch-1
+
+
+class RecordingBus:
+    """A bus that records the commits of each script call (the unit tier has no Redis)."""
+
+    def __init__(self, max_command_bytes: int) -> None:
+        self.max_command_bytes = max_command_bytes
+        self.calls: list[int] = []
+
+    def commit_args(self, outputs: list[bytes], **_: object) -> list[str | bytes | int]:
+        return list(outputs)
+
+    async def run_commits(self, commits: list[list[str | bytes | int]]) -> list[int]:
+        self.calls.append(len(commits))
+        return [1] * len(commits)
+
+
+def test_the_commit_batcher_splits_calls_by_bytes() -> None:
+    bus = RecordingBus(max_command_bytes=3 * 1000)
+
+    async def main() -> list[bool]:
+        batcher = CommitBatcher(bus)  # type: ignore[arg-type]
+        return await asyncio.gather(*(batcher.commit([b"x" * 1000]) for _ in range(7)))
+
+    assert asyncio.run(main()) == [True] * 7
+    assert bus.calls == [3, 3, 1]
