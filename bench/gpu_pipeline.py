@@ -19,7 +19,7 @@ and allocator warm-up excluded on both sides), and as the median step; streamrl'
 also saves and exports the final policy, is left out and reported as ``final_step_s``. Also reported: launch-to-finish wall time,
 generated tokens/s, learner tokens/s (response tokens per second of learner step time), weight
 sync (learner publish and engine update, median ms), peak GPU memory (``nvidia-smi`` polled every
-0.5 s). The ratio is TRL seconds per step / streamrl seconds per step (target >= 1.5).
+0.5 s). The ratio is TRL seconds per step / streamrl seconds per step (target >= 2.5).
 
 ``--tiny`` runs the same code on a Qwen2-shaped model of 10M parameters on the CPU (3-4 steps a
 side, float32, no compile): it proves the parsing, the subprocesses and the TRL call here.
@@ -47,8 +47,8 @@ from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gpu_qwen2_0.5b.toml"
-TARGET_RATIO = 1.5
-"""TRL seconds per step / streamrl seconds per step, at least (issue 14)."""
+TARGET_RATIO = 2.5
+"""TRL seconds per step / streamrl seconds per step, at least (issue 28; issue 14 asked for 1.5)."""
 ENGINE_UPDATE = re.compile(r"serving weights version (\d+) \(update took ([0-9.]+) s\)")
 """The rollout engine's log line for one weight update (the update itself)."""
 ROLLOUT_SYNC = re.compile(r"now serving policy version (\d+) \(sync took ([0-9.]+) ms")
@@ -485,6 +485,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = ROOT / "runs" / "gpu_pipeline" / spec.preset
     work.mkdir(parents=True, exist_ok=True)
     out_dir = getattr(args, "out_dir", None)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
     partial: dict[str, Any] = {"spec": asdict(spec)}
 
     def record(name: str, result: dict[str, Any], files: dict[str, Path]) -> None:
