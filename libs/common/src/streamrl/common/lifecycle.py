@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import Field
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from streamrl.common.aio import cancel_and_wait
 from streamrl.common.bus import Bus, Fence, RedisLoginError, connect
@@ -283,9 +283,9 @@ async def _serve(
     except (LeaseHeldError, LeaseLostError, RedisLoginError) as e:  # said in one line: the user acts on it
         logger.error("%s: %s", service, e)
         return 1
-    except RedisError as e:  # past the client's outage window: one line, the traceback at debug level
+    except RedisError as e:  # one line, the traceback at debug level
         logger.debug("%s: redis error", service, exc_info=True)
-        logger.error("%s: lost redis for more than %.0f s, stopping: %s", service, config.redis.outage_s, e)
+        logger.error("%s: %s", service, redis_stop_reason(e, config.redis.outage_s))
         return 1
     finally:
         renewer.stop()
@@ -293,6 +293,16 @@ async def _serve(
     worst = f"worst event-loop pause while running: {ctx.loop_lag_s:.2f} s; lease TTL {ttl_s:.1f} s"
     logger.info("%s/%s stopped (%s)", service, instance, worst)
     return 0
+
+
+def redis_stop_reason(error: RedisError, outage_s: float) -> str:
+    """Why a service stops on ``error``: a refusal (an ACL's NOPERM, an unknown command, OOM, ...) is
+    said as what Redis answered; only a connection lost past the outage window is "lost redis"."""
+    if isinstance(error, NoPermissionError):
+        return f"redis refused a command for this service's user (ACL), stopping: NOPERM {error}"
+    if isinstance(error, ResponseError):
+        return f"redis refused a command, stopping: {error}"
+    return f"lost redis for more than {outage_s:.0f} s, stopping: {error}"
 
 
 async def _leave(ctx: ServiceContext, tasks: list[asyncio.Task[None]], held: list[Lease]) -> None:
