@@ -30,7 +30,14 @@ One driver thread owns the model and runs a continuous-batching loop::
   sampled, and the log-probs are those of the distribution over the other tokens (as vLLM's).
 * Weight updates are commands too: an update waits until the samples admitted before it finish,
   jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
-  failed transfer leaves the served weights untouched. Over the learner's weight-broadcast group
+  failed transfer leaves the served weights untouched. With ``partial_rollout`` an update is taken
+  between two decode steps instead (the driver looks at its queue after every step; on the plain
+  forward too), without waiting for the running samples: the transfer pauses the decode, then it
+  goes on under the new weights over the KV cache computed under the old ones (kept, not
+  recomputed: the tokens after the switch are the new weights' given that cache - what in-flight
+  updates do), and each sample records the version of every token (:attr:`Sample.versions`). Jobs
+  queued behind the update are admitted under the new version; an update behind a sleep, wake or
+  stop keeps its place. Over the learner's weight-broadcast group
   a member (:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`) receives in the
   background while the engine decodes, and an update copies the version asked for in once what was
   received hashes to the signed event's checksum (anything else the store offered is refused).
