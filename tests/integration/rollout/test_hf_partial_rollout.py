@@ -58,7 +58,7 @@ def _update_while_decoding(engine: Any, server: WeightServer, model: PreTrainedM
 
     async def scenario() -> tuple[Sample, bool]:
         task = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, LONG)]))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.3)  # a few tokens in (the decode of LONG takes ~2 s on the 2-core VM)
         assert not task.done(), "generation finished before the update could land; make it longer"
         await engine.update_weights(server.endpoint, 1, checksum, timeout_s=10)
         running = not task.done()
