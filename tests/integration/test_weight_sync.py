@@ -162,7 +162,7 @@ def test_update_waits_for_running_requests(
 
     old, new = asyncio.run(update_while_generating())
     assert finished["running"] <= finished["update"] <= finished["after"]
-    assert (old[0].version_start, old[0].version_end) == (1, 1)
+    assert (old[0].version_start, old[0].version_end, old[0].versions) == (1, 1, [])
     assert old[0].token_ids == _greedy_under(model_b, old[0].token_ids), "the running sample saw new weights"
     assert (new[0].version_start, new[0].version_end) == (2, 2)
     assert _prefix_equal(new[0].token_ids, _hf_greedy(model_a))
@@ -203,7 +203,8 @@ def test_partial_rollout_update_mid_generation_records_both_versions(
     models: tuple[Path, PreTrainedModel, PreTrainedModel],
 ) -> None:
     """partial_rollout: an update lands while a long generation runs: tokens before it follow the
-    old weights, tokens after it the new ones (KV cache recomputed), and the sample records both."""
+    old weights, tokens after it the new ones (KV cache recomputed: their log-probs are model B's
+    over the whole sequence), and the sample records the version of each token."""
     path_a, model_a, model_b = models
     config = EngineConfig(
         type="vllm",
@@ -219,7 +220,7 @@ def test_partial_rollout_update_mid_generation_records_both_versions(
     try:
         checksum, _, _ = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
 
-        async def update_while_generating() -> list[int]:
+        async def update_while_generating() -> Sample:
             task = asyncio.create_task(partial.generate([GenerationRequest(PROMPT, LONG)]))
             await asyncio.sleep(0.3)
             assert not task.done(), "generation finished before the update could land; make it longer"
@@ -228,13 +229,26 @@ def test_partial_rollout_update_mid_generation_records_both_versions(
             (samples,) = await task
             sample = samples[0]
             assert (sample.version_start, sample.version_end) == (0, 3)
-            return sample.token_ids
+            return sample
 
-        tokens = asyncio.run(update_while_generating())
+        sample = asyncio.run(update_while_generating())
     finally:
         partial.close()
         server.close()
+    tokens = sample.token_ids
     argmax_a, argmax_b = _greedy_under(model_a, tokens), _greedy_under(model_b, tokens)
     # Some switch point k: tokens[:k] greedy under A (version 0), tokens[k:] greedy under B.
     switch_points = [k for k in range(1, len(tokens)) if tokens[:k] == argmax_a[:k] and tokens[k:] == argmax_b[k:]]
     assert switch_points, "tokens are not 'old weights, then new weights'"
+    assert len(sample.versions) == 2 and sample.versions[0] == (0, 0) and sample.versions[1][1] == 3
+    switch = sample.versions[1][0]
+    assert switch in switch_points, f"recorded switch {switch}, tokens say one of {switch_points}"
+    with torch.no_grad():  # greedy: the raw log-softmax
+        logp = {
+            m: torch.log_softmax(m(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1], -1)
+            for m in (model_a, model_b)
+        }
+    chosen = torch.tensor(tokens)[:, None]
+    got = torch.tensor(sample.logprobs)
+    torch.testing.assert_close(got[:switch], logp[model_a].gather(1, chosen)[:switch, 0], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got[switch:], logp[model_b].gather(1, chosen)[switch:, 0], atol=1e-3, rtol=1e-3)

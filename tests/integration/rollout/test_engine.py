@@ -265,8 +265,8 @@ def test_vllm_bad_prompt_and_cancel_leave_the_engine_working(vllm_engine: Engine
 
 
 def test_engine_options_that_cannot_work_are_refused(model_dirs: tuple[Path, Path]) -> None:
-    with pytest.raises(ValueError, match="partial_rollout needs type='vllm'"):
-        EngineConfig(type="hf", model="m", partial_rollout=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 needs type='vllm'"):
+        EngineConfig(type="hf", model="m", tensor_parallel_size=2)
     # In-place updates need the engine in this process: refused before vLLM builds anything.
     config = EngineConfig(type="vllm", model=str(model_dirs[0]), tensor_parallel_size=2, cpu_weight_packing=False)
     with pytest.raises(ValueError, match="cpu_weight_packing=false needs the vLLM engine in the rollout process"):

@@ -44,6 +44,7 @@ from streamrl.common.telemetry.trace_schema import (
     TRAJECTORY_ID,
     VERSION_END,
     VERSION_START,
+    VERSIONS,
     WEIGHTS_LOAD,
     WEIGHTS_PATH,
 )
@@ -98,7 +99,7 @@ class FakeEngine:
         pass
 
 
-def sample(tokens: int, start: int, end: int, reason: str) -> Sample:
+def sample(tokens: int, start: int, end: int, reason: str, versions: list[tuple[int, int]] | None = None) -> Sample:
     return Sample(
         token_ids=list(range(tokens)),
         logprobs=[-0.5] * tokens,
@@ -106,10 +107,11 @@ def sample(tokens: int, start: int, end: int, reason: str) -> Sample:
         finish_reason=reason,
         version_start=start,
         version_end=end,
+        versions=versions or [],
     )  # type: ignore[arg-type]
 
 
-SAMPLES = [sample(4, 2, 2, "stop"), sample(6, 2, 2, "length"), sample(5, 2, 3, "stop")]
+SAMPLES = [sample(4, 2, 2, "stop"), sample(6, 2, 2, "length"), sample(5, 2, 3, "stop", [(0, 2), (3, 3)])]
 
 
 class Harness:
@@ -208,7 +210,9 @@ def test_a_prompt_gets_a_queue_span_and_a_generate_span_per_sample(harness: Harn
             NUM_RESPONSE_TOKENS: len(expected.token_ids),
             FINISH_REASON: expected.finish_reason,
             ATTEMPT: 1,
+            **({VERSIONS: "0:2,3:3"} if expected.versions else {}),
         }
+        assert traj.policy_versions == expected.versions  # the per-token versions travel on
     assert [g.attributes[PARTIAL] for g in generates] == [False, False, True]
     assert [t.id for t in trajectories] == ["p7/0", "p7/1", "p7/2"]
     assert trajectories[0].timings["queue_s"] == pytest.approx((queue.end_time - queue.start_time) / 1e9, abs=1e-6)

@@ -158,6 +158,8 @@ def test_turn_rewards_and_versions_are_per_turn() -> None:
     assert [t.reward for t in ep.turns] == [0.5, 1.0, 1.5]
     assert [t.policy_version for t in ep.turns] == [0, 1, 2]
     assert (ep.version_start, ep.version_end, ep.stop_reason) == (0, 2, "done")
+    # each turn's version from its first token on (an observation carries the turn's before it)
+    assert ep.versions == [(t.start, t.policy_version) for t in ep.turns]
     assert ep.text == "go[1]go[2]go"
 
 

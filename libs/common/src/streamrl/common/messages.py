@@ -194,6 +194,11 @@ class Trajectory(_Message, tag="trajectory"):
     """Policy version that generated the first token."""
     policy_version_end: int = 0
     """Policy version that generated the last token (differs under partial rollout)."""
+    policy_versions: list[tuple[int, int]] = []
+    """Policy version of each response token, run-length: ``(first token index, version)`` pairs in
+    token order, each version holding up to the next pair's index; empty when one version produced
+    every token (``policy_version_start``: always so without partial rollout, and in older messages).
+    Environment tokens of a multi-turn episode carry the version of the turn before them."""
     label: str | None = None
     metadata: dict[str, Any] = {}
     images: list[Image] = []

@@ -278,6 +278,8 @@ def _scored(shape: RunShape, prompt_tokens: int, response_tokens: int) -> tuple[
         sampling=sampling,
         policy_version_start=2**31,
         policy_version_end=2**31,
+        # partial rollout: a switch per version published while the group is in flight (H + 1 runs)
+        policy_versions=[(2**31, 2**31)] * (shape.horizon_batches + 1),
         metadata=metadata,
         images=images,
         timings=metrics,

@@ -75,6 +75,7 @@ from streamrl.common.telemetry.trace_schema import (
     TRAJECTORY_ID,
     VERSION_END,
     VERSION_START,
+    VERSIONS,
     WEIGHTS_LOAD,
     WEIGHTS_PATH,
 )
@@ -198,6 +199,8 @@ class RolloutService:
                         FINISH_REASON: sample.finish_reason,
                     }
                 )
+                if sample.versions:
+                    span.set(VERSIONS, ",".join(f"{i}:{v}" for i, v in sample.versions))
                 span.end(ended)
         self.ctx.metrics.count_samples("generated", len(samples), sum(_num_generated(x) for x in samples))
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
@@ -437,6 +440,7 @@ def _trajectory(
         sampling=item.sampling,
         policy_version_start=sample.version_start,
         policy_version_end=sample.version_end,
+        policy_versions=list(sample.versions),
         label=item.label,
         metadata=metadata,
         images=images,

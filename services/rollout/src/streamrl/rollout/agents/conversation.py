@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from streamrl.common.messages import Turn
-from streamrl.rollout.engines.engine import Sample
+from streamrl.rollout.engines.engine import Sample, turn_versions
 from streamrl.rollout.environments.episode import Episode
 
 
@@ -159,6 +159,9 @@ class Conversation:
             finish_reason=last.finish_reason,
             version_start=first.version_start,
             version_end=last.version_end,
+            versions=turn_versions(
+                ((t.start, s) for t, s in zip(self.turns, self.samples, strict=True)), len(self.token_ids)
+            ),
             env_infos=[info] if info else [],
             prompt_ids=list(self.prompt_ids),
             prompt_text=self.prompt_text,

@@ -36,11 +36,11 @@ class EngineConfig(BaseConfig):
     """Disable CUDA graphs / torch.compile in vLLM (faster start; on GPU slower decode). On CPU with a
     weight update every step, compiled decoding was seen to slow down run after run: prefer True there."""
     partial_rollout: bool = False
-    """vLLM: a weight update lands between two engine steps even while requests are running; they
-    are preempted, recompute their KV cache with the new weights and go on (the sample records both
-    versions). False: the update waits until the running requests finish, and requests submitted
-    after it wait for it (every sample comes from one version; no recomputation). The hf engine
-    always updates between batches."""
+    """A weight update lands between two decode steps even while requests are running, and they go
+    on under the new weights; each sample records the version of every token. vLLM preempts them and
+    recomputes their KV cache with the new weights; the hf engine keeps the cache computed under the
+    old ones (as in-flight updates do). False: the update waits until the running requests finish,
+    and requests submitted after it wait for it (every sample comes from one version)."""
     cpu_weight_packing: bool = True
     """vLLM on CPU: repack linear weights for oneDNN (vLLM's default). Every weight update then
     re-runs that processing through vLLM's reload path (~45 ms per update for the 0.66M demo model
@@ -75,6 +75,4 @@ class EngineConfig(BaseConfig):
     def _check(self) -> EngineConfig:
         if self.type == "hf" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs type='vllm'")
-        if self.type == "hf" and self.partial_rollout:
-            raise ValueError("partial_rollout needs type='vllm' (the hf engine updates weights between batches)")
         return self

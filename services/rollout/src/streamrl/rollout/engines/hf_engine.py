@@ -30,7 +30,14 @@ One driver thread owns the model and runs a continuous-batching loop::
   sampled, and the log-probs are those of the distribution over the other tokens (as vLLM's).
 * Weight updates are commands too: an update waits until the samples admitted before it finish,
   jobs submitted after it wait for it (``version_start == version_end``, never mid-generation); a
-  failed transfer leaves the served weights untouched. Over the learner's weight-broadcast group
+  failed transfer leaves the served weights untouched. With ``partial_rollout`` an update is taken
+  between two decode steps instead (the driver looks at its queue after every step; on the plain
+  forward too), without waiting for the running samples: the transfer pauses the decode, then it
+  goes on under the new weights over the KV cache computed under the old ones (kept, not
+  recomputed: the tokens after the switch are the new weights' given that cache - what in-flight
+  updates do), and each sample records the version of every token (:attr:`Sample.versions`). Jobs
+  queued behind the update are admitted under the new version; an update behind a sleep, wake or
+  stop keeps its place. Over the learner's weight-broadcast group
   a member (:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`) receives in the
   background while the engine decodes, and an update copies the version asked for in once what was
   received hashes to the signed event's checksum (anything else the store offered is refused).
@@ -64,7 +71,14 @@ from streamrl.common.images import decode_image
 from streamrl.common.messages import SamplingParams
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.driver import DriverThread
-from streamrl.rollout.engines.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
+from streamrl.rollout.engines.engine import (
+    FinishReason,
+    GenerationRequest,
+    Sample,
+    WeightUpdate,
+    check_requests,
+    version_runs,
+)
 from streamrl.rollout.engines.kv_decoder import KVDecoder, unsupported_reason
 from streamrl.rollout.engines.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
 from streamrl.rollout.vision import encode, expansion_token_ids, vision_processor
@@ -142,6 +156,9 @@ class _Row:
     """Tokens generated so far, as far as the host knows (an upper bound between looks)."""
     checked: int = 0
     """Tokens already scanned for stop strings."""
+    switches: list[tuple[int, int]] = field(default_factory=list)
+    """(first token index, version): the version serving when the row started, then each update that
+    landed while it decoded (``partial_rollout``; :func:`version_runs` makes them the sample's)."""
 
 
 Command = _Job | WeightUpdate | _Stop | _Sleep | _Wake
@@ -192,6 +209,8 @@ class HFEngine(DriverThread):
         self._version = 0
         self._asleep = False
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._backlog: collections.deque[Command] = collections.deque()
+        """Commands taken from the queue, not run yet (in order)."""
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._drive, name="hf-engine", daemon=True)
@@ -280,7 +299,7 @@ class HFEngine(DriverThread):
     # --- driver thread -------------------------------------------------------------------
 
     def _drive(self) -> None:
-        backlog: collections.deque[Command] = collections.deque()
+        backlog = self._backlog
         waiting: collections.deque[_Row] = collections.deque()
         live: list[_Row] = []  # live[s] decodes in slot s
         while True:
@@ -292,9 +311,12 @@ class HFEngine(DriverThread):
                     self._asleep = False
                     waiting.extend(self._admit(command))
                     continue
-                if live or waiting:
+                if (live or waiting) and not (self._config.partial_rollout and isinstance(command, WeightUpdate)):
                     break
                 backlog.popleft()
+                if isinstance(command, WeightUpdate):  # (with partial_rollout: live rows go on under it)
+                    self._update_live(command, live, [r.steps for r in live])
+                    continue
                 if isinstance(command, _Stop):
                     self._fail_rest(backlog, RuntimeError("the transformers engine was closed"))
                     self._model = None  # type: ignore[assignment]
@@ -317,6 +339,34 @@ class HFEngine(DriverThread):
                         job.future.set_exception(e)
                 live.clear()
                 waiting.clear()
+
+    def _update_live(self, update: WeightUpdate, live: list[_Row], counts: list[int]) -> None:
+        """Apply ``update`` now; each row of ``live`` (``counts[i]`` tokens so far) notes that its
+        tokens from there on come from the new version."""
+        before = self._version
+        self._update(update)
+        if self._version != before:
+            for row, count in zip(live, counts, strict=True):
+                row.switches.append((count, self._version))
+
+    def _updates_between_steps(self, live: list[_Row], counts: list[int]) -> None:
+        """``partial_rollout``: apply the weight updates queued now, between two decode steps of
+        ``live`` (``counts``: each row's tokens so far), without waiting for those rows. Updates queued
+        behind a sleep, wake or stop keep their place (jobs admitted later take the new weights)."""
+        if self._commands.empty() and not any(isinstance(c, WeightUpdate) for c in self._backlog):
+            return
+        self._take(self._backlog, block=False)
+        kept: list[Command] = []
+        while self._backlog:
+            command = self._backlog[0]
+            if isinstance(command, _Stop | _Sleep | _Wake):
+                break
+            self._backlog.popleft()
+            if isinstance(command, WeightUpdate):
+                self._update_live(command, live, counts)
+            else:
+                kept.append(command)
+        self._backlog.extendleft(reversed(kept))
 
     def _between_batches(self, command: WeightUpdate | _Sleep | _Wake) -> None:
         """Run a command that waits for the samples admitted before it."""
@@ -364,14 +414,17 @@ class HFEngine(DriverThread):
 
     def _finish(self, row: _Row) -> None:
         text = row.text if row.text is not None else self._decode_text(row.tokens)
+        versions = version_runs(row.switches, len(row.tokens))
+        start = row.switches[0][1] if row.switches else self._version
         row.job.results[row.request][row.index] = Sample(
             token_ids=row.tokens,
             logprobs=row.logprobs,
             text=text,
             finish_reason=row.reason or "length",
-            version_start=self._version,
-            version_end=self._version,
+            version_start=start,
+            version_end=versions[-1][1] if versions else start,
             prompt_ids=None if row.inputs is None else row.prompt,
+            versions=versions,
         )
         row.job.left -= 1
         if row.job.left == 0 and not row.job.future.done():
@@ -386,6 +439,8 @@ class HFEngine(DriverThread):
         if free <= 0 or not waiting:
             return
         new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+        for row in new:
+            row.switches = [(0, self._version)]
         longest = max(len(r.prompt) + r.max_new for r in [*live, *new])
         self._decoder.reserve(len(live) + len(new), longest)
         distinct: dict[tuple[int, ...], int] = {}
@@ -433,6 +488,8 @@ class HFEngine(DriverThread):
         for k in range(steps):
             logits = self._decoder.decode(state.cur_ids[:n], state.pos[:n], min(top + k, cap))
             self._sample(logits, live, 0, generators)
+            if self._config.partial_rollout and k + 1 < steps:  # (a row that ended drops its switch)
+                self._updates_between_steps(live, [r.steps + k + 1 for r in live])
         self._collect(live)
 
     def _collect(self, live: list[_Row]) -> None:
@@ -513,8 +570,11 @@ class HFEngine(DriverThread):
         """Generate ``rows`` to their end with the model's own forward and cache (one batch).
 
         ``inputs``: the pixel inputs of the one prompt every row shares; the model then places its
-        tokens itself (no padding: no positions are passed).
+        tokens itself (no padding: no positions are passed). With ``partial_rollout`` a weight update
+        lands between two steps (the cache computed so far is kept).
         """
+        for row in rows:
+            row.switches = [(0, self._version)]
         distinct: dict[tuple[int, ...], int] = {}
         source = torch.tensor([distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows])
         prompts = list(distinct)
@@ -545,21 +605,7 @@ class HFEngine(DriverThread):
         step = 0
         while True:
             live_rows = [rows[b] for b in live]
-            for r, row in enumerate(live_rows):
-                if step < row.sampling.min_new_tokens and self._eos.numel():
-                    logits[r, self._eos] = float("-inf")
-            if self._banned is not None:  # vision-language models: only ever on this path
-                logits[:, self._banned] = float("-inf")
-            params = RowParams(
-                torch.tensor([r.sampling.temperature for r in live_rows], device=self._device),
-                torch.tensor([r.sampling.top_k for r in live_rows], device=self._device),
-                torch.tensor([r.sampling.top_p for r in live_rows], device=self._device),
-                any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in live_rows),
-            )
-            logp = row_logprobs(logits, params)
-            generators = {i: r.generator for i, r in enumerate(live_rows) if r.generator is not None}
-            noise = exponential_noise(tuple(logp.shape), self._device, self._gen, generators)  # type: ignore[arg-type]
-            next_ids, chosen = pick(logp, params.temperature <= 0, noise)
+            next_ids, chosen = self._plain_pick(logits, live_rows, step)
             keep = []
             for pos, (row, token, lp) in enumerate(zip(live_rows, next_ids.tolist(), chosen.tolist(), strict=True)):
                 row.tokens.append(token)
@@ -576,6 +622,9 @@ class HFEngine(DriverThread):
                 index = torch.tensor(keep, device=self._device)
                 past.batch_select_indices(index)
                 attention, positions, next_ids = attention[index], positions[index], next_ids[index]
+            if self._config.partial_rollout:
+                kept = [rows[b] for b in live]
+                self._updates_between_steps(kept, [len(r.tokens) for r in kept])
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
             out = self._model(
@@ -587,6 +636,24 @@ class HFEngine(DriverThread):
             )
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
+
+    def _plain_pick(self, logits: torch.Tensor, rows: list[_Row], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample the next token of each of ``rows`` (``step`` tokens so far) from ``logits``: ids and log-probs."""
+        for r, row in enumerate(rows):
+            if step < row.sampling.min_new_tokens and self._eos.numel():
+                logits[r, self._eos] = float("-inf")
+        if self._banned is not None:  # vision-language models: only ever on this path
+            logits[:, self._banned] = float("-inf")
+        params = RowParams(
+            torch.tensor([r.sampling.temperature for r in rows], device=self._device),
+            torch.tensor([r.sampling.top_k for r in rows], device=self._device),
+            torch.tensor([r.sampling.top_p for r in rows], device=self._device),
+            any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in rows),
+        )
+        logp = row_logprobs(logits, params)
+        generators = {i: r.generator for i, r in enumerate(rows) if r.generator is not None}
+        noise = exponential_noise(tuple(logp.shape), self._device, self._gen, generators)  # type: ignore[arg-type]
+        return pick(logp, params.temperature <= 0, noise)
 
     def _plain_stop(self, row: _Row) -> bool:
         if row.tokens[-1] in self._eos_ids:

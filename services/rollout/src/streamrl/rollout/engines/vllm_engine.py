@@ -20,7 +20,7 @@ process, as vLLM is configured) and runs this loop::
   own weights, and an update copies into them in place instead of going through vLLM's reload.
   With ``partial_rollout`` the update runs between two engine steps instead: running requests are
   preempted, recompute their KV cache with the new weights and go on, and a sample records the
-  version of its first and of its last token.
+  version of each token (the tokens of one engine step come from the weights that step ran with).
 * CUDA IPC (``learner.weights_transport = "ipc"``, the engine on the learner's GPU): the update
   hands each worker the event's :class:`IpcWeights` (as bytes); the worker opens the learner's
   buffers once, copies them into its own staging buffers, verifies the device checksum there and
@@ -85,7 +85,14 @@ from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcas
 from streamrl.common.weights.broadcast import encode as encode_rendezvous
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.driver import DriverThread
-from streamrl.rollout.engines.engine import FinishReason, GenerationRequest, Sample, WeightUpdate, check_requests
+from streamrl.rollout.engines.engine import (
+    FinishReason,
+    GenerationRequest,
+    Sample,
+    WeightUpdate,
+    check_requests,
+    version_runs,
+)
 from streamrl.rollout.vision import expansion_token_ids, vision_processor
 from streamrl.rollout.weights.ipc_plan import encode_ipc, ipc_refusal
 from streamrl.torchkit.vision import image_token_id
@@ -160,6 +167,8 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     version_start: int | None = None
+    switches: list[tuple[int, int]] = field(default_factory=list)
+    """(first token index, version) each time the serving version changed (:func:`version_runs`)."""
     prompt_ids: list[int] | None = None
     """The prompt vLLM expanded (requests with images)."""
 
@@ -448,6 +457,8 @@ class VLLMEngine(DriverThread):
                 if completion.token_ids:
                     if run.version_start is None:
                         run.version_start = self._version
+                    if not run.switches or run.switches[-1][1] != self._version:  # this step's weights
+                        run.switches.append((len(run.token_ids), self._version))
                     run.token_ids.extend(completion.token_ids)
                     run.logprobs.extend(completion.logprobs.logprobs)
                     run.text.append(completion.text)
@@ -472,6 +483,7 @@ class VLLMEngine(DriverThread):
                 version_start=self._version if run.version_start is None else run.version_start,
                 version_end=self._version,
                 prompt_ids=run.prompt_ids,
+                versions=version_runs(run.switches, len(run.token_ids)),
             ),
         )
 

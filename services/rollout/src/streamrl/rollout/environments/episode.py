@@ -57,7 +57,7 @@ from streamrl.common.aio import cancel_and_wait
 from streamrl.common.errors import RetryableError
 from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Turn
 from streamrl.rollout.config import EnvironmentConfig
-from streamrl.rollout.engines.engine import Engine, FinishReason, GenerationRequest, Sample
+from streamrl.rollout.engines.engine import Engine, FinishReason, GenerationRequest, Sample, VersionRuns, turn_versions
 from streamrl.rollout.environments.environment import EnvironmentCallError, as_step_result, call
 from streamrl.rollout.vision import ImageExpander, check_image_count
 
@@ -89,6 +89,9 @@ class Episode:
     """Policy version of the first turn's first token."""
     version_end: int
     """Policy version of the last turn's last token."""
+    versions: VersionRuns = field(default_factory=list)
+    """Policy version of each token, run-length (:func:`streamrl.rollout.engines.engine.version_runs`);
+    empty when one version produced every turn."""
     env_infos: list[dict[str, Any]] = field(default_factory=list)
     """``StepResult.info`` of each step."""
     env_error: str | None = None
@@ -164,6 +167,9 @@ class _Builder:
             finish_reason=last.finish_reason,
             version_start=first.version_start,
             version_end=last.version_end,
+            versions=turn_versions(
+                ((t.start, s) for t, s in zip(self.turns, self.samples, strict=True)), len(self.token_ids)
+            ),
             env_infos=self.infos,
             env_error=error,
             prompt_ids=self.prompt_ids,
