@@ -262,7 +262,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """This part's options (``bench/gpu.py`` parses them from the arguments it does not know itself)."""
     parser.add_argument("--recipe", default=None, help="streamrl recipe (default recipes/gpu_qwen2_0.5b.toml)")
     parser.add_argument("--pipeline-steps", type=int, default=None, help="streamrl steps (default 60; 4 with --tiny)")
-    parser.add_argument("--trl-steps", type=int, default=None, help="TRL steps (default 12; 3 with --tiny)")
+    parser.add_argument(
+        "--trl-steps", type=int, default=None, help="TRL steps (default 12; 3 with --tiny; 0: streamrl alone)"
+    )
     parser.add_argument("--pipeline-timeout-s", type=float, default=None, help="streamrl's limit (default 330 s)")
     parser.add_argument("--trl-timeout-s", type=float, default=None, help="TRL's limit (default 180 s)")
     parser.add_argument("--tiny", action="store_true", help="a 10M-parameter Qwen2 on the CPU: checks this script")
@@ -306,7 +308,7 @@ def spec_from_args(args: argparse.Namespace) -> PipelineSpec:
         preset=preset,
         data_dir=data_dir,
         steps=steps,
-        trl_steps=getattr(args, "trl_steps", None) or (3 if tiny else 12),
+        trl_steps=(3 if tiny else 12) if getattr(args, "trl_steps", None) is None else args.trl_steps,
         device="cpu" if tiny else "cuda",
         prompts_per_step=coordinator["prompts_per_step"],
         group_size=coordinator["group_size"],
@@ -508,14 +510,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         streamrl,
         {"pipeline-streamrl.log": work / "streamrl.log", "pipeline-metrics.jsonl": work / "streamrl" / "metrics.jsonl"},
     )
-    trl = run_trl(spec, work)
-    record("trl", trl, {"pipeline-trl.log": work / "trl.log"})
+    trl: dict[str, Any] = {"skipped": "--trl-steps 0"}
+    if spec.trl_steps > 0:
+        trl = run_trl(spec, work)
+        record("trl", trl, {"pipeline-trl.log": work / "trl.log"})
     ours, theirs = streamrl.get("s_per_step"), trl.get("s_per_step")
     ratio = theirs / ours if ours and theirs else None
     errors = [
         f"{side}: exit code {r.get('exit_code')}{', timed out' if r.get('timed_out') else ''}"
         for side, r in (("streamrl", streamrl), ("trl", trl))
-        if r.get("exit_code") != 0 or r.get("timed_out")
+        if "skipped" not in r and (r.get("exit_code") != 0 or r.get("timed_out"))
     ]
     return {
         "spec": asdict(spec),
