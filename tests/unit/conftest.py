@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+import platform
 import subprocess
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
@@ -33,6 +34,10 @@ from typing import Any
 import pytest
 import redis.asyncio.connection
 import redis.connection
+
+# platform.platform() (the openai client calls it for its headers) runs `uname -p` once per process and
+# caches it: run it here, outside any test, so that no unit test is charged with starting that process.
+platform.processor()
 
 MOVE_HINT = "unit tests run without Redis and without child processes: move this test to tests/integration/<area>/"
 
