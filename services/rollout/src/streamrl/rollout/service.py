@@ -1,8 +1,11 @@
 """RolloutService: prompts in, trajectories out, weights kept at the version the prompts ask for.
 
 * A consumer loop on ``prompts``: for each PromptWorkItem, wait until the engine serves at least
-  the prompt's policy version, generate ``n`` samples, publish one Trajectory per sample (the
-  outputs and the ack are one atomic step, de-duplicated by the work item id). Many prompts are in
+  the prompt's policy version, generate ``n`` samples, write each sample's Trajectory once as a payload
+  (plain pipelined SETs under ``payload:{trajectory id}:{attempt}``, with ``redis.payload_orphan_ttl_s`` to
+  live, :mod:`streamrl.common.payloads`), then commit one small TrajectoryRecord per sample naming it (the
+  records, the PERSIST of their payloads and the ack are one atomic step, de-duplicated by the work item
+  id; a payload of a delivery that never commits expires). Many prompts are in
   flight at once (``consumer.max_in_flight``); the engine batches them. A prompt waiting for a
   version not served yet (issued ahead, ``coordinator.prefetch_steps``) is parked: it holds no
   in-flight slot while it waits, so a prompt that can run now - the replacement of a filtered or
@@ -47,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -60,6 +64,7 @@ from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyn
 from streamrl.common.follower import StreamFollower, previous_id, supervise
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
+from streamrl.common.payloads import record_of, write_payloads
 from streamrl.common.replies import entries as stream_entries
 from streamrl.common.telemetry.trace_schema import (
     ENGINE,
@@ -202,10 +207,27 @@ class RolloutService:
         self.ctx.metrics.count_samples("generated", len(samples), sum(_num_generated(x) for x in samples))
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
         traceparents = [span.traceparent for span in spans] if traced else [queued] * len(samples)
-        return [
-            Output(stream=self.ctx.names.trajectories, message=_trajectory(item, j, sample, timings, traceparent))
+        trajectories = [
+            _trajectory(item, j, sample, timings, traceparent)
             for j, (sample, traceparent) in enumerate(zip(samples, traceparents, strict=True))
         ]
+        return await self._store_payloads(trajectories)
+
+    async def _store_payloads(self, trajectories: list[Trajectory]) -> list[Output]:
+        """Write each trajectory's payload once (plain pipelined SETs with the orphan time to live, under a key of
+        this delivery's own), then return the commit: PERSIST of every payload, then one small record each."""
+        bus, names = self.ctx.bus, self.ctx.names
+        attempt = secrets.token_hex(6)
+        payloads = [(names.payload(t.id, attempt), bus.encode(t, names.trajectories)) for t in trajectories]
+        await write_payloads(
+            bus.redis, payloads, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes
+        )
+        persist = [Output(key=key, op="persist") for key, _ in payloads]
+        records = [
+            Output(stream=names.trajectories, message=record_of(t, key, len(payload)))
+            for t, (key, payload) in zip(trajectories, payloads, strict=True)
+        ]
+        return persist + records
 
     async def _generate(self, request: GenerationRequest) -> list[Sample]:
         """The samples of one prompt, counted in the engine queue depth while they are generated."""
