@@ -23,11 +23,13 @@ checkpoint-covered ack of the batch that trained it (or it sets a time to live, 
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from streamrl.common.bus import Output
 from streamrl.common.messages import (
     RECORD_METADATA_BYTES,
     ScoredRecord,
@@ -35,6 +37,10 @@ from streamrl.common.messages import (
     Trajectory,
     TrajectoryRecord,
 )
+
+if TYPE_CHECKING:
+    from streamrl.common.bus import Bus
+    from streamrl.common.streams import StreamNames
 
 _SCALAR_TEXT_CHARS = 256
 
@@ -159,3 +165,18 @@ async def read_payloads(
             pipe.get(keys[i])
         out += await pipe.execute()
     return out
+
+
+async def store_payloads(bus: Bus, names: StreamNames, trajectories: Sequence[Trajectory]) -> list[Output]:
+    """The rollout worker's half of a commit: write each trajectory's payload once (size-checked, plain pipelined
+    SETs with ``redis.payload_orphan_ttl_s`` to live, under keys of this call's own ``attempt``), then return the
+    outputs to commit with the prompt's ack: PERSIST of every payload first, then one small record each."""
+    attempt = secrets.token_hex(6)
+    payloads = [(names.payload(t.id, attempt), bus.encode(t, names.trajectories)) for t in trajectories]
+    await write_payloads(bus.redis, payloads, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes)
+    persist = [Output(key=key, op="persist") for key, _ in payloads]
+    records = [
+        Output(stream=names.trajectories, message=record_of(t, key, len(payload)))
+        for t, (key, payload) in zip(trajectories, payloads, strict=True)
+    ]
+    return persist + records

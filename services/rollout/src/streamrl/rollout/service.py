@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Sequence
 
@@ -64,7 +63,7 @@ from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyn
 from streamrl.common.follower import StreamFollower, previous_id, supervise
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
-from streamrl.common.payloads import record_of, write_payloads
+from streamrl.common.payloads import store_payloads
 from streamrl.common.replies import entries as stream_entries
 from streamrl.common.telemetry.trace_schema import (
     ENGINE,
@@ -211,23 +210,7 @@ class RolloutService:
             _trajectory(item, j, sample, timings, traceparent)
             for j, (sample, traceparent) in enumerate(zip(samples, traceparents, strict=True))
         ]
-        return await self._store_payloads(trajectories)
-
-    async def _store_payloads(self, trajectories: list[Trajectory]) -> list[Output]:
-        """Write each trajectory's payload once (plain pipelined SETs with the orphan time to live, under a key of
-        this delivery's own), then return the commit: PERSIST of every payload, then one small record each."""
-        bus, names = self.ctx.bus, self.ctx.names
-        attempt = secrets.token_hex(6)
-        payloads = [(names.payload(t.id, attempt), bus.encode(t, names.trajectories)) for t in trajectories]
-        await write_payloads(
-            bus.redis, payloads, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes
-        )
-        persist = [Output(key=key, op="persist") for key, _ in payloads]
-        records = [
-            Output(stream=names.trajectories, message=record_of(t, key, len(payload)))
-            for t, (key, payload) in zip(trajectories, payloads, strict=True)
-        ]
-        return persist + records
+        return await store_payloads(self.ctx.bus, self.ctx.names, trajectories)
 
     async def _generate(self, request: GenerationRequest) -> list[Sample]:
         """The samples of one prompt, counted in the engine queue depth while they are generated."""
