@@ -43,7 +43,8 @@ def same_samples(batch: TrainingBatch, records: list[ScoredRecord]) -> bool:
     return [(s.trajectory.id, s.reward, s.score, s.trajectory.policy_version_start) for s in batch.samples] == [
         (r.trajectory.id, r.reward, r.score, r.trajectory.policy_version_start) for r in records
     ] and all(
-        len(s.trajectory.response_ids) == r.trajectory.num_response_tokens for s, r in zip(batch.samples, records)
+        len(s.trajectory.response_ids) == r.trajectory.num_response_tokens
+        for s, r in zip(batch.samples, records, strict=True)
     )
 
 
