@@ -315,8 +315,10 @@ def _scored(shape: RunShape, prompt_tokens: int, response_tokens: int) -> tuple[
     )
     record = msgspec.structs.replace(
         record,
-        trajectory=msgspec.structs.replace(record.trajectory, metadata={"row": _text(RECORD_METADATA_BYTES - 8)}),
-    )  # the most of its metadata a record keeps
+        trajectory=msgspec.structs.replace(
+            record.trajectory, metadata={"row": _text(min(shape.row_bytes, RECORD_METADATA_BYTES - 8))}
+        ),
+    )  # the most of a row's metadata a record keeps
     return len(encode(item)), len(encode(traj)), len(encode(scored)), len(encode(record))
 
 
@@ -395,7 +397,8 @@ def memory_bound(shape: RunShape) -> MemoryBound:
     lag_groups, lag_samples = shape.lag_batches * shape.prompts_per_step, shape.lag_batches * shape.batch_samples
     payload = jemalloc_size(s.trajectory) + KEY_OVERHEAD  # the payload string, written once
     batched_sample = max(hash_field_bytes(s.scored), payload) + manifest / shape.batch_samples  # + its reference
-    record = max(stream_entry_bytes(s.record), hash_field_bytes(s.record), manifest / shape.batch_samples)
+    rec = min(s.record, s.scored)  # a record never holds more than its trajectory's scored form
+    record = max(stream_entry_bytes(rec), hash_field_bytes(rec), manifest / shape.batch_samples)
     per_sample = max(stream_entry_bytes(s.scored), batched_sample, payload + record)
     batch_hashes = shape.prompts_per_step * KEY_OVERHEAD  # the batched groups' hashes themselves
     eval_samples = OPEN_EVAL_ROUNDS * shape.eval_prompts
@@ -410,8 +413,7 @@ def memory_bound(shape: RunShape) -> MemoryBound:
         * math.ceil(shape.batch_samples * batched_sample + batch_hashes),
         "consumed_untrimmed": (
             _stream(lag_groups, s.prompt, shape.maxlen, pending=False)
-            + _stream(lag_samples, s.trajectory, shape.maxlen, pending=False)
-            + _stream(lag_samples, s.scored, shape.maxlen, pending=False)
+            + 2 * _stream(lag_samples, rec, shape.maxlen, pending=False)  # records on trajectories and scored
             + min(shape.lag_batches, shape.maxlen) * stream_entry_bytes(s.manifest, pending=False)
         ),
         "evaluation": eval_samples
