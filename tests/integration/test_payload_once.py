@@ -225,3 +225,31 @@ def test_an_uncommitted_payload_expires_and_a_commit_of_an_expired_one_writes_no
         await bus.redis.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("retention_s", [0, 60])
+def test_the_learners_ack_deletes_trained_payloads_or_keeps_them_for_the_retention(
+    own_redis: str, run_id: str, retention_s: int
+) -> None:
+    from streamrl.learner.rl.ledger import LearnerLedger
+
+    names = StreamNames(run_id)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis), payload_retention_s=retention_s)
+        await bus.redis.xgroup_create(names.batches, "learner", id="0", mkstream=True)
+        keys = [names.batched_payload("batch-0", f"p0/{i}") for i in range(3)]
+        for key in keys:
+            await bus.redis.set(key, b"payload")
+        await bus.redis.xadd(names.batches, {"d": b"manifest"})
+        entry, _ = await read_one(bus, names.batches, "learner")
+        ledger = LearnerLedger(bus, names)
+        await ledger.ack(names.batches, [entry], ["batch-0"], acked_from=0, acked_index=1, payloads=keys)
+        ttls = [await bus.redis.ttl(k) for k in keys]
+        if retention_s:
+            assert all(0 < t <= retention_s for t in ttls), ttls  # kept for replay / debugging, then gone
+        else:
+            assert ttls == [-2, -2, -2], "deleted with the checkpoint-covered ack"
+        await bus.redis.aclose()
+
+    asyncio.run(main())
