@@ -128,7 +128,8 @@ path = "{REWARD_FILE}"
 # -- processes ---------------------------------------------------------------------------------------
 def spawn(name: str, cmd: list[str], logs: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "bench"))
+    path = [str(ROOT / "bench"), *filter(None, [os.environ.get("PYTHONPATH")])]  # (a worktree's sources first)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
     log = (logs / f"{name}.log").open("wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 

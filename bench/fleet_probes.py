@@ -157,7 +157,7 @@ def payload_costs(folder: Path, payload_bytes: int, num: int = 3000) -> dict[str
         client.close()
         server.stop()
     return {
-        "where": "streamrl.common.bus.COMMIT_LUA (Bus.commit, CommitBatcher): every output's payload is a script argument",
+        "where": "streamrl.common.bus.COMMIT_LUA (Bus.commit, CommitBatcher): what a whole payload costs as a script argument (records travel so since payloads are stored once, streamrl.common.payloads)",
         "payload_bytes": payload_bytes,
         "xadd_us": xadd,
         "commit_script_us": script,

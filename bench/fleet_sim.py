@@ -7,7 +7,8 @@ queues a few requests past its batch), a heartbeat (key + instances set), its se
 ``served`` hash; per PromptWorkItem it waits for the prompt's policy version and a free GPU slot,
 "generates" for ``seqs_per_gpu * response_tokens / tokens_per_s`` seconds (an asyncio sleep; the
 first group of each slot a random fraction of that, as if the fleet were already running), then
-commits ``group_size`` Trajectory messages shaped as the real worker's (``{group}/{j}`` ids, int32
+writes ``group_size`` Trajectory payloads and commits their records, as the real worker does
+(:func:`streamrl.common.payloads.store_payloads`), the trajectories shaped as the real worker's (``{group}/{j}`` ids, int32
 response ids, float32 behaviour log-probs, uint8 loss mask, the response text at
 ``text_chars_per_token`` characters a token, versions, timings, the prompt's traceparent).
 Differences from real workers: one tail of ``weights`` per process instead of one per worker, and
@@ -45,6 +46,7 @@ from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.follower import StreamFollower
 from streamrl.common.health import heartbeat_forever
 from streamrl.common.messages import BatchManifest, PromptWorkItem, Tensor, TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.payloads import store_payloads
 from streamrl.common.streams import StreamNames
 
 logger = logging.getLogger("fleet_sim")
@@ -134,10 +136,10 @@ class SimWorker:
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
         n = item.sampling.n
         self.generated += n
-        return [
-            Output(stream=self.names.trajectories, message=self.trajectory(item, j, version_start, timings))
-            for j in range(n)
-        ]
+        # as the real worker: each payload SET once, the commit carries records (streamrl.common.payloads)
+        return await store_payloads(
+            self.bus, self.names, [self.trajectory(item, j, version_start, timings) for j in range(n)]
+        )
 
     def trajectory(self, item: PromptWorkItem, j: int, version_start: int, timings: dict[str, float]) -> Trajectory:
         """Sample ``j`` of ``item``, with the fields the real worker sets (``rollout/service.py``)."""

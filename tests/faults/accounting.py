@@ -49,9 +49,11 @@ from streamrl.common.messages import (
     BatchManifest,
     DeadLetter,
     PromptWorkItem,
+    ScoredRecord,
     ScoredTrajectory,
     TrainingBatch,
     Trajectory,
+    TrajectoryRecord,
     WeightsPublished,
 )
 from streamrl.common.streams import StreamNames
@@ -126,9 +128,9 @@ def _dead_groups(letter: DeadLetter) -> tuple[set[str], bool]:
     inner = _decode(letter.payload)
     if isinstance(inner, PromptWorkItem):
         return (set() if inner.is_eval else {inner.id}), inner.is_eval
-    if isinstance(inner, Trajectory):
+    if isinstance(inner, Trajectory | TrajectoryRecord):
         return (set() if inner.is_eval else {inner.group_id}), inner.is_eval
-    if isinstance(inner, ScoredTrajectory):
+    if isinstance(inner, ScoredTrajectory | ScoredRecord):
         t = inner.trajectory
         return (set() if t.is_eval else {t.group_id}), t.is_eval
     if isinstance(inner, TrainingBatch | BatchManifest):
@@ -261,11 +263,15 @@ def count_run(
             f"complete but never batched: {sorted(unexplained)[:10]}"
         )
 
-    generated = {m.id for _, p in read(names.trajectories) if isinstance(m := _decode(p), Trajectory) and not m.is_eval}
+    generated = {
+        m.id
+        for _, p in read(names.trajectories)
+        if isinstance(m := _decode(p), Trajectory | TrajectoryRecord) and not m.is_eval
+    }
     scored = {
         m.trajectory.id
         for _, p in read(names.scored)
-        if isinstance(m := _decode(p), ScoredTrajectory) and not m.trajectory.is_eval
+        if isinstance(m := _decode(p), ScoredTrajectory | ScoredRecord) and not m.trajectory.is_eval
     }
     c.trajectories = {"generated": len(generated), "scored": len(scored), "trained": sum(trained_ids.values())}
 

@@ -21,8 +21,8 @@ from streamrl.common.messages import (
     BatchManifest,
     DeadLetter,
     PromptWorkItem,
-    ScoredTrajectory,
-    Trajectory,
+    ScoredRecord,
+    TrajectoryRecord,
     WeightsPublished,
 )
 
@@ -68,8 +68,8 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     run.wait_version(INJECT_AT_VERSION)
     n, client = run.names, run.client
     prompt, _ = first_message(run.written(n.prompts), PromptWorkItem)
-    traj, _ = first_message(run.written(n.trajectories), Trajectory)
-    scored, _ = first_message(run.written(n.scored), ScoredTrajectory)
+    traj, _ = first_message(run.written(n.trajectories), TrajectoryRecord)  # the records the pipeline commits
+    scored, _ = first_message(run.written(n.scored), ScoredRecord)
     batch, _ = first_message(run.written(n.batches), BatchManifest)  # batch-0: trained by now
     weights, _ = first_message(run.written(n.weights), WeightsPublished)
     letter = DeadLetter(

@@ -25,12 +25,14 @@ from streamrl.common.messages import (
     BatchManifest,
     DeadLetter,
     PromptWorkItem,
+    ScoredRecord,
     ScoredTrajectory,
     Tensor,
     TrainingBatch,
     Trajectory,
     WeightsPublished,
 )
+from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
 
 
@@ -183,7 +185,6 @@ def test_the_last_evaluation_round_is_never_lost(
     from streamrl.common.bus import Bus, connect
     from streamrl.common.config import load_config
     from streamrl.common.lifecycle import ServiceContext
-    from streamrl.common.messages import ScoredTrajectory
     from streamrl.coordinator.config import CoordinatorConfig
     from streamrl.coordinator.evaluation import EvalRounds
     from streamrl.coordinator.service import CoordinatorService
@@ -223,10 +224,11 @@ def test_the_last_evaluation_round_is_never_lost(
                     metadata={"eval_version": version},
                     policy_version_end=version,
                 )
+                record = record_of(traj, names.payload(traj.id, "t"), 0)
                 client.hset(
                     names.group_buffer(f"eval-v{version}"),
                     traj.id,
-                    encode(ScoredTrajectory(trajectory=traj, reward=1.0, score=1.0)),
+                    encode(ScoredRecord(trajectory=record, reward=1.0, score=1.0)),
                 )
 
     async def scenario() -> tuple[bool, dict[bytes, bytes]]:
@@ -306,7 +308,16 @@ class Harness:
         """Every sample of ``item``'s group scored and on the scored stream, as the reward tier writes it."""
         n = item.sampling.n
         for i, score in enumerate(scores if scores is not None else [float(i % 2) for i in range(n)]):
-            self.client.xadd(self.names.scored, {b"d": encode(score_sample(item, i, score, **scored))})
+            self.score_one(item, i, score, **scored)
+
+    def score_one(self, item: PromptWorkItem, index: int, score: float, **scored: Any) -> str:
+        """Sample ``index`` of ``item``: its payload stored as the rollout worker stores it, its scored record on
+        the scored stream as the reward tier writes it; the payload's key."""
+        record = score_sample(self.names, item, index, score, **scored)
+        traj = record.trajectory
+        self.client.set(traj.payload_key, encode(trajectory_of(item, index, traj.policy_version_start)))
+        self.client.xadd(self.names.scored, {b"d": encode(record)})
+        return traj.payload_key
 
     def dead_letter(self, stream: str, message: Any, error: str = "ScorerError: HTTP 500") -> None:
         letter = DeadLetter(
@@ -339,9 +350,18 @@ class Harness:
 
 
 def score_sample(
-    item: PromptWorkItem, index: int, score: float, version: int | None = None, **scored: Any
-) -> ScoredTrajectory:
-    traj = Trajectory(
+    names: StreamNames, item: PromptWorkItem, index: int, score: float, version: int | None = None, **scored: Any
+) -> ScoredRecord:
+    """The scored record of sample ``index`` of ``item`` (its payload, :func:`trajectory_of`, under run ``names``'s
+    payload key of attempt ``t``)."""
+    v = item.policy_version if version is None else version
+    traj = trajectory_of(item, index, v)
+    key = names.payload(traj.id, "t")
+    return ScoredRecord(trajectory=record_of(traj, key, len(encode(traj))), reward=score, score=score, **scored)
+
+
+def trajectory_of(item: PromptWorkItem, index: int, version: int) -> Trajectory:
+    return Trajectory(
         id=f"{item.id}/{index}",
         group_id=item.id,
         group_index=index,
@@ -352,10 +372,9 @@ def score_sample(
         loss_mask=Tensor.from_list([1], "uint8"),
         is_eval=item.is_eval,
         metadata=item.metadata,
-        policy_version_start=item.policy_version if version is None else version,
-        policy_version_end=item.policy_version if version is None else version,
+        policy_version_start=version,
+        policy_version_end=version,
     )
-    return ScoredTrajectory(trajectory=traj, reward=score, score=score, **scored)
 
 
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -364,7 +383,7 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def a_trajectory(item: PromptWorkItem) -> Trajectory:
-    return score_sample(item, 0, 0.0).trajectory
+    return trajectory_of(item, 0, item.policy_version)
 
 
 @contextlib.asynccontextmanager
@@ -439,14 +458,14 @@ def test_a_timed_out_group_is_logged_counted_and_its_late_samples_dropped(
             h.weights(0)
             await h.until(lambda: len(h.prompts()) >= 8, "the first prompts")
             late = h.prompts()[0]
-            h.client.xadd(h.names.scored, {b"d": encode(score_sample(late, 0, 1.0))})  # 1 of 4 samples, then silence
+            h.score_one(late, 0, 1.0)  # 1 of 4 samples, then silence
             await h.until(lambda: h.counter("groups_timed_out") == 4, "batch 0's groups to time out", 5.0)
             await h.until(lambda: len(h.prompts()) == 12, "their replacements")
             assert [p.policy_version for p in h.prompts()[8:]] == [0, 0, 0, 0]
             for item in h.prompts()[8:]:
                 h.answer(item)
             assert not h.client.exists(h.names.group_buffer(late.id))
-            h.client.xadd(h.names.scored, {b"d": encode(score_sample(late, 1, 1.0))})  # a straggler
+            h.score_one(late, 1, 1.0)  # a straggler
             await h.until(lambda: h.counter("late_samples_dropped") == 1, "the late sample to be dropped")
             assert not h.client.exists(h.names.group_buffer(late.id))
             await h.until(lambda: h.progress().get("groups_timed_out") == "4", "the count in the progress hash")
@@ -469,7 +488,9 @@ def test_a_dead_lettered_batch_is_counted_never_taken_for_a_group(
             batch = TrainingBatch(
                 id="batch-0",
                 index=0,
-                samples=[score_sample(item, i, 1.0) for i in range(4)],
+                samples=[
+                    ScoredTrajectory(trajectory=trajectory_of(item, i, 0), reward=1.0, score=1.0) for i in range(4)
+                ],
                 policy_version=0,
                 staleness=[0, 0, 0, 0],
             )
@@ -699,7 +720,7 @@ def test_a_batch_the_learner_refused_is_sent_again_then_counted_as_dropped(
             await h.until(lambda: h.client.xlen(h.names.batches) == 2, "batch 0 sent again", timeout_s=10)
             again = batches_of(h)[1]
             assert again == batch  # the same manifest: its samples are still kept
-            assert all(h.client.hexists(r.key, r.field) for r in again.samples)
+            assert all(h.client.exists(r.key) for r in again.samples)  # its payloads are kept
             for _ in range(2):  # refused every time: after max_deliveries (3) letters it is given up
                 h.dead_letter(h.names.batches, batch, reason)
             await h.until(lambda: h.counter("batches_dead") == 1, "the batch counted as dropped")

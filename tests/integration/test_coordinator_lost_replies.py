@@ -20,7 +20,8 @@ import pytest
 
 from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredRecord, Tensor, Trajectory
+from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import TX_LUA
 from streamrl.coordinator import state as st
@@ -60,8 +61,19 @@ class Prompts:
         return Prompt(index=index, text=f"{index}+1=", ids=[1, 2, 3], label=str(index + 1), metadata={})
 
 
-def sample(group: str, index: int, score: float, version: int = 0) -> ScoredTrajectory:
-    traj = Trajectory(
+async def put(redis: Any, names: StreamNames, group: str, index: int, score: float, version: int = 0) -> None:
+    """Sample ``index`` of ``group`` stored as the pipeline stores it: its payload (rollout), its scored record in
+    the group's buffer (the scored consumer)."""
+    traj = trajectory(group, index, version)
+    record = record_of(traj, names.payload(traj.id, "t"), len(encode(traj)))
+    await redis.set(record.payload_key, encode(traj))
+    await redis.hset(
+        names.group_buffer(group), traj.id, encode(ScoredRecord(trajectory=record, reward=score, score=score))
+    )
+
+
+def trajectory(group: str, index: int, version: int = 0) -> Trajectory:
+    return Trajectory(
         id=f"{group}/{index}",
         group_id=group,
         group_index=index,
@@ -73,7 +85,6 @@ def sample(group: str, index: int, score: float, version: int = 0) -> ScoredTraj
         policy_version_start=version,
         policy_version_end=version,
     )
-    return ScoredTrajectory(trajectory=traj, reward=score, score=score)
 
 
 def through_proxy(redis_url: str, run_id: str, scenario: Callable[[RunState, LostReplyProxy], Awaitable[Any]]) -> Any:
@@ -100,7 +111,7 @@ async def ready_groups(groups: GroupBuffer, *wanted: tuple[str, int]) -> None:
     await tx.execute()
     for group, version in wanted:
         for i in range(2):
-            await groups.redis.hset(groups.buffer(group), f"{group}/{i}", encode(sample(group, i, float(i), version)))
+            await put(groups.redis, groups.state.names, group, i, float(i), version)
     await groups.complete(None)
 
 
@@ -204,7 +215,7 @@ def test_a_lost_reply_to_a_groups_completion_readies_it_once(redis_url: str, run
         groups.queue_issue(tx, "a", 0, time.time())
         await tx.execute()
         for i in range(2):
-            await state.redis.hset(groups.buffer("a"), f"a/{i}", encode(sample("a", i, float(i))))
+            await put(state.redis, state.names, "a", i, float(i))
         await lose_reply(proxy, state, sha(groups._leave.source), groups._leave.source)
         await groups.complete(None)
         assert proxy.dropped == 1
@@ -293,7 +304,7 @@ def test_a_lost_reply_to_dropping_late_samples_counts_them_once(redis_url: str, 
     async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
         groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
         for i in range(2):  # samples of a group already failed: neither in flight nor ready
-            await state.redis.hset(groups.buffer("gone"), f"gone/{i}", encode(sample("gone", i, 1.0)))
+            await put(state.redis, state.names, "gone", i, 1.0)
         await lose_reply(proxy, state, sha(groups._drop_late.source), groups._drop_late.source)
         await groups.drop_late(["gone"])
         assert proxy.dropped == 1
@@ -310,7 +321,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
     writes (every write is a script call) every 0.15 s, at least two per step, while it issues, collects and batches four steps
     (the test plays rollout, reward and learner on the real streams)."""
     import redis as syncredis
-    from test_coordinator import Harness, score_sample
+    from test_coordinator import Harness
 
     from streamrl.common.config import load_config
     from streamrl.common.lifecycle import ServiceContext
@@ -355,8 +366,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
                 if item.id not in answered and item.policy_version <= version:
                     answered.add(item.id)
                     for i in range(item.sampling.n):  # the reward tier's output, once per trajectory
-                        scored = score_sample(item, i, float(i % 2))
-                        h.client.xadd(names.scored, {b"d": encode(scored)})
+                        h.score_one(item, i, float(i % 2))
             if h.client.xlen(names.batches) > version:  # the learner trains it and publishes the next version
                 batch_seen = min(batch_seen, time.monotonic())
                 if proxy.dropped < 2 * (version + 1) and time.monotonic() < batch_seen + 3.0:

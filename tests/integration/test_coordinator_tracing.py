@@ -14,11 +14,12 @@ from pathlib import Path
 import redis
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from test_coordinator import Harness, score_sample
+from test_coordinator import Harness
 
 from streamrl.common.batch_payloads import resolve
-from streamrl.common.codec import decode, encode
-from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredTrajectory, TrainingBatch
+from streamrl.common.codec import decode
+from streamrl.common.messages import BatchManifest, PromptWorkItem, TrainingBatch, Trajectory
+from streamrl.common.payloads import assemble
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import PromMetrics
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_WAIT, GROUP_ID, GROUP_WAIT, ISSUE, REWARD
@@ -89,8 +90,7 @@ def test_a_traced_batch_through_the_running_service(
 
             def score(item: PromptWorkItem, i: int) -> None:  # as the reward tier does, under the prompt's trace
                 scored = reward.record(REWARD, item.traceparent, start_s=time.time(), end_s=time.time())
-                message = score_sample(item, i, float(i % 2), traceparent=scored)
-                h.client.xadd(h.names.scored, {b"d": encode(message)})
+                h.score_one(item, i, float(i % 2), traceparent=scored)
 
             for item in items:
                 score(item, 0)
@@ -100,8 +100,11 @@ def test_a_traced_batch_through_the_running_service(
                     score(item, i)
             await h.until(lambda: h.client.xlen(h.names.batches) == 1, "batch 0")
             manifest = decode(h.client.xrange(h.names.batches)[0][1][b"d"], BatchManifest)
-            payloads = [h.client.hget(r.key, r.field) for r in manifest.samples]  # as the learner reads them
-            return resolve(manifest, [decode(p, ScoredTrajectory) for p in payloads])
+            payloads = [h.client.get(r.key) for r in manifest.samples]  # as the learner reads them
+            return resolve(
+                manifest,
+                [assemble(r.scored, decode(p, Trajectory)) for r, p in zip(manifest.samples, payloads, strict=True)],
+            )
 
     batch = asyncio.run(scenario())
     assert tracing.flush() and reward.flush()

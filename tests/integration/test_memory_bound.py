@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import redis as syncredis
@@ -31,12 +32,14 @@ from streamrl.common.messages import (
     Heartbeat,
     PromptWorkItem,
     SamplingParams,
+    ScoredRecord,
     ScoredTrajectory,
     Tensor,
     TrainingBatch,
     Trajectory,
     WeightsPublished,
 )
+from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
 from streamrl.ops.memory_budget import MIB, RunShape, memory_bound
 from streamrl.ops.redis_server import RedisServer
@@ -76,6 +79,20 @@ def _sample(shape: RunShape, rng: np.random.Generator, gid: str, i: int, respons
         scorer="function:task",
         reward_latency_ms=3.2,
         traceparent=TRACEPARENT,
+    )
+
+
+def _record(names: StreamNames, s: ScoredTrajectory) -> ScoredRecord:
+    """What the pipeline keeps of ``s`` besides its payload: its scored record."""
+    key = names.payload(s.trajectory.id, "a" * 12)
+    return ScoredRecord(
+        trajectory=record_of(s.trajectory, key, len(encode(s.trajectory))),
+        reward=s.reward,
+        score=s.score,
+        extra=s.extra,
+        scorer=s.scorer,
+        reward_latency_ms=s.reward_latency_ms,
+        traceparent=s.traceparent,
     )
 
 
@@ -138,13 +155,12 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
         batch_id, groups = f"batch-{index}", [group("b")[1] for _ in range(pps)]
         samples = [s for members in groups for s in members]
         keys, sizes = [], []
-        for members in groups:
-            key = names.batched_samples(batch_id, members[0].trajectory.group_id)
-            stored = {s.trajectory.id: encode(s) for s in members}
+        for s in samples:
+            key, payload = names.batched_payload(batch_id, s.trajectory.id), encode(s.trajectory)
             if payloads:
-                client.hset(key, mapping=stored)
-            keys += [key] * len(members)
-            sizes += [len(v) for v in stored.values()]
+                client.set(key, payload)
+            keys.append(key)
+            sizes.append(len(payload))
         whole = TrainingBatch(
             id=batch_id,
             index=index,
@@ -154,7 +170,17 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
             created_at=time.time(),
             traceparent=TRACEPARENT,
         )
-        return encode(manifest_of(whole, keys, sizes))
+        manifest = manifest_of(whole, keys, sizes)
+        refs = [
+            msgspec.structs.replace(ref, field="", scored=_record(names, s))
+            for ref, s in zip(manifest.samples, samples, strict=True)
+        ]
+        return encode(msgspec.structs.replace(manifest, samples=refs))
+
+    def payloads_of(samples: list[ScoredTrajectory]) -> None:
+        """Each sample's payload, as the rollout worker stores it."""
+        for s in samples:
+            client.set(names.payload(s.trajectory.id, "a" * 12), encode(s.trajectory))
 
     # in flight: H batches' worth of groups - their prompt items pending at the rollout; the samples of
     # the oldest batch in a batch entry, of the next in group buffers, of the rest pending as scored entries
@@ -162,10 +188,19 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
     f.add(names.prompts, "rollout", [encode(p) for p, _ in horizon], consumed=False)
     f.add(names.batches, "learner", [batch(1000)], consumed=False)
     for _, samples in horizon[pps : 2 * pps]:
+        payloads_of(samples)
         client.hset(
-            names.group_buffer(samples[0].trajectory.group_id), mapping={s.trajectory.id: encode(s) for s in samples}
+            names.group_buffer(samples[0].trajectory.group_id),
+            mapping={s.trajectory.id: encode(_record(names, s)) for s in samples},
         )
-    f.add(names.scored, "coordinator", [encode(s) for _, ss in horizon[2 * pps :] for s in ss], consumed=False)
+    for _, ss in horizon[2 * pps :]:
+        payloads_of(ss)
+    f.add(
+        names.scored,
+        "coordinator",
+        [encode(_record(names, s)) for _, ss in horizon[2 * pps :] for s in ss],
+        consumed=False,
+    )
     # trained batches waiting for a checkpoint: pending in the learner's group
     f.add(
         names.batches,
@@ -176,8 +211,13 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
     # consumed, not yet trimmed: L batches' worth of every stream
     lagging = [group("lag") for _ in range(shape.lag_batches * pps)]
     f.add(names.prompts, "rollout", [encode(p) for p, _ in lagging], consumed=True)
-    f.add(names.trajectories, "reward", [encode(s.trajectory) for _, ss in lagging for s in ss], consumed=True)
-    f.add(names.scored, "coordinator", [encode(s) for _, ss in lagging for s in ss], consumed=True)
+    f.add(
+        names.trajectories,
+        "reward",
+        [encode(_record(names, s).trajectory) for _, ss in lagging for s in ss],
+        consumed=True,
+    )
+    f.add(names.scored, "coordinator", [encode(_record(names, s)) for _, ss in lagging for s in ss], consumed=True)
     f.add(names.batches, "learner", [batch(2000 + i, False) for i in range(shape.lag_batches)], consumed=True)
     # two open evaluation rounds: one-sample prompts at every stage, answers in the round's buffer
     eval_response = min(shape.eval_response_tokens, shape.max_model_len - 1)
@@ -190,9 +230,13 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
             for k in range(shape.eval_prompts)
         ]
         f.add(names.prompts, "rollout", [encode(p) for p, _ in rows], consumed=False)
-        f.add(names.trajectories, "reward", [encode(s.trajectory) for _, s in rows], consumed=False)
-        f.add(names.scored, "coordinator", [encode(s) for _, s in rows], consumed=False)
-        client.hset(names.group_buffer(f"eval-v{version}"), mapping={s.trajectory.id: encode(s) for _, s in rows})
+        payloads_of([s for _, s in rows])  # pending at the reward tier: their payloads are stored
+        f.add(names.trajectories, "reward", [encode(_record(names, s).trajectory) for _, s in rows], consumed=False)
+        f.add(names.scored, "coordinator", [encode(_record(names, s)) for _, s in rows], consumed=False)
+        client.hset(
+            names.group_buffer(f"eval-v{version}"),
+            mapping={s.trajectory.id: encode(_record(names, s)) for _, s in rows},
+        )
     # the whole run: a weights event per version (signed, with the step's metrics), per-version hashes
     metrics = {f"train/metric_{k:02d}": 0.5 for k in range(40)}
     weights = [
@@ -233,7 +277,7 @@ def fill_run(client: syncredis.Redis, shape: RunShape, run_id: str) -> bytes:
                 consumer="c-1",
                 error="ValueError: " + "e" * 200,
                 deliveries=3,
-                payload=encode(group("dead")[1][0]),
+                payload=encode(_record(names, group("dead")[1][0])),
                 ts=time.time(),
             )
         )
@@ -281,7 +325,7 @@ async def fetched_bytes(port: int, manifest: BatchManifest) -> int:
         samples = await fetch_samples(client, manifest, max_reply_bytes=8 * MIB)
     finally:
         await client.aclose()
-    return sum(len(encode(s)) for s in samples)
+    return sum(len(encode(s.trajectory)) for s in samples)
 
 
 def used_memory(client: syncredis.Redis) -> int:

@@ -12,7 +12,8 @@ import pytest
 
 from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import BatchManifest, ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.messages import BatchManifest, ScoredRecord, ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.payloads import assemble, record_of
 from streamrl.coordinator.batches import BatchBuilder
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.state import RunState
@@ -37,7 +38,7 @@ class CountingRedis:
 
         async def execute() -> list[Any]:
             out = await real()
-            sizes = [sum(len(v) for v in reply if v is not None) for reply in out]
+            sizes = [len(r) if isinstance(r, bytes) else sum(len(v) for v in r if v is not None) for r in out]
             self.replies += sizes
             self.pipelines.append(sum(sizes))
             return list(out)
@@ -46,7 +47,7 @@ class CountingRedis:
         return pipe
 
 
-def sample(group: int, index: int) -> ScoredTrajectory:
+def sample(group: int, index: int) -> Trajectory:
     traj = Trajectory(
         id=f"p{group}/{index}",
         group_id=f"p{group}",
@@ -58,32 +59,39 @@ def sample(group: int, index: int) -> ScoredTrajectory:
         loss_mask=Tensor.from_list([1] * TOKENS, "uint8"),
         policy_version_start=0,
     )
-    return ScoredTrajectory(trajectory=traj, reward=float(index % 2), score=float(index % 2))
+    return traj
 
 
-async def score_groups(groups: GroupBuffer) -> dict[str, ScoredTrajectory]:
-    """Issue and complete every group, its samples written as the scored consumer writes them."""
+async def score_groups(groups: GroupBuffer) -> tuple[dict[str, ScoredTrajectory], int]:
+    """Issue and complete every group, each payload written as the rollout worker writes it and each scored
+    record as the scored consumer does: the samples as the learner must train them, and the payloads' bytes."""
     state, scored = groups.state, {}
     tx = state.tx()
     for g in range(GROUPS):
         groups.queue_issue(tx, f"p{g}", 0, time.time())
     await tx.execute()
+    payload_bytes = 0
     pipe = state.redis.pipeline(transaction=False)
     for g in range(GROUPS):
         for i in range(GROUP_SIZE):
-            s = scored[f"p{g}/{i}"] = sample(g, i)
-            pipe.hset(state.names.group_buffer(f"p{g}"), s.trajectory.id, encode(s))
+            traj = sample(g, i)
+            payload = encode(traj)
+            payload_bytes += len(payload)
+            record = record_of(traj, state.names.payload(traj.id, "t"), len(payload))
+            s = ScoredRecord(trajectory=record, reward=float(i % 2), score=float(i % 2))
+            scored[traj.id] = assemble(s, traj)
+            pipe.set(record.payload_key, payload)
+            pipe.hset(state.names.group_buffer(f"p{g}"), traj.id, encode(s))
     await pipe.execute()
     await groups.complete(None)
-    return scored
+    return scored, payload_bytes
 
 
 @pytest.mark.timeout(600)
 def test_an_18000_sample_batch_travels_by_reference_no_entry_over_16_mb(in_redis) -> None:  # type: ignore[no-untyped-def]
     async def scenario(state: RunState) -> None:
         groups = GroupBuffer(state, group_size=GROUP_SIZE, dynamic_filtering=False)
-        scored = await score_groups(groups)
-        payload_bytes = sum(len(encode(s)) for s in scored.values())
+        scored, payload_bytes = await score_groups(groups)
         assert payload_bytes > 30 * MIB  # the batch as one entry would be over 30 MB (2 GB at 8k tokens)
 
         build = BatchBuilder(state, groups, prompts_per_step=GROUPS, max_staleness=0, drop_stale=True)
@@ -105,7 +113,7 @@ def test_an_18000_sample_batch_travels_by_reference_no_entry_over_16_mb(in_redis
         print(f"fetched in {time.perf_counter() - started:.2f} s, {len(client.pipelines)} reads")
         assert max(client.pipelines) <= BUDGET and max(client.replies) <= BUDGET
         assert sum(client.pipelines) == payload_bytes
-        assert encode(fetched) == encode(built.batch)
+        assert (fetched.id, fetched.index) == (built.batch.id, built.batch.index)
         assert sorted(s.trajectory.id for s in fetched.samples) == sorted(scored)
         assert all(s == scored[s.trajectory.id] for s in fetched.samples)
         groups_in_order = [s.trajectory.group_id for s in fetched.samples]

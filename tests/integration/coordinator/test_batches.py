@@ -9,7 +9,7 @@ from coordinator_fakes import sample, store
 
 from streamrl.common.batch_payloads import fetch_batch
 from streamrl.common.codec import decode
-from streamrl.common.messages import BatchManifest, TrainingBatch
+from streamrl.common.messages import BatchManifest, ScoredRecord, TrainingBatch
 from streamrl.coordinator import state as st
 from streamrl.coordinator.batches import BatchBuilder
 from streamrl.coordinator.groups import GroupBuffer
@@ -38,19 +38,32 @@ async def batches(state: RunState) -> list[TrainingBatch]:
     return [await fetch_batch(state.redis, m, max_reply_bytes=2**20) for m in manifests]
 
 
+def same_samples(batch: TrainingBatch, records: list[ScoredRecord]) -> bool:
+    """The learner's batch holds exactly the scored records the coordinator batched, with their payloads."""
+    return [(s.trajectory.id, s.reward, s.score, s.trajectory.policy_version_start) for s in batch.samples] == [
+        (r.trajectory.id, r.reward, r.score, r.trajectory.policy_version_start) for r in records
+    ] and all(
+        len(s.trajectory.response_ids) == r.trajectory.num_response_tokens
+        for s, r in zip(batch.samples, records, strict=True)
+    )
+
+
 def test_a_batch_takes_its_groups_in_one_transaction(in_redis) -> None:  # type: ignore[no-untyped-def]
     async def scenario(state: RunState) -> None:
         build = builder(state)
         await ready_groups(build.groups, ("a", 0), ("b", 0), ("c", 0))
         (built,) = await build.build(version=0)
         assert (built.batch.index, len(built.batch.samples), built.num_too_stale) == (0, 4, 0)
-        assert await batches(state) == [built.batch]
+        (fetched,) = await batches(state)
+        assert fetched.index == 0 and same_samples(fetched, built.batch.samples)
         taken = {s.trajectory.group_id for s in built.batch.samples}
         (left,) = await build.groups.ready()
         assert taken | {left} == {"a", "b", "c"} and await state.get_int(st.BATCH_INDEX) == 1
         assert not any([await state.redis.exists(state.names.group_buffer(g)) for g in taken])
-        # kept for the learner under their batched names, a late copy of a sample lands apart
-        assert all([await state.redis.hlen(state.names.batched_samples("batch-0", g)) == 2 for g in taken])
+        # each payload kept for the learner under its batched name (a late copy of a sample names another)
+        ids = [s.trajectory.id for s in built.batch.samples]
+        assert all([await state.redis.exists(state.names.batched_payload("batch-0", t)) for t in ids])
+        assert not any([await state.redis.exists(state.names.payload(t, "t")) for t in ids])
 
     in_redis(scenario)
 

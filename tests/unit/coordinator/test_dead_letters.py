@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator_fakes import Prompts, sample
+from coordinator_fakes import Prompts, sample, trajectory
 
 from streamrl.common.batch_payloads import manifest_of
 from streamrl.common.codec import encode
@@ -11,6 +11,7 @@ from streamrl.common.messages import (
     DeadLetter,
     Message,
     PromptWorkItem,
+    ScoredTrajectory,
     Tensor,
     TrainingBatch,
     WeightsPublished,
@@ -32,15 +33,24 @@ def prompt(id: str, **fields: object) -> PromptWorkItem:
     return PromptWorkItem(id=id, prompt_ids=Tensor.from_list(p.ids, "int32"), **fields)  # type: ignore[arg-type]
 
 
+def whole(group: str, index: int) -> ScoredTrajectory:
+    """A whole scored trajectory (the first form of the scored contract, still in old batches' letters)."""
+    return ScoredTrajectory(trajectory=trajectory(group, index), reward=1.0, score=1.0)
+
+
 def test_training_groups_evaluation_prompts_and_batches() -> None:
-    scored = sample("p7", 1)
+    record = sample("p7", 1)
+    payload = (record.trajectory.payload_key,)
     assert what_was_lost(letter(prompt("p7")), batches_stream=BATCHES) == LostGroup("p7")
-    assert what_was_lost(letter(scored.trajectory), batches_stream=BATCHES) == LostGroup("p7")
-    assert what_was_lost(letter(scored), batches_stream=BATCHES) == LostGroup("p7")
+    assert what_was_lost(letter(record.trajectory), batches_stream=BATCHES) == LostGroup("p7", payload)
+    assert what_was_lost(letter(record), batches_stream=BATCHES) == LostGroup("p7", payload)
+    assert what_was_lost(letter(whole("p7", 1).trajectory), batches_stream=BATCHES) == LostGroup("p7")
     evaluation = prompt("eval-v4-1", is_eval=True, metadata={"eval_version": 4})
     assert what_was_lost(letter(evaluation), batches_stream=BATCHES) == LostEvalPrompt(4, "eval-v4-1")
     answer = sample("eval-v4-1", 0, is_eval=True, eval_version=4)
-    assert what_was_lost(letter(answer), batches_stream=BATCHES) == LostEvalPrompt(4, "eval-v4-1")
+    lost = LostEvalPrompt(4, "eval-v4-1", (answer.trajectory.payload_key,))
+    assert what_was_lost(letter(answer), batches_stream=BATCHES) == lost
+    scored = whole("p7", 1)
     batch = TrainingBatch(id="batch-3", index=3, samples=[scored, scored], policy_version=3, staleness=[0, 0])
     skipped = f"batch-3 (2 samples) {BATCH_SKIPPED}: its step failed 3 times, last: FloatingPointError: nan"
     assert what_was_lost(letter(batch, BATCHES, skipped), batches_stream=BATCHES) == LostBatch("batch-3", 2, 1)
@@ -53,7 +63,7 @@ def test_a_batch_the_learner_refused_unconsumed_is_to_be_sent_again() -> None:
     dead-lettered without a version published for it: its samples were not trained, and the run waits
     for that index - the coordinator gets the whole entry back to send it again."""
     batch = TrainingBatch(
-        id="batch-3", index=3, samples=[sample("p7", 1), sample("p8", 0)], policy_version=3, staleness=[0, 0]
+        id="batch-3", index=3, samples=[whole("p7", 1), whole("p8", 0)], policy_version=3, staleness=[0, 0]
     )
     for error in (
         "PoisonMessageError: batch-3 is ahead of the learner, whose next batch is 1: ...",
@@ -78,7 +88,7 @@ def test_a_manifests_letter_names_its_batch_and_the_hashes_of_its_samples() -> N
     batch = TrainingBatch(
         id="batch-3",
         index=3,
-        samples=[sample("p7", 0), sample("p7", 1), sample("p8", 0)],
+        samples=[whole("p7", 0), whole("p7", 1), whole("p8", 0)],
         policy_version=3,
         staleness=[0] * 3,
     )

@@ -11,7 +11,8 @@ import pytest
 from streamrl.common.batch_payloads import manifest_of
 from streamrl.common.codec import encode
 from streamrl.common.config import ConfigError, ConsumerConfig, RedisConfig, read_recipe, validate
-from streamrl.common.messages import ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.messages import ScoredRecord, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
 from streamrl.ops.memory_budget import (
     MIB,
@@ -159,10 +160,30 @@ def test_message_sizes_cover_real_messages() -> None:
     batch = TrainingBatch(
         id="batch-99999", index=99999, samples=samples, policy_version=99999, staleness=[99999] * len(samples)
     )
-    keys = [names.batched_samples(batch.id, group)] * len(samples)
-    manifest = manifest_of(batch, keys, [len(encode(scored))] * len(samples))
-    assert 0.8 * sizes.manifest <= len(encode(manifest)) <= sizes.manifest
-    assert sizes.manifest < sizes.batch / 4, "a manifest is a small part of the batch it names"
+    # each ref carries the sample's scored record (the payload stays under its own key)
+    records = [
+        ScoredRecord(
+            trajectory=record_of(t.trajectory, names.payload(t.trajectory.id, "a" * 12), len(encode(t.trajectory))),
+            reward=t.reward,
+            score=t.score,
+            extra=t.extra,
+            scorer=t.scorer,
+            traceparent=t.traceparent,
+        )
+        for t in samples
+    ]
+    assert max(len(encode(r)) for r in records) <= sizes.record
+    manifest = manifest_of(
+        batch, [names.batched_payload(batch.id, r.trajectory.id) for r in records], [1] * len(samples)
+    )
+    manifest = msgspec.structs.replace(
+        manifest,
+        samples=[
+            msgspec.structs.replace(ref, field="", scored=r) for ref, r in zip(manifest.samples, records, strict=True)
+        ],
+    )
+    assert 0.7 * sizes.manifest <= len(encode(manifest)) <= sizes.manifest  # records keep at most 1 KiB of metadata
+    assert sizes.manifest < sizes.batch / 3, "a manifest is a small part of the batch it names (1/50 at 8k tokens)"
 
 
 def test_the_bound_grows_with_what_the_run_holds() -> None:
@@ -170,9 +191,9 @@ def test_the_bound_grows_with_what_the_run_holds() -> None:
     base = memory_bound(SHAPE)
     per_batch = message_sizes(SHAPE).batch
     more_checkpoint = memory_bound(RunShape(**{**SHAPE.__dict__, "checkpoint_every": 10}))
-    assert 5 * per_batch <= more_checkpoint.total - base.total <= 5 * 1.3 * per_batch
+    assert 5 * per_batch <= more_checkpoint.total - base.total <= 5 * 1.6 * per_batch  # payloads + manifests (records)
     staler = memory_bound(RunShape(**{**SHAPE.__dict__, "max_staleness": 3}))
-    assert 2 * per_batch <= staler.total - base.total <= 2 * 1.5 * per_batch
+    assert 2 * per_batch <= staler.total - base.total <= 2 * 1.7 * per_batch  # a payload and its record apart
     longer = memory_bound(RunShape(**{**SHAPE.__dict__, "max_model_len": 1024, "response_tokens": 512}))
     # 256 more prompt tokens (4 bytes of ids + 6 of text) and 256 more response tokens (9 + 6)
     assert longer.sizes.trajectory - base.sizes.trajectory >= 256 * (4 + 6) + 256 * (9 + 6)

@@ -1,11 +1,14 @@
 """A batch's payloads read by reference: what turns a :class:`BatchManifest` into the TrainingBatch it names.
 
-The coordinator publishes a manifest (one small entry per batch); the learner reads each sample's
-ScoredTrajectory from the hash field the manifest names. The reads are bounded: :func:`plan_reads`
-(pure) splits the samples, in order, into reads whose payloads add up to at most ``max_reply_bytes``
-(``redis.max_command_mb``); a sample bigger than that alone is read on its own (it is bounded by
-``redis.max_message_mb`` when written). A read is one pipeline of ``HMGET``, one per group buffer it
-touches, so no single reply is above the budget. Reads run one after another: the learner's memory
+The coordinator publishes a manifest (one small entry per batch); each of its refs carries the sample's
+scored record and names the string holding its payload (the encoded Trajectory, renamed under the batch:
+``batched:{batch}:{trajectory id}``); the learner reads the payloads and assembles each ScoredTrajectory
+(:func:`streamrl.common.payloads.assemble`). A ref without a scored record names a hash field holding a whole
+ScoredTrajectory (the first form of the contract, still read). The reads are bounded: :func:`plan_reads`
+(pure, :mod:`streamrl.common.payloads`) splits the samples, in order, into reads whose payloads add up to at
+most ``max_reply_bytes`` (``redis.max_command_mb``); a sample bigger than that alone is read on its own (it
+is bounded by ``redis.max_message_mb`` when written). A read is one pipeline of ``GET`` (and ``HMGET``), so
+no single reply is above the budget. Reads run one after another: the learner's memory
 holds the batch, Redis's output buffer one read.
 
 A payload missing (its buffer deleted: the batch was counted dead, or Redis lost it) is
@@ -20,7 +23,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from streamrl.common.codec import decode
-from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch
+from streamrl.common.errors import PoisonMessageError
+from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch, Trajectory
+from streamrl.common.payloads import assemble
+from streamrl.common.payloads import plan_reads as plan_reads
 from streamrl.common.streams import StreamNames
 
 
@@ -34,23 +40,6 @@ def owned_buffers(names: StreamNames, batch_id: str, keys: Iterable[str]) -> lis
 
 class MissingPayloadError(Exception):
     """A sample a manifest names is not in Redis (any more): the batch cannot be trained whole."""
-
-
-def plan_reads(sizes: Sequence[int], max_bytes: int) -> list[range]:
-    """Consecutive ranges of sample indices, each of payloads adding up to at most ``max_bytes`` (a sample
-    bigger than that alone in its range), covering every index once, in order."""
-    if max_bytes < 1:
-        raise ValueError(f"plan_reads: max_bytes must be at least 1, got {max_bytes}")
-    reads: list[range] = []
-    start, total = 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and total + size > max_bytes:
-            reads.append(range(start, i))
-            start, total = i, 0
-        total += size
-    if start < len(sizes):
-        reads.append(range(start, len(sizes)))
-    return reads
 
 
 def resolve(manifest: BatchManifest, samples: list[ScoredTrajectory]) -> TrainingBatch:
@@ -102,22 +91,41 @@ def manifest_of(batch: TrainingBatch, keys: Sequence[str], sizes: Sequence[int])
 
 
 async def _read(redis: Any, refs: Sequence[SampleRef]) -> list[bytes | None]:
-    """The payloads of ``refs``, in order (None: missing): one HMGET per buffer, pipelined."""
+    """The payloads of ``refs``, in order (None: missing), in one pipeline: a GET per payload string (a ref with
+    its scored record), one HMGET per hash of whole ScoredTrajectories (the first form)."""
     by_key: dict[str, list[int]] = {}
+    strings: list[int] = []
     for i, ref in enumerate(refs):
-        by_key.setdefault(ref.key, []).append(i)
+        if ref.scored is not None:
+            strings.append(i)
+        else:
+            by_key.setdefault(ref.key, []).append(i)
     pipe = redis.pipeline(transaction=False)
+    for i in strings:
+        pipe.get(refs[i].key)
     for key, positions in by_key.items():
         pipe.hmget(key, [refs[i].field for i in positions])
+    replies = await pipe.execute()
     out: list[bytes | None] = [None] * len(refs)
-    for positions, values in zip(by_key.values(), await pipe.execute(), strict=True):
+    for i, value in zip(strings, replies[: len(strings)], strict=True):
+        out[i] = value
+    for positions, values in zip(by_key.values(), replies[len(strings) :], strict=True):
         for i, value in zip(positions, values, strict=True):
             out[i] = value
     return out
 
 
-def _decode_all(payloads: list[bytes]) -> list[ScoredTrajectory]:
-    return [decode(p, ScoredTrajectory) for p in payloads]
+def _decode_all(refs: Sequence[SampleRef], payloads: list[bytes]) -> list[ScoredTrajectory]:
+    out = []
+    for ref, payload in zip(refs, payloads, strict=True):
+        if ref.scored is None:
+            out.append(decode(payload, ScoredTrajectory))
+            continue
+        try:
+            out.append(assemble(ref.scored, decode(payload, Trajectory)))
+        except ValueError as e:
+            raise PoisonMessageError(str(e)) from e
+    return out
 
 
 async def fetch_samples(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> list[ScoredTrajectory]:
@@ -136,7 +144,7 @@ async def fetch_samples(redis: Any, manifest: BatchManifest, *, max_reply_bytes:
                 f"first: {first.trajectory_id} in {first.key}): deleted (the batch was counted dead?) or lost; "
                 "it cannot be trained whole"
             )
-        samples += await asyncio.to_thread(_decode_all, [p for p in payloads if p is not None])
+        samples += await asyncio.to_thread(_decode_all, chunk, [p for p in payloads if p is not None])
     return samples
 
 

@@ -61,21 +61,32 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Output:
-    """One thing a handler produces: a message appended to ``stream``, or stored in hash ``key``.
+    """One thing a handler produces: a message appended to ``stream``, or stored in hash ``key``; or (no
+    message) a payload key made permanent (``op="persist"``: the commit fails, writing nothing more, when the
+    key is gone) or deleted (``op="delete"``). Persist outputs go first: they are checked before the writes.
 
     Example:
         Output(stream=names.scored, message=scored)            # XADD
         Output(key=names.group_buffer(gid), field=tid, message=scored)   # HSET
+        Output(key=record.payload_key, op="persist")          # PERSIST (the payload this commit references)
     """
 
-    message: Message
+    message: Message | None = None
     stream: str | None = None
     key: str | None = None
     field: str | None = None
+    op: str = "write"
+    """``write`` (XADD / HSET of ``message``), ``persist`` or ``delete`` (of ``key``)."""
 
     def __post_init__(self) -> None:
         assert (self.stream is None) != (self.key is None), "an Output targets a stream or a hash key"
-        assert self.key is None or self.field is not None, "a hash Output needs a field"
+        if self.op == "write":
+            assert self.message is not None, "a write Output needs a message"
+            assert self.key is None or self.field is not None, "a hash Output needs a field"
+        else:
+            assert self.op in ("persist", "delete") and self.key is not None and self.message is None, (
+                f"a {self.op} Output names a key and no message"
+            )
 
 
 COMMIT_LUA = """#!lua
@@ -102,6 +113,11 @@ for c = 1, tonumber(ARGV[1]) do
       local r
       if ARGV[p] == 'x' then
         r = redis.pcall('XADD', ARGV[p + 1], 'MAXLEN', '~', maxlen, '*', 'd', ARGV[p + 3])
+      elseif ARGV[p] == 'p' then
+        r = redis.pcall('PERSIST', ARGV[p + 1])
+        if r == 0 and redis.call('EXISTS', ARGV[p + 1]) == 0 then r = {err = 'payload missing: ' .. ARGV[p + 1]} end
+      elseif ARGV[p] == 'd' then
+        r = redis.pcall('UNLINK', ARGV[p + 1])
       else
         r = redis.pcall('HSET', ARGV[p + 1], ARGV[p + 2], ARGV[p + 3])
       end
@@ -121,7 +137,8 @@ return replies
 """
 """ARGV: the number of commits, the fence key and token ('' for none), then per commit
 ``stream group entry ack(1/0) once_key ttl_ms maxlen n_outputs`` and 4 values per output
-(``x stream - payload`` or ``h key field payload``). A commit with an ``entry`` writes only while that
+(``x stream - payload``, ``h key field payload``, ``p key - -`` PERSIST - an error when the key is gone -
+or ``d key - -`` UNLINK). A commit with an ``entry`` writes only while that
 entry is pending in ``group``; one without uses its ``once_key``. Reply per commit: 1 (written), 0 (a
 duplicate: the entry was acked already, or the once key exists; nothing written) or an error string
 (nothing acknowledged); the error ``FENCED holder`` for the whole call when the fence holds another
@@ -266,8 +283,14 @@ class Bus:
         outage_s: float | None = None,
         retain_consumed_s: float = 0.0,
         max_command_bytes: int = 8 * 2**20,
+        payload_orphan_ttl_s: float = 3600.0,
+        payload_retention_s: float = 0.0,
     ) -> None:
         self.redis = redis
+        self.payload_orphan_ttl_s = payload_orphan_ttl_s
+        """Time to live of a trajectory payload until the commit referencing it (``redis.payload_orphan_ttl_s``)."""
+        self.payload_retention_s = payload_retention_s
+        """How long trained payloads are kept (``redis.payload_retention_s``; 0: deleted with the ack)."""
         self.max_command_bytes = max_command_bytes
         """Bulk bytes of one command at most (``redis.max_command_mb``): commit calls, payload reads."""
         self.retain_consumed_s = retain_consumed_s
@@ -348,6 +371,10 @@ class Bus:
             len(outputs),
         ]
         for out in outputs:
+            if out.op != "write":
+                args += ["p" if out.op == "persist" else "d", out.key or "", "", ""]
+                continue
+            assert out.message is not None
             payload = self.encode(out.message, out.stream or out.key or "")
             if out.stream is not None:
                 args += ["x", out.stream, "", payload]

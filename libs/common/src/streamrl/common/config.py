@@ -57,6 +57,13 @@ class RedisConfig(BaseConfig):
     retry with backoff for about this long, then the service stops with the error (s)."""
     max_connections: int = Field(256, ge=4)
     """Connections a service opens at most; a command that finds them all busy waits for one."""
+    payload_orphan_ttl_s: float = Field(3600.0, gt=0)
+    """A trajectory's payload is written before the commit that references it, with this time to live,
+    which that commit removes: the payload of a worker that died (or lost its lease) before committing
+    expires after it (s). Must exceed the time from generation's end to the commit (outages included)."""
+    payload_retention_s: float = Field(0.0, ge=0)
+    """Keep trained payloads this long after the checkpoint covering them instead of deleting them (replay,
+    debugging) (s); 0 = delete them with the learner's acknowledgement."""
     retain_consumed_s: float = Field(0.0, ge=0)
     """Every stream read by consumer groups is trimmed to the oldest entry one of its groups still needs
     (pending or unread); consumed entries younger than this are kept too, for tools that read the

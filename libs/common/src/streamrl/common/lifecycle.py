@@ -226,6 +226,8 @@ async def _serve(
             max_command_bytes=config.redis.max_command_bytes,
             outage_s=config.redis.outage_s,
             retain_consumed_s=config.redis.retain_consumed_s,
+            payload_orphan_ttl_s=config.redis.payload_orphan_ttl_s,
+            payload_retention_s=config.redis.payload_retention_s,
         ),
         names=StreamNames(config.run_id),
         stop=asyncio.Event(),

@@ -7,12 +7,20 @@ readable by any msgpack library: no pickle, no extension types. Tensors travel a
 Flow (stream names come from :mod:`streamrl.common.streams`)::
 
     coordinator -> prompts      -> rollout      PromptWorkItem
-    rollout     -> trajectories -> reward       Trajectory
-    reward      -> scored       -> coordinator  ScoredTrajectory
+    rollout     -> trajectories -> reward       TrajectoryRecord (its Trajectory stored once, by reference)
+    reward      -> scored       -> coordinator  ScoredRecord
     coordinator -> batches      -> learner      BatchManifest (or a whole TrainingBatch)
     learner     -> weights      -> rollout, coordinator   WeightsPublished
     every consumer -> dead                      DeadLetter
     every service -> hb key (not a stream)      Heartbeat
+
+A trajectory's payload travels once: the rollout worker SETs the encoded :class:`Trajectory` under its
+own key (``payload:{trajectory id}:{attempt}``, :meth:`StreamNames.payload`) and commits only a small
+:class:`TrajectoryRecord` naming it; the reward tier reads the payload and publishes a small
+:class:`ScoredRecord` (never the tokens); the coordinator keeps records in its group buffers and, when a
+group is batched, renames each payload under the batch (``batched:{batch}:{trajectory id}``); the learner
+reads the payloads a :class:`BatchManifest`'s refs name and assembles the ScoredTrajectory it trains
+(:mod:`streamrl.common.payloads`).
 
 A batch travels by reference: the coordinator publishes a :class:`BatchManifest` (the batch's
 header and, per sample, a :class:`SampleRef` naming the Redis hash field that holds its
@@ -233,6 +241,63 @@ class ScoredTrajectory(_Message, tag="scored"):
     traceparent: str = ""
 
 
+RECORD_METADATA_BYTES = 1024
+"""A :class:`TrajectoryRecord` carries its trajectory's ``metadata`` whole when it encodes to at most this
+many bytes, else only its scalar entries (numbers, booleans, strings up to 256 characters): the whole is
+in the payload."""
+
+
+class TrajectoryRecord(_Message, tag="trajectory_record"):
+    """What is committed of one sampled trajectory: every small field a consumer decides by, and where its
+    payload (the encoded :class:`Trajectory`) lies. rollout -> trajectories -> reward.
+
+    The record never carries tokens, log-probs or text: the reward tier reads the payload at
+    ``payload_key``; the coordinator decides on the record alone (groups, evaluation, staleness, statistics).
+    """
+
+    id: str
+    """Trajectory id, ``{group_id}/{group_index}`` (as :attr:`Trajectory.id`)."""
+    group_id: str
+    group_index: int
+    group_size: int
+    payload_key: str
+    """The Redis string holding the encoded Trajectory (``streamrl:{run}:payload:{id}:{attempt}``)."""
+    payload_bytes: int
+    """Its size (bytes): what readers plan their bounded reads by."""
+    finish_reason: str = "stop"
+    truncated: bool = False
+    policy_version_start: int = 0
+    policy_version_end: int = 0
+    num_response_tokens: int = 0
+    """Length of the response (model and environment tokens)."""
+    num_loss_tokens: int = 0
+    """The model's tokens in it (``loss_mask`` sum)."""
+    is_eval: bool = False
+    metadata: dict[str, Any] = {}
+    """The trajectory's metadata when small (:data:`RECORD_METADATA_BYTES`), else its scalar entries."""
+    timings: dict[str, float] = {}
+    traceparent: str = ""
+    stop_reason: str = ""
+
+
+class ScoredRecord(_Message, tag="scored_record"):
+    """A trajectory's record with its reward: :class:`ScoredTrajectory` without the payload.
+    reward -> scored -> coordinator.
+
+    ``trajectory`` is the record (named as in ScoredTrajectory, so a reader of scored samples reads the same
+    fields); the learner assembles the ScoredTrajectory from it and the payload it names.
+    """
+
+    trajectory: TrajectoryRecord
+    reward: float
+    score: float = 0.0
+    turn_rewards: list[float] = []
+    extra: dict[str, float] = {}
+    scorer: str = ""
+    reward_latency_ms: float = 0.0
+    traceparent: str = ""
+
+
 class TrainingBatch(_Message, tag="batch"):
     """What one learner step consumes: complete groups only. coordinator -> batches -> learner."""
 
@@ -251,8 +316,9 @@ class TrainingBatch(_Message, tag="batch"):
 
 
 class SampleRef(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one sample of a :class:`BatchManifest` lives: a field of a Redis hash holding its encoded
-    :class:`ScoredTrajectory`."""
+    """Where one sample of a :class:`BatchManifest` lives: with ``scored`` set, the Redis string ``key`` holding
+    its encoded :class:`Trajectory` (the payload; ``scored`` is the rest of the sample); without, a field of a
+    Redis hash holding its encoded :class:`ScoredTrajectory` (the first form of the contract)."""
 
     trajectory_id: str
     group_id: str
@@ -267,6 +333,8 @@ class SampleRef(msgspec.Struct, frozen=True, kw_only=True):
     traceparent: str = ""
     """The sample's trace context in the batch (its batch-wait span), which replaces the stored payload's
     ``traceparent``; empty: the payload's stands."""
+    scored: ScoredRecord | None = None
+    """The sample's scored record (its reward, score, versions, ...): ``key`` is then its payload, a string."""
 
 
 class BatchManifest(_Message, tag="batch_manifest"):
@@ -471,6 +539,8 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
         PromptWorkItem,
         Trajectory,
         ScoredTrajectory,
+        TrajectoryRecord,
+        ScoredRecord,
         TrainingBatch,
         BatchManifest,
         WeightsPublished,

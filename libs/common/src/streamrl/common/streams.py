@@ -1,9 +1,11 @@
 """Every Redis key and stream name of a run, built in one place from the run id.
 
     streamrl:{run}:prompts        PromptWorkItem      coordinator -> rollout
-    streamrl:{run}:trajectories   Trajectory          rollout -> reward
-    streamrl:{run}:scored         ScoredTrajectory    reward -> coordinator
-    streamrl:{run}:batches        TrainingBatch       coordinator -> learner
+    streamrl:{run}:trajectories   TrajectoryRecord    rollout -> reward
+    streamrl:{run}:scored         ScoredRecord        reward -> coordinator
+    streamrl:{run}:batches        BatchManifest       coordinator -> learner
+    streamrl:{run}:payload:{trajectory id}:{attempt}   a Trajectory's payload (string), written once
+                                  by the rollout worker; renamed batched:{batch}:{trajectory id} when batched
     streamrl:{run}:weights        WeightsPublished    learner -> rollout, coordinator
     streamrl:{run}:dead           DeadLetter          any consumer
     streamrl:{run}:hb:{service}:{instance}   Heartbeat key with TTL
@@ -87,6 +89,23 @@ class StreamNames:
         ``batch_id``), read by the learner; deleted once the batch is trained and checkpointed, or counted dead.
         ``batched_samples(batch_id, "")`` is the prefix of every hash of that batch."""
         return self._key("batched", batch_id, group_id)
+
+    def payload(self, trajectory_id: str, attempt: str) -> str:
+        """String holding one trajectory's encoded Trajectory, as written by one delivery (``attempt``: a random
+        token of that delivery, so a worker whose lease was taken over can never overwrite the payload another
+        committed). Written with a time to live (``redis.payload_orphan_ttl_s``) that the rollout's commit
+        removes: a payload no commit references expires."""
+        return self._key("payload", trajectory_id, attempt)
+
+    @property
+    def payload_prefix(self) -> str:
+        """Prefix of every :meth:`payload` key of the run."""
+        return self._key("payload", "")
+
+    def batched_payload(self, batch_id: str, trajectory_id: str) -> str:
+        """A batched trajectory's payload (its :meth:`payload` key, renamed when its group went into batch
+        ``batch_id``): under :meth:`batched_samples`'s prefix, so only that batch's reader or dead letter deletes it."""
+        return self._key("batched", batch_id, trajectory_id)
 
     @property
     def group_index(self) -> str:

@@ -5,9 +5,10 @@ length by a fixed amount per step; the bound adds up each term (:func:`memory_bo
 
 * **in flight**: the coordinator admits groups for ``H = max_staleness + prefetch_steps + 1``
   batches ahead of the learner (:mod:`streamrl.coordinator.admission`), ``N = H x B`` samples with
-  ``B = prompts_per_step x group_size``. Each sample's live copy sits in one place at a time (a
-  trajectory or scored entry, a group buffer - renamed ``batched:`` once batched, with the batch's
-  manifest naming it), counted at the largest of them; the groups' prompt items are counted besides.
+  ``B = prompts_per_step x group_size``. Each sample's payload is one string (``payload:``, renamed
+  ``batched:`` once batched) and its record sits in one place at a time (a trajectory or scored entry, a
+  group buffer, the batch's manifest), counted at the largest of them (never less than a whole scored
+  trajectory in one place, the first form of the contract); the groups' prompt items are counted besides.
 * **retained batches**: the learner acknowledges a batch only once a checkpoint covers it, and deletes
   its payloads then, so up to ``min(checkpoint_every, total_steps)`` trained batches stay: each its
   manifest entry and its samples' hashes.
@@ -46,20 +47,24 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import msgspec
 from pydantic import ValidationError
 
 from streamrl.common.codec import encode
 from streamrl.common.messages import (
+    RECORD_METADATA_BYTES,
     BatchManifest,
     Image,
     PromptWorkItem,
     SampleRef,
     SamplingParams,
+    ScoredRecord,
     ScoredTrajectory,
     Tensor,
     Trajectory,
     Turn,
 )
+from streamrl.common.payloads import record_of
 
 MIB = 2**20
 BASE_BYTES = 4 * MIB
@@ -235,14 +240,16 @@ class MessageSizes:
     """A batch's entry on ``batches``: its BatchManifest."""
     eval_prompt: int
     eval_scored: int
+    record: int = 0
+    """A sample's ScoredRecord (what streams, group buffers and manifests hold of it besides its payload)."""
 
 
 def _text(n_bytes: float) -> str:
     return "x" * math.ceil(n_bytes)
 
 
-def _scored(shape: RunShape, prompt_tokens: int, response_tokens: int) -> tuple[int, int, int]:
-    """Encoded (prompt item, trajectory, scored trajectory) bytes for a sample of these token counts."""
+def _scored(shape: RunShape, prompt_tokens: int, response_tokens: int) -> tuple[int, int, int, int]:
+    """Encoded (prompt item, trajectory, scored trajectory, scored record) bytes for a sample of these token counts."""
     zeros = bytes(4 * max(prompt_tokens, response_tokens))
     images = [Image(media_type="image/png", data=bytes(shape.image_bytes))] if shape.image_bytes else []
     metadata = {"row": _text(shape.row_bytes)}
@@ -297,25 +304,43 @@ def _scored(shape: RunShape, prompt_tokens: int, response_tokens: int) -> tuple[
         reward_latency_ms=1.5,
         traceparent=traceparent,
     )
-    return len(encode(item)), len(encode(traj)), len(encode(scored))
+    key = f"streamrl:{{{'r' * RUN_ID_CHARS}}}:payload:{traj.id}:{'a' * 12}"
+    record = ScoredRecord(
+        trajectory=record_of(traj, key, 2**31),
+        reward=scored.reward,
+        score=scored.score,
+        turn_rewards=scored.turn_rewards,
+        extra=scored.extra,
+        scorer=scored.scorer,
+        reward_latency_ms=scored.reward_latency_ms,
+        traceparent=traceparent,
+    )
+    record = msgspec.structs.replace(
+        record,
+        trajectory=msgspec.structs.replace(
+            record.trajectory, metadata={"row": _text(min(shape.row_bytes, RECORD_METADATA_BYTES - 8))}
+        ),
+    )  # the most of a row's metadata a record keeps
+    return len(encode(item)), len(encode(traj)), len(encode(scored)), len(encode(record))
 
 
 def message_sizes(shape: RunShape) -> MessageSizes:
     """The largest encoded messages of the run: the longest response the config allows, the rest of the
     model's context as the prompt (``4 x prompt + 9 x response`` bytes of tensors is largest that way)."""
     response = min(shape.response_tokens, shape.max_model_len - 1)
-    prompt, traj, scored = _scored(shape, shape.max_model_len - response, response)
+    prompt, traj, scored, record = _scored(shape, shape.max_model_len - response, response)
     eval_response = min(shape.eval_response_tokens, shape.max_model_len - 1)
-    eval_prompt, _, eval_scored = _scored(shape, shape.max_model_len - eval_response, eval_response)
+    eval_prompt, _, eval_scored, _ = _scored(shape, shape.max_model_len - eval_response, eval_response)
     batch_header = 256 + 9 * shape.batch_samples  # id, index, version, created_at, traceparent, staleness ints
     return MessageSizes(
         prompt=prompt,
         trajectory=traj,
         scored=scored,
         batch=batch_header + shape.batch_samples * scored,
-        manifest=batch_header + shape.batch_samples * sample_ref_bytes(),
+        manifest=batch_header + shape.batch_samples * (sample_ref_bytes() + record),
         eval_prompt=eval_prompt,
         eval_scored=eval_scored,
+        record=record,
     )
 
 
@@ -372,8 +397,11 @@ def memory_bound(shape: RunShape) -> MemoryBound:
     manifest = stream_entry_bytes(s.manifest)
     n_groups, n_samples = shape.horizon_batches * shape.prompts_per_step, shape.horizon_batches * shape.batch_samples
     lag_groups, lag_samples = shape.lag_batches * shape.prompts_per_step, shape.lag_batches * shape.batch_samples
-    batched_sample = hash_field_bytes(s.scored) + manifest / shape.batch_samples  # a payload and its reference
-    per_sample = max(stream_entry_bytes(s.scored), batched_sample)
+    payload = jemalloc_size(s.trajectory) + KEY_OVERHEAD  # the payload string, written once
+    batched_sample = max(hash_field_bytes(s.scored), payload) + manifest / shape.batch_samples  # + its reference
+    rec = min(s.record, s.scored)  # a record never holds more than its trajectory's scored form
+    record = max(stream_entry_bytes(rec), hash_field_bytes(rec), manifest / shape.batch_samples)
+    per_sample = max(stream_entry_bytes(s.scored), batched_sample, payload + record)
     batch_hashes = shape.prompts_per_step * KEY_OVERHEAD  # the batched groups' hashes themselves
     eval_samples = OPEN_EVAL_ROUNDS * shape.eval_prompts
     dead_batch = min(s.manifest, shape.max_message_bytes // 2)
@@ -387,8 +415,7 @@ def memory_bound(shape: RunShape) -> MemoryBound:
         * math.ceil(shape.batch_samples * batched_sample + batch_hashes),
         "consumed_untrimmed": (
             _stream(lag_groups, s.prompt, shape.maxlen, pending=False)
-            + _stream(lag_samples, s.trajectory, shape.maxlen, pending=False)
-            + _stream(lag_samples, s.scored, shape.maxlen, pending=False)
+            + 2 * _stream(lag_samples, rec, shape.maxlen, pending=False)  # records on trajectories and scored
             + min(shape.lag_batches, shape.maxlen) * stream_entry_bytes(s.manifest, pending=False)
         ),
         "evaluation": eval_samples

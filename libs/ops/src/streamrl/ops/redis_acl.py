@@ -8,11 +8,12 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
     user         consumes and trims (group)   follows            writes
     coordinator  scored (coordinator)         weights, dead      prompts, batches, dead, state:* but
                                                                  state:learner*, groups*, batched:*,
-                                                                 once:*
-    rollout      prompts (rollout)            weights            trajectories, dead, served
-    reward       trajectories (reward)        -                  scored, dead
+                                                                 once:*, payload:* (RENAME, UNLINK, DEL)
+    rollout      prompts (rollout)            weights            trajectories, dead, served,
+                                                                 payload:* (SET, PERSIST, EXISTS)
+    reward       trajectories (reward)        -                  scored, dead; reads payload:* (GET)
     learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*,
-                                                                 batched:* (HMGET, UNLINK only)
+                                                                 batched:* (GET, HMGET, UNLINK, EXPIRE)
     observer     -                            every key (reads)  nothing
 
 and every service: its own heartbeats ``hb:{service}:*`` and leases ``lease:instance:{service}:*``
@@ -174,15 +175,20 @@ def grants(user: str, run_id: str) -> list[Grant]:
             Grant(
                 "RW", (*state, names.group_buffer("*"), names.group_index, names.batched_samples("*", "*")), OWN_STATE
             ),
+            # payloads: renamed under their batch, deleted with the records the coordinator drops
+            # (one selector with the batch's keys: a command's keys must all match one selector)
+            Grant("RW", (names.payload_prefix + "*", names.batched_samples("*", "*")), ("rename", "unlink", "del")),
         ]
     elif user == "rollout":
         own = [
             Grant("W", (names.trajectories,), PUBLISH),
             Grant("R", (names.weights,), FOLLOW),
             Grant("RW", (names.served_versions,), ("hset", "hdel")),
+            # each trajectory's payload, written once before the commit that PERSISTs it
+            Grant("RW", (names.payload_prefix + "*",), ("set", "persist", "exists")),
         ]
     elif user == "reward":
-        own = [Grant("W", (names.scored,), PUBLISH)]
+        own = [Grant("W", (names.scored,), PUBLISH), Grant("R", (names.payload_prefix + "*",), ("get",))]
     else:
         own = [
             Grant("W", (names.weights,), PUBLISH),
@@ -190,7 +196,7 @@ def grants(user: str, run_id: str) -> list[Grant]:
             Grant("R", (names.state("batch_index"),), ("get",)),  # how far the coordinator has published (gaps)
             Grant("RW", (names.state("learner*"),), OWN_STATE),
             # a batch's payloads, read by reference and deleted once the batch is trained and checkpointed
-            Grant("RW", (names.batched_samples("*", "*"),), ("hmget", "unlink")),
+            Grant("RW", (names.batched_samples("*", "*"),), ("get", "hmget", "unlink", "expire")),
         ]
     return common + own
 

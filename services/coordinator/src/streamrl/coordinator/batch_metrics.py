@@ -9,12 +9,27 @@ samples that carry it). The coordinator is where they meet a step number, so the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from streamrl.common.messages import TrainingBatch
+from streamrl.common.messages import ScoredRecord
 
 
-def batch_stats(batch: TrainingBatch, *, elapsed_s: float, num_too_stale: int) -> dict[str, float]:
+@dataclass
+class RecordBatch:
+    """A batch as the coordinator built it: its scored records (the manifest names their payloads)."""
+
+    id: str
+    index: int
+    samples: list[ScoredRecord]
+    policy_version: int
+    staleness: list[int]
+    created_at: float = 0.0
+    traceparent: str = ""
+
+
+def batch_stats(batch: RecordBatch, *, elapsed_s: float, num_too_stale: int) -> dict[str, float]:
     """Metrics of ``batch``; ``elapsed_s`` since the previous batch (tokens/s), ``num_too_stale``
     samples dropped since then as over max_staleness."""
     samples = batch.samples
@@ -23,7 +38,7 @@ def batch_stats(batch: TrainingBatch, *, elapsed_s: float, num_too_stale: int) -
         return float(np.mean(values)) if values else 0.0
 
     # the model's tokens: a multi-turn response also holds the environment's (loss mask 0)
-    lengths = [float(s.trajectory.loss_mask.to_numpy().sum()) for s in samples]
+    lengths = [float(s.trajectory.num_loss_tokens) for s in samples]
     latencies = [s.reward_latency_ms for s in samples]
     stats = {
         "rollout/reward_mean": mean([s.reward for s in samples]),

@@ -3,9 +3,10 @@ the learner gave up on are accounted for.
 
 Which groups go into batch ``k`` is the pure rule of ``batching.py``. Here it meets Redis: groups over
 the staleness bound are dropped (their replacements owed the version batch ``k`` needs), and batch
-``k`` (id ``batch-{k}``, from its index) is published - as a BatchManifest naming where each sample's
-payload lies, never the payloads - in the same transaction that removes its groups from ``ready``
-(renaming their buffers to ``batched:{batch}:{group}``, :meth:`GroupBuffer.queue_batched`) and sets
+``k`` (id ``batch-{k}``, from its index) is published - as a BatchManifest carrying each sample's scored
+record and naming where its payload lies, never the payloads - in the same transaction that removes its
+groups from ``ready`` (renaming each payload to ``batched:{batch}:{trajectory id}`` and deleting the
+buffers, :meth:`GroupBuffer.queue_batched`), drops too-stale groups with their payloads, and sets
 ``batch_index`` to ``k + 1`` - on the precondition that ``batch_index`` is
 still ``k`` (compare-and-set). A re-send of that transaction after a lost reply runs it once
 (:mod:`streamrl.common.tx`), and a builder whose view is out of date (a restarted or deposed
@@ -17,8 +18,8 @@ A batch the learner consumed without training it (it failed ``max_deliveries`` t
 learner never trains a batch short). The learner still publishes a version for it (version = batches
 consumed), so admission goes on; here its groups are counted dropped once per batch id
 (``batches_dead``, ``samples_dead``, ``batch_groups_dead``) with one error line naming the reason -
-they are not in flight any more and are never failed or replaced - and their samples
-(``batched:{batch}:{group}``, only those named under the batch's own id) are deleted in the same script. A trained batch's samples are deleted by the
+they are not in flight any more and are never failed or replaced - and their payloads
+(``batched:{batch}:{trajectory id}``, only those named under the batch's own id) are deleted in the same script. A trained batch's samples are deleted by the
 learner, when a checkpoint covers it.
 
 A batch the learner refused *without consuming it* (it arrived out of order, or conflicts with what
@@ -39,13 +40,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamrl.common.batch_payloads import manifest_of, owned_buffers
-from streamrl.common.messages import TrainingBatch
+from streamrl.common.batch_payloads import owned_buffers
+from streamrl.common.messages import BatchManifest, SampleRef
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
 from streamrl.common.telemetry.tracing import NULL_TRACING, Attributes, Tracing
 from streamrl.common.tx import PreconditionFailed, Tx
 from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import staleness
+from streamrl.coordinator.batch_metrics import RecordBatch
 from streamrl.coordinator.batching import ReadyGroup, select_groups
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.scripts import FencedScript
@@ -75,10 +77,11 @@ id, limit, maxlen, payload. Reply: the resend's number, 0 (limit reached) or -1 
 
 @dataclass(frozen=True)
 class Built:
-    """A batch published (its manifest; ``batch`` is what it names), with the samples dropped as too stale
-    while it was built."""
+    """A batch published (``manifest``; ``batch``: its records), with the samples dropped as too stale while it
+    was built."""
 
-    batch: TrainingBatch
+    batch: RecordBatch
+    manifest: BatchManifest
     num_too_stale: int
 
 
@@ -114,8 +117,7 @@ class BatchBuilder:
             stored_index = await self.state.get_raw(st.BATCH_INDEX)
             index = int(stored_index) if stored_index is not None else 0
             ready_ids = await self.groups.ready()
-            stored = await self.groups.stored(ready_ids)
-            members = {g: [sample for sample, _ in stored[g]] for g in ready_ids}
+            members = await self.groups.samples(ready_ids)
             ready = [ReadyGroup(g, min(s.trajectory.policy_version_start for s in members[g])) for g in ready_ids]
             pick = select_groups(
                 ready, index=index, max_staleness=self.max_staleness, per_step=self.per_step, drop_stale=self.drop_stale
@@ -124,7 +126,7 @@ class BatchBuilder:
                 num = sum(len(members[g.group_id]) for g in pick.too_stale)
                 tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
                 self.groups.queue_drop_ready(
-                    tx, [g.group_id for g in pick.too_stale], max(index - self.max_staleness, 0)
+                    tx, {g.group_id: members[g.group_id] for g in pick.too_stale}, max(index - self.max_staleness, 0)
                 )
                 tx.incrby(self.state.key(st.SAMPLES_TOO_STALE), num)
                 if not await self._execute(tx, index):
@@ -150,7 +152,7 @@ class BatchBuilder:
             span = self.tracing.span(BATCH, attributes=attributes)
             created = time.time()
             record_waits(self.tracing, samples, batch_id=batch_id, built_at=created)
-            batch = TrainingBatch(
+            batch = RecordBatch(
                 id=batch_id,
                 index=index,
                 samples=samples,
@@ -159,22 +161,44 @@ class BatchBuilder:
                 created_at=created,
                 traceparent=span.traceparent,
             )
-            manifest = manifest_of(
-                batch,
-                [self.groups.batched(batch_id, g.group_id) for g in pick.chosen for _ in stored[g.group_id]],
-                [size for g in pick.chosen for _, size in stored[g.group_id]],
-            )
+            manifest = self._manifest(batch)
             tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
-            self.groups.queue_batched(tx, [g.group_id for g in pick.chosen], batch_id)  # first: renames the buffers
+            chosen = {g.group_id: members[g.group_id] for g in pick.chosen}
+            self.groups.queue_batched(tx, chosen, batch_id)  # first: renames the payloads
             tx.xadd(self.state.names.batches, manifest)
             tx.set(self.state.key(st.BATCH_INDEX), index + 1)
             published = await self._execute(tx, index)
             span.end()
             if not published:
                 continue
-            built.append(Built(batch, self.too_stale_since_batch))
+            built.append(Built(batch, manifest, self.too_stale_since_batch))
             self.too_stale_since_batch = 0
         return built
+
+    def _manifest(self, batch: RecordBatch) -> BatchManifest:
+        """The manifest of ``batch``: per sample its scored record and its payload's key under the batch."""
+        refs = [
+            SampleRef(
+                trajectory_id=s.trajectory.id,
+                group_id=s.trajectory.group_id,
+                key=self.groups.batched(batch.id, s.trajectory.id),
+                field="",
+                policy_version_start=s.trajectory.policy_version_start,
+                num_bytes=s.trajectory.payload_bytes,
+                traceparent=s.traceparent,
+                scored=s,
+            )
+            for s in batch.samples
+        ]
+        return BatchManifest(
+            id=batch.id,
+            index=batch.index,
+            samples=refs,
+            policy_version=batch.policy_version,
+            staleness=batch.staleness,
+            created_at=batch.created_at,
+            traceparent=batch.traceparent,
+        )
 
     async def _execute(self, tx: Tx, index: int) -> bool:
         """Run a transaction conditioned on ``batch_index`` still being ``index``; False when it was not

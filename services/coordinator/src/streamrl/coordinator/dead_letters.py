@@ -32,9 +32,11 @@ from streamrl.common.messages import (
     DeadLetter,
     Message,
     PromptWorkItem,
+    ScoredRecord,
     ScoredTrajectory,
     TrainingBatch,
     Trajectory,
+    TrajectoryRecord,
 )
 
 BATCH_ID = re.compile(r"\bbatch-\d+\b")
@@ -44,6 +46,8 @@ BATCH_ID = re.compile(r"\bbatch-\d+\b")
 @dataclass(frozen=True)
 class LostGroup:
     group_id: str
+    payloads: tuple[str, ...] = ()
+    """The payload the lost record named (deleted: no buffer holds its record)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class LostEvalPrompt:
     version: int
     """The evaluation round."""
     prompt_id: str
+    payloads: tuple[str, ...] = ()
+    """The payload the lost record named (deleted)."""
 
 
 @dataclass(frozen=True)
@@ -101,16 +107,19 @@ def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
         if BATCH_SKIPPED in letter.error or not inner.samples:
             return LostBatch(inner.id, _num_samples(letter.error, len(inner.samples)), groups or None, buffers)
         return RefusedBatch(inner.id, len(inner.samples), groups, letter.payload, buffers)
+    payloads: tuple[str, ...] = ()
     if isinstance(inner, PromptWorkItem):
         group, is_eval, metadata = inner.id, inner.is_eval, inner.metadata
-    elif isinstance(inner, Trajectory | ScoredTrajectory):
-        traj = inner.trajectory if isinstance(inner, ScoredTrajectory) else inner
+    elif isinstance(inner, Trajectory | ScoredTrajectory | TrajectoryRecord | ScoredRecord):
+        traj = inner.trajectory if isinstance(inner, ScoredTrajectory | ScoredRecord) else inner
         group, is_eval, metadata = traj.group_id, traj.is_eval, traj.metadata
+        if isinstance(traj, TrajectoryRecord):
+            payloads = (traj.payload_key,)
     else:
         return None
     if is_eval:
-        return LostEvalPrompt(int(metadata.get("eval_version", 0)), group)
-    return LostGroup(group)
+        return LostEvalPrompt(int(metadata.get("eval_version", 0)), group, payloads)
+    return LostGroup(group, payloads)
 
 
 def _num_samples(error: str, in_payload: int) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from streamrl.common.codec import decode
 from streamrl.common.errors import MessageTooLargeError
-from streamrl.common.messages import PromptWorkItem, SamplingParams, ScoredTrajectory, Tensor
+from streamrl.common.messages import PromptWorkItem, SamplingParams, ScoredRecord, Tensor
 from streamrl.common.replies import raw, text
 from streamrl.coordinator import state as st
 from streamrl.coordinator.config import CoordinatorConfig
@@ -188,7 +188,7 @@ class EvalRounds:
             if stored_count + dead_count < self.num_prompts and not timed_out:
                 pending += 1
                 continue
-            samples = [decode(raw(v), ScoredTrajectory) for v in (await redis.hgetall(buffer)).values()]
+            samples = [decode(raw(v), ScoredRecord) for v in (await redis.hgetall(buffer)).values()]
             answered = {s.trajectory.group_id for s in samples}
             dead = {text(d) for d in await redis.smembers(dead_key)} - answered
             if len(answered) + len(dead) < self.num_prompts and not timed_out:
@@ -205,7 +205,7 @@ class EvalRounds:
         return pending == 0
 
     async def _close(
-        self, version: int, started: float, samples: list[ScoredTrajectory], *, num_dead: int, num_missing: int
+        self, version: int, started: float, samples: list[ScoredRecord], *, num_dead: int, num_missing: int
     ) -> None:
         row: dict[str, float | int] = {
             "eval/num_prompts": self.num_prompts,

@@ -4,19 +4,23 @@ A group (the ``group_size`` samples answering one prompt) moves through::
 
     issued      in ``inflight``, with the version it requires and its issue time (``inflight_info``),
                 written in the same transaction as its prompt (``issuing.py``)
-    collecting  its scored samples land in the hash ``groups:{id}`` (written by the scored consumer)
+    collecting  its scored records land in the hash ``groups:{id}`` (written by the scored consumer); each
+                names its payload (``payload:{trajectory id}:{attempt}``, written once by the rollout worker)
     complete    every sample in: to ``ready`` (counted in ``accepted``), or dropped by dynamic filtering
-    failed      a member was dead-lettered, or the group outlived ``group_timeout_s``: buffer deleted
-    batched     taken into a training batch (``batches.py``): its buffer renamed ``batched:{batch}:{id}``, where
-                the learner reads it; deleted once the batch is trained and checkpointed (by the
-                learner) or counted dead (by the coordinator)
+    failed      a member was dead-lettered, or the group outlived ``group_timeout_s``: buffer and payloads deleted
+    batched     taken into a training batch (``batches.py``): its records go into the batch's manifest, its buffer
+                is deleted and each payload renamed ``batched:{batch}:{trajectory id}``, where the learner reads
+                it; deleted once the batch is trained and checkpointed (by the learner) or counted dead (by the
+                coordinator)
 
 A group that leaves without reaching ``ready`` (filtered or failed) pushes the version it required
 onto ``owed_versions``, and its replacement takes that version (``admission.py`` says why). Every
 transition out of ``inflight`` is one server-side script that first removes the group from it, so
 it happens once even when two paths race (a dead letter and a timeout), and the script is fenced and
 run once against a re-send (``scripts.py``). Samples that arrive for a group neither in flight nor
-ready (the other members of a failed group) are deleted and counted, never left in Redis.
+ready (the other members of a failed group) are deleted with their payloads and counted, never left in
+Redis. Every drop deletes the payloads its records name in the same script or transaction
+(:data:`streamrl.common.payloads.DROP_PAYLOADS_LUA`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from streamrl.common.codec import decode
-from streamrl.common.messages import ScoredTrajectory
+from streamrl.common.messages import ScoredRecord
+from streamrl.common.payloads import DROP_PAYLOADS_LUA
 from streamrl.common.replies import text
 from streamrl.common.tx import Tx
 from streamrl.coordinator import state as st
@@ -36,29 +41,37 @@ from streamrl.coordinator.state import RunState
 
 logger = logging.getLogger(__name__)
 
-LEAVE_LUA = """
+LEAVE_LUA = (
+    DROP_PAYLOADS_LUA
+    + """
 if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 local info = redis.call('HGET', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 if ARGV[2] == 'ready' then
   redis.call('RPUSH', KEYS[3], ARGV[1]); redis.call('INCR', KEYS[4])
 else
+  drop_payloads(KEYS[5], ARGV[3])
   redis.call('DEL', KEYS[5]); redis.call('INCR', KEYS[6])
   if info then redis.call('RPUSH', KEYS[7], string.match(info, '^(-?%d+)@')) end
 end
 return 1
 """
-"""A group leaves ``inflight`` once: to ``ready`` (ARGV[2] = 'ready'), or dropped, its required version
-owed. KEYS: inflight, inflight_info, ready, accepted, its buffer, the drop counter, owed_versions."""
-DROP_LATE_LUA = """
+)
+"""A group leaves ``inflight`` once: to ``ready`` (ARGV[2] = 'ready'), or dropped (buffer and payloads deleted),
+its required version owed. KEYS: inflight, inflight_info, ready, accepted, its buffer, the drop counter,
+owed_versions; ARGV: group, 'ready' or 'drop', the run's payload key prefix."""
+DROP_LATE_LUA = (
+    DROP_PAYLOADS_LUA
+    + """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
 if redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 end
 local n = redis.call('HLEN', KEYS[3])
-if n > 0 then redis.call('DEL', KEYS[3]); redis.call('INCRBY', KEYS[4], n) end
+if n > 0 then drop_payloads(KEYS[3], ARGV[2]); redis.call('DEL', KEYS[3]); redis.call('INCRBY', KEYS[4], n) end
 return n
 """
-"""Delete the buffer of a group neither in flight nor ready; returns the samples dropped.
-KEYS: inflight, ready, its buffer, late_samples_dropped."""
+)
+"""Delete the buffer (and the payloads its records name) of a group neither in flight nor ready; returns the
+samples dropped. KEYS: inflight, ready, its buffer, late_samples_dropped; ARGV: group, payload key prefix."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,11 @@ class GroupBuffer:
 
     def buffer(self, group: str) -> str:
         return self.state.names.group_buffer(group)
+
+    @property
+    def prefix(self) -> str:
+        """The run's payload key prefix: the only keys a record may name (and a drop delete)."""
+        return self.state.names.payload_prefix
 
     # -- issue -----------------------------------------------------------------------------------
     def queue_issue(self, tx: Tx, group: str, required_version: int, issued_at: float) -> None:
@@ -184,14 +202,14 @@ class GroupBuffer:
         for group in complete:
             keep = has_spread([s.score for s in members[group]]) if self.dynamic_filtering else True
             await self._leave.queue(
-                pipe, self._leave_keys(group, st.GROUPS_FILTERED), [group, "ready" if keep else "drop"]
+                pipe, self._leave_keys(group, st.GROUPS_FILTERED), [group, "ready" if keep else "drop", self.prefix]
             )
         await self._leave.replies(pipe)
 
     async def fail(self, group: str, counter: str) -> bool:
         """Fail an in-flight group (its buffer deleted, its version owed, ``counter`` incremented);
         False when it was not in flight (already complete, failed or batched)."""
-        return bool(await self._leave(self._leave_keys(group, counter), [group, "drop"]))
+        return bool(await self._leave(self._leave_keys(group, counter), [group, "drop", self.prefix]))
 
     async def version_published(self, version: int, at: float) -> None:
         """Note when ``version`` was first seen: the clock of the groups requiring it starts there."""
@@ -226,7 +244,7 @@ class GroupBuffer:
         pipe = self.redis.pipeline(transaction=False)
         for group in groups:
             keys = [k(st.INFLIGHT), k(st.READY), self.buffer(group), k(st.LATE_SAMPLES_DROPPED)]
-            await self._drop_late.queue(pipe, keys, [group])
+            await self._drop_late.queue(pipe, keys, [group, self.prefix])
         counts = await self._drop_late.replies(pipe)
         for group, n in zip(groups, counts, strict=True):
             if n:
@@ -237,40 +255,46 @@ class GroupBuffer:
     async def ready(self) -> list[str]:
         return [text(g) for g in await self.redis.lrange(self.state.key(st.READY), 0, -1)]
 
-    async def stored(self, groups: list[str]) -> dict[str, list[tuple[ScoredTrajectory, int]]]:
-        """The stored samples of each group with their encoded sizes (bytes), in sample order (one round trip)."""
+    async def stored(self, groups: list[str]) -> dict[str, list[tuple[ScoredRecord, int]]]:
+        """The stored records of each group with their encoded sizes (bytes), in sample order (one round trip)."""
         pipe = self.redis.pipeline(transaction=False)
         for group in groups:
             pipe.hgetall(self.buffer(group))
         out = {}
         for group, raw in zip(groups, await pipe.execute(), strict=True):
-            samples = [(decode(v, ScoredTrajectory), len(v)) for v in raw.values()]
+            samples = [(decode(v, ScoredRecord), len(v)) for v in raw.values()]
             out[group] = sorted(samples, key=lambda s: s[0].trajectory.group_index)
         return out
 
-    async def samples(self, groups: list[str]) -> dict[str, list[ScoredTrajectory]]:
+    async def samples(self, groups: list[str]) -> dict[str, list[ScoredRecord]]:
         """The stored samples of each group (one round trip), in sample order."""
         return {g: [s for s, _ in stored] for g, stored in (await self.stored(groups)).items()}
 
-    def batched(self, batch_id: str, group: str) -> str:
-        """Where the samples of a group in batch ``batch_id`` are kept for the learner (its buffer, renamed)."""
-        return self.state.names.batched_samples(batch_id, group)
+    def batched(self, batch_id: str, trajectory_id: str) -> str:
+        """Where the payload of a sample in batch ``batch_id`` is kept for the learner (its payload key, renamed)."""
+        return self.state.names.batched_payload(batch_id, trajectory_id)
 
-    def queue_batched(self, tx: Tx, groups: Iterable[str], batch_id: str) -> None:
+    def queue_batched(self, tx: Tx, members: dict[str, list[ScoredRecord]], batch_id: str) -> None:
         """Add to ``tx`` (the transaction that XADDs the batch's manifest), before its other writes: these ready
-        groups go into batch ``batch_id``. Their buffers are renamed to :meth:`batched` (a late copy of a sample then lands in a
-        fresh buffer, dropped as late, never over a payload the batch names); the learner reads the payloads
-        there and deletes them once the batch is trained and checkpointed (or the coordinator, when the batch is
-        counted dead: ``batches.py``)."""
-        for group in groups:
-            tx.rename(self.buffer(group), self.batched(batch_id, group))
+        groups (with their records) go into batch ``batch_id``. Each payload is renamed to :meth:`batched` (a late
+        copy of a sample then names another payload, dropped as late, never one the batch names) and the buffers
+        are deleted (the manifest carries the records); the learner reads the payloads there and deletes them
+        once the batch is trained and checkpointed (or the coordinator, when the batch is counted dead:
+        ``batches.py``)."""
+        for records in members.values():
+            for r in records:
+                tx.rename(r.trajectory.payload_key, self.batched(batch_id, r.trajectory.id))
+        for group in members:
+            tx.delete(self.buffer(group))
             tx.lrem(self.state.key(st.READY), 1, group)
 
-    def queue_drop_ready(self, tx: Tx, groups: list[str], owed_version: int) -> None:
-        """Add to ``tx``: drop these ready groups (buffers deleted); their replacements are owed ``owed_version``."""
+    def queue_drop_ready(self, tx: Tx, members: dict[str, list[ScoredRecord]], owed_version: int) -> None:
+        """Add to ``tx``: drop these ready groups (buffers and payloads deleted); their replacements are owed
+        ``owed_version``."""
+        groups = list(members)
         for group in groups:
             tx.lrem(self.state.key(st.READY), 1, group)
-            tx.delete(self.buffer(group))
+            tx.delete(self.buffer(group), *(r.trajectory.payload_key for r in members[group]))
         tx.call("DECRBY", self.state.key(st.ACCEPTED), len(groups))
         for _ in groups:
             tx.rpush(self.state.key(st.OWED_VERSIONS), owed_version)

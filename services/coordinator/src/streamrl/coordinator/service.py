@@ -13,8 +13,10 @@ The pieces, one concept per module, wired here:
 
 Tasks of :meth:`CoordinatorService.run`:
 
-* a consumer loop on ``scored``: stores each scored trajectory in its group's (or evaluation
-  round's) buffer, atomically with the ack, de-duplicated by trajectory id;
+* a consumer loop on ``scored``: stores each scored record in its group's (or evaluation
+  round's) buffer, atomically with the ack, de-duplicated by trajectory id (an evaluation record's
+  payload is deleted in that commit: it is never trained on; a record naming no payload key of this run
+  for its trajectory is refused, dead-lettered);
 * the ``weights`` tail: the learner's events raise the policy version (kept in Redis, never
   decreasing; an evaluation round due at a version is started before the version counts);
 * the ``dead`` tail: a dead letter fails its group (replaced), counts against its evaluation round,
@@ -36,8 +38,9 @@ from typing import Any
 from streamrl.common.aio import cancel_and_wait, wait_set
 from streamrl.common.bus import Output
 from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.messages import DeadLetter, ScoredTrajectory, Trajectory, WeightsPublished
+from streamrl.common.messages import DeadLetter, ScoredRecord, TrajectoryRecord, WeightsPublished
 from streamrl.common.redact import redact
 from streamrl.common.weights.auth import weights_key
 from streamrl.coordinator import state as st
@@ -78,7 +81,7 @@ FULL_CHECK_S = 1.0
 """Every so often a tick checks every in-flight group, timeout and evaluation round, not only touched ones."""
 
 
-def buffer_id(traj: Trajectory) -> str:
+def buffer_id(traj: TrajectoryRecord) -> str:
     """The buffer a scored trajectory is stored in: its group's, or its evaluation round's."""
     return round_buffer_id(int(traj.metadata.get("eval_version", 0))) if traj.is_eval else traj.group_id
 
@@ -139,14 +142,14 @@ class CoordinatorService:
             self.cfg.max_staleness,
             self.version,
         )
-        scored_loop: ConsumerLoop[ScoredTrajectory] = ConsumerLoop(
+        scored_loop: ConsumerLoop[ScoredRecord] = ConsumerLoop(
             self.ctx.bus,
             self.names,
             stream=self.names.scored,
             group="coordinator",
             consumer="coordinator",
             handler=self.handle_scored,
-            message_type=ScoredTrajectory,
+            message_type=ScoredRecord,
             config=self.cfg.consumer,
             on_committed=self._on_scored_committed,
         )
@@ -188,12 +191,20 @@ class CoordinatorService:
             raise RuntimeError(f"coordinator {', '.join(tasks[t] for t in finished)} ended before the run did")
 
     # -- handlers ---------------------------------------------------------------------------
-    async def handle_scored(self, msg: ScoredTrajectory) -> list[Output]:
+    async def handle_scored(self, msg: ScoredRecord) -> list[Output]:
         traj = msg.trajectory
+        if not traj.payload_key.startswith(self.names.payload(traj.id, "")):
+            raise PoisonMessageError(
+                f"scored record of {traj.id} names payload {traj.payload_key!r}, not a payload key of this run "
+                f"for it ({self.names.payload(traj.id, '')}...)"
+            )
         note_arrival(msg, time.time())
-        return [Output(key=self.names.group_buffer(buffer_id(traj)), field=traj.id, message=msg)]
+        stored = Output(key=self.names.group_buffer(buffer_id(traj)), field=traj.id, message=msg)
+        if traj.is_eval:  # scored and reported, never trained: its payload goes now
+            return [stored, Output(key=traj.payload_key, op="delete")]
+        return [stored]
 
-    async def _on_scored_committed(self, entry_id: str, msg: ScoredTrajectory) -> None:
+    async def _on_scored_committed(self, entry_id: str, msg: ScoredRecord) -> None:
         self.touched.add(buffer_id(msg.trajectory))
         self.wake.set()
 
@@ -226,6 +237,10 @@ class CoordinatorService:
         self.progress.update({"dead_reason": msg.error[:REASON_CHARS]})
         await self._publish_progress(refresh=True)  # before any replacement goes out
         lost = what_was_lost(msg, batches_stream=self.names.batches)
+        if isinstance(lost, LostGroup | LostEvalPrompt):  # the dead record's payload: no buffer names it
+            payloads = [p for p in lost.payloads if p.startswith(self.names.payload_prefix)]
+            if payloads:
+                await self.ctx.bus.redis.unlink(*payloads)
         if isinstance(lost, LostGroup):
             if await self.groups.fail(lost.group_id, st.GROUPS_DEAD):
                 logger.warning(

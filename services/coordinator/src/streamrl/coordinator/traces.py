@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from streamrl.common.messages import ScoredTrajectory
+from streamrl.common.messages import ScoredRecord
 from streamrl.common.telemetry.trace_schema import (
     BATCH_ID,
     BATCH_WAIT,
@@ -50,13 +50,13 @@ def untraced() -> str:
     return format_traceparent(random.getrandbits(128) or 1, random.getrandbits(64) or 1, 0)
 
 
-def note_arrival(sample: ScoredTrajectory, now: float) -> None:
+def note_arrival(sample: ScoredRecord, now: float) -> None:
     """Keep the time ``sample`` is stored in its buffer with it (in place), when its trace is recorded."""
     if is_sampled(sample.traceparent):
         sample.trajectory.timings[STORED_AT] = now
 
 
-def record_waits(tracing: Tracing, samples: Sequence[ScoredTrajectory], *, batch_id: str, built_at: float) -> None:
+def record_waits(tracing: Tracing, samples: Sequence[ScoredRecord], *, batch_id: str, built_at: float) -> None:
     """Record the group-wait and batch-wait spans of the traced ``samples`` (complete groups) going into
     batch ``batch_id`` at ``built_at``, and give each sample its batch-wait span's traceparent (in place).
 

@@ -12,7 +12,7 @@ import sys
 from streamrl.common.aio import cancel_and_wait
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.lifecycle import ServiceConfig, ServiceContext, service_main
-from streamrl.common.messages import Trajectory
+from streamrl.common.messages import Trajectory, TrajectoryRecord
 from streamrl.reward.config import RewardConfig
 
 
@@ -21,19 +21,20 @@ class RewardServiceConfig(ServiceConfig, RewardConfig):
 
 
 async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
-    from streamrl.reward.service import RewardService
+    from streamrl.reward.service import RedisPayloads, RewardService
 
     assert config.redis.url is not None  # service_main refuses to start without one
     ctx.metrics.watch_streams(config.redis.url, {"trajectories": ctx.names.trajectories})
-    service = RewardService(config, ctx.names, tracing=ctx.tracing, metrics=ctx.metrics)
-    loop: ConsumerLoop[Trajectory] = ConsumerLoop(
+    payloads = RedisPayloads(ctx.bus.redis, ctx.bus.max_command_bytes)
+    service = RewardService(config, ctx.names, tracing=ctx.tracing, metrics=ctx.metrics, payloads=payloads)
+    loop: ConsumerLoop[TrajectoryRecord | Trajectory] = ConsumerLoop(
         ctx.bus,
         ctx.names,
         stream=ctx.names.trajectories,
         group="reward",
         consumer=ctx.instance,
         handler=service.handle,
-        message_type=Trajectory,
+        message_type=(TrajectoryRecord, Trajectory),
         config=config.consumer,
     )
     ctx.loops.append(loop)

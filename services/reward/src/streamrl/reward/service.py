@@ -1,8 +1,16 @@
-"""The reward service's handler: Trajectory in, one ScoredTrajectory out to the scored stream.
+"""The reward service's handler: TrajectoryRecord in, one small ScoredRecord out to the scored stream.
 
-    consumer loop (streamrl.common.consumer) --handle(traj)--> MicroBatcher --batch--> scorers
-                                                                                 |  (concurrently)
-    Output(names.scored, ScoredTrajectory) <-- combine (weights) <---------------+
+    consumer loop (streamrl.common.consumer) --handle(record)--> payload fetch --> MicroBatcher --batch--> scorers
+                                                                                         |  (concurrently)
+    Output(names.scored, ScoredRecord) <-- combine (weights) <---------------------------+
+
+The record names its payload (the Trajectory the rollout worker stored once); concurrent handles fetch
+their payloads together (a MicroBatcher of fetches: pipelined GETs, replies of at most
+``redis.max_command_mb``, :func:`streamrl.common.payloads.read_payloads`). The ScoredRecord carries the
+record, the reward and the scoring's provenance, never the tokens. A payload that is gone fails the delivery
+(retried, then dead-lettered naming the key): nothing is ever scored without its trajectory. A whole
+Trajectory on the stream (the first form of the contract, or a tool writing one) is still scored, into a whole
+ScoredTrajectory.
 
 Concurrent ``handle`` calls (the loop runs up to ``max_in_flight`` at once) are grouped into
 micro-batches, so every scorer sees batches, not single samples. A scorer that fails raises
@@ -45,9 +53,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from streamrl.common.bus import Output
-from streamrl.common.messages import ScoredTrajectory, Trajectory
+from streamrl.common.codec import decode
+from streamrl.common.messages import ScoredRecord, Trajectory, TrajectoryRecord
+from streamrl.common.payloads import assemble, read_payloads, record_of
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import NULL_METRICS, Metrics
 from streamrl.common.telemetry.trace_schema import (
@@ -80,8 +91,50 @@ def episode_rewards(trajectory: Trajectory, final_reward: float) -> list[float]:
     return rewards
 
 
+FETCH_WAIT_MS = 1.0
+"""How long a payload fetch waits for concurrent ones to share its pipeline (ms)."""
+
+
+class MissingPayloadError(RuntimeError):
+    """A record's payload is not in Redis (expired before its commit, or deleted): it cannot be scored."""
+
+
+class PayloadSource(Protocol):
+    """Where the reward tier reads the payloads records name."""
+
+    async def fetch(self, records: list[TrajectoryRecord]) -> list[Trajectory]: ...
+
+
+class RedisPayloads:
+    """Payloads read from Redis in bounded pipelines of GET; a missing one fails its record alone."""
+
+    def __init__(self, redis: object, max_reply_bytes: int) -> None:
+        self.redis = redis
+        self.max_reply_bytes = max_reply_bytes
+
+    async def fetch(self, records: list[TrajectoryRecord]) -> list[Trajectory]:
+        raw = await read_payloads(
+            self.redis,
+            [r.payload_key for r in records],
+            [r.payload_bytes for r in records],
+            max_reply_bytes=self.max_reply_bytes,
+        )
+        missing = [r for r, p in zip(records, raw, strict=True) if p is None]
+        if missing:
+            raise MissingPayloadError(
+                f"payload {missing[0].payload_key} of trajectory {missing[0].id} is not in Redis "
+                f"({len(missing)} of {len(records)} fetched together missing): expired or deleted"
+            )
+        return [decode(p, Trajectory) for p in raw if p is not None]
+
+
 def _is_sample_specific(error: BaseException) -> bool:
     return isinstance(error, ScorerError) and error.sample_specific
+
+
+def _is_missing(error: BaseException) -> bool:
+    """A fetch that found a payload missing is retried one record at a time: only that record fails."""
+    return isinstance(error, MissingPayloadError)
 
 
 class RewardService:
@@ -101,8 +154,13 @@ class RewardService:
         *,
         tracing: Tracing = NULL_TRACING,
         metrics: Metrics = NULL_METRICS,
+        payloads: PayloadSource | None = None,
     ) -> None:
         self._names = names
+        self._payloads = payloads
+        self._fetcher: MicroBatcher[TrajectoryRecord, Trajectory] = MicroBatcher(
+            self._fetch_batch, config.max_batch_size, FETCH_WAIT_MS, split_on=_is_missing
+        )
         self._tracing = tracing
         self._metrics = metrics
         self.failure: str | None = None
@@ -133,8 +191,20 @@ class RewardService:
         self._failed_attempts: dict[str, int] = {}
         """Trajectory id -> backend calls of its failed attempts so far (popped when it is scored)."""
 
-    async def handle(self, msg: Trajectory) -> list[Output]:
-        """Score one trajectory (batched with concurrent calls); raises ScorerError on failure."""
+    async def _fetch_batch(self, records: list[TrajectoryRecord]) -> list[Trajectory]:
+        if self._payloads is None:
+            raise MissingPayloadError("this reward service was given no payload source: it can score only Trajectories")
+        return await self._payloads.fetch(records)
+
+    async def handle(self, msg: TrajectoryRecord | Trajectory) -> list[Output]:
+        """Score one trajectory (its payload fetched, scored in a batch with concurrent calls): a ScoredRecord
+        for a record, a ScoredTrajectory for a whole Trajectory; raises ScorerError (or MissingPayloadError)."""
+        if isinstance(msg, Trajectory):
+            return await self._score(msg, None)
+        trajectory = await self._fetcher.submit(msg)
+        return await self._score(trajectory, msg)
+
+    async def _score(self, msg: Trajectory, record: TrajectoryRecord | None) -> list[Output]:
         started = time.perf_counter()
         attributes = {TRAJECTORY_ID: msg.id, SCORER: self.provenance}
         with self._tracing.span(REWARD, msg.traceparent, attributes=attributes) as span:
@@ -152,8 +222,8 @@ class RewardService:
         self._num_retried += attempts > 1
         self._metrics.count_samples("scored", 1)
         turn_rewards = episode_rewards(msg, combined.reward)
-        scored = ScoredTrajectory(
-            trajectory=msg,
+        scored = ScoredRecord(
+            trajectory=record if record is not None else record_of(msg, "", 0),
             reward=sum(turn_rewards) if turn_rewards else combined.reward,
             turn_rewards=turn_rewards,
             score=combined.score,
@@ -162,6 +232,8 @@ class RewardService:
             reward_latency_ms=latency_ms,
             traceparent=span.traceparent,
         )
+        if record is None:  # a whole Trajectory in: a whole ScoredTrajectory out
+            return [Output(stream=self._names.scored, message=assemble(scored, msg))]
         return [Output(stream=self._names.scored, message=scored)]
 
     async def _score_batch(self, batch: list[Trajectory]) -> list[CombinedScore]:
@@ -223,6 +295,7 @@ class RewardService:
         if self._closed:
             return
         self._closed = True
+        await self._fetcher.close()
         await self._batcher.close()
         for scorer in self._scorers:
             await scorer.close()

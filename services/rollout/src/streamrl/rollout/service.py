@@ -1,8 +1,11 @@
 """RolloutService: prompts in, trajectories out, weights kept at the version the prompts ask for.
 
 * A consumer loop on ``prompts``: for each PromptWorkItem, wait until the engine serves at least
-  the prompt's policy version, generate ``n`` samples, publish one Trajectory per sample (the
-  outputs and the ack are one atomic step, de-duplicated by the work item id). Many prompts are in
+  the prompt's policy version, generate ``n`` samples, write each sample's Trajectory once as a payload
+  (plain pipelined SETs under ``payload:{trajectory id}:{attempt}``, with ``redis.payload_orphan_ttl_s`` to
+  live, :mod:`streamrl.common.payloads`), then commit one small TrajectoryRecord per sample naming it (the
+  records, the PERSIST of their payloads and the ack are one atomic step, de-duplicated by the work item
+  id; a payload of a delivery that never commits expires). Many prompts are in
   flight at once (``consumer.max_in_flight``); the engine batches them. A prompt waiting for a
   version not served yet (issued ahead, ``coordinator.prefetch_steps``) is parked: it holds no
   in-flight slot while it waits, so a prompt that can run now - the replacement of a filtered or
@@ -60,6 +63,7 @@ from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyn
 from streamrl.common.follower import StreamFollower, previous_id, supervise
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
+from streamrl.common.payloads import store_payloads
 from streamrl.common.replies import entries as stream_entries
 from streamrl.common.telemetry.trace_schema import (
     ENGINE,
@@ -205,10 +209,11 @@ class RolloutService:
         self.ctx.metrics.count_samples("generated", len(samples), sum(_num_generated(x) for x in samples))
         timings = {"queue_s": max(0.0, started - item.issued_at), "generate_s": ended - started, "started_at": started}
         traceparents = [span.traceparent for span in spans] if traced else [queued] * len(samples)
-        return [
-            Output(stream=self.ctx.names.trajectories, message=_trajectory(item, j, sample, timings, traceparent))
+        trajectories = [
+            _trajectory(item, j, sample, timings, traceparent)
             for j, (sample, traceparent) in enumerate(zip(samples, traceparents, strict=True))
         ]
+        return await store_payloads(self.ctx.bus, self.ctx.names, trajectories)
 
     async def _generate(self, request: GenerationRequest) -> list[Sample]:
         """The samples of one prompt, counted in the engine queue depth while they are generated."""

@@ -18,12 +18,13 @@ and :meth:`finish` (a step's attempt, before and after it; :meth:`note`: the err
 the learner group), :meth:`publish` (a version: the event
 on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
-failure keys, old fingerprints and sample hashes - the ``batched:{batch}:{group}`` payloads of its manifest -
-deleted).
+failure keys, old fingerprints and sample payloads - the ``batched:{batch}:{trajectory id}`` keys of its
+manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from streamrl.common import replies
@@ -191,8 +192,12 @@ class LearnerLedger:
         loop's trimming by consumption, after ``redis.retain_consumed_s``.)"""
         tx = self.bus.tx().xack(stream, self.group, *entries)
         tx.hset(self.learner, "acked", acked_index)
+        retention_s = math.ceil(self.bus.payload_retention_s)
         for key in payloads:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
-            tx.call("UNLINK", key)
+            if retention_s > 0:
+                tx.expire(key, retention_s)
+            else:
+                tx.call("UNLINK", key)
         for batch_id in batch_ids:
             tx.delete(self._failures(batch_id), self._dead(batch_id))
         old = range(max(0, acked_from - KEEP_FINGERPRINTS), max(0, acked_index - KEEP_FINGERPRINTS))

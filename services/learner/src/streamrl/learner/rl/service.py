@@ -7,11 +7,13 @@
   WeightsPublished (version, checksum, endpoint / IPC buffers / group rendezvous, step metrics).
 * A batch arrives as a BatchManifest (or, still accepted, a whole TrainingBatch): once its order is
   checked (a copy of a batch already consumed is recognised by its ids, before anything is read), the
-  learner reads its samples' payloads from the ``batched:{batch}:{group}`` hashes the manifest names, in replies
-  of at most ``redis.max_command_mb`` (:mod:`streamrl.common.batch_payloads`; not overlapped with the
-  previous step: batches are handled one at a time). A payload missing skips the batch (dead letter,
-  version published with unchanged weights): never trained short. The hashes are deleted with the
-  acknowledgement of the batch (below), so a replay after a restart reads them again.
+  learner reads its samples' payloads (``batched:{batch}:{trajectory id}``, each the Trajectory the rollout
+  worker stored once) that the manifest names, in replies of at most ``redis.max_command_mb``, and
+  assembles each ScoredTrajectory from the manifest's scored record and its payload
+  (:mod:`streamrl.common.batch_payloads`; not overlapped with the previous step: batches are handled one at
+  a time). A payload missing skips the batch (dead letter, version published with unchanged weights): never
+  trained short. The payloads are deleted with the acknowledgement of the batch (below), so a replay after
+  a restart reads them again; with ``redis.payload_retention_s`` they are given that long to live instead.
 * Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps; the
   checkpoint's files are on disk by then, :mod:`streamrl.learner.durable`). A killed learner restarts
   from its last checkpoint and replays, in order, exactly the batches it had not checkpointed (they

@@ -1,0 +1,255 @@
+"""Payload once, references after, against a real redis-server of the test's own (its byte counters are this
+test's alone): the rollout worker's commit (:func:`streamrl.common.payloads.store_payloads` + the commit script),
+the real reward service (payloads fetched, ScoredRecords out), the coordinator's real group buffer and batch
+builder, the learner's real fetch. Per trajectory Redis takes in about the payload once and sends it out twice
+(reward's read, learner's read); no script call carries a payload; the learner trains exactly what was scored.
+Plus the fences: a fenced-out worker's late payload never changes what was committed, an uncommitted payload
+expires."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis as syncredis
+
+from streamrl.common.batch_payloads import fetch_batch
+from streamrl.common.bus import Bus, Output, connect
+from streamrl.common.codec import decode, encode
+from streamrl.common.messages import (
+    BatchManifest,
+    PromptWorkItem,
+    ScoredRecord,
+    Tensor,
+    Trajectory,
+    TrajectoryRecord,
+)
+from streamrl.common.payloads import store_payloads
+from streamrl.common.streams import StreamNames
+from streamrl.coordinator.batches import BatchBuilder
+from streamrl.coordinator.groups import GroupBuffer
+from streamrl.coordinator.state import RunState
+from streamrl.ops.redis_server import RedisServer
+from streamrl.reward.config import RewardConfig
+from streamrl.reward.scorers.base import ScorerResult
+from streamrl.reward.service import RedisPayloads, RewardService
+
+GROUPS, GROUP_SIZE, TOKENS = 4, 4, 8192
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[str]:
+    server = RedisServer(tmp_path / "redis", appendonly=False).start()
+    yield server.url
+    server.stop()
+
+
+class ParityScorer:
+    """Reward = the response's first token modulo 2 (a scorer that reads the payload's tokens)."""
+
+    name = "parity"
+
+    async def score(self, batch: list[Trajectory]) -> ScorerResult:
+        values = [float(t.response_ids.to_numpy()[0] % 2) for t in batch]
+        return ScorerResult(rewards=values, scores=values, extra=[{} for _ in batch])
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    async def close(self) -> None:
+        pass
+
+
+def trajectory(group: int, index: int) -> Trajectory:
+    rng = np.random.default_rng(group * 100 + index)
+    return Trajectory(
+        id=f"p{group}/{index}",
+        group_id=f"p{group}",
+        group_index=index,
+        group_size=GROUP_SIZE,
+        prompt_ids=Tensor.from_list(list(range(64)), "int32"),
+        response_ids=Tensor.from_numpy(rng.integers(0, 150_000, TOKENS, dtype=np.int32)),
+        logprobs=Tensor.from_numpy(rng.standard_normal(TOKENS).astype(np.float32)),
+        loss_mask=Tensor.from_numpy(np.ones(TOKENS, dtype=np.uint8)),
+        response_text="y" * 2000,
+    )
+
+
+def net_bytes(client: syncredis.Redis) -> tuple[int, int]:
+    stats = client.info("stats")
+    return int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"])
+
+
+async def read_one(bus: Bus, stream: str, group: str) -> tuple[str, bytes]:
+    ((_, entries),) = await bus.redis.xreadgroup(group, "c", {stream: ">"}, count=1)
+    entry_id, fields = entries[0]
+    return entry_id.decode(), fields[b"d"]
+
+
+@pytest.mark.timeout(300)
+def test_each_payload_enters_redis_once_and_leaves_twice_never_through_a_script(own_redis: str, run_id: str) -> None:
+    names = StreamNames(run_id)
+    sync = syncredis.Redis.from_url(own_redis)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis), max_command_bytes=256 * 1024)
+        script_args: list[int] = []
+        commit = bus._commit
+
+        async def counting_commit(*, keys: list[str], args: list[Any]) -> Any:
+            script_args.append(max(len(a) if isinstance(a, bytes | str) else 0 for a in args))
+            return await commit(keys=keys, args=args)
+
+        bus._commit = counting_commit  # type: ignore[method-assign]
+        for stream, group in ((names.prompts, "rollout"), (names.trajectories, "reward"), (names.scored, "coord")):
+            await bus.redis.xgroup_create(stream, group, id="0", mkstream=True)
+        reward = RewardService(
+            RewardConfig(scorers=[{"type": "function", "name": "parity", "path": "unused.py"}], max_wait_ms=5),
+            names,
+            scorers=[ParityScorer()],
+            payloads=RedisPayloads(bus.redis, bus.max_command_bytes),
+        )
+        state = RunState(bus, names)
+        groups = GroupBuffer(state, group_size=GROUP_SIZE, dynamic_filtering=False)
+        tx = state.tx()
+        for g in range(GROUPS):
+            groups.queue_issue(tx, f"p{g}", 0, time.time())
+        await tx.execute()
+        generated = {f"p{g}/{i}": trajectory(g, i) for g in range(GROUPS) for i in range(GROUP_SIZE)}
+        payload_bytes = sum(len(encode(t)) for t in generated.values())
+        before = net_bytes(sync)
+
+        # rollout: one prompt per group, its samples' payloads SET, their records committed with the ack
+        for g in range(GROUPS):
+            item = PromptWorkItem(id=f"p{g}", prompt_ids=Tensor.from_list([1], "int32"))
+            await bus.redis.xadd(names.prompts, {"d": encode(item)})
+            entry, _ = await read_one(bus, names.prompts, "rollout")
+            outputs = await store_payloads(bus, names, [generated[f"p{g}/{i}"] for i in range(GROUP_SIZE)])
+            assert await bus.commit(outputs, ack_stream=names.prompts, ack_group="rollout", ack_entry=entry)
+        # reward: records in, payloads fetched, scored records out
+        for _ in generated:
+            entry, raw = await read_one(bus, names.trajectories, "reward")
+            assert len(raw) < 2048, "a record, not a payload"
+            outputs = await reward.handle(decode(raw, TrajectoryRecord))
+            assert await bus.commit(outputs, ack_stream=names.trajectories, ack_group="reward", ack_entry=entry)
+        # coordinator: the scored records stored in their groups (as its handler does), one batch built
+        for _ in generated:
+            entry, raw = await read_one(bus, names.scored, "coord")
+            scored = decode(raw, ScoredRecord)
+            assert len(raw) < 2048 and scored.trajectory.payload_key.startswith(names.payload(scored.trajectory.id, ""))
+            out = Output(key=names.group_buffer(scored.trajectory.group_id), field=scored.trajectory.id, message=scored)
+            assert await bus.commit([out], ack_stream=names.scored, ack_group="coord", ack_entry=entry)
+        await groups.complete(None)
+        build = BatchBuilder(state, groups, prompts_per_step=GROUPS, max_staleness=0, drop_stale=True)
+        (built,) = await build.build(version=0)
+        ((_, fields),) = await bus.redis.xrange(names.batches)
+        manifest = decode(fields[b"d"], BatchManifest)
+        # learner: the payloads the manifest names, fetched and assembled
+        batch = await fetch_batch(bus.redis, manifest, max_reply_bytes=bus.max_command_bytes)
+        after = net_bytes(sync)
+
+        taken_in, sent_out = after[0] - before[0], after[1] - before[1]
+        print(
+            f"payloads {payload_bytes / 2**20:.2f} MiB: Redis took in {taken_in / payload_bytes:.3f}x, "
+            f"sent out {sent_out / payload_bytes:.3f}x; largest script argument {max(script_args)} B"
+        )
+        assert payload_bytes <= taken_in <= 1.1 * payload_bytes
+        assert 2 * payload_bytes <= sent_out <= 2.1 * payload_bytes
+        assert max(script_args) < 4096, "no payload travels as a script argument"
+        # the learner trains exactly what was scored: every token, log-prob and reward
+        assert [s.trajectory.id for s in batch.samples] == [s.trajectory.id for s in built.batch.samples]
+        for sample in batch.samples:
+            original = generated[sample.trajectory.id]
+            assert sample.trajectory.response_ids == original.response_ids
+            assert sample.trajectory.logprobs == original.logprobs
+            assert sample.reward == float(original.response_ids.to_numpy()[0] % 2)
+        # nothing but the batched payloads is left holding tokens
+        assert not [k for k in await bus.redis.keys(names.payload_prefix + "*")]
+        await reward.close()
+        await bus.redis.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_fenced_out_workers_late_payload_never_changes_what_was_committed(own_redis: str, run_id: str) -> None:
+    names = StreamNames(run_id)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis), payload_orphan_ttl_s=600)
+        await bus.redis.xgroup_create(names.prompts, "rollout", id="0", mkstream=True)
+        await bus.redis.xadd(names.prompts, {"d": b"x"})
+        entry, _ = await read_one(bus, names.prompts, "rollout")
+        first, late = trajectory(0, 0), trajectory(9, 9)
+        late = Trajectory(**{**{f: getattr(late, f) for f in late.__struct_fields__}, "id": first.id})
+        # worker A (lease taken over) wrote its payload; worker B generated the same sample and committed
+        stale_outputs = await store_payloads(bus, names, [late])
+        outputs = await store_payloads(bus, names, [first])
+        assert await bus.commit(outputs, ack_stream=names.prompts, ack_group="rollout", ack_entry=entry)
+        # A's late commit finds the entry acked: nothing written; its payload is under a key of its own
+        assert not await bus.commit(stale_outputs, ack_stream=names.prompts, ack_group="rollout", ack_entry=entry)
+        ((_, fields),) = await bus.redis.xrange(names.trajectories)
+        record = decode(fields[b"d"], TrajectoryRecord)
+        assert record.payload_key == outputs[0].key != stale_outputs[0].key
+        assert decode(await bus.redis.get(record.payload_key), Trajectory) == first
+        assert await bus.redis.ttl(record.payload_key) == -1, "the commit made the referenced payload permanent"
+        orphan_ttl = await bus.redis.ttl(stale_outputs[0].key or "")
+        assert 0 < orphan_ttl <= 600, "the uncommitted payload expires"
+        await bus.redis.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_uncommitted_payload_expires_and_a_commit_of_an_expired_one_writes_nothing(
+    own_redis: str, run_id: str
+) -> None:
+    names = StreamNames(run_id)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis), payload_orphan_ttl_s=0.2)
+        await bus.redis.xgroup_create(names.prompts, "rollout", id="0", mkstream=True)
+        await bus.redis.xadd(names.prompts, {"d": b"x"})
+        entry, _ = await read_one(bus, names.prompts, "rollout")
+        outputs = await store_payloads(bus, names, [trajectory(0, 0)])
+        await asyncio.sleep(0.4)
+        assert not await bus.redis.exists(outputs[0].key or "")
+        with pytest.raises(Exception, match="payload missing"):
+            await bus.commit(outputs, ack_stream=names.prompts, ack_group="rollout", ack_entry=entry)
+        assert await bus.redis.xlen(names.trajectories) == 0, "no record of a payload that is gone"
+        pending = await bus.redis.xpending(names.prompts, "rollout")
+        assert pending["pending"] == 1, "the prompt stays pending: generated again"
+        await bus.redis.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("retention_s", [0, 60])
+def test_the_learners_ack_deletes_trained_payloads_or_keeps_them_for_the_retention(
+    own_redis: str, run_id: str, retention_s: int
+) -> None:
+    from streamrl.learner.rl.ledger import LearnerLedger
+
+    names = StreamNames(run_id)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis), payload_retention_s=retention_s)
+        await bus.redis.xgroup_create(names.batches, "learner", id="0", mkstream=True)
+        keys = [names.batched_payload("batch-0", f"p0/{i}") for i in range(3)]
+        for key in keys:
+            await bus.redis.set(key, b"payload")
+        await bus.redis.xadd(names.batches, {"d": b"manifest"})
+        entry, _ = await read_one(bus, names.batches, "learner")
+        ledger = LearnerLedger(bus, names)
+        await ledger.ack(names.batches, [entry], ["batch-0"], acked_from=0, acked_index=1, payloads=keys)
+        ttls = [await bus.redis.ttl(k) for k in keys]
+        if retention_s:
+            assert all(0 < t <= retention_s for t in ttls), ttls  # kept for replay / debugging, then gone
+        else:
+            assert ttls == [-2, -2, -2], "deleted with the checkpoint-covered ack"
+        await bus.redis.aclose()
+
+    asyncio.run(main())
