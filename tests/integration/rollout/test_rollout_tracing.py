@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from streamrl.common.bus import Bus, connect
+from streamrl.common.codec import decode
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import (
@@ -24,6 +25,7 @@ from streamrl.common.messages import (
     SamplingParams,
     Tensor,
     Trajectory,
+    TrajectoryRecord,
     WeightsBroadcast,
     WeightsPublished,
 )
@@ -173,9 +175,12 @@ def handle(harness: Harness, item: PromptWorkItem) -> list[Trajectory]:
         set_delivery_attempt(1)  # as the consumer loop does
         try:
             outputs = await harness.service.handle(item)
+            # the rollout stores each payload once and commits records: read the trajectories back
+            records = [out.message for out in outputs if isinstance(out.message, TrajectoryRecord)]
+            payloads = [await harness.bus.redis.get(record.payload_key) for record in records]
         finally:
             await harness.bus.redis.aclose()
-        return [out.message for out in outputs]  # type: ignore[misc]
+        return [decode(payload, Trajectory) for payload in payloads]
 
     return asyncio.run(main())
 
