@@ -20,7 +20,15 @@ from transformers import AutoModelForImageTextToText
 from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import decode
 from streamrl.common.consumer import encode_payload
-from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Tensor, Trajectory, WeightsPublished
+from streamrl.common.messages import (
+    Image,
+    PromptWorkItem,
+    SamplingParams,
+    Tensor,
+    Trajectory,
+    TrajectoryRecord,
+    WeightsPublished,
+)
 from streamrl.common.streams import StreamNames
 from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.vision import decode_image, encode, expand_image_tokens, expansion_token_ids, vision_processor
@@ -134,8 +142,10 @@ max_tokens = 100
     async def read() -> list[Trajectory]:
         bus = Bus(connect(redis_url))
         entries = await bus.redis.xrange(names.trajectories)
+        records = [decode(fields[b"d"], TrajectoryRecord) for _, fields in entries]  # each names its payload
+        payloads = [await bus.redis.get(record.payload_key) for record in records]
         await bus.redis.aclose()
-        return [decode(fields[b"d"], Trajectory) for _, fields in entries]
+        return [decode(payload, Trajectory) for payload in payloads]
 
     trajectories = asyncio.run(read())
     assert [t.id for t in trajectories] == ["g0/0", "g0/1"]

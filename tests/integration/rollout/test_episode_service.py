@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from committed import handled
 from test_episode import Failing, ScriptEngine, calculator_script, detokenize, item, spans, tokenize
 
 from streamrl.common.bus import Bus, connect
-from streamrl.common.codec import decode, encode
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Trajectory
 from streamrl.common.streams import StreamNames
@@ -36,7 +36,7 @@ def service(redis_url: str, run_id: str) -> Iterator[RolloutService]:
 def handle(service: RolloutService, work: PromptWorkItem) -> list[Trajectory]:
     async def main() -> list[Trajectory]:
         try:
-            return [out.message for out in await service.handle(work)]  # type: ignore[misc]
+            return await handled(service.redis, await service.handle(work))  # as the reward tier receives them
         finally:
             await service.redis.aclose()
 
@@ -47,7 +47,6 @@ def test_the_service_sends_episodes_as_multi_turn_trajectories(service: RolloutS
     trajectories = handle(service, item(n=2))
     assert [t.id for t in trajectories] == ["p1/0", "p1/1"]
     for t in trajectories:
-        t = decode(encode(t), Trajectory)  # as the reward tier receives it
         ids, mask = t.response_ids.tolist(), t.loss_mask.tolist()
         assert detokenize(ids) == t.response_text == "<calc>12+7</calc><result>19</result>Answer: 19"
         assert t.loss_mask.dtype == "uint8" and [(m, s, e) for m, s, e in spans(mask)] == [

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+from committed import handled as committed
 from test_openai_server import ScriptEngine, chat, endpoint, ids, item, report, run, take
 
 from streamrl.common.bus import Bus, connect
-from streamrl.common.codec import decode, encode
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import Trajectory
 from streamrl.common.streams import StreamNames
@@ -38,8 +38,9 @@ def test_the_service_publishes_the_conversation_with_its_own_prompt_and_the_agen
                 await chat(task, [{"role": "system", "content": "#"}, {"role": "user", "content": task["prompt"]}])
                 await report(url, task["id"], reward)
             outputs = await handled
+            trajectories = await committed(service.redis, outputs)  # as the reward tier sees them
             await service.redis.aclose()
-            return [decode(encode(out.message), Trajectory) for out in outputs]  # as the reward tier sees them
+            return trajectories
 
     trajectories = run(main)
     assert [t.id for t in trajectories] == ["p1/0", "p1/1"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
+from committed import wait_on_stream
+
 from streamrl.common.aio import cancel_and_wait
-from streamrl.common.bus import PAYLOAD_FIELD, Bus, connect
-from streamrl.common.codec import decode
+from streamrl.common.bus import Bus, connect
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, Trajectory, WeightsPublished
@@ -84,14 +85,14 @@ def test_prompts_waiting_for_their_version_leave_the_slots_to_prompts_that_can_r
         await bus.publish(names.prompts, _prompt(99, version=0))
         worker = asyncio.create_task(service.run())
         try:
-            replacement = await _trajectories(redis, names, 1, timeout_s=5.0)
+            replacement = await wait_on_stream(redis, names, 1, timeout_s=5.0)
             await bus.publish(
                 names.weights,
                 WeightsPublished(
                     version=1, step=1, batch_id="b0", checksum="c", num_bytes=1, num_buckets=1, endpoint="tcp://x:1"
                 ),
             )
-            everything = await _trajectories(redis, names, 2 * SLOTS + 1, timeout_s=10.0)
+            everything = await wait_on_stream(redis, names, 2 * SLOTS + 1, timeout_s=10.0)
         finally:
             ctx.stop.set()
             await asyncio.wait_for(worker, 10)
@@ -106,14 +107,3 @@ def test_prompts_waiting_for_their_version_leave_the_slots_to_prompts_that_can_r
     assert sorted(engine.generated[1:]) == [(i, 1) for i in range(2 * SLOTS)], "prefetched prompts ran at version 1"
     assert engine.most_running <= SLOTS, "waiting prompts took slots back before they generated"
     assert sorted(t.id for t in everything) == sorted([f"p{i}/0" for i in range(2 * SLOTS)] + ["p99/0"])
-
-
-async def _trajectories(redis: object, names: StreamNames, count: int, timeout_s: float) -> list[Trajectory]:
-    """The trajectories published, once there are ``count`` (or those there are after ``timeout_s``)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        entries = await redis.xrange(names.trajectories)  # type: ignore[attr-defined]
-        if len(entries) >= count or loop.time() > deadline:
-            return [decode(fields[PAYLOAD_FIELD], Trajectory) for _, fields in entries]
-        await asyncio.sleep(0.02)

@@ -11,14 +11,14 @@ import logging
 from pathlib import Path
 
 import pytest
+from committed import wait_on_stream
 from transformers import AutoModelForCausalLM
 
 from streamrl.common.aio import cancel_and_wait
-from streamrl.common.bus import PAYLOAD_FIELD, Bus, connect
-from streamrl.common.codec import decode
+from streamrl.common.bus import Bus, connect
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, Trajectory, WeightsPublished
+from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.config import RolloutConfig
@@ -35,16 +35,6 @@ def _prompt(index: int, version: int) -> PromptWorkItem:
         sampling=SamplingParams(n=2, max_new_tokens=4, seed=index),
         policy_version=version,
     )
-
-
-async def _trajectories(redis: object, names: StreamNames, count: int, timeout_s: float) -> list[Trajectory]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        entries = await redis.xrange(names.trajectories)  # type: ignore[attr-defined]
-        if len(entries) >= count or loop.time() > deadline:
-            return [decode(fields[PAYLOAD_FIELD], Trajectory) for _, fields in entries]
-        await asyncio.sleep(0.02)
 
 
 async def _until(condition: object, timeout_s: float) -> bool:
@@ -89,7 +79,7 @@ def test_the_engine_sleeps_between_versions_and_wakes_updates_then_generates(
             await bus.publish(names.prompts, _prompt(i, version=0))
         worker = asyncio.create_task(service.run())
         try:
-            seen["v0"] = await _trajectories(redis, names, 4, timeout_s=60.0)
+            seen["v0"] = await wait_on_stream(redis, names, 4, timeout_s=60.0)
             seen["slept"] = await _until(lambda: engine.asleep, timeout_s=5.0)
             seen["cache_after_sleep"] = engine._decoder.cache_bytes  # type: ignore[union-attr]
             for i in range(2, 4):  # the next version's prompts: they wait for its weights
@@ -108,7 +98,7 @@ def test_the_engine_sleeps_between_versions_and_wakes_updates_then_generates(
                 endpoint=server.endpoint,
             )
             await bus.publish(names.weights, event)
-            seen["all"] = await _trajectories(redis, names, 8, timeout_s=60.0)
+            seen["all"] = await wait_on_stream(redis, names, 8, timeout_s=60.0)
             seen["slept_again"] = await _until(lambda: engine.asleep, timeout_s=5.0)
         finally:
             ctx.stop.set()

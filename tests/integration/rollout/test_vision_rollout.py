@@ -19,10 +19,10 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from committed import handled
 from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from streamrl.common.bus import Bus, connect
-from streamrl.common.codec import decode, encode
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
@@ -254,10 +254,10 @@ def test_an_episode_records_the_environments_image_expanded_and_masked(
 
     async def handle() -> Trajectory:
         try:
-            (out,) = await service.handle(item)
+            (t,) = await handled(service.redis, await service.handle(item))  # as the reward tier and learner see it
         finally:
             await service.redis.aclose()
-        return decode(encode(out.message), Trajectory)  # as the reward tier and the learner receive it
+        return t
 
     t = asyncio.run(handle())
     prompt = expand_image_tokens(processor, ids, [decode_image(IMAGES[0])])
