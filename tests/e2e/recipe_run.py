@@ -11,18 +11,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import redis
 
 from streamrl.common.batch_payloads import resolve
 from streamrl.common.codec import decode
-from streamrl.common.messages import BatchManifest, ScoredTrajectory, TrainingBatch, WeightsPublished
+from streamrl.common.messages import BatchManifest, TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.payloads import assemble
 from streamrl.common.streams import StreamNames
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENV = {
     **os.environ,
     "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "STREAMRL_REDIS__PAYLOAD_RETENTION_S": "86400",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "OMP_NUM_THREADS": "2",
@@ -37,16 +38,19 @@ def entries(client: redis.Redis, stream: str) -> list[Any]:  # type: ignore[type
 
 
 def trained_batches(client: redis.Redis, names: StreamNames) -> list[TrainingBatch]:  # type: ignore[type-arg]
-    """Every batch on ``batches`` as the learner trained it. A manifest's payloads are deleted once its batch is
-    trained and checkpointed, so its samples are taken from the ``scored`` stream (these runs retain consumed
-    entries), with the manifest's trace context for each, as the learner's read gives them."""
-    scored = {m.trajectory.id: m for m in entries(client, names.scored) if isinstance(m, ScoredTrajectory)}
+    """Every batch on ``batches`` as the learner trained it. A manifest's payloads outlive their training only
+    for ``redis.payload_retention_s`` (these runs keep them a day): each sample is its scored record (in the
+    manifest) with its payload, and the manifest's trace context, as the learner's read gives them."""
     out = []
     for m in entries(client, names.batches):
         if isinstance(m, BatchManifest):
-            missing = [r.trajectory_id for r in m.samples if r.trajectory_id not in scored]
-            assert not missing, f"{m.id}: samples not on the scored stream: {missing[:5]}"
-            out.append(resolve(m, [msgspec.structs.replace(scored[r.trajectory_id]) for r in m.samples]))
+            samples = []
+            for ref in m.samples:
+                assert ref.scored is not None, f"{m.id}: {ref.trajectory_id} has no scored record"
+                payload = client.get(ref.key)
+                assert payload is not None, f"{m.id}: the payload of {ref.trajectory_id} ({ref.key}) is gone"
+                samples.append(assemble(ref.scored, decode(payload, Trajectory)))
+            out.append(resolve(m, samples))
         elif isinstance(m, TrainingBatch):
             out.append(m)
     return out

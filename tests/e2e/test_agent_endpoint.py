@@ -41,6 +41,7 @@ TOKEN = "agent-e2e-token"
 ENV = {
     **os.environ,
     "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "STREAMRL_REDIS__PAYLOAD_RETENTION_S": "86400",  # trained and evaluation payloads stay readable
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "STREAMRL_AGENT_TOKEN": TOKEN,

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 ENV = {
     **os.environ,
     "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "STREAMRL_REDIS__PAYLOAD_RETENTION_S": "86400",  # trained and evaluation payloads stay readable
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "OMP_NUM_THREADS": "2",

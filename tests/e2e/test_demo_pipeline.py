@@ -23,13 +23,15 @@ import torch
 from recipe_run import entries, trained_batches
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.common.messages import BatchManifest, ScoredTrajectory, Trajectory, WeightsPublished
+from streamrl.common.codec import decode
+from streamrl.common.messages import BatchManifest, ScoredRecord, Trajectory, TrajectoryRecord, WeightsPublished
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
 ENV = {
     **os.environ,
     "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "STREAMRL_REDIS__PAYLOAD_RETENTION_S": "86400",  # trained and evaluation payloads stay readable
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "OMP_NUM_THREADS": "2",
@@ -128,8 +130,11 @@ def test_demo_steps_end_to_end(
 
     # after each sync the engine serves the learner's weights: its greedy output is the learner's
     evals: dict[int, dict[str, list[int]]] = {}
-    for msg in entries(client, names.trajectories):
-        if isinstance(msg, Trajectory) and msg.is_eval:
+    for record in entries(client, names.trajectories):
+        if isinstance(record, TrajectoryRecord) and record.is_eval:  # its payload lives the run's retention
+            payload = client.get(record.payload_key)
+            assert payload is not None, f"evaluation payload {record.payload_key} is gone"
+            msg = decode(payload, Trajectory)
             evals.setdefault(msg.policy_version_start, {})[msg.prompt_text] = msg.response_ids.tolist()
     assert sorted(evals) == list(range(total_steps + 1)), "an evaluation round per version, served by the engine"
     tokenizer = AutoTokenizer.from_pretrained(tiny_task / "model")
@@ -181,5 +186,5 @@ def test_demo_steps_end_to_end(
     assert all(r["eval/version_lag_max"] >= 0 for r in rows if "eval/acc" in r)
     assert (run_dir / "progress.png").stat().st_size > 0
     assert (run_dir / "final" / "config.json").exists()
-    scored = [m for m in entries(client, names.scored) if isinstance(m, ScoredTrajectory)]
+    scored = [m for m in entries(client, names.scored) if isinstance(m, ScoredRecord)]
     assert scored and all(s.scorer == "arithmetic:function" for s in scored)

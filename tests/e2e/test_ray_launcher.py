@@ -25,7 +25,7 @@ import redis
 from recipe_run import entries, trained_batches
 
 from streamrl.common.health import live_heartbeats
-from streamrl.common.messages import ScoredTrajectory
+from streamrl.common.messages import ScoredRecord
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.trace_file import decode_request, trace_files
 from streamrl.common.telemetry.trace_schema import GENERATE, TRAJECTORY_ID
@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 TOTAL_STEPS, SAMPLES_PER_STEP = 200, 16
 ENV = {
     "STREAMRL_REDIS__RETAIN_CONSUMED_S": "86400",
+    "STREAMRL_REDIS__PAYLOAD_RETENTION_S": "86400",  # trained and evaluation payloads stay readable
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -165,7 +166,7 @@ def test_ray_run_scaled_and_a_rollout_actor_killed_trains_every_trajectory_once(
     scored = [
         m.trajectory.id
         for m in entries(client, names.scored)
-        if isinstance(m, ScoredTrajectory) and not m.trajectory.is_eval
+        if isinstance(m, ScoredRecord) and not m.trajectory.is_eval
     ]
     assert len(scored) == len(set(scored)) and set(scored) == set(trained)
     assert client.xlen(names.dead) == 0, entries(client, names.dead)

@@ -253,3 +253,30 @@ def test_the_learners_ack_deletes_trained_payloads_or_keeps_them_for_the_retenti
         await bus.redis.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("retention_s", [0, 60])
+def test_an_evaluation_payload_goes_with_the_commit_of_its_record_or_lives_the_retention(
+    own_redis: str, run_id: str, retention_s: int
+) -> None:
+    """The commit that stores a scored evaluation record deletes its payload (never trained) - or, with
+    ``redis.payload_retention_s``, gives it that long to live (replay, the end-to-end tests' checks)."""
+    names = StreamNames(run_id)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis), payload_retention_s=retention_s)
+        await bus.redis.xgroup_create(names.prompts, "rollout", id="0", mkstream=True)
+        await bus.redis.xadd(names.prompts, {"d": b"x"})
+        entry, _ = await read_one(bus, names.prompts, "rollout")
+        key = names.payload("e0/0", "aa")
+        await bus.redis.set(key, b"payload")
+        drop = Output(key=key, op="expire", ttl_ms=retention_s * 1000) if retention_s else Output(key=key, op="delete")
+        await bus.commit([drop], ack_stream=names.prompts, ack_group="rollout", ack_entry=entry)
+        ttl = await bus.redis.ttl(key)
+        if retention_s:
+            assert 0 < ttl <= retention_s, ttl
+        else:
+            assert ttl == -2, "deleted in the commit"
+        await bus.redis.aclose()
+
+    asyncio.run(main())

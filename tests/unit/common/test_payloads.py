@@ -95,3 +95,8 @@ def test_persist_and_delete_outputs_name_a_key_and_no_message() -> None:
         Output(key="k", op="persist", message=_trajectory(tokens=1))
     with pytest.raises(AssertionError):
         Output(key="k", op="rename")
+    Output(key="k", op="expire", ttl_ms=1000)
+    with pytest.raises(AssertionError):
+        Output(key="k", op="expire")  # an expire needs its time to live
+    with pytest.raises(AssertionError):
+        Output(key="k", op="delete", ttl_ms=1000)

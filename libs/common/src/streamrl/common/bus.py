@@ -63,7 +63,8 @@ T = TypeVar("T")
 class Output:
     """One thing a handler produces: a message appended to ``stream``, or stored in hash ``key``; or (no
     message) a payload key made permanent (``op="persist"``: the commit fails, writing nothing more, when the
-    key is gone) or deleted (``op="delete"``). Persist outputs go first: they are checked before the writes.
+    key is gone), deleted (``op="delete"``) or given ``ttl_ms`` to live (``op="expire"``: kept for replay and
+    debugging, ``redis.payload_retention_s``). Persist outputs go first: they are checked before the writes.
 
     Example:
         Output(stream=names.scored, message=scored)            # XADD
@@ -76,7 +77,9 @@ class Output:
     key: str | None = None
     field: str | None = None
     op: str = "write"
-    """``write`` (XADD / HSET of ``message``), ``persist`` or ``delete`` (of ``key``)."""
+    """``write`` (XADD / HSET of ``message``), ``persist``, ``delete`` or ``expire`` (of ``key``)."""
+    ttl_ms: int = 0
+    """``expire``: the key's time to live (ms, > 0)."""
 
     def __post_init__(self) -> None:
         assert (self.stream is None) != (self.key is None), "an Output targets a stream or a hash key"
@@ -84,9 +87,10 @@ class Output:
             assert self.message is not None, "a write Output needs a message"
             assert self.key is None or self.field is not None, "a hash Output needs a field"
         else:
-            assert self.op in ("persist", "delete") and self.key is not None and self.message is None, (
+            assert self.op in ("persist", "delete", "expire") and self.key is not None and self.message is None, (
                 f"a {self.op} Output names a key and no message"
             )
+            assert (self.op == "expire") == (self.ttl_ms > 0), "an expire Output (and only it) has a ttl_ms"
 
 
 COMMIT_LUA = """#!lua
@@ -118,6 +122,8 @@ for c = 1, tonumber(ARGV[1]) do
         if r == 0 and redis.call('EXISTS', ARGV[p + 1]) == 0 then r = {err = 'payload missing: ' .. ARGV[p + 1]} end
       elseif ARGV[p] == 'd' then
         r = redis.pcall('UNLINK', ARGV[p + 1])
+      elseif ARGV[p] == 'e' then
+        r = redis.pcall('PEXPIRE', ARGV[p + 1], ARGV[p + 2])
       else
         r = redis.pcall('HSET', ARGV[p + 1], ARGV[p + 2], ARGV[p + 3])
       end
@@ -138,7 +144,7 @@ return replies
 """ARGV: the number of commits, the fence key and token ('' for none), then per commit
 ``stream group entry ack(1/0) once_key ttl_ms maxlen n_outputs`` and 4 values per output
 (``x stream - payload``, ``h key field payload``, ``p key - -`` PERSIST - an error when the key is gone -
-or ``d key - -`` UNLINK). A commit with an ``entry`` writes only while that
+or ``d key - -`` UNLINK, or ``e key ttl_ms -`` PEXPIRE). A commit with an ``entry`` writes only while that
 entry is pending in ``group``; one without uses its ``once_key``. Reply per commit: 1 (written), 0 (a
 duplicate: the entry was acked already, or the once key exists; nothing written) or an error string
 (nothing acknowledged); the error ``FENCED holder`` for the whole call when the fence holds another
@@ -372,7 +378,8 @@ class Bus:
         ]
         for out in outputs:
             if out.op != "write":
-                args += ["p" if out.op == "persist" else "d", out.key or "", "", ""]
+                code = {"persist": "p", "delete": "d", "expire": "e"}[out.op]
+                args += [code, out.key or "", str(out.ttl_ms) if out.op == "expire" else "", ""]
                 continue
             assert out.message is not None
             payload = self.encode(out.message, out.stream or out.key or "")

@@ -62,8 +62,9 @@ class RedisConfig(BaseConfig):
     which that commit removes: the payload of a worker that died (or lost its lease) before committing
     expires after it (s). Must exceed the time from generation's end to the commit (outages included)."""
     payload_retention_s: float = Field(0.0, ge=0)
-    """Keep trained payloads this long after the checkpoint covering them instead of deleting them (replay,
-    debugging) (s); 0 = delete them with the learner's acknowledgement."""
+    """Keep trained payloads this long after the checkpoint covering them, and evaluation payloads this long
+    after they are scored, instead of deleting them (replay, debugging) (s); 0 = delete them (trained ones
+    with the learner's acknowledgement)."""
     retain_consumed_s: float = Field(0.0, ge=0)
     """Every stream read by consumer groups is trimmed to the oldest entry one of its groups still needs
     (pending or unread); consumed entries younger than this are kept too, for tools that read the

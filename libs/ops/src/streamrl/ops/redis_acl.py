@@ -175,9 +175,14 @@ def grants(user: str, run_id: str) -> list[Grant]:
             Grant(
                 "RW", (*state, names.group_buffer("*"), names.group_index, names.batched_samples("*", "*")), OWN_STATE
             ),
-            # payloads: renamed under their batch, deleted with the records the coordinator drops
-            # (one selector with the batch's keys: a command's keys must all match one selector)
-            Grant("RW", (names.payload_prefix + "*", names.batched_samples("*", "*")), ("rename", "unlink", "del")),
+            # payloads: renamed under their batch, deleted with the records the coordinator drops (evaluation
+            # payloads given redis.payload_retention_s instead, when set) - one selector with the batch's keys:
+            # a command's keys must all match one selector
+            Grant(
+                "RW",
+                (names.payload_prefix + "*", names.batched_samples("*", "*")),
+                ("rename", "unlink", "del", "pexpire"),
+            ),
         ]
     elif user == "rollout":
         own = [

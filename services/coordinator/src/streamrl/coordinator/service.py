@@ -200,8 +200,10 @@ class CoordinatorService:
             )
         note_arrival(msg, time.time())
         stored = Output(key=self.names.group_buffer(buffer_id(traj)), field=traj.id, message=msg)
-        if traj.is_eval:  # scored and reported, never trained: its payload goes now
-            return [stored, Output(key=traj.payload_key, op="delete")]
+        if traj.is_eval:  # scored and reported, never trained: its payload goes now (or lives the retention)
+            keep_ms = int(self.ctx.bus.payload_retention_s * 1000)
+            drop = Output(key=traj.payload_key, op="expire", ttl_ms=keep_ms) if keep_ms > 0 else None
+            return [stored, drop or Output(key=traj.payload_key, op="delete")]
         return [stored]
 
     async def _on_scored_committed(self, entry_id: str, msg: ScoredRecord) -> None:
