@@ -116,8 +116,11 @@ def test_demo_steps_end_to_end(
         assert set(sizes.values()) == {group_size}
         assert all(lag == 0 for lag in b.staleness), "max_staleness = 0 is strictly on-policy"
         assert all(s.policy_version_start == b.index for s in b.samples)
-    # the payloads the learner read are deleted once a checkpoint covers their batch: every batch here
-    assert not list(client.scan_iter(match=names.batched_samples("*", "*"))), "a trained batch's payloads stayed"
+    # the payloads the learner read are let go once a checkpoint covers their batch (every batch here): this run
+    # keeps them for redis.payload_retention_s (the checks above read them), so each has that long to live
+    kept = list(client.scan_iter(match=names.batched_samples("*", "*")))
+    assert len(kept) == len(ids), "a trained batch's payloads were not all kept for the retention"
+    assert all(0 < client.ttl(key) <= 86400 for key in kept), "a trained batch's payload stays for ever"
 
     # nothing left pending in any consumer group
     for stream, group in (
