@@ -22,7 +22,7 @@ from scenario import conclude
 
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import DeadLetter, Trajectory
+from streamrl.common.messages import DeadLetter, Trajectory, TrajectoryRecord
 
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 12
@@ -45,7 +45,7 @@ def _killer_letters(run: FaultRun, group: str) -> list[DeadLetter]:
             inner = decode(letter.payload)
         except PoisonMessageError:
             continue
-        if isinstance(inner, Trajectory) and inner.group_id == group:
+        if isinstance(inner, Trajectory | TrajectoryRecord) and inner.group_id == group:
             out.append(letter)
     return out
 
