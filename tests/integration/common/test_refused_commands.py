@@ -3,7 +3,6 @@ with that reason in one line - never as "lost redis", which sends an operator af
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,16 +12,6 @@ import pytest
 import redis as syncredis
 
 from streamrl.common.lifecycle import ServiceConfig, ServiceContext, service_main
-
-
-@pytest.fixture
-def root_logging() -> Iterator[None]:
-    """``service_main`` configures the root logger; put it back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture

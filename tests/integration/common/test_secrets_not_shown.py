@@ -65,16 +65,6 @@ def password_redis_url(tmp_path: Path) -> Iterator[str]:
         proc.wait(5)
 
 
-@pytest.fixture
-def root_logging() -> Iterator[None]:
-    """``service_main`` configures the root logger; put it back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def _files_with_password(run_dir: Path) -> list[str]:
     return [str(p) for p in run_dir.rglob("*") if p.is_file() and PASSWORD.encode() in p.read_bytes()]
 
