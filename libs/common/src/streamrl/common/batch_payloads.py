@@ -45,7 +45,8 @@ class MissingPayloadError(Exception):
 def resolve(manifest: BatchManifest, samples: list[ScoredTrajectory]) -> TrainingBatch:
     """The TrainingBatch ``manifest`` names, from its samples' payloads (in the manifest's order; each sample
     given the manifest's trace context for it, in place)."""
-    assert len(samples) == len(manifest.samples), "one payload per reference"
+    if len(samples) != len(manifest.samples):  # a check that must hold under python -O too
+        raise ValueError(f"batch {manifest.id}: {len(samples)} payloads for {len(manifest.samples)} references")
     for ref, sample in zip(manifest.samples, samples, strict=True):
         if ref.traceparent:
             sample.traceparent = ref.traceparent
