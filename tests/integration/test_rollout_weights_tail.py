@@ -281,6 +281,9 @@ def test_a_version_republished_by_a_restarted_learner_replaces_the_lost_one(redi
         tail = asyncio.create_task(service._tail_weights("0-0"))
         try:
             await bus.publish(names.weights, event(1, "a", "tcp://old-learner:1"))
+            # the worker jumps to the newest version it reads: let it take version 1 before version 2 lands
+            while engine.version < 1:
+                await asyncio.sleep(0.01)
             await bus.publish(names.weights, event(2, "b", "tcp://dead-learner:1"))
             await asyncio.sleep(0.5)  # the worker keeps failing on the lost version 2
             assert engine.version == 1
