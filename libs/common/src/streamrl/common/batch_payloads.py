@@ -1,7 +1,7 @@
 """A batch's payloads read by reference: what turns a :class:`BatchManifest` into the TrainingBatch it names.
 
 The coordinator publishes a manifest (one small entry per batch); each of its refs carries the sample's
-scored record and names the string holding its payload (the encoded Trajectory, renamed under the batch:
+scored record and names the string holding its payload (the Trajectory, :func:`streamrl.common.payloads.decode_payload`; renamed under the batch:
 ``batched:{batch}:{trajectory id}``); the learner reads the payloads and assembles each ScoredTrajectory
 (:func:`streamrl.common.payloads.assemble`). A ref without a scored record names a hash field holding a whole
 ScoredTrajectory (the first form of the contract, still read). The reads are bounded: :func:`plan_reads`
@@ -24,8 +24,8 @@ from typing import Any
 
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch, Trajectory
-from streamrl.common.payloads import assemble
+from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch
+from streamrl.common.payloads import assemble, decode_payload
 from streamrl.common.payloads import plan_reads as plan_reads
 from streamrl.common.streams import StreamNames
 
@@ -123,7 +123,7 @@ def _decode_all(refs: Sequence[SampleRef], payloads: list[bytes]) -> list[Scored
             out.append(decode(payload, ScoredTrajectory))
             continue
         try:
-            out.append(assemble(ref.scored, decode(payload, Trajectory)))
+            out.append(assemble(ref.scored, decode_payload(payload)))
         except ValueError as e:
             raise PoisonMessageError(str(e)) from e
     return out

@@ -13,7 +13,16 @@ and PERSISTs the key it names (``Output(key=..., op="persist")``), atomically wi
   another) keeps its time to live (``redis.payload_orphan_ttl_s``) and expires; ``NX`` keeps a re-sent SET
   from giving a committed payload a time to live again.
 
-Readers fetch payloads in bounded pipelines of ``GET`` (:func:`read_payloads`, planned by
+A payload is in two parts, one msgpack array ``[2, head, tensors]`` (payload format 2, :func:`encode_payload`):
+``head`` is the Trajectory without its tensors (every tensor empty, no images: text, label, metadata, turns,
+versions, ...), ``tensors`` a :class:`PayloadTensors` (prompt and response ids, log-probs, loss mask, images). The
+record carries the length of the prefix up to the end of the head (:attr:`TrajectoryRecord.payload_head_bytes`),
+so the reward tier reads only that (``GETRANGE key 0 n-1``, :func:`decode_head`) unless a scorer reads tokens (a
+reward model on token ids: the whole payload), and the learner reads the whole string (:func:`decode_payload`).
+Redis then sends a trajectory's tensors out once. A payload of format 1 (the encoded Trajectory alone, a map;
+a record with ``payload_head_bytes`` 0) is still read: whole, by both.
+
+Readers fetch payloads in bounded pipelines of ``GET`` / ``GETRANGE`` (:func:`read_payloads`, planned by
 :func:`plan_reads`): the reward tier to score, the learner to train
 (:func:`assemble` rebuilds the ScoredTrajectory from the scored record and its payload). Who deletes a payload:
 the coordinator, for the records it drops (evaluation samples once stored, filtered, failed, late and
@@ -30,10 +39,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from streamrl.common.bus import Output
+from streamrl.common.codec import decode
+from streamrl.common.errors import MessageTooLargeError, PoisonMessageError
 from streamrl.common.messages import (
     RECORD_METADATA_BYTES,
+    SUPPORTED_VERSIONS,
+    Image,
     ScoredRecord,
     ScoredTrajectory,
+    Tensor,
     Trajectory,
     TrajectoryRecord,
 )
@@ -43,6 +57,88 @@ if TYPE_CHECKING:
     from streamrl.common.streams import StreamNames
 
 _SCALAR_TEXT_CHARS = 256
+
+PAYLOAD_FORMAT = 2
+"""The payload format :func:`encode_payload` writes: ``[2, head, tensors]``. Format 1, the encoded Trajectory
+alone, is still read."""
+_FORMAT_2 = b"\x93\x02"
+"""How a format-2 payload starts: a msgpack array of 3, then the integer 2."""
+_NO_TENSOR = Tensor(dtype="int32", shape=[0], data=b"")
+
+
+class PayloadTensors(msgspec.Struct, frozen=True):
+    """The second part of a format-2 payload: the Trajectory's fields only the learner (and a scorer on token ids)
+    reads."""
+
+    prompt_ids: Tensor
+    response_ids: Tensor
+    logprobs: Tensor
+    loss_mask: Tensor
+    images: list[Image] = []
+
+
+_encoder = msgspec.msgpack.Encoder()
+_payload_decoder = msgspec.msgpack.Decoder(tuple[int, Trajectory, PayloadTensors])
+
+
+def encode_payload(trajectory: Trajectory) -> tuple[bytes, int]:
+    """``trajectory`` as a format-2 payload, and the length of its prefix up to the end of the head (pure)."""
+    t = trajectory
+    head = _FORMAT_2 + _encoder.encode(
+        msgspec.structs.replace(
+            t, prompt_ids=_NO_TENSOR, response_ids=_NO_TENSOR, logprobs=_NO_TENSOR, loss_mask=_NO_TENSOR, images=[]
+        )
+    )
+    tensors = PayloadTensors(
+        prompt_ids=t.prompt_ids,
+        response_ids=t.response_ids,
+        logprobs=t.logprobs,
+        loss_mask=t.loss_mask,
+        images=t.images,
+    )
+    return head + _encoder.encode(tensors), len(head)
+
+
+def _check_format(data: bytes) -> bool:
+    """True for a format-2 payload (or its head), False for format 1 (a map); PoisonMessageError for another."""
+    if data[:1] == b"\x93":
+        if data[:2] != _FORMAT_2:
+            raise PoisonMessageError(f"payload format {data[1:2].hex() or '?'} (hex) is not supported (1, 2)")
+        return True
+    return False
+
+
+def _check_version(head: Trajectory) -> Trajectory:
+    if head.v not in SUPPORTED_VERSIONS["trajectory"]:
+        raise PoisonMessageError(f"payload of {head.id}: unsupported trajectory version v={head.v}")
+    return head
+
+
+def decode_payload(data: bytes) -> Trajectory:
+    """The Trajectory a whole payload (format 2 or 1) holds; PoisonMessageError when it is not one (pure)."""
+    if not _check_format(data):
+        return decode(data, Trajectory)
+    try:
+        _, head, t = _payload_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise PoisonMessageError(f"invalid payload (format 2): {e}") from e
+    return msgspec.structs.replace(
+        _check_version(head),
+        prompt_ids=t.prompt_ids,
+        response_ids=t.response_ids,
+        logprobs=t.logprobs,
+        loss_mask=t.loss_mask,
+        images=t.images,
+    )
+
+
+def decode_head(prefix: bytes) -> Trajectory:
+    """The Trajectory without its tensors (each empty) and images that the first
+    :attr:`TrajectoryRecord.payload_head_bytes` of a format-2 payload hold: what text scorers read (pure)."""
+    if not _check_format(prefix):
+        raise PoisonMessageError(f"a payload head must start with {_FORMAT_2.hex()} (format 2), got {prefix[:2].hex()}")
+    return _check_version(decode(prefix[len(_FORMAT_2) :], Trajectory))
+
 
 DROP_PAYLOADS_LUA = """
 local function drop_payloads(hash, prefix)
@@ -76,8 +172,9 @@ def small_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def record_of(trajectory: Trajectory, payload_key: str, payload_bytes: int) -> TrajectoryRecord:
-    """The record committed for ``trajectory``, whose payload (``payload_bytes`` long) is at ``payload_key``."""
+def record_of(trajectory: Trajectory, payload_key: str, payload_bytes: int, head_bytes: int = 0) -> TrajectoryRecord:
+    """The record committed for ``trajectory``, whose payload (``payload_bytes`` long, its head the first
+    ``head_bytes``; 0: format 1) is at ``payload_key``."""
     t = trajectory
     return TrajectoryRecord(
         id=t.id,
@@ -86,6 +183,7 @@ def record_of(trajectory: Trajectory, payload_key: str, payload_bytes: int) -> T
         group_size=t.group_size,
         payload_key=payload_key,
         payload_bytes=payload_bytes,
+        payload_head_bytes=head_bytes,
         finish_reason=t.finish_reason,
         truncated=t.truncated,
         policy_version_start=t.policy_version_start,
@@ -154,29 +252,50 @@ async def write_payloads(
 
 
 async def read_payloads(
-    redis: Any, keys: Sequence[str], sizes: Sequence[int], *, max_reply_bytes: int
+    redis: Any,
+    keys: Sequence[str],
+    sizes: Sequence[int],
+    *,
+    max_reply_bytes: int,
+    prefixes: Sequence[int] | None = None,
 ) -> list[bytes | None]:
     """The values of ``keys`` (None: missing), in order, read in pipelines of GET whose replies add up to at
-    most ``max_reply_bytes`` (``sizes``: the expected size of each)."""
+    most ``max_reply_bytes`` (``sizes``: the expected size of each). With ``prefixes``, a key whose prefix is
+    positive is read only that far (``GETRANGE key 0 n-1``; its expected size is the prefix)."""
+    lengths = list(prefixes) if prefixes is not None else [0] * len(keys)
+    if len(lengths) != len(keys):
+        raise ValueError(f"read_payloads: {len(keys)} keys but {len(lengths)} prefixes")
     out: list[bytes | None] = []
-    for chunk in plan_reads(sizes, max_reply_bytes):
+    for chunk in plan_reads([n or size for n, size in zip(lengths, sizes, strict=True)], max_reply_bytes):
         pipe = redis.pipeline(transaction=False)
         for i in chunk:
-            pipe.get(keys[i])
-        out += await pipe.execute()
+            if lengths[i] > 0:
+                pipe.getrange(keys[i], 0, lengths[i] - 1)
+            else:
+                pipe.get(keys[i])
+        # GETRANGE answers "" for a missing key (a payload is never empty)
+        out += [value or None for value in await pipe.execute()]
     return out
 
 
 async def store_payloads(bus: Bus, names: StreamNames, trajectories: Sequence[Trajectory]) -> list[Output]:
-    """The rollout worker's half of a commit: write each trajectory's payload once (size-checked, plain pipelined
-    SETs with ``redis.payload_orphan_ttl_s`` to live, under keys of this call's own ``attempt``), then return the
-    outputs to commit with the prompt's ack: PERSIST of every payload first, then one small record each."""
+    """The rollout worker's half of a commit: write each trajectory's payload once (format 2, size-checked, plain
+    pipelined SETs with ``redis.payload_orphan_ttl_s`` to live, under keys of this call's own ``attempt``), then
+    return the outputs to commit with the prompt's ack: PERSIST of every payload first, then one small record each."""
     attempt = secrets.token_hex(6)
-    payloads = [(names.payload(t.id, attempt), bus.encode(t, names.trajectories)) for t in trajectories]
-    await write_payloads(bus.redis, payloads, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes)
-    persist = [Output(key=key, op="persist") for key, _ in payloads]
+    encoded = [encode_payload(t) for t in trajectories]
+    for t, (payload, _) in zip(trajectories, encoded, strict=True):
+        if len(payload) > bus.max_message_bytes:
+            raise MessageTooLargeError(
+                f"the payload of trajectory {t.id}, {len(payload) / 2**20:.1f} MiB, is over the "
+                f"{bus.max_message_bytes / 2**20:.1f} MiB limit (redis.max_message_mb)"
+            )
+    keys = [names.payload(t.id, attempt) for t in trajectories]
+    items = [(key, payload) for key, (payload, _) in zip(keys, encoded, strict=True)]
+    await write_payloads(bus.redis, items, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes)
+    persist = [Output(key=key, op="persist") for key in keys]
     records = [
-        Output(stream=names.trajectories, message=record_of(t, key, len(payload)))
-        for t, (key, payload) in zip(trajectories, payloads, strict=True)
+        Output(stream=names.trajectories, message=record_of(t, key, len(payload), head))
+        for t, key, (payload, head) in zip(trajectories, keys, encoded, strict=True)
     ]
     return persist + records
