@@ -34,7 +34,8 @@ from streamrl.common.messages import (
     TrajectoryRecord,
     Turn,
 )
-from streamrl.common.payloads import decode_payload, store_payloads
+from streamrl.common.payload_format import unpack_payload
+from streamrl.common.payloads import store_payloads
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.batches import BatchBuilder
 from streamrl.coordinator.groups import GroupBuffer
@@ -204,7 +205,7 @@ def test_a_fenced_out_workers_late_payload_never_changes_what_was_committed(own_
         ((_, fields),) = await bus.redis.xrange(names.trajectories)
         record = decode(fields[b"d"], TrajectoryRecord)
         assert record.payload_key == outputs[0].key != stale_outputs[0].key
-        assert decode_payload(await bus.redis.get(record.payload_key)) == first
+        assert unpack_payload(await bus.redis.get(record.payload_key)) == first
         assert await bus.redis.ttl(record.payload_key) == -1, "the commit made the referenced payload permanent"
         orphan_ttl = await bus.redis.ttl(stale_outputs[0].key or "")
         assert 0 < orphan_ttl <= 600, "the uncommitted payload expires"

@@ -28,7 +28,7 @@ from streamrl.common.messages import (
     WeightsBroadcast,
     WeightsPublished,
 )
-from streamrl.common.payloads import decode_payload
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import PromMetrics
 from streamrl.common.telemetry.trace_schema import (
@@ -180,7 +180,7 @@ def handle(harness: Harness, item: PromptWorkItem) -> list[Trajectory]:
             payloads = [await harness.bus.redis.get(record.payload_key) for record in records]
         finally:
             await harness.bus.redis.aclose()
-        return [decode_payload(payload) for payload in payloads]
+        return [unpack_payload(payload) for payload in payloads]
 
     return asyncio.run(main())
 

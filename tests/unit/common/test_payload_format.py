@@ -1,4 +1,4 @@
-"""Payload format 2 (:mod:`streamrl.common.payloads`): ``[2, head, tensors]``, the head what text scorers read,
+"""Payload format 2 (:mod:`streamrl.common.payload_format`): ``[2, head, tensors]``, the head what text scorers read,
 the whole what the learner reads; format 1 (the encoded Trajectory alone) still read."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from streamrl.common.codec import encode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import Image, SamplingParams, Tensor, Trajectory, Turn
-from streamrl.common.payloads import PAYLOAD_FORMAT, decode_head, decode_payload, encode_payload, record_of
+from streamrl.common.payload_format import PAYLOAD_FORMAT, pack_payload, unpack_head, unpack_payload
+from streamrl.common.payloads import record_of
 
 
 def _trajectory(tokens: int = 8192) -> Trajectory:
@@ -46,15 +47,15 @@ def _trajectory(tokens: int = 8192) -> Trajectory:
 
 def test_a_payload_round_trips_every_field_of_the_trajectory() -> None:
     traj = _trajectory()
-    payload, head_bytes = encode_payload(traj)
-    assert decode_payload(payload) == traj
+    payload, head_bytes = pack_payload(traj)
+    assert unpack_payload(payload) == traj
     assert 0 < head_bytes < len(payload)
 
 
 def test_the_head_holds_every_field_but_the_tensors_and_images() -> None:
     traj = _trajectory()
-    payload, head_bytes = encode_payload(traj)
-    head = decode_head(payload[:head_bytes])
+    payload, head_bytes = pack_payload(traj)
+    head = unpack_head(payload[:head_bytes])
     empty = {"prompt_ids", "response_ids", "logprobs", "loss_mask"}
     for field in traj.__struct_fields__:
         if field in empty:
@@ -68,7 +69,7 @@ def test_the_head_holds_every_field_but_the_tensors_and_images() -> None:
 
 
 def test_a_payload_is_plain_msgpack_an_array_of_format_head_and_tensors() -> None:
-    payload, _ = encode_payload(_trajectory(tokens=16))
+    payload, _ = pack_payload(_trajectory(tokens=16))
     fmt, head, tensors = msgspec.msgpack.decode(payload)  # any msgpack library reads it
     assert fmt == PAYLOAD_FORMAT == 2
     assert head["type"] == "trajectory" and head["response_text"] == "It is 4. " * 100
@@ -78,24 +79,24 @@ def test_a_payload_is_plain_msgpack_an_array_of_format_head_and_tensors() -> Non
 
 def test_a_payload_of_format_1_the_trajectory_alone_is_still_read_whole() -> None:
     traj = _trajectory(tokens=32)
-    assert decode_payload(encode(traj)) == traj
+    assert unpack_payload(encode(traj)) == traj
     assert record_of(traj, "k", 10).payload_head_bytes == 0, "a record without a head length: read whole"
     with pytest.raises(PoisonMessageError, match="a payload head must start with 9302"):
-        decode_head(encode(traj))
+        unpack_head(encode(traj))
 
 
 def test_an_unknown_payload_format_or_a_broken_payload_is_refused_naming_it() -> None:
-    payload, head_bytes = encode_payload(_trajectory(tokens=16))
+    payload, head_bytes = pack_payload(_trajectory(tokens=16))
     with pytest.raises(PoisonMessageError, match=r"payload format 03 .* not supported"):
-        decode_payload(b"\x93\x03" + payload[2:])
+        unpack_payload(b"\x93\x03" + payload[2:])
     with pytest.raises(PoisonMessageError, match="invalid payload"):
-        decode_payload(payload[: head_bytes + 5])
+        unpack_payload(payload[: head_bytes + 5])
     with pytest.raises(PoisonMessageError, match="undecodable"):
-        decode_payload(b"\x01\x02")
+        unpack_payload(b"\x01\x02")
 
 
 def test_the_record_carries_the_head_length() -> None:
     traj = _trajectory(tokens=16)
-    payload, head_bytes = encode_payload(traj)
+    payload, head_bytes = pack_payload(traj)
     record = record_of(traj, "k", len(payload), head_bytes)
     assert (record.payload_bytes, record.payload_head_bytes) == (len(payload), head_bytes)

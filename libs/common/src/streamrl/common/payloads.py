@@ -13,14 +13,10 @@ and PERSISTs the key it names (``Output(key=..., op="persist")``), atomically wi
   another) keeps its time to live (``redis.payload_orphan_ttl_s``) and expires; ``NX`` keeps a re-sent SET
   from giving a committed payload a time to live again.
 
-A payload is in two parts, one msgpack array ``[2, head, tensors]`` (payload format 2, :func:`encode_payload`):
-``head`` is the Trajectory without its tensors (every tensor empty, no images: text, label, metadata, turns,
-versions, ...), ``tensors`` a :class:`PayloadTensors` (prompt and response ids, log-probs, loss mask, images). The
-record carries the length of the prefix up to the end of the head (:attr:`TrajectoryRecord.payload_head_bytes`),
-so the reward tier reads only that (``GETRANGE key 0 n-1``, :func:`decode_head`) unless a scorer reads tokens (a
-reward model on token ids: the whole payload), and the learner reads the whole string (:func:`decode_payload`).
-Redis then sends a trajectory's tensors out once. A payload of format 1 (the encoded Trajectory alone, a map;
-a record with ``payload_head_bytes`` 0) is still read: whole, by both.
+A payload is in two parts (payload format 2, :mod:`streamrl.common.payload_format`): a head with everything but
+the tensors, then the tensors; the record carries the head's length (:attr:`TrajectoryRecord.payload_head_bytes`),
+so the reward tier reads only the head (``GETRANGE``) unless a scorer reads token ids, and the learner reads the
+whole string. Redis then sends a trajectory's tensors out once.
 
 Readers fetch payloads in bounded pipelines of ``GET`` / ``GETRANGE`` (:func:`read_payloads`, planned by
 :func:`plan_reads`): the reward tier to score, the learner to train
@@ -39,106 +35,21 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from streamrl.common.bus import Output
-from streamrl.common.codec import decode
-from streamrl.common.errors import MessageTooLargeError, PoisonMessageError
+from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import (
     RECORD_METADATA_BYTES,
-    SUPPORTED_VERSIONS,
-    Image,
     ScoredRecord,
     ScoredTrajectory,
-    Tensor,
     Trajectory,
     TrajectoryRecord,
 )
+from streamrl.common.payload_format import pack_payload
 
 if TYPE_CHECKING:
     from streamrl.common.bus import Bus
     from streamrl.common.streams import StreamNames
 
 _SCALAR_TEXT_CHARS = 256
-
-PAYLOAD_FORMAT = 2
-"""The payload format :func:`encode_payload` writes: ``[2, head, tensors]``. Format 1, the encoded Trajectory
-alone, is still read."""
-_FORMAT_2 = b"\x93\x02"
-"""How a format-2 payload starts: a msgpack array of 3, then the integer 2."""
-_NO_TENSOR = Tensor(dtype="int32", shape=[0], data=b"")
-
-
-class PayloadTensors(msgspec.Struct, frozen=True):
-    """The second part of a format-2 payload: the Trajectory's fields only the learner (and a scorer on token ids)
-    reads."""
-
-    prompt_ids: Tensor
-    response_ids: Tensor
-    logprobs: Tensor
-    loss_mask: Tensor
-    images: list[Image] = []
-
-
-_encoder = msgspec.msgpack.Encoder()
-_payload_decoder = msgspec.msgpack.Decoder(tuple[int, Trajectory, PayloadTensors])
-
-
-def encode_payload(trajectory: Trajectory) -> tuple[bytes, int]:
-    """``trajectory`` as a format-2 payload, and the length of its prefix up to the end of the head (pure)."""
-    t = trajectory
-    head = _FORMAT_2 + _encoder.encode(
-        msgspec.structs.replace(
-            t, prompt_ids=_NO_TENSOR, response_ids=_NO_TENSOR, logprobs=_NO_TENSOR, loss_mask=_NO_TENSOR, images=[]
-        )
-    )
-    tensors = PayloadTensors(
-        prompt_ids=t.prompt_ids,
-        response_ids=t.response_ids,
-        logprobs=t.logprobs,
-        loss_mask=t.loss_mask,
-        images=t.images,
-    )
-    return head + _encoder.encode(tensors), len(head)
-
-
-def _check_format(data: bytes) -> bool:
-    """True for a format-2 payload (or its head), False for format 1 (a map); PoisonMessageError for another."""
-    if data[:1] == b"\x93":
-        if data[:2] != _FORMAT_2:
-            raise PoisonMessageError(f"payload format {data[1:2].hex() or '?'} (hex) is not supported (1, 2)")
-        return True
-    return False
-
-
-def _check_version(head: Trajectory) -> Trajectory:
-    if head.v not in SUPPORTED_VERSIONS["trajectory"]:
-        raise PoisonMessageError(f"payload of {head.id}: unsupported trajectory version v={head.v}")
-    return head
-
-
-def decode_payload(data: bytes) -> Trajectory:
-    """The Trajectory a whole payload (format 2 or 1) holds; PoisonMessageError when it is not one (pure)."""
-    if not _check_format(data):
-        return decode(data, Trajectory)
-    try:
-        _, head, t = _payload_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise PoisonMessageError(f"invalid payload (format 2): {e}") from e
-    return msgspec.structs.replace(
-        _check_version(head),
-        prompt_ids=t.prompt_ids,
-        response_ids=t.response_ids,
-        logprobs=t.logprobs,
-        loss_mask=t.loss_mask,
-        images=t.images,
-    )
-
-
-def decode_head(prefix: bytes) -> Trajectory:
-    """The Trajectory without its tensors (each empty) and images that the first
-    :attr:`TrajectoryRecord.payload_head_bytes` of a format-2 payload hold: what text scorers read (pure)."""
-    if not _check_format(prefix):
-        raise PoisonMessageError(f"a payload head must start with {_FORMAT_2.hex()} (format 2), got {prefix[:2].hex()}")
-    return _check_version(decode(prefix[len(_FORMAT_2) :], Trajectory))
-
 
 DROP_PAYLOADS_LUA = """
 local function drop_payloads(hash, prefix)
@@ -174,7 +85,7 @@ def small_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def record_of(trajectory: Trajectory, payload_key: str, payload_bytes: int, head_bytes: int = 0) -> TrajectoryRecord:
     """The record committed for ``trajectory``, whose payload (``payload_bytes`` long, its head the first
-    ``head_bytes``; 0: format 1) is at ``payload_key``."""
+    ``head_bytes``; 0: format 1, :mod:`streamrl.common.payload_format`) is at ``payload_key``."""
     t = trajectory
     return TrajectoryRecord(
         id=t.id,
@@ -283,7 +194,7 @@ async def store_payloads(bus: Bus, names: StreamNames, trajectories: Sequence[Tr
     pipelined SETs with ``redis.payload_orphan_ttl_s`` to live, under keys of this call's own ``attempt``), then
     return the outputs to commit with the prompt's ack: PERSIST of every payload first, then one small record each."""
     attempt = secrets.token_hex(6)
-    encoded = [encode_payload(t) for t in trajectories]
+    encoded = [pack_payload(t) for t in trajectories]
     for t, (payload, _) in zip(trajectories, encoded, strict=True):
         if len(payload) > bus.max_message_bytes:
             raise MessageTooLargeError(

@@ -9,8 +9,9 @@ their payloads together (a MicroBatcher of fetches: pipelined reads, replies of 
 ``redis.max_command_mb``, :func:`streamrl.common.payloads.read_payloads`). Only the payload's head is read
 (``GETRANGE``: the Trajectory without its tensors and images, whose tensors are then empty: text, label,
 metadata, turns - all the reward functions, remote reward services and text reward models read) unless a
-scorer reads token ids (a reward model with ``input = "token_ids"``, :func:`streamrl.reward.scorers.reads_tokens`):
-then the whole payload. A payload of format 1 (a record without ``payload_head_bytes``) is read whole. The ScoredRecord carries the
+scorer reads token ids (a reward model with ``input = "token_ids"``,
+:func:`streamrl.reward.scorers.reads_tokens`): then the whole payload (:mod:`streamrl.common.payload_format`). A
+payload of format 1 (a record without ``payload_head_bytes``) is read whole. The ScoredRecord carries the
 record, the reward and the scoring's provenance, never the tokens. A payload that is gone fails the delivery
 (retried, then dead-lettered naming the key): nothing is ever scored without its trajectory. A whole
 Trajectory on the stream (the first form of the contract, or a tool writing one) is still scored, into a whole
@@ -61,7 +62,8 @@ from typing import Protocol
 
 from streamrl.common.bus import Output
 from streamrl.common.messages import ScoredRecord, Trajectory, TrajectoryRecord
-from streamrl.common.payloads import assemble, decode_head, decode_payload, read_payloads, record_of
+from streamrl.common.payload_format import unpack_head, unpack_payload
+from streamrl.common.payloads import assemble, read_payloads, record_of
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import NULL_METRICS, Metrics
 from streamrl.common.telemetry.trace_schema import (
@@ -131,7 +133,7 @@ class RedisPayloads:
                 f"payload {missing[0].payload_key} of trajectory {missing[0].id} is not in Redis "
                 f"({len(missing)} of {len(records)} fetched together missing): expired or deleted"
             )
-        return [decode_head(p) if n else decode_payload(p) for p, n in zip(raw, prefixes, strict=True) if p is not None]
+        return [unpack_head(p) if n else unpack_payload(p) for p, n in zip(raw, prefixes, strict=True) if p is not None]
 
 
 def _is_sample_specific(error: BaseException) -> bool:
