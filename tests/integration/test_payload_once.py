@@ -43,7 +43,7 @@ from streamrl.coordinator.state import RunState
 from streamrl.ops.redis_server import RedisServer
 from streamrl.reward.config import RewardConfig
 from streamrl.reward.scorers.base import ScorerResult
-from streamrl.reward.service import RedisPayloads, RewardService
+from streamrl.reward.service import MissingPayloadError, RedisPayloads, RewardService
 
 GROUPS, GROUP_SIZE, TOKENS = 4, 4, 8192
 
@@ -359,3 +359,36 @@ def test_a_reward_function_is_given_from_a_payloads_head_exactly_what_a_whole_tr
     # the reward tier read the heads alone (and the replies of one INFO and a few commands): none of the tokens
     # of these 8k-token episodes (~75 KB each)
     assert head_bytes <= read < head_bytes + 4096, (read, head_bytes)
+
+
+def test_a_missing_payload_head_fails_its_record_alone_naming_the_key(own_redis: str, run_id: str) -> None:
+    """GETRANGE answers "" for a key that is gone: the reward tier reports it missing (retried, then dead-lettered
+    naming it), never undecodable, and the records fetched with it are scored."""
+    names = StreamNames(run_id)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis))
+        reward = RewardService(
+            RewardConfig(scorers=[{"type": "function", "name": "parity", "path": "unused.py"}], max_wait_ms=20),
+            names,
+            scorers=[ParityScorer()],
+            payloads=RedisPayloads(bus.redis, bus.max_command_bytes),
+        )
+        try:
+            outputs = await store_payloads(bus, names, [trajectory(0, i) for i in range(3)])
+            records = [o.message for o in outputs if isinstance(o.message, TrajectoryRecord)]
+            assert all(r.payload_head_bytes > 0 for r in records)
+            await bus.redis.delete(records[1].payload_key)
+            results = await asyncio.gather(*(reward.handle(r) for r in records), return_exceptions=True)
+        finally:
+            await reward.close()
+            await bus.redis.aclose()
+        assert isinstance(results[1], MissingPayloadError) and records[1].payload_key in str(results[1])
+        for i in (0, 2):
+            result = results[i]
+            assert isinstance(result, list), result
+            (out,) = result
+            assert isinstance(out.message, ScoredRecord)
+            assert out.message.reward == float(len(trajectory(0, i).response_text) % 2)
+
+    asyncio.run(main())
