@@ -48,6 +48,7 @@ from typing import Any
 import fleet_model as fm
 import fleet_probes as probes
 import redis as syncredis
+from fleet_payload_costs import payload_costs
 from fleet_profile import coordinator_split
 
 from streamrl.common.config import ConsumerConfig
@@ -550,8 +551,7 @@ def main() -> None:
     if best is not None and args.profile:
         print(f"-- {best['num_gpus']} GPUs again with the coordinator under cProfile (not judged)", flush=True)
         steps.append({**run_step(best["num_gpus"], args, spec, task, logs, profile=True), "diagnostic": "profile"})
-    sizes = [s["trajectory_bytes"] for s in steps if "trajectory_bytes" in s]
-    costs = probes.payload_costs(logs / "payload-costs", sizes[0]) if sizes and not args.quick else None
+    costs = payload_costs(logs / "payload-costs", spec) if steps and not args.quick else None
     report(args, spec, steps, best, now, load_start, time.monotonic() - started, logs, costs)
 
 
@@ -611,7 +611,7 @@ def report(
     load_start: float,
     wall_s: float,
     logs: Path,
-    costs: dict[str, float] | None,
+    costs: dict[str, Any] | None,
 ) -> None:
     judged = [s for s in steps if not s.get("diagnostic")]
     first_bad = min((s for s in judged if not s["sustained"]), key=lambda s: s["num_gpus"], default=None)

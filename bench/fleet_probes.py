@@ -10,13 +10,11 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import fleet_model as fm
 import redis as syncredis
 
-from streamrl.common.bus import COMMIT_LUA
 from streamrl.common.streams import StreamNames
 from streamrl.ops.redis_server import RedisServer
 
@@ -125,41 +123,4 @@ def round_trip_cost(folder: Path, requests: int = 100_000) -> dict[str, float]:
         "requests_per_s": float(rate[-1]) if rate else requests / wall_s,
         "redis_us_per_request": round(1e6 * cpu_s / requests, 2),
         "redis_cores": round(cpu_s / wall_s, 2),
-    }
-
-
-def payload_costs(folder: Path, payload_bytes: int, num: int = 3000) -> dict[str, float]:
-    """Redis CPU (us, from /proc) to write one ``payload_bytes`` entry with a plain XADD and through the bus's
-    commit script (``streamrl.common.bus.COMMIT_LUA``: once key, XADD; no entry to ack), and to read it (XRANGE)."""
-    server = RedisServer(folder, appendonly=False).start()
-    assert server.proc is not None
-    stat = Path(f"/proc/{server.proc.pid}/stat")
-    client = syncredis.Redis.from_url(server.url)
-    commit = client.register_script(COMMIT_LUA)
-    payload = os.urandom(payload_bytes)
-
-    def cpu_us(op: Callable[[int], object]) -> float:
-        before = fm.process_ticks(stat.read_text())
-        for i in range(num):
-            op(i)
-        return round(1e6 * (fm.process_ticks(stat.read_text()) - before) / CLK_TCK / num, 1)
-
-    try:
-        xadd = cpu_us(lambda i: client.xadd("plain", {"d": payload}, maxlen=1000, approximate=True))
-        script = cpu_us(
-            lambda i: commit(
-                keys=["lua", f"once:{i}"],
-                args=[1, "", "", "", "", "", 1, f"once:{i}", 3_600_000, 1000, 1, "x", "lua", "", payload],
-            )
-        )
-        read = cpu_us(lambda i: client.xrange("plain", count=1))
-    finally:
-        client.close()
-        server.stop()
-    return {
-        "where": "streamrl.common.bus.COMMIT_LUA (Bus.commit, CommitBatcher): what a whole payload costs as a script argument (records travel so since payloads are stored once, streamrl.common.payloads)",
-        "payload_bytes": payload_bytes,
-        "xadd_us": xadd,
-        "commit_script_us": script,
-        "xrange_us": read,
     }

@@ -15,7 +15,8 @@ import redis
 
 from streamrl.common.batch_payloads import resolve
 from streamrl.common.codec import decode
-from streamrl.common.messages import BatchManifest, TrainingBatch, Trajectory, WeightsPublished
+from streamrl.common.messages import BatchManifest, TrainingBatch, WeightsPublished
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.payloads import assemble
 from streamrl.common.streams import StreamNames
 
@@ -49,7 +50,7 @@ def trained_batches(client: redis.Redis, names: StreamNames) -> list[TrainingBat
                 assert ref.scored is not None, f"{m.id}: {ref.trajectory_id} has no scored record"
                 payload = client.get(ref.key)
                 assert payload is not None, f"{m.id}: the payload of {ref.trajectory_id} ({ref.key}) is gone"
-                samples.append(assemble(ref.scored, decode(payload, Trajectory)))
+                samples.append(assemble(ref.scored, unpack_payload(payload)))
             out.append(resolve(m, samples))
         elif isinstance(m, TrainingBatch):
             out.append(m)

@@ -23,8 +23,8 @@ import torch
 from recipe_run import entries, trained_batches
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.common.codec import decode
-from streamrl.common.messages import BatchManifest, ScoredRecord, Trajectory, TrajectoryRecord, WeightsPublished
+from streamrl.common.messages import BatchManifest, ScoredRecord, TrajectoryRecord, WeightsPublished
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
@@ -137,7 +137,7 @@ def test_demo_steps_end_to_end(
         if isinstance(record, TrajectoryRecord) and record.is_eval:  # its payload lives the run's retention
             payload = client.get(record.payload_key)
             assert payload is not None, f"evaluation payload {record.payload_key} is gone"
-            msg = decode(payload, Trajectory)
+            msg = unpack_payload(payload)
             evals.setdefault(msg.policy_version_start, {})[msg.prompt_text] = msg.response_ids.tolist()
     assert sorted(evals) == list(range(total_steps + 1)), "an evaluation round per version, served by the engine"
     tokenizer = AutoTokenizer.from_pretrained(tiny_task / "model")

@@ -18,7 +18,8 @@ from test_coordinator import Harness
 
 from streamrl.common.batch_payloads import resolve
 from streamrl.common.codec import decode
-from streamrl.common.messages import BatchManifest, PromptWorkItem, TrainingBatch, Trajectory
+from streamrl.common.messages import BatchManifest, PromptWorkItem, TrainingBatch
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.payloads import assemble
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import PromMetrics
@@ -103,7 +104,7 @@ def test_a_traced_batch_through_the_running_service(
             payloads = [h.client.get(r.key) for r in manifest.samples]  # as the learner reads them
             return resolve(
                 manifest,
-                [assemble(r.scored, decode(p, Trajectory)) for r, p in zip(manifest.samples, payloads, strict=True)],
+                [assemble(r.scored, unpack_payload(p)) for r, p in zip(manifest.samples, payloads, strict=True)],
             )
 
     batch = asyncio.run(scenario())

@@ -1,19 +1,22 @@
 """Payload once, references after, against a real redis-server of the test's own (its byte counters are this
 test's alone): the rollout worker's commit (:func:`streamrl.common.payloads.store_payloads` + the commit script),
-the real reward service (payloads fetched, ScoredRecords out), the coordinator's real group buffer and batch
-builder, the learner's real fetch. Per trajectory Redis takes in about the payload once and sends it out twice
-(reward's read, learner's read); no script call carries a payload; the learner trains exactly what was scored.
-Plus the fences: a fenced-out worker's late payload never changes what was committed, an uncommitted payload
-expires."""
+the real reward service (payload heads fetched, ScoredRecords out), the coordinator's real group buffer and batch
+builder, the learner's real fetch. Per trajectory Redis takes in about the payload once and sends it out about
+once (the reward tier reads only the head - text, label, metadata, turns - the learner the whole); no script call
+carries a payload; the learner trains exactly what was scored; a reward function is given exactly what it was
+given a whole Trajectory. Plus the fences: a fenced-out worker's late payload never changes what was committed,
+an uncommitted payload expires."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import redis as syncredis
@@ -25,10 +28,13 @@ from streamrl.common.messages import (
     BatchManifest,
     PromptWorkItem,
     ScoredRecord,
+    ScoredTrajectory,
     Tensor,
     Trajectory,
     TrajectoryRecord,
+    Turn,
 )
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.payloads import store_payloads
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.batches import BatchBuilder
@@ -37,7 +43,7 @@ from streamrl.coordinator.state import RunState
 from streamrl.ops.redis_server import RedisServer
 from streamrl.reward.config import RewardConfig
 from streamrl.reward.scorers.base import ScorerResult
-from streamrl.reward.service import RedisPayloads, RewardService
+from streamrl.reward.service import MissingPayloadError, RedisPayloads, RewardService
 
 GROUPS, GROUP_SIZE, TOKENS = 4, 4, 8192
 
@@ -50,12 +56,12 @@ def own_redis(tmp_path: Path) -> Iterator[str]:
 
 
 class ParityScorer:
-    """Reward = the response's first token modulo 2 (a scorer that reads the payload's tokens)."""
+    """Reward = the response text's length modulo 2 (a scorer that reads text, as reward functions do)."""
 
     name = "parity"
 
     async def score(self, batch: list[Trajectory]) -> ScorerResult:
-        values = [float(t.response_ids.to_numpy()[0] % 2) for t in batch]
+        values = [float(len(t.response_text) % 2) for t in batch]
         return ScorerResult(rewards=values, scores=values, extra=[{} for _ in batch])
 
     def metrics(self) -> dict[str, float]:
@@ -76,7 +82,7 @@ def trajectory(group: int, index: int) -> Trajectory:
         response_ids=Tensor.from_numpy(rng.integers(0, 150_000, TOKENS, dtype=np.int32)),
         logprobs=Tensor.from_numpy(rng.standard_normal(TOKENS).astype(np.float32)),
         loss_mask=Tensor.from_numpy(np.ones(TOKENS, dtype=np.uint8)),
-        response_text="y" * 2000,
+        response_text="y" * (2000 + group * GROUP_SIZE + index),
     )
 
 
@@ -92,7 +98,9 @@ async def read_one(bus: Bus, stream: str, group: str) -> tuple[str, bytes]:
 
 
 @pytest.mark.timeout(300)
-def test_each_payload_enters_redis_once_and_leaves_twice_never_through_a_script(own_redis: str, run_id: str) -> None:
+def test_each_payload_enters_redis_once_and_leaves_about_once_never_through_a_script(
+    own_redis: str, run_id: str
+) -> None:
     names = StreamNames(run_id)
     sync = syncredis.Redis.from_url(own_redis)
 
@@ -159,7 +167,8 @@ def test_each_payload_enters_redis_once_and_leaves_twice_never_through_a_script(
             f"sent out {sent_out / payload_bytes:.3f}x; largest script argument {max(script_args)} B"
         )
         assert payload_bytes <= taken_in <= 1.1 * payload_bytes
-        assert 2 * payload_bytes <= sent_out <= 2.1 * payload_bytes
+        # the learner's read of the whole payload, the reward's of its head (text, here ~3% of the payload)
+        assert payload_bytes <= sent_out <= 1.1 * payload_bytes
         assert max(script_args) < 4096, "no payload travels as a script argument"
         # the learner trains exactly what was scored: every token, log-prob and reward
         assert [s.trajectory.id for s in batch.samples] == [s.trajectory.id for s in built.batch.samples]
@@ -167,7 +176,8 @@ def test_each_payload_enters_redis_once_and_leaves_twice_never_through_a_script(
             original = generated[sample.trajectory.id]
             assert sample.trajectory.response_ids == original.response_ids
             assert sample.trajectory.logprobs == original.logprobs
-            assert sample.reward == float(original.response_ids.to_numpy()[0] % 2)
+            assert sample.trajectory == original
+            assert sample.reward == float(len(original.response_text) % 2)
         # nothing but the batched payloads is left holding tokens
         assert not [k for k in await bus.redis.keys(names.payload_prefix + "*")]
         await reward.close()
@@ -195,7 +205,7 @@ def test_a_fenced_out_workers_late_payload_never_changes_what_was_committed(own_
         ((_, fields),) = await bus.redis.xrange(names.trajectories)
         record = decode(fields[b"d"], TrajectoryRecord)
         assert record.payload_key == outputs[0].key != stale_outputs[0].key
-        assert decode(await bus.redis.get(record.payload_key), Trajectory) == first
+        assert unpack_payload(await bus.redis.get(record.payload_key)) == first
         assert await bus.redis.ttl(record.payload_key) == -1, "the commit made the referenced payload permanent"
         orphan_ttl = await bus.redis.ttl(stale_outputs[0].key or "")
         assert 0 < orphan_ttl <= 600, "the uncommitted payload expires"
@@ -278,5 +288,107 @@ def test_an_evaluation_payload_goes_with_the_commit_of_its_record_or_lives_the_r
         else:
             assert ttl == -2, "deleted in the commit"
         await bus.redis.aclose()
+
+    asyncio.run(main())
+
+
+REWARD_FUNC = """
+import json
+
+def reward_func(queries, prompts, labels, metadata):
+    with open(CALLS, "a") as f:
+        f.write(json.dumps({"queries": queries, "prompts": prompts, "labels": labels, "metadata": metadata}) + "\\n")
+    return {"rewards": [len(q) / 100 for q in queries], "scores": [float(l == "4") for l in labels]}
+"""
+
+
+def episode(index: int) -> Trajectory:
+    """A multi-turn episode: environment rewards per turn, a label, messages in its metadata."""
+    base = trajectory(0, index)
+    return msgspec.structs.replace(
+        base,
+        prompt_text=f"Question {index}: what is 2+2?",
+        response_text=f"<tool>add 2 2</tool> 4 <answer>{index}</answer>",
+        label="4" if index % 2 else "5",
+        metadata={"messages": [{"role": "user", "content": f"q{index}"}], "source": "arith", "i": index},
+        turns=[Turn(start=0, end=100, policy_version=0, reward=0.25), Turn(start=200, end=TOKENS, policy_version=0)],
+    )
+
+
+def test_a_reward_function_is_given_from_a_payloads_head_exactly_what_a_whole_trajectory_gave_it(
+    own_redis: str, run_id: str, tmp_path: Path
+) -> None:
+    calls = tmp_path / "calls.jsonl"
+    func = tmp_path / "reward_fn.py"
+    func.write_text(f"CALLS = {str(calls)!r}\n" + REWARD_FUNC)
+    names = StreamNames(run_id)
+    sync = syncredis.Redis.from_url(own_redis)
+    episodes = [episode(i) for i in range(GROUP_SIZE)]
+
+    async def main() -> tuple[list[ScoredRecord], list[ScoredTrajectory], int, int]:
+        bus = Bus(connect(own_redis))
+        config = RewardConfig(scorers=[{"type": "function", "name": "fn", "path": str(func)}], max_wait_ms=20)
+        reward = RewardService(config, names, payloads=RedisPayloads(bus.redis, bus.max_command_bytes))
+        try:
+            outputs = await store_payloads(bus, names, episodes)
+            for out in outputs:
+                if out.op == "persist":
+                    await bus.redis.persist(out.key or "")
+            records = [o.message for o in outputs if isinstance(o.message, TrajectoryRecord)]
+            before = net_bytes(sync)[1]
+            by_record = await asyncio.gather(*(reward.handle(r) for r in records))
+            read = net_bytes(sync)[1] - before
+            by_whole = await asyncio.gather(*(reward.handle(t) for t in episodes))
+        finally:
+            await reward.close()
+            await bus.redis.aclose()
+        scored = [o.message for (o,) in by_record]
+        whole = [o.message for (o,) in by_whole]
+        assert all(isinstance(s, ScoredRecord) for s in scored) and all(isinstance(s, ScoredTrajectory) for s in whole)
+        return scored, whole, read, sum(r.payload_head_bytes for r in records)  # type: ignore[return-value]
+
+    scored, whole, read, head_bytes = asyncio.run(main())
+    first, second = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert first == second, "the reward function saw the same queries, prompts, labels and metadata"
+    assert first["queries"] == [t.prompt_text + t.response_text for t in episodes]
+    assert first["labels"] == [t.label for t in episodes]
+    assert first["metadata"] == [t.metadata for t in episodes]
+    for s, w in zip(scored, whole, strict=True):
+        assert (s.reward, s.score, s.turn_rewards) == (w.reward, w.score, w.turn_rewards)
+        assert s.turn_rewards == [0.25, len(w.trajectory.prompt_text + w.trajectory.response_text) / 100]
+    # the reward tier read the heads alone (and the replies of one INFO and a few commands): none of the tokens
+    # of these 8k-token episodes (~75 KB each)
+    assert head_bytes <= read < head_bytes + 4096, (read, head_bytes)
+
+
+def test_a_missing_payload_head_fails_its_record_alone_naming_the_key(own_redis: str, run_id: str) -> None:
+    """GETRANGE answers "" for a key that is gone: the reward tier reports it missing (retried, then dead-lettered
+    naming it), never undecodable, and the records fetched with it are scored."""
+    names = StreamNames(run_id)
+
+    async def main() -> None:
+        bus = Bus(connect(own_redis))
+        reward = RewardService(
+            RewardConfig(scorers=[{"type": "function", "name": "parity", "path": "unused.py"}], max_wait_ms=20),
+            names,
+            scorers=[ParityScorer()],
+            payloads=RedisPayloads(bus.redis, bus.max_command_bytes),
+        )
+        try:
+            outputs = await store_payloads(bus, names, [trajectory(0, i) for i in range(3)])
+            records = [o.message for o in outputs if isinstance(o.message, TrajectoryRecord)]
+            assert all(r.payload_head_bytes > 0 for r in records)
+            await bus.redis.delete(records[1].payload_key)
+            results = await asyncio.gather(*(reward.handle(r) for r in records), return_exceptions=True)
+        finally:
+            await reward.close()
+            await bus.redis.aclose()
+        assert isinstance(results[1], MissingPayloadError) and records[1].payload_key in str(results[1])
+        for i in (0, 2):
+            result = results[i]
+            assert isinstance(result, list), result
+            (out,) = result
+            assert isinstance(out.message, ScoredRecord)
+            assert out.message.reward == float(len(trajectory(0, i).response_text) % 2)
 
     asyncio.run(main())

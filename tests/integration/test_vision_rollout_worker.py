@@ -29,6 +29,7 @@ from streamrl.common.messages import (
     TrajectoryRecord,
     WeightsPublished,
 )
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.streams import StreamNames
 from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.vision import decode_image, encode, expand_image_tokens, expansion_token_ids, vision_processor
@@ -145,7 +146,7 @@ max_tokens = 100
         records = [decode(fields[b"d"], TrajectoryRecord) for _, fields in entries]  # each names its payload
         payloads = [await bus.redis.get(record.payload_key) for record in records]
         await bus.redis.aclose()
-        return [decode(payload, Trajectory) for payload in payloads]
+        return [unpack_payload(payload) for payload in payloads]
 
     trajectories = asyncio.run(read())
     assert [t.id for t in trajectories] == ["g0/0", "g0/1"]

@@ -287,20 +287,27 @@ def test_rollout_user_does_the_rollout_job(acl: AclRedis) -> None:
 
 def test_each_user_does_its_part_of_a_payloads_life(acl: AclRedis) -> None:
     """Payload once, references after: the rollout user SETs and PERSISTs it (its commit's EXISTS), the reward
-    user reads it, the coordinator renames it under a batch (or deletes it), the learner reads the batched one
+    user reads it (whole, or its head: GETRANGE), the coordinator renames it under a batch (or deletes it), the learner reads the batched one
     and deletes it or gives it a time to live; nothing else."""
     names = acl.names
     key, batched = names.payload("g0/0", "a1"), names.batched_payload("batch-0", "g0/0")
     rollout, reward, coordinator, learner = (acl.client(u) for u in ("rollout", "reward", "coordinator", "learner"))
     assert rollout.set(key, b"payload", nx=True, px=60_000)
     assert rollout.persist(key) and rollout.exists(key) == 1
-    assert reward.get(key) == b"payload"
+    assert reward.get(key) == b"payload" and reward.getrange(key, 0, 2) == b"pay"
     assert coordinator.rename(key, batched)
     assert learner.get(batched) == b"payload"
     assert learner.expire(batched, 60) and learner.unlink(batched) == 1
     rollout.set(key, b"orphan", nx=True, px=60_000)
     assert coordinator.unlink(key) == 1 and coordinator.delete(key) == 0
-    for user, command in (("reward", ("SET", key, "x")), ("learner", ("GET", key)), ("rollout", ("GET", key))):
+    refused = (
+        ("reward", ("SET", key, "x")),
+        ("reward", ("SETRANGE", key, 0, "x")),
+        ("learner", ("GET", key)),
+        ("rollout", ("GET", key)),
+        ("rollout", ("GETRANGE", key, 0, 1)),
+    )
+    for user, command in refused:
         with pytest.raises(redis.exceptions.NoPermissionError):
             acl.client(user).execute_command(*command)
     acl.client("admin").acl_log_reset()

@@ -11,6 +11,7 @@ from typing import Any
 from streamrl.common.bus import PAYLOAD_FIELD, Output
 from streamrl.common.codec import decode
 from streamrl.common.messages import Trajectory, TrajectoryRecord
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.streams import StreamNames
 
 
@@ -20,7 +21,7 @@ async def payloads_of(redis: Any, records: Sequence[TrajectoryRecord]) -> list[T
     for record in records:
         data = await redis.get(record.payload_key)
         assert data is not None, f"payload {record.payload_key} of {record.id} is not in Redis"
-        out.append(decode(data, Trajectory))
+        out.append(unpack_payload(data))
     return out
 
 

@@ -16,7 +16,6 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from streamrl.common.bus import Bus, connect
-from streamrl.common.codec import decode
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import (
@@ -29,6 +28,7 @@ from streamrl.common.messages import (
     WeightsBroadcast,
     WeightsPublished,
 )
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import PromMetrics
 from streamrl.common.telemetry.trace_schema import (
@@ -180,7 +180,7 @@ def handle(harness: Harness, item: PromptWorkItem) -> list[Trajectory]:
             payloads = [await harness.bus.redis.get(record.payload_key) for record in records]
         finally:
             await harness.bus.redis.aclose()
-        return [decode(payload, Trajectory) for payload in payloads]
+        return [unpack_payload(payload) for payload in payloads]
 
     return asyncio.run(main())
 

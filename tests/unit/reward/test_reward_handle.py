@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.common.messages import ScoredTrajectory, Trajectory
+from streamrl.common.bus import Output
+from streamrl.common.messages import ScoredRecord, ScoredTrajectory, Trajectory, TrajectoryRecord
+from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
 from streamrl.reward.config import RewardConfig
 from streamrl.reward.scorers.base import ScorerError, ScorerResult
@@ -218,3 +220,43 @@ def test_built_from_config_with_a_reward_file(tmp_path: Path, traj: Callable[...
 def test_scorers_must_match_config() -> None:
     with pytest.raises(ValueError, match="do not match"):
         RewardService(_config({"a": 1.0}), StreamNames("r"), scorers=[LengthScorer("b")])
+
+
+class RecordingPayloads:
+    """A payload source that hands back the given trajectories and records how each fetch was asked to read."""
+
+    def __init__(self, trajectories: dict[str, Trajectory]) -> None:
+        self.trajectories = trajectories
+        self.whole: list[bool] = []
+
+    async def fetch(self, records: list[TrajectoryRecord], whole: bool) -> list[Trajectory]:
+        self.whole.append(whole)
+        return [self.trajectories[r.id] for r in records]
+
+
+@pytest.mark.parametrize(
+    ("scorer", "whole"),
+    [
+        ({"type": "function", "path": "unused.py"}, False),
+        ({"type": "http", "urls": ["http://127.0.0.1:1/score"]}, False),
+        ({"type": "model", "path": "unused", "input": "text"}, False),
+        ({"type": "model", "path": "unused", "input": "token_ids"}, True),
+    ],
+)
+def test_payloads_are_read_whole_only_for_a_scorer_on_token_ids(
+    traj: Callable[..., Trajectory], scorer: dict[str, object], whole: bool
+) -> None:
+    sample = traj(0)
+    payloads = RecordingPayloads({sample.id: sample})
+    config = RewardConfig(scorers=[{**scorer, "name": "s"}], max_wait_ms=1)
+    service = RewardService(config, StreamNames("run1"), scorers=[LengthScorer("s")], payloads=payloads)
+
+    async def main() -> list[Output]:
+        try:
+            return await service.handle(record_of(sample, "k", 100, 10))
+        finally:
+            await service.close()
+
+    (out,) = asyncio.run(main())
+    assert payloads.whole == [whole]
+    assert isinstance(out.message, ScoredRecord) and out.message.reward == len(sample.response_text)

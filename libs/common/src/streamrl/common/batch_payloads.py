@@ -1,8 +1,9 @@
 """A batch's payloads read by reference: what turns a :class:`BatchManifest` into the TrainingBatch it names.
 
 The coordinator publishes a manifest (one small entry per batch); each of its refs carries the sample's
-scored record and names the string holding its payload (the encoded Trajectory, renamed under the batch:
-``batched:{batch}:{trajectory id}``); the learner reads the payloads and assembles each ScoredTrajectory
+scored record and names the string holding its payload (the Trajectory,
+:func:`streamrl.common.payload_format.unpack_payload`; renamed under the batch: ``batched:{batch}:{trajectory id}``);
+the learner reads the payloads and assembles each ScoredTrajectory
 (:func:`streamrl.common.payloads.assemble`). A ref without a scored record names a hash field holding a whole
 ScoredTrajectory (the first form of the contract, still read). The reads are bounded: :func:`plan_reads`
 (pure, :mod:`streamrl.common.payloads`) splits the samples, in order, into reads whose payloads add up to at
@@ -24,7 +25,8 @@ from typing import Any
 
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch, Trajectory
+from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch
+from streamrl.common.payload_format import unpack_payload
 from streamrl.common.payloads import assemble
 from streamrl.common.payloads import plan_reads as plan_reads
 from streamrl.common.streams import StreamNames
@@ -123,7 +125,7 @@ def _decode_all(refs: Sequence[SampleRef], payloads: list[bytes]) -> list[Scored
             out.append(decode(payload, ScoredTrajectory))
             continue
         try:
-            out.append(assemble(ref.scored, decode(payload, Trajectory)))
+            out.append(assemble(ref.scored, unpack_payload(payload)))
         except ValueError as e:
             raise PoisonMessageError(str(e)) from e
     return out

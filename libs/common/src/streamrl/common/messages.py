@@ -264,6 +264,10 @@ class TrajectoryRecord(_Message, tag="trajectory_record"):
     """The Redis string holding the encoded Trajectory (``streamrl:{run}:payload:{id}:{attempt}``)."""
     payload_bytes: int
     """Its size (bytes): what readers plan their bounded reads by."""
+    payload_head_bytes: int = 0
+    """How long its prefix up to the end of the head is (payload format 2, :mod:`streamrl.common.payloads`: the
+    Trajectory without its tensors, what text scorers read with ``GETRANGE key 0 n-1``); 0: a payload of
+    format 1 (the encoded Trajectory alone), read whole."""
     finish_reason: str = "stop"
     truncated: bool = False
     policy_version_start: int = 0

@@ -13,7 +13,12 @@ and PERSISTs the key it names (``Output(key=..., op="persist")``), atomically wi
   another) keeps its time to live (``redis.payload_orphan_ttl_s``) and expires; ``NX`` keeps a re-sent SET
   from giving a committed payload a time to live again.
 
-Readers fetch payloads in bounded pipelines of ``GET`` (:func:`read_payloads`, planned by
+A payload is in two parts (payload format 2, :mod:`streamrl.common.payload_format`): a head with everything but
+the tensors, then the tensors; the record carries the head's length (:attr:`TrajectoryRecord.payload_head_bytes`),
+so the reward tier reads only the head (``GETRANGE``) unless a scorer reads token ids, and the learner reads the
+whole string. Redis then sends a trajectory's tensors out once.
+
+Readers fetch payloads in bounded pipelines of ``GET`` / ``GETRANGE`` (:func:`read_payloads`, planned by
 :func:`plan_reads`): the reward tier to score, the learner to train
 (:func:`assemble` rebuilds the ScoredTrajectory from the scored record and its payload). Who deletes a payload:
 the coordinator, for the records it drops (evaluation samples once stored, filtered, failed, late and
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from streamrl.common.bus import Output
+from streamrl.common.errors import MessageTooLargeError
 from streamrl.common.messages import (
     RECORD_METADATA_BYTES,
     ScoredRecord,
@@ -37,6 +43,7 @@ from streamrl.common.messages import (
     Trajectory,
     TrajectoryRecord,
 )
+from streamrl.common.payload_format import pack_payload
 
 if TYPE_CHECKING:
     from streamrl.common.bus import Bus
@@ -76,8 +83,9 @@ def small_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def record_of(trajectory: Trajectory, payload_key: str, payload_bytes: int) -> TrajectoryRecord:
-    """The record committed for ``trajectory``, whose payload (``payload_bytes`` long) is at ``payload_key``."""
+def record_of(trajectory: Trajectory, payload_key: str, payload_bytes: int, head_bytes: int = 0) -> TrajectoryRecord:
+    """The record committed for ``trajectory``, whose payload (``payload_bytes`` long, its head the first
+    ``head_bytes``; 0: format 1, :mod:`streamrl.common.payload_format`) is at ``payload_key``."""
     t = trajectory
     return TrajectoryRecord(
         id=t.id,
@@ -86,6 +94,7 @@ def record_of(trajectory: Trajectory, payload_key: str, payload_bytes: int) -> T
         group_size=t.group_size,
         payload_key=payload_key,
         payload_bytes=payload_bytes,
+        payload_head_bytes=head_bytes,
         finish_reason=t.finish_reason,
         truncated=t.truncated,
         policy_version_start=t.policy_version_start,
@@ -154,29 +163,50 @@ async def write_payloads(
 
 
 async def read_payloads(
-    redis: Any, keys: Sequence[str], sizes: Sequence[int], *, max_reply_bytes: int
+    redis: Any,
+    keys: Sequence[str],
+    sizes: Sequence[int],
+    *,
+    max_reply_bytes: int,
+    prefixes: Sequence[int] | None = None,
 ) -> list[bytes | None]:
     """The values of ``keys`` (None: missing), in order, read in pipelines of GET whose replies add up to at
-    most ``max_reply_bytes`` (``sizes``: the expected size of each)."""
+    most ``max_reply_bytes`` (``sizes``: the expected size of each). With ``prefixes``, a key whose prefix is
+    positive is read only that far (``GETRANGE key 0 n-1``; its expected size is the prefix)."""
+    lengths = list(prefixes) if prefixes is not None else [0] * len(keys)
+    if len(lengths) != len(keys):
+        raise ValueError(f"read_payloads: {len(keys)} keys but {len(lengths)} prefixes")
     out: list[bytes | None] = []
-    for chunk in plan_reads(sizes, max_reply_bytes):
+    for chunk in plan_reads([n or size for n, size in zip(lengths, sizes, strict=True)], max_reply_bytes):
         pipe = redis.pipeline(transaction=False)
         for i in chunk:
-            pipe.get(keys[i])
-        out += await pipe.execute()
+            if lengths[i] > 0:
+                pipe.getrange(keys[i], 0, lengths[i] - 1)
+            else:
+                pipe.get(keys[i])
+        # GETRANGE answers "" for a missing key (a payload is never empty)
+        out += [value or None for value in await pipe.execute()]
     return out
 
 
 async def store_payloads(bus: Bus, names: StreamNames, trajectories: Sequence[Trajectory]) -> list[Output]:
-    """The rollout worker's half of a commit: write each trajectory's payload once (size-checked, plain pipelined
-    SETs with ``redis.payload_orphan_ttl_s`` to live, under keys of this call's own ``attempt``), then return the
-    outputs to commit with the prompt's ack: PERSIST of every payload first, then one small record each."""
+    """The rollout worker's half of a commit: write each trajectory's payload once (format 2, size-checked, plain
+    pipelined SETs with ``redis.payload_orphan_ttl_s`` to live, under keys of this call's own ``attempt``), then
+    return the outputs to commit with the prompt's ack: PERSIST of every payload first, then one small record each."""
     attempt = secrets.token_hex(6)
-    payloads = [(names.payload(t.id, attempt), bus.encode(t, names.trajectories)) for t in trajectories]
-    await write_payloads(bus.redis, payloads, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes)
-    persist = [Output(key=key, op="persist") for key, _ in payloads]
+    encoded = [pack_payload(t) for t in trajectories]
+    for t, (payload, _) in zip(trajectories, encoded, strict=True):
+        if len(payload) > bus.max_message_bytes:
+            raise MessageTooLargeError(
+                f"the payload of trajectory {t.id}, {len(payload) / 2**20:.1f} MiB, is over the "
+                f"{bus.max_message_bytes / 2**20:.1f} MiB limit (redis.max_message_mb)"
+            )
+    keys = [names.payload(t.id, attempt) for t in trajectories]
+    items = [(key, payload) for key, (payload, _) in zip(keys, encoded, strict=True)]
+    await write_payloads(bus.redis, items, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes)
+    persist = [Output(key=key, op="persist") for key in keys]
     records = [
-        Output(stream=names.trajectories, message=record_of(t, key, len(payload)))
-        for t, (key, payload) in zip(trajectories, payloads, strict=True)
+        Output(stream=names.trajectories, message=record_of(t, key, len(payload), head))
+        for t, key, (payload, head) in zip(trajectories, keys, encoded, strict=True)
     ]
     return persist + records

@@ -11,7 +11,7 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
                                                                  once:*, payload:* (RENAME, UNLINK, DEL)
     rollout      prompts (rollout)            weights            trajectories, dead, served,
                                                                  payload:* (SET, PERSIST, EXISTS)
-    reward       trajectories (reward)        -                  scored, dead; reads payload:* (GET)
+    reward       trajectories (reward)        -                  scored, dead; reads payload:* (GET, GETRANGE)
     learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*,
                                                                  batched:* (GET, HMGET, UNLINK, EXPIRE)
     observer     -                            every key (reads)  nothing
@@ -193,7 +193,7 @@ def grants(user: str, run_id: str) -> list[Grant]:
             Grant("RW", (names.payload_prefix + "*",), ("set", "persist", "exists")),
         ]
     elif user == "reward":
-        own = [Grant("W", (names.scored,), PUBLISH), Grant("R", (names.payload_prefix + "*",), ("get",))]
+        own = [Grant("W", (names.scored,), PUBLISH), Grant("R", (names.payload_prefix + "*",), ("get", "getrange"))]
     else:
         own = [
             Grant("W", (names.weights,), PUBLISH),

@@ -5,8 +5,13 @@
     Output(names.scored, ScoredRecord) <-- combine (weights) <---------------------------+
 
 The record names its payload (the Trajectory the rollout worker stored once); concurrent handles fetch
-their payloads together (a MicroBatcher of fetches: pipelined GETs, replies of at most
-``redis.max_command_mb``, :func:`streamrl.common.payloads.read_payloads`). The ScoredRecord carries the
+their payloads together (a MicroBatcher of fetches: pipelined reads, replies of at most
+``redis.max_command_mb``, :func:`streamrl.common.payloads.read_payloads`). Only the payload's head is read
+(``GETRANGE``: the Trajectory without its tensors and images, whose tensors are then empty: text, label,
+metadata, turns - all the reward functions, remote reward services and text reward models read) unless a
+scorer reads token ids (a reward model with ``input = "token_ids"``,
+:func:`streamrl.reward.scorers.reads_tokens`): then the whole payload (:mod:`streamrl.common.payload_format`). A
+payload of format 1 (a record without ``payload_head_bytes``) is read whole. The ScoredRecord carries the
 record, the reward and the scoring's provenance, never the tokens. A payload that is gone fails the delivery
 (retried, then dead-lettered naming the key): nothing is ever scored without its trajectory. A whole
 Trajectory on the stream (the first form of the contract, or a tool writing one) is still scored, into a whole
@@ -56,8 +61,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from streamrl.common.bus import Output
-from streamrl.common.codec import decode
 from streamrl.common.messages import ScoredRecord, Trajectory, TrajectoryRecord
+from streamrl.common.payload_format import unpack_head, unpack_payload
 from streamrl.common.payloads import assemble, read_payloads, record_of
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.prom import NULL_METRICS, Metrics
@@ -73,7 +78,7 @@ from streamrl.common.telemetry.tracing import NULL_TRACING, Tracing
 from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.combine import CombinedScore, WeightedResult, combine
 from streamrl.reward.config import RewardConfig
-from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_scorer
+from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_scorer, reads_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -100,24 +105,27 @@ class MissingPayloadError(RuntimeError):
 
 
 class PayloadSource(Protocol):
-    """Where the reward tier reads the payloads records name."""
+    """Where the reward tier reads the payloads records name: whole (``whole``) or only their heads."""
 
-    async def fetch(self, records: list[TrajectoryRecord]) -> list[Trajectory]: ...
+    async def fetch(self, records: list[TrajectoryRecord], whole: bool) -> list[Trajectory]: ...
 
 
 class RedisPayloads:
-    """Payloads read from Redis in bounded pipelines of GET; a missing one fails its record alone."""
+    """Payloads read from Redis in bounded pipelines of GETRANGE (heads) or GET (whole, or of format 1); a
+    missing one fails its record alone."""
 
     def __init__(self, redis: object, max_reply_bytes: int) -> None:
         self.redis = redis
         self.max_reply_bytes = max_reply_bytes
 
-    async def fetch(self, records: list[TrajectoryRecord]) -> list[Trajectory]:
+    async def fetch(self, records: list[TrajectoryRecord], whole: bool) -> list[Trajectory]:
+        prefixes = [0 if whole else r.payload_head_bytes for r in records]
         raw = await read_payloads(
             self.redis,
             [r.payload_key for r in records],
             [r.payload_bytes for r in records],
             max_reply_bytes=self.max_reply_bytes,
+            prefixes=prefixes,
         )
         missing = [r for r, p in zip(records, raw, strict=True) if p is None]
         if missing:
@@ -125,7 +133,7 @@ class RedisPayloads:
                 f"payload {missing[0].payload_key} of trajectory {missing[0].id} is not in Redis "
                 f"({len(missing)} of {len(records)} fetched together missing): expired or deleted"
             )
-        return [decode(p, Trajectory) for p in raw if p is not None]
+        return [unpack_head(p) if n else unpack_payload(p) for p, n in zip(raw, prefixes, strict=True) if p is not None]
 
 
 def _is_sample_specific(error: BaseException) -> bool:
@@ -158,6 +166,8 @@ class RewardService:
     ) -> None:
         self._names = names
         self._payloads = payloads
+        self._whole_payloads = any(reads_tokens(c) for c in config.scorers)
+        """A scorer reads token ids: payloads are read whole (else only their heads)."""
         self._fetcher: MicroBatcher[TrajectoryRecord, Trajectory] = MicroBatcher(
             self._fetch_batch, config.max_batch_size, FETCH_WAIT_MS, split_on=_is_missing
         )
@@ -194,7 +204,7 @@ class RewardService:
     async def _fetch_batch(self, records: list[TrajectoryRecord]) -> list[Trajectory]:
         if self._payloads is None:
             raise MissingPayloadError("this reward service was given no payload source: it can score only Trajectories")
-        return await self._payloads.fetch(records)
+        return await self._payloads.fetch(records, self._whole_payloads)
 
     async def handle(self, msg: TrajectoryRecord | Trajectory) -> list[Output]:
         """Score one trajectory (its payload fetched, scored in a batch with concurrent calls): a ScoredRecord
