@@ -78,7 +78,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch, owned_buffers
+from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch, load_manifest, owned_buffers
 from streamrl.common.bus import Output
 from streamrl.common.codec import encode
 from streamrl.common.consumer import ConsumerLoop
@@ -160,6 +160,8 @@ class LearnerService:
         """The publication mark in Redis as this learner last saw it (:meth:`LearnerLedger.publish`)."""
         self.life = secrets.token_hex(4)
         self.skipped: dict[str, str] = {}
+        self.loaded_buffers: dict[str, list[str]] = {}
+        """Per split manifest read (by batch id), until its entry is committed: every key it names."""
         """Batch id -> reason, for skipped batches whose dead letter is written once they are committed."""
         self.num_skipped = 0
         self.consumed: _Consumed | None = None
@@ -241,14 +243,18 @@ class LearnerService:
     async def handle(self, entry: Batch) -> list[Output]:
         if not await self._in_order(entry):  # before any payload is read: a copy of a trained batch reads none
             return []
-        if not entry.samples:
+        if not (entry.num_samples if isinstance(entry, BatchManifest) else entry.samples):
             return await self._skip(entry, "it has no samples")
         attempts = await self.ledger.attempts(entry.id)
         if attempts.exhausted(self.cfg.consumer.max_deliveries):
             return await self._skip(entry, attempts.reason())
         if isinstance(entry, BatchManifest):
+            budget = self.ctx.bus.max_command_bytes
             try:
-                batch = await fetch_batch(self.ctx.bus.redis, entry, max_reply_bytes=self.ctx.bus.max_command_bytes)
+                whole = await load_manifest(self.ctx.bus.redis, entry, max_reply_bytes=budget)
+                if whole.parts:  # what the ack deletes: the payloads its parts name too
+                    self.loaded_buffers[entry.id] = whole.buffers
+                batch = await fetch_batch(self.ctx.bus.redis, whole, max_reply_bytes=budget)
             except (MissingPayloadError, PoisonMessageError) as e:  # never trained short
                 return await self._skip(entry, str(e))
         else:
@@ -555,7 +561,7 @@ class LearnerService:
             entry_id=entry_id,
             group="learner",
             consumer="learner",
-            error=f"{batch.id} ({len(batch.samples)} samples) {BATCH_SKIPPED}: {reason}",
+            error=f"{batch.id} ({_num_samples(batch)} samples) {BATCH_SKIPPED}: {reason}",
             deliveries=1,
             payload=payload,
             ts=time.time(),
@@ -569,7 +575,8 @@ class LearnerService:
         if reason is not None:
             await self._dead_letter(batch, entry_id, reason)
         # the hashes of this batch's samples (named under its id: never another batch's, whatever a copy names)
-        payloads = owned_buffers(self.ctx.names, batch.id, batch.buffers) if isinstance(batch, BatchManifest) else []
+        keys = self.loaded_buffers.pop(batch.id, None) or (batch.buffers if isinstance(batch, BatchManifest) else [])
+        payloads = owned_buffers(self.ctx.names, batch.id, keys)
         self.unacked.append((entry_id, batch.index, batch.id, payloads))
         covered = [u for u in self.unacked if u[1] < self.checkpointed_index]
         if covered:
@@ -603,5 +610,15 @@ def _header(batch: Batch) -> TrainingBatch:
 def _manifest_header(manifest: BatchManifest) -> BatchManifest:
     """A manifest too large for a dead letter: its header (its sample hashes go with the learner's ack)."""
     return BatchManifest(
-        id=manifest.id, index=manifest.index, samples=[], policy_version=manifest.policy_version, staleness=[]
+        id=manifest.id,
+        index=manifest.index,
+        samples=[],
+        policy_version=manifest.policy_version,
+        staleness=[],
+        parts=manifest.parts,
+        part_bytes=manifest.part_bytes,
     )
+
+
+def _num_samples(batch: Batch) -> int:
+    return batch.num_samples if isinstance(batch, BatchManifest) else len(batch.samples)
