@@ -145,3 +145,27 @@ def test_split_manifests_are_trained_whole_a_lost_part_skips_its_batch_never_sho
     assert client.xpending(names.batches, "learner")["pending"] == 0
     left = {k.decode() for k in client.keys(names.batched_samples("*", "*"))}
     assert all(":batch-1:" in k and ":manifest:" not in k for k in left)  # only payloads of the batch the loss hit
+
+
+def test_the_next_batch_is_read_while_the_current_one_trains(
+    model: Path, tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    batches = [training_batch(i) for i in range(3)]
+    for batch in batches:
+        publish_split(client, names, batch)
+    log, timeline = tmp_path / "trained.log", tmp_path / "timeline.log"
+    env = {"TRAINED_LOG": str(log), "TIMELINE_LOG": str(timeline), "STEP_SLEEP_S": "1.0"}
+
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "3", "1", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    trained = dict(line.split() for line in log.read_text().splitlines())
+    assert trained == {b.id: digest(b) for b in batches}  # exactly what was published, each once, in order
+    at = {(event, batch): float(t) for event, batch, t in (line.split() for line in timeline.read_text().splitlines())}
+    for k in (1, 2):  # batch k's payloads were read while batch k-1 trained, not after
+        assert at[("step", f"batch-{k - 1}")] < at[("fetch", f"batch-{k}")] < at[("stepped", f"batch-{k - 1}")]
+        assert at[("stepped", f"batch-{k - 1}")] < at[("step", f"batch-{k}")]
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+    assert client.keys(names.batched_samples("*", "*")) == []  # acknowledged: payloads and parts deleted

@@ -9,7 +9,8 @@ ScoredTrajectory (the first form of the contract, still read). The reads are bou
 most ``max_reply_bytes`` (``redis.max_command_mb``); a sample bigger than that alone is read on its own (it
 is bounded by ``redis.max_message_mb`` when written). A read is one pipeline of ``GET`` (and ``HMGET``), so
 no single reply is above the budget. Reads run one after another: the learner's memory
-holds the batch, Redis's output buffer one read.
+holds the batch, Redis's output buffer one read. The learner runs them for batch ``k + 1`` while batch ``k``
+trains (:mod:`streamrl.learner.rl.prefetch`).
 
 A manifest published split (:attr:`BatchManifest.parts`, :func:`split_refs`) is read first
 (:func:`load_manifest`, in the same bounded reads): its parts, checked to be this batch's, in order, as many
