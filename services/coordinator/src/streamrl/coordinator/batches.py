@@ -71,6 +71,9 @@ from streamrl.coordinator.traces import record_waits
 
 logger = logging.getLogger(__name__)
 
+_PART_ENVELOPE_BYTES = 256
+"""What a ManifestPart adds to its refs (type, version, batch id, number): parts stay within their budget."""
+
 DEAD_BATCH_LUA = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('INCR', KEYS[2]); redis.call('INCRBY', KEYS[3], ARGV[2]); redis.call('INCRBY', KEYS[4], ARGV[3])
@@ -224,7 +227,7 @@ class BatchBuilder:
     async def _store_parts(self, manifest: BatchManifest) -> BatchManifest:
         """What to publish of ``manifest``: itself when its refs fit in one part, else its header naming its parts,
         written now (plain SETs, bounded, with a time to live the batch's transaction removes)."""
-        runs = split_refs(manifest.samples, self.manifest_part_bytes)
+        runs = split_refs(manifest.samples, self.manifest_part_bytes - _PART_ENVELOPE_BYTES)
         if len(runs) <= 1:
             return manifest
         attempt = secrets.token_hex(8)
