@@ -10,7 +10,9 @@ serving the weights of its version (``publish``).
     python learner_failure_worker.py MODEL REDIS_URL RUN_ID RUN_DIR FAIL_INDEX [MODE] [TOTAL_STEPS] [CKPT_EVERY]
 
 Environment: ``MAX_DELIVERIES`` (default 2); ``TRAINED_LOG``: a file where each step appends a line
-``{batch id} {sha256 of its samples, encoded}`` (what was trained, to compare with what was published).
+``{batch id} {sha256 of its samples, encoded}`` (what was trained, to compare with what was published);
+``TIMELINE_LOG``: a file of lines ``{event} {batch id} {monotonic seconds}``, events ``fetch`` (its payloads'
+read starts), ``step`` and ``stepped`` (its step starts, ends); ``STEP_SLEEP_S``: each step takes that long more.
 """
 
 from __future__ import annotations
@@ -19,22 +21,41 @@ import asyncio
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from streamrl.common import batch_payloads
 from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.lifecycle import ServiceContext
-from streamrl.common.messages import TrainingBatch
+from streamrl.common.messages import BatchManifest, ScoredTrajectory, TrainingBatch
 from streamrl.common.streams import StreamNames
 from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
 from streamrl.learner.rl.service import LearnerService
 from streamrl.learner.rl.trainer import RLTrainer
+
+
+def mark(event: str, batch_id: str) -> None:
+    if log := os.environ.get("TIMELINE_LOG"):
+        with open(log, "a") as f:
+            f.write(f"{event} {batch_id} {time.monotonic()}\n")
+
+
+real_fetch_samples = batch_payloads.fetch_samples
+
+
+async def fetch_samples(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> list[ScoredTrajectory]:
+    mark("fetch", manifest.id)
+    return await real_fetch_samples(redis, manifest, max_reply_bytes=max_reply_bytes)
+
+
+batch_payloads.fetch_samples = fetch_samples  # what fetch_batch calls: the learner's reads, timed
 
 
 def digest(batch: TrainingBatch) -> str:
@@ -58,6 +79,14 @@ async def life(
     real_step = trainer.step
 
     def step(batch: TrainingBatch) -> dict[str, Any]:
+        mark("step", batch.id)
+        time.sleep(float(os.environ.get("STEP_SLEEP_S", "0")))
+        try:
+            return failing_step(batch)
+        finally:
+            mark("stepped", batch.id)
+
+    def failing_step(batch: TrainingBatch) -> dict[str, Any]:
         if log := os.environ.get("TRAINED_LOG"):
             with open(log, "a") as f:
                 f.write(f"{batch.id} {digest(batch)}\n")

@@ -17,9 +17,16 @@ from learner_failure_worker import digest
 from test_learner_failures import _life
 from test_learner_group import training_batch
 
-from streamrl.common.batch_payloads import manifest_of
+from streamrl.common.batch_payloads import manifest_of, split_refs
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import BATCH_SKIPPED, BatchManifest, DeadLetter, TrainingBatch, WeightsPublished
+from streamrl.common.messages import (
+    BATCH_SKIPPED,
+    BatchManifest,
+    DeadLetter,
+    ManifestPart,
+    TrainingBatch,
+    WeightsPublished,
+)
 from streamrl.common.streams import StreamNames
 from streamrl.torchkit.testing import build_tiny_qwen2
 
@@ -82,3 +89,83 @@ def test_manifests_are_trained_as_published_a_missing_payload_skips_its_batch_pa
     assert decode(letter.payload, BatchManifest) == second  # the coordinator counts its groups dropped from it
     assert client.xpending(names.batches, "learner")["pending"] == 0
     assert client.keys(names.batched_samples("*", "*")) == []  # acknowledged: every batch's payloads deleted
+
+
+def publish_split(
+    client: redis.Redis,  # type: ignore[type-arg]
+    names: StreamNames,
+    batch: TrainingBatch,
+    lose_part: int | None = None,
+) -> BatchManifest:
+    """Publish ``batch`` as the coordinator publishes a large one: its refs in three parts or more (strings under the
+    batch), the entry a header naming them; part ``lose_part`` deleted (Redis lost it)."""
+    keys, sizes = [], []
+    for s in batch.samples:
+        key, payload = names.batched_samples(batch.id, s.trajectory.group_id), encode(s)
+        client.hset(key, s.trajectory.id, payload)
+        keys.append(key)
+        sizes.append(len(payload))
+    whole = manifest_of(batch, keys, sizes)
+    refs = whole.samples
+    runs = split_refs(refs, sum(len(msgspec.msgpack.encode(r)) for r in refs) // 3 + 1)
+    assert len(runs) >= 3
+    parts = [encode(ManifestPart(batch_id=batch.id, number=n, samples=run)) for n, run in enumerate(runs)]
+    part_keys = [names.manifest_part(batch.id, "a1", n) for n in range(len(parts))]
+    for n, (key, part) in enumerate(zip(part_keys, parts, strict=True)):
+        if n != lose_part:
+            client.set(key, part)
+    header = msgspec.structs.replace(whole, samples=[], parts=part_keys, part_bytes=[len(p) for p in parts])
+    client.xadd(names.batches, {"d": encode(header)})
+    return header
+
+
+def test_split_manifests_are_trained_whole_a_lost_part_skips_its_batch_never_short(
+    model: Path, tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    batches = [training_batch(i) for i in range(3)]
+    publish_split(client, names, batches[0])
+    client.xadd(names.batches, client.xrange(names.batches)[0][1])  # a copy of batch 0's entry: a copy, not trained
+    second = publish_split(client, names, batches[1], lose_part=1)
+    publish_split(client, names, batches[2])
+    log = tmp_path / "trained.log"
+
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "3", "1", env={"TRAINED_LOG": str(log)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    trained = dict(line.split() for line in log.read_text().splitlines())
+    assert trained == {"batch-0": digest(batches[0]), "batch-2": digest(batches[2])}  # whole, in order
+    events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
+    assert [(w.version, w.batch_id) for w in events] == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
+    (letter,) = [decode(f[b"d"], DeadLetter) for _, f in client.xrange(names.dead)]
+    lost = f"batch-1: 1 of its {len(second.parts)} manifest parts missing in Redis"
+    assert f"batch-1 (20 samples) {BATCH_SKIPPED}: {lost}" in letter.error
+    assert decode(letter.payload, BatchManifest) == second  # the header: the coordinator reads the parts left
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+    left = {k.decode() for k in client.keys(names.batched_samples("*", "*"))}
+    assert all(":batch-1:" in k and ":manifest:" not in k for k in left)  # only payloads of the batch the loss hit
+
+
+def test_the_next_batch_is_read_while_the_current_one_trains(
+    model: Path, tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    names = StreamNames(run_id)
+    batches = [training_batch(i) for i in range(3)]
+    for batch in batches:
+        publish_split(client, names, batch)
+    log, timeline = tmp_path / "trained.log", tmp_path / "timeline.log"
+    env = {"TRAINED_LOG": str(log), "TIMELINE_LOG": str(timeline), "STEP_SLEEP_S": "1.0"}
+
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "3", "1", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    trained = dict(line.split() for line in log.read_text().splitlines())
+    assert trained == {b.id: digest(b) for b in batches}  # exactly what was published, each once, in order
+    at = {(event, batch): float(t) for event, batch, t in (line.split() for line in timeline.read_text().splitlines())}
+    for k in (1, 2):  # batch k's payloads were read while batch k-1 trained, not after
+        assert at[("step", f"batch-{k - 1}")] < at[("fetch", f"batch-{k}")] < at[("stepped", f"batch-{k - 1}")]
+        assert at[("stepped", f"batch-{k - 1}")] < at[("step", f"batch-{k}")]
+    assert client.xpending(names.batches, "learner")["pending"] == 0
+    assert client.keys(names.batched_samples("*", "*")) == []  # acknowledged: payloads and parts deleted

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from streamrl.common.batch_payloads import manifest_of, owned_buffers, plan_reads, resolve
+from streamrl.common.batch_payloads import manifest_of, owned_buffers, plan_reads, resolve, split_refs
 from streamrl.common.bus import MAX_COMMITS_PER_CALL, CommitBatcher, take_commits
 from streamrl.common.codec import decode, encode
-from streamrl.common.messages import BatchManifest, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.messages import BatchManifest, ManifestPart, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
 from streamrl.common.streams import StreamNames
 
 MIB = 2**20
@@ -126,3 +126,18 @@ def test_the_commit_batcher_splits_calls_by_bytes() -> None:
 
     assert asyncio.run(main()) == [True] * 7
     assert bus.calls == [3, 3, 1]
+
+
+def test_split_refs_keeps_every_ref_once_in_order_in_parts_within_the_budget() -> None:
+    names = StreamNames("run")
+    samples = [scored(g, i) for g in range(40) for i in range(16)]
+    batch = TrainingBatch(id="batch-1", index=1, samples=samples, policy_version=1, staleness=[0] * len(samples))
+    refs = manifest_of(batch, [names.batched_samples("batch-1", s.trajectory.id) for s in samples], [9] * 640).samples
+    budget = 8 * 1024
+    runs = split_refs(refs, budget)
+    assert len(runs) > 1 and [r for run in runs for r in run] == refs
+    assert all(
+        len(encode(ManifestPart(batch_id="batch-1", number=n, samples=run))) <= budget + 64
+        for n, run in enumerate(runs)
+    )
+    assert split_refs(refs, 10 * 2**20) == [refs]  # all fit: one part (the manifest is published whole)

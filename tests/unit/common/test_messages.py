@@ -13,6 +13,7 @@ from streamrl.common.messages import (
     BatchManifest,
     DeadLetter,
     Heartbeat,
+    ManifestPart,
     PromptWorkItem,
     SampleRef,
     ScoredRecord,
@@ -73,6 +74,20 @@ SAMPLES = [
         ],
         policy_version=0,
         staleness=[0],
+    ),
+    ManifestPart(
+        batch_id="batch-0",
+        number=1,
+        samples=[
+            SampleRef(
+                trajectory_id="p1/1",
+                group_id="p1",
+                key="streamrl:{run}:batched:batch-0:p1/1",
+                field="",
+                policy_version_start=0,
+                num_bytes=300,
+            )
+        ],
     ),
     WeightsPublished(
         version=1, step=1, batch_id="batch-0", checksum="ab", num_bytes=1, num_buckets=1, endpoint="tcp://x:1"

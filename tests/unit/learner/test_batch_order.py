@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
-from streamrl.common.messages import SamplingParams, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.messages import (
+    BatchManifest,
+    SampleRef,
+    SamplingParams,
+    ScoredTrajectory,
+    Tensor,
+    TrainingBatch,
+    Trajectory,
+)
 from streamrl.learner.rl.batch_order import LOST, Attempts, Gap, behind_verdict, fingerprint, gap_verdict
 
 
@@ -71,3 +80,16 @@ def test_attempts_count_kills_as_steps_started_that_never_returned() -> None:
     assert failed.exhausted(2) and failed.reason() == "its step failed 2 times, last: ValueError: bad"
     both = Attempts(started=2, finished=1, failed=1, error="E")
     assert both.exhausted(2) and "failed 1 times, last: E; and it killed its consumer 1 times" in both.reason()
+
+
+def test_a_split_manifest_is_fingerprinted_by_its_parts_read_or_not() -> None:
+    whole = batch(3, ids=("a", "b", "c"))
+    header = BatchManifest(
+        id=whole.id, index=3, samples=[], policy_version=0, staleness=[0, 0, 0], parts=["k:a1:0", "k:a1:1"]
+    )
+    ref = SampleRef(trajectory_id="a", group_id="g", key="k", field="", policy_version_start=0, num_bytes=1)
+    read = msgspec.structs.replace(header, samples=[ref, ref, ref])
+    rebuilt = msgspec.structs.replace(header, parts=["k:b2:0", "k:b2:1"])  # the same index built by another attempt
+    assert fingerprint(header) == fingerprint(read) and fingerprint(header).startswith("batch-3 3 ")
+    assert fingerprint(rebuilt) != fingerprint(header)
+    assert behind_verdict(read, 4, fingerprint(header)) is None

@@ -10,7 +10,13 @@ ScoredTrajectory (the first form of the contract, still read). The reads are bou
 most ``max_reply_bytes`` (``redis.max_command_mb``); a sample bigger than that alone is read on its own (it
 is bounded by ``redis.max_message_mb`` when written). A read is one pipeline of ``GET`` (and ``HMGET``), so
 no single reply is above the budget. Reads run one after another: the learner's memory
-holds the batch, Redis's output buffer one read.
+holds the batch, Redis's output buffer one read. The learner runs them for batch ``k + 1`` while batch ``k``
+trains (:mod:`streamrl.learner.rl.prefetch`).
+
+A manifest published split (:attr:`BatchManifest.parts`, :func:`split_refs`) is read first
+(:func:`load_manifest`, in the same bounded reads): its parts, checked to be this batch's, in order, as many
+refs as the header's samples, make the whole manifest. A part missing is a missing payload (below); a part
+that is not this batch's is poison.
 
 A payload missing (its buffer deleted: the batch was counted dead, or Redis lost it) is
 :class:`MissingPayloadError` naming the batch, how many samples are missing and the first one: a
@@ -23,11 +29,19 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgspec
+
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import BatchManifest, SampleRef, ScoredTrajectory, TrainingBatch
+from streamrl.common.messages import (
+    BatchManifest,
+    ManifestPart,
+    SampleRef,
+    ScoredTrajectory,
+    TrainingBatch,
+)
 from streamrl.common.payload_format import unpack_payload
-from streamrl.common.payloads import assemble
+from streamrl.common.payloads import assemble, read_payloads
 from streamrl.common.payloads import plan_reads as plan_reads
 from streamrl.common.streams import StreamNames
 
@@ -42,6 +56,46 @@ def owned_buffers(names: StreamNames, batch_id: str, keys: Iterable[str]) -> lis
 
 class MissingPayloadError(Exception):
     """A sample a manifest names is not in Redis (any more): the batch cannot be trained whole."""
+
+
+def split_refs(refs: Sequence[SampleRef], max_bytes: int) -> list[list[SampleRef]]:
+    """``refs`` in consecutive runs whose encodings add up to at most ``max_bytes`` each (one bigger ref alone),
+    in order (pure): the parts of a split manifest; one run when they all fit."""
+    sizes = [len(msgspec.msgpack.encode(r)) for r in refs]
+    return [[refs[i] for i in run] for run in plan_reads(sizes, max_bytes)]
+
+
+async def load_manifest(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> BatchManifest:
+    """``manifest`` whole: a split one with its parts' refs as its samples (read in bounded replies), any other
+    as it is. MissingPayloadError when a part is gone; PoisonMessageError when a part is not this batch's (its
+    id, its number) or the refs do not number the header's samples."""
+    if not manifest.parts or manifest.samples:  # whole, or read already
+        return manifest
+    if len(manifest.part_bytes) != len(manifest.parts):
+        raise PoisonMessageError(
+            f"{manifest.id}: {len(manifest.parts)} parts but {len(manifest.part_bytes)} part sizes: one each"
+        )
+    values = await read_payloads(redis, manifest.parts, manifest.part_bytes, max_reply_bytes=max_reply_bytes)
+    missing = [key for key, value in zip(manifest.parts, values, strict=True) if value is None]
+    if missing:
+        raise MissingPayloadError(
+            f"{manifest.id}: {len(missing)} of its {len(manifest.parts)} manifest parts missing in Redis (first: "
+            f"{missing[0]}): deleted (the batch was counted dead?) or lost; it cannot be trained whole"
+        )
+    refs: list[SampleRef] = []
+    for number, value in enumerate(v for v in values if v is not None):  # all of them (checked above)
+        part = decode(value, ManifestPart)
+        if (part.batch_id, part.number) != (manifest.id, number):
+            raise PoisonMessageError(
+                f"{manifest.id}: its part {number} ({manifest.parts[number]}) holds part {part.number} of "
+                f"{part.batch_id}"
+            )
+        refs += part.samples
+    if len(refs) != len(manifest.staleness):
+        raise PoisonMessageError(
+            f"{manifest.id}: its parts name {len(refs)} samples, its header {len(manifest.staleness)}"
+        )
+    return msgspec.structs.replace(manifest, samples=refs)
 
 
 def resolve(manifest: BatchManifest, samples: list[ScoredTrajectory]) -> TrainingBatch:
@@ -152,5 +206,7 @@ async def fetch_samples(redis: Any, manifest: BatchManifest, *, max_reply_bytes:
 
 
 async def fetch_batch(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> TrainingBatch:
-    """The TrainingBatch ``manifest`` names, its payloads read from Redis (:func:`fetch_samples`)."""
-    return resolve(manifest, await fetch_samples(redis, manifest, max_reply_bytes=max_reply_bytes))
+    """The TrainingBatch ``manifest`` names: its parts read if it is split (:func:`load_manifest`), then its
+    payloads (:func:`fetch_samples`)."""
+    whole = await load_manifest(redis, manifest, max_reply_bytes=max_reply_bytes)
+    return resolve(whole, await fetch_samples(redis, whole, max_reply_bytes=max_reply_bytes))

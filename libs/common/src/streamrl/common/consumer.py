@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -71,6 +72,14 @@ from streamrl.common.telemetry.tracing import set_delivery_attempt
 from streamrl.common.trim import trim_consumed
 
 logger = logging.getLogger(__name__)
+
+_CURRENT_ENTRY: contextvars.ContextVar[str] = contextvars.ContextVar("streamrl_current_entry", default="")
+
+
+def current_entry() -> str:
+    """The id of the entry whose handler is running (each entry's handler runs in its own task); "" outside."""
+    return _CURRENT_ENTRY.get()
+
 
 M = TypeVar("M", bound=Message)
 DEAD_PAYLOAD_CUT = 64 * 2**10
@@ -532,6 +541,7 @@ class ConsumerLoop(Generic[M]):
         while True:
             started = time.perf_counter()
             set_delivery_attempt(deliveries)  # a span the handler starts records which delivery it is
+            _CURRENT_ENTRY.set(entry_id)
             try:
                 outputs = await self.handler(message)
                 fresh = await self._committer.commit(

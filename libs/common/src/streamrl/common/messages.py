@@ -241,6 +241,10 @@ class ScoredTrajectory(_Message, tag="scored"):
     traceparent: str = ""
 
 
+MANIFEST_PART_BYTES = 2**20
+"""A :class:`BatchManifest` whose sample refs encode to more than this many bytes is published split: a header
+entry naming :class:`ManifestPart` strings of at most about this size each (one ref always fits)."""
+
 RECORD_METADATA_BYTES = 1024
 """A :class:`TrajectoryRecord` carries its trajectory's ``metadata`` whole when it encodes to at most this
 many bytes, else only its scalar entries (numbers, booleans, strings up to 256 characters): the whole is
@@ -347,6 +351,12 @@ class BatchManifest(_Message, tag="batch_manifest"):
 
     The learner reads ``samples`` (payloads) from Redis, in order; a missing payload makes the batch
     unusable (skipped, dead-lettered: its groups are counted dropped), never trained short.
+
+    A manifest too large for one small entry (its refs over :data:`MANIFEST_PART_BYTES`, e.g. 18,000 samples at
+    about 1 KB of record each) is published split: its entry is the header (``samples`` empty) naming
+    ``parts``, Redis strings each holding a :class:`ManifestPart` (the refs of consecutive samples, in order);
+    the learner reads them first (:func:`streamrl.common.batch_payloads.load_manifest`). A part missing is a
+    missing payload: the batch is skipped whole.
     """
 
     id: str
@@ -361,11 +371,32 @@ class BatchManifest(_Message, tag="batch_manifest"):
     """Per sample, as :attr:`TrainingBatch.staleness`."""
     created_at: float = 0.0
     traceparent: str = ""
+    parts: list[str] = []
+    """Split form: the Redis strings holding the samples' refs (:class:`ManifestPart`, in order); ``samples`` is
+    then empty in the entry (filled once the parts are read)."""
+    part_bytes: list[int] = []
+    """Size of each part (bytes): what the reader plans its reads by."""
+
+    @property
+    def num_samples(self) -> int:
+        """How many samples the batch has (a header of the split form names them by its ``staleness``)."""
+        return len(self.samples) or len(self.staleness)
 
     @property
     def buffers(self) -> list[str]:
-        """The Redis keys holding the payloads, each once, in order."""
-        return list(dict.fromkeys(s.key for s in self.samples))
+        """The Redis keys holding the payloads and the manifest's parts, each once, in order."""
+        return list(dict.fromkeys([*(s.key for s in self.samples), *self.parts]))
+
+
+class ManifestPart(_Message, tag="manifest_part"):
+    """The refs of consecutive samples of a split :class:`BatchManifest` (one of its ``parts``). coordinator ->
+    Redis string ``batched:{batch}:manifest:{attempt}:{number}`` -> learner."""
+
+    batch_id: str
+    """The manifest's id: a part of another batch is refused."""
+    number: int
+    """Its place among the manifest's parts (0, 1, ...)."""
+    samples: list[SampleRef]
 
 
 class IpcBuffer(msgspec.Struct, frozen=True):
@@ -547,6 +578,7 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
         ScoredRecord,
         TrainingBatch,
         BatchManifest,
+        ManifestPart,
         WeightsPublished,
         Heartbeat,
         DeadLetter,

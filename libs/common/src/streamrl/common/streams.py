@@ -90,6 +90,12 @@ class StreamNames:
         ``batched_samples(batch_id, "")`` is the prefix of every hash of that batch."""
         return self._key("batched", batch_id, group_id)
 
+    def manifest_part(self, batch_id: str, attempt: str, number: int) -> str:
+        """One part of batch ``batch_id``'s split manifest (a :class:`ManifestPart`), written by one build attempt
+        (``attempt``: a random token, so an attempt that lost the race never overwrites the published parts);
+        under :meth:`batched_samples`'s prefix, deleted with the batch's payloads."""
+        return self._key("batched", batch_id, "manifest", attempt, str(number))
+
     def payload(self, trajectory_id: str, attempt: str) -> str:
         """String holding one trajectory's encoded Trajectory, as written by one delivery (``attempt``: a random
         token of that delivery, so a worker whose lease was taken over can never overwrite the payload another

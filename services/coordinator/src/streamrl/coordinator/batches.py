@@ -29,6 +29,15 @@ index (:meth:`BatchBuilder.resend`: the same manifest, whose samples are still k
 duplicate), at most ``consumer.max_deliveries - 1`` times; refused once more, its groups are counted
 dropped as above.
 
+A batch whose manifest would be large (its refs over :data:`~streamrl.common.messages.MANIFEST_PART_BYTES`,
+about 1,000 samples of 1 KB records) is published split (:class:`~streamrl.common.messages.ManifestPart`): its
+parts are SET first - plain pipelined commands of at most ``redis.max_command_mb``, under keys of this attempt's
+own random token, with ``redis.payload_orphan_ttl_s`` to live - then the batch's transaction PERSISTs them
+and XADDs the header naming them. So no entry and no command grows with the batch (18,000 samples: a header
+of a few tens of KB, parts of 1 MiB), the batch stays one atomic transaction, and an attempt that crashed or
+lost the compare-and-set leaves parts that expire and that no entry names. A dead batch's parts are read to
+delete the payloads they name, then deleted with them.
+
 Each batch is the root of a trace of its own (``coordinator.batch``, its traceparent the batch's), and
 the traced samples' waits in their group and for the batch are recorded as it is built (``traces.py``).
 """
@@ -36,12 +45,18 @@ the traced samples' waits in their group and for the batch are recorded as it is
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamrl.common.batch_payloads import owned_buffers
-from streamrl.common.messages import BatchManifest, SampleRef
+import msgspec
+
+from streamrl.common.batch_payloads import owned_buffers, split_refs
+from streamrl.common.codec import decode, encode
+from streamrl.common.errors import PoisonMessageError
+from streamrl.common.messages import MANIFEST_PART_BYTES, BatchManifest, ManifestPart, SampleRef
+from streamrl.common.payloads import read_payloads, write_payloads
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
 from streamrl.common.telemetry.tracing import NULL_TRACING, Attributes, Tracing
 from streamrl.common.tx import PreconditionFailed, Tx
@@ -55,6 +70,9 @@ from streamrl.coordinator.state import RunState
 from streamrl.coordinator.traces import record_waits
 
 logger = logging.getLogger(__name__)
+
+_PART_ENVELOPE_BYTES = 256
+"""What a ManifestPart adds to its refs (type, version, batch id, number): parts stay within their budget."""
 
 DEAD_BATCH_LUA = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
@@ -97,8 +115,11 @@ class BatchBuilder:
         max_staleness: int,
         drop_stale: bool,
         tracing: Tracing = NULL_TRACING,
+        manifest_part_bytes: int = MANIFEST_PART_BYTES,
     ) -> None:
         self.state = state
+        self.manifest_part_bytes = manifest_part_bytes
+        """A manifest whose refs encode to more than this is published split (see the module docstring)."""
         self.groups = groups
         self.per_step = prompts_per_step
         self.max_staleness = max_staleness
@@ -162,10 +183,13 @@ class BatchBuilder:
                 traceparent=span.traceparent,
             )
             manifest = self._manifest(batch)
+            published_manifest = await self._store_parts(manifest)
             tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
             chosen = {g.group_id: members[g.group_id] for g in pick.chosen}
             self.groups.queue_batched(tx, chosen, batch_id)  # first: renames the payloads
-            tx.xadd(self.state.names.batches, manifest)
+            for key in published_manifest.parts:
+                tx.call("PERSIST", key)
+            tx.xadd(self.state.names.batches, published_manifest)
             tx.set(self.state.key(st.BATCH_INDEX), index + 1)
             published = await self._execute(tx, index)
             span.end()
@@ -200,6 +224,51 @@ class BatchBuilder:
             traceparent=batch.traceparent,
         )
 
+    async def _store_parts(self, manifest: BatchManifest) -> BatchManifest:
+        """What to publish of ``manifest``: itself when its refs fit in one part, else its header naming its parts,
+        written now (plain SETs, bounded, with a time to live the batch's transaction removes)."""
+        runs = split_refs(manifest.samples, self.manifest_part_bytes - _PART_ENVELOPE_BYTES)
+        if len(runs) <= 1:
+            return manifest
+        attempt = secrets.token_hex(8)
+        names = self.state.names
+        items = [
+            (
+                names.manifest_part(manifest.id, attempt, n),
+                encode(ManifestPart(batch_id=manifest.id, number=n, samples=run)),
+            )
+            for n, run in enumerate(runs)
+        ]
+        bus = self.state.bus
+        await write_payloads(
+            self.state.redis, items, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes
+        )
+        return msgspec.structs.replace(
+            manifest, samples=[], parts=[key for key, _ in items], part_bytes=[len(value) for _, value in items]
+        )
+
+    async def _part_buffers(self, batch_id: str, keys: Sequence[str]) -> list[str]:
+        """The payloads the manifest parts among ``keys`` (those still in Redis and readable) name."""
+        prefix = self.state.names.batched_samples(batch_id, "manifest:")
+        parts = [k for k in keys if k.startswith(prefix)]
+        values = await read_payloads(
+            self.state.redis,
+            parts,
+            [self.manifest_part_bytes] * len(parts),
+            max_reply_bytes=self.state.bus.max_command_bytes,
+        )
+        found: list[str] = []
+        for key, value in zip(parts, values, strict=True):
+            if value is None:
+                continue
+            try:
+                found += [ref.key for ref in decode(value, ManifestPart).samples]
+            except PoisonMessageError:
+                logger.warning(
+                    "%s: manifest part %s is unreadable: the payloads it names are not deleted", batch_id, key
+                )
+        return found
+
     async def _execute(self, tx: Tx, index: int) -> bool:
         """Run a transaction conditioned on ``batch_index`` still being ``index``; False when it was not
         (another builder moved it: nothing was written, the caller reads the state again)."""
@@ -217,7 +286,7 @@ class BatchBuilder:
         hashes its letter's manifest names) that hold its samples (named under its id: a conflicting or forged
         manifest naming another batch's never deletes them); False when it was counted before."""
         k = self.state.key
-        owned = owned_buffers(self.state.names, batch_id, buffers)
+        owned = owned_buffers(self.state.names, batch_id, [*buffers, *await self._part_buffers(batch_id, buffers)])
         keys = [k(st.DEAD_BATCH_IDS), k(st.BATCHES_DEAD), k(st.SAMPLES_DEAD), k(st.BATCH_GROUPS_DEAD), *owned]
         fresh = bool(await self._dead_batch(keys, [batch_id, num_samples, num_groups or 0]))
         if fresh:

@@ -104,9 +104,10 @@ def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
         else:
             groups = len({s.trajectory.group_id for s in inner.samples})
             buffers = ()
-        if BATCH_SKIPPED in letter.error or not inner.samples:
-            return LostBatch(inner.id, _num_samples(letter.error, len(inner.samples)), groups or None, buffers)
-        return RefusedBatch(inner.id, len(inner.samples), groups, letter.payload, buffers)
+        num = inner.num_samples if isinstance(inner, BatchManifest) else len(inner.samples)
+        if BATCH_SKIPPED in letter.error or not num:
+            return LostBatch(inner.id, _num_samples(letter.error, num), groups or None, buffers)
+        return RefusedBatch(inner.id, num, groups, letter.payload, buffers)
     payloads: tuple[str, ...] = ()
     if isinstance(inner, PromptWorkItem):
         group, is_eval, metadata = inner.id, inner.is_eval, inner.metadata

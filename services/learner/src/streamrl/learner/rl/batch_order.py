@@ -46,7 +46,11 @@ def trajectory_ids(batch: Batch) -> list[str]:
 
 def fingerprint(batch: Batch) -> str:
     """What identifies a batch's content: ``{id} {num_samples} {digest of the trajectory ids}`` (the same for a
-    manifest and the batch it names)."""
+    manifest and the batch it names); a split manifest's digest is of its parts' keys (named under the build
+    attempt's own token: the same for every copy of its entry, read or not, another for any other build)."""
+    if isinstance(batch, BatchManifest) and batch.parts:
+        parts = "\n".join(batch.parts).encode()
+        return f"{batch.id} {batch.num_samples} {hashlib.sha256(parts).hexdigest()[:16]}"
     ids = "\n".join(trajectory_ids(batch)).encode()
     return f"{batch.id} {len(batch.samples)} {hashlib.sha256(ids).hexdigest()[:16]}"
 

@@ -10,8 +10,10 @@
   learner reads its samples' payloads (``batched:{batch}:{trajectory id}``, each the Trajectory the rollout
   worker stored once) that the manifest names, in replies of at most ``redis.max_command_mb``, and
   assembles each ScoredTrajectory from the manifest's scored record and its payload
-  (:mod:`streamrl.common.batch_payloads`; not overlapped with the previous step: batches are handled one at
-  a time). A payload missing skips the batch (dead letter, version published with unchanged weights): never
+  (:mod:`streamrl.common.batch_payloads`; a split manifest's parts first). The reads overlap the previous
+  step: while batch ``k`` trains, :class:`~streamrl.learner.rl.prefetch.Prefetcher` reads the entry after
+  ``k``'s when it is the manifest of batch ``k + 1`` (at most one batch held), and the handler of that entry
+  takes it after its order and duplicate checks instead of reading Redis. A payload missing skips the batch (dead letter, version published with unchanged weights): never
   trained short. The payloads are deleted with the acknowledgement of the batch (below), so a replay after
   a restart reads them again; with ``redis.payload_retention_s`` they are given that long to live instead.
 * Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps; the
@@ -78,10 +80,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch, owned_buffers
+from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch, load_manifest, owned_buffers
 from streamrl.common.bus import Output
 from streamrl.common.codec import encode
-from streamrl.common.consumer import ConsumerLoop
+from streamrl.common.consumer import ConsumerLoop, current_entry
 from streamrl.common.errors import PoisonMessageError, RetryableError
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.lifecycle import ServiceContext
@@ -93,6 +95,7 @@ from streamrl.learner.rl.batch_order import Batch, behind_verdict, fingerprint, 
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
 from streamrl.learner.rl.ledger import LearnerLedger
+from streamrl.learner.rl.prefetch import Prefetcher
 from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
 from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
 from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
@@ -160,6 +163,10 @@ class LearnerService:
         """The publication mark in Redis as this learner last saw it (:meth:`LearnerLedger.publish`)."""
         self.life = secrets.token_hex(4)
         self.skipped: dict[str, str] = {}
+        self.prefetcher = Prefetcher(ctx.bus.redis, ctx.names.batches, max_reply_bytes=ctx.bus.max_command_bytes)
+        """Reads the next batch while one trains (rank 0's service alone reads Redis)."""
+        self.loaded_buffers: dict[str, list[str]] = {}
+        """Per split manifest read (by batch id), until its entry is committed: every key it names."""
         """Batch id -> reason, for skipped batches whose dead letter is written once they are committed."""
         self.num_skipped = 0
         self.consumed: _Consumed | None = None
@@ -233,6 +240,7 @@ class LearnerService:
         await asyncio.to_thread(self.group.stop)  # not on an exception: the group then dies with this rank
 
     def _close(self) -> None:
+        self.prefetcher.close()
         if self.server is not None:
             self.server.close()
         if self.broadcast is not None:
@@ -241,14 +249,21 @@ class LearnerService:
     async def handle(self, entry: Batch) -> list[Output]:
         if not await self._in_order(entry):  # before any payload is read: a copy of a trained batch reads none
             return []
-        if not entry.samples:
+        if not (entry.num_samples if isinstance(entry, BatchManifest) else entry.samples):
             return await self._skip(entry, "it has no samples")
         attempts = await self.ledger.attempts(entry.id)
         if attempts.exhausted(self.cfg.consumer.max_deliveries):
             return await self._skip(entry, attempts.reason())
         if isinstance(entry, BatchManifest):
+            budget = self.ctx.bus.max_command_bytes
             try:
-                batch = await fetch_batch(self.ctx.bus.redis, entry, max_reply_bytes=self.ctx.bus.max_command_bytes)
+                fetched = await self.prefetcher.take(current_entry(), entry)  # read while the last step trained
+                if fetched is None:
+                    whole = await load_manifest(self.ctx.bus.redis, entry, max_reply_bytes=budget)
+                    fetched = whole, await fetch_batch(self.ctx.bus.redis, whole, max_reply_bytes=budget)
+                whole, batch = fetched
+                if whole.parts:  # what the ack deletes: the payloads its parts name too
+                    self.loaded_buffers[entry.id] = whole.buffers
             except (MissingPayloadError, PoisonMessageError) as e:  # never trained short
                 return await self._skip(entry, str(e))
         else:
@@ -257,6 +272,7 @@ class LearnerService:
         traced = traced_rows(batch)
         span = start_step(self.ctx.tracing, batch, traced, version=self.step)
         await self.ledger.start(batch.id)  # before the step: a step that kills the process is counted too
+        self.prefetcher.start(current_entry(), batch.index + 1)  # the next batch is read while this one trains
         started = time.time()
         try:
             metrics = await asyncio.to_thread(self.group.step, batch)
@@ -555,7 +571,7 @@ class LearnerService:
             entry_id=entry_id,
             group="learner",
             consumer="learner",
-            error=f"{batch.id} ({len(batch.samples)} samples) {BATCH_SKIPPED}: {reason}",
+            error=f"{batch.id} ({_num_samples(batch)} samples) {BATCH_SKIPPED}: {reason}",
             deliveries=1,
             payload=payload,
             ts=time.time(),
@@ -569,7 +585,8 @@ class LearnerService:
         if reason is not None:
             await self._dead_letter(batch, entry_id, reason)
         # the hashes of this batch's samples (named under its id: never another batch's, whatever a copy names)
-        payloads = owned_buffers(self.ctx.names, batch.id, batch.buffers) if isinstance(batch, BatchManifest) else []
+        keys = self.loaded_buffers.pop(batch.id, None) or (batch.buffers if isinstance(batch, BatchManifest) else [])
+        payloads = owned_buffers(self.ctx.names, batch.id, keys)
         self.unacked.append((entry_id, batch.index, batch.id, payloads))
         covered = [u for u in self.unacked if u[1] < self.checkpointed_index]
         if covered:
@@ -603,5 +620,15 @@ def _header(batch: Batch) -> TrainingBatch:
 def _manifest_header(manifest: BatchManifest) -> BatchManifest:
     """A manifest too large for a dead letter: its header (its sample hashes go with the learner's ack)."""
     return BatchManifest(
-        id=manifest.id, index=manifest.index, samples=[], policy_version=manifest.policy_version, staleness=[]
+        id=manifest.id,
+        index=manifest.index,
+        samples=[],
+        policy_version=manifest.policy_version,
+        staleness=[],
+        parts=manifest.parts,
+        part_bytes=manifest.part_bytes,
     )
+
+
+def _num_samples(batch: Batch) -> int:
+    return batch.num_samples if isinstance(batch, BatchManifest) else len(batch.samples)
