@@ -26,7 +26,7 @@ else:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
 ENV_PREFIX = "STREAMRL_"
-TOP_LEVEL_ENV = {"STREAMRL_RUN_ID": "run_id", "STREAMRL_RUN_DIR": "run_dir"}
+TOP_LEVEL_ENV = {"STREAMRL_RUN_ID": "run_id", "STREAMRL_RUN_DIR": "run_dir", "STREAMRL_LANE": "lane"}
 """Top-level recipe fields settable from single-underscore environment variables."""
 
 

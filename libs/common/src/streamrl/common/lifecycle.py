@@ -43,6 +43,7 @@ from streamrl.common.config_docs import service_help
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import ConfigError
 from streamrl.common.health import check, default_instance, heartbeat_forever
+from streamrl.common.lanes import LanesConfig, check_lane, lane_names, resolve_url
 from streamrl.common.lease import Lease, LeaseHeldError, LeaseLostError, holder_token
 from streamrl.common.liveness import StartupRenewer, watch_loop_lag
 from streamrl.common.log import setup_logging
@@ -73,6 +74,10 @@ class ServiceConfig(BaseConfig):
     """OpenTelemetry traces of the samples this service handles (:mod:`streamrl.common.telemetry.tracing`)."""
     prometheus: PromConfig = PromConfig()
     """This service's Prometheus endpoint (``port`` 0: none)."""
+    lanes: LanesConfig = LanesConfig()
+    """The run's lanes (:mod:`streamrl.common.lanes`): count 1 = none."""
+    lane: int | None = Field(None, ge=0)
+    """The lane this rollout, reward or coordinator instance serves (``STREAMRL_LANE``), when the run has lanes."""
     standby: bool = False
     """Coordinator and learner (one of each per run): if another instance holds the run's lease, wait
     as a standby and take over when its lease expires, instead of refusing to start."""
@@ -172,12 +177,17 @@ def service_main(
     except ConfigError as e:
         print(f"streamrl {service}: {e}", file=sys.stderr)
         return 2
+    problem = check_lane(service, config.lane, config.lanes)
+    if problem is not None:
+        print(f"streamrl {service}: {problem}", file=sys.stderr)
+        return 2
     instance = args.instance or default_instance()
     if args.check:
         if not config.redis.url:
             print("--check needs redis.url", file=sys.stderr)
             return 2
-        return check(config.redis.url, StreamNames(config.run_id), service, args.instance)
+        url, names = asyncio.run(where(config))
+        return check(url, names, service, args.instance)
     setup_logging(service, instance)
     shown = redact(config.model_dump(mode="json"))
     logger.info("%s config: %s", service, json.dumps(shown, sort_keys=True))
@@ -213,8 +223,8 @@ async def _serve(
     tracing: Tracing = NULL_TRACING,
     metrics: Metrics = NULL_METRICS,
 ) -> int:
-    assert config.redis.url is not None
-    redis = connect(config.redis.url, outage_s=config.redis.outage_s, max_connections=config.redis.max_connections)
+    url, names = await where(config)
+    redis = connect(url, outage_s=config.redis.outage_s, max_connections=config.redis.max_connections)
     ctx = ServiceContext(
         service=service,
         instance=instance,
@@ -229,7 +239,7 @@ async def _serve(
             payload_orphan_ttl_s=config.redis.payload_orphan_ttl_s,
             payload_retention_s=config.redis.payload_retention_s,
         ),
-        names=StreamNames(config.run_id),
+        names=names,
         stop=asyncio.Event(),
         burst=burst,
         tracing=tracing,
@@ -258,7 +268,7 @@ async def _serve(
             ctx.stop.set()
 
     ttl_s = config.consumer.lease_ttl
-    renewer = StartupRenewer(config.redis.url, held, interval_s, starting=lambda: ctx.status in ("starting", "standby"))
+    renewer = StartupRenewer(url, held, interval_s, starting=lambda: ctx.status in ("starting", "standby"))
     lag = asyncio.create_task(watch_loop_lag(ctx.record_loop_lag, ttl_s, running=lambda: ctx.status == "running"))
     try:
         # the instance name is its consumer name: one live process per name (a killed predecessor's
@@ -295,6 +305,16 @@ async def _serve(
     worst = f"worst event-loop pause while running: {ctx.loop_lag_s:.2f} s; lease TTL {ttl_s:.1f} s"
     logger.info("%s/%s stopped (%s)", service, instance, worst)
     return 0
+
+
+async def where(config: ServiceConfig) -> tuple[str, StreamNames]:
+    """The Redis URL and the key names a service instance uses: its lane's when it serves one
+    (:mod:`streamrl.common.lanes`), else the run's."""
+    assert config.redis.url is not None
+    if not config.lanes.enabled or config.lane is None:
+        return config.redis.url, StreamNames(config.run_id)
+    names = lane_names(config.run_id, config.lane)
+    return await resolve_url(config.lanes.url(config.lane, config.redis.url), names.prompts), names
 
 
 def redis_stop_reason(error: RedisError, outage_s: float) -> str:
