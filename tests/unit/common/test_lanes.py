@@ -37,9 +37,9 @@ def test_key_slot_is_redis_clusters() -> None:
 def test_each_lane_gets_its_url_or_the_home_one() -> None:
     assert LanesConfig(count=2).url(1, "redis://home:1") == "redis://home:1"
     assert LanesConfig(count=2, urls=["redis://a:1", "redis://b:2"]).url(1, "redis://home:1") == "redis://b:2"
-    with pytest.raises(ValidationError, match="names 1 Redis URLs for lanes.count = 2"):
+    with pytest.raises(ValidationError, match=r"names 1 Redis URLs for lanes\.count = 2"):
         LanesConfig(count=2, urls=["redis://a:1"])
-    with pytest.raises(ValueError, match="lane 2 is not one of the run's 2 lanes"):
+    with pytest.raises(ValueError, match=r"lane 2 is not one of the run's 2 lanes"):
         LanesConfig(count=2).url(2, "redis://home:1")
 
 
