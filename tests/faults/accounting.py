@@ -149,6 +149,14 @@ def trained_history(events: list[WeightsPublished]) -> list[str]:
     return [b for _, b in history]
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One lane of a run with lanes (:mod:`streamrl.common.lanes`): its Redis and key names."""
+
+    client: syncredis.Redis
+    names: StreamNames
+
+
 def count_run(
     client: syncredis.Redis,
     names: StreamNames,
@@ -158,17 +166,26 @@ def count_run(
     injected: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
     fault_end: float | None = None,
     entries: Entries | None = None,
+    lanes: tuple[Lane, ...] = (),
 ) -> Counts:
     """Count a finished run (see the module docstring); ``entries`` is the tap's
-    :meth:`tap.StreamTap.entries` (default: what Redis holds)."""
+    :meth:`tap.StreamTap.entries` (default: what Redis holds), for every stream of the run and its lanes.
+
+    With ``lanes`` (a run with several lanes), ``client`` / ``names`` are the home's - the learner's ``weights`` and
+    the joined ``batches`` -, and prompts, trajectories, scored trajectories, the coordinators' counters, the
+    in-flight sets and evaluation rounds are each lane's; dead letters and pending entries are counted everywhere.
+    """
     c = Counts()
     read = entries or redis_entries(client)
+    pipelines = lanes or (Lane(client, names),)
+    everywhere = (Lane(client, names), *lanes) if lanes else pipelines
 
     issued: set[str] = set()
-    for eid, payload in read(names.prompts):
-        msg = _decode(payload)
-        if isinstance(msg, PromptWorkItem) and not msg.is_eval and (names.prompts, eid) not in injected:
-            issued.add(msg.id)
+    for lane in pipelines:
+        for eid, payload in read(lane.names.prompts):
+            msg = _decode(payload)
+            if isinstance(msg, PromptWorkItem) and not msg.is_eval and (lane.names.prompts, eid) not in injected:
+                issued.add(msg.id)
     c.issued = len(issued)
 
     events: list[WeightsPublished] = []
@@ -228,7 +245,7 @@ def count_run(
 
     dropped: Counter[str] = Counter()
     named_dead: set[str] = set()
-    for _, payload in read(names.dead):
+    for _, payload in (p for lane in everywhere for p in read(lane.names.dead)):
         letter = _decode(payload)
         if not isinstance(letter, DeadLetter) or (letter.stream, letter.entry_id) in injected:
             continue  # the scenario's own poison entries are not the run's work
@@ -240,13 +257,14 @@ def count_run(
             named_dead.add(g)
     unexplained = issued - trained_groups - named_dead
 
-    counters: dict[str, int] = {}
-    for key in client.scan_iter(match=names.state("*")):
-        name = key.decode().rsplit(":", 1)[-1]
-        if name == "groups_filtered" or TIMEOUT_COUNTER.match(name):
-            counters[name] = int(client.get(key) or 0)
-        elif name == "samples_too_stale":
-            counters["too stale"] = int(client.get(key) or 0) // group_size
+    counters: Counter[str] = Counter()
+    for lane in pipelines:
+        for key in lane.client.scan_iter(match=lane.names.state("*")):
+            name = key.decode().rsplit(":", 1)[-1]
+            if name == "groups_filtered" or TIMEOUT_COUNTER.match(name):
+                counters[name] += int(lane.client.get(key) or 0)
+            elif name == "samples_too_stale":
+                counters["too stale"] += int(lane.client.get(key) or 0) // group_size
     for name, n in counters.items():
         if n:
             dropped[name] += n
@@ -255,8 +273,8 @@ def count_run(
     c.lost = max(0, len(unexplained) - accounted)
     c.over_counted = max(0, accounted - len(unexplained))
     if c.lost:
-        inflight = {g.decode() for g in client.smembers(names.state("inflight"))}
-        ready = {g.decode() for g in client.lrange(names.state("ready"), 0, -1)}
+        inflight = {g.decode() for lane in pipelines for g in lane.client.smembers(lane.names.state("inflight"))}
+        ready = {g.decode() for lane in pipelines for g in lane.client.lrange(lane.names.state("ready"), 0, -1)}
         c.notes.append(
             f"{len(unexplained)} groups neither trained nor dead-lettered, {accounted} counted by the coordinator "
             f"({counters}); of them {len(unexplained & inflight)} still in flight, {len(unexplained & ready)} "
@@ -265,20 +283,26 @@ def count_run(
 
     generated = {
         m.id
-        for _, p in read(names.trajectories)
+        for lane in pipelines
+        for _, p in read(lane.names.trajectories)
         if isinstance(m := _decode(p), Trajectory | TrajectoryRecord) and not m.is_eval
     }
     scored = {
         m.trajectory.id
-        for _, p in read(names.scored)
+        for lane in pipelines
+        for _, p in read(lane.names.scored)
         if isinstance(m := _decode(p), ScoredTrajectory | ScoredRecord) and not m.trajectory.is_eval
     }
     c.trajectories = {"generated": len(generated), "scored": len(scored), "trained": sum(trained_ids.values())}
 
-    c.pending_end = _pending(client, names, c.notes)
-    raw_version = client.get(names.state("policy_version"))
-    c.steps = max(int(raw_version or 0), max((e.version for e in events), default=0))
-    rounds = {k.decode(): v.decode() for k, v in client.hgetall(names.state("eval_rounds")).items()}
+    c.pending_end = sum(_pending(lane.client, lane.names, c.notes) for lane in everywhere)
+    raw_versions = [lane.client.get(lane.names.state("policy_version")) for lane in pipelines]
+    c.steps = max(min(int(raw or 0) for raw in raw_versions), max((e.version for e in events), default=0))
+    rounds = {
+        k.decode(): v.decode()
+        for lane in pipelines
+        for k, v in lane.client.hgetall(lane.names.state("eval_rounds")).items()
+    }
     c.eval_rounds_open = sum(1 for v in rounds.values() if v.startswith("started"))
     if c.eval_rounds_open:
         c.notes.append(

@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import FaultRun, MakeRun
@@ -25,8 +26,12 @@ def fault_run(tiny_task: Path, tmp_path: Path) -> Iterator[MakeRun]:
     not started yet; every run made is closed (no process left) when the test ends."""
     made: list[FaultRun] = []
 
-    def make(name: str, overrides: list[str] | None = None, env: dict[str, str] | None = None) -> FaultRun:
-        run = FaultRun(name, tiny_task, tmp_path / name, overrides=list(overrides or []), env=dict(env or {}))
+    def make(
+        name: str, overrides: list[str] | None = None, env: dict[str, str] | None = None, **options: Any
+    ) -> FaultRun:
+        run = FaultRun(
+            name, tiny_task, tmp_path / name, overrides=list(overrides or []), env=dict(env or {}), **options
+        )
         made.append(run)
         return run
 

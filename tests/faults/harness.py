@@ -24,6 +24,7 @@ plus the scenario's overrides (given to every service on the command line, as ``
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -37,11 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis as syncredis
+from accounting import Lane
 from redis_proxy import FaultProxy
 from resp import ScriptNames
 from tap import StreamTap
 
 from streamrl.common.config import RedisConfig
+from streamrl.common.lanes import lane_names
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
 from streamrl.ops.redis_server import RedisServer, free_port
@@ -114,6 +117,11 @@ class FaultRun:
     base_overrides: list[str] = field(default_factory=lambda: list(BASE_OVERRIDES))
     slim_tap: bool = False
     """Keep the tap's trajectories and batches without their tokens (:func:`tap.slim`: a long soak)."""
+    lanes: int = 1
+    """Lanes of the run (:mod:`streamrl.common.lanes`): with more than one, a coordinator, a rollout and a reward
+    replica per lane (``{service}-{lane}``, ``STREAMRL_LANE``), one learner, and each lane after the first on a
+    redis-server of its own (AOF, ``appendfsync always``) that :meth:`kill_redis` / :meth:`start_redis` take by lane;
+    lane 0 shares the home's."""
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -122,13 +130,24 @@ class FaultRun:
         self.port = free_port()
         self.redis_server = RedisServer(self.workdir / "redis", port=self.port, appendonly=True, appendfsync="always")
         self.url = self.redis_server.url
+        self.lane_ports = [self.port, *(free_port() for _ in range(1, self.lanes))] if self.lanes > 1 else []
+        self.lane_servers: dict[int, RedisServer] = {}
+        """redis-server of each lane after the first (lane 0 is on the home's)."""
+        self.lane_sides = tuple(
+            Lane(syncredis.Redis(port=port, socket_timeout=5), lane_names(self.run_id, k))
+            for k, port in enumerate(self.lane_ports)
+        )
+        if self.lanes > 1:
+            urls = [f"redis://127.0.0.1:{port}" for port in self.lane_ports]
+            self.base_overrides += [f"--lanes.count={self.lanes}", f"--lanes.urls={json.dumps(urls)}"]
         self.recipe = self._write_recipe()
         self.weights_key = secrets.token_hex(32)
         self.procs: dict[str, ServiceProcess] = {}
         """Current process of each instance (by instance name)."""
         self.exits: list[UnexpectedExit] = []
         self.done = threading.Event()
-        """The coordinator exited 0: the run is complete."""
+        """The coordinator (every lane's) exited 0: the run is complete."""
+        self.coordinators_done: set[str] = set()
         self.injected: set[tuple[str, str]] = set()
         """(stream, entry id) of every entry the scenario wrote itself (poison): not the services' work."""
         self._lock = threading.Lock()
@@ -136,6 +155,12 @@ class FaultRun:
         self._supervisor = threading.Thread(target=self._supervise, name=f"supervise-{self.name}", daemon=True)
         self.client = syncredis.Redis(port=self.port, socket_timeout=5)
         self.tap = StreamTap(self.port, self.names, slim=self.slim_tap)
+        self.taps = [self.tap] + [
+            StreamTap(port, side.names, slim=self.slim_tap)
+            for port, side in zip(self.lane_ports, self.lane_sides, strict=True)
+        ]
+        self.instance_env: dict[str, dict[str, str]] = {}
+        """The environment an instance was first started with (its lane): a restart gets it again."""
         self.proxy: FaultProxy | None = None
         self.proxied: tuple[str, ...] = ()
         """Services whose Redis URL is the proxy's (:meth:`use_proxy`)."""
@@ -195,23 +220,43 @@ class FaultRun:
     def start(self) -> FaultRun:
         """Start redis, the stream tap, every service, and the supervisor."""
         self.start_redis()
-        self.tap.start()
+        for lane in range(1, self.lanes):
+            self.start_redis(lane)
+        for tap in self.taps:
+            tap.start()
         self.started_at = time.time()
         for service in SERVICES:
-            self.start_service(service)
+            if self.lanes > 1 and service != "learner":
+                for lane in range(self.lanes):
+                    self.start_service(service, f"{service}-{lane}", env={"STREAMRL_LANE": str(lane)})
+            else:
+                self.start_service(service)
         self._supervisor.start()
         return self
 
-    def start_redis(self) -> None:
+    def start_redis(self, lane: int = 0) -> None:
+        """Start (again) the home's redis-server, or with ``lane`` > 0 that lane's, with the same data."""
+        if lane:
+            self.lane_servers[lane] = RedisServer(
+                self.workdir / f"redis-lane{lane}", port=self.lane_ports[lane], appendonly=True, appendfsync="always"
+            ).start()
+            return
         self.redis_server = RedisServer(self.workdir / "redis", port=self.port, appendonly=True, appendfsync="always")
         self.redis_server.start()
 
-    def kill_redis(self) -> None:
-        """SIGKILL the redis-server (no shutdown, no final fsync)."""
-        proc = self.redis_server.proc
+    def kill_redis(self, lane: int = 0) -> None:
+        """SIGKILL the home's redis-server, or with ``lane`` > 0 that lane's (no shutdown, no final fsync)."""
+        proc = (self.lane_servers[lane] if lane else self.redis_server).proc
         assert proc is not None
         proc.kill()
         proc.wait()
+
+    def entries(self, stream: str) -> list[tuple[str, bytes]]:
+        """Every entry written to ``stream`` (of the home or of any lane) that the taps saw."""
+        for tap in self.taps:
+            if stream in tap.streams:
+                return tap.entries(stream)
+        raise KeyError(f"no tap follows {stream}")
 
     def start_service(
         self,
@@ -235,7 +280,9 @@ class FaultRun:
             *(extra or []),
             f"--instance={instance}",
         ]
-        extra_env = {**self.env, **self.service_env.get(service, {}), **(env or {})}
+        if env is not None:
+            self.instance_env[instance] = env
+        extra_env = {**self.env, **self.service_env.get(service, {}), **self.instance_env.get(instance, {})}
         full_env = child_env({**os.environ, **SERVICE_ENV, **extra_env}, instance, None)
         full_env[KEY_ENV] = self.weights_key
         full_env["STREAMRL_REDIS__URL"] = self.redis_url_of(service)
@@ -275,7 +322,7 @@ class FaultRun:
 
     def written(self, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
         """Every entry written to ``stream`` so far (the tap's record), shaped as XRANGE returns them."""
-        return [(eid.encode(), {b"d": payload}) for eid, payload in self.tap.entries(stream)]
+        return [(eid.encode(), {b"d": payload}) for eid, payload in self.entries(stream)]
 
     def pause(self, instance: str) -> None:
         """SIGSTOP the instance's process group (frozen: no heartbeat, no replies)."""
@@ -294,9 +341,10 @@ class FaultRun:
 
     # -- watching ---------------------------------------------------------------------------
     def version(self) -> int:
-        """The coordinator's policy version (-1 while redis is unreachable)."""
+        """The coordinator's policy version (lane 0's with lanes; -1 while redis is unreachable)."""
+        names = self.lane_sides[0].names if self.lane_sides else self.names
         try:
-            raw = self.client.get(self.names.state("policy_version"))
+            raw = self.client.get(names.state("policy_version"))
         except (syncredis.ConnectionError, syncredis.TimeoutError):
             return -1
         return int(raw) if raw is not None else 0
@@ -369,7 +417,9 @@ class FaultRun:
                 code = sp.proc.returncode
                 sp.expected_exit = True  # handled once
                 if sp.service == "coordinator" and code == 0:
-                    self.done.set()
+                    self.coordinators_done.add(sp.instance)
+                    if len(self.coordinators_done) == max(1, self.lanes):
+                        self.done.set()
                     continue
                 if code == 0 and self.done.is_set():
                     continue
@@ -401,11 +451,16 @@ class FaultRun:
 
     def close(self) -> None:
         self.stop_services()
-        self.tap.close()
+        for tap in self.taps:
+            tap.close()
         if self.proxy is not None:
             self.proxy.close()
         self.client.close()
+        for side in self.lane_sides:
+            side.client.close()
         self.redis_server.stop()
+        for server in self.lane_servers.values():
+            server.stop()
 
 
 MakeRun = Callable[..., FaultRun]

@@ -81,7 +81,8 @@ def record(
     """Stop ``run``, count it and record its row; then assert the invariants (see :func:`conclude`)."""
     run.stop_services()
     run.concluded = True
-    run.tap.stop()
+    for tap in run.taps:
+        tap.stop()
     counts = count_run(
         run.client,
         run.names,
@@ -89,7 +90,8 @@ def record(
         weights_key=run.weights_key,
         injected=run.injected,
         fault_end=fault_end,
-        entries=run.tap.entries,
+        entries=run.entries,
+        lanes=run.lane_sides,
     )
     exits = [str(e) for e in run.exits]
     row = Row(scenario, completed, total_steps, counts, recovery_bound_s, exits, round(time.time() - run.started_at, 1))
@@ -98,7 +100,11 @@ def record(
     if run.proxy is not None:
         row.details["lost_replies"] = run.proxy.lost_by_kind()
         row.details["writes_seen"] = run.proxy.writes_by_service()
-    row.failures = ([early_stop] if early_stop else []) + _check(row, run, allowed_exits) + run.tap.missed()
+    row.failures = (
+        ([early_stop] if early_stop else [])
+        + _check(row, run, allowed_exits)
+        + [m for tap in run.taps for m in tap.missed()]
+    )
     row.failures += scenario_failures
     ROWS.append(row)
     assert not row.failures, f"{scenario}: " + "; ".join(row.failures + counts.notes)
