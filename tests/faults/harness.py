@@ -44,7 +44,7 @@ from resp import ScriptNames
 from tap import StreamTap
 
 from streamrl.common.config import RedisConfig
-from streamrl.common.lanes import lane_names
+from streamrl.common.lanes import key_slot, lane_names
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
 from streamrl.ops.redis_server import RedisServer, free_port
@@ -122,24 +122,43 @@ class FaultRun:
     replica per lane (``{service}-{lane}``, ``STREAMRL_LANE``), one learner, and each lane after the first on a
     redis-server of its own (AOF, ``appendfsync always``) that :meth:`kill_redis` / :meth:`start_redis` take by lane;
     lane 0 shares the home's."""
+    cluster: bool = False
+    """With lanes: the home and the lanes on a 3-node Redis Cluster on 127.0.0.1 (AOF on every node) instead:
+    ``redis.url`` names its first node and each service connects to the node serving its keys' slot; the run id is
+    chosen so that lane 1's node serves neither lane 0 nor the home (:meth:`kill_redis` ``lane=1`` kills that node)."""
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.run_id = f"f{secrets.token_hex(4)}"
+        self.servers: dict[int, tuple[Path, tuple[str, ...]]] = {}
+        """Port -> (data folder, extra arguments) of every redis-server of the run."""
+        self.running: dict[int, RedisServer] = {}
+        if self.cluster:
+            nodes = [free_port() for _ in range(CLUSTER_NODES)]
+            for i, port in enumerate(nodes):
+                self.servers[port] = (self.workdir / f"redis-node{i}", cluster_args())
+            self.run_id, homes = spread_lanes(self.lanes)
+            self.port = nodes[homes[0]]
+            self.lane_ports = [nodes[i] for i in homes[1:]]
+            self.url = f"redis://127.0.0.1:{nodes[0]}/0"
+        else:
+            self.port = free_port()
+            self.servers[self.port] = (self.workdir / "redis", ())
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            self.lane_ports = [self.port, *(free_port() for _ in range(1, self.lanes))] if self.lanes > 1 else []
+            for lane, port in enumerate(self.lane_ports[1:], start=1):
+                self.servers[port] = (self.workdir / f"redis-lane{lane}", ())
         self.names = StreamNames(self.run_id)
-        self.port = free_port()
-        self.redis_server = RedisServer(self.workdir / "redis", port=self.port, appendonly=True, appendfsync="always")
-        self.url = self.redis_server.url
-        self.lane_ports = [self.port, *(free_port() for _ in range(1, self.lanes))] if self.lanes > 1 else []
-        self.lane_servers: dict[int, RedisServer] = {}
-        """redis-server of each lane after the first (lane 0 is on the home's)."""
+        self.redis_server = self._server(self.port)
         self.lane_sides = tuple(
             Lane(syncredis.Redis(port=port, socket_timeout=5), lane_names(self.run_id, k))
             for k, port in enumerate(self.lane_ports)
         )
         if self.lanes > 1:
-            urls = [f"redis://127.0.0.1:{port}" for port in self.lane_ports]
-            self.base_overrides += [f"--lanes.count={self.lanes}", f"--lanes.urls={json.dumps(urls)}"]
+            self.base_overrides.append(f"--lanes.count={self.lanes}")
+            if not self.cluster:
+                urls = [f"redis://127.0.0.1:{port}/0" for port in self.lane_ports]
+                self.base_overrides.append(f"--lanes.urls={json.dumps(urls)}")
         self.recipe = self._write_recipe()
         self.weights_key = secrets.token_hex(32)
         self.procs: dict[str, ServiceProcess] = {}
@@ -219,9 +238,13 @@ class FaultRun:
 
     def start(self) -> FaultRun:
         """Start redis, the stream tap, every service, and the supervisor."""
-        self.start_redis()
-        for lane in range(1, self.lanes):
-            self.start_redis(lane)
+        for port in self.servers:
+            self.running[port] = self._server(port).start()
+        self.redis_server = self.running[self.port]
+        if self.cluster:
+            form_cluster(
+                {port: int(extra[extra.index("--cluster-port") + 1]) for port, (_, extra) in self.servers.items()}
+            )
         for tap in self.taps:
             tap.start()
         self.started_at = time.time()
@@ -234,19 +257,20 @@ class FaultRun:
         self._supervisor.start()
         return self
 
+    def _server(self, port: int) -> RedisServer:
+        data, extra = self.servers[port]
+        return RedisServer(data, port=port, appendonly=True, appendfsync="always", extra_args=extra)
+
     def start_redis(self, lane: int = 0) -> None:
-        """Start (again) the home's redis-server, or with ``lane`` > 0 that lane's, with the same data."""
-        if lane:
-            self.lane_servers[lane] = RedisServer(
-                self.workdir / f"redis-lane{lane}", port=self.lane_ports[lane], appendonly=True, appendfsync="always"
-            ).start()
-            return
-        self.redis_server = RedisServer(self.workdir / "redis", port=self.port, appendonly=True, appendfsync="always")
-        self.redis_server.start()
+        """Start (again) the home's redis-server, or with ``lane`` > 0 that lane's, on its port with its data."""
+        port = self.lane_ports[lane] if lane else self.port
+        self.running[port] = self._server(port).start()
+        if not lane:
+            self.redis_server = self.running[port]
 
     def kill_redis(self, lane: int = 0) -> None:
         """SIGKILL the home's redis-server, or with ``lane`` > 0 that lane's (no shutdown, no final fsync)."""
-        proc = (self.lane_servers[lane] if lane else self.redis_server).proc
+        proc = self.running[self.lane_ports[lane] if lane else self.port].proc
         assert proc is not None
         proc.kill()
         proc.wait()
@@ -458,9 +482,68 @@ class FaultRun:
         self.client.close()
         for side in self.lane_sides:
             side.client.close()
-        self.redis_server.stop()
-        for server in self.lane_servers.values():
+        for server in self.running.values():
             server.stop()
+
+
+CLUSTER_NODES = 3
+
+
+def cluster_args() -> tuple[str, ...]:
+    """``redis-server`` arguments of a node of the run's Redis Cluster (its bus port free, not port + 10000; the
+    other nodes keep serving their slots while one is down)."""
+    return (
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-port",
+        str(free_port()),
+        "--cluster-node-timeout",
+        "2000",
+        "--cluster-require-full-coverage",
+        "no",
+    )
+
+
+def node_of_slot(slot: int) -> int:
+    """Which of the :data:`CLUSTER_NODES` nodes serves ``slot`` (:func:`form_cluster`'s even split)."""
+    return min(slot * CLUSTER_NODES // 16384, CLUSTER_NODES - 1)
+
+
+def spread_lanes(lanes: int) -> tuple[str, list[int]]:
+    """A run id whose last lane is on a node serving neither the home nor any other lane, and the node of the
+    home and of each lane (in lane order)."""
+    while True:
+        run_id = f"f{secrets.token_hex(4)}"
+        keys = [StreamNames(run_id).prompts, *(lane_names(run_id, k).prompts for k in range(lanes))]
+        homes = [node_of_slot(key_slot(k)) for k in keys]
+        if homes[-1] not in homes[:-1]:
+            return run_id, homes
+
+
+def form_cluster(bus_ports: dict[int, int], timeout_s: float = 30.0) -> None:
+    """Make the nodes on the ports of ``bus_ports`` (port -> its cluster bus port) one cluster, the slots split
+    evenly in that order (:func:`node_of_slot`)."""
+    ports = list(bus_ports)
+    clients = [syncredis.Redis(port=port, socket_timeout=5) for port in ports]
+    try:
+        for i, client in enumerate(clients):
+            first = next(s for s in range(16384) if node_of_slot(s) == i)
+            last = max(s for s in range(16384) if node_of_slot(s) == i)
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        for port in ports[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus_ports[port])
+        deadline = time.monotonic() + timeout_s
+        while not all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients) or any(
+            len(c.execute_command("CLUSTER", "SLOTS")) < len(ports) for c in clients
+        ):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the {len(ports)}-node Redis Cluster did not come up in {timeout_s:g} s")
+            time.sleep(0.1)
+    finally:
+        for client in clients:
+            client.close()
 
 
 MakeRun = Callable[..., FaultRun]

@@ -311,8 +311,11 @@ async def where(config: ServiceConfig) -> tuple[str, StreamNames]:
     """The Redis URL and the key names a service instance uses: its lane's when it serves one
     (:mod:`streamrl.common.lanes`), else the run's."""
     assert config.redis.url is not None
-    if not config.lanes.enabled or config.lane is None:
+    if not config.lanes.enabled:
         return config.redis.url, StreamNames(config.run_id)
+    if config.lane is None:  # the home: on a Redis Cluster, the node serving the run's own keys
+        names = StreamNames(config.run_id)
+        return await resolve_url(config.redis.url, names.prompts), names
     names = lane_names(config.run_id, config.lane)
     return await resolve_url(config.lanes.url(config.lane, config.redis.url), names.prompts), names
 
