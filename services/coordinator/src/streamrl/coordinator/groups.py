@@ -108,6 +108,17 @@ def overdue(
     return out
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What :meth:`GroupBuffer.complete` found."""
+
+    left: int
+    """Groups that left the in-flight set (moved to ``ready``, or dropped by dynamic filtering)."""
+    gone: list[str]
+    """Candidates that were not in flight when checked (batched, dropped or failed): only their buffers can hold
+    late samples (:meth:`GroupBuffer.drop_late`)."""
+
+
 class GroupBuffer:
     """The in-flight and ready groups of one run (see the module docstring)."""
 
@@ -176,7 +187,7 @@ class GroupBuffer:
             k(st.OWED_VERSIONS),
         ]
 
-    async def complete(self, candidates: Iterable[str] | None) -> None:
+    async def complete(self, candidates: Iterable[str] | None) -> Checked:
         """Move complete groups to ``ready`` (or drop them: dynamic filtering). Only ``candidates``
         are checked, or every in-flight group when None."""
         if candidates is None:
@@ -184,7 +195,7 @@ class GroupBuffer:
         else:
             groups = list(candidates)
         if not groups:
-            return
+            return Checked(0, [])
         pipe = self.redis.pipeline(transaction=False)
         for g in groups:
             pipe.hlen(self.buffer(g))
@@ -195,8 +206,9 @@ class GroupBuffer:
             for g, size, in_flight in zip(groups, replies[::2], replies[1::2], strict=True)
             if size >= self.group_size and in_flight
         ]
+        gone = [g for g, in_flight in zip(groups, replies[1::2], strict=True) if not in_flight]
         if not complete:
-            return
+            return Checked(0, gone)
         members = await self.samples(complete) if self.dynamic_filtering else {}
         pipe = self.redis.pipeline(transaction=False)
         for group in complete:
@@ -204,7 +216,7 @@ class GroupBuffer:
             await self._leave.queue(
                 pipe, self._leave_keys(group, st.GROUPS_FILTERED), [group, "ready" if keep else "drop", self.prefix]
             )
-        await self._leave.replies(pipe)
+        return Checked(sum(1 for left in await self._leave.replies(pipe) if left), gone)
 
     async def fail(self, group: str, counter: str) -> bool:
         """Fail an in-flight group (its buffer deleted, its version owed, ``counter`` incremented);

@@ -122,6 +122,8 @@ class CoordinatorService:
         self.wake = asyncio.Event()
         """Set when a scored trajectory is stored, a version is published or a group fails: the tick runs at once."""
         self.touched: set[str] = set()
+        self.changed = True
+        """Something besides a stored sample happened since the last batching and admission (see the tick)."""
         """Buffers (groups, evaluation rounds) that received a trajectory since the last tick looked."""
         self.full_check_at = 0.0
         self.next_plot_at = 0.0
@@ -213,6 +215,7 @@ class CoordinatorService:
     async def on_weights(self, entry_id: str, msg: Any) -> None:
         if not isinstance(msg, WeightsPublished):
             return
+        self.changed = True
         self.wake.set()
         if msg.version > self.version:
             # the version's evaluation round is registered before the version counts: otherwise a
@@ -272,6 +275,7 @@ class CoordinatorService:
                 **counter_metrics(counters),
             },
         )
+        self.changed = True
         self.wake.set()
 
     # -- the tick ---------------------------------------------------------------------------
@@ -288,11 +292,17 @@ class CoordinatorService:
             touched, self.touched = self.touched, set()
             rounds = {v for v in map(round_of_buffer, touched) if v is not None}
             groups = {b for b in touched if round_of_buffer(b) is None}
-            await self.groups.complete(None if full else groups)
-            await self.groups.drop_late(groups)
-            for built in await self.batches.build(self.version):
-                await self._record_batch(built)
-            await self.issuer.issue(self.version)
+            checked = await self.groups.complete(None if full else groups)
+            await self.groups.drop_late(groups if full else checked.gone)
+            # batching and admission read state that only a group leaving the in-flight set, a new version, a
+            # dead letter or a batch built changes: a tick that saw none of these (a sample stored in a group not
+            # complete yet, the usual case) skips their reads
+            if full or checked.left or self.changed:
+                self.changed = False
+                for built in await self.batches.build(self.version):
+                    self.changed = True  # the next batch may be buildable too, and admission moved
+                    await self._record_batch(built)
+                await self.issuer.issue(self.version)
             evals_done = await self._finish_eval_rounds(look=full or bool(rounds))
             if self.evals is not None and rounds:
                 await self.evals.drop_late(rounds)
