@@ -19,24 +19,38 @@ the learner group), :meth:`publish` (a version: the event
 on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
 failure keys, old fingerprints and sample payloads - the ``batched:{batch}:{trajectory id}`` keys of its
-manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set).
+manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set). In a run with lanes
+(:mod:`streamrl.common.lanes`) the payloads in a lane's Redis are deleted (or given their time to live) first, in
+one pipeline per lane client (:func:`lane_deletes`), then the home transaction runs: the batches are covered by a
+checkpoint, so a restart between the two never reads them again, and its replayed acknowledgement deletes them
+again (a no-op).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from streamrl.common import replies
 from streamrl.common.bus import Bus, PreconditionFailed
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
+from streamrl.common.lanes import LaneClients, lane_of_key
 from streamrl.common.messages import BatchManifest, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.learner.rl.batch_order import LOST, Attempts, Batch
 
 KEEP_FINGERPRINTS = 1024
 """Fingerprints kept below the acknowledged index (a copy arriving later than that is refused as unknown)."""
+
+
+def lane_deletes(keys: Sequence[str], lanes: LaneClients | None) -> tuple[list[str], list[tuple[Any, list[str]]]]:
+    """``keys`` split into the home's (deleted in the learner's transaction) and, grouped by the client holding
+    them, those of a lane (pure)."""
+    home = [k for k in keys if lanes is None or lane_of_key(k) is None]
+    lane = [k for k in keys if lanes is not None and lane_of_key(k) is not None]
+    return home, (lanes.by_client(lane) if lanes is not None and lane else [])
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -185,15 +199,26 @@ class LearnerLedger:
         acked_from: int,
         acked_index: int,
         payloads: Sequence[str] = (),
+        lanes: LaneClients | None = None,
     ) -> None:
         """Acknowledge ``entries`` (all covered by a checkpoint: indices below ``acked_index``) and forget what the
         learner kept about their batches, with ``payloads`` (the hashes their manifests' samples were read from);
         ``acked`` moves from ``acked_from`` to ``acked_index``. (The entries themselves go with the consumer
-        loop's trimming by consumption, after ``redis.retain_consumed_s``.)"""
+        loop's trimming by consumption, after ``redis.retain_consumed_s``.) ``lanes``: where a lane's payloads are
+        (see the module docstring)."""
+        retention_s = math.ceil(self.bus.payload_retention_s)
+        home, in_lanes = lane_deletes(payloads, lanes)
+        for client, keys in in_lanes:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                if retention_s > 0:
+                    pipe.expire(key, retention_s)
+                else:
+                    pipe.unlink(key)
+            await pipe.execute()
         tx = self.bus.tx().xack(stream, self.group, *entries)
         tx.hset(self.learner, "acked", acked_index)
-        retention_s = math.ceil(self.bus.payload_retention_s)
-        for key in payloads:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
+        for key in home:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
             if retention_s > 0:
                 tx.expire(key, retention_s)
             else:
