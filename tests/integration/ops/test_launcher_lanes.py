@@ -90,6 +90,7 @@ def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
         lane1 = syncredis.Redis.from_url(urls[1])
         lane1.set(lane_names("lanes", 1).state("probe"), 1)  # lane 1's keys live on its own server
         assert launcher.client.get(lane_names("lanes", 1).state("probe")) is None
+        assert [names.run_id for _, names in launcher.lane_clients] == ["lanes/lane0", "lanes/lane1"]  # display
     finally:
         launcher.stop()
     for url in urls:  # every embedded server stopped with the run

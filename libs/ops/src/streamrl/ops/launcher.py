@@ -51,6 +51,7 @@ import redis as syncredis
 from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.health import live_heartbeats
+from streamrl.common.lanes import lane_names
 from streamrl.common.replies import text
 from streamrl.common.run_info import RunInfo, write_run_info
 from streamrl.common.streams import StreamNames
@@ -99,6 +100,8 @@ class Launcher:
         """The run's Redis memory bound (docs/operations.md)."""
         self.replicas: Replicas | None = None
         self.redis: RedisServer | None = None
+        self.lane_clients: list[tuple[syncredis.Redis, StreamNames]] = []
+        """A client of each lane's Redis and the lane's names (with lanes; cluster URLs not resolved: display only)."""
         self.lane_servers: list[RedisServer] = []
         """The embedded redis-servers of lanes 1.. (lane 0's is :attr:`redis`, the home)."""
         self.client: syncredis.Redis | None = None
@@ -125,6 +128,12 @@ class Launcher:
         if not self.redis_url:
             self.redis_url, lane_urls = self.start_embedded(run_dir)
         self.client = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
+        if self.lanes.enabled:  # the display's view of each lane's heartbeats (a lane's services beat there)
+            urls = lane_urls or [self.lanes.url(k, self.redis_url) for k in range(self.lanes.count)]
+            self.lane_clients = [
+                (syncredis.Redis.from_url(url, socket_timeout=2), lane_names(self.cfg.run_id, k))
+                for k, url in enumerate(urls)
+            ]
         if self.redis is None:
             self.check_external_memory()
         scalable = {s: up.replicas.get(s, 1) for s in SCALABLE if s in up.services}
@@ -329,6 +338,8 @@ class Launcher:
                 except (syncredis.RedisError, OSError, KeyError, ValueError):
                     pass
             self.client.close()
+        for client, _ in self.lane_clients:
+            client.close()
         if self.redis is not None:
             self.redis.stop()
         for server in self.lane_servers:
@@ -339,6 +350,10 @@ class Launcher:
         try:
             beats = live_heartbeats(self.client, self.names)
             progress = {text(k): text(v) for k, v in self.client.hgetall(self.names.state("progress")).items()}
+            for client, names in self.lane_clients:
+                beats += live_heartbeats(client, names)
+                if not progress:  # with lanes, lane 0's coordinator's progress
+                    progress = {text(k): text(v) for k, v in client.hgetall(names.state("progress")).items()}
         except (syncredis.RedisError, ValueError, OSError):
             return
         alive = ", ".join(sorted(f"{b.instance}:{b.status}" for b in beats))
