@@ -20,7 +20,8 @@ from streamrl.ops.lane_plan import (
     units,
 )
 from streamrl.ops.launcher import Launcher
-from streamrl.ops.up_config import SERVICES, LaunchRecipe
+from streamrl.ops.ray_backend import RayReplicas, ReplicaSpec
+from streamrl.ops.up_config import SERVICES, LaunchRecipe, UpConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -94,3 +95,41 @@ def test_a_recipe_with_more_lane_urls_than_lanes_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"lanes\.urls names 1 Redis URLs for lanes\.count = 2"):
         validate(LaunchRecipe, {"lanes": {"count": 2, "urls": ["redis://a:1"]}}, source="recipe x")
     assert json.loads(lanes_env(["redis://a:1"])["STREAMRL_LANES__URLS"]) == ["redis://a:1"]
+
+
+class FakeActorClass:
+    """What ``ray.remote(ServiceActor)`` gives, recording the specs of the actors it creates (no Ray here)."""
+
+    def __init__(self) -> None:
+        self.specs: list[ReplicaSpec] = []
+
+    def options(self, **_: object) -> FakeActorClass:
+        return self
+
+    def remote(self, spec: ReplicaSpec | None = None) -> FakeActorClass:
+        if spec is not None:  # a new actor (else its ``wait`` call)
+            self.specs.append(spec)
+        return self
+
+    @property
+    def wait(self) -> FakeActorClass:
+        return self
+
+
+def test_the_ray_backend_places_a_lanes_replica_as_its_service_told_its_lane() -> None:
+    backend = object.__new__(RayReplicas)  # its __init__ starts Ray: the placement alone is under test
+    backend.up = UpConfig.model_validate({"max_restarts": {"rollout": 2}})
+    backend.run_id, backend.recipe, backend.overrides, backend.learner_ranks = "lanes", "r.toml", [], 1
+    backend.env = {"STREAMRL_REDIS__URL": "redis://h:1/0"}
+    backend.say = lambda *_, **__: None
+    backend.replicas = {}
+    backend.remote_actor = actors = FakeActorClass()
+    backend.start("rollout-lane1", 0)
+    backend.start("coordinator-lane0", 0)
+    backend.start("learner", 0)
+    rollout, coordinator, learner = actors.specs
+    assert (rollout.service, rollout.unit, rollout.env["STREAMRL_LANE"]) == ("rollout", "rollout-lane1", "1")
+    assert coordinator.until and coordinator.env["STREAMRL_LANE"] == "0"
+    assert (learner.service, learner.unit, "STREAMRL_LANE" in learner.env) == ("learner", "", False)
+    assert set(backend.replicas) == {("rollout-lane1", 0), ("coordinator-lane0", 0), ("learner", 0)}
+    assert backend.active("rollout-lane1") == [0] and backend.active("rollout-lane0") == []
