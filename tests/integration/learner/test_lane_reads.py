@@ -1,19 +1,26 @@
 """The learner's reads in a run with lanes (:mod:`streamrl.learner.rl.lanes`): a lane's Redis going down while a
 joined batch is read is waited out, like the home's, and the batch is read whole once it is back - never
-skipped. Real redis-servers: the home and lane 0 on one, lane 1 on its own (AOF), stopped and restarted."""
+skipped; a batch's payloads in the lanes go with the learner's acknowledgement, and a deposed learner's
+acknowledgement only gives them a time to live. Real redis-servers: the home and lane 0 on one, lane 1 on its own (AOF), stopped and restarted."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from streamrl.common.batch_payloads import fetch_batch, manifest_of
-from streamrl.common.bus import connect
+from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import encode
 from streamrl.common.config import RedisConfig
 from streamrl.common.lanes import LanesConfig, lane_names
+from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import ScoredTrajectory, Tensor, TrainingBatch, Trajectory
+from streamrl.common.streams import StreamNames
+from streamrl.common.tx import Fence
 from streamrl.learner.rl.lanes import close_lanes, connect_lanes
+from streamrl.learner.rl.ledger import LearnerLedger
 from streamrl.ops.redis_server import RedisServer
 
 
@@ -65,3 +72,43 @@ def test_a_lanes_redis_down_mid_read_is_waited_out_and_the_batch_read_whole(
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_lanes_payloads_go_with_the_ack_and_a_deposed_learners_ack_only_gives_them_a_time_to_live(
+    tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    lane1 = RedisServer(tmp_path / "lane1", appendonly=False).start()
+    home_names = StreamNames(run_id)
+    payloads = [lane_names(run_id, 0).batched_samples("batch-0", "g"), lane_names(run_id, 1).batched_samples("b", "g")]
+    lease = home_names.lease("singleton", "learner")
+
+    async def main() -> tuple[list[int], list[int]]:
+        home = connect(redis_url)
+        config = LanesConfig(count=2, urls=[redis_url, lane1.url])
+        clients = await connect_lanes(home, run_id, config, RedisConfig(url=redis_url))
+        bus = Bus(home, payload_orphan_ttl_s=600)
+        bus.fence = Fence(lease, "me")
+        ledger = LearnerLedger(bus, home_names)
+        try:
+            for key in payloads:
+                await clients.for_key(key).set(key, b"payload")
+            entry = (await home.xadd(home_names.batches, {"d": b"joined"})).decode()
+            await home.xgroup_create(home_names.batches, "learner", id="0")
+            await home.xreadgroup("learner", "learner", {home_names.batches: ">"})
+            await home.set(lease, "another learner")  # deposed: its fenced transaction is refused
+            with pytest.raises(LeaseLostError):
+                await ledger.ack(home_names.batches, [entry], ["batch-0"], 0, 1, payloads, clients)
+            ttls = [await clients.for_key(k).ttl(k) for k in payloads]
+            await home.set(lease, "me")
+            await ledger.ack(home_names.batches, [entry], ["batch-0"], 0, 1, payloads, clients)
+            return ttls, [await clients.for_key(k).exists(k) for k in payloads]
+        finally:
+            await close_lanes(clients)
+            await home.aclose()
+
+    try:
+        ttls, left = asyncio.run(main())
+    finally:
+        lane1.stop()
+    assert all(0 < ttl <= 600 for ttl in ttls)  # kept for a successor's replay, never leaked
+    assert left == [0, 0]  # the learner's ack deletes them in both lanes

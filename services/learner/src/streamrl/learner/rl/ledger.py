@@ -20,16 +20,17 @@ on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` 
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
 failure keys, old fingerprints and sample payloads - the ``batched:{batch}:{trajectory id}`` keys of its
 manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set). In a run with lanes
-(:mod:`streamrl.common.lanes`) the payloads in a lane's Redis are deleted (or given their time to live) first, in
-one pipeline per lane client (:func:`lane_deletes`), then the home transaction runs: the batches are covered by a
-checkpoint, so a restart between the two never reads them again, and its replayed acknowledgement deletes them
-again (a no-op).
+(:mod:`streamrl.common.lanes`) the payloads in a lane's Redis cannot be in the home's transaction: they are given
+``redis.payload_orphan_ttl_s`` to live first (one pipeline per lane client, :func:`lane_deletes`), then the home
+transaction runs (fenced: a deposed learner stops there), then they are deleted (or given
+``redis.payload_retention_s``). A learner that dies between the steps leaves them to expire, never to leak, and
+one deposed before its transaction deletes nothing its successor may still replay within that time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from streamrl.common import replies
@@ -208,14 +209,8 @@ class LearnerLedger:
         (see the module docstring)."""
         retention_s = math.ceil(self.bus.payload_retention_s)
         home, in_lanes = lane_deletes(payloads, lanes)
-        for client, keys in in_lanes:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                if retention_s > 0:
-                    pipe.expire(key, retention_s)
-                else:
-                    pipe.unlink(key)
-            await pipe.execute()
+        grace_s = max(1, math.ceil(self.bus.payload_orphan_ttl_s))
+        await _on_lanes(in_lanes, lambda pipe, key: pipe.expire(key, grace_s))  # expire even if this ack stops here
         tx = self.bus.tx().xack(stream, self.group, *entries)
         tx.hset(self.learner, "acked", acked_index)
         for key in home:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
@@ -229,3 +224,16 @@ class LearnerLedger:
         if old:
             tx.hdel(self.fingerprints, *(str(i) for i in old))
         await tx.execute()
+        if retention_s > 0:
+            await _on_lanes(in_lanes, lambda pipe, key: pipe.expire(key, retention_s))
+        else:
+            await _on_lanes(in_lanes, lambda pipe, key: pipe.unlink(key))
+
+
+async def _on_lanes(groups: list[tuple[Any, list[str]]], command: Callable[[Any, str], Any]) -> None:
+    """``command`` on each key of ``groups`` (client, keys), one pipeline per client."""
+    for client, keys in groups:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            command(pipe, key)
+        await pipe.execute()
