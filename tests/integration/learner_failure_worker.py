@@ -12,7 +12,8 @@ serving the weights of its version (``publish``).
 Environment: ``MAX_DELIVERIES`` (default 2); ``TRAINED_LOG``: a file where each step appends a line
 ``{batch id} {sha256 of its samples, encoded}`` (what was trained, to compare with what was published);
 ``TIMELINE_LOG``: a file of lines ``{event} {batch id} {monotonic seconds}``, events ``fetch`` (its payloads'
-read starts), ``step`` and ``stepped`` (its step starts, ends); ``STEP_SLEEP_S``: each step takes that long more.
+read starts), ``step`` and ``stepped`` (its step starts, ends); ``STEP_SLEEP_S``: each step takes that long more;
+``LANE_URLS``: comma-separated Redis URLs of the run's lanes (``lanes.urls``; the home on ``REDIS_URL``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 from streamrl.common import batch_payloads
 from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import encode
-from streamrl.common.config import ConsumerConfig
+from streamrl.common.config import ConsumerConfig, RedisConfig
+from streamrl.common.lanes import LanesConfig
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import BatchManifest, ScoredTrajectory, TrainingBatch
 from streamrl.common.streams import StreamNames
@@ -75,6 +77,11 @@ async def life(
         ds=DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2),
         consumer=ConsumerConfig(max_deliveries=int(os.environ.get("MAX_DELIVERIES", "2")), retry_delay_s=0.0),
     )
+    if lane_urls := os.environ.get("LANE_URLS", ""):
+        urls = lane_urls.split(",")
+        cfg = cfg.model_copy(
+            update={"lanes": LanesConfig(count=len(urls), urls=urls), "redis": RedisConfig(url=redis_url)}
+        )
     trainer = RLTrainer(cfg)
     real_step = trainer.step
 

@@ -19,6 +19,7 @@ from test_learner_group import training_batch
 
 from streamrl.common.batch_payloads import manifest_of, split_refs
 from streamrl.common.codec import decode, encode
+from streamrl.common.lanes import lane_names
 from streamrl.common.messages import (
     BATCH_SKIPPED,
     BatchManifest,
@@ -28,6 +29,7 @@ from streamrl.common.messages import (
     WeightsPublished,
 )
 from streamrl.common.streams import StreamNames
+from streamrl.ops.redis_server import RedisServer
 from streamrl.torchkit.testing import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow
@@ -170,3 +172,48 @@ def test_the_next_batch_is_read_while_the_current_one_trains(
         assert at[("stepped", f"batch-{k - 1}")] < at[("step", f"batch-{k}")]
     assert client.xpending(names.batches, "learner")["pending"] == 0
     assert client.keys(names.batched_samples("*", "*")) == []  # acknowledged: payloads and parts deleted
+
+
+def test_a_joined_manifest_is_read_whole_from_two_lanes_on_two_redis_servers_and_deleted_in_both(
+    model: Path, tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    """Lanes: the joined manifest (split, its parts in the home) names payloads of lane 0 (on the home's Redis) and
+    lane 1 (on a second redis-server); the learner trains each batch whole and its ack deletes them in both."""
+    other = RedisServer(tmp_path / "lane1", appendonly=False).start()
+    try:
+        home = redis.Redis.from_url(redis_url)
+        lane1 = redis.Redis.from_url(other.url)
+        names, lanes = StreamNames(run_id), [lane_names(run_id, 0), lane_names(run_id, 1)]
+        batches = [training_batch(i) for i in range(2)]
+        for batch in batches:
+            keys, sizes = [], []
+            for s in batch.samples:  # the groups dealt to the lanes in turn
+                lane = sum(map(ord, s.trajectory.group_id)) % 2
+                key, payload = lanes[lane].batched_samples(batch.id, s.trajectory.group_id), encode(s)
+                (home if lane == 0 else lane1).hset(key, s.trajectory.id, payload)
+                keys.append(key)
+                sizes.append(len(payload))
+            assert {k.split("}")[0] for k in keys} == {f"streamrl:{{{run_id}/lane0", f"streamrl:{{{run_id}/lane1"}
+            whole = manifest_of(batch, keys, sizes)
+            runs = split_refs(whole.samples, sum(len(msgspec.msgpack.encode(r)) for r in whole.samples) // 2 + 1)
+            parts = [names.manifest_part(batch.id, "j", n) for n in range(len(runs))]
+            for n, (key, run) in enumerate(zip(parts, runs, strict=True)):
+                home.set(key, encode(ManifestPart(batch_id=batch.id, number=n, samples=run)))
+            sizes = [home.strlen(k) for k in parts]
+            header = msgspec.structs.replace(whole, samples=[], parts=parts, part_bytes=sizes)
+            home.xadd(names.batches, {"d": encode(header)})
+        log = tmp_path / "trained.log"
+        env = {"TRAINED_LOG": str(log), "LANE_URLS": f"{redis_url},{other.url}"}
+
+        done = _life(model, redis_url, run_id, tmp_path / "run", "-1", "half", "2", "1", env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+        trained = dict(line.split() for line in log.read_text().splitlines())
+        assert trained == {b.id: digest(b) for b in batches}  # each whole, from both lanes
+        assert home.xlen(names.dead) == 0
+        assert home.xpending(names.batches, "learner")["pending"] == 0
+        for client, lane in ((home, lanes[0]), (lane1, lanes[1])):  # acknowledged: deleted in both lanes
+            assert client.keys(lane.batched_samples("*", "*")) == []
+        assert home.keys(names.batched_samples("*", "*")) == []  # and the parts in the home
+    finally:
+        other.stop()

@@ -7,9 +7,19 @@ import asyncio
 
 import pytest
 
-from streamrl.common.batch_payloads import manifest_of, owned_buffers, plan_reads, resolve, split_refs
+from streamrl.common.batch_payloads import (
+    MissingPayloadError,
+    fetch_batch,
+    manifest_of,
+    owned_buffers,
+    plan_reads,
+    resolve,
+    route,
+    split_refs,
+)
 from streamrl.common.bus import MAX_COMMITS_PER_CALL, CommitBatcher, take_commits
 from streamrl.common.codec import decode, encode
+from streamrl.common.lanes import LaneClients, lane_names
 from streamrl.common.messages import BatchManifest, ManifestPart, ScoredTrajectory, Tensor, TrainingBatch, Trajectory
 from streamrl.common.streams import StreamNames
 
@@ -141,3 +151,94 @@ def test_split_refs_keeps_every_ref_once_in_order_in_parts_within_the_budget() -
         for n, run in enumerate(runs)
     )
     assert split_refs(refs, 10 * 2**20) == [refs]  # all fit: one part (the manifest is published whole)
+
+
+class FakeRedis:
+    """An in-memory Redis of strings and hashes answering pipelines of GET / HMGET (the unit tier has no Redis);
+    records the keys each pipeline read."""
+
+    def __init__(self, data: dict[str, object]) -> None:
+        self.data = data
+        self.reads: list[list[str]] = []
+
+    def pipeline(self, transaction: bool = True) -> FakePipeline:
+        return FakePipeline(self)
+
+
+class FakePipeline:
+    def __init__(self, redis: FakeRedis) -> None:
+        self.redis = redis
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def get(self, key: str) -> None:
+        self.calls.append((key, []))
+
+    def hmget(self, key: str, fields: list[str]) -> None:
+        self.calls.append((key, fields))
+
+    async def execute(self) -> list[object]:
+        self.redis.reads.append([key for key, _ in self.calls])
+        out: list[object] = []
+        for key, fields in self.calls:
+            value = self.redis.data.get(key)
+            out.append([value.get(f) if isinstance(value, dict) else None for f in fields] if fields else value)
+        return out
+
+
+def test_a_joined_manifests_parts_and_payloads_are_each_read_from_the_redis_of_their_lane() -> None:
+    home_names, lane0, lane1 = StreamNames("r"), lane_names("r", 0), lane_names("r", 1)
+    samples = [scored(g, i) for g in range(4) for i in range(2)]
+    batch = TrainingBatch(id="batch-0", index=0, samples=samples, policy_version=1, staleness=[0] * len(samples))
+    # groups 0 and 2 in lane 0, 1 and 3 in lane 1 (interleaved: the order of the manifest is kept)
+    keys = [(lane0 if int(s.trajectory.group_id[5:]) % 2 == 0 else lane1) for s in samples]
+    hashes = [n.batched_samples("batch-0", s.trajectory.group_id) for n, s in zip(keys, samples, strict=True)]
+    data: dict[str, dict[str, object]] = {"home": {}, "lane0": {}, "lane1": {}}
+    for n, key, s in zip(keys, hashes, samples, strict=True):
+        data["lane0" if n is lane0 else "lane1"].setdefault(key, {})[s.trajectory.id] = encode(s)
+    whole = manifest_of(batch, hashes, [100] * len(samples))
+    runs = split_refs(whole.samples, 600)
+    assert len(runs) >= 2
+    parts = [home_names.manifest_part("batch-0", "a", n) for n in range(len(runs))]
+    for n, (key, run) in enumerate(zip(parts, runs, strict=True)):
+        data["home"][key] = encode(ManifestPart(batch_id="batch-0", number=n, samples=run))
+    header = BatchManifest(
+        id="batch-0",
+        index=0,
+        samples=[],
+        policy_version=1,
+        staleness=[0] * len(samples),
+        parts=parts,
+        part_bytes=[len(data["home"][k]) for k in parts],  # type: ignore[arg-type]
+    )
+    home, a, b = FakeRedis(data["home"]), FakeRedis(data["lane0"]), FakeRedis(data["lane1"])
+    clients = LaneClients(home, [a, b])
+
+    got = asyncio.run(fetch_batch(clients, header, max_reply_bytes=10**6))
+
+    assert got == batch  # whole, in the manifest's order
+    assert [k for read in home.reads for k in read] == parts
+    assert {k for read in a.reads for k in read} == {h for n, h in zip(keys, hashes, strict=True) if n is lane0}
+    assert {k for read in b.reads for k in read} == {h for n, h in zip(keys, hashes, strict=True) if n is lane1}
+    # lane 1's Redis lost one payload: the batch is not trained short
+    del data["lane1"][hashes[2]]
+    with pytest.raises(MissingPayloadError, match=r"batch-0: payloads missing in Redis \(2 of the 8 samples"):
+        asyncio.run(fetch_batch(clients, header, max_reply_bytes=10**6))
+
+
+def test_reads_are_routed_by_lane_one_group_per_client_in_order() -> None:
+    home, a, b = object(), object(), object()
+    clients = LaneClients(home, [a, b, a])  # lanes 0 and 2 on one Redis: one client
+    keys = [lane_names("r", 1).prompts, StreamNames("r").dead, lane_names("r", 2).dead, lane_names("r", 0).dead]
+    assert route(clients, keys) == [(b, [0]), (home, [1]), (a, [2, 3])]
+    assert route(LaneClients(home, []), keys[:2]) == [(home, [0, 1])]  # no lanes: the one client
+
+
+def test_a_batchs_own_hashes_are_those_under_its_id_in_the_home_or_any_lane() -> None:
+    names = StreamNames("r")
+    mine = [
+        names.batched_samples("batch-1", "g"),
+        *(lane_names("r", k).batched_samples("batch-1", "g") for k in (0, 1)),
+    ]
+    others = [lane_names("r", 2).batched_samples("batch-1", "g"), lane_names("r", 0).batched_samples("batch-10", "g")]
+    assert owned_buffers(names, "batch-1", [*mine, *others], lanes=2) == mine  # lane 2 is not the run's
+    assert owned_buffers(names, "batch-1", [*mine, *others]) == mine[:1]  # no lanes: the home's alone

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.common.lanes import lane_names
 from streamrl.common.streams import StreamNames
 from streamrl.ops.redis_acl import (
     CONSUME,
@@ -119,3 +120,29 @@ def test_cli_prints_new_passwords_and_writes_the_file(
     assert main(["acl", "--run-id", "r1", "--out", str(out)]) == 0
     assert out.read_text() == acl_file("r1", {u: env[PASSWORD_ENV.format(user=u.upper())] for u in USERS})
     assert stat.S_IMODE(out.stat().st_mode) == 0o644
+
+
+def test_with_lanes_each_lane_service_is_granted_on_the_lanes_keys_the_joiner_and_learner_on_home_and_lanes() -> None:
+    lanes = [lane_names("r1", k) for k in range(2)]
+
+    def users(command: str, key: str) -> set[str]:
+        return {user for user in USERS for g in grants(user, "r1", lanes=2) if command in g.commands and key in g.keys}
+
+    for lane in lanes:
+        assert users("xadd", lane.trajectories) == {"rollout"} and users("xreadgroup", lane.prompts) == {"rollout"}
+        assert users("xadd", lane.scored) == {"reward"} and users("xreadgroup", lane.trajectories) == {"reward"}
+        assert users("xadd", lane.prompts) == {"coordinator"} and users("xreadgroup", lane.scored) == {"coordinator"}
+        assert users("xadd", lane.weights) == {"coordinator"}  # the joiner mirrors the home's weights
+        assert users("xreadgroup", lane.batches) == {"coordinator"}  # and joins the lane batches
+        assert users("unlink", lane.batched_samples("*", "*")) == {"coordinator", "learner"}
+        assert users("get", lane.batched_samples("*", "*")) == {"learner"}
+    assert users("xadd", NAMES.batches) == {"coordinator"} and users("xreadgroup", NAMES.batches) == {"learner"}
+    assert users("xadd", NAMES.weights) == {"learner"}
+    assert users("set", NAMES.lease("singleton", "joiner")) == {"coordinator"}
+    # rollout and reward touch no key of the home
+    home = [k for user in ("rollout", "reward") for g in grants(user, "r1", lanes=2) for k in g.keys]
+    assert home and all("{r1/lane" in k for k in home)
+    observer = grants("observer", "r1", lanes=2)[0].keys
+    assert set(observer) == {NAMES.all_keys, lanes[0].all_keys, lanes[1].all_keys}
+    assert grants("rollout", "r1", lanes=1) == grants("rollout", "r1")  # no lanes: as before
+    assert "{r1/lane1}" in acl_file("r1", new_passwords(), lanes=2)

@@ -18,6 +18,12 @@ A manifest published split (:attr:`BatchManifest.parts`, :func:`split_refs`) is 
 refs as the header's samples, make the whole manifest. A part missing is a missing payload (below); a part
 that is not this batch's is poison.
 
+With lanes (:mod:`streamrl.common.lanes`) a joined manifest names payloads in several Redis servers: every
+read takes ``redis`` as a :class:`~streamrl.common.lanes.LaneClients` too (a plain client is the home alone),
+and each bounded read is routed by key - one pipeline per client holding some of its keys (:func:`route`,
+pure), run side by side, the replies put back in the read's order. A key is a batch's own
+(:func:`owned_buffers`) under that batch's prefix in the home or in any lane of the run.
+
 A payload missing (its buffer deleted: the batch was counted dead, or Redis lost it) is
 :class:`MissingPayloadError` naming the batch, how many samples are missing and the first one: a
 batch is trained whole or not at all.
@@ -33,6 +39,7 @@ import msgspec
 
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
+from streamrl.common.lanes import LaneClients, lane_names
 from streamrl.common.messages import (
     BatchManifest,
     ManifestPart,
@@ -41,17 +48,56 @@ from streamrl.common.messages import (
     TrainingBatch,
 )
 from streamrl.common.payload_format import unpack_payload
-from streamrl.common.payloads import assemble, read_payloads
+from streamrl.common.payloads import assemble
 from streamrl.common.payloads import plan_reads as plan_reads
 from streamrl.common.streams import StreamNames
 
 
-def owned_buffers(names: StreamNames, batch_id: str, keys: Iterable[str]) -> list[str]:
+def owned_buffers(names: StreamNames, batch_id: str, keys: Iterable[str], lanes: int = 1) -> list[str]:
     """Those of ``keys`` that hold samples of batch ``batch_id`` (named under it,
-    :meth:`StreamNames.batched_samples`): the only ones a service deletes for that batch, whatever else a
-    manifest (a conflicting or forged copy) names."""
-    prefix = names.batched_samples(batch_id, "")
-    return [k for k in keys if k.startswith(prefix)]
+    :meth:`StreamNames.batched_samples`, in ``names`` or, in a run of ``lanes`` > 1 lanes, in any lane's
+    names): the only ones a service deletes for that batch, whatever else a manifest (a conflicting or forged
+    copy) names."""
+    spaces = [names, *(lane_names(names.run_id, k) for k in range(lanes if lanes > 1 else 0))]
+    prefixes = tuple(n.batched_samples(batch_id, "") for n in spaces)
+    return [k for k in keys if k.startswith(prefixes)]
+
+
+def lane_clients(redis: Any) -> LaneClients:
+    """``redis`` as the clients of a run's home and lanes: a :class:`LaneClients` as it is, a plain client as the
+    home alone (a run without lanes: every key on it)."""
+    return redis if isinstance(redis, LaneClients) else LaneClients(redis, [])
+
+
+def route(clients: LaneClients, keys: Sequence[str]) -> list[tuple[Any, list[int]]]:
+    """The positions of ``keys`` grouped by the client holding each (by its hash tag, :meth:`LaneClients.for_key`),
+    each group in order, the groups in the order of their first key (pure)."""
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for i, key in enumerate(keys):
+        client = clients.for_key(key)
+        groups.setdefault(id(client), (client, []))[1].append(i)
+    return list(groups.values())
+
+
+async def _get_routed(
+    clients: LaneClients, keys: Sequence[str], sizes: Sequence[int], *, max_reply_bytes: int
+) -> list[bytes | None]:
+    """The values of ``keys`` (None: missing), in order, read in bounded reads (:func:`plan_reads`), each one
+    pipeline of ``GET`` per client holding some of its keys, run side by side."""
+    out: list[bytes | None] = [None] * len(keys)
+    for read in plan_reads(list(sizes), max_reply_bytes):
+
+        async def get(client: Any, positions: list[int]) -> list[tuple[int, bytes | None]]:
+            pipe = client.pipeline(transaction=False)
+            for i in positions:
+                pipe.get(keys[i])
+            return list(zip(positions, await pipe.execute(), strict=True))
+
+        groups = route(clients, [keys[i] for i in read])
+        replies = await asyncio.gather(*(get(c, [read[j] for j in group]) for c, group in groups))
+        for i, value in (pair for reply in replies for pair in reply):
+            out[i] = value or None
+    return out
 
 
 class MissingPayloadError(Exception):
@@ -66,8 +112,8 @@ def split_refs(refs: Sequence[SampleRef], max_bytes: int) -> list[list[SampleRef
 
 
 async def load_manifest(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> BatchManifest:
-    """``manifest`` whole: a split one with its parts' refs as its samples (read in bounded replies), any other
-    as it is. MissingPayloadError when a part is gone; PoisonMessageError when a part is not this batch's (its
+    """``manifest`` whole: a split one with its parts' refs as its samples (read in bounded replies, each part
+    from the client holding it: ``redis`` a client or a :class:`LaneClients`), any other as it is. MissingPayloadError when a part is gone; PoisonMessageError when a part is not this batch's (its
     id, its number) or the refs do not number the header's samples."""
     if not manifest.parts or manifest.samples:  # whole, or read already
         return manifest
@@ -75,7 +121,9 @@ async def load_manifest(redis: Any, manifest: BatchManifest, *, max_reply_bytes:
         raise PoisonMessageError(
             f"{manifest.id}: {len(manifest.parts)} parts but {len(manifest.part_bytes)} part sizes: one each"
         )
-    values = await read_payloads(redis, manifest.parts, manifest.part_bytes, max_reply_bytes=max_reply_bytes)
+    values = await _get_routed(
+        lane_clients(redis), manifest.parts, manifest.part_bytes, max_reply_bytes=max_reply_bytes
+    )
     missing = [key for key, value in zip(manifest.parts, values, strict=True) if value is None]
     if missing:
         raise MissingPayloadError(
@@ -147,6 +195,18 @@ def manifest_of(batch: TrainingBatch, keys: Sequence[str], sizes: Sequence[int])
     )
 
 
+async def _read_routed(clients: LaneClients, refs: Sequence[SampleRef]) -> list[bytes | None]:
+    """The payloads of ``refs``, in order (None: missing): :func:`_read` on each client holding some of them,
+    side by side."""
+    groups = route(clients, [r.key for r in refs])
+    replies = await asyncio.gather(*(_read(client, [refs[i] for i in group]) for client, group in groups))
+    out: list[bytes | None] = [None] * len(refs)
+    for (_, group), values in zip(groups, replies, strict=True):
+        for i, value in zip(group, values, strict=True):
+            out[i] = value
+    return out
+
+
 async def _read(redis: Any, refs: Sequence[SampleRef]) -> list[bytes | None]:
     """The payloads of ``refs``, in order (None: missing), in one pipeline: a GET per payload string (a ref with
     its scored record), one HMGET per hash of whole ScoredTrajectories (the first form)."""
@@ -187,12 +247,14 @@ def _decode_all(refs: Sequence[SampleRef], payloads: list[bytes]) -> list[Scored
 
 async def fetch_samples(redis: Any, manifest: BatchManifest, *, max_reply_bytes: int) -> list[ScoredTrajectory]:
     """Every sample ``manifest`` names, read in bounded replies (see the module docstring) and decoded off the
-    event loop. MissingPayloadError when one is gone; PoisonMessageError when one is not a ScoredTrajectory."""
+    event loop; ``redis``: a client or a :class:`LaneClients` (each payload read from the Redis of its key's lane).
+    MissingPayloadError when one is gone; PoisonMessageError when one is not a ScoredTrajectory."""
+    clients = lane_clients(redis)
     refs = manifest.samples
     samples: list[ScoredTrajectory] = []
     for read in plan_reads([r.num_bytes for r in refs], max_reply_bytes):
         chunk = [refs[i] for i in read]
-        payloads = await _read(redis, chunk)
+        payloads = await _read_routed(clients, chunk)
         missing = [ref for ref, p in zip(chunk, payloads, strict=True) if p is None]
         if missing:
             first = missing[0]

@@ -8,12 +8,16 @@ imports a service.
 would start for its resolved config (``streamrl <service> RECIPE [overrides] --dry-run``, one
 process each, in parallel), prints them as one JSON object (``{"up": ..., "coordinator": ...}``,
 secrets masked) and exits: 0 when every service accepts the recipe, 2 otherwise (each refusal on
-stderr). Nothing is started and nothing is written.
+stderr). Nothing is started and nothing is written. With lanes (``lanes.count > 1``) each lane's coordinator,
+rollout and reward are asked with their ``STREAMRL_LANE`` (keys ``coordinator-lane0``, ...), and ``processes``
+lists every replica ``streamrl up`` would start (name, service, lane, environment) and ``redis`` what it would
+start of Redis (:mod:`streamrl.ops.lane_plan`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -39,11 +43,13 @@ def up_dry_run(argv: list[str]) -> int:
     """``streamrl up ... --dry-run``: print the launch config and every service's resolved config."""
     from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
     from streamrl.common.redact import redact
+    from streamrl.ops.lane_plan import embedded_servers, plan_processes, split_unit, unit_env, units
     from streamrl.ops.up_config import SERVICES, LaunchRecipe
 
     try:
         recipe, overrides = split_dry_run(argv)
-        launch = validate(LaunchRecipe, apply_overrides(read_recipe(recipe), overrides), source=f"recipe {recipe}")
+        data = apply_overrides(read_recipe(recipe), overrides)
+        launch = validate(LaunchRecipe, data, source=f"recipe {recipe}")
         unknown = [s for s in launch.up.services if s not in SERVICES]
         if unknown:
             raise ConfigError(f"up.services: unknown service(s) {unknown}; known: {list(SERVICES)}")
@@ -51,10 +57,18 @@ def up_dry_run(argv: list[str]) -> int:
         print(f"streamrl up: {e}", file=sys.stderr)
         return 2
     resolved: dict[str, Any] = {"up": redact(launch.model_dump(mode="json"))}
+    lanes = launch.lanes.count
+    if lanes > 1:
+        servers = embedded_servers(lanes, (data.get("redis") or {}).get("url"), launch.lanes.urls)
+        resolved["redis"] = (
+            f"{servers} embedded redis-servers, one per lane (lane 0's also the home)" if servers else "external"
+        )
+        resolved["processes"] = [vars(p) for p in plan_processes(launch.up.services, launch.up.replicas, lanes)]
     procs = {}
-    for service in launch.up.services:
-        command = [sys.executable, "-m", "streamrl.ops.cli", service, recipe, *overrides, "--dry-run"]
-        procs[service] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for unit in units(launch.up.services, lanes):
+        command = [sys.executable, "-m", "streamrl.ops.cli", split_unit(unit)[0], recipe, *overrides, "--dry-run"]
+        env = {**os.environ, **unit_env(unit)}
+        procs[unit] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     code = 0
     for service, proc in procs.items():
         out, err = proc.communicate()

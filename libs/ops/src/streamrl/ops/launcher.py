@@ -25,6 +25,14 @@
 5. Stop: Ctrl-C / SIGTERM, or the ``until`` service exiting 0 (the run is done), stops everything
    cleanly (SIGTERM, grace, SIGKILL) and exits 0. A service failing for good stops the rest and
    exits 1, naming it. No process is left behind.
+
+Lanes (``lanes.count = K > 1``, :mod:`streamrl.ops.lane_plan`): one coordinator per lane, ``up.replicas``
+rollout and reward replicas *per lane* (each with ``STREAMRL_LANE``), one learner; without ``redis.url`` and
+``lanes.urls`` one embedded redis-server per lane (lane 0's, under ``{run_dir}/redis``, also the home; lane k's
+under ``{run_dir}/redis-lane{k}``, each with the same ``maxmemory``), their URLs given to every service as
+``lanes.urls``. ``streamrl scale`` counts are per lane too; ``autoscale`` is refused with lanes (it reads the
+home's backlogs, which lanes do not fill). With ``until = "coordinator"`` the run is done when lane 0's
+coordinator exits 0 (another lane's coordinator exiting 0 is not a failure).
 """
 
 from __future__ import annotations
@@ -43,11 +51,13 @@ import redis as syncredis
 from streamrl.common.config import ConfigError, apply_overrides, read_recipe, validate
 from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.health import live_heartbeats
+from streamrl.common.lanes import lane_names
 from streamrl.common.replies import text
 from streamrl.common.run_info import RunInfo, write_run_info
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
 from streamrl.ops.autoscale import Autoscaler
+from streamrl.ops.lane_plan import embedded_servers, home_url, lanes_env, split_unit, units
 from streamrl.ops.local_backend import LocalReplicas
 from streamrl.ops.memory_budget import (
     MIB,
@@ -77,7 +87,10 @@ class Launcher:
             raise ConfigError(f"up.services: unknown service(s) {unknown}; known: {list(SERVICES)}")
         self.recipe = recipe
         self.overrides = overrides
-        self.redis_url: str | None = (data.get("redis") or {}).get("url")
+        self.lanes = self.cfg.lanes
+        self.redis_url: str | None = home_url((data.get("redis") or {}).get("url"), self.lanes.urls)
+        self.units = units(self.cfg.up.services, self.lanes.count)
+        """What the backend places: the services, or with lanes each lane's coordinator, rollout and reward."""
         self.learner_ranks = int((data.get("learner") or {}).get("ranks", 1))
         self.names = StreamNames(self.cfg.run_id)
         try:
@@ -87,6 +100,10 @@ class Launcher:
         """The run's Redis memory bound (docs/operations.md)."""
         self.replicas: Replicas | None = None
         self.redis: RedisServer | None = None
+        self.lane_clients: list[tuple[syncredis.Redis, StreamNames]] = []
+        """A client of each lane's Redis and the lane's names (with lanes; cluster URLs not resolved: display only)."""
+        self.lane_servers: list[RedisServer] = []
+        """The embedded redis-servers of lanes 1.. (lane 0's is :attr:`redis`, the home)."""
         self.client: syncredis.Redis | None = None
         self.lock = threading.Lock()
         self.weights_key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
@@ -107,35 +124,16 @@ class Launcher:
             )
         run_dir = Path(self.cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        lane_urls: list[str] = []
         if not self.redis_url:
-            maxmemory = self.embedded_maxmemory()
-            try:
-                self.redis = RedisServer(run_dir / "redis", maxmemory=maxmemory).start()
-            except FileNotFoundError as e:  # no redis-server anywhere: a setup problem, said plainly
-                raise ConfigError(str(e)) from e
-            self.redis_url = self.redis.url
-            self._say(
-                f"embedded redis-server at {self.redis_url} (data: {run_dir / 'redis'}); "
-                f"binary {self.redis.binary}: {self.redis.version}"
-            )
-            limit = f"{maxmemory / MIB:.0f} MiB" if maxmemory else "0 (no limit)"
-            self._say(
-                f"redis maxmemory {limit}, maxmemory-policy noeviction; "
-                f"this run's memory bound: {self.memory.describe()}"
-            )
-            if 0 < maxmemory < self.memory.total:
-                self._say(
-                    f"WARNING: up.redis_memory.maxmemory_mb is below this run's memory bound "
-                    f"({self.memory.total / MIB:.0f} MiB): writes will wait for memory",
-                    error=True,
-                )
-            if up.backend == "ray" and up.ray_address:
-                self._say(
-                    "note: the embedded redis-server listens on 127.0.0.1: Ray workers on other nodes cannot "
-                    "reach it (set redis.url for a multi-node cluster)",
-                    error=True,
-                )
+            self.redis_url, lane_urls = self.start_embedded(run_dir)
         self.client = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
+        if self.lanes.enabled:  # the display's view of each lane's heartbeats (a lane's services beat there)
+            urls = lane_urls or [self.lanes.url(k, self.redis_url) for k in range(self.lanes.count)]
+            self.lane_clients = [
+                (syncredis.Redis.from_url(url, socket_timeout=2), lane_names(self.cfg.run_id, k))
+                for k, url in enumerate(urls)
+            ]
         if self.redis is None:
             self.check_external_memory()
         scalable = {s: up.replicas.get(s, 1) for s in SCALABLE if s in up.services}
@@ -151,12 +149,52 @@ class Launcher:
         )
         write_run_info(run_dir, info)
         # the URL is not on the command line: `ps` would show a password
-        env = {**os.environ, "STREAMRL_REDIS__URL": self.redis_url}
+        env = {**os.environ, "STREAMRL_REDIS__URL": self.redis_url, **lanes_env(lane_urls)}
         env.setdefault(KEY_ENV, self.weights_key)  # signs the learner's weights events; never logged
         self.replicas = self._backend(env)
-        for service in up.services:
-            for i in range(up.replicas.get(service, 1)):
-                self.replicas.start(service, i)
+        for unit in self.units:
+            for i in range(up.replicas.get(split_unit(unit)[0], 1)):
+                self.replicas.start(unit, i)
+
+    def start_embedded(self, run_dir: Path) -> tuple[str, list[str]]:
+        """Start the embedded redis-server (one per lane with lanes, lane 0's the home); the home's URL and the
+        lanes'."""
+        up = self.cfg.up
+        lane_urls: list[str] = []
+        maxmemory = self.embedded_maxmemory()
+        servers = embedded_servers(self.lanes.count, self.redis_url, self.lanes.urls)
+        try:
+            self.redis = RedisServer(run_dir / "redis", maxmemory=maxmemory).start()
+            for k in range(1, servers):
+                self.lane_servers.append(RedisServer(run_dir / f"redis-lane{k}", maxmemory=maxmemory).start())
+        except FileNotFoundError as e:  # no redis-server anywhere: a setup problem, said plainly
+            raise ConfigError(str(e)) from e
+        self._say(
+            f"embedded redis-server at {self.redis.url} (data: {run_dir / 'redis'}); "
+            f"binary {self.redis.binary}: {self.redis.version}"
+        )
+        if self.lanes.enabled:
+            lane_urls = [self.redis.url, *(server.url for server in self.lane_servers)]
+            for k, server in enumerate(self.lane_servers, start=1):
+                self._say(f"embedded redis-server of lane {k} at {server.url} (data: {run_dir / f'redis-lane{k}'})")
+            self._say(f"lane 0 on the home's redis-server; {self.lanes.count} lanes")
+        limit = f"{maxmemory / MIB:.0f} MiB" if maxmemory else "0 (no limit)"
+        self._say(
+            f"redis maxmemory {limit}, maxmemory-policy noeviction; this run's memory bound: {self.memory.describe()}"
+        )
+        if 0 < maxmemory < self.memory.total:
+            self._say(
+                f"WARNING: up.redis_memory.maxmemory_mb is below this run's memory bound "
+                f"({self.memory.total / MIB:.0f} MiB): writes will wait for memory",
+                error=True,
+            )
+        if up.backend == "ray" and up.ray_address:
+            self._say(
+                "note: the embedded redis-server listens on 127.0.0.1: Ray workers on other nodes cannot "
+                "reach it (set redis.url for a multi-node cluster)",
+                error=True,
+            )
+        return self.redis.url, lane_urls
 
     def embedded_maxmemory(self) -> int:
         """``maxmemory`` of the embedded redis-server (bytes, 0 = no limit): ``[up.redis_memory]
@@ -209,7 +247,11 @@ class Launcher:
                 if gone.removed:
                     self._say(f"{gone.name} removed (exit code {gone.code})")
                     continue
-                if gone.code == 0 and gone.service == until:
+                service, lane = split_unit(gone.service)
+                if gone.code == 0 and service == until and lane:  # another lane's: the run ends with lane 0's
+                    self._say(f"{gone.name} finished")
+                    continue
+                if gone.code == 0 and service == until:
                     self._say(f"{gone.name} finished: the run is complete")
                     return 0
                 why = gone.detail or f"exit code {gone.code}"
@@ -245,16 +287,17 @@ class Launcher:
                 desired = desired_replicas(self.client, self.names)
         except (syncredis.RedisError, OSError):
             return  # Redis briefly away: the next round catches up
-        for service, count in desired.items():
-            if service not in SCALABLE or service not in self.cfg.up.services:
+        for unit in self.units:  # with lanes the counts are per lane
+            count = desired.get(split_unit(unit)[0])
+            if count is None or split_unit(unit)[0] not in SCALABLE:
                 continue
-            start, drain = plan(count, self.replicas.active(service), self.replicas.occupied(service))
+            start, drain = plan(count, self.replicas.active(unit), self.replicas.occupied(unit))
             if start or drain:
-                self._say(f"scaling {service}: {len(self.replicas.active(service))} -> {count} replicas")
+                self._say(f"scaling {unit}: {len(self.replicas.active(unit))} -> {count} replicas")
             for index in drain:
-                self.replicas.drain(service, index)
+                self.replicas.drain(unit, index)
             for index in start:
-                self.replicas.start(service, index)
+                self.replicas.start(unit, index)
 
     def check_memory(self) -> int | None:
         """Read Redis's ``used_memory`` (None: unreadable, e.g. an ACL user without ``INFO``); one WARNING
@@ -295,14 +338,22 @@ class Launcher:
                 except (syncredis.RedisError, OSError, KeyError, ValueError):
                     pass
             self.client.close()
+        for client, _ in self.lane_clients:
+            client.close()
         if self.redis is not None:
             self.redis.stop()
+        for server in self.lane_servers:
+            server.stop()
 
     def _display(self) -> None:
         assert self.client is not None
         try:
             beats = live_heartbeats(self.client, self.names)
             progress = {text(k): text(v) for k, v in self.client.hgetall(self.names.state("progress")).items()}
+            for client, names in self.lane_clients:
+                beats += live_heartbeats(client, names)
+                if not progress:  # with lanes, lane 0's coordinator's progress
+                    progress = {text(k): text(v) for k, v in client.hgetall(names.state("progress")).items()}
         except (syncredis.RedisError, ValueError, OSError):
             return
         alive = ", ".join(sorted(f"{b.instance}:{b.status}" for b in beats))

@@ -3,7 +3,9 @@
 Each replica runs ``streamrl <service> RECIPE ...`` (:func:`streamrl.ops.replicas.service_command`) in
 its own process group, its output interleaved on the launcher's stdout prefixed by its instance name
 (coloured on a terminal); ``[up] gpus`` gives each its ``CUDA_VISIBLE_DEVICES``. A crashed replica is
-restarted by the launcher after a doubling backoff while ``[up] max_restarts`` allows.
+restarted by the launcher after a doubling backoff while ``[up] max_restarts`` allows. With lanes the launcher
+hands it units (:mod:`streamrl.ops.lane_plan`, ``rollout-lane1``): the service's command, threads, GPUs and
+restarts, plus ``STREAMRL_LANE``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO
 
+from streamrl.ops.lane_plan import split_unit, unit_env
 from streamrl.ops.replicas import Ended, Say, child_env, die_with_parent, service_command, signal_group
 from streamrl.ops.scaling import instance_name
 from streamrl.ops.up_config import UpConfig
@@ -39,6 +42,7 @@ def pump_lines(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock)
 @dataclass
 class LocalReplica:
     service: str
+    """Its unit: the service, or the service of one lane (:func:`~streamrl.ops.lane_plan.unit_name`)."""
     index: int
     name: str
     proc: subprocess.Popen[bytes]
@@ -71,12 +75,13 @@ class LocalReplicas:
         self.due: dict[tuple[str, int], float] = {}
         """Replicas waiting for their restart: when."""
 
-    def start(self, service: str, index: int) -> None:
-        incarnation = self.incarnations.get((service, index), 0)
-        self.incarnations[(service, index)] = incarnation + 1
-        name = instance_name(service, index, incarnation)
+    def start(self, unit: str, index: int) -> None:
+        service = split_unit(unit)[0]
+        incarnation = self.incarnations.get((unit, index), 0)
+        self.incarnations[(unit, index)] = incarnation + 1
+        name = instance_name(unit, index, incarnation)
         gpus = self.up.cuda_devices(service, index)
-        env = child_env(self.env, name, self.up.threads.get(service), gpus)
+        env = child_env({**self.env, **unit_env(unit)}, name, self.up.threads.get(service), gpus)
         cmd = service_command(sys.executable, service, self.recipe, self.overrides, name)
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
@@ -84,7 +89,7 @@ class LocalReplicas:
         assert proc.stdout is not None
         pump = threading.Thread(target=pump_lines, args=(name, proc.stdout, sys.stdout, self.lock), daemon=True)
         pump.start()
-        self.running.append(LocalReplica(service, index, name, proc, pump))
+        self.running.append(LocalReplica(unit, index, name, proc, pump))
         placed = "inherited" if gpus is None else f"CUDA_VISIBLE_DEVICES={gpus!r}"
         self.say(f"started {name} (pid {proc.pid}; GPUs: {placed})")
 
@@ -112,17 +117,18 @@ class LocalReplicas:
             self.running.remove(replica)
             replica.pump.join(timeout=2)
             key = (replica.service, replica.index)
-            if replica.kill_at is not None or (code == 0 and replica.service == self.up.until):
+            service = split_unit(replica.service)[0]
+            if replica.kill_at is not None or (code == 0 and service == self.up.until):
                 ended.append(Ended(*key, replica.name, code, removed=replica.kill_at is not None))
                 continue
             used = self.restarts.get(key, 0)
-            if used < self.up.max_restarts.get(replica.service, 0):
+            if used < self.up.max_restarts.get(service, 0):
                 delay = self.up.restart_backoff_s * 2**used
                 self.restarts[key] = used + 1
                 self.due[key] = now + delay
                 self.say(
                     f"{replica.name} exited with code {code}: restart {used + 1} of "
-                    f"{self.up.max_restarts[replica.service]} in {delay:.1f} s",
+                    f"{self.up.max_restarts[service]} in {delay:.1f} s",
                     error=True,
                 )
                 continue

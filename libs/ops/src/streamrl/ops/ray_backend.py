@@ -5,7 +5,9 @@
   lives on one node, so its GPUs are packed on one node (what a STRICT_PACK placement group of N
   bundles would give), and the learner starts its N ranks on them itself. (Ranks as separate
   actors spread over nodes, in a placement group, would need the learner group to join ranks
-  started elsewhere; not done.)
+  started elsewhere; not done.) With lanes the placement is the local backend's: one coordinator actor per
+  lane and ``up.replicas`` rollout and reward actors per lane, each with ``STREAMRL_LANE`` (units of
+  :mod:`streamrl.ops.lane_plan`, named ``rollout-lane1-0``), and one learner.
 * The actor (:class:`ServiceActor`) runs the service as its child process - the same command and
   environment as the local backend (the Redis URL, the weights key, ``OMP_NUM_THREADS``) with
   ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray assigned it (none when it asked for none). The child gets
@@ -40,6 +42,7 @@ from typing import Any
 import redis as syncredis
 
 from streamrl.common.streams import StreamNames
+from streamrl.ops.lane_plan import split_unit, unit_env
 from streamrl.ops.replicas import Ended, Say, child_env, die_with_parent, service_command, signal_group
 from streamrl.ops.scaling import instance_name
 from streamrl.ops.up_config import ServiceResources, UpConfig
@@ -67,6 +70,8 @@ class ReplicaSpec:
     """This service ending with exit code 0 ends the run (the actor then stays, without restart)."""
     cwd: str
     """Working directory of the service (relative paths of the recipe), when it exists on the node."""
+    unit: str = ""
+    """Its unit when it serves a lane (``rollout-lane1``, :mod:`streamrl.ops.lane_plan`): its names' prefix."""
 
 
 def incarnations_key(names: StreamNames) -> str:
@@ -108,10 +113,10 @@ class ServiceActor:
         self.spec = spec
         client = syncredis.Redis.from_url(spec.env["STREAMRL_REDIS__URL"], socket_timeout=10)
         try:
-            incarnation = next_incarnation(client, StreamNames(spec.run_id), spec.service, spec.index)
+            incarnation = next_incarnation(client, StreamNames(spec.run_id), spec.unit or spec.service, spec.index)
         finally:
             client.close()
-        self.name = instance_name(spec.service, spec.index, incarnation)
+        self.name = instance_name(spec.unit or spec.service, spec.index, incarnation)
         gpus = visible_devices(spec.num_gpus, ray.get_gpu_ids())
         env = child_env({**os.environ, **spec.env}, self.name, spec.threads, gpus)
         cmd = service_command(sys.executable, spec.service, spec.recipe, spec.overrides, self.name)
@@ -237,7 +242,8 @@ class RayReplicas:
         say(f"ray: running on {where} (resources {total})")
         self.remote_actor: Any = ray.remote(ServiceActor)  # an actor class: Ray types its .options/.remote loosely
 
-    def start(self, service: str, index: int) -> None:
+    def start(self, unit: str, index: int) -> None:
+        service = split_unit(unit)[0]
         resources = self.up.resources_of(service)
         options = actor_options(service, resources, self.up.max_restarts.get(service, 0), self.learner_ranks)
         spec = ReplicaSpec(
@@ -246,16 +252,17 @@ class RayReplicas:
             run_id=self.run_id,
             recipe=self.recipe,
             overrides=self.overrides,
-            env=self.env,
+            env={**self.env, **unit_env(unit)},
             threads=self.up.threads.get(service),
             num_gpus=options["num_gpus"],
             until=service == self.up.until,
             cwd=os.getcwd(),
+            unit=unit if unit != service else "",
         )
         actor = self.remote_actor.options(**options).remote(spec)
-        self.replicas[(service, index)] = RayReplica(service, index, actor, actor.wait.remote())
+        self.replicas[(unit, index)] = RayReplica(unit, index, actor, actor.wait.remote())
         shown = {k: options[k] for k in ("num_cpus", "num_gpus", "max_restarts")}
-        self.say(f"placing {service}-{index} as a Ray actor {shown}")
+        self.say(f"placing {unit}-{index} as a Ray actor {shown}")
 
     def drain(self, service: str, index: int) -> None:
         replica = self.replicas.get((service, index))
@@ -283,7 +290,7 @@ class RayReplicas:
                 continue
             code, detail = self._outcome(replica.waiting)
             del self.replicas[key]
-            if replica.kill_at is not None or (code == 0 and replica.service == self.up.until):
+            if replica.kill_at is not None or (code == 0 and split_unit(replica.service)[0] == self.up.until):
                 ray.kill(replica.actor, no_restart=True)
                 ended.append(
                     Ended(

@@ -51,6 +51,15 @@ touches; EVAL counts each as read and written, so the heartbeat keys of other se
 dead-peer script checks with EXISTS are declared too). No service sends MULTI / EXEC (a re-sent
 EXEC would run twice): those are not granted.
 
+**Lanes** (``lanes.count = K > 1``, :mod:`streamrl.common.lanes`; ``acl --lanes K``): a user is one per
+service whatever the lane, and one file serves every lane's Redis. Rollout and reward get their grants above on
+each lane's keys (``streamrl:{run/lanek}:``) and nothing on the home's. The coordinator gets its grants on each
+lane's keys and on the home's (lane 0's coordinator joins: it publishes the joined ``batches`` and their
+parts on the home), plus the joiner's lease (``lease:singleton:joiner`` of the home) and, on each lane,
+XADD on ``weights`` (the mirror of the home's) and consuming ``batches`` (the lane batches it joins). The
+learner keeps its grants on the home and reads and deletes the payloads of every lane's batches
+(``batched:*``: GET, HMGET, UNLINK, EXPIRE). The observer reads the home and every lane.
+
 Run ``python -m streamrl.ops.redis_acl --help``: ``passwords`` prints new random passwords as
 ``.env`` lines, ``acl --run-id RUN`` renders the file from ``STREAMRL_REDIS_PASSWORD_<USER>``.
 """
@@ -68,6 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from streamrl.common.lanes import lane_names
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import once_key
 
@@ -141,13 +151,34 @@ class Grant:
         return "(" + " ".join([*(prefix + k for k in self.keys), *commands]) + ")"
 
 
-def grants(user: str, run_id: str) -> list[Grant]:
-    """What ``user`` may do in run ``run_id``, one :class:`Grant` per selector."""
+def grants(user: str, run_id: str, lanes: int = 1) -> list[Grant]:
+    """What ``user`` may do in run ``run_id`` of ``lanes`` lanes (see the module docstring), one :class:`Grant`
+    per selector."""
     if user not in USERS:
         raise ValueError(f"unknown Redis user {user!r}; known: {', '.join(USERS)}")
     if not _RUN_ID.match(run_id):
         raise ValueError(f"run_id {run_id!r}: use letters, digits, '_', '.' and '-' only")
-    names = StreamNames(run_id)
+    if lanes < 1:
+        raise ValueError(f"lanes: {lanes} < 1")
+    home = StreamNames(run_id)
+    if lanes == 1:
+        return _grants(user, home)
+    spaces = [lane_names(run_id, k) for k in range(lanes)]
+    if user == "observer":
+        return [Grant("R", (home.all_keys, *(n.all_keys for n in spaces)), READ_ONLY)]
+    if user in ("rollout", "reward"):
+        return [g for names in spaces for g in _grants(user, names)]
+    if user == "coordinator":
+        joiner = [Grant("RW", (home.lease("singleton", "joiner"),), LEASE)]
+        for names in spaces:
+            joiner += [Grant("W", (names.weights,), PUBLISH), Grant("RW", (names.batches,), (*CONSUME, "xrange"))]
+        return [*(g for names in spaces for g in _grants(user, names)), *_grants(user, home), *joiner]
+    payloads = tuple(names.batched_samples("*", "*") for names in spaces)
+    return [*_grants(user, home), Grant("RW", payloads, ("get", "hmget", "unlink", "expire"))]
+
+
+def _grants(user: str, names: StreamNames) -> list[Grant]:
+    """What ``user`` may do on the keys of ``names`` (a run's, or one lane's)."""
     if user == "observer":
         return [Grant("R", (names.all_keys,), READ_ONLY)]
     consumes = {
@@ -220,10 +251,10 @@ def but_prefix(base: str, word: str) -> tuple[str, ...]:
     return tuple(patterns)
 
 
-def user_rule(user: str, run_id: str, password: str) -> str:
+def user_rule(user: str, run_id: str, password: str, lanes: int = 1) -> str:
     """The ACL file line of ``user``: enabled, its password's SHA-256, no default access, its selectors."""
     check_password(user, password)
-    selectors = grants(user, run_id)
+    selectors = grants(user, run_id, lanes)
     root = ["resetkeys", "resetchannels", "-@all", *("+" + c for c in CONNECTION)]
     if any(g.access != "R" for g in selectors):
         # services run scripts: one may declare any key the user may touch (its commands are checked one by one)
@@ -241,13 +272,14 @@ def check_password(user: str, password: str) -> None:
         raise ValueError(f"{env}: use letters, digits and '._~-' only (the password goes into a redis:// URL)")
 
 
-def acl_file(run_id: str, passwords: Mapping[str, str]) -> str:
-    """The ACL file of run ``run_id``: ``default`` off, then one line per user of :data:`USERS`."""
+def acl_file(run_id: str, passwords: Mapping[str, str], lanes: int = 1) -> str:
+    """The ACL file of run ``run_id`` (of ``lanes`` lanes; the same file on every lane's Redis): ``default`` off,
+    then one line per user of :data:`USERS`."""
     missing = [PASSWORD_ENV.format(user=u.upper()) for u in USERS if not passwords.get(u)]
     if missing:
         raise ValueError(f"no password for {', '.join(missing)}")
     lines = ["user default off resetkeys resetchannels -@all"]
-    lines += [user_rule(user, run_id, passwords[user]) for user in USERS]
+    lines += [user_rule(user, run_id, passwords[user], lanes) for user in USERS]
     return "\n".join(lines) + "\n"
 
 
@@ -269,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("passwords", help="print a new random password per user, as .env lines")
     acl = sub.add_parser("acl", help="render the ACL file from STREAMRL_REDIS_PASSWORD_<USER> variables")
     acl.add_argument("--run-id", required=True, help="the run whose keys the users may touch")
+    acl.add_argument("--lanes", type=int, default=1, help="the run's lanes.count (the same file on every lane's Redis)")
     acl.add_argument("--out", type=Path, help="write the file here (mode 0644) instead of printing it")
     args = parser.parse_args(argv)
     if args.command == "passwords":
@@ -276,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PASSWORD_ENV.format(user=user.upper())}={password}")
         return 0
     try:
-        text = acl_file(args.run_id, passwords_from_env())
+        text = acl_file(args.run_id, passwords_from_env(), args.lanes)
     except ValueError as e:
         print(f"redis_acl: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@
 RUN is the run's recipe (its ``redis.url``, else the ``up.json`` that ``streamrl up`` wrote in its
 ``run_dir``) or the run directory itself. The counts go into the run's replicas hash
 (:func:`streamrl.ops.scaling.request_replicas`); the run's launcher starts or drains replicas
-within ``up.reconcile_interval_s``. Prints what was asked, the desired counts, and the live ones.
+within ``up.reconcile_interval_s``. Prints what was asked, the desired counts, and the live ones. In a run
+with lanes (``lanes.count > 1``) the counts are per lane: ``rollout=3`` is three rollout replicas in each lane.
 """
 
 from __future__ import annotations

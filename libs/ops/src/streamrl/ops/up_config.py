@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from streamrl.common.config import BaseConfig
+from streamrl.common.lanes import LanesConfig
 from streamrl.ops.autoscale import AutoscaleConfig
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
@@ -74,7 +75,8 @@ class UpConfig(BaseConfig):
     """Services to start, in order."""
     replicas: dict[str, int] = {}
     """Instances per service at start (default 1), e.g. ``{reward = 2}``. Rollout and reward can be changed while
-    the run is live with ``streamrl scale``."""
+    the run is live with ``streamrl scale``. With lanes (``lanes.count > 1``) the counts of rollout and reward are
+    per lane, and so is the coordinator's (one active per lane; more stand by)."""
     threads: dict[str, PositiveInt] = {}
     """CPU threads per service (its ``OMP_NUM_THREADS``), e.g. ``{learner = 2, rollout = 1}``; default:
     inherited from the environment."""
@@ -211,6 +213,19 @@ class LaunchRecipe(BaseConfig):
     up: UpConfig = UpConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
     """Replica counts of rollout and reward from their backlog (:mod:`streamrl.ops.autoscale`)."""
+    lanes: LanesConfig = LanesConfig()
+    """The run's lanes (:mod:`streamrl.common.lanes`): the launcher places a coordinator, rollout and reward
+    replicas per lane (:mod:`streamrl.ops.lane_plan`)."""
+
+    @model_validator(mode="after")
+    def _check_lanes(self) -> LaunchRecipe:
+        if self.lanes.enabled and self.autoscale.enabled:
+            raise ValueError(
+                f"autoscale.enabled with lanes.count = {self.lanes.count}: the autoscaler reads the home's backlogs, "
+                "which lanes do not fill; scale each lane's rollout and reward with up.replicas / streamrl scale "
+                "(counts per lane) instead"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_colocated_sleep(self) -> LaunchRecipe:

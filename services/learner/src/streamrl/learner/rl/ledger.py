@@ -19,24 +19,39 @@ the learner group), :meth:`publish` (a version: the event
 on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
 failure keys, old fingerprints and sample payloads - the ``batched:{batch}:{trajectory id}`` keys of its
-manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set).
+manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set). In a run with lanes
+(:mod:`streamrl.common.lanes`) the payloads in a lane's Redis cannot be in the home's transaction: they are given
+``redis.payload_orphan_ttl_s`` to live first (one pipeline per lane client, :func:`lane_deletes`), then the home
+transaction runs (fenced: a deposed learner stops there), then they are deleted (or given
+``redis.payload_retention_s``). A learner that dies between the steps leaves them to expire, never to leak, and
+one deposed before its transaction deletes nothing its successor may still replay within that time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from streamrl.common import replies
 from streamrl.common.bus import Bus, PreconditionFailed
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
+from streamrl.common.lanes import LaneClients, lane_of_key
 from streamrl.common.messages import BatchManifest, DeadLetter, TrainingBatch, WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.learner.rl.batch_order import LOST, Attempts, Batch
 
 KEEP_FINGERPRINTS = 1024
 """Fingerprints kept below the acknowledged index (a copy arriving later than that is refused as unknown)."""
+
+
+def lane_deletes(keys: Sequence[str], lanes: LaneClients | None) -> tuple[list[str], list[tuple[Any, list[str]]]]:
+    """``keys`` split into the home's (deleted in the learner's transaction) and, grouped by the client holding
+    them, those of a lane (pure)."""
+    home = [k for k in keys if lanes is None or lane_of_key(k) is None]
+    lane = [k for k in keys if lanes is not None and lane_of_key(k) is not None]
+    return home, (lanes.by_client(lane) if lanes is not None and lane else [])
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -185,15 +200,20 @@ class LearnerLedger:
         acked_from: int,
         acked_index: int,
         payloads: Sequence[str] = (),
+        lanes: LaneClients | None = None,
     ) -> None:
         """Acknowledge ``entries`` (all covered by a checkpoint: indices below ``acked_index``) and forget what the
         learner kept about their batches, with ``payloads`` (the hashes their manifests' samples were read from);
         ``acked`` moves from ``acked_from`` to ``acked_index``. (The entries themselves go with the consumer
-        loop's trimming by consumption, after ``redis.retain_consumed_s``.)"""
+        loop's trimming by consumption, after ``redis.retain_consumed_s``.) ``lanes``: where a lane's payloads are
+        (see the module docstring)."""
+        retention_s = math.ceil(self.bus.payload_retention_s)
+        home, in_lanes = lane_deletes(payloads, lanes)
+        grace_s = max(1, math.ceil(self.bus.payload_orphan_ttl_s))
+        await _on_lanes(in_lanes, lambda pipe, key: pipe.expire(key, grace_s))  # expire even if this ack stops here
         tx = self.bus.tx().xack(stream, self.group, *entries)
         tx.hset(self.learner, "acked", acked_index)
-        retention_s = math.ceil(self.bus.payload_retention_s)
-        for key in payloads:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
+        for key in home:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
             if retention_s > 0:
                 tx.expire(key, retention_s)
             else:
@@ -204,3 +224,16 @@ class LearnerLedger:
         if old:
             tx.hdel(self.fingerprints, *(str(i) for i in old))
         await tx.execute()
+        if retention_s > 0:
+            await _on_lanes(in_lanes, lambda pipe, key: pipe.expire(key, retention_s))
+        else:
+            await _on_lanes(in_lanes, lambda pipe, key: pipe.unlink(key))
+
+
+async def _on_lanes(groups: list[tuple[Any, list[str]]], command: Callable[[Any, str], Any]) -> None:
+    """``command`` on each key of ``groups`` (client, keys), one pipeline per client."""
+    for client, keys in groups:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            command(pipe, key)
+        await pipe.execute()

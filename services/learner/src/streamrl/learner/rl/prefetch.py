@@ -16,6 +16,9 @@ other delivery discards it. So:
   the prefetch is raised by :meth:`take`, exactly as the handler's own read would raise it (the batch is
   skipped, dead-lettered, never trained short); any other failure of the prefetch (Redis down, a lost reply)
   is logged and the handler reads the batch itself.
+
+The stream is read on the home's client; the parts and payloads on the client of each key's lane
+(:attr:`Prefetcher.clients`, a :class:`~streamrl.common.lanes.LaneClients`: the home alone without lanes).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 from streamrl.common.batch_payloads import MissingPayloadError, fetch_batch, load_manifest
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
+from streamrl.common.lanes import LaneClients
 from streamrl.common.messages import BatchManifest, TrainingBatch
 
 logger = logging.getLogger(__name__)
@@ -56,6 +60,8 @@ class Prefetcher:
 
     def __init__(self, redis: Any, stream: str, *, max_reply_bytes: int) -> None:
         self.redis = redis
+        self.clients = LaneClients(redis, [])
+        """Where the parts and payloads are read (the learner sets its lanes' once connected)."""
         self.stream = stream
         self.max_reply_bytes = max_reply_bytes
         self._pending: _Pending | None = None
@@ -85,8 +91,8 @@ class Prefetcher:
         if not isinstance(entry, BatchManifest) or entry.index != pending.index:
             return None
         pending.batch_id = entry.id
-        whole = await load_manifest(self.redis, entry, max_reply_bytes=self.max_reply_bytes)
-        return whole, await fetch_batch(self.redis, whole, max_reply_bytes=self.max_reply_bytes)
+        whole = await load_manifest(self.clients, entry, max_reply_bytes=self.max_reply_bytes)
+        return whole, await fetch_batch(self.clients, whole, max_reply_bytes=self.max_reply_bytes)
 
     async def take(self, entry_id: str, manifest: BatchManifest) -> Fetched | None:
         """The prefetched batch if it is ``manifest`` at ``entry_id`` (waiting for its reads to end), else None

@@ -16,6 +16,9 @@
   takes it after its order and duplicate checks instead of reading Redis. A payload missing skips the batch (dead letter, version published with unchanged weights): never
   trained short. The payloads are deleted with the acknowledgement of the batch (below), so a replay after
   a restart reads them again; with ``redis.payload_retention_s`` they are given that long to live instead.
+  With lanes (``lanes.count > 1``) the batches are the joined ones of the home and each key is read and
+  deleted on the Redis of its lane (:mod:`streamrl.learner.rl.lanes`): a lane's Redis down is waited out
+  like the home's, never a reason to skip a batch.
 * Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps; the
   checkpoint's files are on disk by then, :mod:`streamrl.learner.durable`). A killed learner restarts
   from its last checkpoint and replays, in order, exactly the batches it had not checkpointed (they
@@ -85,6 +88,7 @@ from streamrl.common.bus import Output
 from streamrl.common.codec import encode
 from streamrl.common.consumer import ConsumerLoop, current_entry
 from streamrl.common.errors import PoisonMessageError, RetryableError
+from streamrl.common.lanes import LaneClients
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import BATCH_SKIPPED, BatchManifest, DeadLetter, TrainingBatch, WeightsPublished
@@ -94,6 +98,7 @@ from streamrl.common.weights.auth import sign, weights_key
 from streamrl.learner.rl.batch_order import Batch, behind_verdict, fingerprint, gap_verdict
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
+from streamrl.learner.rl.lanes import close_lanes, connect_lanes
 from streamrl.learner.rl.ledger import LearnerLedger
 from streamrl.learner.rl.prefetch import Prefetcher
 from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
@@ -163,6 +168,9 @@ class LearnerService:
         """The publication mark in Redis as this learner last saw it (:meth:`LearnerLedger.publish`)."""
         self.life = secrets.token_hex(4)
         self.skipped: dict[str, str] = {}
+        self.lanes = LaneClients(ctx.bus.redis, [])
+        """Where a batch's parts and payloads are read and deleted: the home, and each lane's Redis when the run
+        has lanes (connected in :meth:`run`)."""
         self.prefetcher = Prefetcher(ctx.bus.redis, ctx.names.batches, max_reply_bytes=ctx.bus.max_command_bytes)
         """Reads the next batch while one trains (rank 0's service alone reads Redis)."""
         self.loaded_buffers: dict[str, list[str]] = {}
@@ -172,6 +180,15 @@ class LearnerService:
         self.consumed: _Consumed | None = None
 
     async def run(self) -> None:
+        self.lanes = self.prefetcher.clients = await connect_lanes(
+            self.ctx.bus.redis, self.cfg.run_id, self.cfg.lanes, self.cfg.redis
+        )
+        try:
+            await self._run()
+        finally:
+            await close_lanes(self.lanes)
+
+    async def _run(self) -> None:
         state = await asyncio.to_thread(self.group.resume)
         if state is not None:
             self.step = self.checkpointed_step = int(state["step"])
@@ -259,8 +276,8 @@ class LearnerService:
             try:
                 fetched = await self.prefetcher.take(current_entry(), entry)  # read while the last step trained
                 if fetched is None:
-                    whole = await load_manifest(self.ctx.bus.redis, entry, max_reply_bytes=budget)
-                    fetched = whole, await fetch_batch(self.ctx.bus.redis, whole, max_reply_bytes=budget)
+                    whole = await load_manifest(self.lanes, entry, max_reply_bytes=budget)
+                    fetched = whole, await fetch_batch(self.lanes, whole, max_reply_bytes=budget)
                 whole, batch = fetched
                 if whole.parts:  # what the ack deletes: the payloads its parts name too
                     self.loaded_buffers[entry.id] = whole.buffers
@@ -586,7 +603,7 @@ class LearnerService:
             await self._dead_letter(batch, entry_id, reason)
         # the hashes of this batch's samples (named under its id: never another batch's, whatever a copy names)
         keys = self.loaded_buffers.pop(batch.id, None) or (batch.buffers if isinstance(batch, BatchManifest) else [])
-        payloads = owned_buffers(self.ctx.names, batch.id, keys)
+        payloads = owned_buffers(self.ctx.names, batch.id, keys, lanes=self.cfg.lanes.count)
         self.unacked.append((entry_id, batch.index, batch.id, payloads))
         covered = [u for u in self.unacked if u[1] < self.checkpointed_index]
         if covered:
@@ -598,6 +615,7 @@ class LearnerService:
                 acked_from=self.acked_index,
                 acked_index=self.checkpointed_index,
                 payloads=[key for _, _, _, keys in covered for key in keys],
+                lanes=self.lanes,
             )
             self.acked_index = self.checkpointed_index
             self.unacked = [u for u in self.unacked if u[1] >= self.checkpointed_index]

@@ -1,0 +1,58 @@
+"""The learner's clients of a run's lanes (:mod:`streamrl.common.lanes`): where it reads and deletes the payloads
+and manifest parts a joined batch names.
+
+With ``lanes.count = K > 1`` the learner consumes the joined ``batches`` of the home, but each sample's payload
+stays in the lane that produced it (``streamrl:{run/lanek}:batched:...``, on ``lanes.urls[k]``). The learner
+holds one client per distinct lane URL - lanes on one URL share it, and a lane on the home's URL uses the home's
+client - each made by :func:`streamrl.common.bus.connect`, so a lane's Redis going down is ridden out
+(``redis.outage_s``) exactly like the home's: its reads wait, the batch is never skipped for it. A cluster node's
+URL is resolved to the node serving each lane's slot (:func:`~streamrl.common.lanes.resolve_url`). With one lane
+the learner has the home client alone (:class:`~streamrl.common.lanes.LaneClients` with no lanes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamrl.common.bus import connect
+from streamrl.common.config import RedisConfig
+from streamrl.common.lanes import LaneClients, LanesConfig, lane_names, resolve_url
+
+
+def lane_urls(lanes: LanesConfig, home_url: str) -> list[str]:
+    """The configured Redis URL of each lane, in lane order (none without lanes)."""
+    return [lanes.url(k, home_url) for k in range(lanes.count)] if lanes.enabled else []
+
+
+def share_clients(home_url: str, urls: list[str]) -> list[int]:
+    """For each lane URL, which connection it uses: -1 the home's (same URL), else the index of the first lane
+    with that URL (pure)."""
+    first: dict[str, int] = {}
+    return [-1 if url == home_url else first.setdefault(url, k) for k, url in enumerate(urls)]
+
+
+async def connect_lanes(home: Any, run_id: str, lanes: LanesConfig, redis: RedisConfig) -> LaneClients:
+    """The home client ``home`` (on ``redis.url``) and a client per lane of the run (:func:`share_clients`)."""
+    if not lanes.enabled:
+        return LaneClients(home, [])
+    if redis.url is None:
+        raise ValueError("lanes.count > 1 needs redis.url (the home's Redis) for the learner")
+    home_url: str = redis.url
+    urls = [await resolve_url(url, lane_names(run_id, k).prompts) for k, url in enumerate(lane_urls(lanes, home_url))]
+    made: dict[int, Any] = {}
+    clients = []
+    for k, shared in enumerate(share_clients(home_url, urls)):
+        if shared < 0:
+            clients.append(home)
+            continue
+        if shared not in made:
+            made[shared] = connect(urls[k], outage_s=redis.outage_s, max_connections=redis.max_connections)
+        clients.append(made[shared])
+    return LaneClients(home, clients)
+
+
+async def close_lanes(clients: LaneClients) -> None:
+    """Close the lane clients of ``clients`` (not the home's: its owner closes it)."""
+    own = {id(c): c for c in clients.clients if c is not clients.home}
+    for client in own.values():
+        await client.aclose()

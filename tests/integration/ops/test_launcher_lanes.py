@@ -1,0 +1,98 @@
+"""``streamrl up`` with lanes: one embedded redis-server per lane (lane 0's the home), their URLs handed to every
+service as ``lanes.urls``, a coordinator per lane and the rollout and reward counts per lane (each unit told its
+lane), one learner; ``streamrl scale`` counts per lane. Real redis-servers, the real launcher; the backend
+records what it is asked to start (no service runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis as syncredis
+
+from streamrl.common.lanes import lane_names
+from streamrl.ops.lane_plan import split_unit, unit_env
+from streamrl.ops.launcher import Launcher
+from streamrl.ops.replicas import Ended
+from streamrl.ops.scaling import request_replicas
+
+RECIPE = """
+run_id = "lanes"
+[lanes]
+count = 2
+[up]
+display = false
+replicas = {rollout = 2}
+"""
+
+
+class Recorded:
+    """A backend that records the replicas it is asked to start and drain (none runs)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.started: list[tuple[str, int]] = []
+        self.drained: list[tuple[str, int]] = []
+
+    def start(self, service: str, index: int) -> None:
+        self.started.append((service, index))
+
+    def drain(self, service: str, index: int) -> None:
+        self.drained.append((service, index))
+
+    def poll(self) -> list[Ended]:
+        return []
+
+    def active(self, service: str) -> list[int]:
+        live = [i for s, i in self.started if s == service]
+        return [i for i in live if (service, i) not in self.drained]
+
+    def occupied(self, service: str) -> list[int]:
+        return [i for s, i in self.started if s == service]
+
+    def stop_all(self) -> None:
+        pass
+
+
+def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE)
+    launcher = Launcher(str(recipe), [f"--run_dir={tmp_path / 'run'}"])
+    backends: list[Recorded] = []
+    monkeypatch.setattr(launcher, "_backend", lambda env: backends.append(Recorded(env)) or backends[-1])
+    try:
+        launcher.start()
+        (backend,) = backends
+        urls = json.loads(backend.env["STREAMRL_LANES__URLS"])
+        assert urls[0] == backend.env["STREAMRL_REDIS__URL"] == launcher.redis_url  # lane 0's is the home
+        assert len(set(urls)) == 2 and all(syncredis.Redis.from_url(u).ping() for u in urls)
+        assert (tmp_path / "run" / "redis-lane1").is_dir()
+        assert backend.started == [
+            ("coordinator-lane0", 0),
+            ("coordinator-lane1", 0),
+            ("rollout-lane0", 0),
+            ("rollout-lane0", 1),
+            ("rollout-lane1", 0),
+            ("rollout-lane1", 1),
+            ("reward-lane0", 0),
+            ("reward-lane1", 0),
+            ("learner", 0),
+        ]
+        assert {unit_env(u)["STREAMRL_LANE"] for u, _ in backend.started if split_unit(u)[1] == 1} == {"1"}
+        # `streamrl scale RUN reward=2`: two reward replicas in each lane
+        assert launcher.client is not None
+        request_replicas(launcher.client, launcher.names, {"reward": 2})
+        launcher._reconcile()
+        assert backend.started[9:] == [("reward-lane0", 1), ("reward-lane1", 1)]
+        lane1 = syncredis.Redis.from_url(urls[1])
+        lane1.set(lane_names("lanes", 1).state("probe"), 1)  # lane 1's keys live on its own server
+        assert launcher.client.get(lane_names("lanes", 1).state("probe")) is None
+        assert [names.run_id for _, names in launcher.lane_clients] == ["lanes/lane0", "lanes/lane1"]  # display
+    finally:
+        launcher.stop()
+    for url in urls:  # every embedded server stopped with the run
+        with pytest.raises(syncredis.ConnectionError):
+            syncredis.Redis.from_url(url, socket_connect_timeout=1).ping()
