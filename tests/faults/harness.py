@@ -39,6 +39,7 @@ from pathlib import Path
 
 import redis as syncredis
 from accounting import Lane
+from redis.exceptions import ClusterDownError
 from redis_proxy import FaultProxy
 from resp import ScriptNames
 from tap import StreamTap
@@ -366,10 +367,12 @@ class FaultRun:
     # -- watching ---------------------------------------------------------------------------
     def version(self) -> int:
         """The coordinator's policy version (lane 0's with lanes; -1 while redis is unreachable)."""
-        names = self.lane_sides[0].names if self.lane_sides else self.names
+        client, names = (
+            (self.lane_sides[0].client, self.lane_sides[0].names) if self.lane_sides else (self.client, self.names)
+        )
         try:
-            raw = self.client.get(names.state("policy_version"))
-        except (syncredis.ConnectionError, syncredis.TimeoutError):
+            raw = client.get(names.state("policy_version"))
+        except (syncredis.ConnectionError, syncredis.TimeoutError, ClusterDownError):
             return -1
         return int(raw) if raw is not None else 0
 

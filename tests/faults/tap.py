@@ -20,6 +20,7 @@ import time
 
 import msgspec
 import redis as syncredis
+from redis.exceptions import ClusterDownError, TryAgainError
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
@@ -127,8 +128,8 @@ class StreamTap:
         while not self._stop.is_set():
             try:
                 self._read_once(block=True)
-            except (syncredis.ConnectionError, syncredis.TimeoutError):
-                time.sleep(0.2)  # redis restarting: its AOF keeps what we have not read yet
+            except (syncredis.ConnectionError, syncredis.TimeoutError, ClusterDownError, TryAgainError):
+                time.sleep(0.2)  # redis (a cluster node) restarting: its AOF keeps what we have not read yet
 
     def _read_once(self, *, block: bool) -> int:
         with self._lock:

@@ -43,7 +43,15 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, BusyLoadingError, OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterDownError,
+    OutOfMemoryError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -182,7 +190,8 @@ class RedisLoginError(RedisError):
 class OutageRetry(Retry):
     """Redis commands retried through a connection outage (a restart, a failover) or a full Redis, with backoff.
 
-    Every command that meets a connection error, a timeout, a server still loading its data, or
+    Every command that meets a connection error, a timeout, a server still loading its data, a Redis Cluster
+    down or moving the key's slot (``CLUSTERDOWN`` - a node just restarted -, ``TRYAGAIN``), or
     ``OOM command not allowed`` (``maxmemory`` reached under ``noeviction``: the command did not run, so
     trying again is safe) reconnects and tries again, backing off up to 2 s between tries, for about
     ``outage_s`` seconds; then the error reaches the caller. One WARNING line when an outage (or a full
@@ -197,7 +206,14 @@ class OutageRetry(Retry):
 
     def __init__(self, outage_s: float) -> None:
         tries = max(1, math.ceil(outage_s / RECONNECT_BACKOFF_CAP_S))
-        errors = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OutOfMemoryError)
+        errors = (
+            RedisConnectionError,
+            RedisTimeoutError,
+            BusyLoadingError,
+            ClusterDownError,
+            TryAgainError,
+            OutOfMemoryError,
+        )
         super().__init__(ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP_S, base=0.05), tries, errors)
         self.outage_s = outage_s
 
