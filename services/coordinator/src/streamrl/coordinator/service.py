@@ -90,6 +90,7 @@ class CoordinatorService:
     """See the module docstring."""
 
     def __init__(self, config: CoordinatorConfig, ctx: ServiceContext) -> None:
+        config = config.for_lane()
         self.cfg = config
         self.ctx = ctx
         self.names = ctx.names
