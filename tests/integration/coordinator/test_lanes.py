@@ -3,6 +3,8 @@ joins the lanes' batches into the one the learner trains (:mod:`streamrl.coordin
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -12,13 +14,32 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
+from coordinator_fakes import sample
 
+from streamrl.common.batch_payloads import load_manifest
+from streamrl.common.bus import Bus, connect
 from streamrl.common.codec import decode, encode
-from streamrl.common.lanes import lane_names
-from streamrl.common.messages import PromptWorkItem, WeightsPublished
+from streamrl.common.config import ConsumerConfig
+from streamrl.common.lanes import lane_names, lane_of_key
+from streamrl.common.messages import (
+    BATCH_SKIPPED,
+    BatchManifest,
+    DeadLetter,
+    PromptWorkItem,
+    SampleRef,
+    WeightsPublished,
+)
+from streamrl.common.streams import StreamNames
+from streamrl.coordinator.batches import BatchBuilder, store_parts
+from streamrl.coordinator.dead_letters import LostBatch, what_was_lost
+from streamrl.coordinator.groups import GroupBuffer
+from streamrl.coordinator.joining import Joiner, Lane
+from streamrl.coordinator.state import RunState
 from streamrl.ops.redis_server import RedisServer
 
 
@@ -114,3 +135,284 @@ def test_a_batch_size_that_does_not_split_over_the_lanes_is_refused_naming_both(
     out = stop(proc)
     assert proc.returncode == 2, out[-3000:]
     assert "prompts_per_step = 3" in out and "lanes.count = 2" in out
+
+
+# -- the joiner, in process, on the home Redis (also lane 0's) and lane 1's --------------------------------------
+
+
+def lane_manifest(names: StreamNames, index: int, groups: list[str], *, version: int = 0) -> BatchManifest:
+    """Lane batch ``index`` as a lane coordinator publishes it: two samples per group, payloads under the batch."""
+    batch_id = f"batch-{index}"
+    refs = [
+        SampleRef(
+            trajectory_id=f"{g}/{i}",
+            group_id=g,
+            key=names.batched_payload(batch_id, f"{g}/{i}"),
+            field="",
+            policy_version_start=version,
+            num_bytes=100,
+            scored=sample(g, i, version=version),
+        )
+        for g in groups
+        for i in range(2)
+    ]
+    return BatchManifest(
+        id=batch_id, index=index, samples=refs, policy_version=index, staleness=[index - version] * len(refs)
+    )
+
+
+class Pair:
+    """Two lanes (lane 0 on the home Redis, lane 1 on the second) and the joiner's view of them."""
+
+    def __init__(self, home_url: str, lane1_url: str, run_id: str) -> None:
+        self.urls = [home_url, lane1_url]
+        self.home_names = StreamNames(run_id)
+        self.names = [lane_names(run_id, 0), lane_names(run_id, 1)]
+        self.sync = [redis.Redis.from_url(u) for u in self.urls]
+
+    def joiner(self, clients: list[aioredis.Redis], part_bytes: int = 2**20, cls: type[Joiner] = Joiner) -> Joiner:
+        home = Bus(clients[0])
+        lanes = [Lane(Bus(c), n) for c, n in zip(clients, self.names, strict=True)]
+        return cls(home, self.home_names, lanes, ConsumerConfig(claim_interval_s=0.2), part_bytes=part_bytes)
+
+    async def publish(
+        self, clients: list[aioredis.Redis], lane: int, manifest: BatchManifest, part_bytes: int = 2**20
+    ) -> None:
+        """XADD a lane batch as a coordinator does (split into lane parts when its refs pass ``part_bytes``)."""
+        bus = Bus(clients[lane])
+        published = await store_parts(bus, self.names[lane], manifest, part_bytes)
+        tx = bus.tx()
+        for part in published.parts:
+            tx.call("PERSIST", part)
+        await tx.xadd(self.names[lane].batches, published).execute()
+
+    def home_batches(self) -> list[BatchManifest]:
+        return [decode(f[b"d"], BatchManifest) for _, f in self.sync[0].xrange(self.home_names.batches)]
+
+    def letters(self, lane: int) -> list[DeadLetter]:
+        return [decode(f[b"d"], DeadLetter) for _, f in self.sync[lane].xrange(self.names[lane].dead)]
+
+
+@pytest.fixture
+def pair(redis_url: str, second_redis: str, run_id: str) -> Pair:
+    return Pair(redis_url, second_redis, run_id)
+
+
+def run_until(
+    pair: Pair, done: Callable[[], bool], scenario: Callable[[list[aioredis.Redis]], Any], kill: bool = False, **kw: Any
+) -> None:
+    """In one event loop: ``scenario(clients)`` (setup), then a joiner running until ``done()`` (within 20 s), then
+    stopped (``kill``: cancelled where it is, as a killed process stops)."""
+
+    async def main() -> None:
+        clients = [connect(u) for u in pair.urls]
+        stop = asyncio.Event()
+        try:
+            await scenario(clients)
+            task = asyncio.create_task(pair.joiner(clients, **kw).run(stop))
+            deadline = time.monotonic() + 20
+            while not done():
+                assert not task.done(), task.exception()
+                assert time.monotonic() < deadline, "timed out waiting for the joiner"
+                await asyncio.sleep(0.05)
+            if kill:
+                task.cancel()
+            stop.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_joiner_publishes_one_home_manifest_per_index_with_every_lanes_samples(pair: Pair) -> None:
+    lane1_parts: list[str] = []
+
+    async def scenario(clients: list[aioredis.Redis]) -> None:
+        await pair.publish(clients, 0, lane_manifest(pair.names[0], 0, ["p0", "p2"]))
+        # lane 1's batch 0 is split (as a big one is): the joiner reads its lane parts, then deletes them
+        await pair.publish(clients, 1, lane_manifest(pair.names[1], 0, ["p1", "p3"], version=0), part_bytes=1200)
+        lane1_parts.extend(k.decode() for k in pair.sync[1].keys("*manifest*"))
+        await pair.publish(clients, 1, lane_manifest(pair.names[1], 1, ["p5", "p7"], version=1))
+        await pair.publish(clients, 0, lane_manifest(pair.names[0], 1, ["p4", "p6"], version=0))
+
+    # the joined manifests are split into home parts (as the coordinator splits a big one)
+    run_until(pair, lambda: len(pair.home_batches()) >= 2, scenario, part_bytes=1500)
+    time.sleep(0.5)
+    published = pair.home_batches()
+    assert [(b.id, b.index) for b in published] == [("batch-0", 0), ("batch-1", 1)]
+    assert lane1_parts and not pair.sync[1].exists(*lane1_parts), "lane 1's own manifest parts were kept"
+
+    async def whole() -> list[BatchManifest]:
+        client = connect(pair.urls[0])
+        try:
+            return [await load_manifest(client, b, max_reply_bytes=2**20) for b in published]
+        finally:
+            await client.aclose()
+
+    first, second = asyncio.run(whole())
+    assert all(b.parts for b in published) and all(
+        p.startswith(pair.home_names.batched_samples(b.id, "")) for b in published for p in b.parts
+    )
+    assert [s.trajectory_id for s in first.samples] == ["p0/0", "p0/1", "p2/0", "p2/1", "p1/0", "p1/1", "p3/0", "p3/1"]
+    assert [lane_of_key(s.key) for s in first.samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert first.samples[4].key == pair.names[1].batched_payload("batch-0", "p1/0")
+    assert [s.group_id for s in second.samples[::2]] == ["p4", "p6", "p5", "p7"]
+    assert second.staleness == [1, 1, 1, 1, 0, 0, 0, 0] and second.policy_version == 1
+    for k in (0, 1):  # every lane entry acknowledged
+        assert pair.sync[k].xpending(pair.names[k].batches, "joiner")["pending"] == 0
+
+
+class Crashing(Joiner):
+    """A joiner that dies right after publishing, before it cleans up (the process killed there)."""
+
+    async def clean_up(self, index: int) -> None:
+        await asyncio.Event().wait()
+
+
+def test_a_joiner_restarted_between_publish_and_acks_never_publishes_an_index_twice(pair: Pair) -> None:
+    async def batch0(clients: list[aioredis.Redis]) -> None:
+        await pair.publish(clients, 0, lane_manifest(pair.names[0], 0, ["p0"]))
+        await pair.publish(clients, 1, lane_manifest(pair.names[1], 0, ["p1"]), part_bytes=600)
+
+    run_until(pair, lambda: len(pair.home_batches()) >= 1, batch0, kill=True, cls=Crashing)  # then "killed"
+    pending = sum(pair.sync[k].xpending(pair.names[k].batches, "joiner")["pending"] for k in (0, 1))
+    assert pending == 1, "the lane entry that completed index 0 should be unacknowledged when the joiner dies"
+    assert pair.sync[1].keys("*manifest*"), "lane 1's parts were deleted before the crash"
+
+    async def batch1(clients: list[aioredis.Redis]) -> None:
+        await pair.publish(clients, 0, lane_manifest(pair.names[0], 1, ["p2"]))
+        await pair.publish(clients, 1, lane_manifest(pair.names[1], 1, ["p3"]))
+
+    run_until(pair, lambda: len(pair.home_batches()) >= 2, batch1)
+    time.sleep(0.5)
+    assert [b.index for b in pair.home_batches()] == [0, 1]
+    assert not pair.sync[1].keys("*manifest*"), "the restarted joiner did not finish cleaning up index 0"
+    assert not pair.sync[0].smembers(pair.home_names.state("joiner_cleanup"))
+    for k in (0, 1):
+        assert pair.sync[k].xpending(pair.names[k].batches, "joiner")["pending"] == 0
+        assert not pair.letters(k)
+
+
+def test_weights_are_mirrored_into_every_lane_once_each_across_restarts(pair: Pair) -> None:
+    home = pair.sync[0]
+    sent = [ready(v)[b"d"] for v in range(3)]
+    home.xadd(pair.home_names.weights, {b"d": sent[0]})
+    home.xadd(pair.home_names.weights, {b"d": sent[1]})
+
+    def mirrored(n: int) -> Callable[[], bool]:
+        return lambda: all(pair.sync[k].xlen(pair.names[k].weights) >= n for k in (0, 1))
+
+    async def nothing(clients: list[aioredis.Redis]) -> None:
+        pass
+
+    run_until(pair, mirrored(2), nothing)
+    home.xadd(pair.home_names.weights, {b"d": sent[2]})
+    run_until(pair, mirrored(3), nothing)  # a restarted joiner reads the home stream again from the marks
+    run_until(pair, mirrored(3), nothing)
+    time.sleep(0.3)
+    for k in (0, 1):
+        assert [f[b"d"] for _, f in pair.sync[k].xrange(pair.names[k].weights)] == sent
+
+
+def test_a_learner_dead_letter_about_a_joined_batch_reaches_every_lane_as_its_own(pair: Pair) -> None:
+    async def batch0(clients: list[aioredis.Redis]) -> None:
+        for k, groups in ((0, ["p0", "p2"]), (1, ["p1"])):
+            for ref in lane_manifest(pair.names[k], 0, groups).samples:
+                await clients[k].set(ref.key, b"payload")
+            await pair.publish(clients, k, lane_manifest(pair.names[k], 0, groups))
+
+    run_until(pair, lambda: len(pair.home_batches()) >= 1, batch0, part_bytes=1500)
+    (joined,) = pair.home_batches()
+    assert joined.parts
+    letter = DeadLetter(
+        stream=pair.home_names.batches,
+        entry_id="1-0",
+        group="learner",
+        consumer="l",
+        error=f"batch-0 (6 samples) {BATCH_SKIPPED}: a payload is missing",
+        deliveries=1,
+        payload=encode(joined),
+        ts=1.0,
+    )
+    pair.sync[0].xadd(pair.home_names.dead, {b"d": encode(letter)})
+
+    async def nothing(clients: list[aioredis.Redis]) -> None:
+        pass
+
+    run_until(pair, lambda: all(pair.letters(k) for k in (0, 1)), nothing)
+    run_until(pair, lambda: True, nothing)  # restarted: relays nothing twice
+    time.sleep(0.3)
+    assert not pair.sync[0].exists(*joined.parts), "the dead joined batch's home parts were kept"
+    for k, groups, count in ((0, ("p0", "p2"), 4), (1, ("p1",), 2)):
+        (relayed,) = pair.letters(k)
+        lost = what_was_lost(relayed, batches_stream=pair.names[k].batches)
+        assert isinstance(lost, LostBatch), lost
+        assert (lost.batch_id, lost.num_samples, lost.num_groups) == ("batch-0", count, len(groups))
+        assert "a payload is missing" in relayed.error
+        # the lane's coordinator accounts for it as today: counted dropped, its payloads deleted
+        keys = list(lost.buffers)
+
+        async def account(k: int = k, lost: LostBatch = lost) -> bool:
+            client = connect(pair.urls[k])
+            try:
+                state = RunState(Bus(client), pair.names[k])
+                groups_ = GroupBuffer(state, group_size=2, dynamic_filtering=False)
+                builder = BatchBuilder(state, groups_, prompts_per_step=1, max_staleness=0, drop_stale=True)
+                return await builder.record_dead(lost.batch_id, lost.num_samples, lost.num_groups, "x", lost.buffers)
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(account())
+        assert keys and not pair.sync[k].exists(*keys)
+        assert pair.sync[k].get(pair.names[k].state("samples_dead")) == str(count).encode()
+
+
+def test_a_refused_joined_batch_is_sent_again_on_the_home(pair: Pair) -> None:
+    async def batch0(clients: list[aioredis.Redis]) -> None:
+        await pair.publish(clients, 0, lane_manifest(pair.names[0], 0, ["p0"]))
+        await pair.publish(clients, 1, lane_manifest(pair.names[1], 0, ["p1"]))
+
+    run_until(pair, lambda: len(pair.home_batches()) >= 1, batch0)
+    (joined,) = pair.home_batches()
+    letter = DeadLetter(
+        stream=pair.home_names.batches,
+        entry_id="1-0",
+        group="learner",
+        consumer="l",
+        error="batch-0 arrived out of order",
+        deliveries=1,
+        payload=encode(joined),
+        ts=1.0,
+    )
+    pair.sync[0].xadd(pair.home_names.dead, {b"d": encode(letter)})
+
+    async def nothing(clients: list[aioredis.Redis]) -> None:
+        pass
+
+    run_until(pair, lambda: len(pair.home_batches()) >= 2, nothing)
+    assert [b.id for b in pair.home_batches()] == ["batch-0", "batch-0"]
+    assert not pair.letters(0) and not pair.letters(1)
+
+
+def test_bad_lane_entries_are_dead_lettered_naming_them_never_joined(pair: Pair, run_id: str) -> None:
+    other = lane_names(f"{run_id}x", 1)
+
+    async def scenario(clients: list[aioredis.Redis]) -> None:
+        await pair.publish(clients, 0, lane_manifest(pair.names[0], 0, ["p0"]))
+        await pair.publish(clients, 1, lane_manifest(pair.names[1], 0, ["p1"]))
+        await pair.publish(clients, 1, lane_manifest(pair.names[1], 0, ["p3"]))  # index 0 again
+        await pair.publish(clients, 1, lane_manifest(other, 1, ["p5"]))  # another run's
+
+    run_until(pair, lambda: len(pair.letters(1)) >= 2, scenario)
+    time.sleep(0.3)
+    assert [b.index for b in pair.home_batches()] == [0]
+    first, second = pair.letters(1)
+    assert "lane 1's batch-0 (index 0): index 0 was taken already" in first.error
+    assert "keys not of its batch in lane 1" in second.error and "another run" in second.error
+    for letter in (first, second):  # counted by lane 1's coordinator, never taken for a batch to drop or resend
+        assert letter.stream == pair.home_names.batches
+        assert what_was_lost(letter, batches_stream=pair.names[1].batches) is None
+    assert pair.sync[1].xpending(pair.names[1].batches, "joiner")["pending"] == 0
