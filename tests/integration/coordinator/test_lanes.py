@@ -32,8 +32,12 @@ from streamrl.common.messages import (
     DeadLetter,
     PromptWorkItem,
     SampleRef,
+    ScoredRecord,
+    Tensor,
+    Trajectory,
     WeightsPublished,
 )
+from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.batches import BatchBuilder, store_parts
 from streamrl.coordinator.dead_letters import LostBatch, what_was_lost
@@ -416,3 +420,70 @@ def test_bad_lane_entries_are_dead_lettered_naming_them_never_joined(pair: Pair,
         assert letter.stream == pair.home_names.batches
         assert what_was_lost(letter, batches_stream=pair.names[1].batches) is None
     assert pair.sync[1].xpending(pair.names[1].batches, "joiner")["pending"] == 0
+
+
+def answer(client: redis.Redis, names: StreamNames, item: PromptWorkItem) -> None:
+    """Every sample of ``item``'s group generated and scored in its lane, as the rollout and reward tiers write it."""
+    for i in range(item.sampling.n):
+        traj = Trajectory(
+            id=f"{item.id}/{i}",
+            group_id=item.id,
+            group_index=i,
+            group_size=item.sampling.n,
+            prompt_ids=item.prompt_ids,
+            response_ids=Tensor.from_list([5], "int32"),
+            logprobs=Tensor.from_list([-1.0], "float32"),
+            loss_mask=Tensor.from_list([1], "uint8"),
+            policy_version_start=item.policy_version,
+            policy_version_end=item.policy_version,
+        )
+        key = names.payload(traj.id, "t")
+        client.set(key, encode(traj))
+        record = ScoredRecord(trajectory=record_of(traj, key, len(encode(traj))), reward=1.0, score=1.0)
+        client.xadd(names.scored, {b"d": encode(record)})
+
+
+def test_two_lane_coordinators_feed_one_joined_batch_and_follow_the_home_weights(
+    tiny_task: Path, tmp_path: Path, redis_url: str, second_redis: str, run_id: str, write_recipe
+) -> None:  # type: ignore[no-untyped-def]
+    urls = [redis_url, second_redis]
+    clients = [redis.Redis.from_url(u) for u in urls]
+    names = [lane_names(run_id, 0), lane_names(run_id, 1)]
+    home = StreamNames(run_id)
+    extra = ("--coordinator.group_size=2", "--coordinator.dataset.shuffle=false")
+    procs = [start(write_recipe(tiny_task, tmp_path / f"run{k}", redis_url), run_id, k, urls, *extra) for k in (0, 1)]
+    try:
+        clients[0].xadd(home.weights, ready(0))  # the learner is ready: mirrored into both lanes, both issue
+        for k in (0, 1):
+            wait_for(lambda k=k: clients[k].xlen(names[k].prompts) >= 4, 120, f"lane {k}'s prompts", procs[k])
+        issued = [
+            [decode(f[b"d"], PromptWorkItem) for _, f in c.xrange(n.prompts)]
+            for c, n in zip(clients, names, strict=True)
+        ]
+        assert [p.id for p in issued[0]] == ["p0", "p2", "p4", "p6"]
+        assert [p.id for p in issued[1]] == ["p1", "p3", "p5", "p7"]
+        for k in (0, 1):
+            for item in issued[k][:2]:  # the lane's batch 0 (version 0)
+                answer(clients[k], names[k], item)
+        wait_for(lambda: clients[0].xlen(home.batches) >= 1, 60, "the joined batch 0", procs[0])
+        (entry,) = [decode(f[b"d"], BatchManifest) for _, f in clients[0].xrange(home.batches)]
+        assert (entry.id, entry.num_samples) == ("batch-0", 8)
+        groups = [s.group_id for s in entry.samples[::2]]  # each lane's in lane order (completion order within it)
+        assert sorted(groups[:2]) == ["p0", "p2"] and sorted(groups[2:]) == ["p1", "p3"]
+        assert [lane_of_key(s.key) for s in entry.samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+        # the learner trains it and publishes version 1: both lanes follow
+        clients[0].xadd(home.weights, ready(1))
+        for k in (0, 1):
+            wait_for(
+                lambda k=k: int(clients[k].get(names[k].state("policy_version")) or 0) == 1,
+                30,
+                f"lane {k} at version 1",
+                procs[k],
+            )
+        assert clients[0].exists(home.lease("singleton", "joiner"))
+        assert not clients[1].keys(f"*{{{run_id}}}*"), "lane 1's coordinator wrote home keys"
+    finally:
+        outs = [stop(p) for p in procs]
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, out[-3000:]
+    assert "joiner: batch-0 published (8 samples from 2 lanes)" in outs[0]
