@@ -39,6 +39,7 @@ from streamrl.common.messages import (
 )
 from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
+from streamrl.common.weights.auth import KEY_ENV, sign
 from streamrl.coordinator.batches import BatchBuilder, store_parts
 from streamrl.coordinator.dead_letters import LostBatch, what_was_lost
 from streamrl.coordinator.groups import GroupBuffer
@@ -55,7 +56,9 @@ def second_redis(tmp_path: Path) -> Iterator[str]:
     server.stop()
 
 
-def start(recipe: Path, run_id: str, lane: int, urls: list[str], *extra: str) -> subprocess.Popen[bytes]:
+def start(
+    recipe: Path, run_id: str, lane: int, urls: list[str], *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """The coordinator of ``lane`` as a process (two lanes at ``urls``); its output goes to ``proc.log_path``."""
     cmd = [
         sys.executable,
@@ -69,7 +72,7 @@ def start(recipe: Path, run_id: str, lane: int, urls: list[str], *extra: str) ->
         *extra,
     ]
     log = tempfile.NamedTemporaryFile(prefix=f"coordinator-lane{lane}-", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_LANE": str(lane)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMRL_LANE": str(lane), **(env or {})}
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log_path = log.name  # type: ignore[attr-defined]
     return proc
@@ -91,10 +94,16 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, proc: s
         time.sleep(0.05)
 
 
-def ready(version: int = 0) -> dict[bytes, bytes]:
+WEIGHTS_KEY = "a-weights-key-of-this-run"
+
+
+def ready(version: int = 0, signed_for: str | None = None) -> dict[bytes, bytes]:
+    """A learner's weights event (signed for run ``signed_for`` with :data:`WEIGHTS_KEY` when given)."""
     event = WeightsPublished(
         version=version, step=version, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="tcp://x:1"
     )
+    if signed_for is not None:
+        event = sign(event, WEIGHTS_KEY.encode(), run_id=signed_for)
     return {b"d": encode(event)}
 
 
@@ -451,9 +460,16 @@ def test_two_lane_coordinators_feed_one_joined_batch_and_follow_the_home_weights
     names = [lane_names(run_id, 0), lane_names(run_id, 1)]
     home = StreamNames(run_id)
     extra = ("--coordinator.group_size=2", "--coordinator.dataset.shuffle=false")
-    procs = [start(write_recipe(tiny_task, tmp_path / f"run{k}", redis_url), run_id, k, urls, *extra) for k in (0, 1)]
+    # the learner signs its weights for the run: each lane checks its mirrored copy against the run, not the lane
+    env = {KEY_ENV: WEIGHTS_KEY}
+    procs = [
+        start(write_recipe(tiny_task, tmp_path / f"run{k}", redis_url), run_id, k, urls, *extra, env=env)
+        for k in (0, 1)
+    ]
     try:
-        clients[0].xadd(home.weights, ready(0))  # the learner is ready: mirrored into both lanes, both issue
+        clients[0].xadd(
+            home.weights, ready(0, signed_for=run_id)
+        )  # the learner is ready: mirrored into both lanes, both issue
         for k in (0, 1):
             wait_for(lambda k=k: clients[k].xlen(names[k].prompts) >= 4, 120, f"lane {k}'s prompts", procs[k])
         issued = [
@@ -472,7 +488,7 @@ def test_two_lane_coordinators_feed_one_joined_batch_and_follow_the_home_weights
         assert sorted(groups[:2]) == ["p0", "p2"] and sorted(groups[2:]) == ["p1", "p3"]
         assert [lane_of_key(s.key) for s in entry.samples] == [0, 0, 0, 0, 1, 1, 1, 1]
         # the learner trains it and publishes version 1: both lanes follow
-        clients[0].xadd(home.weights, ready(1))
+        clients[0].xadd(home.weights, ready(1, signed_for=run_id))
         for k in (0, 1):
             wait_for(
                 lambda k=k: int(clients[k].get(names[k].state("policy_version")) or 0) == 1,
