@@ -137,6 +137,18 @@ def test_a_lane_coordinator_issues_only_its_shard_of_the_dataset(
     finally:
         out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
+    # restarted, it resumes its own shard where it stopped (version 1 lets two more groups in)
+    args = (f"--coordinator.dataset.path={data}", "--coordinator.dataset.shuffle=false")
+    proc = start(recipe, run_id, 1, [redis_url, second_redis], *args)
+    try:
+        lane1.xadd(names.weights, ready(1))
+        wait_for(lambda: lane1.xlen(names.prompts) >= 6, 120, "lane 1's prompts after its restart", proc)
+        time.sleep(1.0)
+        issued = [decode(f[b"d"], PromptWorkItem) for _, f in lane1.xrange(names.prompts)]
+        assert [p.id for p in issued] == ["p1", "p3", "p5", "p7", "p9", "p11"]
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0, out[-3000:]
 
 
 def test_a_batch_size_that_does_not_split_over_the_lanes_is_refused_naming_both(
