@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -39,6 +40,7 @@ from streamrl.common.messages import (
 )
 from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
+from streamrl.common.tx import TX_LUA
 from streamrl.common.weights.auth import KEY_ENV, sign
 from streamrl.coordinator.batches import BatchBuilder, store_parts
 from streamrl.coordinator.dead_letters import LostBatch, what_was_lost
@@ -515,3 +517,41 @@ def test_two_lane_coordinators_feed_one_joined_batch_and_follow_the_home_weights
     for proc, out in zip(procs, outs, strict=True):
         assert proc.returncode == 0, out[-3000:]
     assert "joiner: batch-0 published (8 samples from 2 lanes)" in outs[0]
+
+
+def test_a_join_whose_reply_is_lost_is_published_once(pair: Pair) -> None:
+    """Redis runs the join's transaction, the reply is lost, the client's outage retry sends it again: one entry."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lost_reply_proxy import LostReplyProxy
+
+    async def main() -> None:
+        url = urlparse(pair.urls[0])
+        proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
+        clients = [connect(u) for u in pair.urls]
+        home = connect(proxy.url)
+        stop = asyncio.Event()
+        try:
+            await pair.publish(clients, 0, lane_manifest(pair.names[0], 0, ["p0"]))
+            await pair.publish(clients, 1, lane_manifest(pair.names[1], 0, ["p1"]))
+            await home.script_load(TX_LUA)
+            proxy.drop_reply_to(pair.home_names.batches.encode())  # only the join's transaction names it
+            lanes = [Lane(Bus(c), n) for c, n in zip(clients, pair.names, strict=True)]
+            joiner = Joiner(Bus(home), pair.home_names, lanes, ConsumerConfig())
+            task = asyncio.create_task(joiner.run(stop))
+            deadline = time.monotonic() + 20
+            while not pair.sync[0].xlen(pair.home_names.batches) or proxy.armed:
+                assert not task.done() and time.monotonic() < deadline, "the join was not published"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+            stop.set()
+            await asyncio.wait_for(task, 10)
+        finally:
+            await home.aclose()
+            for c in clients:
+                await c.aclose()
+            await proxy.close()
+        assert proxy.dropped == 1
+
+    asyncio.run(main())
+    assert [b.index for b in pair.home_batches()] == [0]
+    assert pair.sync[0].get(pair.home_names.state("joiner_next")) == b"1"
