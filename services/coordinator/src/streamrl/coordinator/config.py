@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -146,10 +147,13 @@ class CoordinatorConfig(ServiceConfig):
 
     def for_lane(self) -> CoordinatorConfig:
         """What this coordinator runs on: with lanes (``lanes.count = K > 1``) its lane's share - batches of
-        ``prompts_per_step / K`` groups (``total_steps`` of them), evaluation only on lane 0's; else itself."""
+        ``prompts_per_step / K`` groups (``total_steps`` of them), evaluation only on lane 0's, and for lanes
+        other than 0 their metrics under ``{run_dir}/lane{k}`` (lane 0's, with the learner's figures and the
+        evaluation, stay in ``run_dir``); else itself."""
         if not self.lanes.enabled:
             return self
         share: dict[str, object] = {"prompts_per_step": self.prompts_per_step // self.lanes.count}
         if self.lane != 0:
             share["eval"] = EvalConfig()
+            share["run_dir"] = str(Path(self.run_dir) / f"lane{self.lane}")
         return self.model_copy(update=share)
