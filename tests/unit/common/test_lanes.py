@@ -9,6 +9,7 @@ from streamrl.common.lanes import (
     LaneClients,
     LanesConfig,
     check_lane,
+    home_run_id,
     key_slot,
     lane_names,
     lane_of_key,
@@ -70,3 +71,8 @@ def test_lane_clients_route_a_key_by_its_tag() -> None:
     assert clients.by_client(keys) == [(b, [keys[0]]), (home, [keys[1]]), (a, [keys[2]])]
     with pytest.raises(ValueError, match="names lane 5"):
         clients.for_key(lane_names("r", 5).prompts)
+
+
+def test_a_lanes_readers_check_weights_against_the_home_run() -> None:
+    assert home_run_id(lane_names("run7", 3).run_id) == "run7"
+    assert home_run_id("run7") == "run7"

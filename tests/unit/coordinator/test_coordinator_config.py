@@ -60,3 +60,18 @@ def test_the_rollout_context_length_bounds_a_batch_at_start(tmp_path, capsys) ->
     assert main([str(recipe), "--dry-run", "--coordinator.group_size=32"]) == 2
     err = capsys.readouterr().err
     assert "rollout.engine.max_model_len" in err and "512 MiB" in err and "group_size" in err, err
+
+
+def test_each_lane_runs_its_share_of_the_batch_and_only_lane_0_evaluates() -> None:
+    from streamrl.common.lanes import LanesConfig
+    from streamrl.coordinator.config import DatasetConfig, EvalConfig
+
+    held_out = EvalConfig(dataset=DatasetConfig(path="eval.jsonl", tokenizer="t"))
+    lane0 = config(lanes=LanesConfig(count=4), lane=0, prompts_per_step=8, eval=held_out).for_lane()
+    lane3 = config(lanes=LanesConfig(count=4), lane=3, prompts_per_step=8, eval=held_out).for_lane()
+    assert (lane0.prompts_per_step, lane3.prompts_per_step) == (2, 2)
+    assert lane0.eval.dataset is not None and lane3.eval.dataset is None
+    assert (lane0.run_dir, lane3.run_dir) == ("runs/default", "runs/default/lane3")  # one metrics.jsonl each
+    assert config(prompts_per_step=8).for_lane().prompts_per_step == 8
+    with pytest.raises(ValueError, match=r"prompts_per_step = 6 .* lanes.count = 4"):
+        config(lanes=LanesConfig(count=4), lane=0, prompts_per_step=6)

@@ -77,6 +77,13 @@ def lane_names(run_id: str, lane: int) -> StreamNames:
     return StreamNames(lane_run_id(run_id, lane))
 
 
+def home_run_id(run_id: str) -> str:
+    """The run a lane's keys belong to (``run`` of ``run/lanek``; any other id as it is): what the learner signs
+    its weights events for, so a lane's reader checks them against it."""
+    match = re.fullmatch(r"([^{}/]+)/lane\d+", run_id)
+    return match.group(1) if match else run_id
+
+
 def lane_of_key(key: str | bytes) -> int | None:
     """The lane a key belongs to (by its hash tag), None for a key of the run's home (or not streamrl's)."""
     text = key.decode() if isinstance(key, bytes) else key

@@ -53,10 +53,12 @@ from dataclasses import dataclass
 import msgspec
 
 from streamrl.common.batch_payloads import owned_buffers, split_refs
+from streamrl.common.bus import Bus
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import MANIFEST_PART_BYTES, BatchManifest, ManifestPart, SampleRef
 from streamrl.common.payloads import read_payloads, write_payloads
+from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
 from streamrl.common.telemetry.tracing import NULL_TRACING, Attributes, Tracing
 from streamrl.common.tx import PreconditionFailed, Tx
@@ -225,27 +227,7 @@ class BatchBuilder:
         )
 
     async def _store_parts(self, manifest: BatchManifest) -> BatchManifest:
-        """What to publish of ``manifest``: itself when its refs fit in one part, else its header naming its parts,
-        written now (plain SETs, bounded, with a time to live the batch's transaction removes)."""
-        runs = split_refs(manifest.samples, self.manifest_part_bytes - _PART_ENVELOPE_BYTES)
-        if len(runs) <= 1:
-            return manifest
-        attempt = secrets.token_hex(8)
-        names = self.state.names
-        items = [
-            (
-                names.manifest_part(manifest.id, attempt, n),
-                encode(ManifestPart(batch_id=manifest.id, number=n, samples=run)),
-            )
-            for n, run in enumerate(runs)
-        ]
-        bus = self.state.bus
-        await write_payloads(
-            self.state.redis, items, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes
-        )
-        return msgspec.structs.replace(
-            manifest, samples=[], parts=[key for key, _ in items], part_bytes=[len(value) for _, value in items]
-        )
+        return await store_parts(self.state.bus, self.state.names, manifest, self.manifest_part_bytes)
 
     async def _part_buffers(self, batch_id: str, keys: Sequence[str]) -> list[str]:
         """The payloads the manifest parts among ``keys`` (those still in Redis and readable) name."""
@@ -314,3 +296,24 @@ class BatchBuilder:
                 limit,
             )
         return sent > 0
+
+
+async def store_parts(bus: Bus, names: StreamNames, manifest: BatchManifest, part_bytes: int) -> BatchManifest:
+    """What to publish of ``manifest``: itself when its refs fit in one part of ``part_bytes``, else its header
+    naming its parts, written now under ``names`` (plain SETs, bounded, with the orphan time to live the
+    publishing transaction removes by PERSISTing each of the header's ``parts``)."""
+    runs = split_refs(manifest.samples, part_bytes - _PART_ENVELOPE_BYTES)
+    if len(runs) <= 1:
+        return manifest
+    attempt = secrets.token_hex(8)
+    items = [
+        (
+            names.manifest_part(manifest.id, attempt, n),
+            encode(ManifestPart(batch_id=manifest.id, number=n, samples=run)),
+        )
+        for n, run in enumerate(runs)
+    ]
+    await write_payloads(bus.redis, items, ttl_s=bus.payload_orphan_ttl_s, max_command_bytes=bus.max_command_bytes)
+    return msgspec.structs.replace(
+        manifest, samples=[], parts=[key for key, _ in items], part_bytes=[len(value) for _, value in items]
+    )

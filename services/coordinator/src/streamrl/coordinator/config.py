@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -79,7 +80,8 @@ class CoordinatorConfig(ServiceConfig):
     group_size: int = Field(8, ge=1)
     """Samples per prompt (n)."""
     prompts_per_step: int = Field(8, ge=1)
-    """Groups per training batch."""
+    """Groups per training batch (with ``lanes.count = K > 1``: the joined batch's; each lane's coordinator
+    builds lane batches of ``prompts_per_step / K`` groups)."""
     max_staleness: int = Field(0, ge=0)
     """0 = synchronous (strictly on-policy); k = samples may be at most k versions behind when trained."""
     prefetch_steps: int = Field(1, ge=0)
@@ -115,6 +117,11 @@ class CoordinatorConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:
+        if self.prompts_per_step % self.lanes.count:
+            raise ValueError(
+                f"prompts_per_step = {self.prompts_per_step} groups per batch cannot be split over lanes.count = "
+                f"{self.lanes.count} lanes: make it a multiple of {self.lanes.count} (each lane builds an equal share)"
+            )
         if self.dynamic_filtering and self.group_size < 2:
             raise ValueError("dynamic_filtering needs group_size >= 2 (a group of one has no reward spread)")
         problem = maxlen_problem(
@@ -137,3 +144,16 @@ class CoordinatorConfig(ServiceConfig):
                 "wandb_project is set but wandb is not installed: pip install 'streamrl-coordinator[wandb]'"
             )
         return self
+
+    def for_lane(self) -> CoordinatorConfig:
+        """What this coordinator runs on: with lanes (``lanes.count = K > 1``) its lane's share - batches of
+        ``prompts_per_step / K`` groups (``total_steps`` of them), evaluation only on lane 0's, and for lanes
+        other than 0 their metrics under ``{run_dir}/lane{k}`` (lane 0's, with the learner's figures and the
+        evaluation, stay in ``run_dir``); else itself."""
+        if not self.lanes.enabled:
+            return self
+        share: dict[str, object] = {"prompts_per_step": self.prompts_per_step // self.lanes.count}
+        if self.lane != 0:
+            share["eval"] = EvalConfig()
+            share["run_dir"] = str(Path(self.run_dir) / f"lane{self.lane}")
+        return self.model_copy(update=share)

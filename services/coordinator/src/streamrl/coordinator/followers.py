@@ -17,6 +17,7 @@ from typing import Any
 from streamrl.common.bus import PAYLOAD_FIELD
 from streamrl.common.codec import decode
 from streamrl.common.follower import StreamFollower
+from streamrl.common.lanes import home_run_id
 from streamrl.common.messages import Message, WeightsPublished
 from streamrl.common.replies import text
 from streamrl.common.weights.auth import check
@@ -41,7 +42,8 @@ async def follow(
     def decode_entry(fields: dict[bytes, bytes]) -> Any:
         msg: Message = decode(fields.get(PAYLOAD_FIELD, b""))
         if isinstance(msg, WeightsPublished):
-            check(msg, weights_key, run_id=state.names.run_id)  # a forged version must not move the run
+            # a forged version must not move the run; the learner signs for the run, a lane's copy too
+            check(msg, weights_key, run_id=home_run_id(state.names.run_id))
         return msg
 
     async def each(entries: list[tuple[str, Any]], last_id: str) -> str:

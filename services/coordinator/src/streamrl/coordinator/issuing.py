@@ -5,7 +5,9 @@ How many and at which version is the pure rule of ``admission.py``; replacements
 the versions they are owed first. Each prompt is XADDed in the same transaction that records its group
 in flight (with that version and the issue time) and moves the dataset cursor from ``c`` to ``c + n``,
 on the precondition that the cursor is still ``c`` (compare-and-set); the group id comes from the
-cursor (``p{c + i}``). A restart never issues a prompt twice nor forgets one in flight, a re-send of
+dataset position (``p{position}``). With ``lanes.count = K > 1`` the coordinator of lane ``k`` issues only the
+positions ``i mod K == k`` (its cursor counts its own prompts: position = cursor * K + k), so the K
+coordinators' group ids never collide and a restarted one resumes its own shard. A restart never issues a prompt twice nor forgets one in flight, a re-send of
 the transaction after a lost reply runs it once (:mod:`streamrl.common.tx`), and a coordinator whose
 view is out of date writes nothing. No prompt goes out before a learner has published its
 weights (``coordinator.wait_for_learner``): samples generated while it loads would only grow stale.
@@ -36,6 +38,12 @@ from streamrl.coordinator.prompts import BadRowError, Prompt, PromptSource
 from streamrl.coordinator.state import RunState
 
 logger = logging.getLogger(__name__)
+
+
+def shard_position(cursor: int, lanes: int, lane: int) -> int:
+    """The dataset position of the ``cursor``-th prompt of lane ``lane`` of ``lanes``: the positions
+    ``i mod lanes == lane``, in order (every position when there are no lanes)."""
+    return cursor * lanes + lane
 
 
 class PromptIssuer:
@@ -69,6 +77,8 @@ class PromptIssuer:
         self.said_waiting = False
         self.bad_in_a_row = 0
         """Dataset rows skipped as bad since the last good one."""
+        self.lanes = config.lanes.count
+        self.lane = config.lane or 0
 
     async def _learner_is_ready(self, version: int) -> bool:
         """A learner has published weights (any version): it can train what the prompts produce."""
@@ -130,7 +140,7 @@ class PromptIssuer:
                 continue
             self.bad_in_a_row = 0
             now = time.time()
-            group, version = f"p{cursor + i}", versions[issued]
+            group, version = f"p{self.position(cursor + i)}", versions[issued]
             span = self.tracing.span(ISSUE, attributes={GROUP_ID: group, POLICY_VERSION: version}, start_s=now)
             item = PromptWorkItem(
                 id=group,
@@ -148,7 +158,7 @@ class PromptIssuer:
                 payload = self.bus.encode(item, self.state.names.prompts)
             except MessageTooLargeError as e:
                 too_large += 1
-                logger.warning("skipping dataset prompt %d: %s", (cursor + i) % len(self.source), e)
+                logger.warning("skipping dataset prompt %d: %s", self.position(cursor + i) % len(self.source), e)
                 span.fail(e)
                 span.end()
                 continue
@@ -169,12 +179,16 @@ class PromptIssuer:
             span.end()
         return issued
 
+    def position(self, cursor: int) -> int:
+        """The dataset position of this coordinator's ``cursor``-th prompt: its lane's shard (:func:`shard_position`)."""
+        return shard_position(cursor, self.lanes, self.lane)
+
     def _read(self, cursor: int, count: int) -> list[Prompt | BadRowError]:
         """The dataset's prompts ``cursor .. cursor + count - 1``, or the error of each bad row."""
         out: list[Prompt | BadRowError] = []
         for i in range(count):
             try:
-                out.append(self.source.get(cursor + i))
+                out.append(self.source.get(self.position(cursor + i)))
             except BadRowError as e:
                 out.append(e)
         return out

@@ -7,6 +7,10 @@ The pieces, one concept per module, wired here:
 * ``batches.BatchBuilder``: ready groups into training batches (``batching.py``), dead batches counted;
 * ``evaluation.EvalRounds``: evaluation rounds, started atomically, always closed;
 * ``followers.follow``: the tails of ``weights`` and ``dead``; ``dead_letters`` says what a letter lost;
+* with lanes (``lanes.count = K > 1``, :mod:`streamrl.common.lanes`): this coordinator serves lane ``lane``
+  (``ctx.names`` and ``ctx.bus`` are the lane's): the dataset positions ``i mod K == k``, lane batches of
+  ``prompts_per_step / K`` groups, evaluation on lane 0 only (``CoordinatorConfig.for_lane``); its
+  ``weights`` and ``dead`` are the lane's, which lane 0's ``joining.run_joiner`` fills from the home;
 * ``progress.Progress`` and ``metrics.MetricsWriter``: what a user sees;
 * ``traces``: where each prompt group's trace starts and what its samples waited for (``ctx.tracing``);
   ``ctx.metrics`` exports the ``scored`` stream's lag and the staleness of each batch's samples.
@@ -52,6 +56,7 @@ from streamrl.coordinator.evaluation import EvalRounds, round_buffer_id, round_o
 from streamrl.coordinator.followers import follow
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.issuing import PromptIssuer
+from streamrl.coordinator.joining import run_joiner
 from streamrl.coordinator.metrics import MetricsWriter, plot, wandb_run
 from streamrl.coordinator.progress import REASON_CHARS, Progress, counter_metrics
 from streamrl.coordinator.prompts import PromptSource
@@ -90,6 +95,7 @@ class CoordinatorService:
     """See the module docstring."""
 
     def __init__(self, config: CoordinatorConfig, ctx: ServiceContext) -> None:
+        config = config.for_lane()
         self.cfg = config
         self.ctx = ctx
         self.names = ctx.names
@@ -173,6 +179,8 @@ class CoordinatorService:
             ): "dead-letter tail",
             asyncio.create_task(self._tick_forever(done, stop_all)): "tick",
         }
+        if self.cfg.lanes.enabled and self.cfg.lane == 0:  # lane 0's coordinator joins the lanes' batches
+            tasks[asyncio.create_task(run_joiner(self.cfg, self.ctx, stop_all))] = "joiner"
         # A component that ends early (a bug raising in it) stops the run loudly instead of leaving
         # the others waiting for it forever.
         ends = [asyncio.create_task(self.ctx.stop.wait()), asyncio.create_task(done.wait())]

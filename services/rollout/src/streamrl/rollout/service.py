@@ -61,6 +61,7 @@ from streamrl.common.codec import decode
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError, RetryableError, WeightSyncError
 from streamrl.common.follower import StreamFollower, previous_id, supervise
+from streamrl.common.lanes import home_run_id
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, Tensor, Trajectory, WeightsPublished
 from streamrl.common.payloads import store_payloads
@@ -303,7 +304,7 @@ class RolloutService:
     def _weights_event(self, fields: dict[bytes, bytes]) -> WeightsPublished:
         """A weights stream entry, decoded and its signature checked (PoisonMessageError: never apply it)."""
         event = decode(fields.get(b"d", b""), WeightsPublished)
-        check(event, self.weights_key, run_id=self.ctx.names.run_id)
+        check(event, self.weights_key, run_id=home_run_id(self.ctx.names.run_id))
         return event
 
     async def _tail_weights(self, cursor: str) -> None:
