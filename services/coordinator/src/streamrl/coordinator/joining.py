@@ -15,11 +15,11 @@ Lane 0's coordinator also runs the joiner (:func:`run_joiner`), holding the home
    in the home (hash ``state:joiner_batch:{index}``, field = lane) and sets the lane's mark
    (``state:joiner_lane{k}``: its last entry id and index) in one fenced transaction conditioned on the
    mark read; the entry is acknowledged after that (a redelivered entry finds itself under the mark).
-   When every lane has its batch at the next index ``s`` (``state:joiner_next``), one home transaction,
-   conditioned on ``joiner_next`` still being ``s``, XADDs ONE :class:`BatchManifest` to the home
+   When every lane has its batch at the next index ``s`` (``state:batch_index``, the key the learner reads to tell a lost index from one still to come), one home transaction,
+   conditioned on ``batch_index`` still being ``s``, XADDs ONE :class:`BatchManifest` to the home
    ``batches`` - id ``batch-{s}``, index ``s``, the lanes' samples concatenated in lane order (their keys
    stay their lane's: ``streamrl:{run/lanek}:batched:batch-{s}:...``), their staleness concatenated,
-   ``policy_version`` the lanes' max, the first lane's trace context - and sets ``joiner_next`` to
+   ``policy_version`` the lanes' max, the first lane's trace context - and sets ``batch_index`` to
    ``s + 1``: index ``s`` is never published twice, whatever restarts or lost replies (the transaction's
    ``once`` key) come between. A joined manifest whose refs pass :data:`MANIFEST_PART_BYTES` is split into
    home parts exactly as a coordinator splits its own (:func:`streamrl.coordinator.batches.store_parts`).
@@ -78,7 +78,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = "joiner"
 """The joiner's consumer group (and consumer name) on each lane's ``batches``."""
-NEXT = "joiner_next"
+NEXT = "batch_index"
 """Home state: the next index to join."""
 CLEANUP = "joiner_cleanup"
 """Home state: indices joined whose lane batches are still to clean up."""

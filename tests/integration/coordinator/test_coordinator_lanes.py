@@ -554,4 +554,4 @@ def test_a_join_whose_reply_is_lost_is_published_once(pair: Pair) -> None:
 
     asyncio.run(main())
     assert [b.index for b in pair.home_batches()] == [0]
-    assert pair.sync[0].get(pair.home_names.state("joiner_next")) == b"1"
+    assert pair.sync[0].get(pair.home_names.state("batch_index")) == b"1"
