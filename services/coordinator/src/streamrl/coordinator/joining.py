@@ -465,7 +465,7 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
             continue
         url = await resolve_url(config.lanes.url(k, config.redis.url), names.prompts)
         lanes.append(Lane(bus_of(client(url)), names))
-    home = bus_of(client(config.redis.url))
+    home = bus_of(client(await resolve_url(config.redis.url, home_names.prompts)))  # a cluster: the home's node
     token = holder_token(ctx.instance)
     ttl_s = config.consumer.lease_ttl
     lease = Lease(

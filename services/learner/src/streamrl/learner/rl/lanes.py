@@ -17,6 +17,7 @@ from typing import Any
 from streamrl.common.bus import connect
 from streamrl.common.config import RedisConfig
 from streamrl.common.lanes import LaneClients, LanesConfig, lane_names, resolve_url
+from streamrl.common.streams import StreamNames
 
 
 def lane_urls(lanes: LanesConfig, home_url: str) -> list[str]:
@@ -37,7 +38,7 @@ async def connect_lanes(home: Any, run_id: str, lanes: LanesConfig, redis: Redis
         return LaneClients(home, [])
     if redis.url is None:
         raise ValueError("lanes.count > 1 needs redis.url (the home's Redis) for the learner")
-    home_url: str = redis.url
+    home_url = await resolve_url(redis.url, StreamNames(run_id).prompts)  # the home client's node on a cluster
     urls = [await resolve_url(url, lane_names(run_id, k).prompts) for k, url in enumerate(lane_urls(lanes, home_url))]
     made: dict[int, Any] = {}
     clients = []
