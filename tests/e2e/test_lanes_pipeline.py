@@ -45,12 +45,13 @@ def test_two_lanes_on_two_redis_servers(
                 f"--lanes.count={LANES}",
                 f"--lanes.urls={json.dumps([redis_url, second.url])}",
             ],
-            env={**VLLM_ENV, "STREAMRL_WEIGHTS_KEY": f"key-{run_id}"},
+            env={**VLLM_ENV, "STREAMRL_WEIGHTS_KEY": f"weights-key-{run_id}"},
             capture_output=True,
             text=True,
             timeout=600,
         )
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        (tmp_path / "up.log").write_text(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, f"see {tmp_path / 'up.log'}: " + proc.stdout[-6000:] + proc.stderr[-3000:]
         home_client = redis.Redis.from_url(redis_url)
         home = StreamNames(run_id)
         lanes = [(redis.Redis.from_url(url), lane_names(run_id, k)) for k, url in enumerate([redis_url, second.url])]
