@@ -229,16 +229,7 @@ async def _serve(
         service=service,
         instance=instance,
         config=config,
-        bus=Bus(
-            redis,
-            maxlen=config.redis.maxlen,
-            max_message_bytes=config.redis.max_message_bytes,
-            max_command_bytes=config.redis.max_command_bytes,
-            outage_s=config.redis.outage_s,
-            retain_consumed_s=config.redis.retain_consumed_s,
-            payload_orphan_ttl_s=config.redis.payload_orphan_ttl_s,
-            payload_retention_s=config.redis.payload_retention_s,
-        ),
+        bus=bus_of(redis, config.redis),
         names=names,
         stop=asyncio.Event(),
         burst=burst,
@@ -305,6 +296,20 @@ async def _serve(
     worst = f"worst event-loop pause while running: {ctx.loop_lag_s:.2f} s; lease TTL {ttl_s:.1f} s"
     logger.info("%s/%s stopped (%s)", service, instance, worst)
     return 0
+
+
+def bus_of(redis: aioredis.Redis, config: RedisConfig) -> Bus:
+    """A Bus on ``redis`` with the limits and lifetimes of ``config`` (a service's own, or one more it writes to)."""
+    return Bus(
+        redis,
+        maxlen=config.maxlen,
+        max_message_bytes=config.max_message_bytes,
+        max_command_bytes=config.max_command_bytes,
+        outage_s=config.outage_s,
+        retain_consumed_s=config.retain_consumed_s,
+        payload_orphan_ttl_s=config.payload_orphan_ttl_s,
+        payload_retention_s=config.payload_retention_s,
+    )
 
 
 async def where(config: ServiceConfig) -> tuple[str, StreamNames]:

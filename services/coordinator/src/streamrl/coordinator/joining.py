@@ -63,7 +63,7 @@ from streamrl.common.errors import PoisonMessageError
 from streamrl.common.follower import StreamFollower
 from streamrl.common.lanes import lane_names, resolve_url
 from streamrl.common.lease import Lease, holder_token
-from streamrl.common.lifecycle import ServiceConfig, ServiceContext
+from streamrl.common.lifecycle import ServiceConfig, ServiceContext, bus_of
 from streamrl.common.messages import BATCH_SKIPPED, MANIFEST_PART_BYTES, BatchManifest, DeadLetter, Message
 from streamrl.common.replies import text
 from streamrl.common.streams import StreamNames
@@ -446,17 +446,6 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
             clients[url] = connect(url, outage_s=config.redis.outage_s, max_connections=config.redis.max_connections)
         return clients[url]
 
-    def bus_of(redis: aioredis.Redis) -> Bus:
-        return Bus(
-            redis,
-            maxlen=ctx.bus.maxlen,
-            max_message_bytes=ctx.bus.max_message_bytes,
-            outage_s=config.redis.outage_s,
-            max_command_bytes=ctx.bus.max_command_bytes,
-            payload_orphan_ttl_s=ctx.bus.payload_orphan_ttl_s,
-            payload_retention_s=ctx.bus.payload_retention_s,
-        )
-
     lanes = []
     for k in range(config.lanes.count):
         names = lane_names(config.run_id, k)
@@ -464,8 +453,10 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
             lanes.append(Lane(ctx.bus, names))  # this coordinator's own: fenced by its lease
             continue
         url = await resolve_url(config.lanes.url(k, config.redis.url), names.prompts)
-        lanes.append(Lane(bus_of(client(url)), names))
-    home = bus_of(client(await resolve_url(config.redis.url, home_names.prompts)))  # a cluster: the home's node
+        lanes.append(Lane(bus_of(client(url), config.redis), names))
+    home = bus_of(
+        client(await resolve_url(config.redis.url, home_names.prompts)), config.redis
+    )  # a cluster: the home's node
     token = holder_token(ctx.instance)
     ttl_s = config.consumer.lease_ttl
     lease = Lease(
