@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis as syncredis
 
-from streamrl.ops.redis_server import RedisServer, free_port
+from streamrl.ops.redis_server import RedisServer, cluster_node_args
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "arithmetic"))
@@ -60,14 +60,7 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     server = RedisServer(
         tmp_path_factory.mktemp("redis-cluster"),
         appendonly=False,
-        extra_args=(
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-port",
-            str(free_port()),
-        ),  # (else port + 10000, maybe taken or > 65535)
+        extra_args=cluster_node_args(),
     ).start()
     client = syncredis.Redis(port=server.port)
     client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)

