@@ -379,9 +379,12 @@ class ConsumerLoop(Generic[M]):
     async def _reclaim(self) -> None:
         """Take over what dead consumers left pending - at once for a consumer whose instance stopped
         heartbeating, otherwise entries idle longer than claim_idle_ms - and trim the stream to what
-        its groups still need (:mod:`streamrl.common.trim`)."""
-        await self._reclaim_from_the_dead()
-        if (free := self._free_slots() - len(self._held)) > 0:  # a saturated consumer leaves them to one with room
+        its groups still need (:mod:`streamrl.common.trim`). A consumer with no free slot could take nothing: it
+        leaves both looks to one with room (in a busy fleet, most are full: W consumers judging W - 1 peers each
+        round cost Redis W(W - 1) heartbeat lookups)."""
+        if self._free_slots() - len(self._held) > 0:
+            await self._reclaim_from_the_dead()
+        if (free := self._free_slots() - len(self._held)) > 0:
             idle = await self.redis.xpending_range(
                 self.stream, self.group, min="-", max="+", count=min(32, free), idle=self.config.claim_idle_ms
             )
