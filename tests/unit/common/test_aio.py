@@ -1,10 +1,13 @@
-"""Tasks stop for sure even when a cancellation is swallowed (Python 3.11 ``asyncio.wait_for``)."""
+"""Tasks stop for sure even when a cancellation is swallowed (Python 3.11 ``asyncio.wait_for``); the services'
+event loop is the one STREAMRL_EVENT_LOOP names."""
 
 from __future__ import annotations
 
 import asyncio
 
-from streamrl.common.aio import cancel_and_wait, wait_set
+import pytest
+
+from streamrl.common.aio import EVENT_LOOP_ENV, cancel_and_wait, event_loop, run, wait_set
 
 
 async def _swallows_first_cancel(log: list[str]) -> None:
@@ -67,3 +70,24 @@ def test_wait_set_passes_an_outside_cancellation_through() -> None:
         return task.cancelled()
 
     assert asyncio.run(main())
+
+
+@pytest.mark.parametrize("choice", ["uvloop", "asyncio"])
+def test_run_runs_on_the_loop_the_environment_names(choice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EVENT_LOOP_ENV, choice)
+
+    async def main() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run(main()).startswith("uvloop" if choice == "uvloop" else "asyncio")
+
+
+def test_uvloop_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EVENT_LOOP_ENV, raising=False)
+    assert event_loop() == "uvloop"
+
+
+def test_an_unknown_event_loop_is_refused_naming_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EVENT_LOOP_ENV, "trio")
+    with pytest.raises(ValueError, match=r"STREAMRL_EVENT_LOOP='trio' .*uvloop or asyncio"):
+        event_loop()

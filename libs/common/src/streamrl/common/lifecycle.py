@@ -36,6 +36,7 @@ import redis.asyncio as aioredis
 from pydantic import Field
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
+from streamrl.common import aio
 from streamrl.common.aio import cancel_and_wait
 from streamrl.common.bus import Bus, Fence, RedisLoginError, connect
 from streamrl.common.config import BaseConfig, ConsumerConfig, RedisConfig, load_config, save_resolved
@@ -178,6 +179,10 @@ def service_main(
         print(f"streamrl {service}: {e}", file=sys.stderr)
         return 2
     problem = check_lane(service, config.lane, config.lanes)
+    try:
+        aio.event_loop()
+    except ValueError as e:
+        problem = str(e)
     if problem is not None:
         print(f"streamrl {service}: {problem}", file=sys.stderr)
         return 2
@@ -186,7 +191,7 @@ def service_main(
         if not config.redis.url:
             print("--check needs redis.url", file=sys.stderr)
             return 2
-        url, names = asyncio.run(where(config))
+        url, names = aio.run(where(config))
         return check(url, names, service, args.instance)
     setup_logging(service, instance)
     shown = redact(config.model_dump(mode="json"))
@@ -208,7 +213,7 @@ def service_main(
         print(f"streamrl {service}: {e}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_serve(service, instance, config, run, burst=args.burst, tracing=tracing, metrics=metrics))
+        return aio.run(_serve(service, instance, config, run, burst=args.burst, tracing=tracing, metrics=metrics))
     finally:
         tracing.shutdown()  # flushes the spans still queued
         metrics.close()

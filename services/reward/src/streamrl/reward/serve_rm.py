@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from streamrl.common import aio
 from streamrl.common.config import apply_overrides, validate
 from streamrl.common.config_docs import config_help, field_docs
 from streamrl.common.errors import ConfigError
@@ -157,7 +158,7 @@ def serve_rm_main(argv: list[str]) -> int:
         )
         return 2
     logger.info("serve-rm config: %s", json.dumps(redact(config.model_dump(mode="json"))))
-    asyncio.run(serve(config, token))
+    aio.run(serve(config, token))
     return 0
 
 
