@@ -15,9 +15,10 @@ Differences from real workers: one tail of ``weights`` per process instead of on
 the token ids, log-probs and text are the same bytes in every trajectory (msgpack does not compress).
 
 ``python bench/fleet_sim.py learner ...`` is the learner on the bus: it publishes version 0, then per
-batch (group ``learner``, one at a time; a BatchManifest, or a whole TrainingBatch) reads the batch's
-payloads as the real learner does (:func:`streamrl.common.batch_payloads.fetch_batch`: replies of at
-most ``redis.max_command_mb``, decoded), waits ``step_s`` and publishes the next version (the
+batch (group ``learner``; a BatchManifest, or a whole TrainingBatch) reads the batch's payloads as the real
+learner does (:func:`streamrl.common.batch_payloads.fetch_batch`: replies of at most ``redis.max_command_mb``,
+decoded; the next batch's while one trains, as the learner's prefetch), waits ``step_s`` (the batches one at a
+time, in order) and publishes the next version (the
 WeightsPublished event and the ``state:learner`` copy, one atomic commit). It acknowledges each batch at
 once and then deletes its payloads (the real learner does both once a checkpoint covers the batch).
 
@@ -37,6 +38,7 @@ import time
 
 import numpy as np
 
+from streamrl.common import aio
 from streamrl.common.aio import wait_set
 from streamrl.common.batch_payloads import fetch_batch, owned_buffers
 from streamrl.common.bus import PAYLOAD_FIELD, Bus, Output, connect
@@ -273,15 +275,28 @@ async def run_learner(args: argparse.Namespace) -> None:
             Output(key=names.state("learner"), field="published", message=event),
         ]
 
+    turn = asyncio.Condition()
+    order = {"taken": 0, "trained": 0}
+
     async def handle(entry: TrainingBatch | BatchManifest) -> list[Output]:
-        batch = entry
-        if isinstance(entry, BatchManifest):
-            batch = await fetch_batch(bus.redis, entry, max_reply_bytes=bus.max_command_bytes)
-        await asyncio.sleep(args.step_s)
-        state["version"] += 1
-        state["batches"] += 1
-        state["samples"] += len(batch.samples)
-        return published(state["version"], batch.id)
+        # batches train one at a time, in order; the next one's payloads are read while one trains (two in flight)
+        mine = order["taken"]
+        order["taken"] += 1
+        try:
+            batch = entry
+            if isinstance(entry, BatchManifest):
+                batch = await fetch_batch(bus.redis, entry, max_reply_bytes=bus.max_command_bytes)
+            async with turn:
+                await turn.wait_for(lambda: order["trained"] == mine)
+            await asyncio.sleep(args.step_s)
+            state["version"] += 1
+            state["batches"] += 1
+            state["samples"] += len(batch.samples)
+            return published(state["version"], batch.id)
+        finally:
+            async with turn:
+                order["trained"] = max(order["trained"], mine + 1)
+                turn.notify_all()
 
     await bus.commit(published(0, ""))
 
@@ -297,7 +312,7 @@ async def run_learner(args: argparse.Namespace) -> None:
         consumer="learner",
         handler=handle,
         message_type=(BatchManifest, TrainingBatch),
-        config=ConsumerConfig(max_in_flight=1, count=1),
+        config=ConsumerConfig(max_in_flight=2, count=1),
         max_message_bytes=None,
         on_committed=trained,
     )
@@ -335,7 +350,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=2.0, help="learner: seconds per step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(run_rollout(args) if args.role == "rollout" else run_learner(args))
+    aio.run(run_rollout(args) if args.role == "rollout" else run_learner(args))
 
 
 if __name__ == "__main__":
