@@ -51,14 +51,21 @@ def own_redis(tmp_path: Path) -> Iterator[str]:
 
 
 class MeasuredBus(Bus):
-    """The builder's bus, recording the bulk bytes and wall time of every transaction it sends (one command)."""
+    """The builder's bus, recording the bulk bytes and wall time of every transaction it sends (one command) and
+    how many payloads each renames; ``killed_after``: the process dies (an exception) instead of sending the
+    transaction after that many."""
 
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: Any, killed_after: int | None = None) -> None:
         super().__init__(redis)
         self.commands: list[tuple[int, float]] = []
+        self.renames: list[int] = []
+        self.killed_after = killed_after
 
     async def run_tx_script(self, keys: list[str], args: list[Any]) -> Any:
+        if self.killed_after is not None and len(self.commands) >= self.killed_after:
+            raise SystemExit("coordinator killed between two transactions")
         size = sum(len(str(v)) if not isinstance(v, bytes) else len(v) for v in [*keys, *args])
+        self.renames.append(sum(1 for v in args if v in ("RENAME", b"RENAME")))
         started = time.perf_counter()
         try:
             return await super().run_tx_script(keys, args)
@@ -114,17 +121,17 @@ def sample(group: int, index: int) -> Trajectory:
     return traj
 
 
-async def score_groups(groups: GroupBuffer) -> tuple[dict[str, ScoredTrajectory], int]:
+async def score_groups(groups: GroupBuffer, num_groups: int = GROUPS) -> tuple[dict[str, ScoredTrajectory], int]:
     """Issue and complete every group, each payload written as the rollout worker writes it and each scored
     record as the scored consumer does: the samples as the learner must train them, and the payloads' bytes."""
     state, scored = groups.state, {}
     tx = state.tx()
-    for g in range(GROUPS):
+    for g in range(num_groups):
         groups.queue_issue(tx, f"p{g}", 0, time.time())
     await tx.execute()
     payload_bytes = 0
     pipe = state.redis.pipeline(transaction=False)
-    for g in range(GROUPS):
+    for g in range(num_groups):
         for i in range(GROUP_SIZE):
             traj = sample(g, i)
             payload = encode(traj)
@@ -170,6 +177,9 @@ def test_an_18000_sample_batch_travels_by_reference_no_entry_over_16_mb(own_redi
         )
         assert len(built.batch.samples) == GROUPS * GROUP_SIZE
         assert all(size <= ENTRY_LIMIT for size, _ in bus.commands)
+        # moved in pieces: no transaction renames more than batch_tx_samples payloads (256 by default)
+        print(f"{len(bus.renames)} transactions, at most {max(bus.renames)} renames in one")
+        assert sum(bus.renames) == GROUPS * GROUP_SIZE and max(bus.renames) <= build.tx_samples == 256
 
         for stream in (state.names.batches, state.names.dead, state.names.scored):
             for _, fields in await state.redis.xrange(stream):
@@ -218,6 +228,53 @@ def test_an_18000_sample_batch_travels_by_reference_no_entry_over_16_mb(own_redi
         bus = MeasuredBus(client)
         try:
             await scenario(RunState(bus, StreamNames(f"run-{secrets.token_hex(6)}")), bus)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("killed_after", [1, 2, 5, 11])
+def test_a_batch_moved_in_pieces_is_finished_by_the_next_coordinator(own_redis: str, killed_after: int) -> None:
+    """The coordinator dies after the building record (1), after a piece (2, 5) or before the publishing
+    transaction (11: the record and 10 pieces of 64 samples): the next one publishes the batch once, whole."""
+    num_groups = 40  # 640 samples, 10 pieces of 64
+
+    async def main() -> None:
+        client = connect(own_redis)
+        names = StreamNames(f"run-{secrets.token_hex(6)}")
+        try:
+            bus = MeasuredBus(client)
+            state = RunState(bus, names)
+            groups = GroupBuffer(state, group_size=GROUP_SIZE, dynamic_filtering=False)
+            scored, _ = await score_groups(groups, num_groups)
+            bus.killed_after = len(bus.commands) + killed_after
+            first = BatchBuilder(
+                state, groups, prompts_per_step=num_groups, max_staleness=0, drop_stale=True, tx_samples=64
+            )
+            with pytest.raises(SystemExit):
+                await first.build(version=0)
+            assert not await client.xlen(names.batches)
+            assert await client.exists(names.state("building"))
+
+            state = RunState(MeasuredBus(client), names)  # the next coordinator: its own view, the same Redis
+            groups = GroupBuffer(state, group_size=GROUP_SIZE, dynamic_filtering=False)
+            after = BatchBuilder(
+                state, groups, prompts_per_step=num_groups, max_staleness=0, drop_stale=True, tx_samples=64
+            )
+            assert await after.build(version=0) == []  # the batch it finished is not one it built
+            assert await after.build(version=0) == []
+            ((_, fields),) = await client.xrange(names.batches)
+            manifest = decode(fields[b"d"], BatchManifest)
+            assert (manifest.id, manifest.index) == ("batch-0", 0)
+            assert await state.get_int("batch_index") == 1
+            assert not await client.exists(names.state("building"))
+            assert not await client.llen(names.state("ready"))
+            assert not [k async for k in client.scan_iter(match=names.group_buffer("*"))]
+            assert not [k async for k in client.scan_iter(match=names.payload("*", "*"))]
+            fetched = await fetch_batch(client, manifest, max_reply_bytes=BUDGET)
+            assert sorted(s.trajectory.id for s in fetched.samples) == sorted(scored)
+            assert all(s == scored[s.trajectory.id] for s in fetched.samples)
         finally:
             await client.aclose()
 

@@ -38,6 +38,14 @@ of a few tens of KB, parts of 1 MiB), the batch stays one atomic transaction, an
 lost the compare-and-set leaves parts that expire and that no entry names. A dead batch's parts are read to
 delete the payloads they name, then deleted with them.
 
+A batch of more than ``batch_tx_samples`` samples (:class:`~streamrl.coordinator.config.CoordinatorConfig`) is
+moved in pieces, so that no transaction holds Redis for long: first a :class:`Building` record (the batch's index,
+its manifest, its groups) is SET - with the parts PERSISTed - on the same compare-and-set; then each piece of groups
+of at most that many samples is moved (payloads renamed, buffers deleted, out of ``ready``) in a transaction of its
+own; the last transaction XADDs the manifest, sets ``batch_index`` to ``k + 1`` and deletes the record. A
+coordinator that died in between finds the record (:meth:`BatchBuilder.finish_building`, before any new batch):
+the groups of the record still in ``ready`` are the ones not moved yet; it moves them and publishes the batch.
+
 Each batch is the root of a trace of its own (``coordinator.batch``, its traceparent the batch's), and
 the traced samples' waits in their group and for the batch are recorded as it is built (``traces.py``).
 """
@@ -56,7 +64,7 @@ from streamrl.common.batch_payloads import owned_buffers, split_refs
 from streamrl.common.bus import Bus
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import MANIFEST_PART_BYTES, BatchManifest, ManifestPart, SampleRef
+from streamrl.common.messages import MANIFEST_PART_BYTES, BatchManifest, ManifestPart, SampleRef, ScoredRecord
 from streamrl.common.payloads import read_payloads, write_payloads
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.trace_schema import BATCH, BATCH_ID, NUM_SAMPLES, POLICY_VERSION, STEP_INDEX
@@ -95,6 +103,36 @@ return n
 id, limit, maxlen, payload. Reply: the resend's number, 0 (limit reached) or -1 (already counted dead)."""
 
 
+class Building(msgspec.Struct, frozen=True):
+    """A batch being moved under its id in pieces (``state:building``): what a restarted coordinator finishes."""
+
+    index: int
+    manifest: BatchManifest
+    """What the last piece publishes (its parts, when split, already PERSISTed)."""
+    groups: list[str]
+    """The batch's groups: those still in ``ready`` are not moved yet."""
+
+
+_building_decoder = msgspec.msgpack.Decoder(Building)
+
+
+def pieces(members: dict[str, list[ScoredRecord]], max_samples: int) -> list[dict[str, list[ScoredRecord]]]:
+    """``members`` (groups and their records) in consecutive pieces of at most ``max_samples`` records each (a
+    group bigger than that alone in its piece), in order (pure)."""
+    out: list[dict[str, list[ScoredRecord]]] = []
+    current: dict[str, list[ScoredRecord]] = {}
+    count = 0
+    for group, records in members.items():
+        if current and count + len(records) > max_samples:
+            out.append(current)
+            current, count = {}, 0
+        current[group] = records
+        count += len(records)
+    if current:
+        out.append(current)
+    return out
+
+
 @dataclass(frozen=True)
 class Built:
     """A batch published (``manifest``; ``batch``: its records), with the samples dropped as too stale while it
@@ -118,8 +156,11 @@ class BatchBuilder:
         drop_stale: bool,
         tracing: Tracing = NULL_TRACING,
         manifest_part_bytes: int = MANIFEST_PART_BYTES,
+        tx_samples: int = 256,
     ) -> None:
         self.state = state
+        self.tx_samples = tx_samples
+        """A batch of more samples than this is moved in pieces (see the module docstring)."""
         self.manifest_part_bytes = manifest_part_bytes
         """A manifest whose refs encode to more than this is published split (see the module docstring)."""
         self.groups = groups
@@ -136,6 +177,7 @@ class BatchBuilder:
         """Publish every batch that can be built now; ``version`` = the policy version now."""
         redis = self.state.redis
         built: list[Built] = []
+        await self.finish_building()
         while await redis.llen(self.state.key(st.READY)) >= self.per_step:
             stored_index = await self.state.get_raw(st.BATCH_INDEX)
             index = int(stored_index) if stored_index is not None else 0
@@ -186,20 +228,82 @@ class BatchBuilder:
             )
             manifest = self._manifest(batch)
             published_manifest = await self._store_parts(manifest)
-            tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
             chosen = {g.group_id: members[g.group_id] for g in pick.chosen}
-            self.groups.queue_batched(tx, chosen, batch_id)  # first: renames the payloads
-            for key in published_manifest.parts:
-                tx.call("PERSIST", key)
-            tx.xadd(self.state.names.batches, published_manifest)
-            tx.set(self.state.key(st.BATCH_INDEX), index + 1)
-            published = await self._execute(tx, index)
+            if len(samples) > self.tx_samples:
+                published = await self._publish_in_pieces(
+                    stored_index, Building(index, published_manifest, [*chosen]), chosen
+                )
+            else:
+                tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
+                self.groups.queue_batched(tx, chosen, batch_id)  # first: renames the payloads
+                for key in published_manifest.parts:
+                    tx.call("PERSIST", key)
+                tx.xadd(self.state.names.batches, published_manifest)
+                tx.set(self.state.key(st.BATCH_INDEX), index + 1)
+                published = await self._execute(tx, index)
             span.end()
             if not published:
                 continue
             built.append(Built(batch, manifest, self.too_stale_since_batch))
             self.too_stale_since_batch = 0
         return built
+
+    async def _publish_in_pieces(
+        self, stored_index: bytes | None, building: Building, members: dict[str, list[ScoredRecord]]
+    ) -> bool:
+        """Record ``building`` (its parts PERSISTed), then move its groups and publish it (module docstring); False
+        when ``batch_index`` moved under this coordinator (nothing more written)."""
+        tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
+        tx.require(self.state.key(st.BUILDING), equals=None)
+        for key in building.manifest.parts:
+            tx.call("PERSIST", key)
+        tx.set(self.state.key(st.BUILDING), msgspec.msgpack.encode(building))
+        if not await self._execute(tx, building.index):
+            return False
+        return await self._move_and_publish(stored_index, building, members)
+
+    async def _move_and_publish(
+        self, stored_index: bytes | None, building: Building, members: dict[str, list[ScoredRecord]]
+    ) -> bool:
+        """Move ``members`` (the groups of ``building`` not moved yet) under the batch, a piece per transaction,
+        then publish it; False when ``batch_index`` moved under this coordinator."""
+        for piece in pieces(members, self.tx_samples):
+            tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
+            self.groups.queue_batched(tx, piece, building.manifest.id)
+            if not await self._execute(tx, building.index):
+                return False
+        tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
+        tx.xadd(self.state.names.batches, building.manifest)
+        tx.set(self.state.key(st.BATCH_INDEX), building.index + 1)
+        tx.delete(self.state.key(st.BUILDING))
+        return await self._execute(tx, building.index)
+
+    async def finish_building(self) -> bool:
+        """Finish a batch a previous coordinator began to move in pieces and did not publish (its record in
+        ``state:building``): True when one was published now."""
+        raw = await self.state.redis.get(self.state.key(st.BUILDING))
+        if raw is None:
+            return False
+        try:
+            building = _building_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise RuntimeError(f"state:building holds no batch record ({e}): no batch can be built past it") from e
+        stored_index = await self.state.get_raw(st.BATCH_INDEX)
+        index = int(stored_index) if stored_index is not None else 0
+        if building.index != index:  # (the last piece deletes it with the index moved: only written by hand)
+            raise RuntimeError(
+                f"state:building holds batch {building.index} but batch_index is {index}: the run state was edited "
+                f"by hand; delete the key if batch {building.index} is on the batches stream"
+            )
+        ready = set(await self.groups.ready())
+        todo = [g for g in building.groups if g in ready]
+        logger.warning(
+            "%s: finishing the batch a previous coordinator began: %d of its %d groups still to move",
+            building.manifest.id,
+            len(todo),
+            len(building.groups),
+        )
+        return await self._move_and_publish(stored_index, building, await self.groups.samples(todo))
 
     def _manifest(self, batch: RecordBatch) -> BatchManifest:
         """The manifest of ``batch``: per sample its scored record and its payload's key under the batch."""

@@ -83,7 +83,12 @@ TICK_S = 0.05
 WAKE_BATCH_S = 0.002
 """After a wake-up, wait this long so one tick handles a whole burst of stored trajectories."""
 FULL_CHECK_S = 1.0
-"""Every so often a tick checks every in-flight group, timeout and evaluation round, not only touched ones."""
+"""Every so often a tick checks timeouts and every evaluation round, not only touched ones."""
+SWEEP_S = 30.0
+"""How often a tick looks at every in-flight group for completeness (the first tick always does: after a restart
+nothing is "touched" yet). In between only touched groups are looked at: a group completes only by a sample this
+process stored and saw committed, so the sweep is a safety net - at 2,000 GPUs' worth of in-flight groups a
+sweep every second cost more than the rest of the tick together."""
 
 
 def buffer_id(traj: TrajectoryRecord) -> str:
@@ -118,6 +123,7 @@ class CoordinatorService:
             max_staleness=config.max_staleness,
             drop_stale=config.staleness_policy == "drop",
             tracing=ctx.tracing,
+            tx_samples=config.batch_tx_samples,
         )
         self.evals = (
             EvalRounds(config, self.state, PromptSource(config.eval.dataset), self.metrics)
@@ -132,6 +138,7 @@ class CoordinatorService:
         """Something besides a stored sample happened since the last batching and admission (see the tick)."""
         """Buffers (groups, evaluation rounds) that received a trajectory since the last tick looked."""
         self.full_check_at = 0.0
+        self.sweep_at = 0.0
         self.next_plot_at = 0.0
         self.last_batch_time = time.monotonic()
         self.weights_key = weights_key()
@@ -291,17 +298,21 @@ class CoordinatorService:
         if self.evals is not None:
             await self.evals.maybe_start(self.version)
         while not stop.is_set():
-            # Usually only the buffers that received trajectories are looked at; every FULL_CHECK_S
-            # all of them are (after a restart nothing is "touched" yet), and timeouts are checked.
-            full = time.monotonic() >= self.full_check_at
+            # Usually only the buffers that received trajectories are looked at; every FULL_CHECK_S timeouts
+            # and every evaluation round are, and every SWEEP_S every in-flight group.
+            now = time.monotonic()
+            full = now >= self.full_check_at
+            sweep = now >= self.sweep_at
             if full:
-                self.full_check_at = time.monotonic() + FULL_CHECK_S
+                self.full_check_at = now + FULL_CHECK_S
                 await self.groups.time_out(version=self.version, now=time.time(), timeout_s=self.cfg.group_timeout_s)
+            if sweep:
+                self.sweep_at = now + SWEEP_S
             touched, self.touched = self.touched, set()
             rounds = {v for v in map(round_of_buffer, touched) if v is not None}
             groups = {b for b in touched if round_of_buffer(b) is None}
-            checked = await self.groups.complete(None if full else groups)
-            await self.groups.drop_late(groups if full else checked.gone)
+            checked = await self.groups.complete(None if sweep else groups)
+            await self.groups.drop_late(groups if sweep else checked.gone)
             # batching and admission read state that only a group leaving the in-flight set, a new version, a
             # dead letter or a batch built changes: a tick that saw none of these (a sample stored in a group not
             # complete yet, the usual case) skips their reads

@@ -27,8 +27,12 @@ version first seen       ``groups`` Tx               HSETNX version_seen_at     
 too-stale drop           ``batches`` Tx              LREM ready, DEL buffers, DECRBY      ``require(batch_index == k)``
                                                      accepted, RPUSH owed, counter
 publish batch ``k``      ``batches`` Tx              XADD batches (id ``batch-{k}``),     ``require(batch_index == k)``,
-                                                     LREM ready, DEL buffers, SET         then SET k + 1: no duplicate,
-                                                     batch_index = k + 1                  no gap
+                                                     RENAME payloads, LREM ready, DEL     then SET k + 1: no duplicate,
+                                                     buffers, SET batch_index = k + 1     no gap
+big batch ``k``          ``batches`` Txs             SET building, then pieces of at      ``require(batch_index == k)``;
+(in pieces)                                          most ``batch_tx_samples``: RENAME    a piece moves groups out of
+                                                     payloads, LREM ready, DEL buffers;   ``ready``: a restart moves
+                                                     last XADD, SET k + 1, DEL building   those still there, publishes
 dead batch counted       ``batches.DEAD_BATCH_LUA``  SADD dead_batch_ids, counters        SADD of its id first
 refused batch re-sent    ``batches.RESEND_LUA``      HINCRBY batch_resends, XADD batches  bounded by the count; none
                                                                                           once counted dead
@@ -85,6 +89,8 @@ ACCEPTED = "accepted"
 """int: groups batched or ready (admission counts them)."""
 BATCH_INDEX = "batch_index"
 """int: index of the next batch."""
+BUILDING = "building"
+"""msgpack: the batch being moved under its id in pieces (``batches.Building``), while it is; absent otherwise."""
 DEAD_BATCH_IDS = "dead_batch_ids"
 """set: batches the learner dead-lettered (each counted once)."""
 BATCH_RESENDS = "batch_resends"
