@@ -19,12 +19,14 @@ the learner group), :meth:`publish` (a version: the event
 on ``weights`` + ``published`` + ``learner_version``), :meth:`dead_letter_once` (a dead letter on
 ``dead``, once per batch), :meth:`ack` (XACK of the covered entries + ``acked``, their batches'
 failure keys, old fingerprints and sample payloads - the ``batched:{batch}:{trajectory id}`` keys of its
-manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set). In a run with lanes
-(:mod:`streamrl.common.lanes`) the payloads in a lane's Redis cannot be in the home's transaction: they are given
-``redis.payload_orphan_ttl_s`` to live first (one pipeline per lane client, :func:`lane_deletes`), then the home
-transaction runs (fenced: a deposed learner stops there), then they are deleted (or given
-``redis.payload_retention_s``). A learner that dies between the steps leaves them to expire, never to leak, and
-one deposed before its transaction deletes nothing its successor may still replay within that time.
+manifest - deleted, or given ``redis.payload_retention_s`` to live when that is set). The payloads are not in the
+transaction (a batch's thousands of UNLINKs would hold Redis for tens of ms; in a run with lanes,
+:mod:`streamrl.common.lanes`, a lane's are not even in the home's Redis): they are given ``redis.payload_orphan_ttl_s``
+to live first (pipelined, one pipeline per client holding some, :func:`payload_deletes`), then the transaction runs
+(fenced: a deposed learner stops there), then they are deleted (or given ``redis.payload_retention_s``), pipelined
+again: plain commands that Redis serves between other clients' as it reads them. A learner that dies between the
+steps leaves them to expire, never to leak, and one deposed before its transaction deletes nothing its successor may
+still replay within that time.
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ KEEP_FINGERPRINTS = 1024
 """Fingerprints kept below the acknowledged index (a copy arriving later than that is refused as unknown)."""
 
 
-def lane_deletes(keys: Sequence[str], lanes: LaneClients | None) -> tuple[list[str], list[tuple[Any, list[str]]]]:
-    """``keys`` split into the home's (deleted in the learner's transaction) and, grouped by the client holding
-    them, those of a lane (pure)."""
-    home = [k for k in keys if lanes is None or lane_of_key(k) is None]
-    lane = [k for k in keys if lanes is not None and lane_of_key(k) is not None]
-    return home, (lanes.by_client(lane) if lanes is not None and lane else [])
+def payload_deletes(keys: Sequence[str], home: Any, lanes: LaneClients | None) -> list[tuple[Any, list[str]]]:
+    """``keys`` grouped by the client holding them: ``home`` for the home's, a lane's client for a lane's (pure)."""
+    at_home = [k for k in keys if lanes is None or lane_of_key(k) is None]
+    in_lanes = [k for k in keys if lanes is not None and lane_of_key(k) is not None]
+    groups = [(home, at_home)] if at_home else []
+    return groups + (lanes.by_client(in_lanes) if lanes is not None and in_lanes else [])
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -208,16 +210,11 @@ class LearnerLedger:
         loop's trimming by consumption, after ``redis.retain_consumed_s``.) ``lanes``: where a lane's payloads are
         (see the module docstring)."""
         retention_s = math.ceil(self.bus.payload_retention_s)
-        home, in_lanes = lane_deletes(payloads, lanes)
+        held = payload_deletes(payloads, self.bus.redis, lanes)
         grace_s = max(1, math.ceil(self.bus.payload_orphan_ttl_s))
-        await _on_lanes(in_lanes, lambda pipe, key: pipe.expire(key, grace_s))  # expire even if this ack stops here
+        await _on_clients(held, lambda pipe, key: pipe.expire(key, grace_s))  # expire even if this ack stops here
         tx = self.bus.tx().xack(stream, self.group, *entries)
         tx.hset(self.learner, "acked", acked_index)
-        for key in home:  # UNLINK: the memory is freed off Redis's main thread (a batch's payloads: GBs)
-            if retention_s > 0:
-                tx.expire(key, retention_s)
-            else:
-                tx.call("UNLINK", key)
         for batch_id in batch_ids:
             tx.delete(self._failures(batch_id), self._dead(batch_id))
         old = range(max(0, acked_from - KEEP_FINGERPRINTS), max(0, acked_index - KEEP_FINGERPRINTS))
@@ -225,12 +222,12 @@ class LearnerLedger:
             tx.hdel(self.fingerprints, *(str(i) for i in old))
         await tx.execute()
         if retention_s > 0:
-            await _on_lanes(in_lanes, lambda pipe, key: pipe.expire(key, retention_s))
+            await _on_clients(held, lambda pipe, key: pipe.expire(key, retention_s))
         else:
-            await _on_lanes(in_lanes, lambda pipe, key: pipe.unlink(key))
+            await _on_clients(held, lambda pipe, key: pipe.unlink(key))
 
 
-async def _on_lanes(groups: list[tuple[Any, list[str]]], command: Callable[[Any, str], Any]) -> None:
+async def _on_clients(groups: list[tuple[Any, list[str]]], command: Callable[[Any, str], Any]) -> None:
     """``command`` on each key of ``groups`` (client, keys), one pipeline per client."""
     for client, keys in groups:
         pipe = client.pipeline(transaction=False)
