@@ -51,6 +51,7 @@ import redis as syncredis
 from fleet_payload_costs import payload_costs
 from fleet_profile import coordinator_split
 
+from streamrl.common.aio import EVENT_LOOP_ENV, EVENT_LOOPS
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator import state as st
@@ -129,6 +130,7 @@ path = "{REWARD_FILE}"
 # -- processes ---------------------------------------------------------------------------------------
 def spawn(name: str, cmd: list[str], logs: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+    env[EVENT_LOOP_ENV] = os.environ.get(EVENT_LOOP_ENV, "uvloop")  # (--event-loop sets it for every process)
     path = [str(ROOT / "bench"), *filter(None, [os.environ.get("PYTHONPATH")])]  # (a worktree's sources first)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
     log = (logs / f"{name}.log").open("wb")
@@ -499,6 +501,12 @@ def main() -> None:
     parser.add_argument("--learner-step-s", type=float, default=2.0, help="simulated learner step (s)")
     parser.add_argument("--max-redis-gb", type=float, default=4.0, help="a step whose Redis grows past this fails")
     parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="uvloop",
+        help="the event loop of every process (STREAMRL_EVENT_LOOP)",
+    )
+    parser.add_argument(
         "--per-gpu-consumers",
         type=int,
         default=128,
@@ -512,6 +520,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default="", help="result file (default bench/results/fleet-<date>.json)")
     args = parser.parse_args()
+    os.environ[EVENT_LOOP_ENV] = args.event_loop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every step's finally stops its processes
     if args.quick:
         args.sizes, args.window_s, args.refine, args.profile = args.sizes or "64", min(args.window_s, 20.0), 0, False

@@ -40,7 +40,7 @@ import numpy as np
 
 from streamrl.common import aio
 from streamrl.common.aio import wait_set
-from streamrl.common.batch_payloads import fetch_batch, owned_buffers
+from streamrl.common.batch_payloads import fetch_batch, load_manifest, owned_buffers
 from streamrl.common.bus import PAYLOAD_FIELD, Bus, Output, connect
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
@@ -277,6 +277,8 @@ async def run_learner(args: argparse.Namespace) -> None:
 
     turn = asyncio.Condition()
     order = {"taken": 0, "trained": 0}
+    held: dict[str, list[str]] = {}
+    """Per batch read, the keys of its payloads and parts (deleted once it is acknowledged)."""
 
     async def handle(entry: TrainingBatch | BatchManifest) -> list[Output]:
         # batches train one at a time, in order; the next one's payloads are read while one trains (two in flight)
@@ -285,7 +287,9 @@ async def run_learner(args: argparse.Namespace) -> None:
         try:
             batch = entry
             if isinstance(entry, BatchManifest):
-                batch = await fetch_batch(bus.redis, entry, max_reply_bytes=bus.max_command_bytes)
+                whole = await load_manifest(bus.redis, entry, max_reply_bytes=bus.max_command_bytes)
+                held[entry.id] = whole.buffers  # a split manifest's header names its parts, not the payloads
+                batch = await fetch_batch(bus.redis, whole, max_reply_bytes=bus.max_command_bytes)
             async with turn:
                 await turn.wait_for(lambda: order["trained"] == mine)
             await asyncio.sleep(args.step_s)
@@ -301,8 +305,9 @@ async def run_learner(args: argparse.Namespace) -> None:
     await bus.commit(published(0, ""))
 
     async def trained(entry_id: str, entry: TrainingBatch | BatchManifest) -> None:
-        if isinstance(entry, BatchManifest) and (keys := owned_buffers(names, entry.id, entry.buffers)):
-            await bus.redis.unlink(*keys)
+        if isinstance(entry, BatchManifest):
+            if keys := owned_buffers(names, entry.id, [*held.pop(entry.id, []), *entry.buffers]):
+                await bus.redis.unlink(*keys)
 
     loop: ConsumerLoop[TrainingBatch | BatchManifest] = ConsumerLoop(
         bus,
