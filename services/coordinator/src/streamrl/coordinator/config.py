@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from streamrl.common.config import BaseConfig
 from streamrl.common.lifecycle import ServiceConfig
-from streamrl.coordinator.limits import batch_size_problem, maxlen_problem
+from streamrl.coordinator.limits import maxlen_problem
 
 
 class DatasetConfig(BaseConfig):
@@ -136,11 +136,6 @@ class CoordinatorConfig(ServiceConfig):
             max_staleness=self.max_staleness,
             prefetch_steps=self.prefetch_steps,
             eval_prompts=self.eval.num_prompts if self.eval.dataset is not None else 0,
-        ) or batch_size_problem(
-            prompts_per_step=self.prompts_per_step,
-            group_size=self.group_size,
-            tokens=self.sampling.max_new_tokens,
-            tokens_field="sampling.max_new_tokens",
         )
         if problem:
             raise ValueError(problem)
