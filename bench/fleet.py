@@ -10,7 +10,9 @@ Model and sizing: ``fleet_model.py`` (tokens/s per GPU, why 5,000, what an H200-
 Each step waits (up to ``--quiet-wait-s``) for other people's work on this shared machine to fall
 under 0.25 cores, starts everything afresh, waits out the warm-up, then for ``--window-s`` seconds samples
 every 2 s each stream's consumer-group backlog (``XINFO GROUPS``: entries not yet delivered +
-pending), Redis memory and traffic, and reads at both ends the CPU time of every process from /proc.
+pending), Redis memory and traffic, and reads at both ends the CPU time of every process from /proc and
+each Redis command's p50 / p99 / p99.9 time (``INFO latencystats``, reset as the window starts; reported as
+``redis_command_p99_ms`` and its largest, ``redis_p99_max_ms``).
 The step is **sustained** when the simulated GPUs finish >= 95% of their capacity in the window and
 the backlogs downstream of them (trajectories, scored, batches) do not grow (least-squares growth over
 the window <= 5% of what the stream's group handled, or 1 entry), with no process dead, no dead letter
@@ -295,6 +297,7 @@ def measure(
     """Sample the window: backlogs every 2 s; CPU, traffic and counters at both ends."""
     machine0 = fm.machine_ticks(Path("/proc/stat").read_text())
     ticks0 = probes.cpu_ticks(pids, {})
+    client.config_resetstat()  # (command latencies count from here; the other stats are read as deltas)
     commands0, stats0, wall0 = probes.command_stats(client), client.info("stats"), time.time()
     sims0, groups0 = sim_stats(client, names), probes.read_groups(client, names)
     t0 = time.monotonic()
@@ -335,6 +338,7 @@ def measure(
         },
         "counters": {c: int(v) for c, v in zip(st.COUNTERS, counters, strict=True) if v},
         "slow_commands": probes.slow_commands(client, since=wall0),
+        "latencies": probes.command_latencies(client),
         "dead_letters": client.xlen(names.dead),
     }
 
@@ -407,12 +411,15 @@ def summarize(
             for k, (c, u) in sorted(w["redis_commands"].items(), key=lambda kv: -kv[1][1])[:12]
         },
         "redis_slow_commands": w["slow_commands"],
+        "redis_command_p99_ms": {k: v["p99"] for k, v in sorted(w["latencies"].items(), key=lambda kv: -kv[1]["p99"])},
+        "redis_p99_max_ms": max((v["p99"] for v in w["latencies"].values()), default=0.0),
         "coordinator_counters": w["counters"],
         "logs": str(folder),
     }
     print(
         f"   {'SUSTAINED' if verdict.sustained else 'NOT sustained'}: generated {rates['generated']:.1f}/s of "
-        f"{rates['capacity']:.1f}, stored {rates['stored']:.1f}/s, cores {cores}; {'; '.join(verdict.reasons)}",
+        f"{rates['capacity']:.1f}, stored {rates['stored']:.1f}/s, cores {cores}, slowest command p99 "
+        f"{result['redis_p99_max_ms']} ms; {'; '.join(verdict.reasons)}",
         flush=True,
     )
     return result

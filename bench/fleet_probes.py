@@ -99,6 +99,16 @@ def slow_commands(client: syncredis.Redis, since: float) -> dict[str, dict[str, 
     return out
 
 
+def command_latencies(client: syncredis.Redis) -> dict[str, dict[str, float]]:
+    """Per command: its p50 / p99 / p99.9 time inside Redis (ms) since the last ``CONFIG RESETSTAT`` (Redis 7's
+    latency tracking, ``INFO latencystats``; a command's time as SLOWLOG counts it, waiting clients excluded)."""
+    stats = client.info("latencystats").items()
+    return {
+        name.removeprefix("latency_percentiles_usec_"): {p: round(v / 1e3, 3) for p, v in row.items()}
+        for name, row in stats
+    }
+
+
 def command_stats(client: syncredis.Redis) -> dict[str, tuple[int, int]]:
     """Per command: (calls, microseconds inside it) so far."""
     stats = client.info("commandstats").items()

@@ -307,7 +307,10 @@ async def run_learner(args: argparse.Namespace) -> None:
     async def trained(entry_id: str, entry: TrainingBatch | BatchManifest) -> None:
         if isinstance(entry, BatchManifest):
             if keys := owned_buffers(names, entry.id, [*held.pop(entry.id, []), *entry.buffers]):
-                await bus.redis.unlink(*keys)
+                pipe = bus.redis.pipeline(transaction=False)  # a command a key, as the learner deletes them
+                for key in keys:
+                    pipe.unlink(key)
+                await pipe.execute()
 
     loop: ConsumerLoop[TrainingBatch | BatchManifest] = ConsumerLoop(
         bus,
