@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 import redis
 
+from streamrl.common import aio
 from streamrl.common.bus import Bus, Output, connect
 from streamrl.common.codec import encode
 from streamrl.common.config import ConsumerConfig
@@ -60,7 +61,7 @@ def make_trajectory(i: int, num_tokens: int, sent: float = 0.0) -> Trajectory:
 
 
 def consumer_main(url: str, run_id: str, index: int) -> None:
-    asyncio.run(_consume(url, run_id, index))
+    aio.run(_consume(url, run_id, index))  # on the services' event loop
 
 
 async def _consume(url: str, run_id: str, index: int) -> None:
