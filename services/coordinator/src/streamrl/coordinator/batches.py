@@ -281,11 +281,11 @@ class BatchBuilder:
     async def finish_building(self) -> bool:
         """Finish a batch a previous coordinator began to move in pieces and did not publish (its record in
         ``state:building``): True when one was published now."""
-        raw = await self.state.redis.get(self.state.key(st.BUILDING))
-        if raw is None:
+        stored = await self.state.get_raw(st.BUILDING)
+        if stored is None:
             return False
         try:
-            building = _building_decoder.decode(raw)
+            building = _building_decoder.decode(stored)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise RuntimeError(f"state:building holds no batch record ({e}): no batch can be built past it") from e
         stored_index = await self.state.get_raw(st.BATCH_INDEX)
