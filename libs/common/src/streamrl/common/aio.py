@@ -53,7 +53,9 @@ def event_loop() -> str:
     """The event loop :envvar:`STREAMRL_EVENT_LOOP` asks for; ValueError naming the choices for another."""
     choice = os.environ.get(EVENT_LOOP_ENV, "uvloop").strip() or "uvloop"
     if choice not in EVENT_LOOPS:
-        raise ValueError(f"{EVENT_LOOP_ENV}={choice!r} is not an event loop streamrl runs on: {' or '.join(EVENT_LOOPS)}")
+        raise ValueError(
+            f"{EVENT_LOOP_ENV}={choice!r} is not an event loop streamrl runs on: {' or '.join(EVENT_LOOPS)}"
+        )
     return choice
 
 
