@@ -154,10 +154,10 @@ def test_no_peer_is_judged_dead_right_after_a_redis_blip(
 
 class _CountingRedis:
     """The loop's Redis client, counting round trips: each command called on it, and each pipeline
-    (sent as one round trip when executed)."""
+    (sent as one round trip when executed); ``calls``: their names, in order."""
 
     def __init__(self, real: Any) -> None:
-        self.real, self.round_trips = real, 0
+        self.real, self.round_trips, self.calls = real, 0, []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.real, name)
@@ -166,6 +166,7 @@ class _CountingRedis:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.round_trips += 1
+            self.calls.append(name)
             return attr(*args, **kwargs)
 
         return counted
@@ -203,3 +204,40 @@ def test_checking_every_peer_costs_the_same_round_trips_whatever_their_number(
         client.close()
     # the consumers (XINFO CONSUMERS), the instances (SMEMBERS), every heartbeat (one pipeline)
     assert round_trips == 3, f"{round_trips} round trips for {peers} peers"
+
+
+def test_a_consumer_with_no_free_slot_looks_at_no_peer(redis_url: str, run_id: str) -> None:
+    """A consumer that could take nothing (every in-flight slot held) leaves the dead-peer look to one with room:
+    in a busy fleet most consumers are full, and W of them judging W - 1 peers a round cost Redis W(W - 1) heartbeat
+    lookups. The dead peer's entry is still there for a consumer with room, which takes it."""
+    names = StreamNames(run_id)
+    client = redis.Redis.from_url(redis_url)
+    ids = _setup_dead_peer(client, names, entries=1)
+
+    async def main() -> tuple[list[str], list[bytes]]:
+        bus = Bus(connect(redis_url))
+        loop = _loop(bus, names)
+        counting = _CountingRedis(bus.redis)
+        loop.redis = counting  # type: ignore[assignment]
+        time.sleep(2 * INTERVAL_S)  # the dead peer's entry idle one heartbeat interval: claimable
+        loop._reserved = loop.config.max_in_flight  # every slot held
+        for _ in range(3):
+            await loop._reclaim()
+            await asyncio.sleep(INTERVAL_S)
+        full = list(counting.calls)
+        loop._reserved = 0  # room again: it looks, and takes the dead peer's entry
+        for _ in range(3):
+            await loop._reclaim()
+            await asyncio.sleep(INTERVAL_S)
+        taken = [row[0] for row in loop._held]
+        await loop.drain()
+        await bus.redis.aclose()
+        return full, taken
+
+    try:
+        full, taken = asyncio.run(main())
+    finally:
+        client.close()
+    # only the trim of what was consumed, never a look at the peers (XINFO CONSUMERS, SMEMBERS, the heartbeats)
+    assert not {"xinfo_consumers", "smembers", "pipeline", "exists", "xpending_range"} & set(full), full
+    assert [str(i) if isinstance(i, str) else i.decode() for i in taken] == [ids[0].decode()]
