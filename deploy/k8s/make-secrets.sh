@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Prints the two Secrets the Kubernetes base reads (docs/kubernetes.md), for the in-cluster Redis:
-#   deploy/k8s/make-secrets.sh [NAMESPACE] | kubectl apply -n NAMESPACE -f -
+#   deploy/k8s/make-secrets.sh [NAMESPACE [LANES]] | kubectl apply -n NAMESPACE -f -
 # streamrl-redis: a password per Redis ACL user (streamrl.ops.redis_acl), each service's
 #   redis:// URL with its own user, and KEDA's login (the read-only observer; the address as seen from
-#   KEDA's namespace).
+#   KEDA's namespace). With LANES = K > 1 (overlays/lanes), also each service's URL of lane k's Redis
+#   (url-<service>-lanek, the Service redis-lanek; lane 0's is the home's, url-<service>) and KEDA's
+#   address of it (keda-address-lanek), for k = 1..K-1: the same users and passwords on every lane.
 # streamrl-keys: the weights key (signs the learner's weights events), the bearer token of the
 #   /metrics endpoints, and HF_TOKEN when it is set in the environment.
 # New random values each time, except a password already in STREAMRL_REDIS_PASSWORD_<USER> (as in
@@ -11,6 +13,11 @@
 # and the services (docs/kubernetes.md). The values go to stdout only: pipe them, do not keep them.
 set -euo pipefail
 NAMESPACE=${1:-streamrl}
+LANES=${2:-1}
+if ! [[ $LANES =~ ^[1-9][0-9]*$ ]]; then
+  echo "make-secrets.sh: LANES must be a whole number >= 1 (the recipe's lanes.count), not '$LANES'" >&2
+  exit 2
+fi
 USERS=(coordinator rollout reward learner observer)
 SERVICES=(coordinator rollout reward learner)
 
@@ -39,6 +46,14 @@ done
 cat <<YAML
   keda-address: "redis.$NAMESPACE.svc:6379"
   keda-username: "observer"
+YAML
+for ((lane = 1; lane < LANES; lane++)); do
+  for service in "${SERVICES[@]}"; do
+    echo "  url-$service-lane$lane: \"redis://$service:${password[$service]}@redis-lane$lane:6379/0\""
+  done
+  echo "  keda-address-lane$lane: \"redis-lane$lane.$NAMESPACE.svc:6379\""
+done
+cat <<YAML
 ---
 apiVersion: v1
 kind: Secret
