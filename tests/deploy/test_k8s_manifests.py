@@ -20,16 +20,19 @@ to install it. They do not skip.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -38,6 +41,7 @@ import tomllib
 import yaml
 
 from streamrl.common.config import load_config, read_recipe
+from streamrl.common.lanes import check_lane, lane_names
 from streamrl.common.lifecycle import ServiceConfig
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.config import CoordinatorConfig
@@ -62,11 +66,15 @@ OVERLAYS = {
     "base": K8S / "base",
     "cpu": K8S / "overlays" / "cpu",
     "external-redis": K8S / "overlays" / "external-redis",
+    "lanes": K8S / "overlays" / "lanes",
 }
 KUBERNETES_VERSIONS = ("1.29", "1.37")
 """Releases the objects must be valid for: the oldest and the newest checked here."""
 KEDA_SCHEMAS = {"ScaledObject": "keda-scaledobject.json", "TriggerAuthentication": "keda-triggerauthentication.json"}
 SERVICES = ("coordinator", "rollout", "reward", "learner")
+LANE_SERVICES = ("coordinator", "rollout", "reward")
+"""Services that serve one lane each in a run with lanes (streamrl.common.lanes.check_lane)."""
+LANE_LABEL = "streamrl.io/lane"
 SINGLE = ("coordinator", "learner")
 SCALED = {"rollout": ("prompts", "rollout"), "reward": ("trajectories", "reward")}
 """Autoscaled service -> (its input stream in StreamNames, its consumer group). The groups are the
@@ -113,11 +121,13 @@ def rendered(overlay: str) -> list[dict[str, Any]]:
     return copy.deepcopy(_RENDERED[overlay])
 
 
-def make_secrets(namespace: str = NAMESPACE, env: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
-    """Secret name -> its string data, as deploy/k8s/make-secrets.sh prints them."""
+def make_secrets(
+    namespace: str = NAMESPACE, env: dict[str, str] | None = None, lanes: int = 1
+) -> dict[str, dict[str, str]]:
+    """Secret name -> its string data, as deploy/k8s/make-secrets.sh prints them (for ``lanes`` lanes)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "HF_TOKEN"}
     result = subprocess.run(
-        [str(K8S / "make-secrets.sh"), namespace],
+        [str(K8S / "make-secrets.sh"), namespace, str(lanes)],
         capture_output=True,
         text=True,
         env={**clean, **(env or {})},
@@ -130,14 +140,14 @@ def make_secrets(namespace: str = NAMESPACE, env: dict[str, str] | None = None) 
     return {doc["metadata"]["name"]: doc["stringData"] for doc in docs}
 
 
-_SECRETS: dict[str, dict[str, str]] = {}
+_SECRETS: dict[int, dict[str, dict[str, str]]] = {}
 
 
-def default_secrets() -> dict[str, dict[str, str]]:
-    """What make-secrets.sh prints for the namespace of the base, made once per test session."""
-    if not _SECRETS:
-        _SECRETS.update(make_secrets())
-    return copy.deepcopy(_SECRETS)
+def default_secrets(lanes: int = 1) -> dict[str, dict[str, str]]:
+    """What make-secrets.sh prints for the namespace of the base and ``lanes`` lanes, made once per test session."""
+    if lanes not in _SECRETS:
+        _SECRETS[lanes] = make_secrets(lanes=lanes)
+    return copy.deepcopy(_SECRETS[lanes])
 
 
 def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -150,8 +160,9 @@ def workload(objects: list[dict[str, Any]], service: str) -> dict[str, Any]:
     return found
 
 
-def container(objects: list[dict[str, Any]], service: str) -> dict[str, Any]:
-    (found,) = [c for c in pod_spec(workload(objects, service))["containers"] if c["name"] == service]
+def container(objects: list[dict[str, Any]], service: str, name: str | None = None) -> dict[str, Any]:
+    """The container of ``service`` in the workload ``name`` (default: the service's own, lane 0's with lanes)."""
+    (found,) = [c for c in pod_spec(workload(objects, name or service))["containers"] if c["name"] == service]
     return found
 
 
@@ -168,6 +179,22 @@ def recipe_configmap(objects: list[dict[str, Any]]) -> dict[str, Any]:
 def run_id(objects: list[dict[str, Any]]) -> str:
     value: str = recipe_configmap(objects)["data"]["run-id"]
     return value
+
+
+def lanes_count(objects: list[dict[str, Any]]) -> int:
+    """The recipe's lanes.count (1: no lanes)."""
+    count: int = read_recipe_text(recipe_configmap(objects)["data"]["recipe.toml"]).get("lanes", {}).get("count", 1)
+    return count
+
+
+def service_workloads(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+    """Every workload running a streamrl service (each lane's copy too), with that service."""
+    found = []
+    for obj in workloads(objects):
+        for c in pod_spec(obj)["containers"]:
+            if c.get("command", [])[:1] == ["streamrl"]:
+                found.append((obj, c["command"][1]))
+    return found
 
 
 def all_containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -314,14 +341,15 @@ def test_rollout_and_reward_leave_the_replica_count_to_keda(overlay: str) -> Non
 def test_every_service_runs_its_own_command_and_reads_the_mounted_recipe(overlay: str) -> None:
     objects = rendered(overlay)
     configmap = recipe_configmap(objects)
-    for service in SERVICES:
-        main = container(objects, service)
+    assert {service for _, service in service_workloads(objects)} == set(SERVICES)
+    for obj, service in service_workloads(objects):
+        main = container(objects, service, obj["metadata"]["name"])
         assert main["command"] == ["streamrl", service]
         env = {e["name"]: e for e in main["env"]}
         recipe = env["STREAMRL_RECIPE"]["value"]
         mount = next(m for m in main["volumeMounts"] if recipe.startswith(m["mountPath"] + "/"))
         assert mount.get("readOnly") is True
-        volume = next(v for v in pod_spec(workload(objects, service))["volumes"] if v["name"] == mount["name"])
+        volume = next(v for v in pod_spec(obj)["volumes"] if v["name"] == mount["name"])
         assert volume["configMap"]["name"] == configmap["metadata"]["name"]
         (item,) = volume["configMap"]["items"]
         assert recipe == f"{mount['mountPath']}/{item['path']}" and item["key"] == "recipe.toml"
@@ -334,12 +362,12 @@ def test_every_service_runs_its_own_command_and_reads_the_mounted_recipe(overlay
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_redis_url_and_every_credential_come_from_a_secret(overlay: str) -> None:
     objects = rendered(overlay)
-    for service in SERVICES:
-        env = {e["name"]: e for e in container(objects, service)["env"]}
+    for obj, service in service_workloads(objects):
+        env = {e["name"]: e for e in container(objects, service, obj["metadata"]["name"])["env"]}
         assert env["STREAMRL_REDIS__URL"]["valueFrom"] == {
             "secretKeyRef": {"name": "streamrl-redis", "key": f"url-{service}"}
         }
-    secret_like = re.compile(r"PASSWORD|_TOKEN$|_KEY$|^REDISCLI_AUTH$|__URL$")
+    secret_like = re.compile(r"PASSWORD|_TOKEN$|_KEY$|^REDISCLI_AUTH$|__URLS?(__\d+)?$")
     checked = set()
     for obj in workloads(objects):
         for c in all_containers(obj):
@@ -356,7 +384,7 @@ def test_redis_url_and_every_credential_come_from_a_secret(overlay: str) -> None
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_secret_key_the_manifests_read_is_one_make_secrets_writes(overlay: str) -> None:
-    secrets = default_secrets()
+    secrets = default_secrets(lanes_count(rendered(overlay)))
     refs = [
         (e["valueFrom"]["secretKeyRef"], f"{obj['metadata']['name']}/{c['name']}")
         for obj in workloads(rendered(overlay))
@@ -426,12 +454,14 @@ def resolve_env(
 
 
 def load_service_config(
-    overlay: str, service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    overlay: str, service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str | None = None
 ) -> tuple[ServiceConfig, dict[str, str], dict[str, dict[str, str]]]:
-    """``service``'s config as its container loads it; also its environment and the Secrets used."""
+    """``service``'s config as its container in the workload ``name`` (default: the service's own) loads it;
+    also its environment and the Secrets used."""
     objects = rendered(overlay)
-    secrets = default_secrets()
-    env = resolve_env(container(objects, service)["env"], objects, secrets, pod=f"{service}-0")
+    secrets = default_secrets(lanes_count(objects))
+    name = name or service
+    env = resolve_env(container(objects, service, name)["env"], objects, secrets, pod=f"{name}-0")
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(recipe_configmap(objects)["data"]["recipe.toml"])
     for var in [v for v in os.environ if v.startswith(("STREAMRL_", "OTEL_"))]:
@@ -487,8 +517,8 @@ def test_learner_weight_server_is_reachable_through_its_service(
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_run_the_service_check(overlay: str) -> None:
     objects = rendered(overlay)
-    for service in SERVICES:
-        main = container(objects, service)
+    for obj, service in service_workloads(objects):
+        main = container(objects, service, obj["metadata"]["name"])
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert main[probe]["exec"]["command"] == ["streamrl", service, "--check"], f"{service} {probe}"
 
@@ -518,9 +548,9 @@ def test_runs_volume_is_shared_and_the_learner_prepares_what_the_others_wait_for
     claim = find(objects, "PersistentVolumeClaim", "streamrl-runs")
     modes = claim["spec"]["accessModes"]
     assert modes == (["ReadWriteOnce"] if overlay == "cpu" else ["ReadWriteMany"]), "pods on several nodes need RWX"
-    for service in SERVICES:
-        volumes = {v["name"]: v for v in pod_spec(workload(objects, service))["volumes"]}
-        assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == "streamrl-runs", service
+    for obj, _ in service_workloads(objects):
+        volumes = {v["name"]: v for v in pod_spec(obj)["volumes"]}
+        assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == "streamrl-runs", obj["metadata"]["name"]
     configmap = recipe_configmap(objects)
     data = read_recipe_text(configmap["data"]["recipe.toml"])
     out_dir = data["prepare"]["out_dir"]
@@ -542,10 +572,19 @@ def test_runs_volume_is_shared_and_the_learner_prepares_what_the_others_wait_for
     assert {e["name"]: e["value"] for e in prepare["env"]}["STREAMRL_RECIPE"] == (
         {e["name"]: e.get("value") for e in container(objects, "learner")["env"]}["STREAMRL_RECIPE"]
     )
-    for service in ("coordinator", "rollout"):
-        (wait,) = pod_spec(workload(objects, service))["initContainers"]
-        assert wait["env"][0]["valueFrom"]["configMapKeyRef"]["key"] == "prepared", service
+    for obj, service in service_workloads(objects):
+        if service not in ("coordinator", "rollout"):
+            continue
+        (wait,) = pod_spec(obj)["initContainers"]
+        assert wait["env"][0]["valueFrom"]["configMapKeyRef"]["key"] == "prepared", obj["metadata"]["name"]
         assert '[ -f "$PREPARED_FILE" ]' in wait["command"][-1]
+
+
+def names_of(config: ServiceConfig) -> StreamNames:
+    """The keys a service instance uses: its lane's when it serves one, else the run's (as lifecycle.where)."""
+    if config.lanes.enabled and config.lane is not None:
+        return lane_names(config.run_id, config.lane)
+    return StreamNames(config.run_id)
 
 
 def read_recipe_text(text: str) -> dict[str, Any]:
@@ -597,23 +636,37 @@ def test_scaled_objects_target_the_deployment_on_its_input_stream_and_group(
     assert trigger["type"] == "redis-streams"
     stream, group = SCALED[service]
     meta = trigger["metadata"]
-    assert meta["stream"] == getattr(StreamNames(run_id(objects)), stream)
+    config, _, _ = load_service_config(overlay, service, tmp_path, monkeypatch)
+    assert meta["stream"] == getattr(names_of(config), stream)
     assert meta["consumerGroup"] == group
     # A replica holds at most max_in_flight pending entries: a target at or above it never scales up.
-    config, _, _ = load_service_config(overlay, service, tmp_path, monkeypatch)
     assert 0 < int(meta["pendingEntriesCount"]) < config.consumer.max_in_flight
     auth = find(objects, "TriggerAuthentication", trigger["authenticationRef"]["name"])
     params = {r["parameter"] for r in auth["spec"]["secretTargetRef"]}
     assert {"address", "username", "password"} <= params
 
 
-@pytest.fixture(scope="module")
-def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, dict[str, str]]]:
-    """redis-server with the ACL file the base's init container renders (its run id, make-secrets' passwords)."""
-    folder = tmp_path_factory.mktemp("k8s-acl")
-    redis_secret = default_secrets()["streamrl-redis"]
-    passwords = {user: redis_secret[f"password-{user}"] for user in USERS}
-    (folder / "users.acl").write_text(acl_file(run_id(rendered("base")), passwords))
+def render_acl(overlay: str, statefulset: str, out: Path) -> dict[str, str]:
+    """Run the ``acl`` init container of the Redis ``statefulset`` here, as its pod runs it (its command, its
+    arguments and environment resolved), writing the file to ``out``; returns each user's password."""
+    objects = rendered(overlay)
+    secrets = default_secrets(lanes_count(objects))
+    (init,) = pod_spec(workload(objects, statefulset))["initContainers"]
+    env = resolve_env(init["env"], objects, secrets, pod=f"{statefulset}-0")
+    args = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m[1]], a) for a in init["args"]]
+    args[args.index("--out") + 1] = str(out)
+    assert init["command"][0] == "python"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+    result = subprocess.run(
+        [sys.executable, *init["command"][1:], *args], env={**clean, **env}, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return {user: secrets["streamrl-redis"][f"password-{user}"] for user in USERS}
+
+
+@contextlib.contextmanager
+def serve_acl(folder: Path, passwords: dict[str, str]) -> Iterator[int]:
+    """redis-server with the ACL file ``folder/users.acl``; yields its port."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -646,10 +699,19 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, d
             except redis.ConnectionError:
                 assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
                 time.sleep(0.05)
-        yield port, passwords
+        yield port
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, dict[str, str]]]:
+    """redis-server with the ACL file the base's init container renders (its run id, make-secrets' passwords)."""
+    folder = tmp_path_factory.mktemp("k8s-acl")
+    passwords = render_acl("base", "redis", folder / "users.acl")
+    with serve_acl(folder, passwords) as port:
+        yield port, passwords
 
 
 @pytest.mark.parametrize("service", SCALED)
@@ -669,3 +731,217 @@ def test_kedas_login_may_read_what_its_trigger_reads(service: str, acl_redis: tu
     # count pending entries
     with pytest.raises(redis.exceptions.NoPermissionError):
         observer.info()
+
+
+# -- lanes (overlays/lanes: lanes.count = 2) -------------------------------------------------------
+
+LANE1 = ("Service/redis", "StatefulSet/redis", "Service/coordinator", "StatefulSet/coordinator")
+LANE1 += ("Deployment/rollout", "Deployment/reward", "ScaledObject/rollout", "ScaledObject/reward")
+LANE1 += ("TriggerAuthentication/streamrl-redis-observer",)
+"""The base's objects that lane 1 has a copy of, named <name>-lane1."""
+
+
+def lane_of(obj: dict[str, Any]) -> int | None:
+    """The lane an object's pods (or the object) belong to, by its label."""
+    labels = obj["metadata"].get("labels", {})
+    return int(labels[LANE_LABEL]) if LANE_LABEL in labels else None
+
+
+def test_lanes_overlay_is_the_base_plus_lane1s_redis_services_and_scaled_objects() -> None:
+    base = {(o["kind"], o["metadata"]["name"]) for o in rendered("base") if o["kind"] != "ConfigMap"}
+    lanes = {(o["kind"], o["metadata"]["name"]) for o in rendered("lanes") if o["kind"] != "ConfigMap"}
+    copies = {(kind, f"{name}-lane1") for kind, name in (item.split("/") for item in LANE1)}
+    assert lanes - base == copies
+    assert base <= lanes, "one learner and one runs volume for every lane"
+    objects = rendered("lanes")
+    recipe_configmap(objects)  # one recipe, the overlay's
+    for kind, name in copies:
+        assert lane_of(find(objects, kind, name)) == 1, f"{kind}/{name}"
+    assert lanes_count(objects) == 2
+
+
+def test_lanes_recipe_is_the_base_recipe_plus_its_lanes() -> None:
+    objects = rendered("lanes")
+    recipe = read_recipe_text(recipe_configmap(objects)["data"]["recipe.toml"])
+    assert recipe == read_recipe(OVERLAYS["lanes"] / "recipe.toml")
+    lanes = recipe.pop("lanes")
+    assert recipe == read_recipe(K8S / "base" / "recipe.toml"), "keep overlays/lanes/recipe.toml the base's + [lanes]"
+    assert lanes["count"] == 2 and len(lanes["urls"]) == 2
+    # each URL (in lane order) names the Service of that lane's Redis, which selects that Redis' pods only
+    for lane, url in enumerate(lanes["urls"]):
+        parts = urlsplit(url)
+        assert parts.username is None and parts.password is None, "no password in a ConfigMap"
+        service = find(objects, "Service", parts.hostname or "")
+        (port,) = service["spec"]["ports"]
+        assert port["port"] == parts.port == 6379
+        selected = [o for o in workloads(objects) if selects(service["spec"]["selector"], o)]
+        assert [(o["metadata"]["name"], lane_of(o)) for o in selected] == [(service["metadata"]["name"], lane)]
+        assert pod_spec(selected[0])["containers"][0]["image"].startswith("redis:")
+    assert lanes["urls"][0] == "redis://redis:6379/0", "lane 0's Redis is the home's (redis.url)"
+
+
+def selects(selector: dict[str, str], obj: dict[str, Any]) -> bool:
+    return selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_selector_picks_its_own_pods_only(overlay: str) -> None:
+    objects = rendered(overlay)
+    for obj in workloads(objects):
+        picked = [
+            o["metadata"]["name"] for o in workloads(objects) if selects(obj["spec"]["selector"]["matchLabels"], o)
+        ]
+        assert picked == [obj["metadata"]["name"]], f"{obj['kind']}/{obj['metadata']['name']} selects {picked}"
+    for service in (o for o in objects if o["kind"] == "Service"):
+        picked = [o["metadata"]["name"] for o in workloads(objects) if selects(service["spec"]["selector"], o)]
+        assert picked == [service["metadata"]["name"]], f"Service/{service['metadata']['name']} selects {picked}"
+
+
+def lane_workloads(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, int | None]]:
+    """(workload, service, lane) of every streamrl service's workload."""
+    return [(obj, service, lane_of(obj)) for obj, service in service_workloads(objects)]
+
+
+def test_every_pod_of_a_lane_service_has_its_lane_and_the_learner_none() -> None:
+    objects = rendered("lanes")
+    found = set()
+    for obj, service, lane in lane_workloads(objects):
+        name = obj["metadata"]["name"]
+        env = {e["name"]: e for e in container(objects, service, name)["env"]}
+        if service == "learner":
+            assert lane is None and "STREAMRL_LANE" not in env, "the learner serves every lane"
+            continue
+        # a lane service without STREAMRL_LANE refuses to start (streamrl.common.lanes.check_lane)
+        assert env["STREAMRL_LANE"] == {"name": "STREAMRL_LANE", "value": str(lane)}, name
+        assert lane_of({"metadata": obj["spec"]["template"]["metadata"]}) == lane, name
+        assert name == (service if lane == 0 else f"{service}-lane{lane}")
+        found.add((service, lane))
+    assert found == {(service, lane) for service in LANE_SERVICES for lane in range(lanes_count(objects))}
+    assert sum(service == "learner" for _, service, _ in lane_workloads(objects)) == 1
+
+
+@pytest.mark.parametrize("lane", [0, 1])
+@pytest.mark.parametrize("service", LANE_SERVICES)
+def test_lane_service_config_loads_with_its_lane_and_every_lanes_redis(
+    service: str, lane: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = service if lane == 0 else f"{service}-lane{lane}"
+    config, env, secrets = load_service_config("lanes", service, tmp_path, monkeypatch, name=name)
+    assert config.lane == lane and config.lanes.count == 2
+    assert check_lane(service, config.lane, config.lanes) is None
+    redis_secret = secrets["streamrl-redis"]
+    assert config.redis.url == redis_secret[f"url-{service}"], "redis.url: the home's"
+    assert config.lanes.urls == [redis_secret[f"url-{service}"], redis_secret[f"url-{service}-lane1"]]
+    assert_lane_urls(config, service)
+    # its own lane's Redis, and its own lane's keys (lifecycle.where)
+    url = urlsplit(config.lanes.url(lane, config.redis.url))
+    assert url.hostname == ("redis" if lane == 0 else f"redis-lane{lane}")
+    assert names_of(config).prompts == f"streamrl:{{{config.run_id}/lane{lane}}}:prompts"
+    # without STREAMRL_LANE the same pod would refuse to start
+    monkeypatch.delenv("STREAMRL_LANE")
+    recipe = Path(os.environ["STREAMRL_RECIPE"])
+    unset = load_config(CONFIG_CLASSES[service], recipe, section=service)
+    assert unset.lane is None
+    assert "STREAMRL_LANE" in (check_lane(service, unset.lane, unset.lanes) or "")
+    assert env["STREAMRL_INSTANCE"] == f"{name}-0"
+
+
+def assert_lane_urls(config: ServiceConfig, service: str) -> None:
+    """Each of ``config``'s lane URLs is the recipe's for that lane, logged in as the service's own user."""
+    recipe = read_recipe_text(recipe_configmap(rendered("lanes"))["data"]["recipe.toml"])
+    for given, url in zip(recipe["lanes"]["urls"], config.lanes.urls, strict=True):
+        parts, expected = urlsplit(url), urlsplit(given)
+        assert (parts.hostname, parts.port, parts.path) == (expected.hostname, expected.port, expected.path)
+        assert parts.username == service and parts.password
+
+
+def test_the_learner_of_the_lanes_overlay_serves_no_lane_and_reaches_every_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _, secrets = load_service_config("lanes", "learner", tmp_path, monkeypatch)
+    assert config.lane is None and config.lanes.count == 2
+    assert check_lane("learner", config.lane, config.lanes) is None
+    assert config.redis.url == secrets["streamrl-redis"]["url-learner"]
+    assert_lane_urls(config, "learner")
+
+
+@pytest.mark.parametrize("lane", [0, 1])
+@pytest.mark.parametrize("service", SCALED)
+def test_each_lanes_scaled_objects_read_its_streams_on_its_redis(
+    service: str, lane: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = rendered("lanes")
+    name = service if lane == 0 else f"{service}-lane{lane}"
+    scaled = find(objects, "ScaledObject", name)["spec"]
+    assert scaled["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+    (trigger,) = scaled["triggers"]
+    stream, group = SCALED[service]
+    meta = trigger["metadata"]
+    assert meta["stream"] == getattr(lane_names(run_id(objects), lane), stream)
+    assert meta["consumerGroup"] == group
+    config, _, _ = load_service_config("lanes", service, tmp_path, monkeypatch, name=name)
+    assert meta["stream"] == getattr(names_of(config), stream), "what the lane's replicas consume"
+    assert 0 < int(meta["pendingEntriesCount"]) < config.consumer.max_in_flight
+    # KEDA logs in as the observer to the lane's Redis Service, in the namespace
+    auth = find(objects, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+    refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
+    redis_secret = default_secrets(2)["streamrl-redis"]
+    address = redis_secret[refs["address"]["key"]]
+    redis_service = urlsplit(config.lanes.url(lane, config.redis.url)).hostname
+    assert address == f"{redis_service}.{NAMESPACE}.svc:6379"
+    assert lane_of(find(objects, "Service", redis_service or "")) == lane
+    assert redis_secret[refs["username"]["key"]] == "observer"
+    assert refs["password"]["key"] == "password-observer"
+
+
+def test_every_redis_of_the_lanes_overlay_renders_the_acl_of_every_lane(tmp_path: Path) -> None:
+    objects = rendered("lanes")
+    redises = [o for o in workloads(objects) if o["metadata"]["labels"]["app.kubernetes.io/name"] == "redis"]
+    assert sorted(lane_of(o) for o in redises) == [0, 1]
+    files = set()
+    for obj in redises:
+        name = obj["metadata"]["name"]
+        (init,) = pod_spec(obj)["initContainers"]
+        assert init["args"][init["args"].index("--lanes") + 1] == str(lanes_count(objects)), name
+        passwords = render_acl("lanes", name, tmp_path / f"{name}.acl")
+        text = (tmp_path / f"{name}.acl").read_text()
+        assert text == acl_file(run_id(objects), passwords, lanes=2), name
+        files.add(text)
+    assert len(files) == 1, "one ACL file serves every lane's Redis"
+
+
+@pytest.fixture(scope="module")
+def lanes_acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, dict[str, str]]]:
+    """redis-server with the ACL file lane 1's Redis renders in overlays/lanes."""
+    folder = tmp_path_factory.mktemp("k8s-lanes-acl")
+    passwords = render_acl("lanes", "redis-lane1", folder / "users.acl")
+    with serve_acl(folder, passwords) as port:
+        yield port, passwords
+
+
+@pytest.mark.parametrize("service", SCALED)
+def test_kedas_login_may_read_what_lane1s_trigger_reads(
+    service: str, lanes_acl_redis: tuple[int, dict[str, str]]
+) -> None:
+    port, passwords = lanes_acl_redis
+    meta = find(rendered("lanes"), "ScaledObject", f"{service}-lane1")["spec"]["triggers"][0]["metadata"]
+    consumer = redis.Redis(port=port, username=service, password=passwords[service], socket_timeout=5)
+    try:
+        consumer.xgroup_create(meta["stream"], meta["consumerGroup"], id="0", mkstream=True)
+    except redis.ResponseError as e:
+        assert "BUSYGROUP" in str(e)
+    observer = redis.Redis(port=port, username="observer", password=passwords["observer"], socket_timeout=5)
+    assert observer.xpending(meta["stream"], meta["consumerGroup"])["pending"] == 0
+
+
+def test_make_secrets_writes_each_lanes_urls_and_kedas_address() -> None:
+    secrets = make_secrets("team-a", lanes=3)["streamrl-redis"]
+    for lane in (1, 2):
+        for service in SERVICES:
+            password = secrets[f"password-{service}"]
+            assert secrets[f"url-{service}-lane{lane}"] == f"redis://{service}:{password}@redis-lane{lane}:6379/0"
+        assert secrets[f"keda-address-lane{lane}"] == f"redis-lane{lane}.team-a.svc:6379"
+    assert not any("lane3" in key for key in secrets)
+    assert not any("lane" in key for key in make_secrets("team-a")["streamrl-redis"])
+    result = subprocess.run([str(K8S / "make-secrets.sh"), "team-a", "two"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "LANES" in result.stderr
