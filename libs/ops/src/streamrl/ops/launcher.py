@@ -57,6 +57,7 @@ from streamrl.common.run_info import RunInfo, write_run_info
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
 from streamrl.ops.autoscale import Autoscaler
+from streamrl.ops.gpu_plan import plan_run
 from streamrl.ops.lane_plan import embedded_servers, home_url, lanes_env, split_unit, units
 from streamrl.ops.local_backend import LocalReplicas
 from streamrl.ops.memory_budget import (
@@ -114,6 +115,11 @@ class Launcher:
         self._memory_readable = True
         self._memory_warned = False
         self.autoscaler = Autoscaler(self.cfg.autoscale, self.names)
+        plans, refusal = plan_run(data)
+        for gpu in plans:  # before anything is loaded: what each GPU will hold (docs/gpu.md, "The memory plan")
+            print(f"streamrl up: memory plan\n{gpu.render()}", flush=True)
+        if refusal:
+            raise ConfigError(refusal)
 
     def start(self) -> None:
         up = self.cfg.up

@@ -94,6 +94,14 @@ class UpConfig(BaseConfig):
     the list takes entry ``index % len``). A service without an entry inherits the launcher's environment. E.g.
     ``{rollout = ["0", "1"], learner = "2"}``; the colocated mode is rollout and learner on one device:
     ``{rollout = "0", learner = "0"}``. The Ray backend places GPUs with ``resources`` instead."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Memory of each GPU in ``gpus`` (GiB) for the memory plan (:mod:`streamrl.ops.gpu_plan`), which ``streamrl up``
+    prints before loading anything and which refuses a run that cannot fit; None = what ``nvidia-smi`` reports
+    (no GPU: no plan)."""
+    gpu_memory_margin_gib: float = Field(1.0, ge=0)
+    """Memory the plan keeps free on each GPU (GiB): its terms are estimates."""
+    gpu_plan_check: bool = True
+    """Refuse to start a run whose memory plan does not fit (false: print the plan and start anyway)."""
     max_restarts: dict[str, int] = {}
     """Restarts allowed per replica after it crashes (exits non-zero, or exits at all unless it is the ``until``
     service exiting 0), e.g. ``{rollout = 3, reward = 3}``. Default 0: a crash stops the whole run, naming the

@@ -82,9 +82,21 @@ class DeepSpeedConfig(BaseConfig):
     0.139 s per step of 256 samples, ~25 s to compile). Needs a C++ compiler on CPU; ZeRO stage <= 2."""
     seed: int = 42
     """Seed of every random number generator (weights of new heads, dropout, data order)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer states (AdamW's moments and the fp32 master weights, 12 bytes a trainable
+    parameter) in pinned host memory and step on the CPU (ZeRO stage >= 1): a 7B model's 91 GB of states
+    leave the GPU, at the cost of the host step and the gradient/parameter copies each step. With
+    ``torch_adam = false`` DeepSpeed's CPU Adam (JIT-built) steps them, much faster than torch's."""
+    offload_params: bool = False
+    """ZeRO-3 only: keep the partitioned parameters in pinned host memory, fetched to the GPU layer by
+    layer in each forward and backward (the last resort when the weights themselves do not fit)."""
 
     @model_validator(mode="after")
     def _check(self) -> DeepSpeedConfig:
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer=true needs zero_stage >= 1 (DeepSpeed offloads ZeRO's partitions)")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("offload_params=true needs zero_stage = 3 (only ZeRO-3 partitions the parameters)")
         if self.compile and self.zero_stage == 3:
             raise ValueError("compile=true needs zero_stage <= 2 (ZeRO-3 gathers parameters inside the forward)")
         b1, b2 = self.betas
@@ -108,6 +120,11 @@ class DeepSpeedConfig(BaseConfig):
         }
         if stage == 3:
             ds["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "overlap_comm": True})
+            if self.offload_params:
+                ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        if train and stage >= 1 and self.offload_optimizer:
+            ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            ds["zero_force_ds_cpu_optimizer"] = not self.torch_adam  # torch's AdamW may step host states too
         if train:
             ds["optimizer"] = {
                 "type": "AdamW",
@@ -119,7 +136,7 @@ class DeepSpeedConfig(BaseConfig):
                     "torch_adam": self.torch_adam,
                 },
             }
-            if cuda and self.torch_adam and self.fused_optimizer:
+            if cuda and self.torch_adam and self.fused_optimizer and not self.offload_optimizer:
                 ds["optimizer"]["params"]["fused"] = True
         return ds
 

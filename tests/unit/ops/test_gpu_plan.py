@@ -1,0 +1,109 @@
+"""The GPU memory plan: a 7B-shaped policy's terms, what fits an 80 GB GPU, and the refusal naming the setting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamrl.ops.gpu_plan import GIB, lora_params, plan_run, read_shape, shape_from_config
+
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def model_7b(tmp_path: Path) -> str:
+    folder = tmp_path / "qwen7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN25_7B))
+    return str(folder)
+
+
+def recipe(model: str, **learner_ds: Any) -> dict[str, Any]:
+    return {
+        "up": {"gpus": {"learner": "0", "rollout": "0"}, "gpu_memory_gib": 79.2},
+        "rollout": {
+            "engine": {
+                "type": "vllm",
+                "model": model,
+                "max_model_len": 2304,
+                "gpu_memory_utilization": 0.45,
+                "sleep_between_versions": True,
+            }
+        },
+        "learner": {
+            "model": model,
+            "ds": {"zero_stage": 3, "micro_batch_size": 2, "gradient_checkpointing": True, **learner_ds},
+        },
+    }
+
+
+def test_the_7b_shape_counts_qwen25_7b_parameters() -> None:
+    shape = shape_from_config(QWEN25_7B)
+    assert shape.params == pytest.approx(7.62e9, rel=0.01)  # Qwen2.5-7B: 7.61B parameters
+    assert shape.kv_dim == 512
+    # rank-16 adapters on every linear layer of the 28 blocks: ~40M trainable, 0.5% of the model
+    assert lora_params(shape, 16, "all-linear") == 28 * 16 * (
+        2 * (3584 + 3584) + 2 * (3584 + 512) + 2 * (3584 + 18944) + (18944 + 3584)
+    )
+    assert lora_params(shape, 16, ["q_proj", "v_proj"]) == 28 * 16 * (3584 + 3584 + 3584 + 512)
+
+
+def test_full_parameters_without_offload_are_refused_naming_the_optimizer(model_7b: str) -> None:
+    plans, refusal = plan_run(recipe(model_7b))
+    assert refusal is not None
+    assert "learner.ds.offload_optimizer" in refusal  # AdamW states of 7.6B parameters: 85 GiB
+    terms = {t.name: t.gib for t in plans[0].terms}
+    assert terms["learner optimizer (AdamW)"] == pytest.approx(7.62e9 * 12 / GIB, rel=0.01)
+
+
+def test_full_parameters_with_the_optimizer_on_the_host_fit_80_gb(model_7b: str) -> None:
+    plans, refusal = plan_run(recipe(model_7b, offload_optimizer=True))
+    assert refusal is None, refusal
+    plan = plans[0]
+    assert plan.peak[1] < 79.2 - 1.0
+    assert "(on host)" in plan.render()
+    # vLLM sleeps while the learner trains: its share counts only while generating
+    assert plan.peak_gib("train") < plan.peak_gib("generate")
+
+
+def test_lora_fits_without_offload(model_7b: str) -> None:
+    data = recipe(model_7b)
+    data["learner"]["lora"] = {"rank": 16, "target_modules": "all-linear"}
+    plans, refusal = plan_run(data)
+    assert refusal is None, refusal
+    terms = {t.name: t.gib for t in plans[0].terms}
+    assert terms["learner optimizer (AdamW)"] < 1.0
+
+
+def test_an_engine_share_too_large_for_what_the_learner_holds_names_gpu_memory_utilization(model_7b: str) -> None:
+    data = recipe(model_7b, offload_optimizer=True)
+    data["rollout"]["engine"]["gpu_memory_utilization"] = 0.9
+    _, refusal = plan_run(data)
+    assert refusal is not None and "rollout.engine.gpu_memory_utilization" in refusal
+
+
+def test_no_gpu_placement_or_unreadable_model_gives_no_plan(tmp_path: Path) -> None:
+    data = recipe(str(tmp_path / "missing"))
+    assert plan_run(data) == ([], None)
+    del data["up"]["gpus"]
+    assert plan_run(data) == ([], None)
+    assert read_shape(str(tmp_path / "missing")) is None
+
+
+def test_the_check_can_be_turned_off(model_7b: str) -> None:
+    data = recipe(model_7b)
+    data["up"]["gpu_plan_check"] = False
+    plans, refusal = plan_run(data)
+    assert refusal is None and not plans[0].fits()
