@@ -126,6 +126,12 @@ class RewardConfig(BaseConfig):
     """Trajectories grouped into one scorer call at most."""
     max_wait_ms: float = Field(10.0, ge=0)
     """How long the first trajectory of a micro-batch waits for more (ms)."""
+    on_invalid: Literal["dead_letter", "score"] = "dead_letter"
+    """A sample whose scorer answer is unusable (NaN, infinite, not a number) - only that sample, never its
+    batch: ``dead_letter`` fails it (retried, then dead-lettered with the reason; its group is replaced);
+    ``score`` scores it ``invalid_value`` (counted in ``reward/invalid``, the reason logged once per 100)."""
+    invalid_value: float | None = Field(None, allow_inf_nan=False)
+    """Reward and score of an invalid sample when ``on_invalid = "score"`` (required then, e.g. 0.0)."""
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:
@@ -135,6 +141,10 @@ class RewardConfig(BaseConfig):
             raise ValueError(f"scorers: names must be unique, repeated: {duplicates}")
         if not any(s.weight > 0 for s in self.scorers):
             raise ValueError("scorers: at least one scorer needs a weight > 0")
+        if self.on_invalid == "score" and self.invalid_value is None:
+            raise ValueError('on_invalid = "score" needs invalid_value: the reward an invalid sample gets (e.g. 0.0)')
+        if self.on_invalid == "dead_letter" and self.invalid_value is not None:
+            raise ValueError('invalid_value is used only with on_invalid = "score" (invalid samples are dead-lettered)')
         return self
 
 

@@ -184,6 +184,8 @@ def _auth_headers(config: HttpScorerConfig, env: Mapping[str, str]) -> dict[str,
 class HttpScorer:
     """Scores micro-batches with one or more remote reward services."""
 
+    reads_tokens = False
+
     def __init__(
         self,
         config: HttpScorerConfig,
