@@ -113,6 +113,22 @@ def test_a_list_of_the_wrong_length_is_split_to_the_sample_that_breaks_it(traj: 
     assert calls == [8] + [1] * 8
 
 
+def test_a_sample_answered_nan_once_then_scored_counts_both_calls(traj: Callable[..., Trajectory]) -> None:
+    answers = iter([math.nan, 1.0])
+    service = _service(lambda queries, prompts, labels: {"rewards": [next(answers)]})
+
+    async def main() -> ScoredTrajectory:
+        try:
+            with pytest.raises(ScorerError, match="reward is nan"):
+                await service.handle(traj(0))  # the consumer loop delivers the entry again
+            (out,) = await service.handle(traj(0))
+            return out.message  # type: ignore[return-value]
+        finally:
+            await service.close()
+
+    assert asyncio.run(main()).extra["reward/attempts"] == 2.0
+
+
 def test_score_mode_scores_the_sample_the_stated_value_counts_and_logs_once_per_n(
     traj: Callable[..., Trajectory], caplog: pytest.LogCaptureFixture
 ) -> None:

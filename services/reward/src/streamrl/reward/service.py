@@ -276,6 +276,7 @@ class RewardService:
         """A sample whose answer was unusable: fail it alone (``dead_letter``), or count and go on (``score``)."""
         self._num_invalid += 1
         if self._invalid_value is None:
+            self._count_failed_attempts([msg], 1)  # its calls count if a later delivery scores it
             raise ScorerError(
                 f"unusable answer for trajectory {msg.id}: {why} (reward.on_invalid = 'dead_letter'; "
                 "'score' with reward.invalid_value scores such samples instead)"
