@@ -58,6 +58,7 @@ def own_redis(tmp_path: Path) -> Iterator[str]:
 class ParityScorer:
     """Reward = the response text's length modulo 2 (a scorer that reads text, as reward functions do)."""
 
+    reads_tokens = False
     name = "parity"
 
     async def score(self, batch: list[Trajectory]) -> ScorerResult:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from streamrl.common.log import setup_logging
 from streamrl.common.redact import MASK, is_secret_name, redact, redact_url
 
 
@@ -61,3 +64,21 @@ def test_redact_masks_nested_config_and_keeps_the_rest() -> None:
         "weights": {"hmac_secret": MASK, "password": None, "api_key": ""},
     }
     assert config["redis"]["url"] == "redis://:s3cret@127.0.0.1:6379/0"  # the input is not changed
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_log_lines_are_written_with_url_passwords_masked(
+    fmt: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever logs a URL (a library's own line, an exception's text), the line written masks its password."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # restored after setup_logging replaces them
+    monkeypatch.setattr(root, "level", root.level)
+    setup_logging("reward", "r0", fmt=fmt, level="INFO")
+    try:
+        raise ConnectionError("cannot reach http://u:pw-123@rm:8000/score")
+    except ConnectionError:
+        logging.getLogger("aiohttp.client").exception("posting to %s failed", "https://u:pw-123@rm:8000")
+    err = capsys.readouterr().err
+    assert "pw-123" not in err
+    assert err.count(f"u:{MASK}@rm:8000") >= 2  # the message and the exception

@@ -153,8 +153,6 @@ def test_bad_signature_is_a_clear_error(tmp_path: Path) -> None:
         ("return {'scores': [1.0, 1.0]}", "no 'rewards'"),
         ("return [1.0, 1.0]", "expected a dict with 'rewards'"),
         ("return None", "expected a dict with 'rewards'"),
-        ("return {'rewards': [1.0, float('nan')]}", r"rewards\[1\] is not finite"),
-        ("return {'rewards': [1.0, 'x']}", r"rewards\[1\] is not a number"),
         (
             "return {'rewards': [1.0, 2.0], 'extra_logs': {'k': [1.0]}}",
             r"extra_logs\['k'\] has 1 values",
@@ -163,6 +161,8 @@ def test_bad_signature_is_a_clear_error(tmp_path: Path) -> None:
     ],
 )
 def test_bad_output_raises_never_zero(tmp_path: Path, traj: Callable[..., Trajectory], body: str, reason: str) -> None:
+    """A malformed answer as a whole fails the call (a value unusable for one sample fails that sample alone:
+    tests/unit/reward/test_reward_invalid.py)."""
     path = _write(
         tmp_path,
         "broken.py",

@@ -12,13 +12,16 @@ from streamrl.common.bus import Output
 from streamrl.common.messages import ScoredRecord, ScoredTrajectory, Trajectory, TrajectoryRecord
 from streamrl.common.payloads import record_of
 from streamrl.common.streams import StreamNames
-from streamrl.reward.config import RewardConfig
+from streamrl.reward.config import ModelScorerConfig, RewardConfig
+from streamrl.reward.scorers import FunctionScorer, HttpScorer, ModelScorer
 from streamrl.reward.scorers.base import ScorerError, ScorerResult
 from streamrl.reward.service import RewardService
 
 
 class LengthScorer:
     """reward = response length; records batch sizes."""
+
+    reads_tokens = False
 
     def __init__(self, name: str, fail_on: str | None = None, sample_specific: bool = True) -> None:
         self.name = name
@@ -136,6 +139,8 @@ class FlakyBackend:
     """Fails its first ``failures`` calls as a backend that gave up after 3 calls, then answers
     after 2 calls (as an HTTP scorer reports its retries)."""
 
+    reads_tokens = False
+
     def __init__(self, failures: int) -> None:
         self.name = "a"
         self.failures = failures
@@ -175,6 +180,7 @@ def test_attempts_of_earlier_deliveries_reach_the_scored_trajectory(traj: Callab
 class NeverAnswers:
     """A backend that never answers (a server hanging while the service stops)."""
 
+    reads_tokens = False
     name = "a"
 
     async def score(self, batch: list[Trajectory]) -> ScorerResult:
@@ -234,22 +240,13 @@ class RecordingPayloads:
         return [self.trajectories[r.id] for r in records]
 
 
-@pytest.mark.parametrize(
-    ("scorer", "whole"),
-    [
-        ({"type": "function", "path": "unused.py"}, False),
-        ({"type": "http", "urls": ["http://127.0.0.1:1/score"]}, False),
-        ({"type": "model", "path": "unused", "input": "text"}, False),
-        ({"type": "model", "path": "unused", "input": "token_ids"}, True),
-    ],
-)
-def test_payloads_are_read_whole_only_for_a_scorer_on_token_ids(
-    traj: Callable[..., Trajectory], scorer: dict[str, object], whole: bool
-) -> None:
+@pytest.mark.parametrize("whole", [False, True])
+def test_payloads_are_read_whole_only_for_a_scorer_on_token_ids(traj: Callable[..., Trajectory], whole: bool) -> None:
     sample = traj(0)
     payloads = RecordingPayloads({sample.id: sample})
-    config = RewardConfig(scorers=[{**scorer, "name": "s"}], max_wait_ms=1)
-    service = RewardService(config, StreamNames("run1"), scorers=[LengthScorer("s")], payloads=payloads)
+    scorer = LengthScorer("s")
+    scorer.reads_tokens = whole  # what the scorer says, whatever its config section's type
+    service = RewardService(_config({"s": 1.0}), StreamNames("run1"), scorers=[scorer], payloads=payloads)
 
     async def main() -> list[Output]:
         try:
@@ -260,3 +257,18 @@ def test_payloads_are_read_whole_only_for_a_scorer_on_token_ids(
     (out,) = asyncio.run(main())
     assert payloads.whole == [whole]
     assert isinstance(out.message, ScoredRecord) and out.message.reward == len(sample.response_text)
+
+
+@pytest.mark.parametrize(
+    ("scorer", "reads"),
+    [
+        ({"type": "http", "urls": ["http://127.0.0.1:1/score"]}, False),
+        ({"type": "model", "path": "unused", "input": "text"}, False),
+        ({"type": "model", "path": "unused", "input": "token_ids"}, True),
+    ],
+)
+def test_only_a_model_on_token_ids_reads_tokens(scorer: dict[str, object], reads: bool) -> None:
+    (config,) = RewardConfig(scorers=[{**scorer, "name": "s"}]).scorers
+    built = ModelScorer(config, model=object()) if isinstance(config, ModelScorerConfig) else HttpScorer(config)  # type: ignore[arg-type]
+    assert built.reads_tokens is reads
+    assert FunctionScorer.reads_tokens is False

@@ -32,6 +32,8 @@ from streamrl.reward.service import RewardService
 class Scorer:
     """reward = response length; every call reports ``retries`` backend retries."""
 
+    reads_tokens = False
+
     def __init__(self, name: str, retries: int) -> None:
         self.name = name
         self.retries = retries

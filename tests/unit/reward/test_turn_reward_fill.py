@@ -19,6 +19,7 @@ from streamrl.reward.service import RewardService, episode_rewards
 class ConstantScorer:
     """Every trajectory scores ``reward`` (score 1)."""
 
+    reads_tokens = False
     name = "final"
 
     def __init__(self, reward: float) -> None:

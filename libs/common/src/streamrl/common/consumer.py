@@ -65,6 +65,7 @@ from streamrl.common.errors import PoisonMessageError, RetryableError
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import DeadLetter, Message
 from streamrl.common.peers import FORGET_LUA, PeerWatch, may_judge
+from streamrl.common.redact import redact_url
 from streamrl.common.replies import entries as entries_of
 from streamrl.common.replies import entry_ids, pending, read_entries, text
 from streamrl.common.streams import StreamNames
@@ -556,7 +557,7 @@ class ConsumerLoop(Generic[M]):
                 await self._dead_letter(entry_id, payload, f"PoisonMessageError: {e}", deliveries)
                 return
             except Exception as e:  # noqa: BLE001 - the worker boundary: every handler failure is counted and retried
-                reason = f"{type(e).__name__}: {e}"
+                reason = redact_url(f"{type(e).__name__}: {e}")  # logged, in the heartbeat, in the dead letter
                 self.stats.failed += 1
                 self.stats.last_error = reason
                 if deliveries >= self.config.max_deliveries:
@@ -595,7 +596,7 @@ class ConsumerLoop(Generic[M]):
             entry_id=entry_id,
             group=self.group,
             consumer=self.consumer,
-            error=reason,
+            error=redact_url(reason),
             deliveries=deliveries,
             payload=payload,
             ts=time.time(),

@@ -1,4 +1,9 @@
-"""Logging set up once, in a process's entry point: text for humans, JSON lines for containers."""
+"""Logging set up once, in a process's entry point: text for humans, JSON lines for containers.
+
+Every line is written with URL passwords masked (:func:`streamrl.common.redact.redact_url`), whatever
+library logged it: a ``redis://user:password@host`` or an HTTP scorer's ``http://user:password@host``
+never reaches a log file.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import logging
 import os
 import sys
 import time
+
+from streamrl.common.redact import redact_url
 
 
 class _JsonFormatter(logging.Formatter):
@@ -26,7 +33,12 @@ class _JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        return redact_url(json.dumps(entry))
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_url(super().format(record))
 
 
 def setup_logging(service: str, instance: str = "", fmt: str | None = None, level: str | None = None) -> None:
@@ -37,7 +49,7 @@ def setup_logging(service: str, instance: str = "", fmt: str | None = None, leve
     if fmt == "json":
         handler.setFormatter(_JsonFormatter(service, instance))
     else:
-        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        formatter = _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
         formatter.converter = time.localtime
         handler.setFormatter(formatter)
     root = logging.getLogger()

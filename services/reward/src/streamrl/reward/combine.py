@@ -8,10 +8,16 @@ For sample i with scorers k of weight w_k (w_k >= 0, at least one > 0):
 Every scorer's own values are kept as extra metrics, ``{name}/reward``, ``{name}/score`` and
 ``{name}/{metric}`` for its extra metrics, so a weight-0 scorer is logged without being trained on.
 A sample's ``attempts`` is the most backend calls any scorer needed for it.
+
+A sample for which any scorer's values are unusable (:meth:`ScorerResult.problem`: not a number,
+NaN, infinite) is *invalid*: its ``invalid`` says why, per scorer, and its reward and score are
+``invalid_value`` (NaN when None: the reward service then fails that sample alone), its extra
+metrics only the finite ones. Its neighbours in the batch are combined as usual.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,10 +42,13 @@ class CombinedScore:
     extra: dict[str, float]
     attempts: int = 1
     """Backend calls the sample needed, the most over the scorers (1 = no retry)."""
+    invalid: str = ""
+    """Why a scorer's values for this sample are unusable ("" = they are all usable)."""
 
 
-def combine(parts: Sequence[WeightedResult]) -> list[CombinedScore]:
-    """Combine the results of every scorer on the same batch (same sample order)."""
+def combine(parts: Sequence[WeightedResult], invalid_value: float | None = None) -> list[CombinedScore]:
+    """Combine the results of every scorer on the same batch (same sample order); an invalid sample's
+    reward and score are ``invalid_value`` (NaN when None)."""
     if not parts:
         raise ValueError("combine needs at least one scorer result")
     total_weight = sum(p.weight for p in parts)
@@ -61,12 +70,19 @@ def combine(parts: Sequence[WeightedResult]) -> list[CombinedScore]:
             extra[f"{p.name}/score"] = p.result.scores[i]
             for key, value in p.result.extra[i].items():
                 extra[f"{p.name}/{key}"] = value
+        attempts = max(p.result.attempts_of(i) for p in parts)
+        problems = [f"scorer {p.name!r}: {why}" for p in parts if (why := p.result.problem(i))]
+        if problems:
+            value = math.nan if invalid_value is None else invalid_value
+            finite = {k: v for k, v in extra.items() if math.isfinite(v)}
+            combined.append(CombinedScore(value, value, finite, attempts, invalid="; ".join(problems)))
+            continue
         combined.append(
             CombinedScore(
                 reward=sum(p.weight * p.result.rewards[i] for p in parts),
                 score=sum(p.weight * p.result.scores[i] for p in parts) / total_weight,
                 extra=extra,
-                attempts=max(p.result.attempts_of(i) for p in parts),
+                attempts=attempts,
             )
         )
     return combined

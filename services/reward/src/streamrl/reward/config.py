@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from streamrl.common.config import BaseConfig
+from streamrl.common.redact import redact_url
 
 
 class _ScorerBase(BaseConfig):
@@ -46,7 +47,9 @@ class HttpScorerConfig(_ScorerBase):
     type: Literal["http"] = "http"
     """Scorer kind: remote reward services over HTTP."""
     urls: list[str] = Field(min_length=1)
-    """Full endpoint URLs (e.g. ``http://rm-0:5000/get_reward``); requests are spread over them."""
+    """Full endpoint URLs (e.g. ``http://rm-0:5000/get_reward``); requests are spread over them. A password in one
+    (``http://user:password@host/...``, sent as basic auth) is shown as ``***`` wherever the URL is written.
+    Redirects are not followed: a 3xx answer fails its entries, naming where it pointed."""
     load_balancing: Literal["round_robin", "least_loaded"] = "least_loaded"
     """How a request picks its URL; a retry prefers a URL the request has not failed on."""
     batch_size: int = Field(32, ge=1)
@@ -55,6 +58,9 @@ class HttpScorerConfig(_ScorerBase):
     """Requests in flight at once, over all URLs."""
     timeout_s: float = Field(30.0, gt=0)
     """Total time allowed for one request (s)."""
+    max_response_mb: float = Field(16.0, gt=0)
+    """Largest answer body read (MiB): a longer one fails the request, not retried (its samples are then scored one
+    by one), with a reason naming this limit."""
     max_retries: int = Field(20, ge=0)
     """Extra attempts after a timeout, connection error, HTTP 5xx, 408 or 429 (never other 4xx), at most."""
     retry_timeout_s: float = Field(60.0, gt=0)
@@ -80,8 +86,14 @@ class HttpScorerConfig(_ScorerBase):
         if self.backoff_max_s < self.backoff_base_s:
             raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_base_s ({self.backoff_base_s})")
         for url in self.urls:
+            shown = redact_url(url)
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"urls: {url!r} must start with http:// or https://")
+                raise ValueError(f"urls: {shown!r} must start with http:// or https://")
+            if self.token_env is not None and shown != url:
+                raise ValueError(
+                    f"urls: {shown!r} carries a password and token_env is set: one request cannot carry both "
+                    "(drop the password from the URL, or token_env)"
+                )
         return self
 
 
@@ -126,6 +138,12 @@ class RewardConfig(BaseConfig):
     """Trajectories grouped into one scorer call at most."""
     max_wait_ms: float = Field(10.0, ge=0)
     """How long the first trajectory of a micro-batch waits for more (ms)."""
+    on_invalid: Literal["dead_letter", "score"] = "dead_letter"
+    """A sample whose scorer answer is unusable (NaN, infinite, not a number) - only that sample, never its
+    batch: ``dead_letter`` fails it (retried, then dead-lettered with the reason; its group is replaced);
+    ``score`` scores it ``invalid_value`` (counted in ``reward/invalid``, the reason logged once per 100)."""
+    invalid_value: float | None = Field(None, allow_inf_nan=False)
+    """Reward and score of an invalid sample when ``on_invalid = "score"`` (required then, e.g. 0.0)."""
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:
@@ -135,6 +153,10 @@ class RewardConfig(BaseConfig):
             raise ValueError(f"scorers: names must be unique, repeated: {duplicates}")
         if not any(s.weight > 0 for s in self.scorers):
             raise ValueError("scorers: at least one scorer needs a weight > 0")
+        if self.on_invalid == "score" and self.invalid_value is None:
+            raise ValueError('on_invalid = "score" needs invalid_value: the reward an invalid sample gets (e.g. 0.0)')
+        if self.on_invalid == "dead_letter" and self.invalid_value is not None:
+            raise ValueError('invalid_value is used only with on_invalid = "score" (invalid samples are dead-lettered)')
         return self
 
 

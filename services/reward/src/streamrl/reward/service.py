@@ -9,8 +9,8 @@ their payloads together (a MicroBatcher of fetches: pipelined reads, replies of 
 ``redis.max_command_mb``, :func:`streamrl.common.payloads.read_payloads`). Only the payload's head is read
 (``GETRANGE``: the Trajectory without its tensors and images, whose tensors are then empty: text, label,
 metadata, turns - all the reward functions, remote reward services and text reward models read) unless a
-scorer reads token ids (a reward model with ``input = "token_ids"``,
-:func:`streamrl.reward.scorers.reads_tokens`): then the whole payload (:mod:`streamrl.common.payload_format`). A
+scorer reads token ids (``Scorer.reads_tokens``: a reward model with ``input = "token_ids"``, built from the
+config or passed in): then the whole payload (:mod:`streamrl.common.payload_format`). A
 payload of format 1 (a record without ``payload_head_bytes``) is read whole. The ScoredRecord carries the
 record, the reward and the scoring's provenance, never the tokens. A payload that is gone fails the delivery
 (retried, then dead-lettered naming the key): nothing is ever scored without its trajectory. A whole
@@ -21,8 +21,12 @@ Concurrent ``handle`` calls (the loop runs up to ``max_in_flight`` at once) are 
 micro-batches, so every scorer sees batches, not single samples. A scorer that fails raises
 ``ScorerError`` with the reason: the loop retries the entry and finally dead-letters it with that
 reason; nothing is ever scored 0 by default. When a batch fails for a reason that may be
-sample-specific (a user function raised), its trajectories are re-scored one by one so only the
-bad one fails. De-duplication by trajectory id is the loop's job.
+sample-specific (a user function raised, answered a list of the wrong length), its trajectories are
+re-scored one by one so only the bad one fails. A scorer answer that is unusable for some samples
+only (NaN, infinite, not a number: :meth:`ScorerResult.problem`) fails those samples alone with the
+reason (``reward.on_invalid = "dead_letter"``), or scores them ``reward.invalid_value`` (``"score"``:
+counted in ``reward/invalid``, logged once per ``INVALID_LOG_EVERY``); their neighbours are scored.
+De-duplication by trajectory id is the loop's job.
 
 Multi-turn episodes (``Trajectory.turns``): the scorers give the final (outcome) reward, and the
 environment gave one after each turn (``Turn.reward``). ``turn_rewards`` is the environment's rewards
@@ -78,7 +82,7 @@ from streamrl.common.telemetry.tracing import NULL_TRACING, Tracing
 from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.combine import CombinedScore, WeightedResult, combine
 from streamrl.reward.config import RewardConfig
-from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_scorer, reads_tokens
+from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_scorer
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,9 @@ def episode_rewards(trajectory: Trajectory, final_reward: float) -> list[float]:
         rewards[-1] += final_reward
     return rewards
 
+
+INVALID_LOG_EVERY = 100
+"""With ``reward.on_invalid = "score"``, one line is logged for the first invalid sample and every this many."""
 
 FETCH_WAIT_MS = 1.0
 """How long a payload fetch waits for concurrent ones to share its pipeline (ms)."""
@@ -166,8 +173,6 @@ class RewardService:
     ) -> None:
         self._names = names
         self._payloads = payloads
-        self._whole_payloads = any(reads_tokens(c) for c in config.scorers)
-        """A scorer reads token ids: payloads are read whole (else only their heads)."""
         self._fetcher: MicroBatcher[TrajectoryRecord, Trajectory] = MicroBatcher(
             self._fetch_batch, config.max_batch_size, FETCH_WAIT_MS, split_on=_is_missing
         )
@@ -180,7 +185,10 @@ class RewardService:
         self._scorers = (
             list(scorers) if scorers is not None else [build_scorer(c, on_exhausted=self._fail) for c in config.scorers]
         )
+        self._whole_payloads = any(s.reads_tokens for s in self._scorers)
+        """A scorer reads token ids: payloads are read whole (else only their heads)."""
         self._weights = {c.name: c.weight for c in config.scorers}
+        self._invalid_value = config.invalid_value if config.on_invalid == "score" else None
         if sorted(s.name for s in self._scorers) != sorted(self._weights):
             raise ValueError(
                 f"scorers {[s.name for s in self._scorers]} do not match the config's {list(self._weights)}"
@@ -197,6 +205,7 @@ class RewardService:
         self._num_scored = 0
         self._num_failed = 0
         self._num_retried = 0
+        self._num_invalid = 0
         self._closed = False
         self._failed_attempts: dict[str, int] = {}
         """Trajectory id -> backend calls of its failed attempts so far (popped when it is scored)."""
@@ -220,6 +229,8 @@ class RewardService:
         with self._tracing.span(REWARD, msg.traceparent, attributes=attributes) as span:
             try:
                 combined = await self._batcher.submit(msg)
+                if combined.invalid:
+                    self._invalid(msg, combined.invalid)
             except Exception:  # counted and re-raised; the span is marked failed on the way out
                 self._num_failed += 1
                 span.set(RETRIES, max(0, self._failed_attempts.get(msg.id, 0) - 1))
@@ -257,8 +268,27 @@ class RewardService:
                 self._count_failed_attempts(batch, e.attempts if isinstance(e, ScorerError) else 1)
             raise
         return combine(
-            [WeightedResult(s.name, self._weights[s.name], r) for s, r in zip(self._scorers, results, strict=True)]
+            [WeightedResult(s.name, self._weights[s.name], r) for s, r in zip(self._scorers, results, strict=True)],
+            invalid_value=self._invalid_value,
         )
+
+    def _invalid(self, msg: Trajectory, why: str) -> None:
+        """A sample whose answer was unusable: fail it alone (``dead_letter``), or count and go on (``score``)."""
+        self._num_invalid += 1
+        if self._invalid_value is None:
+            self._count_failed_attempts([msg], 1)  # its calls count if a later delivery scores it
+            raise ScorerError(
+                f"unusable answer for trajectory {msg.id}: {why} (reward.on_invalid = 'dead_letter'; "
+                "'score' with reward.invalid_value scores such samples instead)"
+            )
+        if (self._num_invalid - 1) % INVALID_LOG_EVERY == 0:
+            logger.warning(
+                "reward: %d samples scored %g (reward.invalid_value) for an unusable answer so far; latest, %s: %s",
+                self._num_invalid,
+                self._invalid_value,
+                msg.id,
+                why,
+            )
 
     async def _call(self, scorer: Scorer, batch: list[Trajectory]) -> ScorerResult:
         """One scorer's call on a micro-batch, observed in the metrics (a cancelled call is not)."""
@@ -295,6 +325,7 @@ class RewardService:
         totals["reward/scored"] = float(self._num_scored)
         totals["reward/failed"] = float(self._num_failed)
         totals["reward/retried"] = float(self._num_retried)
+        totals["reward/invalid"] = float(self._num_invalid)
         totals["reward/batches"] = float(batches)
         totals["reward/batch_size_mean"] = self._batcher.num_items / batches if batches else 0.0
         totals["reward/latency_ms_mean"] = self._latency_ms_sum / self._num_scored if self._num_scored else 0.0

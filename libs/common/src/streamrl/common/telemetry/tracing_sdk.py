@@ -30,6 +30,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, Sta
 from opentelemetry.util.types import Attributes as OtelAttributes
 
 from streamrl.common.errors import ConfigError
+from streamrl.common.redact import redact_url
 from streamrl.common.telemetry.spans import (
     SAMPLED,
     Attributes,
@@ -155,10 +156,11 @@ class SdkSpan(Span):
         if isinstance(error, BaseException) and not isinstance(error, Exception):  # cancelled: not a failure
             self._span.set_status(Status(StatusCode.ERROR, type(error).__name__))
             return
-        text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
+        text = redact_url(f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error)
         self._span.set_status(Status(StatusCode.ERROR, text))
         if isinstance(error, BaseException):
-            self._span.add_event("exception", {"exception.type": type(error).__name__, "exception.message": str(error)})
+            message = redact_url(str(error))
+            self._span.add_event("exception", {"exception.type": type(error).__name__, "exception.message": message})
         self.mark_keep(failed=True)
 
     def end(self, end_s: float | None = None) -> None:

@@ -23,14 +23,7 @@ __all__ = [
     "ScorerError",
     "ScorerResult",
     "build_scorer",
-    "reads_tokens",
 ]
-
-
-def reads_tokens(config: ScorerConfig) -> bool:
-    """Whether the scorer ``config`` describes reads token ids (a reward model with ``input = "token_ids"``): the
-    reward tier then reads whole payloads, else only their heads (text, label, metadata, turns; pure)."""
-    return isinstance(config, ModelScorerConfig) and config.input == "token_ids"
 
 
 def build_scorer(config: ScorerConfig, on_exhausted: Callable[[str], None] | None = None) -> Scorer:

@@ -1,10 +1,17 @@
 """The scorer protocol, its result type, and the checks every scorer's output goes through.
 
 A scorer turns a batch of trajectories into one reward, one score and extra metrics per sample.
-Its output is checked here (right length, finite numbers, rewards present): a malformed answer is
-an error, never a silent 0. ``ScorerError`` carries the reason up to the consumer loop, which
-retries the entry and finally dead-letters it with that reason. Both carry how many backend calls
-the samples took (``attempts``): the reward service reports them per trajectory.
+Its output is checked here, never silently made 0, at two depths:
+
+* the answer as a whole (a dict with ``rewards``, lists, one value per sample): a malformed answer
+  raises ``ScorerError``, which fails the call; a list of the wrong length is marked sample-specific,
+  so the reward service's batcher scores the samples one by one and only the one that breaks it fails;
+* each sample's values (a number, finite): :meth:`ScorerResult.problem` says why one sample's are
+  unusable, and the reward service fails that sample alone (or scores it as ``reward.invalid_value``).
+
+``ScorerError`` carries the reason up to the consumer loop, which retries the entry and finally
+dead-letters it with that reason. Both carry how many backend calls the samples took (``attempts``):
+the reward service reports them per trajectory.
 """
 
 from __future__ import annotations
@@ -49,10 +56,23 @@ class ScorerResult:
     """Per sample: calls to the backend it took (1 = first try); None = one each."""
     retries: int = 0
     """Backend calls retried to produce this result, over all of its requests (0 = none)."""
+    invalid: list[str] | None = None
+    """Per sample: why the scorer's answer for it was not a number ("" where it was; None = all were);
+    such a sample's reward or score is NaN here."""
 
     def attempts_of(self, i: int) -> int:
         """Backend calls sample ``i`` took."""
         return 1 if self.attempts is None else self.attempts[i]
+
+    def problem(self, i: int) -> str:
+        """Why sample ``i``'s values are unusable (not a number, NaN, infinite), "" when they are usable."""
+        if self.invalid is not None and self.invalid[i]:
+            return self.invalid[i]
+        named = [("reward", self.rewards[i]), ("score", self.scores[i])]
+        for what, value in [*named, *((f"extra_logs[{k!r}]", v) for k, v in self.extra[i].items())]:
+            if not math.isfinite(value):
+                return f"{what} is {value} (not finite)"
+        return ""
 
     @staticmethod
     def concat(parts: Sequence[ScorerResult]) -> ScorerResult:
@@ -63,6 +83,9 @@ class ScorerResult:
             extra=[e for p in parts for e in p.extra],
             attempts=[p.attempts_of(i) for p in parts for i in range(len(p.rewards))],
             retries=sum(p.retries for p in parts),
+            invalid=[p.invalid[i] if p.invalid else "" for p in parts for i in range(len(p.rewards))]
+            if any(p.invalid for p in parts)
+            else None,
         )
 
 
@@ -70,6 +93,9 @@ class Scorer(Protocol):
     """What the reward service calls: one async call per micro-batch."""
 
     name: str
+    reads_tokens: bool
+    """Whether it reads the trajectories' token ids (tensors): the reward service then fetches whole
+    payloads for it; else only their heads, whose tensors are empty."""
 
     async def score(self, batch: list[Trajectory]) -> ScorerResult: ...
 
@@ -109,38 +135,51 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _floats(value: Any, n: int, what: str) -> list[float]:
+MAX_SHOWN_VALUE_CHARS = 80
+"""A value that is not a number is shown in the reason cut to this many characters."""
+
+
+def _floats(value: Any, n: int, what: str, source: str) -> tuple[list[float], list[str]]:
+    """``value`` as ``n`` floats, and per sample why its value is not a number ("" where it is; NaN put in
+    its place). A value that is no list, or a list of another length, fails the whole call."""
     value = _to_plain(value)
     if isinstance(value, int | float) and n == 1:
         value = [value]
     if not isinstance(value, list | tuple):
-        raise ScorerError(f"{what} must be a list or tensor of {n} numbers, got {type(value).__name__}")
-    if len(value) != n:
-        raise ScorerError(f"{what} has {len(value)} values for a batch of {n} samples")
+        raise ScorerError(f"{source}: {what} must be a list or tensor of {n} numbers, got {type(value).__name__}")
+    if len(value) != n:  # which sample broke it is unknown: scored one by one, only that one fails
+        raise ScorerError(f"{source}: {what} has {len(value)} values for a batch of {n} samples", sample_specific=True)
     out: list[float] = []
-    for i, v in enumerate(value):
+    reasons: list[str] = []
+    for v in value:
         if isinstance(v, list) and len(v) == 1:  # a [N, 1] tensor
             v = v[0]
-        if not isinstance(v, int | float):  # bools count as 0/1
-            raise ScorerError(f"{what}[{i}] is not a number: {v!r}")
-        if not math.isfinite(v):
-            raise ScorerError(f"{what}[{i}] is not finite: {v}")
-        out.append(float(v))
-    return out
+        if isinstance(v, int | float):  # bools count as 0/1; NaN and inf are judged per sample later
+            out.append(float(v))
+            reasons.append("")
+        else:
+            out.append(math.nan)
+            reasons.append(f"{what} is not a number: {repr(v)[:MAX_SHOWN_VALUE_CHARS]}")
+    return out, reasons
 
 
 def parse_reward_output(output: Any, n: int, source: str) -> ScorerResult:
     """Check and convert a ``{"rewards", "scores"?, "extra_logs"?}`` answer for a batch of ``n``.
 
     ``scores`` defaults to the rewards when absent. An ``extra_logs`` entry is either one value
-    per sample or a single batch-level number (copied to every sample).
+    per sample or a single batch-level number (copied to every sample). A value that is not a number
+    makes its sample invalid (``ScorerResult.invalid``), not the call; an extra metric that is not one
+    is left out of its sample's dict.
     """
     if not isinstance(output, Mapping):
         raise ScorerError(f"{source}: expected a dict with 'rewards', got {type(output).__name__}")
     if output.get("rewards") is None:
         raise ScorerError(f"{source}: answer has no 'rewards' (keys: {sorted(output)})")
-    rewards = _floats(output["rewards"], n, f"{source}: rewards")
-    scores = rewards if output.get("scores") is None else _floats(output["scores"], n, f"{source}: scores")
+    rewards, invalid = _floats(output["rewards"], n, "rewards", source)
+    scores = rewards
+    if output.get("scores") is not None:
+        scores, bad_scores = _floats(output["scores"], n, "scores", source)
+        invalid = [a or b for a, b in zip(invalid, bad_scores, strict=True)]
     extra_logs = output.get("extra_logs") or {}
     if not isinstance(extra_logs, Mapping):
         raise ScorerError(f"{source}: extra_logs must be a dict, got {type(extra_logs).__name__}")
@@ -149,6 +188,10 @@ def parse_reward_output(output: Any, n: int, source: str) -> ScorerResult:
         plain = _to_plain(value)
         if isinstance(plain, int | float):
             plain = [plain] * n
-        for sample, v in zip(extra, _floats(plain, n, f"{source}: extra_logs[{key!r}]"), strict=True):
-            sample[str(key)] = v
-    return ScorerResult(rewards=rewards, scores=scores, extra=extra)
+        values, bad = _floats(plain, n, f"extra_logs[{key!r}]", source)
+        for i, (sample, v) in enumerate(zip(extra, values, strict=True)):
+            if bad[i]:
+                invalid[i] = invalid[i] or bad[i]
+            else:
+                sample[str(key)] = v
+    return ScorerResult(rewards=rewards, scores=scores, extra=extra, invalid=invalid if any(invalid) else None)

@@ -74,6 +74,8 @@ def _accepts_metadata(func: Callable[..., Any]) -> bool:
 class FunctionScorer:
     """Calls a user reward function on each micro-batch."""
 
+    reads_tokens = False
+
     def __init__(
         self,
         config: FunctionScorerConfig,

@@ -14,6 +14,11 @@
   is avoided for a while and a retry prefers a URL the request has not tried (fail-over).
 * When every attempt failed, ``ScorerError`` says how often, for how long, where and the last
   reason, on one line (server bodies and client errors are flattened and cut).
+* An answer body is read up to ``max_response_mb``: a larger one fails the request (not retried; its
+  samples are scored one by one) naming that limit. Redirects are not followed: a 3xx answer fails
+  (not retried) naming where it pointed (``Location``), so a token never goes to an address not in ``urls``.
+* A URL's password (``http://user:password@host``) is sent, never shown: every log line, error,
+  dead letter and span names the URL with ``***`` in its place (:func:`streamrl.common.redact.redact_url`).
 * Logging: one WARNING line when a URL starts failing and one INFO line when it answers again,
   however many requests meet the fault; each failed attempt is logged at DEBUG.
 
@@ -38,6 +43,7 @@ from typing import Any
 import aiohttp
 
 from streamrl.common.messages import Trajectory
+from streamrl.common.redact import redact_url
 from streamrl.reward.config import HttpScorerConfig
 from streamrl.reward.scorers.base import (
     ScorerError,
@@ -60,8 +66,9 @@ FAILED_URL_COOLDOWN_S = 2.0
 
 
 def one_line(text: str, limit: int = MAX_ERROR_BODY_CHARS) -> str:
-    """``text`` with every run of whitespace (newlines included) made one space, cut to ``limit`` chars."""
-    flat = " ".join(text.split())
+    """``text`` with every run of whitespace (newlines included) made one space, URL passwords masked,
+    cut to ``limit`` chars."""
+    flat = redact_url(" ".join(text.split()))
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
@@ -99,9 +106,24 @@ def next_retry_delay_s(
     return None if elapsed_s + delay_s > config.retry_timeout_s else delay_s
 
 
+async def read_body(resp: aiohttp.ClientResponse, max_bytes: int) -> str | None:
+    """The answer's body as text, or None when it is longer than ``max_bytes`` (the rest is not read)."""
+    if resp.content_length is not None and resp.content_length > max_bytes:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks).decode(resp.charset or "utf-8", errors="replace")
+
+
 @dataclass
 class _Endpoint:
     url: str
+    """Where requests go, with its password if it has one: never shown (``shown`` is)."""
     in_flight: int = 0
     avoid_until: float = 0.0
     """Monotonic time until which this URL is only used when no other is available."""
@@ -109,6 +131,11 @@ class _Endpoint:
     """Monotonic time of the first failed attempt since the URL last answered; None = healthy."""
     failed_attempts: int = 0
     """Failed attempts since ``failing_since``."""
+
+    @property
+    def shown(self) -> str:
+        """The URL as logs and errors show it: its password masked."""
+        return redact_url(self.url)
 
     def failed(self, reason: str, scorer: str, what_next: str, level: int = logging.WARNING) -> None:
         """Note a failed attempt; the first one of an outage logs one line (at ``level``)."""
@@ -121,12 +148,12 @@ class _Endpoint:
                 level,
                 "reward http scorer %s: %s is failing: %s (%s)",
                 scorer,
-                self.url,
+                self.shown,
                 reason,
                 what_next,
             )
         else:
-            logger.debug("reward http scorer %s: %s failed again: %s", scorer, self.url, reason)
+            logger.debug("reward http scorer %s: %s failed again: %s", scorer, self.shown, reason)
 
     def answered(self, scorer: str) -> None:
         """Note an answer; the first after an outage logs one INFO line."""
@@ -135,7 +162,7 @@ class _Endpoint:
             logger.info(
                 "reward http scorer %s: %s answers again after %.1f s (%d failed attempts)",
                 scorer,
-                self.url,
+                self.shown,
                 time.monotonic() - self.failing_since,
                 self.failed_attempts,
             )
@@ -183,6 +210,8 @@ def _auth_headers(config: HttpScorerConfig, env: Mapping[str, str]) -> dict[str,
 
 class HttpScorer:
     """Scores micro-batches with one or more remote reward services."""
+
+    reads_tokens = False
 
     def __init__(
         self,
@@ -234,6 +263,7 @@ class HttpScorer:
         cfg = self._config
         started = time.monotonic()
         tried: set[str] = set()
+        shown: set[str] = set()
         reason = ""
         attempts = 0
         while True:
@@ -247,6 +277,7 @@ class HttpScorer:
             async with self._slots:
                 endpoint = self._pool.pick(tried)
                 tried.add(endpoint.url)
+                shown.add(endpoint.shown)
                 endpoint.in_flight += 1
                 try:
                     outcome = await self._attempt(endpoint, payload, n)
@@ -261,25 +292,38 @@ class HttpScorer:
         self._counts["failures"] += 1
         raise ScorerError(
             f"http scorer {self.name!r}: {n} samples not scored after {attempts} attempts in "
-            f"{time.monotonic() - started:.1f} s to {', '.join(sorted(tried))}; last error: {reason}",
+            f"{time.monotonic() - started:.1f} s to {', '.join(sorted(shown))}; last error: {reason}",
             attempts=attempts,
         )
 
     async def _attempt(self, endpoint: _Endpoint, payload: dict[str, Any], n: int) -> ScorerResult | str:
         """One POST: the result, or the reason of a retryable failure; raises ScorerError otherwise."""
         self._counts["requests"] += 1
-        url = endpoint.url
-        source = f"http scorer {self.name!r} ({url})"
+        source = f"http scorer {self.name!r} ({endpoint.shown})"
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
+        max_bytes = int(self._config.max_response_mb * 2**20)
         try:
-            async with self._get_session().post(url, json=payload, timeout=timeout) as resp:
-                status, body_text = resp.status, await resp.text()
+            async with self._get_session().post(
+                endpoint.url, json=payload, timeout=timeout, allow_redirects=False
+            ) as resp:
+                status, location = resp.status, resp.headers.get("Location", "")
+                body = await read_body(resp, max_bytes)
         except TimeoutError:
             self._counts["timeouts"] += 1
             return self._retryable(endpoint, f"no answer within {self._config.timeout_s} s")
         except aiohttp.ClientError as e:
             self._counts["connection_errors"] += 1
             return self._retryable(endpoint, describe_client_error(e))
+        too_long = f"answer over {self._config.max_response_mb:g} MiB (max_response_mb), not read"
+        body_text = too_long if body is None else body
+        if 300 <= status < 400:  # a token is never sent on to an address not in urls
+            self._counts["client_errors"] += 1
+            detail = (
+                f"HTTP {status} redirect to {one_line(location) or '(no Location)'}, not followed: "
+                "set urls to the address that answers"
+            )
+            endpoint.failed(detail, self.name, "entries fail until this is fixed", logging.ERROR)
+            raise ScorerError(f"{source}: {detail}")
         if status >= 500 or status in RETRYABLE_STATUS:
             self._counts["server_errors"] += 1
             return self._retryable(endpoint, f"HTTP {status}: {one_line(body_text)}")
@@ -289,6 +333,9 @@ class HttpScorer:
             endpoint.failed(detail, self.name, "entries fail until this is fixed", logging.ERROR)
             raise ScorerError(f"{source}: {detail}", sample_specific=status in SAMPLE_SPECIFIC_STATUS)
         endpoint.answered(self.name)
+        if body is None:  # fewer samples make a shorter answer: they are scored one by one
+            self._counts["bad_responses"] += 1
+            raise ScorerError(f"{source}: {too_long}", sample_specific=True)
         try:
             data = json.loads(body_text)
         except json.JSONDecodeError as e:

@@ -162,6 +162,7 @@ class ModelScorer:
 
     def __init__(self, config: ModelScorerConfig, model: LocalRewardModel | None = None) -> None:
         self.name = config.name
+        self.reads_tokens = config.input == "token_ids"
         self._config = config
         self._model = model or LocalRewardModel(
             config.path,
