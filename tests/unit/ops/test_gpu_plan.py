@@ -30,7 +30,7 @@ def model_7b(tmp_path: Path) -> str:
     return str(folder)
 
 
-def recipe(model: str, **learner_ds: Any) -> dict[str, Any]:
+def recipe(model: str, utilization: float = 0.3, **learner_ds: Any) -> dict[str, Any]:
     return {
         "up": {"gpus": {"learner": "0", "rollout": "0"}, "gpu_memory_gib": 79.2},
         "rollout": {
@@ -38,12 +38,13 @@ def recipe(model: str, **learner_ds: Any) -> dict[str, Any]:
                 "type": "vllm",
                 "model": model,
                 "max_model_len": 2304,
-                "gpu_memory_utilization": 0.45,
+                "gpu_memory_utilization": utilization,
                 "sleep_between_versions": True,
             }
         },
         "learner": {
             "model": model,
+            "weights_transport": "ipc",
             "ds": {"zero_stage": 3, "micro_batch_size": 2, "gradient_checkpointing": True, **learner_ds},
         },
     }
@@ -78,19 +79,21 @@ def test_full_parameters_with_the_optimizer_on_the_host_fit_80_gb(model_7b: str)
     assert plan.peak_gib("train") < plan.peak_gib("generate")
 
 
-def test_lora_fits_without_offload(model_7b: str) -> None:
-    data = recipe(model_7b)
+def test_lora_fits_without_offload_and_its_ipc_buffers_hold_only_the_adapters(model_7b: str) -> None:
+    data = recipe(model_7b, utilization=0.45)
     data["learner"]["lora"] = {"rank": 16, "target_modules": "all-linear"}
     plans, refusal = plan_run(data)
     assert refusal is None, refusal
     terms = {t.name: t.gib for t in plans[0].terms}
     assert terms["learner optimizer (AdamW)"] < 1.0
+    assert terms["learner CUDA IPC weight buffers"] < 0.1 and terms["engine CUDA IPC staging copy"] < 0.1
+    data["learner"]["lora"]["sync"] = "merged"  # merged weights travel whole
+    plans, _ = plan_run(data)
+    assert {t.name: t.gib for t in plans[0].terms}["learner CUDA IPC weight buffers"] > 14
 
 
 def test_an_engine_share_too_large_for_what_the_learner_holds_names_gpu_memory_utilization(model_7b: str) -> None:
-    data = recipe(model_7b, offload_optimizer=True)
-    data["rollout"]["engine"]["gpu_memory_utilization"] = 0.9
-    _, refusal = plan_run(data)
+    _, refusal = plan_run(recipe(model_7b, utilization=0.45, offload_optimizer=True))  # + the IPC copies
     assert refusal is not None and "rollout.engine.gpu_memory_utilization" in refusal
 
 

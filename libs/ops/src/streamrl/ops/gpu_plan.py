@@ -18,6 +18,9 @@ to start a plan that does not fit, naming the setting to change (:func:`check_pl
   fp32 logits and their gradient, ``8 V`` bytes per token over ``learner.ds.head_chunk_tokens`` tokens
   with the fused head, over every token with the full one.
 * **the learner's runtime** (CUDA context, NCCL, allocator slack): a fixed allowance, ``RUNTIME_GIB``.
+* **CUDA IPC** (``learner.weights_transport = "ipc"``): the learner's persistent bf16 buffers of what it
+  publishes (the whole model, or only the adapters with LoRA's adapter sync) and the engine's staging
+  copy of each update (while generating).
 * **rollout engine**: vLLM takes ``gpu_memory_utilization x capacity`` (weights, activations, CUDA
   graphs and the KV cache inside it), or its weights plus ``kv_cache_gib``; the transformers engine
   its weights plus a KV cache for ``max_num_seqs`` sequences of ``max_model_len`` tokens. With
@@ -161,6 +164,14 @@ def _section(data: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
     return node if isinstance(node, Mapping) else {}
 
 
+def published_params(data: Mapping[str, Any], shape: ModelShape) -> int:
+    """Parameters in each weights update: the adapters with LoRA's adapter sync, else the whole model."""
+    lora = _section(data, "learner").get("lora")
+    if isinstance(lora, Mapping) and lora.get("sync", "adapter") == "adapter":
+        return lora_params(shape, int(lora.get("rank", 16)), lora.get("target_modules", "all-linear"))
+    return shape.params
+
+
 def learner_terms(data: Mapping[str, Any], shape: ModelShape, max_len: int) -> list[Term]:
     """The learner's terms on each of its GPUs (see the module docstring)."""
     learner, ds = _section(data, "learner"), _section(data, "learner.ds")
@@ -208,6 +219,9 @@ def learner_terms(data: Mapping[str, Any], shape: ModelShape, max_len: int) -> l
     act += head_tokens * shape.vocab * 8
     terms.append(Term(f"learner activations ({tokens} tokens)", act / GIB, "learner.ds.micro_batch_size", "train"))
     terms.append(Term("learner runtime (allowance)", RUNTIME_GIB, "learner.ds.micro_batch_size"))
+    if learner.get("weights_transport") == "ipc":  # persistent flat buffers the engines copy from
+        ipc = published_params(data, shape) * width / GIB
+        terms.append(Term("learner CUDA IPC weight buffers", ipc, "learner.weights_transport"))
     return terms
 
 
@@ -220,16 +234,25 @@ def engine_terms(data: Mapping[str, Any], shape: ModelShape, capacity_gib: float
     width = 4 if engine.get("dtype") == "float32" else 2
     weights = shape.params * width / tp / GIB
     max_len = int(engine.get("max_model_len", 4096))
+    terms = []
+    if _section(data, "learner").get("weights_transport") == "ipc":  # the engine's checked copy of each update
+        staged = published_params(data, shape) * width / GIB
+        terms.append(Term("engine CUDA IPC staging copy", staged, "learner.weights_transport", phase))
     if engine.get("type", "vllm") == "vllm":
         if engine.get("kv_cache_gib") is not None:
             return [
+                *terms,
                 Term("vLLM weights", weights, "rollout.engine.tensor_parallel_size", phase),
                 Term("vLLM KV cache", float(engine["kv_cache_gib"]), "rollout.engine.kv_cache_gib", phase),
             ]
         share = float(engine.get("gpu_memory_utilization", 0.9)) * capacity_gib
-        return [Term("vLLM (gpu_memory_utilization share)", share, "rollout.engine.gpu_memory_utilization", phase)]
+        return [
+            *terms,
+            Term("vLLM (gpu_memory_utilization share)", share, "rollout.engine.gpu_memory_utilization", phase),
+        ]
     kv = int(engine.get("max_num_seqs", 256)) * max_len * shape.layers * 2 * shape.kv_dim * width / GIB
     return [
+        *terms,
         Term("transformers engine weights", weights, "rollout.engine.dtype", phase),
         Term("transformers engine KV cache", kv, "rollout.engine.max_num_seqs", phase),
         Term("transformers engine runtime (allowance)", ENGINE_RUNTIME_GIB, "rollout.engine.max_num_seqs", phase),
