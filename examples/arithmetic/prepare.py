@@ -43,7 +43,7 @@ class PrepareConfig(BaseConfig):
 
     out_dir: str = "runs/arithmetic"
     """Output folder (data, model/, prepare.json)."""
-    preset: Literal["small", "large", "qwen2_0.5b", "qwen2_tiny"] = "small"
+    preset: Literal["small", "large", "qwen2_0.5b", "qwen2_1.5b", "qwen2.5_7b", "qwen2_tiny"] = "small"
     """Model shape: small = 0.66M parameters (workload a); large = 27M (workload b); qwen2_0.5b = a
     randomly initialised Qwen2-0.5B-shaped policy with the real Qwen2 tokenizer and no warm start
     (the GPU benchmark, ``qwen2_model.py``); qwen2_tiny = the same at a size a CPU runs in seconds."""

@@ -5,6 +5,8 @@ Qwen2-0.5B (hidden 896, 24 layers, 14 query heads, 2 key/value heads, MLP 4864, 
 tied embeddings), randomly initialised and saved in bfloat16. A random policy learns nothing in a
 few dozen steps, and it rarely samples end-of-sequence, so every response runs to
 ``max_new_tokens``: the benchmark measures time per step, on equal lengths for every side.
+``qwen2_1.5b`` and ``qwen2.5_7b`` are the shapes of Qwen2-1.5B and Qwen2.5-7B (7.6B parameters, untied
+output head, vocabulary 152,064): the LoRA and full-parameter 7B recipes (``recipes/gpu_7b_*.toml``).
 ``qwen2_tiny`` is the same architecture and tokenizer at a size a CPU runs in seconds (the tests).
 
 Tokenizer: the real Qwen2 tokenizer files (151,669 tokens, chat template) that the registry package
@@ -37,6 +39,9 @@ class Qwen2Shape:
     intermediate_size: int
     dtype: str
     """Saved dtype (``bfloat16`` or ``float32``)."""
+    tied: bool = True
+    """Output head tied to the embeddings (Qwen2-0.5B and 1.5B); Qwen2.5-7B has its own head."""
+    vocab_size: int = VOCAB_SIZE
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -45,6 +50,8 @@ class Qwen2Shape:
 
 SHAPES = {
     "qwen2_0.5b": Qwen2Shape(896, 24, 14, 2, 4864, "bfloat16"),
+    "qwen2_1.5b": Qwen2Shape(1536, 28, 12, 2, 8960, "bfloat16"),
+    "qwen2.5_7b": Qwen2Shape(3584, 28, 28, 4, 18944, "bfloat16", tied=False, vocab_size=152_064),
     "qwen2_tiny": Qwen2Shape(64, 2, 4, 2, 128, "float32"),
 }
 
@@ -86,7 +93,7 @@ def build(preset: str, folder: str | Path, seed: int = 0) -> dict[str, Any]:
     folder = Path(folder)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_files(folder.parent / "qwen2_tokenizer"))
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,
@@ -95,14 +102,14 @@ def build(preset: str, folder: str | Path, seed: int = 0) -> dict[str, Any]:
         max_position_embeddings=32_768,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=shape.tied,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
+    with torch.device(device):  # float32 first (30 GB for the 7B shape: on a GPU of 40 GB or more)
         model = Qwen2ForCausalLM(config)
     model = model.to(getattr(torch, shape.dtype))
     model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)

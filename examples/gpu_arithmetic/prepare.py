@@ -48,7 +48,7 @@ class GpuPrepareConfig(BaseConfig):
 
     out_dir: str = "runs/gpu_arithmetic_data"
     """Output folder (data, model/, prepare.json)."""
-    preset: Literal["qwen2_0.5b", "qwen2_tiny"] = "qwen2_0.5b"
+    preset: Literal["qwen2_0.5b", "qwen2_1.5b", "qwen2.5_7b", "qwen2_tiny"] = "qwen2_0.5b"
     """Policy shape (``qwen2_model.SHAPES``); qwen2_tiny runs on a CPU in seconds (the tests)."""
     digits: int = Field(2, ge=1, le=30)
     """Operands are integers in [0, 10**digits); addition."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from streamrl.ops import gpu_plan
 from streamrl.ops.gpu_plan import GIB, lora_params, plan_run, read_shape, shape_from_config
 
 QWEN25_7B = {
@@ -20,6 +21,11 @@ QWEN25_7B = {
     "vocab_size": 152064,
     "tie_word_embeddings": False,
 }
+
+
+@pytest.fixture(autouse=True)
+def host_512_gib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_plan, "host_memory_gib", lambda: 512.0)
 
 
 @pytest.fixture
@@ -110,3 +116,13 @@ def test_the_check_can_be_turned_off(model_7b: str) -> None:
     data["up"]["gpu_plan_check"] = False
     plans, refusal = plan_run(data)
     assert refusal is None and not plans[0].fits()
+
+
+def test_full_parameters_offloaded_are_refused_on_a_host_of_128_gib(
+    model_7b: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # AdamW states and fp32 gradients of 7.6B parameters (114 GiB) and the sleeping engine's weights (14 GiB)
+    monkeypatch.setattr(gpu_plan, "host_memory_gib", lambda: 125.8)
+    plans, refusal = plan_run(recipe(model_7b, offload_optimizer=True))
+    assert refusal is not None and refusal.startswith("host memory") and "learner.lora" in refusal
+    assert "host memory (125.8 GiB)" in plans[0].render()

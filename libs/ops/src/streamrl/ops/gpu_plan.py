@@ -21,6 +21,8 @@ to start a plan that does not fit, naming the setting to change (:func:`check_pl
 * **CUDA IPC** (``learner.weights_transport = "ipc"``): the learner's persistent bf16 buffers of what it
   publishes (the whole model, or only the adapters with LoRA's adapter sync) and the engine's staging
   copy of each update (while generating).
+* **host memory**: offloaded optimizer states with their fp32 gradients (``16 T`` bytes), offloaded
+  parameters, and each sleeping vLLM engine's weights; refused past ``HOST_SHARE`` of the machine's memory.
 * **rollout engine**: vLLM takes ``gpu_memory_utilization x capacity`` (weights, activations, CUDA
   graphs and the KV cache inside it), or its weights plus ``kv_cache_gib``; the transformers engine
   its weights plus a KV cache for ``max_num_seqs`` sequences of ``max_model_len`` tokens. With
@@ -49,6 +51,8 @@ GIB = 2**30
 RUNTIME_GIB = 2.0
 """The learner's CUDA context, NCCL buffers and allocator fragmentation (an allowance, not a measurement)."""
 _ING = {"generate": "generating", "train": "training"}
+HOST_SHARE = 0.8
+"""Of the host's memory, what the plan's host terms may take."""
 GRAD_BUCKETS_GIB = 2.0
 """Gradients on the GPU when the optimizer is offloaded: DeepSpeed's reduce buckets (an allowance)."""
 ENGINE_RUNTIME_GIB = 1.5
@@ -136,6 +140,8 @@ class GpuPlan:
     capacity_gib: float
     margin_gib: float
     terms: list[Term] = field(default_factory=list)
+    host: tuple[list[Term], float | None] | None = None
+    """Host-memory terms of the run and the host's memory (GiB), on the first GPU's plan (:func:`host_terms`)."""
 
     def peak_gib(self, phase: str) -> float:
         return sum(t.gib for t in self.terms if t.phase in ("both", phase))
@@ -154,6 +160,11 @@ class GpuPlan:
         for t in self.terms:
             when = "" if t.phase == "both" else f" ({t.phase} only)"
             rows.append(f"  {t.name:<34} {t.gib:8.2f} GiB{when}")
+        if self.host is not None:
+            terms, memory = self.host
+            known = f"{memory:.1f} GiB" if memory is not None else "unknown"
+            rows.append(f"host memory ({known}): {sum(t.gib for t in terms):.1f} GiB")
+            rows += [f"  {t.name:<34} {t.gib:8.2f} GiB" for t in terms]
         return "\n".join(rows)
 
 
@@ -331,6 +342,46 @@ def check_plan(plan: GpuPlan) -> None:
     )
 
 
+def host_terms(data: Mapping[str, Any]) -> list[Term]:
+    """What the GPU plans put in host memory: offloaded optimizer states with their fp32 gradients
+    (16 bytes a trainable parameter), offloaded parameters, and each sleeping vLLM engine's weights."""
+    learner, ds, engine = _section(data, "learner"), _section(data, "learner.ds"), _section(data, "rollout.engine")
+    shape = read_shape(str(learner.get("model"))) if learner.get("model") else None
+    terms = []
+    if shape is not None:
+        lora = learner.get("lora")
+        trainable = shape.params
+        if isinstance(lora, Mapping):
+            trainable = lora_params(shape, int(lora.get("rank", 16)), lora.get("target_modules", "all-linear"))
+        if ds.get("offload_optimizer"):
+            terms.append(
+                Term("learner optimizer + fp32 gradients", trainable * 16 / GIB, "learner.ds.offload_optimizer")
+            )
+        if ds.get("offload_params"):
+            terms.append(Term("learner parameters", shape.params * 2 / GIB, "learner.ds.offload_params"))
+        rollouts = sum(services.count("rollout") for services in placements(data).values())
+        if engine.get("type", "vllm") == "vllm" and engine.get("sleep_between_versions") and rollouts:
+            terms.append(
+                Term(
+                    "vLLM weights while asleep",
+                    rollouts * shape.params * 2 / GIB,
+                    "rollout.engine.sleep_between_versions",
+                )
+            )
+    return terms
+
+
+def host_memory_gib() -> float | None:
+    """This machine's memory (GiB) from /proc/meminfo; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def plan_run(data: Mapping[str, Any]) -> tuple[list[GpuPlan], str | None]:
     """The plans of a recipe (``up.gpu_memory_gib`` or ``nvidia-smi`` for the capacity), and the first
     refusal's message when ``up.gpu_plan_check`` is on and a plan does not fit (None when all fit)."""
@@ -340,6 +391,18 @@ def plan_run(data: Mapping[str, Any]) -> tuple[list[GpuPlan], str | None]:
     else:
         capacity = gpu_capacity_gib()
     plans = plan_gpus(data, capacity)
+    if plans:  # the host's share of the same plan: offloaded states, a sleeping engine's weights
+        host = host_terms(data)
+        total, memory = sum(t.gib for t in host), host_memory_gib()
+        if host:
+            plans[0].host = (host, memory)
+        if up.get("gpu_plan_check", True) and memory is not None and total > HOST_SHARE * memory:
+            names = "; ".join(f"{t.name} {t.gib:.1f} GiB ({t.setting})" for t in host)
+            return plans, (
+                f"host memory: the run puts {total:.1f} GiB in this machine's {memory:.1f} GiB (more than "
+                f"{HOST_SHARE:.0%} of it, which the services, pinned buffers and page cache need too): {names}. "
+                "Train LoRA adapters (learner.lora), or use a machine with more memory"
+            )
     if up.get("gpu_plan_check", True):
         for plan in plans:
             try:
