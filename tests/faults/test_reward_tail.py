@@ -6,8 +6,8 @@ for the whole run, at the demo's in-flight settings and step shape (32 groups of
 of staleness: test_remote_reward.py's ``DEMO_IN_FLIGHT``). A group with a sample in a slow request
 completes late, behind groups issued after it. The run must reach its last step with nothing lost or
 trained twice, and less than ``MAX_WASTE`` of the training samples generated may be dropped as too
-stale (before the batch builder waited for such a group, 10.4% were: docs/algorithms.md, "Admission
-and staleness"). The row's details give the figure (``too_stale_pct``).
+stale (before the batch builder waited for such a group, 17.8% were: docs/design.md section 4). The
+row's details give the figure (``too_stale_pct``).
 """
 
 from __future__ import annotations

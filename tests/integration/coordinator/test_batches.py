@@ -30,9 +30,7 @@ async def ready_groups(groups: GroupBuffer, *wanted: tuple[str, int]) -> None:
 
 def builder(state: RunState, max_staleness: int = 0, wait_s: float = 30.0) -> BatchBuilder:
     groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
-    return BatchBuilder(
-        state, groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True, wait_s=wait_s
-    )
+    return BatchBuilder(state, groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True, wait_s=wait_s)
 
 
 async def in_flight(groups: GroupBuffer, group: str, required_version: int) -> None:

@@ -2,7 +2,9 @@
 the learner gave up on are accounted for.
 
 Which groups go into batch ``k`` is the pure rule of ``batching.py``. Here it meets Redis: groups over
-the staleness bound are dropped (their replacements owed the version batch ``k`` needs), and batch
+the staleness bound are dropped (their replacements owed the version batch ``k`` needs), batch ``k`` waits
+- at most ``wait_s`` (``coordinator.batch_wait_s``) - while a group whose last batch it is is still in flight
+or owed (:meth:`GroupBuffer.coming_versions`, read only when some group of it could go later), and batch
 ``k`` (id ``batch-{k}``, from its index) is published - as a BatchManifest carrying each sample's scored
 record and naming where its payload lies, never the payloads - in the same transaction that removes its
 groups from ``ready`` (renaming each payload to ``batched:{batch}:{trajectory id}`` and deleting the
@@ -271,7 +273,9 @@ class BatchBuilder:
         now = select(0)
         if not self.wait_s or all(last_batch(g.oldest_version, self.max_staleness) <= index for g in now.chosen):
             return now  # no group of it could go to a later batch: nothing to wait for (no read)
-        waiting = select(last_chance(await self.groups.coming_versions(), index=index, max_staleness=self.max_staleness))
+        waiting = select(
+            last_chance(await self.groups.coming_versions(), index=index, max_staleness=self.max_staleness)
+        )
         if not waiting.waiting_for:
             return waiting
         if self.waiting is None or self.waiting[0] != index:
