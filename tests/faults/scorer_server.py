@@ -7,7 +7,9 @@ gets HTTP 401 (``unauthorized: bad bearer token``). ``POST /control {"mode": M, 
 switches every later request to mode M:
 
 * ``ok``: answer;  ``500``: HTTP 500;  ``drop``: close the connection without an answer;
-* ``slow``: answer after ``slow_s`` seconds.
+* ``slow``: answer after ``slow_s`` seconds;
+* ``tail``: a slow tail - every ``1 / slow_fraction``-th request (``slow_fraction``, 0.1 by default,
+  set with the mode) answers after ``slow_s`` seconds, the others at once (counted as ``tail``).
 
 ``GET /stats`` counts requests by mode. :class:`ScorerServer` starts, switches, kills and restarts
 it (on the same port: "down for 30 s and back").
@@ -30,10 +32,15 @@ from pathlib import Path
 TOKEN_ENV = "FAULTS_SCORER_EXPECTED_TOKEN"
 
 
+def _in_tail(n: int, fraction: float) -> bool:
+    """Whether the ``n``-th request (from 1) is one of the slow ``fraction``: evenly spread, exactly that share."""
+    return int(n * fraction) > int((n - 1) * fraction)
+
+
 def build_app(token: str):  # type: ignore[no-untyped-def]
     from aiohttp import web
 
-    state = {"mode": "ok", "slow_s": 1.0}
+    state = {"mode": "ok", "slow_s": 1.0, "slow_fraction": 0.1}
     stats: Counter[str] = Counter()
 
     async def score(request: web.Request) -> web.StreamResponse:
@@ -49,7 +56,8 @@ def build_app(token: str):  # type: ignore[no-untyped-def]
             assert request.transport is not None
             request.transport.abort()
             return web.Response()
-        if mode == "slow":
+        if mode == "slow" or (mode == "tail" and _in_tail(stats[mode], float(state["slow_fraction"]))):
+            stats["slowed"] += 1
             await asyncio.sleep(float(state["slow_s"]))
         queries, labels = body["query"], body["labels"]
         scores = [1.0 if label and q.endswith(label) else 0.0 for q, label in zip(queries, labels, strict=True)]
@@ -110,8 +118,8 @@ class ScorerServer:
             time.sleep(0.05)
         return self
 
-    def set_mode(self, mode: str, slow_s: float = 1.0) -> None:
-        self._call("/control", {"mode": mode, "slow_s": slow_s})
+    def set_mode(self, mode: str, slow_s: float = 1.0, slow_fraction: float = 0.1) -> None:
+        self._call("/control", {"mode": mode, "slow_s": slow_s, "slow_fraction": slow_fraction})
 
     def stats(self) -> dict[str, int]:
         return self._call("/stats")  # type: ignore[no-any-return]

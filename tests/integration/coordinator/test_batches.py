@@ -3,6 +3,7 @@ them, too-stale groups owe their replacement the batch's version, dead batches a
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from coordinator_fakes import sample, store
@@ -27,9 +28,16 @@ async def ready_groups(groups: GroupBuffer, *wanted: tuple[str, int]) -> None:
     await groups.complete(None)
 
 
-def builder(state: RunState, max_staleness: int = 0) -> BatchBuilder:
+def builder(state: RunState, max_staleness: int = 0, wait_s: float = 30.0) -> BatchBuilder:
     groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
-    return BatchBuilder(state, groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True)
+    return BatchBuilder(state, groups, prompts_per_step=2, max_staleness=max_staleness, drop_stale=True, wait_s=wait_s)
+
+
+async def in_flight(groups: GroupBuffer, group: str, required_version: int) -> None:
+    """A group issued (its prompt requiring ``required_version``) and not complete yet."""
+    tx = groups.state.tx()
+    groups.queue_issue(tx, group, required_version, time.time())
+    await tx.execute()
 
 
 async def batches(state: RunState) -> list[TrainingBatch]:
@@ -79,6 +87,42 @@ def test_too_stale_groups_are_dropped_and_owe_the_batchs_version(in_redis) -> No
         (built,) = await build.build(version=3)
         assert built.num_too_stale == 2 and built.batch.staleness == [0, 0, 0, 0]
         assert await state.get_int(st.SAMPLES_TOO_STALE) == 2
+
+    in_redis(scenario)
+
+
+def test_a_batch_waits_for_a_slow_group_rather_than_throw_it_away(in_redis) -> None:  # type: ignore[no-untyped-def]
+    async def scenario(state: RunState) -> None:
+        # one step of staleness, policy at 1: batch 1 is the last a group generated at 0 may go in. "slow" (version
+        # 0) is still being scored while "next" (version 1, a group of batch 2) completed before it
+        build = builder(state, max_staleness=1)
+        await state.redis.set(state.key(st.BATCH_INDEX), 1)
+        await ready_groups(build.groups, ("a", 0), ("next", 1))
+        await in_flight(build.groups, "slow", 0)
+        assert await build.build(version=1) == []  # it waits: with "next" in it, "slow" would be thrown away
+        await store(state, "slow", sample("slow", 0, version=0), sample("slow", 1, version=0))
+        await build.groups.complete(None)
+        (built,) = await build.build(version=1)
+        assert {s.trajectory.group_id for s in built.batch.samples} == {"a", "slow"} and built.waited_s > 0
+        assert await build.groups.ready() == ["next"] and await state.get_int(st.SAMPLES_TOO_STALE) == 0
+
+    in_redis(scenario)
+
+
+def test_a_batch_waits_only_batch_wait_s(in_redis) -> None:  # type: ignore[no-untyped-def]
+    async def scenario(state: RunState) -> None:
+        build = builder(state, max_staleness=1, wait_s=0.2)
+        await state.redis.set(state.key(st.BATCH_INDEX), 1)
+        await ready_groups(build.groups, ("a", 0), ("next", 1))
+        await in_flight(build.groups, "lost", 0)
+        assert await build.build(version=1) == []
+        await asyncio.sleep(0.5)  # past the wait: built without it (it will be too stale, counted)
+        (built,) = await build.build(version=1)
+        assert {s.trajectory.group_id for s in built.batch.samples} == {"a", "next"} and built.waited_s >= 0.2
+        # a replacement owed for a lost group counts as coming too (its version as owed, until it is issued)
+        await state.redis.rpush(state.key(st.OWED_VERSIONS), 1)
+        await ready_groups(build.groups, ("b", 1), ("c", 2))
+        assert await build.build(version=2) == []
 
     in_redis(scenario)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamrl.coordinator.admission import groups_admissible, new_group_versions, required_version
+from streamrl.coordinator.admission import groups_admissible, new_group_versions, repaid, required_version
 
 
 def test_sync_mode_issues_one_batch_per_version() -> None:
@@ -62,3 +62,11 @@ def test_a_replacement_takes_the_version_owed_by_the_group_it_replaces() -> None
     assert new_group_versions(3, owed=[2, 1], position=8, **kw) == [1, 2, 2]
     assert new_group_versions(1, owed=[3, 1], position=8, **kw) == [1]
     assert new_group_versions(0, owed=[1], position=8, **kw) == []
+
+
+def test_a_replacement_requires_the_current_version_when_it_owes_an_older_one() -> None:
+    # a group of batch 3 (it required version 2) failed while the policy is at 4: its replacement is generated
+    # at 4 at the earliest, and requires that - what the batch builder reads to know its last batch (5)
+    kw = dict(max_staleness=1, prompts_per_step=4)
+    assert new_group_versions(2, owed=[2, 5], position=20, version=4, **kw) == [4, 5]
+    assert repaid(1, [5, 2]) == [2]  # the owed versions repaid are the lowest, as they were owed

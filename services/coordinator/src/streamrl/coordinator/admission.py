@@ -50,10 +50,12 @@ def new_group_versions(
     """Required versions of the next ``count`` groups: the owed versions first (lowest first: the
     earliest batch waits for them), then by position (``position`` = ``accepted + in_flight``).
 
-    The first ``min(count, len(owed))`` entries are owed versions, unchanged (the caller removes
-    them from its list); one at or below the current ``version`` is served at once.
+    The first ``min(count, len(owed))`` entries replace the lowest owed versions (the caller removes
+    those, :func:`repaid`, from its list), each raised to the current ``version``: served at once
+    either way, and then the version a replacement requires is the one it is generated at, which the
+    batch builder counts on to know which batch is its last (``batching.py``).
     """
-    replacing = sorted(owed)[:count]
+    replacing = [max(v, version) for v in repaid(count, owed)]
     fresh = [
         required_version(
             position=position + i, version=version, max_staleness=max_staleness, prompts_per_step=prompts_per_step
@@ -61,6 +63,11 @@ def new_group_versions(
         for i in range(len(replacing), count)
     ]
     return replacing + fresh
+
+
+def repaid(count: int, owed: list[int]) -> list[int]:
+    """The owed versions the next ``count`` groups repay: the lowest first."""
+    return sorted(owed)[:count]
 
 
 def staleness(learner_version: int, generation_version: int) -> int:

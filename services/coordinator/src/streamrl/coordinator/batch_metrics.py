@@ -29,9 +29,10 @@ class RecordBatch:
     traceparent: str = ""
 
 
-def batch_stats(batch: RecordBatch, *, elapsed_s: float, num_too_stale: int) -> dict[str, float]:
+def batch_stats(batch: RecordBatch, *, elapsed_s: float, num_too_stale: int, waited_s: float = 0.0) -> dict[str, float]:
     """Metrics of ``batch``; ``elapsed_s`` since the previous batch (tokens/s), ``num_too_stale``
-    samples dropped since then as over max_staleness."""
+    samples dropped since then as over max_staleness, ``waited_s`` it waited for in-flight groups whose
+    last batch it was (``coordinator.batch_wait_s``)."""
     samples = batch.samples
 
     def mean(values: list[float]) -> float:
@@ -52,6 +53,7 @@ def batch_stats(batch: RecordBatch, *, elapsed_s: float, num_too_stale: int) -> 
         "coordinator/staleness_mean": mean([float(x) for x in batch.staleness]),
         "coordinator/staleness_max": float(max(batch.staleness, default=0)),
         "coordinator/samples_too_stale": float(num_too_stale),
+        "coordinator/batch_wait_s": float(waited_s),
         "coordinator/batch_samples": float(len(samples)),
         "rollout/generation_started_min": min(
             (s.trajectory.timings.get("started_at", 0.0) for s in samples), default=0.0

@@ -2,7 +2,9 @@
 the learner gave up on are accounted for.
 
 Which groups go into batch ``k`` is the pure rule of ``batching.py``. Here it meets Redis: groups over
-the staleness bound are dropped (their replacements owed the version batch ``k`` needs), and batch
+the staleness bound are dropped (their replacements owed the version batch ``k`` needs), batch ``k`` waits
+- at most ``wait_s`` (``coordinator.batch_wait_s``) - while a group whose last batch it is is still in flight
+or owed (:meth:`GroupBuffer.coming_versions`, read only when some group of it could go later), and batch
 ``k`` (id ``batch-{k}``, from its index) is published - as a BatchManifest carrying each sample's scored
 record and naming where its payload lies, never the payloads - in the same transaction that removes its
 groups from ``ready`` (renaming each payload to ``batched:{batch}:{trajectory id}`` and deleting the
@@ -73,7 +75,7 @@ from streamrl.common.tx import PreconditionFailed, Tx
 from streamrl.coordinator import state as st
 from streamrl.coordinator.admission import staleness
 from streamrl.coordinator.batch_metrics import RecordBatch
-from streamrl.coordinator.batching import ReadyGroup, select_groups
+from streamrl.coordinator.batching import ReadyGroup, Selection, last_batch, last_chance, select_groups
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.scripts import FencedScript
 from streamrl.coordinator.state import RunState
@@ -141,6 +143,8 @@ class Built:
     batch: RecordBatch
     manifest: BatchManifest
     num_too_stale: int
+    waited_s: float = 0.0
+    """How long it waited for in-flight groups whose last batch it was (``coordinator.batch_wait_s``)."""
 
 
 class BatchBuilder:
@@ -157,8 +161,13 @@ class BatchBuilder:
         tracing: Tracing = NULL_TRACING,
         manifest_part_bytes: int = MANIFEST_PART_BYTES,
         tx_samples: int = 256,
+        wait_s: float = 30.0,
     ) -> None:
         self.state = state
+        self.wait_s = wait_s
+        """The longest a batch waits for in-flight groups whose last batch it is (``batching.py``)."""
+        self.waiting: tuple[int, float] | None = None
+        """(batch index, monotonic time) since when that batch waits for such groups."""
         self.tx_samples = tx_samples
         """A batch of more samples than this is moved in pieces (see the module docstring)."""
         self.manifest_part_bytes = manifest_part_bytes
@@ -184,9 +193,7 @@ class BatchBuilder:
             ready_ids = await self.groups.ready()
             members = await self.groups.samples(ready_ids)
             ready = [ReadyGroup(g, min(s.trajectory.policy_version_start for s in members[g])) for g in ready_ids]
-            pick = select_groups(
-                ready, index=index, max_staleness=self.max_staleness, per_step=self.per_step, drop_stale=self.drop_stale
-            )
+            pick = await self._select(ready, index)
             if pick.too_stale:
                 num = sum(len(members[g.group_id]) for g in pick.too_stale)
                 tx = self.state.tx().require(self.state.key(st.BATCH_INDEX), equals=stored_index)
@@ -244,9 +251,49 @@ class BatchBuilder:
             span.end()
             if not published:
                 continue
-            built.append(Built(batch, manifest, self.too_stale_since_batch))
+            built.append(Built(batch, manifest, self.too_stale_since_batch, self._waited_s(index)))
             self.too_stale_since_batch = 0
+            self.waiting = None
         return built
+
+    async def _select(self, ready: list[ReadyGroup], index: int) -> Selection:
+        """The groups of batch ``index`` (``batching.py``), waiting for the in-flight groups whose last batch it
+        is - at most ``wait_s`` from the first time it could have been built without them."""
+
+        def select(coming: int) -> Selection:
+            return select_groups(
+                ready,
+                index=index,
+                max_staleness=self.max_staleness,
+                per_step=self.per_step,
+                drop_stale=self.drop_stale,
+                last_chance_in_flight=coming,
+            )
+
+        now = select(0)
+        if not self.wait_s or all(last_batch(g.oldest_version, self.max_staleness) <= index for g in now.chosen):
+            return now  # no group of it could go to a later batch: nothing to wait for (no read)
+        waiting = select(
+            last_chance(await self.groups.coming_versions(), index=index, max_staleness=self.max_staleness)
+        )
+        if not waiting.waiting_for:
+            return waiting
+        if self.waiting is None or self.waiting[0] != index:
+            self.waiting = (index, time.monotonic())
+        if self._waited_s(index) <= self.wait_s:
+            return waiting
+        logger.warning(
+            "batch %d waited %.1f s (coordinator.batch_wait_s) for %d in-flight groups whose last batch it is: "
+            "built without them, they will be too stale when they complete",
+            index,
+            self._waited_s(index),
+            waiting.waiting_for,
+        )
+        return now
+
+    def _waited_s(self, index: int) -> float:
+        """How long batch ``index`` has waited for in-flight groups (0 when it has not)."""
+        return time.monotonic() - self.waiting[1] if self.waiting is not None and self.waiting[0] == index else 0.0
 
     async def _publish_in_pieces(
         self, stored_index: bytes | None, building: Building, members: dict[str, list[ScoredRecord]]

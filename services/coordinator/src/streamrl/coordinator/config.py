@@ -94,6 +94,12 @@ class CoordinatorConfig(ServiceConfig):
     the rollout workers hold them and start generating the moment those weights land."""
     staleness_policy: Literal["drop", "keep"] = "drop"
     """What to do with a sample that still exceeds max_staleness at batching time (always counted)."""
+    batch_wait_s: float = Field(30.0, ge=0)
+    """The longest a batch that could be built waits for in-flight groups whose last chance it is (generated at
+    version ``g``, a group is too stale for any batch after ``g + max_staleness``): rather than fill it with groups
+    that could wait for the next batch and throw the slow ones away when they complete, it waits for them (one
+    slow scorer call, a reclaimed entry). Past this wait it is built without them; they are dropped as too stale
+    (counted). 0 = never wait."""
     total_steps: int = Field(20, ge=1)
     """Learner steps of the run; the coordinator exits 0 after the last one (and its evaluation)."""
     dynamic_filtering: bool = False

@@ -151,6 +151,15 @@ class GroupBuffer:
         """Versions owed to replacements (the required versions of lost groups)."""
         return [int(v) for v in await self.redis.lrange(self.state.key(st.OWED_VERSIONS), 0, -1)]
 
+    async def coming_versions(self) -> list[int]:
+        """The versions required by the groups in flight and owed to replacements not issued yet: the groups still
+        to complete, each by the lowest version it can be generated at (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hvals(self.state.key(st.INFLIGHT_INFO))
+        pipe.lrange(self.state.key(st.OWED_VERSIONS), 0, -1)
+        info, owed = await pipe.execute()
+        return [InFlight.parse(v).required_version for v in info] + [int(v) for v in owed]
+
     def queue_repay(self, tx: Tx, versions: Iterable[int]) -> None:
         """Add to ``tx``: these owed versions were given to replacements."""
         for v in versions:

@@ -31,7 +31,7 @@ from streamrl.common.telemetry.trace_schema import GROUP_ID, ISSUE, POLICY_VERSI
 from streamrl.common.telemetry.tracing import NULL_TRACING, Span, Tracing
 from streamrl.common.tx import PreconditionFailed
 from streamrl.coordinator import state as st
-from streamrl.coordinator.admission import groups_admissible, new_group_versions
+from streamrl.coordinator.admission import groups_admissible, new_group_versions, repaid
 from streamrl.coordinator.config import CoordinatorConfig
 from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.prompts import BadRowError, Prompt, PromptSource
@@ -125,7 +125,7 @@ class PromptIssuer:
             max_staleness=cfg.max_staleness,
             prompts_per_step=cfg.prompts_per_step,
         )
-        num_owed = min(budget, len(owed))
+        repay = repaid(budget, owed)
         stored_cursor = await self.state.get_raw(st.CURSOR)
         cursor = int(stored_cursor) if stored_cursor is not None else 0
         tx = self.state.tx().require(self.state.key(st.CURSOR), equals=stored_cursor)
@@ -166,7 +166,7 @@ class PromptIssuer:
             tx.xadd_raw(self.state.names.prompts, payload)
             self.groups.queue_issue(tx, item.id, item.policy_version, now)
             issued += 1
-        self.groups.queue_repay(tx, versions[: min(issued, num_owed)])
+        self.groups.queue_repay(tx, repay[:issued])
         tx.set(self.state.key(st.CURSOR), cursor + budget)
         tx.incrby(self.state.key(st.PROMPTS_TOO_LARGE), too_large)
         tx.incrby(self.state.key(st.PROMPTS_BAD), bad)

@@ -124,6 +124,7 @@ class CoordinatorService:
             drop_stale=config.staleness_policy == "drop",
             tracing=ctx.tracing,
             tx_samples=config.batch_tx_samples,
+            wait_s=config.batch_wait_s,
         )
         self.evals = (
             EvalRounds(config, self.state, PromptSource(config.eval.dataset), self.metrics)
@@ -349,7 +350,9 @@ class CoordinatorService:
     async def _record_batch(self, built: Built) -> None:
         batch = built.batch
         now = time.monotonic()
-        stats = batch_stats(batch, elapsed_s=now - self.last_batch_time, num_too_stale=built.num_too_stale)
+        stats = batch_stats(
+            batch, elapsed_s=now - self.last_batch_time, num_too_stale=built.num_too_stale, waited_s=built.waited_s
+        )
         self.last_batch_time = now
         self.ctx.metrics.observe_staleness(batch.staleness)
         self.ctx.metrics.count_samples("batched", len(batch.samples))
