@@ -71,6 +71,7 @@ from streamrl.learner.rl.algo.objective import compute_advantages, policy_object
 from streamrl.learner.rl.batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.traces import SampleCorrection, traced_rows
+from streamrl.learner.rl.weights.adapter import check_target_modules
 from streamrl.learner.vision import check_learner, image_inputs
 from streamrl.learner.vision import response_logprobs as image_response_logprobs
 
@@ -121,10 +122,13 @@ class RLTrainer:
         self.cfg = cfg
         algo = cfg.algo
         optimizer_steps = cfg.total_steps * cfg.updates_per_batch  # what the lr schedules count
+        if cfg.lora is not None:
+            check_target_modules(cfg.model, cfg.lora)
         self.policy = ModelEngine.from_config(
             cfg.model,
             cfg.ds,
             "causal_lm",
+            lora=cfg.lora,
             total_steps=optimizer_steps,
             shared_prompts=cfg.share_prompts,
             freeze_vision_tower=cfg.freeze_vision_tower,
