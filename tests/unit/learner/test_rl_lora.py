@@ -81,7 +81,7 @@ def test_target_modules_the_model_lacks_are_named(tiny_qwen_dir: Path) -> None:
 
 
 def test_adapter_sync_cannot_take_the_broadcast_transport(tiny_qwen_dir: Path) -> None:
-    with pytest.raises(pydantic.ValidationError, match="cannot travel over learner.weights_transport = 'broadcast'"):
+    with pytest.raises(pydantic.ValidationError, match=r"cannot travel over learner\.weights_transport = 'broadcast'"):
         LearnerConfig(model=str(tiny_qwen_dir), lora=RLLoraConfig(), weights_transport="broadcast")
     merged = LearnerConfig(model=str(tiny_qwen_dir), lora=RLLoraConfig(sync="merged"), weights_transport="broadcast")
     assert merged.lora is not None and merged.lora.sync == "merged"
