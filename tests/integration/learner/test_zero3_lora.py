@@ -1,5 +1,6 @@
 """LoRA RL under ZeRO-3 (the adapter's shards partitioned like every parameter) trains like ZeRO-0: the same
-adapter after the same steps, gathered whole for publishing, the base untouched, the merged weights equal."""
+adapter after the same steps, gathered whole for publishing, the same KL to the base (the policy with its
+adapter off), the merged weights equal."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from test_trainer_updates import scored_batch
 
 from streamrl.learner.ds_config import DeepSpeedConfig
+from streamrl.learner.rl.algo.config import AlgoConfig, KLConfig
 from streamrl.learner.rl.config import LearnerConfig, RLLoraConfig
 from streamrl.learner.rl.trainer import RLTrainer
 from streamrl.learner.rl.weights.adapter import iter_adapter
@@ -20,7 +22,9 @@ def test_zero3_lora_matches_zero0(tiny_qwen_dir: Path) -> None:
     results = []
     for stage in (0, 3):
         ds = DeepSpeedConfig(dtype="fp32", zero_stage=stage, scheduler="constant", lr=1e-2, grad_clip=0.0)
-        cfg = LearnerConfig(model=str(tiny_qwen_dir), ds=ds, total_steps=4, lora=RLLoraConfig(rank=4, alpha=8.0))
+        algo = AlgoConfig(kl=KLConfig(placement="loss", coef=0.5, estimator="k3"))  # the base as reference
+        lora = RLLoraConfig(rank=4, alpha=8.0)
+        cfg = LearnerConfig(model=str(tiny_qwen_dir), ds=ds, total_steps=4, lora=lora, algo=algo)
         trainer = RLTrainer(cfg)
         initial = dict(iter_adapter(trainer.policy.module, 0))
         metrics = [trainer.step(scored_batch(seed=s)) for s in (0, 1)]
@@ -32,10 +36,13 @@ def test_zero3_lora_matches_zero0(tiny_qwen_dir: Path) -> None:
     for name, tensor in adapter0.items():
         assert adapter3[name].shape == tensor.shape, f"{name}: not gathered whole"
         torch.testing.assert_close(initial3[name], initial0[name], msg=name)  # same seed, same initial adapter
-        torch.testing.assert_close(adapter3[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+        # Adam turns rounding noise into lr-sized steps where a gradient is near zero (lora_A while B is
+        # still ~0): measured 6.5e-5 on entries of ~0.13 after two steps of lr 1e-2
+        torch.testing.assert_close(adapter3[name], tensor, atol=2e-4, rtol=1e-3, msg=name)
     assert any(not torch.equal(adapter3[n], initial3[n]) for n in adapter3 if ".lora_B." in n), "nothing trained"
     for m0, m3 in zip(metrics0, metrics3, strict=True):
         assert m3["learner/grad_norm"] == pytest.approx(m0["learner/grad_norm"], rel=1e-4)
+        assert m3["learner/kl_ref"] == pytest.approx(m0["learner/kl_ref"], rel=1e-4, abs=1e-8)
     assert merged3.keys() == merged0.keys()
     for name, tensor in merged0.items():
         torch.testing.assert_close(merged3[name], tensor, atol=1e-5, rtol=0, msg=name)

@@ -12,6 +12,7 @@ from test_trainer_updates import scored_batch
 from transformers import AutoModelForCausalLM
 
 from streamrl.learner.ds_config import DeepSpeedConfig
+from streamrl.learner.rl.algo.config import AlgoConfig, KLConfig
 from streamrl.learner.rl.config import LearnerConfig, RLLoraConfig
 from streamrl.learner.rl.trainer import RLTrainer
 from streamrl.learner.rl.weights.adapter import adapter_shape, check_target_modules, iter_adapter
@@ -85,3 +86,19 @@ def test_adapter_sync_cannot_take_the_broadcast_transport(tiny_qwen_dir: Path) -
         LearnerConfig(model=str(tiny_qwen_dir), lora=RLLoraConfig(), weights_transport="broadcast")
     merged = LearnerConfig(model=str(tiny_qwen_dir), lora=RLLoraConfig(sync="merged"), weights_transport="broadcast")
     assert merged.lora is not None and merged.lora.sync == "merged"
+
+
+def test_the_kl_reference_is_the_policy_with_its_adapter_off(tiny_qwen_dir: Path) -> None:
+    """No second copy of the base: the reference log-probs come from the policy with the adapter disabled,
+    the same figures as a separate reference model loaded from the base folder."""
+    algo = AlgoConfig(kl=KLConfig(placement="loss", coef=0.5, estimator="k3"))
+    shared = RLTrainer(lora_config(tiny_qwen_dir).model_copy(update={"algo": algo}))
+    separate = RLTrainer(lora_config(tiny_qwen_dir).model_copy(update={"algo": algo, "ref_model": str(tiny_qwen_dir)}))
+    assert shared.ref is shared.policy and separate.ref is not None and separate.ref is not separate.policy
+    for seed in (0, 1, 2):
+        a, b = shared.step(scored_batch(seed=seed)), separate.step(scored_batch(seed=seed))
+        kl = [k for k in a if k.startswith("learner/kl")]
+        assert kl, sorted(a)
+        for key in [*kl, "learner/loss/total"]:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert a["learner/kl_ref"] > 1e-6, "the adapter moved the policy away from its base"

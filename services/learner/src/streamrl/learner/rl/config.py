@@ -37,8 +37,10 @@ class LearnerConfig(ServiceConfig):
     algo: AlgoConfig = AlgoConfig()
     lora: RLLoraConfig | None = None
     """Train a LoRA adapter on the frozen policy (``[learner.lora]``: rank, alpha, dropout, target modules
-    or ``all-linear``) instead of every weight; None = full-parameter training. The reference policy of
-    the KL term is the base model. Target modules the model lacks are refused at start, by name."""
+    or ``all-linear``) instead of every weight; None = full-parameter training. The KL term's reference is
+    the base: the policy's own forward with its adapter switched off (no second copy of the base in
+    memory), unless ``ref_model`` names another model. Target modules the model lacks are refused at
+    start, by name."""
     ranks: int = Field(1, ge=1)
     """Data-parallel ranks of the learner group, started by ``streamrl learner`` itself on this host
     (one process per rank; on GPUs rank k uses the k-th visible device). Each step's groups are

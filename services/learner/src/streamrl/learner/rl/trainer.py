@@ -56,6 +56,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -139,11 +140,16 @@ class RLTrainer:
             check_learner(uses_critic=algo.uses_critic, zero_stage=cfg.ds.zero_stage, world_size=self.policy.world_size)
         self.device = self.policy.device
         self.pad_id = int(self.policy.tokenizer.pad_token_id)
-        self.ref = (
-            ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False)
-            if algo.needs_reference
-            else None
-        )
+        # with LoRA and no other reference model, the reference is the policy's own frozen base: its
+        # forwards with the adapter switched off (no second copy of the base in memory)
+        base_is_reference = cfg.lora is not None and cfg.ref_model is None
+        self.ref: ModelEngine | None = None
+        if algo.needs_reference:
+            self.ref = (
+                self.policy
+                if base_is_reference
+                else ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False)
+            )
         self.critic = (
             ModelEngine.from_config(cfg.critic_model or cfg.model, cfg.ds, "value", total_steps=optimizer_steps)
             if algo.uses_critic
@@ -236,7 +242,8 @@ class RLTrainer:
         if kl_in_reward or self.critic is not None or len(plan) > 1:
             old = self._no_grad_pass(self.policy, rl, chunks)
         if self.ref is not None:
-            ref = self._no_grad_pass(self.ref, rl, chunks)
+            with self.policy.module.disable_adapter() if self.ref is self.policy else nullcontext():
+                ref = self._no_grad_pass(self.ref, rl, chunks)
         if kl_in_reward:
             assert old is not None and ref is not None
             kl = kl_estimate(old, ref, algo.kl.estimator) * mask
