@@ -21,6 +21,7 @@ import torch
 
 from streamrl.common.messages import LoraAdapter
 from streamrl.learner.ds_config import LoraConfig
+from streamrl.torchkit.vision import has_vision_tower
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
 
@@ -34,8 +35,9 @@ def check_target_modules(model_path: str, lora: LoraConfig) -> None:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_path)
+    auto = transformers.AutoModelForImageTextToText if has_vision_tower(config) else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
