@@ -49,8 +49,9 @@ class Served:
         self.adapter_tensors = list(iter_adapter(engine.module, 0))
         self.adapter = WeightServer()
         self.adapter_checksum, self.adapter_bytes, _ = self.adapter.publish(self.adapter_tensors, 1, tied_aliases={})
+        self.merged_tensors = list(engine.iter_full_params())
         self.merged = WeightServer()
-        self.merged_checksum, self.merged_bytes, _ = self.merged.publish(engine.iter_full_params(), 1)
+        self.merged_checksum, self.merged_bytes, _ = self.merged.publish(self.merged_tensors, 1)
 
     def close(self) -> None:
         self.adapter.close()
@@ -119,6 +120,15 @@ def test_adapter_sync_generates_exactly_what_merged_weights_generate(
         asyncio.run(lora.update_weights(endpoint, 1, checksum, timeout_s=30, lora=served.shape))
         assert lora.version == 1
         assert _greedy(lora) == expected
+        # full weights after adapters (a learner restarted with lora.sync = "merged"): no adapter on top of them
+        merged_again = WeightServer()
+        try:
+            checksum2, _, _ = merged_again.publish(served.merged_tensors, 2)
+            asyncio.run(lora.update_weights(merged_again.endpoint, 2, checksum2, timeout_s=30))
+        finally:
+            merged_again.close()
+        assert lora.version == 2
+        assert _greedy(lora) == expected, "the adapter was applied on top of merged weights"
     finally:
         lora.close()
 

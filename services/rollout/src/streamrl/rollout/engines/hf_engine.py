@@ -712,6 +712,8 @@ class HFEngine(DriverThread):
             else:
                 received = list(torch_tensors(update.endpoint, update.version, update.checksum, update.timeout_s))
                 self._load(update.version, received)
+            if update.lora is None and self._lora is not None:  # full weights now: the adapter adds nothing
+                lora_weights.zero_adapter(self._model)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the old weights stay
             update.future.set_exception(e)
             return
@@ -775,7 +777,9 @@ class HFEngine(DriverThread):
     def _load(self, version: int, received: list[tuple[str, torch.Tensor]]) -> None:
         """Copy a whole verified version into the model's parameters (every parameter written)."""
         names = {name for name, _ in received}
-        missing = [name for name, _ in self._model.named_parameters() if name not in names]
+        # (with LoRA layers added, a layer's own weight is its base_layer's: the same tensor as in _targets)
+        own = (n.replace(".base_layer.", ".") for n, _ in self._model.named_parameters() if ".lora_" not in n)
+        missing = [name for name in own if name not in names]
         unknown = [name for name in names if name not in self._targets]
         if missing or unknown:
             raise WeightSyncError(

@@ -522,6 +522,8 @@ class VLLMEngine(DriverThread):
         # Every worker holds the verified version: load it. An error from here on leaves the
         # model in an unknown state and stops the engine (it propagates to the driver loop).
         self._llm.collective_rpc(APPLY_METHOD, args=(version, self._in_place))
+        if self._adapters is not None:  # full weights now: no adapter on top of them
+            self._adapters.drop(self._llm)
         # Cached KV was computed with the old weights; running requests recompute theirs.
         self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
         if self._image_token_id is not None:  # and so were cached image embeddings (vision tower)

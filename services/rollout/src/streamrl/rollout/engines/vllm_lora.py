@@ -56,6 +56,13 @@ class VLLMAdapters:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         logger.info("LoRA adapter of version %d loaded (rank %d, id %d)", version, adapter.rank, lora_id)
 
+    def drop(self, llm: Any) -> None:
+        """Serve no adapter any more (a full-weights version was loaded): new requests use the base weights."""
+        if self.current is not None:
+            llm.llm_engine.remove_lora(self.current.lora_int_id)
+            shutil.rmtree(self.current.lora_path, ignore_errors=True)
+            self.current = None
+
     def close(self) -> None:
         """Delete every adapter folder."""
         shutil.rmtree(self.root, ignore_errors=True)

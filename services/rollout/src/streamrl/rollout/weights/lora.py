@@ -112,6 +112,15 @@ def load_in_place(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Ten
         torch._foreach_copy_(dsts, srcs)
 
 
+def zero_adapter(model: torch.nn.Module) -> None:
+    """Make the injected LoRA layers add nothing (every ``lora_B`` zero): the engine then computes with the
+    full weights it was given, exactly."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.zero_()
+
+
 def _local_name(wire_name: str) -> str:
     """``base_model.model.X.lora_A.weight`` -> ``X.lora_A.default.weight`` (the injected parameter's name)."""
     name = wire_name.removeprefix(PEFT_PREFIX)
