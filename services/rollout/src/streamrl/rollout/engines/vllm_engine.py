@@ -356,6 +356,8 @@ class VLLMEngine(DriverThread):
         try:
             self._llm = self._build()
         except Exception as e:  # noqa: BLE001 - handed to the constructor's caller
+            if self._adapters is not None:
+                self._adapters.close()
             built.set_exception(e)
             return
         built.set_result(None)

@@ -15,7 +15,9 @@ before anything is applied (:func:`fetch_adapter`), and the adapter's shape
   it as a ``LoRARequest``, generates every request of that version with it, and deletes the older folder.
 
 An adapter of a rank above ``rollout.engine.max_lora_rank``, or sent to an engine without it, is refused
-with an error naming that field (:func:`check_adapter`); the engine keeps serving its version.
+with an error naming that field (:func:`check_adapter`); the engine keeps serving its version. A
+full-weights version after adapters (a learner restarted with ``lora.sync = "merged"``) is served alone:
+the transformers engine zeroes its LoRA layers' B (:func:`zero_adapter`), the vLLM engine drops its adapter.
 """
 
 from __future__ import annotations
