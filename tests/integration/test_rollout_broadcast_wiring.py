@@ -51,7 +51,14 @@ class _Engine:
         self.calls: list[tuple[str, int]] = []
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, broadcast: object = None
+        self,
+        endpoint: str,
+        version: int,
+        checksum: str,
+        timeout_s: float,
+        ipc: object = None,
+        broadcast: object = None,
+        **_: object,
     ) -> None:
         self.calls.append(("broadcast" if broadcast is not None else "zmq", version))
         if broadcast is not None and not self.joins:

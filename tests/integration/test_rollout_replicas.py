@@ -43,7 +43,7 @@ class _Engine:
         return out
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
     ) -> None:
         if self.fail_loads:
             self.fail_loads -= 1

@@ -36,7 +36,7 @@ class _Engine:
         self.failed_3 = False
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
     ) -> None:
         if version == 1:
             await self.bus.publish(self.names.weights, _weights(2))
@@ -89,7 +89,7 @@ class _Recorder:
         self.version = 0
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
     ) -> None:
         if version == 5:
             raise RuntimeError("engine crashed while loading")
@@ -252,7 +252,7 @@ class _Loads:
         self.loads: list[tuple[str, int, str]] = []
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
     ) -> None:
         if endpoint == "tcp://dead-learner:1":
             await asyncio.sleep(0.2)

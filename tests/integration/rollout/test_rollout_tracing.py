@@ -91,7 +91,14 @@ class FakeEngine:
         return [list(self.samples) for _ in requests]
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, broadcast: object = None
+        self,
+        endpoint: str,
+        version: int,
+        checksum: str,
+        timeout_s: float,
+        ipc: object = None,
+        broadcast: object = None,
+        **_: object,
     ) -> None:
         if version == self.fail_version or (broadcast is not None and self.fail_broadcast):
             raise WeightSyncError(f"version {version} missed its deadline")

@@ -10,9 +10,11 @@ from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
     MESSAGE_TYPES,
+    SUPPORTED_VERSIONS,
     BatchManifest,
     DeadLetter,
     Heartbeat,
+    LoraAdapter,
     ManifestPart,
     PromptWorkItem,
     SampleRef,
@@ -92,6 +94,17 @@ SAMPLES = [
     WeightsPublished(
         version=1, step=1, batch_id="batch-0", checksum="ab", num_bytes=1, num_buckets=1, endpoint="tcp://x:1"
     ),
+    WeightsPublished(
+        version=2,
+        step=2,
+        batch_id="batch-1",
+        checksum="cd",
+        num_bytes=7168,
+        num_buckets=1,
+        endpoint="tcp://x:1",
+        payload="lora",
+        lora=LoraAdapter(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"]),
+    ),
     Heartbeat(service="reward", instance="r-1", pid=1, ts=0.0),
     DeadLetter(
         stream="s", entry_id="1-0", group="g", consumer="c", error="boom", deliveries=3, payload=b"\x00", ts=0.0
@@ -108,7 +121,8 @@ def test_roundtrip_and_plain_msgpack_view(message: object) -> None:
     data = encode(message)  # type: ignore[arg-type]
     assert decode(data) == message
     plain = msgpack.unpackb(data, raw=False)
-    assert isinstance(plain, dict) and plain["v"] == 1 and plain["type"] in MESSAGE_TYPES
+    assert isinstance(plain, dict) and plain["type"] in MESSAGE_TYPES
+    assert plain["v"] == max(SUPPORTED_VERSIONS[plain["type"]])  # written at the newest version of its type
 
 
 def test_a_manifests_plain_msgpack_view_names_where_each_payload_lies() -> None:

@@ -37,7 +37,7 @@ published version in place.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -494,9 +494,40 @@ class WeightsBroadcast(msgspec.Struct, frozen=True):
     has no authentication) offers; empty from a learner that predates it."""
 
 
-class WeightsPublished(_Message, tag="weights"):
-    """The learner finished a step and serves new weights. learner -> weights -> rollout, coordinator."""
+class LoraAdapter(msgspec.Struct, frozen=True):
+    """What a LoRA payload is (``WeightsPublished.payload = "lora"``): the adapter's shape, enough for an
+    engine to build its LoRA layers before it loads the tensors.
 
+    Example:
+        LoraAdapter(rank=16, alpha=32.0, target_modules=["down_proj", "gate_proj", "k_proj", "o_proj", ...])
+    """
+
+    rank: int
+    """Adapter rank r (every adapted module's ``lora_A`` is ``[r, in]``, its ``lora_B`` ``[out, r]``)."""
+    alpha: float
+    """Scaling numerator: a module's output gains ``alpha / rank * B @ A @ x``."""
+    target_modules: list[str]
+    """Names of the adapted modules (``all-linear`` resolved: e.g. ``q_proj``, ``down_proj``), sorted."""
+
+
+WEIGHTS_SCHEMA_VERSION = 2
+"""Schema version of :class:`WeightsPublished`: v2 added ``payload`` and ``lora``. A v1 event (no such
+fields) is read as full weights; a worker that reads only v1 refuses a v2 event as an unsupported version
+instead of loading an adapter as if it were the whole model."""
+
+
+class WeightsPublished(_Message, tag="weights", kw_only=True):
+    """The learner finished a step and serves new weights. learner -> weights -> rollout, coordinator.
+
+    The payload is the whole model (``payload = "full"``) or, for a LoRA run with
+    ``learner.lora.sync = "adapter"``, the adapter alone (``payload = "lora"``, ``lora`` its shape): the
+    tensors are then the adapter's in peft naming (``base_model.model.<module>.lora_A.weight`` /
+    ``lora_B.weight``), applied on top of the engine's base model (the model folder it was built from).
+    Either payload travels the same transports (ZMQ buckets, CUDA IPC buffers) with the same version,
+    checksum and signature.
+    """
+
+    v: int = WEIGHTS_SCHEMA_VERSION
     version: int
     """New policy version (monotonic)."""
     step: int
@@ -524,6 +555,10 @@ class WeightsPublished(_Message, tag="weights"):
     signature: str = ""
     """HMAC-SHA256 of this event with the run's weights key (:mod:`streamrl.common.weights.auth`); empty
     when the learner has no key."""
+    payload: Literal["full", "lora"] = "full"
+    """``full``: every weight of the model; ``lora``: a LoRA adapter's tensors only (``lora`` says its shape)."""
+    lora: LoraAdapter | None = None
+    """The adapter's rank, alpha and target modules when ``payload = "lora"`` (None otherwise)."""
 
 
 class Heartbeat(_Message, tag="heartbeat"):
@@ -585,4 +620,5 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
     )
 }
 SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {tag: frozenset({SCHEMA_VERSION}) for tag in MESSAGE_TYPES}
+SUPPORTED_VERSIONS["weights"] = frozenset({SCHEMA_VERSION, WEIGHTS_SCHEMA_VERSION})
 Message = _Message

@@ -212,6 +212,34 @@ def colocated_sleep_problem(recipe: Mapping[str, Any]) -> str | None:
     return None
 
 
+LORA_DEFAULT_RANK = 16
+"""``learner.lora.rank`` when a recipe does not set it (the learner's LoraConfig default)."""
+
+
+def lora_engine_problem(recipe: Mapping[str, Any]) -> str | None:
+    """Why a recipe's rollout engine cannot serve its learner's LoRA adapters (None: it can, or there are none).
+
+    With ``learner.lora`` and ``sync = "adapter"`` (its default) every version is an adapter: the engine
+    needs ``rollout.engine.max_lora_rank`` at or above ``learner.lora.rank``. Reads the raw sections.
+    """
+    learner = recipe.get("learner")
+    lora = learner.get("lora") if isinstance(learner, Mapping) else None
+    if not isinstance(lora, Mapping) or lora.get("sync", "adapter") != "adapter":
+        return None
+    rollout = recipe.get("rollout")
+    engine = rollout.get("engine") if isinstance(rollout, Mapping) else None
+    max_rank = engine.get("max_lora_rank") if isinstance(engine, Mapping) else None
+    rank = lora.get("rank", LORA_DEFAULT_RANK)
+    if max_rank is None:
+        return (
+            f"learner.lora (sync = 'adapter') publishes LoRA adapters of rank {rank}: set rollout.engine.max_lora_rank "
+            "(vLLM: one of 1, 8, 16, 32, 64, ...) or learner.lora.sync = 'merged'"
+        )
+    if isinstance(rank, int) and isinstance(max_rank, int) and rank > max_rank:
+        return f"learner.lora.rank = {rank} is above rollout.engine.max_lora_rank = {max_rank}: raise max_lora_rank"
+    return None
+
+
 class LaunchRecipe(BaseConfig):
     """Top level of a recipe as the launcher sees it (service sections are validated by each service)."""
 
@@ -238,6 +266,13 @@ class LaunchRecipe(BaseConfig):
     @model_validator(mode="after")
     def _check_colocated_sleep(self) -> LaunchRecipe:
         problem = colocated_sleep_problem(self.model_extra or {})
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_engine(self) -> LaunchRecipe:
+        problem = lora_engine_problem(self.model_extra or {})
         if problem is not None:
             raise ValueError(problem)
         return self

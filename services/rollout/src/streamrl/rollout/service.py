@@ -21,7 +21,8 @@
   unauthenticated store offers, and a version replaced by a newer one before it was loaded waits
   for that one's event). The version the engine serves is reported in the heartbeat and in the
   ``served`` hash. A worker that joins late
-  loads the latest published version before it takes prompts.
+  loads the latest published version before it takes prompts. In a LoRA run a version is the
+  adapter alone (``payload = "lora"``): the engine adds it to the base it was built from.
 * With ``rollout.engine.sleep_between_versions`` (colocated synchronous runs: ``streamrl up`` checks
   ``coordinator.max_staleness = 0`` and ``learner.weights_transport = "ipc"``) the engine sleeps
   when it has no work left: no prompt in the engine for ``SLEEP_IDLE_S`` - the current version's
@@ -360,8 +361,9 @@ class RolloutService:
                     logger.info("engine awake for policy version %d (%.0f ms)", msg.version, woke * 1e3)
                 if msg.broadcast is None:
                     path = "zmq" if msg.ipc is None else "ipc"
+                    timeout_s = self.cfg.weight_sync_timeout_s
                     await self.engine.update_weights(
-                        msg.endpoint, msg.version, msg.checksum, self.cfg.weight_sync_timeout_s, ipc=msg.ipc
+                        msg.endpoint, msg.version, msg.checksum, timeout_s, ipc=msg.ipc, lora=msg.lora
                     )
                 else:
                     path = await self._update_over_broadcast(msg)

@@ -7,8 +7,20 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from streamrl.common.lifecycle import ServiceConfig
-from streamrl.learner.ds_config import DeepSpeedConfig
+from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.rl.algo.config import AlgoConfig
+
+
+class RLLoraConfig(LoraConfig):
+    """LoRA in the RL learner: a frozen base, the adapter trained (under any ZeRO stage), and what each
+    policy version publishes."""
+
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What every version sends the rollout engines. ``adapter``: the adapter's tensors alone (a few MB
+    instead of the whole model; ``WeightsPublished.payload = "lora"``): the engines add it to the base
+    they loaded from their model folder (vLLM: ``rollout.engine.max_lora_rank`` set; the transformers
+    engine: peft), over ZMQ or CUDA IPC. ``merged``: the adapter merged into the base weights, sent as
+    full weights over any transport (engines need no LoRA support)."""
 
 
 class LearnerConfig(ServiceConfig):
@@ -23,6 +35,12 @@ class LearnerConfig(ServiceConfig):
     ds: DeepSpeedConfig = DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant")
     """DeepSpeed engine of the policy (and of the critic). ``ds.grad_accum`` = micro-batches per step."""
     algo: AlgoConfig = AlgoConfig()
+    lora: RLLoraConfig | None = None
+    """Train a LoRA adapter on the frozen policy (``[learner.lora]``: rank, alpha, dropout, target modules
+    or ``all-linear``) instead of every weight; None = full-parameter training. The KL term's reference is
+    the base: the policy's own forward with its adapter switched off (no second copy of the base in
+    memory), unless ``ref_model`` names another model. Target modules the model lacks are refused at
+    start, by name."""
     ranks: int = Field(1, ge=1)
     """Data-parallel ranks of the learner group, started by ``streamrl learner`` itself on this host
     (one process per rank; on GPUs rank k uses the k-th visible device). Each step's groups are
@@ -97,6 +115,11 @@ class LearnerConfig(ServiceConfig):
             raise ValueError(
                 "algo.advantage.estimator = 'flash_reinforce' takes exactly one optimizer step per batch: "
                 f"set mini_batches = 1 and ppo_epochs = 1 (got {self.mini_batches} and {self.ppo_epochs})"
+            )
+        if self.lora is not None and self.lora.sync == "adapter" and self.weights_transport == "broadcast":
+            raise ValueError(
+                "learner.lora.sync = 'adapter' cannot travel over learner.weights_transport = 'broadcast' (its "
+                "members load full weights only): set weights_transport = 'zmq' or 'ipc', or lora.sync = 'merged'"
             )
         if self.share_prompts and self.ds.gradient_checkpointing:
             raise ValueError("share_prompts needs the KV cache in training mode: set ds.gradient_checkpointing = false")

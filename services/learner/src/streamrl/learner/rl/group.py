@@ -21,7 +21,8 @@ policy's, whose ``latest`` marker is written last, after every file is fsync'ed
 (:mod:`streamrl.learner.durable`); a resume loads the critic's checkpoint of the policy's tag.
 
 Commands: ``step`` (the encoded TrainingBatch: every rank trains its share of it), ``weights``
-(every rank joins the gather of the full parameters; rank 0 publishes them), ``checkpoint``,
+(every rank joins the gather of the full parameters; rank 0 publishes them), ``adapter`` (the same
+for the LoRA adapter alone), ``checkpoint``,
 ``export`` and ``stop``. Resuming needs no command: every rank loads the checkpoint at start.
 
 :func:`launch` starts the ranks for ``learner.ranks > 1`` when no launcher (``torchrun``,
@@ -50,6 +51,7 @@ from streamrl.common.codec import decode, encode
 from streamrl.common.messages import TrainingBatch
 from streamrl.learner.checkpoint_retention import prune_checkpoints
 from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
+from streamrl.learner.rl.weights.adapter import iter_adapter
 
 logger = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=7)
@@ -106,6 +108,11 @@ class LearnerGroup:
         self._tell("weights")
         return self.trainer.policy.iter_full_params()
 
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter's tensors (ZeRO-3 shards gathered on every rank): yielded on rank 0 only."""
+        self._tell("adapter")
+        return iter_adapter(self.trainer.policy.module, self.rank)
+
     def checkpoint(self, client_state: dict[str, Any]) -> None:
         """Save a resumable checkpoint of every model (all ranks), then keep the newest ``keep_last``."""
         self._tell("checkpoint", client_state)
@@ -143,6 +150,9 @@ class LearnerGroup:
                     logger.warning("rank %d: %s", self.rank, e)  # rank 0 retries, skips or stops the group
             elif command == "weights":
                 for _ in self.trainer.policy.iter_full_params():
+                    pass
+            elif command == "adapter":
+                for _ in iter_adapter(self.trainer.policy.module, self.rank):
                     pass
             elif command == "checkpoint":
                 self.checkpoint(argument)

@@ -5,6 +5,8 @@
   ``weights_transport = "ipc"`` copy them into the CUDA IPC buffers on the learner's GPU, or with
   ``"broadcast"`` into the buckets its weight group receives in the background, and publish
   WeightsPublished (version, checksum, endpoint / IPC buffers / group rendezvous, step metrics).
+* With ``learner.lora.sync = "adapter"`` a version is the LoRA adapter alone (``payload = "lora"``,
+  :mod:`~streamrl.learner.rl.weights.adapter`), served the same way.
 * A batch arrives as a BatchManifest (or, still accepted, a whole TrainingBatch): once its order is
   checked (a copy of a batch already consumed is recognised by its ids, before anything is read), the
   learner reads its samples' payloads (``batched:{batch}:{trajectory id}``, each the Trajectory the rollout
@@ -80,6 +82,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,8 +106,10 @@ from streamrl.learner.rl.ledger import LearnerLedger
 from streamrl.learner.rl.prefetch import Prefetcher
 from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
 from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
+from streamrl.learner.rl.weights.adapter import adapter_shape
 from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
 from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+from streamrl.learner.rl.weights.tied import TIED_ALIASES
 from streamrl.learner.rl.weights.zmq import WeightServer
 
 logger = logging.getLogger(__name__)
@@ -148,8 +153,12 @@ class LearnerService:
         self.broadcast: BroadcastWeightPublisher | None = None
         self.weights_key = weights_key()
         """Signs every WeightsPublished (rollout workers with the key refuse events without it)."""
+        lora = config.lora
+        self.adapter = adapter_shape(trainer.policy.module) if lora is not None and lora.sync == "adapter" else None
+        """The LoRA adapter's shape when versions carry the adapter alone (no tied head to add then)."""
+        self.tied: Mapping[str, tuple[str, ...]] = {} if self.adapter is not None else TIED_ALIASES
         if config.weights_transport == "ipc":
-            self.ipc = IpcWeightPublisher(bucket_bytes=config.weights_bucket_mb * 2**20)
+            self.ipc = IpcWeightPublisher(bucket_bytes=config.weights_bucket_mb * 2**20, tied_aliases=self.tied)
         if config.weights_transport == "broadcast":
             self.broadcast = BroadcastWeightPublisher.from_config(config)
         if config.weights_transport == "zmq" or (self.broadcast is not None and config.weights_zmq_fallback):
@@ -524,7 +533,7 @@ class LearnerService:
             weights_traceparent(self.cfg.run_id, self.step),
             attributes={POLICY_VERSION: self.step, STEP_INDEX: self.step, WEIGHTS_PATH: path},
         )
-        params = self.group.full_weights()
+        params = self.group.full_weights() if self.adapter is None else self.group.adapter_weights()
         ipc = broadcast = None
         endpoint = ""
         if self.ipc is not None:
@@ -539,7 +548,8 @@ class LearnerService:
                 endpoint = self.server.endpoint
         else:
             assert self.server is not None
-            checksum, num_bytes, num_buckets = await asyncio.to_thread(self.server.publish, params, self.step)
+            publish = self.server.publish
+            checksum, num_bytes, num_buckets = await asyncio.to_thread(publish, params, self.step, self.tied)
             endpoint = self.server.endpoint
         span.set(NUM_BYTES, num_bytes)
         span.end()
@@ -559,6 +569,8 @@ class LearnerService:
             published_at=time.time(),
             ipc=ipc,
             broadcast=broadcast,
+            payload="full" if self.adapter is None else "lora",
+            lora=self.adapter,
         )
         return sign(event, self.weights_key, run_id=self.cfg.run_id)
 

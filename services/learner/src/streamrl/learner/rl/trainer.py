@@ -56,6 +56,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ from streamrl.learner.rl.algo.objective import compute_advantages, policy_object
 from streamrl.learner.rl.batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.traces import SampleCorrection, traced_rows
+from streamrl.learner.rl.weights.adapter import check_target_modules
 from streamrl.learner.vision import check_learner, image_inputs
 from streamrl.learner.vision import response_logprobs as image_response_logprobs
 
@@ -121,10 +123,13 @@ class RLTrainer:
         self.cfg = cfg
         algo = cfg.algo
         optimizer_steps = cfg.total_steps * cfg.updates_per_batch  # what the lr schedules count
+        if cfg.lora is not None:
+            check_target_modules(cfg.model, cfg.lora)
         self.policy = ModelEngine.from_config(
             cfg.model,
             cfg.ds,
             "causal_lm",
+            lora=cfg.lora,
             total_steps=optimizer_steps,
             shared_prompts=cfg.share_prompts,
             freeze_vision_tower=cfg.freeze_vision_tower,
@@ -135,11 +140,16 @@ class RLTrainer:
             check_learner(uses_critic=algo.uses_critic, zero_stage=cfg.ds.zero_stage, world_size=self.policy.world_size)
         self.device = self.policy.device
         self.pad_id = int(self.policy.tokenizer.pad_token_id)
-        self.ref = (
-            ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False)
-            if algo.needs_reference
-            else None
-        )
+        # with LoRA and no other reference model, the reference is the policy's own frozen base: its
+        # forwards with the adapter switched off (no second copy of the base in memory)
+        base_is_reference = cfg.lora is not None and cfg.ref_model is None
+        self.ref: ModelEngine | None = None
+        if algo.needs_reference:
+            self.ref = (
+                self.policy
+                if base_is_reference
+                else ModelEngine.from_config(cfg.ref_model or cfg.model, cfg.ds, "causal_lm", train=False)
+            )
         self.critic = (
             ModelEngine.from_config(cfg.critic_model or cfg.model, cfg.ds, "value", total_steps=optimizer_steps)
             if algo.uses_critic
@@ -232,7 +242,8 @@ class RLTrainer:
         if kl_in_reward or self.critic is not None or len(plan) > 1:
             old = self._no_grad_pass(self.policy, rl, chunks)
         if self.ref is not None:
-            ref = self._no_grad_pass(self.ref, rl, chunks)
+            with self.policy.module.disable_adapter() if self.ref is self.policy else nullcontext():
+                ref = self._no_grad_pass(self.ref, rl, chunks)
         if kl_in_reward:
             assert old is not None and ref is not None
             kl = kl_estimate(old, ref, algo.kl.estimator) * mask

@@ -8,6 +8,9 @@ from pydantic import Field, model_validator
 
 from streamrl.common.config import BaseConfig
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank``."""
+
 
 class EngineConfig(BaseConfig):
     """Which generation engine a rollout worker runs, and how it is built."""
@@ -66,6 +69,11 @@ class EngineConfig(BaseConfig):
     max_images_per_prompt: int = Field(4, ge=1)
     """Vision-language models: images one request may hold (the prompt's and, in multi-turn episodes,
     the environment's so far); vLLM reserves memory for this many."""
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Serve LoRA adapters up to this rank (a LoRA run with ``learner.lora.sync = "adapter"``): each version
+    is an adapter on top of ``model``. vLLM is built with ``enable_lora`` (vLLM takes 1, 8, 16, 32, 64, 128,
+    256, 320 or 512); the transformers engine adds peft LoRA layers. None = full weights only: an adapter
+    version is refused, naming this field."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the hf engine (auto = cuda when available)."""
     trust_remote_code: bool = False
@@ -75,4 +83,12 @@ class EngineConfig(BaseConfig):
     def _check(self) -> EngineConfig:
         if self.type == "hf" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs type='vllm'")
+        if self.type == "vllm" and self.max_lora_rank is not None:
+            if self.max_lora_rank not in VLLM_LORA_RANKS:
+                raise ValueError(f"max_lora_rank = {self.max_lora_rank}: vLLM takes one of {VLLM_LORA_RANKS}")
+            if self.partial_rollout:
+                raise ValueError(
+                    "max_lora_rank with partial_rollout: a vLLM request keeps the adapter it started with, so "
+                    "an adapter cannot land mid-request; set partial_rollout = false (or use type = 'hf')"
+                )
         return self

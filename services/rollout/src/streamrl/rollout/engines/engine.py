@@ -16,7 +16,8 @@ the sample was generated (``rollout.engine.partial_rollout``), the version of ev
 (:attr:`Sample.versions`, run-length: see :func:`version_runs`). Both take new weights from the
 learner's weight server (:mod:`streamrl.common.weights.wire`), or as members of the learner's
 weight-broadcast group (:mod:`streamrl.rollout.weights.broadcast`), and report the version they
-serve; the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
+serve; a LoRA run's versions are adapters, added to the base model (:mod:`streamrl.rollout.weights.lora`);
+the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
 (:mod:`streamrl.rollout.weights.ipc`), and so does the vLLM engine on a GPU. In colocated synchronous
 runs both can sleep between versions (``rollout.engine.sleep_between_versions``): give back GPU
 memory while the learner trains, take it back when the next version's weights arrive.
@@ -32,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from streamrl.common.messages import Image, IpcWeights, SamplingParams, WeightsBroadcast
+from streamrl.common.messages import Image, IpcWeights, LoraAdapter, SamplingParams, WeightsBroadcast
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.vision import check_image_count
 
@@ -135,6 +136,9 @@ class WeightUpdate:
     """CUDA IPC buffers of the version (colocated with the learner); None = pull from ``endpoint``."""
     broadcast: WeightsBroadcast | None = None
     """Rendezvous of the learner's weight-broadcast group: receive the version as a member of it."""
+    lora: LoraAdapter | None = None
+    """The version is this LoRA adapter (its tensors only), applied on the engine's base model
+    (:mod:`streamrl.rollout.weights.lora`); None = full weights."""
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
@@ -174,12 +178,15 @@ class Engine(Protocol):
         timeout_s: float,
         ipc: IpcWeights | None = None,
         broadcast: WeightsBroadcast | None = None,
+        lora: LoraAdapter | None = None,
     ) -> None:
         """Take ``version`` and serve it from now on: from the learner's CUDA IPC buffers ``ipc`` when
         given (the engine shares the learner's GPU), as a member of the learner's weight-broadcast
         group ``broadcast`` when given (exactly ``version``, loaded only if what the member received
         hashes to ``broadcast.checksum``, the signed event's), else pulled from the weight server at
-        ``endpoint``.
+        ``endpoint``. With ``lora`` the version is that LoRA adapter (its tensors only), served on top
+        of the base model the engine was built from (refused, naming ``rollout.engine.max_lora_rank``,
+        by an engine without LoRA support or with a lower maximum rank).
 
         Raises :class:`streamrl.common.errors.WeightSyncError` on a missed deadline, a checksum
         mismatch, a broadcast version replaced by a newer one before it was loaded, or ``ipc`` /

@@ -41,6 +41,9 @@ One driver thread owns the model and runs a continuous-batching loop::
   a member (:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`) receives in the
   background while the engine decodes, and an update copies the version asked for in once what was
   received hashes to the signed event's checksum (anything else the store offered is refused).
+  A LoRA version (``lora`` given: the adapter's tensors only, over ZMQ or CUDA IPC) is copied into
+  peft LoRA layers added to the model at the first adapter (:mod:`streamrl.rollout.weights.lora`);
+  the KV decoder runs the model's modules, so it computes with them as they are.
 * Sleep (``sleep_between_versions``) is a command too, taken once the samples before it finish: the
   KV decoder's cache, its captured CUDA graphs and the CUDA IPC staging buffers are freed and the
   allocator's cached blocks returned to the device (``torch.cuda.empty_cache``); the weights stay
@@ -68,7 +71,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
-from streamrl.common.messages import SamplingParams
+from streamrl.common.messages import LoraAdapter, SamplingParams
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.driver import DriverThread
 from streamrl.rollout.engines.engine import (
@@ -82,6 +85,7 @@ from streamrl.rollout.engines.engine import (
 from streamrl.rollout.engines.kv_decoder import KVDecoder, unsupported_reason
 from streamrl.rollout.engines.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
 from streamrl.rollout.vision import encode, expansion_token_ids, vision_processor
+from streamrl.rollout.weights import lora as lora_weights
 from streamrl.rollout.weights.zmq import torch_tensors
 from streamrl.torchkit.vision import image_token_id
 
@@ -199,6 +203,8 @@ class HFEngine(DriverThread):
         self._gen = torch.Generator(device=self._device).manual_seed(config.seed)
         self._targets = self._model.state_dict(keep_vars=True)
         self._ipc: Any = None
+        self._lora: LoraAdapter | None = None
+        """The LoRA adapter shape the model's injected peft layers have (None: no adapter loaded yet)."""
         self._flat: Any = None
         self._member: Any = None
         """BroadcastReceiver of the learner's weight group (one per learner session), once one is advertised."""
@@ -252,9 +258,19 @@ class HFEngine(DriverThread):
         return await asyncio.wrap_future(job.future)
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: Any = None, broadcast: Any = None
+        self,
+        endpoint: str,
+        version: int,
+        checksum: str,
+        timeout_s: float,
+        ipc: Any = None,
+        broadcast: Any = None,
+        lora: LoraAdapter | None = None,
     ) -> None:
-        await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, broadcast=broadcast))
+        if lora is not None:
+            lora_weights.check_adapter(lora, version, self._config.max_lora_rank)
+        update = WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, broadcast=broadcast, lora=lora)
+        await self._run_update(update)
 
     @property
     def asleep(self) -> bool:
@@ -687,18 +703,44 @@ class HFEngine(DriverThread):
         start = time.perf_counter()
         version = update.version
         try:
-            if update.ipc is not None:
+            if update.lora is not None:
+                self._load_adapter(update)
+            elif update.ipc is not None:
                 self._load_ipc(update)
             elif update.broadcast is not None:
                 version = self._load_broadcast(update)
             else:
                 received = list(torch_tensors(update.endpoint, update.version, update.checksum, update.timeout_s))
                 self._load(update.version, received)
+            if update.lora is None and self._lora is not None:  # full weights now: the adapter adds nothing
+                lora_weights.zero_adapter(self._model)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the old weights stay
             update.future.set_exception(e)
             return
         self._version = version
         update.future.set_result(time.perf_counter() - start)
+
+    def _load_adapter(self, update: WeightUpdate) -> None:
+        """Fetch + verify a LoRA adapter, then copy it into the model's peft LoRA layers (added at the
+        first adapter; an adapter of another shape than the first is refused)."""
+        assert update.lora is not None
+        if update.ipc is not None and self._ipc is None:
+            from streamrl.rollout.weights.ipc import IpcWeightReceiver
+
+            self._ipc = IpcWeightReceiver(self._device)
+        tensors = lora_weights.fetch_adapter(update, self._ipc)
+        if self._lora is None:
+            lora_weights.inject(self._model, update.lora)
+            self._lora = update.lora
+            if self._decoder is not None:
+                self._decoder.drop_graphs()  # captured without the LoRA layers
+        elif update.lora != self._lora:
+            raise WeightSyncError(
+                f"version {update.version}: LoRA adapter {update.lora} differs from the {self._lora} this engine serves"
+            )
+        lora_weights.load_in_place(self._model, tensors, update.version)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
 
     def _load_ipc(self, update: WeightUpdate) -> None:
         """Fetch + verify a version from the learner's CUDA IPC buffers, then copy it into the
@@ -735,7 +777,9 @@ class HFEngine(DriverThread):
     def _load(self, version: int, received: list[tuple[str, torch.Tensor]]) -> None:
         """Copy a whole verified version into the model's parameters (every parameter written)."""
         names = {name for name, _ in received}
-        missing = [name for name, _ in self._model.named_parameters() if name not in names]
+        # (with LoRA layers added, a layer's own weight is its base_layer's: the same tensor as in _targets)
+        own = (n.replace(".base_layer.", ".") for n, _ in self._model.named_parameters() if ".lora_" not in n)
+        missing = [name for name in own if name not in names]
         unknown = [name for name in names if name not in self._targets]
         if missing or unknown:
             raise WeightSyncError(

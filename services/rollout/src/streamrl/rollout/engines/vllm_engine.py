@@ -53,6 +53,9 @@ process, as vLLM is configured) and runs this loop::
   the logits before temperature, top-k and top-p, hence before the processed log-probs; a text
   model's requests carry none. Not ``allowed_token_ids``: that would be the rest of the vocabulary
   on every request, and the second runner takes at most 1024 ids.
+* LoRA (``max_lora_rank`` set): built with ``enable_lora``; a LoRA version (the adapter alone) is
+  fetched and verified in this process and loaded as a ``LoRARequest`` that every later request
+  carries (:mod:`.vllm_lora`); the base weights never change.
 * Log-probs come from ``logprobs_mode="processed_logprobs"``: those of the distribution actually
   sampled from (after the image tokens' bias, temperature, top-k, top-p).
 
@@ -81,7 +84,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
-from streamrl.common.messages import IpcWeights, SamplingParams, WeightsBroadcast
+from streamrl.common.messages import IpcWeights, LoraAdapter, SamplingParams, WeightsBroadcast
 from streamrl.common.weights.broadcast import encode as encode_rendezvous
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.driver import DriverThread
@@ -93,8 +96,10 @@ from streamrl.rollout.engines.engine import (
     check_requests,
     version_runs,
 )
+from streamrl.rollout.engines.vllm_lora import VLLMAdapters
 from streamrl.rollout.vision import expansion_token_ids, vision_processor
 from streamrl.rollout.weights.ipc_plan import encode_ipc, ipc_refusal
+from streamrl.rollout.weights.lora import check_adapter, fetch_adapter
 from streamrl.torchkit.vision import image_token_id
 
 logger = logging.getLogger(__name__)
@@ -230,6 +235,10 @@ class VLLMEngine(DriverThread):
         self._discarded = False
         """The weights were discarded (sleep level 2) and no update has loaded a version since."""
         self._num_jobs = 0
+        self._adapters = VLLMAdapters(config.model) if config.max_lora_rank is not None else None
+        """The LoRA adapter versions (``max_lora_rank`` set); new requests carry the current one."""
+        self._ipc_receiver: Any = None
+        """Receives CUDA IPC adapters in this process (the workers receive full weights themselves)."""
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._drive, args=(built,), name="vllm-engine", daemon=True)
         self._thread.start()
@@ -255,14 +264,17 @@ class VLLMEngine(DriverThread):
         timeout_s: float,
         ipc: IpcWeights | None = None,
         broadcast: WeightsBroadcast | None = None,
+        lora: LoraAdapter | None = None,
     ) -> None:
+        if lora is not None:
+            check_adapter(lora, version, self._config.max_lora_rank)
         if ipc is not None and broadcast is None:
             if self._ipc_refusal is None:
-                await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc))
+                await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, lora=lora))
                 return
             if not endpoint:  # weights published only as CUDA IPC buffers
                 raise WeightSyncError(f"the vLLM engine cannot take CUDA IPC weights: {self._ipc_refusal}")
-        await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, broadcast=broadcast))
+        await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, broadcast=broadcast, lora=lora))
 
     @property
     def asleep(self) -> bool:
@@ -344,6 +356,8 @@ class VLLMEngine(DriverThread):
         try:
             self._llm = self._build()
         except Exception as e:  # noqa: BLE001 - handed to the constructor's caller
+            if self._adapters is not None:
+                self._adapters.close()
             built.set_exception(e)
             return
         built.set_result(None)
@@ -376,6 +390,8 @@ class VLLMEngine(DriverThread):
             self._fail_all(e, commands)
         finally:
             engine.engine_core.shutdown()
+            if self._adapters is not None:
+                self._adapters.close()
 
     def _handle(self, command: Command) -> None:
         assert self._llm is not None
@@ -440,7 +456,9 @@ class VLLMEngine(DriverThread):
             rendered = engine.renderer.render_cmpl([_prompt(r) for r in job.requests])
             for i, (request, engine_input) in enumerate(zip(job.requests, rendered, strict=True)):
                 request_id = f"{self._num_jobs}-{i}"
-                engine.add_request(request_id, engine_input, to_vllm_params(request.sampling, self._banned))
+                params = to_vllm_params(request.sampling, self._banned)
+                lora = None if self._adapters is None else self._adapters.current
+                engine.add_request(request_id, engine_input, params, lora_request=lora)
                 for j in range(request.sampling.n):
                     self._running[(request_id, j)] = _Running(job, (i, j))
         except (ValueError, VLLMValidationError) as e:  # a request vLLM refuses: fail this call only
@@ -490,6 +508,9 @@ class VLLMEngine(DriverThread):
     def _apply_update(self, update: WeightUpdate) -> None:
         assert self._llm is not None
         start = time.perf_counter()
+        if update.lora is not None:
+            self._apply_adapter(update)
+            return
         if update.broadcast is not None:
             version, failure = self._stage_broadcast(update)
         elif update.ipc is not None:
@@ -503,11 +524,32 @@ class VLLMEngine(DriverThread):
         # Every worker holds the verified version: load it. An error from here on leaves the
         # model in an unknown state and stops the engine (it propagates to the driver loop).
         self._llm.collective_rpc(APPLY_METHOD, args=(version, self._in_place))
+        if self._adapters is not None:  # full weights now: no adapter on top of them
+            self._adapters.drop(self._llm)
         # Cached KV was computed with the old weights; running requests recompute theirs.
         self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
         if self._image_token_id is not None:  # and so were cached image embeddings (vision tower)
             self._llm.llm_engine.reset_encoder_cache()
         self._version = version
+        self._discarded = False
+        update.future.set_result(time.perf_counter() - start)
+
+    def _apply_adapter(self, update: WeightUpdate) -> None:
+        """Fetch + verify a LoRA adapter version in this process and load it for every later request."""
+        assert self._llm is not None and self._adapters is not None and update.lora is not None
+        start = time.perf_counter()
+        try:
+            if update.ipc is not None and self._ipc_receiver is None:
+                from streamrl.rollout.weights.ipc import IpcWeightReceiver
+
+                self._ipc_receiver = IpcWeightReceiver("cuda")
+            tensors = fetch_adapter(update, self._ipc_receiver)
+            self._adapters.load(self._llm, update.lora, tensors, update.version)
+        except WeightSyncError as e:  # nothing applied: the previous version is still served
+            update.future.set_exception(e)
+            return
+        self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+        self._version = update.version
         self._discarded = False
         update.future.set_result(time.perf_counter() - start)
 
@@ -589,6 +631,8 @@ def llm_kwargs(config: EngineConfig, *, on_cpu: bool, env: Mapping[str, str], vi
     )
     if vision:
         kwargs["limit_mm_per_prompt"] = {"image": c.max_images_per_prompt}
+    if c.max_lora_rank is not None:  # one adapter at a time: the current version's
+        kwargs.update(enable_lora=True, max_lora_rank=c.max_lora_rank, max_loras=1)
     return kwargs
 
 

@@ -5,6 +5,9 @@
   buffers on the same GPU and verify them; :class:`~.ipc.FlatParameters` loads them in one copy per buffer.
 * :mod:`.broadcast` - :class:`~.broadcast.BroadcastReceiver`: a member of the learner's
   weight-broadcast group, receiving every version into staging buffers in the background.
+* :mod:`.lora` - a LoRA run's versions, the adapter alone (``payload = "lora"``): fetched over ZMQ or
+  IPC and verified like full weights, then copied into the transformers engine's peft layers or written
+  as the peft folder the vLLM engine loads.
 * :mod:`.vllm_extension` - the worker extension vLLM mixes into each of its workers, which runs the
   three above inside the worker process (imported by vLLM by qualified name).
 
