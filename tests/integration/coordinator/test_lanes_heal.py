@@ -83,7 +83,9 @@ def test_a_lane_batch_whose_manifest_part_is_lost_is_joined_without_it_and_later
     assert [s.group_id for s in second.samples[::2]] == ["p4", "p5"] and {lane_of_key(s.key) for s in second.samples}
     assert not pair.letters(0)
     (letter,) = pair.letters(1)
-    assert f"batch-0 (4 samples) of lane 1: {BATCH_SKIPPED}" in letter.error and "manifest parts missing" in letter.error
+    assert (
+        f"batch-0 (4 samples) of lane 1: {BATCH_SKIPPED}" in letter.error and "manifest parts missing" in letter.error
+    )
     lost = what_was_lost(letter, batches_stream=pair.names[1].batches)
     assert isinstance(lost, LostBatch), lost
     assert (lost.batch_id, lost.num_samples, lost.num_groups) == ("batch-0", 4, 2)
@@ -138,7 +140,9 @@ def test_a_lane_redis_down_longer_than_the_client_rides_out_delays_only_that_lan
         clients = [connect(u, outage_s=1.0) for u in pair.urls]
         stop = asyncio.Event()
         lanes = [Lane(Bus(c), n) for c, n in zip(clients, pair.names, strict=True)]
-        joiner = Joiner(Bus(clients[0]), pair.home_names, lanes, ConsumerConfig(), mirrored=mirrored, outage_retry_s=0.5)
+        joiner = Joiner(
+            Bus(clients[0]), pair.home_names, lanes, ConsumerConfig(), mirrored=mirrored, outage_retry_s=0.5
+        )
         assert len(joiner.loops) == 2  # the heartbeat counts them
         task = asyncio.create_task(joiner.run(stop))
 
