@@ -136,6 +136,9 @@ def test_a_lane_coordinator_issues_only_its_shard_of_the_dataset(
         assert [p.policy_version for p in issued] == [0, 0, 1, 1]
         assert lane1.get(names.state("cursor")) == b"4"
         assert not redis.Redis.from_url(redis_url).keys(f"*{run_id}/lane1*"), "lane 1 wrote to the home Redis"
+        # each lane's coordinator saves its own resolved config: the lanes share the run_dir
+        assert (tmp_path / "run" / "config.coordinator.lane1.json").exists()
+        assert not (tmp_path / "run" / "config.coordinator.json").exists()
     finally:
         out = stop(proc)
     assert proc.returncode == 0, out[-3000:]

@@ -21,8 +21,8 @@ from streamrl.common.bus import PAYLOAD_FIELD, Bus
 from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.follower import StreamFollower
-from streamrl.common.messages import WeightsPublished
-from streamrl.common.replies import text
+from streamrl.common.messages import Message, WeightsPublished
+from streamrl.common.replies import entries, text
 from streamrl.common.streams import StreamNames
 from streamrl.common.trim import parse_id
 from streamrl.common.tx import PreconditionFailed
@@ -53,7 +53,7 @@ class Mirrored:
     def saw(self, lane: int, payload: bytes) -> None:
         """Lane ``lane`` holds the weights entry ``payload`` (an undecodable one moves nothing)."""
         try:
-            msg = decode(payload)
+            msg: Message = decode(payload)
         except PoisonMessageError:
             return
         if isinstance(msg, WeightsPublished):
@@ -70,13 +70,13 @@ async def mirror_lane(
 ) -> None:
     """Copy every home ``weights`` entry into lane ``k``'s, once each, until ``stop``."""
     lane = lanes[k]
-    for _, fields in await lane.bus.redis.xrevrange(lane.names.weights, count=1):  # what it holds already
+    for _, fields in entries(await lane.bus.redis.xrevrange(lane.names.weights, count=1)):  # what it holds
         mirrored.saw(k, fields.get(PAYLOAD_FIELD, b""))
     mark = text(await lane.bus.redis.get(lane.names.state(MIRRORED)) or b"")
 
-    async def each(entries: list[tuple[str, bytes]], last_id: str) -> str:
+    async def each(read: list[tuple[str, bytes]], last_id: str) -> str:
         nonlocal mark
-        for entry_id, payload in entries:
+        for entry_id, payload in read:
             mark = await mirror_one(lane, mark, entry_id, payload)
             mirrored.saw(k, payload)
         return last_id
