@@ -1,7 +1,12 @@
 """A run on two lanes (:mod:`streamrl.common.lanes`): two coordinators over the prompt shards, a rollout and a
 reward replica per lane, one learner training the joined batches. Lane 1's redis-server is SIGKILLed mid-run and
 started again on the same port with its AOF (``appendfsync always``): every service rides out the outage, and the
-run reaches ``total_steps`` with every issued group of both lanes trained exactly once and nothing pending."""
+run reaches ``total_steps`` with every issued group of both lanes trained exactly once and nothing pending.
+
+Two harder faults: lane 1's Redis down for longer than ``redis.outage_s`` (lane 1's own services exit and are
+restarted, as an orchestrator does; lane 0's coordinator - the joiner - and the learner never exit, and the run
+finishes once the lane is back); and a manifest part of one of lane 1's batches deleted before the join (that
+lane batch's groups are counted dropped, the index is joined without them, later indices proceed)."""
 
 from __future__ import annotations
 
@@ -11,12 +16,17 @@ import pytest
 from harness import FaultRun, MakeRun
 from scenario import conclude
 
+from streamrl.common.codec import decode
+from streamrl.common.messages import BATCH_SKIPPED, BatchManifest
+
 pytestmark = pytest.mark.slow
 TOTAL_STEPS = 8
 KILL_AT_VERSION = 3
 DOWN_S = 3.0
 RECOVERY_BOUND_S = 45.0
 """From the lane's redis answering again to the next trained batch (s)."""
+LONG_DOWN_S = 75.0
+"""Longer than ``redis.outage_s`` (60 s): what the client rides out."""
 
 
 def test_a_lanes_redis_killed_and_restarted(fault_run: MakeRun) -> None:
@@ -50,3 +60,66 @@ def kill_and_restart_lane_1(run: FaultRun, what: str) -> FaultRun:
     )
     assert row.counts.issued >= TOTAL_STEPS * 4
     return run
+
+
+def test_a_lanes_redis_down_longer_than_the_clients_retries(fault_run: MakeRun) -> None:
+    run = fault_run("lane-redis-long-outage", [f"--total_steps={TOTAL_STEPS}"], lanes=2)
+    run.start()
+    run.wait_version(KILL_AT_VERSION, timeout_s=240)
+    run.kill_redis(lane=1)
+    time.sleep(LONG_DOWN_S)
+    joiner_exits = [str(e) for e in run.exits if e.instance in ("coordinator-0", "learner-0")]
+    run.details["lane 1 services restarted while down"] = len(run.exits)
+    run.start_redis(lane=1)
+    row = conclude(
+        run,
+        f"lane 1's redis down {LONG_DOWN_S:g} s (> redis.outage_s), then back (AOF)",
+        total_steps=TOTAL_STEPS,
+        fault_end=time.time(),
+        recovery_bound_s=RECOVERY_BOUND_S * 2,
+        run_timeout_s=400,
+        allowed_exits=("coordinator", "rollout", "reward"),  # lane 1's own, whose Redis was gone for > 60 s
+        checks=lambda: joiner_exits + [str(e) for e in run.exits if e.instance in ("coordinator-0", "learner-0")],
+    )
+    assert all(e.instance.endswith("-1") for e in run.exits), [str(e) for e in run.exits]
+    assert row.counts.issued >= TOTAL_STEPS * 4
+
+
+def test_a_lanes_manifest_part_lost_before_the_join(fault_run: MakeRun) -> None:
+    """Lane batches are split into 1 KiB parts; each new lane 1 batch not joined yet has a part deleted until one
+    such loss takes effect (a batch already joined needs its lane parts no more): the joiner joins that index
+    without lane 1's share and tells lane 1, whose coordinator counts the groups dropped."""
+    run = fault_run(
+        "lane-manifest-part-lost", [f"--total_steps={TOTAL_STEPS}", "--coordinator.manifest_part_kib=1"], lanes=2
+    )
+    run.start()
+    run.wait_version(1, timeout_s=240)
+    lane1 = run.lane_sides[1]
+    deleted: set[str] = set()
+
+    def joiner_letter() -> bool:
+        return any(
+            BATCH_SKIPPED.encode() in payload and b"of lane 1" in payload
+            for _, payload in run.entries(lane1.names.dead)
+        )
+
+    def delete_a_part() -> bool:
+        joined = int(run.client.get(run.names.state("batch_index")) or 0)
+        for entry_id, fields in lane1.client.xrange(lane1.names.batches):
+            manifest = decode(fields[b"d"], BatchManifest)
+            if manifest.index >= joined and manifest.parts and entry_id.decode() not in deleted:
+                deleted.add(entry_id.decode())
+                lane1.client.delete(manifest.parts[0])
+        return joiner_letter()
+
+    run.wait_until("a lane 1 manifest part lost before its join", delete_a_part, timeout_s=240)
+    run.details["lane 1 batches with a part deleted"] = len(deleted)
+    row = conclude(
+        run,
+        "a lane 1 manifest part deleted before the join",
+        total_steps=TOTAL_STEPS,
+        fault_end=time.time(),
+        recovery_bound_s=RECOVERY_BOUND_S,
+        run_timeout_s=300,
+    )
+    assert any(reason.startswith("dead batches") for reason in row.counts.dropped), row.counts.dropped

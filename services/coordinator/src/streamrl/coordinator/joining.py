@@ -499,13 +499,10 @@ class Joiner:
         return entry_id
 
 
-async def run_joiner(
-    config: ServiceConfig, ctx: ServiceContext, stop: asyncio.Event, mirrored: Mirrored, *, part_bytes: int
-) -> None:
+async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.Event, mirrored: Mirrored) -> None:
     """Run the joiner of lane 0's coordinator until ``stop``: connect to the home and every lane, take the home
     lease ``singleton/joiner`` (renewed; lost, the joiner raises), fence the home bus by it. ``mirrored``: where
-    it says which version each lane has; its consumer loops join ``ctx.loops`` (the heartbeat); ``part_bytes``:
-    the largest part of a joined manifest."""
+    it says which version each lane has; its consumer loops join ``ctx.loops`` (the heartbeat)."""
     assert config.redis.url is not None
     home_names = StreamNames(config.run_id)
     clients: dict[str, aioredis.Redis] = {}
@@ -543,7 +540,7 @@ async def run_joiner(
                 await lease.renew()
 
         renewing = asyncio.create_task(renew())
-        joiner = Joiner(home, home_names, lanes, config.consumer, part_bytes=part_bytes, mirrored=mirrored)
+        joiner = Joiner(home, home_names, lanes, config.consumer, mirrored=mirrored)
         ctx.loops.extend(joiner.loops)
         joining = asyncio.create_task(joiner.run(stop))
         done, _ = await asyncio.wait([renewing, joining], return_when=asyncio.FIRST_COMPLETED)

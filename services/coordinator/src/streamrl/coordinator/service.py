@@ -192,13 +192,7 @@ class CoordinatorService:
             asyncio.create_task(self._tick_forever(done, stop_all)): "tick",
         }
         if self.mirrored is not None:  # lane 0's coordinator joins the lanes' batches
-            tasks[
-                asyncio.create_task(
-                    run_joiner(
-                        self.cfg, self.ctx, stop_all, self.mirrored, part_bytes=self.cfg.manifest_part_kib * 1024
-                    )
-                )
-            ] = "joiner"
+            tasks[asyncio.create_task(run_joiner(self.cfg, self.ctx, stop_all, self.mirrored))] = "joiner"
         # A component that ends early (a bug raising in it) stops the run loudly instead of leaving
         # the others waiting for it forever.
         ends = [asyncio.create_task(self.ctx.stop.wait()), asyncio.create_task(done.wait())]
