@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from accounting import Lane
 from harness import FaultRun, MakeRun
 from scenario import conclude
 
@@ -25,6 +26,8 @@ KILL_AT_VERSION = 3
 DOWN_S = 3.0
 RECOVERY_BOUND_S = 45.0
 """From the lane's redis answering again to the next trained batch (s)."""
+PAUSE_S = 6.0
+"""Longest pause of lane 0's rollout (its lease lives 10 s)."""
 LONG_DOWN_S = 75.0
 """Longer than ``redis.outage_s`` (60 s): what the client rides out."""
 
@@ -86,34 +89,47 @@ def test_a_lanes_redis_down_longer_than_the_clients_retries(fault_run: MakeRun) 
 
 
 def test_a_lanes_manifest_part_lost_before_the_join(fault_run: MakeRun) -> None:
-    """Lane batches are split into 1 KiB parts; each new lane 1 batch not joined yet has a part deleted until one
-    such loss takes effect (a batch already joined needs its lane parts no more): the joiner joins that index
-    without lane 1's share and tells lane 1, whose coordinator counts the groups dropped."""
+    """Lane batches are split into 1 KiB parts. Once joined batch ``v - 1`` is out, lane 0's rollout is paused (a
+    few seconds, within its lease) so lane 0 cannot publish batch ``v``; lane 1's batch ``v`` arrives and waits
+    for it, and one of its parts is deleted. The joiner joins index ``v`` without lane 1's share and tells lane 1,
+    whose coordinator counts the groups dropped; later indices proceed."""
     run = fault_run(
         "lane-manifest-part-lost", [f"--total_steps={TOTAL_STEPS}", "--coordinator.manifest_part_kib=1"], lanes=2
     )
     run.start()
-    run.wait_version(1, timeout_s=240)
-    lane1 = run.lane_sides[1]
-    deleted: set[str] = set()
+    lane0, lane1 = run.lane_sides
 
-    def joiner_letter() -> bool:
-        return any(
-            BATCH_SKIPPED.encode() in payload and b"of lane 1" in payload
+    def indices(side: Lane) -> dict[int, BatchManifest]:
+        return {m.index: m for m in (decode(f[b"d"], BatchManifest) for _, f in side.client.xrange(side.names.batches))}
+
+    def lose_a_part(version: int) -> str | None:
+        """The part of lane 1's batch ``version`` deleted while lane 0's is held back (None: not in time)."""
+        run.wait_until(f"joined batch {version - 1}", lambda: run.client.xlen(run.names.batches) >= version, 240)
+        run.pause("rollout-0")
+        try:
+            deadline = time.monotonic() + PAUSE_S
+            while time.monotonic() < deadline:
+                joined = int(run.client.get(run.names.state("batch_index")) or 0)
+                waiting = indices(lane1).get(version)
+                if version >= joined and waiting is not None and version not in indices(lane0) and waiting.parts:
+                    lane1.client.delete(waiting.parts[0])
+                    return waiting.parts[0]
+                time.sleep(0.05)
+            return None
+        finally:
+            run.resume("rollout-0")
+
+    lost = next((p for v in range(1, TOTAL_STEPS - 1) if (p := lose_a_part(v)) is not None), None)
+    assert lost is not None, "lane 1 never had a batch waiting for lane 0's"
+    run.details["lane 1 manifest part deleted"] = lost.rsplit(":", 4)[-4]
+    run.wait_until(
+        "the joiner's letter to lane 1",
+        lambda: any(
+            b"of lane 1" in payload and BATCH_SKIPPED.encode() in payload
             for _, payload in run.entries(lane1.names.dead)
-        )
-
-    def delete_a_part() -> bool:
-        joined = int(run.client.get(run.names.state("batch_index")) or 0)
-        for entry_id, fields in lane1.client.xrange(lane1.names.batches):
-            manifest = decode(fields[b"d"], BatchManifest)
-            if manifest.index >= joined and manifest.parts and entry_id.decode() not in deleted:
-                deleted.add(entry_id.decode())
-                lane1.client.delete(manifest.parts[0])
-        return joiner_letter()
-
-    run.wait_until("a lane 1 manifest part lost before its join", delete_a_part, timeout_s=240)
-    run.details["lane 1 batches with a part deleted"] = len(deleted)
+        ),
+        timeout_s=60,
+    )
     row = conclude(
         run,
         "a lane 1 manifest part deleted before the join",

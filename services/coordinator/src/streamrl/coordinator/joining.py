@@ -13,7 +13,9 @@ Lane 0's coordinator also runs the joiner (:func:`run_joiner`), holding the home
    in the home (hash ``state:joiner_batch:{index}``, field = lane) and sets the lane's mark
    (``state:joiner_lane{k}``: its last entry id and index) in one fenced transaction conditioned on the
    mark read; the entry is acknowledged after that (a redelivered entry finds itself under the mark).
-   The joining itself is a loop of its own (woken by each store): when every lane has its batch at the next index ``s`` (``state:batch_index``, the key the learner reads to tell a lost index from one still to come), one home transaction,
+   The joining itself is a loop of its own (woken by each store): when every lane has its batch at the next
+   index ``s`` (``state:batch_index``, the key the learner reads to tell a lost index from one still to come),
+   one home transaction,
    conditioned on ``batch_index`` still being ``s``, XADDs ONE :class:`BatchManifest` to the home
    ``batches`` - id ``batch-{s}``, index ``s``, the lanes' samples concatenated in lane order (their keys
    stay their lane's: ``streamrl:{run/lanek}:batched:batch-{s}:...``), their staleness concatenated,

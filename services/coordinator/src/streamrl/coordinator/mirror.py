@@ -30,6 +30,9 @@ from streamrl.common.tx import PreconditionFailed
 MIRRORED = "weights_mirrored"
 """Lane state: the last home ``weights`` entry mirrored into the lane."""
 BLOCK_MS = 200
+LOOK_BACK = 16
+"""At start, the newest entries of a lane's ``weights`` read for the version it holds (one undecodable entry
+there must not hide it)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ async def mirror_lane(
 ) -> None:
     """Copy every home ``weights`` entry into lane ``k``'s, once each, until ``stop``."""
     lane = lanes[k]
-    for _, fields in entries(await lane.bus.redis.xrevrange(lane.names.weights, count=1)):  # what it holds
+    for _, fields in entries(await lane.bus.redis.xrevrange(lane.names.weights, count=LOOK_BACK)):  # what it holds
         mirrored.saw(k, fields.get(PAYLOAD_FIELD, b""))
     mark = text(await lane.bus.redis.get(lane.names.state(MIRRORED)) or b"")
 
