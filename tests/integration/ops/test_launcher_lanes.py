@@ -57,7 +57,7 @@ class Recorded:
 
 
 def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(RECIPE)
@@ -105,6 +105,10 @@ def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
         lane1.set(lane_names("lanes", 1).state("probe"), 1)  # lane 1's keys live on its own server
         assert launcher.client.get(lane_names("lanes", 1).state("probe")) is None
         assert [names.run_id for _, names in launcher.lane_clients] == ["lanes/lane0", "lanes/lane1"]  # display
+        launcher.lane_servers[0].stop()  # lane 1's Redis down: the display goes on, saying so
+        capsys.readouterr()
+        launcher._display()
+        assert "unreachable=lane 1" in capsys.readouterr().out
     finally:
         launcher.stop()
     for url in urls:  # every embedded server stopped with the run

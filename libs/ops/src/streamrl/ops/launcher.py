@@ -355,12 +355,18 @@ class Launcher:
         try:
             beats = live_heartbeats(self.client, self.names)
             progress = {text(k): text(v) for k, v in self.client.hgetall(self.names.state("progress")).items()}
-            for client, names in self.lane_clients:
+        except (syncredis.RedisError, ValueError, OSError):
+            return
+        unreachable = []
+        for lane, (client, names) in enumerate(self.lane_clients):  # one lane's Redis down hides only that lane
+            try:
                 beats += live_heartbeats(client, names)
                 if not progress:  # with lanes, lane 0's coordinator's progress
                     progress = {text(k): text(v) for k, v in client.hgetall(names.state("progress")).items()}
-        except (syncredis.RedisError, ValueError, OSError):
-            return
+            except (syncredis.RedisError, ValueError, OSError):
+                unreachable.append(f"lane {lane}")
+        if unreachable:
+            progress["unreachable"] = "+".join(unreachable)
         alive = ", ".join(sorted(f"{b.instance}:{b.status}" for b in beats))
         shown = " ".join(f"{k}={v}" for k, v in sorted(progress.items()))
         memory = f" | redis {self.used_memory / MIB:.0f} MiB" if self.used_memory is not None else ""
