@@ -136,6 +136,9 @@ def test_a_lane_coordinator_issues_only_its_shard_of_the_dataset(
         assert [p.policy_version for p in issued] == [0, 0, 1, 1]
         assert lane1.get(names.state("cursor")) == b"4"
         assert not redis.Redis.from_url(redis_url).keys(f"*{run_id}/lane1*"), "lane 1 wrote to the home Redis"
+        # each lane's coordinator saves its own resolved config: the lanes share the run_dir
+        assert (tmp_path / "run" / "config.coordinator.lane1.json").exists()
+        assert not (tmp_path / "run" / "config.coordinator.json").exists()
     finally:
         out = stop(proc)
     assert proc.returncode == 0, out[-3000:]
@@ -305,8 +308,7 @@ def test_a_joiner_restarted_between_publish_and_acks_never_publishes_an_index_tw
         await pair.publish(clients, 1, lane_manifest(pair.names[1], 0, ["p1"]), part_bytes=600)
 
     run_until(pair, lambda: len(pair.home_batches()) >= 1, batch0, kill=True, cls=Crashing)  # then "killed"
-    pending = sum(pair.sync[k].xpending(pair.names[k].batches, "joiner")["pending"] for k in (0, 1))
-    assert pending == 1, "the lane entry that completed index 0 should be unacknowledged when the joiner dies"
+    assert pair.sync[0].smembers(pair.home_names.state("joiner_cleanup")) == {b"0"}
     assert pair.sync[1].keys("*manifest*"), "lane 1's parts were deleted before the crash"
 
     async def batch1(clients: list[aioredis.Redis]) -> None:

@@ -12,7 +12,8 @@ import pytest
 import redis as syncredis
 
 from streamrl.common.lanes import lane_names
-from streamrl.ops.lane_plan import split_unit, unit_env
+from streamrl.common.run_info import read_run_info
+from streamrl.ops.lane_plan import server_maxmemory, split_unit, unit_env
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.replicas import Ended
 from streamrl.ops.scaling import request_replicas
@@ -56,7 +57,7 @@ class Recorded:
 
 
 def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(RECIPE)
@@ -87,10 +88,27 @@ def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
         request_replicas(launcher.client, launcher.names, {"reward": 2})
         launcher._reconcile()
         assert backend.started[9:] == [("reward-lane0", 1), ("reward-lane1", 1)]
+        # `streamrl scale RUN rollout-lane1=3`: lane 1 alone; `rollout=1` again: every lane, lane 1's own cleared
+        request_replicas(launcher.client, launcher.names, {"rollout-lane1": 3}, lanes=2)
+        launcher._reconcile()
+        assert backend.started[11:] == [("rollout-lane1", 2)] and not backend.drained
+        request_replicas(launcher.client, launcher.names, {"rollout": 1}, lanes=2)
+        launcher._reconcile()
+        assert sorted(backend.drained) == [("rollout-lane0", 1), ("rollout-lane1", 1), ("rollout-lane1", 2)]
+        # the run's memory bound is shared by the lanes' servers, not given whole to each
+        total = launcher.embedded_maxmemory()
+        each = [int(syncredis.Redis.from_url(u).config_get("maxmemory")["maxmemory"]) for u in urls]
+        assert each == [server_maxmemory(total, 2)] * 2 and each[0] < total
+        info = read_run_info(tmp_path / "run")
+        assert (info.lanes, info.lane_urls) == (2, urls)
         lane1 = syncredis.Redis.from_url(urls[1])
         lane1.set(lane_names("lanes", 1).state("probe"), 1)  # lane 1's keys live on its own server
         assert launcher.client.get(lane_names("lanes", 1).state("probe")) is None
         assert [names.run_id for _, names in launcher.lane_clients] == ["lanes/lane0", "lanes/lane1"]  # display
+        launcher.lane_servers[0].stop()  # lane 1's Redis down: the display goes on, saying so
+        capsys.readouterr()
+        launcher._display()
+        assert "unreachable=lane 1" in capsys.readouterr().out
     finally:
         launcher.stop()
     for url in urls:  # every embedded server stopped with the run

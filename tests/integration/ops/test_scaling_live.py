@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import redis as syncredis
 
+from streamrl.common.codec import encode
+from streamrl.common.lanes import lane_names
+from streamrl.common.messages import Heartbeat
 from streamrl.common.run_info import RunInfo, read_run_info, write_run_info
 from streamrl.common.streams import StreamNames
 from streamrl.ops import local_backend
@@ -96,6 +99,32 @@ def test_scale_command_on_a_run_dir_and_on_a_recipe(
     assert scale_main([str(recipe), "rollout=1"]) == 0
     assert desired_replicas(client, StreamNames(run_id)) == {"rollout": 1, "reward": 2}
     assert parse_counts(["rollout=2", "reward=0"]) == {"rollout": 2, "reward": 0}
+
+
+def test_scale_command_on_a_run_with_lanes_scales_one_lane_and_shows_each_lanes_replicas(
+    tmp_path: Path,
+    redis_url: str,
+    run_id: str,
+    client: syncredis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("STREAMRL_REDIS__URL", raising=False)
+    monkeypatch.delenv("STREAMRL_LANES__URLS", raising=False)
+    write_run_info(tmp_path, RunInfo(run_id=run_id, redis_url=redis_url, lanes=2, lane_urls=[redis_url, redis_url]))
+    lane1 = lane_names(run_id, 1)  # lane 1's replica beats in lane 1
+    beat = Heartbeat(service="rollout", instance="rollout-lane1-0", pid=1, ts=time.time())
+    client.set(lane1.heartbeat("rollout", "rollout-lane1-0"), encode(beat), px=30_000)
+    client.sadd(lane1.instances, "rollout:rollout-lane1-0")
+    assert scale_main([str(tmp_path), "rollout-lane1=3"]) == 0
+    out = capsys.readouterr().out
+    assert "desired:   rollout-lane1=3" in out
+    assert "rollout-lane0=0 (-)" in out and "rollout-lane1=1 (rollout-lane1-0)" in out
+    assert scale_main([str(tmp_path), "rollout-lane2=1"]) == 2
+    assert "rollout-lane2: lane 2 is not one of the run's 2 lanes" in capsys.readouterr().err
+    assert scale_main([str(tmp_path), "coordinator-lane1=2"]) == 2
+    assert scale_main([str(tmp_path), "rollout=2"]) == 0  # every lane; lane 1's own count cleared
+    assert desired_replicas(client, StreamNames(run_id)) == {"rollout": 2}
 
 
 class StandIns:

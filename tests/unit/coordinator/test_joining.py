@@ -5,10 +5,12 @@ from __future__ import annotations
 import msgspec
 from coordinator_fakes import sample
 
+from streamrl.common.codec import encode
 from streamrl.common.lanes import lane_names
-from streamrl.common.messages import BatchManifest, SampleRef
+from streamrl.common.messages import BatchManifest, SampleRef, WeightsPublished
 from streamrl.common.streams import StreamNames
 from streamrl.coordinator.joining import after, join_manifests, lane_entry_problem, lane_share
+from streamrl.coordinator.mirror import Mirrored
 
 
 def manifest(names: StreamNames, index: int, groups: list[str], staleness: int = 0) -> BatchManifest:
@@ -55,3 +57,18 @@ def test_only_a_lanes_next_batch_of_its_own_keys_is_joined() -> None:
 
 def test_entry_ids_compare_as_stream_ids() -> None:
     assert after("10-0", "9-5") and after("1-0", "") and not after("9-5", "9-5") and not after("9-4", "9-5")
+
+
+def test_the_run_ends_only_once_every_lane_has_the_last_version() -> None:
+    """Lane 0's coordinator ends the run on ``Mirrored.everywhere()``: the newest version every lane holds."""
+    mirrored = Mirrored([-1, -1, -1])
+    event = WeightsPublished(version=8, step=8, batch_id="", checksum="0", num_bytes=0, num_buckets=0, endpoint="")
+    mirrored.saw(0, encode(event))
+    mirrored.saw(2, encode(event))
+    assert mirrored.everywhere() == -1  # lane 1 (its Redis down, say) has none yet
+    mirrored.saw(1, b"not a message")  # an undecodable entry moves nothing
+    assert mirrored.everywhere() == -1
+    mirrored.saw(1, encode(msgspec.structs.replace(event, version=7)))
+    assert mirrored.everywhere() == 7
+    mirrored.saw(1, encode(event))
+    assert mirrored.everywhere() == 8 and mirrored.versions == [8, 8, 8]

@@ -15,6 +15,7 @@ from streamrl.ops.lane_plan import (
     home_url,
     lanes_env,
     plan_processes,
+    server_maxmemory,
     split_unit,
     unit_env,
     units,
@@ -133,3 +134,12 @@ def test_the_ray_backend_places_a_lanes_replica_as_its_service_told_its_lane() -
     assert (learner.service, learner.unit, "STREAMRL_LANE" in learner.env) == ("learner", "", False)
     assert set(backend.replicas) == {("rollout-lane1", 0), ("coordinator-lane0", 0), ("learner", 0)}
     assert backend.active("rollout-lane1") == [0] and backend.active("rollout-lane0") == []
+
+
+def test_the_lanes_embedded_servers_share_the_runs_maxmemory() -> None:
+    mib = 2**20
+    assert server_maxmemory(0, 4) == 0  # no limit stays no limit
+    assert server_maxmemory(1000 * mib, 1) == 1000 * mib
+    assert server_maxmemory(1000 * mib, 4) == 250 * mib
+    assert server_maxmemory(1001 * mib, 4) == 251 * mib  # rounded up to a MiB
+    assert server_maxmemory(100 * mib, 4) == 64 * mib  # never below the floor

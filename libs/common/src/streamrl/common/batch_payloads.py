@@ -32,6 +32,7 @@ batch is trained whole or not at all.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -61,6 +62,17 @@ def owned_buffers(names: StreamNames, batch_id: str, keys: Iterable[str], lanes:
     spaces = [names, *(lane_names(names.run_id, k) for k in range(lanes if lanes > 1 else 0))]
     prefixes = tuple(n.batched_samples(batch_id, "") for n in spaces)
     return [k for k in keys if k.startswith(prefixes)]
+
+
+GLOB_SPECIALS = re.compile(r"([*?\[\]\\])")
+
+
+async def batch_keys(redis: Any, names: StreamNames, batch_id: str) -> list[str]:
+    """Every key still under batch ``batch_id``'s prefix in ``names`` (:meth:`StreamNames.batched_samples`): its
+    payloads and manifest parts, found by ``SCAN`` (all of a run's or lane's keys share one hash tag: one node).
+    What deletes the payloads of a batch whose manifest part was lost - no entry names them any more."""
+    prefix = GLOB_SPECIALS.sub(r"\\\1", names.batched_samples(batch_id, ""))
+    return [k.decode() if isinstance(k, bytes) else k async for k in redis.scan_iter(match=f"{prefix}*", count=1000)]
 
 
 def lane_clients(redis: Any) -> LaneClients:

@@ -55,6 +55,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from streamrl.common.aio import wait_set
 from streamrl.common.codec import PAYLOAD_FIELD as PAYLOAD_FIELD
 from streamrl.common.codec import encode
 from streamrl.common.errors import MessageTooLargeError
@@ -183,6 +184,17 @@ def take_commits(sizes: Sequence[int], max_bytes: int, max_count: int = MAX_COMM
 RECONNECT_BACKOFF_CAP_S = 2.0
 
 
+OUTAGE_ERRORS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ClusterDownError,
+    TryAgainError,
+    OutOfMemoryError,
+)
+"""What :class:`OutageRetry` retries through (and raises once the outage outlasts it)."""
+
+
 class RedisLoginError(RedisError):
     """Redis refused the user or password (never retried: waiting does not fix a wrong password)."""
 
@@ -206,15 +218,7 @@ class OutageRetry(Retry):
 
     def __init__(self, outage_s: float) -> None:
         tries = max(1, math.ceil(outage_s / RECONNECT_BACKOFF_CAP_S))
-        errors = (
-            RedisConnectionError,
-            RedisTimeoutError,
-            BusyLoadingError,
-            ClusterDownError,
-            TryAgainError,
-            OutOfMemoryError,
-        )
-        super().__init__(ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP_S, base=0.05), tries, errors)
+        super().__init__(ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP_S, base=0.05), tries, OUTAGE_ERRORS)
         self.outage_s = outage_s
 
     @classmethod
@@ -265,6 +269,21 @@ class OutageRetry(Retry):
                 OutageRetry._full_since = None
                 OutageRetry._healthy_since = now
         return result
+
+
+async def outlast(what: str, run: Callable[[], Awaitable[None]], stop: asyncio.Event, *, retry_s: float) -> None:
+    """Run ``run()`` until it returns or ``stop`` is set, running it again ``retry_s`` after each Redis outage
+    that outlasted the client's retries (one ERROR line each, naming ``what``): for a part of a service that
+    works against a Redis of its own (a lane's), whose outage must delay only that part, never end the
+    service."""
+    while not stop.is_set():
+        try:
+            await run()
+            return
+        except OUTAGE_ERRORS as e:
+            logger.error("%s: redis still unreachable (%s); trying again in %.0f s", what, _one_line(e), retry_s)
+        if await wait_set(stop, retry_s):
+            return
 
 
 def _one_line(error: BaseException) -> str:

@@ -203,7 +203,9 @@ def service_main(
         print(f"streamrl {service}: redis.url is not set (use `streamrl up` for an embedded redis)", file=sys.stderr)
         return 2
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-    save_resolved(config, config.run_dir, service)
+    # one file per lane's service: a run's lanes share its run_dir
+    lane = config.lane if config.lanes.enabled else None
+    save_resolved(config, config.run_dir, service if lane is None else f"{service}.lane{lane}")
     try:
         metrics = setup_metrics(config.prometheus)
         tracing = setup_tracing(

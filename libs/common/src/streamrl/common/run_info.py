@@ -17,6 +17,7 @@ from streamrl.common.errors import ConfigError
 
 UP_FILE = "up.json"
 REDIS_URL_ENV = "STREAMRL_REDIS__URL"
+LANE_URLS_ENV = "STREAMRL_LANES__URLS"
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class RunInfo:
     recipe: str = ""
     pid: int = 0
     """Process id of the launcher."""
+    lanes: int = 1
+    """The run's ``lanes.count``."""
+    lane_urls: list[str] = field(default_factory=list)
+    """Each lane's Redis URL, without passwords (empty: every lane on ``redis_url``)."""
 
     def url(self) -> str:
         """The URL to connect with: ``STREAMRL_REDIS__URL`` if set, else the stored one (a config error if the
@@ -41,6 +46,17 @@ class RunInfo:
         if self.redis_password:
             raise ConfigError(f"the run's Redis URL has a password, which {UP_FILE} does not keep: set {REDIS_URL_ENV}")
         return self.redis_url
+
+    def lane_url_list(self) -> list[str]:
+        """The lanes' URLs to connect with: ``STREAMRL_LANES__URLS`` if set, else the stored ones (a config error if
+        they lost a password); empty: every lane on :meth:`url`."""
+        if os.environ.get(LANE_URLS_ENV):
+            return list(json.loads(os.environ[LANE_URLS_ENV]))
+        if self.lane_urls and self.redis_password:
+            raise ConfigError(
+                f"the run's Redis URLs have a password, which {UP_FILE} does not keep: set {LANE_URLS_ENV}"
+            )
+        return list(self.lane_urls)
 
 
 def without_password(url: str) -> tuple[str, bool]:
@@ -56,7 +72,13 @@ def without_password(url: str) -> tuple[str, bool]:
 def write_run_info(run_dir: str | Path, info: RunInfo) -> Path:
     path = Path(run_dir) / UP_FILE
     url, had_password = without_password(info.redis_url)
-    data = asdict(info) | {"redis_url": url, "redis_password": had_password or info.redis_password}
+    lanes = [without_password(u) for u in info.lane_urls]
+    had_password = had_password or any(had for _, had in lanes)
+    data = asdict(info) | {
+        "redis_url": url,
+        "redis_password": had_password or info.redis_password,
+        "lane_urls": [u for u, _ in lanes],
+    }
     path.write_text(json.dumps(data, indent=2))
     return path
 

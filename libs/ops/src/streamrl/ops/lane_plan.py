@@ -7,7 +7,8 @@ or a service of one lane (:func:`unit_name`, ``rollout-lane1``), each unit with 
 replica's instance name says its lane (``rollout-lane1-0``) and names never collide across lanes. With K = 1
 the units are the services, unchanged.
 
-Embedded Redis: one redis-server per lane, lane 0's also the home (:func:`embedded_servers`); their URLs go to
+Embedded Redis: one redis-server per lane, lane 0's also the home (:func:`embedded_servers`), each with its
+share of the run's ``maxmemory`` (:func:`server_maxmemory`); their URLs go to
 every service as ``lanes.urls`` (:func:`lanes_env`). When the recipe gives ``redis.url`` or ``lanes.urls`` none
 is started: lanes without ``lanes.urls`` all live on ``redis.url``, and a home without ``redis.url`` is lane 0's
 Redis (:func:`home_url`).
@@ -67,6 +68,20 @@ def embedded_servers(lanes: int, redis_url: str | None, lane_urls: Sequence[str]
     if redis_url or lane_urls:
         return 0
     return max(1, lanes)
+
+
+SERVER_FLOOR_BYTES = 64 * 2**20
+"""The least ``maxmemory`` a lane's embedded redis-server gets (a whole run's floor too)."""
+
+
+def server_maxmemory(total: int, servers: int) -> int:
+    """``maxmemory`` of each of ``servers`` embedded redis-servers sharing the run's ``total`` (bytes; 0 = no
+    limit): an even share (the lanes split the data plane evenly), rounded up to a MiB, at least
+    :data:`SERVER_FLOOR_BYTES`."""
+    if total == 0 or servers <= 1:
+        return total
+    mib = 2**20
+    return max(SERVER_FLOOR_BYTES, -(-total // (servers * mib)) * mib)
 
 
 def home_url(redis_url: str | None, lane_urls: Sequence[str]) -> str | None:

@@ -29,7 +29,7 @@
 Lanes (``lanes.count = K > 1``, :mod:`streamrl.ops.lane_plan`): one coordinator per lane, ``up.replicas``
 rollout and reward replicas *per lane* (each with ``STREAMRL_LANE``), one learner; without ``redis.url`` and
 ``lanes.urls`` one embedded redis-server per lane (lane 0's, under ``{run_dir}/redis``, also the home; lane k's
-under ``{run_dir}/redis-lane{k}``, each with the same ``maxmemory``), their URLs given to every service as
+under ``{run_dir}/redis-lane{k}``, each with an even share of the run's ``maxmemory``), their URLs given to every service as
 ``lanes.urls``. ``streamrl scale`` counts are per lane too; ``autoscale`` is refused with lanes (it reads the
 home's backlogs, which lanes do not fill). With ``until = "coordinator"`` the run is done when lane 0's
 coordinator exits 0 (another lane's coordinator exiting 0 is not a failure).
@@ -58,7 +58,7 @@ from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
 from streamrl.ops.autoscale import Autoscaler
 from streamrl.ops.gpu_plan import plan_run
-from streamrl.ops.lane_plan import embedded_servers, home_url, lanes_env, split_unit, units
+from streamrl.ops.lane_plan import embedded_servers, home_url, lanes_env, server_maxmemory, split_unit, units
 from streamrl.ops.local_backend import LocalReplicas
 from streamrl.ops.memory_budget import (
     MIB,
@@ -70,7 +70,7 @@ from streamrl.ops.memory_budget import (
 )
 from streamrl.ops.redis_server import RedisServer, memory_settings
 from streamrl.ops.replicas import Replicas
-from streamrl.ops.scaling import desired_replicas, plan, request_replicas
+from streamrl.ops.scaling import desired_count, desired_replicas, plan, request_replicas
 from streamrl.ops.up_config import SCALABLE, SERVICES, LaunchRecipe
 
 MEMORY_CHECK_S = 5.0
@@ -152,6 +152,8 @@ class Launcher:
             max_replicas=dict(up.max_replicas),
             recipe=str(Path(self.recipe).resolve()),
             pid=os.getpid(),
+            lanes=self.lanes.count,
+            lane_urls=lane_urls or list(self.lanes.urls),
         )
         write_run_info(run_dir, info)
         # the URL is not on the command line: `ps` would show a password
@@ -167,8 +169,9 @@ class Launcher:
         lanes'."""
         up = self.cfg.up
         lane_urls: list[str] = []
-        maxmemory = self.embedded_maxmemory()
+        total = self.embedded_maxmemory()
         servers = embedded_servers(self.lanes.count, self.redis_url, self.lanes.urls)
+        maxmemory = server_maxmemory(total, servers)  # the run's bound is shared by its lanes' servers
         try:
             self.redis = RedisServer(run_dir / "redis", maxmemory=maxmemory).start()
             for k in range(1, servers):
@@ -185,10 +188,12 @@ class Launcher:
                 self._say(f"embedded redis-server of lane {k} at {server.url} (data: {run_dir / f'redis-lane{k}'})")
             self._say(f"lane 0 on the home's redis-server; {self.lanes.count} lanes")
         limit = f"{maxmemory / MIB:.0f} MiB" if maxmemory else "0 (no limit)"
+        each = f" on each of {servers} servers ({total / MIB:.0f} MiB in all)" if servers > 1 and maxmemory else ""
         self._say(
-            f"redis maxmemory {limit}, maxmemory-policy noeviction; this run's memory bound: {self.memory.describe()}"
+            f"redis maxmemory {limit}{each}, maxmemory-policy noeviction; this run's memory bound: "
+            f"{self.memory.describe()}"
         )
-        if 0 < maxmemory < self.memory.total:
+        if 0 < total < self.memory.total:
             self._say(
                 f"WARNING: up.redis_memory.maxmemory_mb is below this run's memory bound "
                 f"({self.memory.total / MIB:.0f} MiB): writes will wait for memory",
@@ -294,7 +299,7 @@ class Launcher:
         except (syncredis.RedisError, OSError):
             return  # Redis briefly away: the next round catches up
         for unit in self.units:  # with lanes the counts are per lane
-            count = desired.get(split_unit(unit)[0])
+            count = desired_count(desired, unit)
             if count is None or split_unit(unit)[0] not in SCALABLE:
                 continue
             start, drain = plan(count, self.replicas.active(unit), self.replicas.occupied(unit))
@@ -356,12 +361,18 @@ class Launcher:
         try:
             beats = live_heartbeats(self.client, self.names)
             progress = {text(k): text(v) for k, v in self.client.hgetall(self.names.state("progress")).items()}
-            for client, names in self.lane_clients:
+        except (syncredis.RedisError, ValueError, OSError):
+            return
+        unreachable = []
+        for lane, (client, names) in enumerate(self.lane_clients):  # one lane's Redis down hides only that lane
+            try:
                 beats += live_heartbeats(client, names)
                 if not progress:  # with lanes, lane 0's coordinator's progress
                     progress = {text(k): text(v) for k, v in client.hgetall(names.state("progress")).items()}
-        except (syncredis.RedisError, ValueError, OSError):
-            return
+            except (syncredis.RedisError, ValueError, OSError):
+                unreachable.append(f"lane {lane}")
+        if unreachable:
+            progress["unreachable"] = "+".join(unreachable)
         alive = ", ".join(sorted(f"{b.instance}:{b.status}" for b in beats))
         shown = " ".join(f"{k}={v}" for k, v in sorted(progress.items()))
         memory = f" | redis {self.used_memory / MIB:.0f} MiB" if self.used_memory is not None else ""

@@ -45,7 +45,8 @@ class RedisMemoryConfig(BaseConfig):
 
     maxmemory_mb: float | None = Field(None, ge=0)
     """``maxmemory`` of the embedded redis-server (MiB). None: the run's bound times ``margin`` (at least
-    64 MiB); 0: no limit. Its policy is always ``noeviction``."""
+    64 MiB); 0: no limit. Its policy is always ``noeviction``. With lanes (one embedded server per lane) this is
+    the run's total: each server gets an even share (at least 64 MiB)."""
     margin: float = Field(2.0, ge=1)
     """maxmemory = bound x margin (the bound is a worst case; the margin covers what it does not model:
     tools reading the streams, a client's buffers)."""

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from streamrl.common.batch_payloads import owned_buffers, split_refs
+from streamrl.common.batch_payloads import batch_keys, owned_buffers, split_refs
 from streamrl.common.bus import Bus
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
@@ -381,7 +381,8 @@ class BatchBuilder:
         return await store_parts(self.state.bus, self.state.names, manifest, self.manifest_part_bytes)
 
     async def _part_buffers(self, batch_id: str, keys: Sequence[str]) -> list[str]:
-        """The payloads the manifest parts among ``keys`` (those still in Redis and readable) name."""
+        """The payloads the manifest parts among ``keys`` name; when a part is gone (or unreadable), every key still
+        under the batch's prefix: nothing else names the payloads of a lost part."""
         prefix = self.state.names.batched_samples(batch_id, "manifest:")
         parts = [k for k in keys if k.startswith(prefix)]
         values = await read_payloads(
@@ -391,15 +392,21 @@ class BatchBuilder:
             max_reply_bytes=self.state.bus.max_command_bytes,
         )
         found: list[str] = []
-        for key, value in zip(parts, values, strict=True):
-            if value is None:
-                continue
+        lost = 0
+        for value in values:
             try:
-                found += [ref.key for ref in decode(value, ManifestPart).samples]
+                found += [ref.key for ref in decode(value, ManifestPart).samples] if value is not None else []
             except PoisonMessageError:
-                logger.warning(
-                    "%s: manifest part %s is unreadable: the payloads it names are not deleted", batch_id, key
-                )
+                value = None
+            lost += value is None
+        if lost:
+            found = await batch_keys(self.state.redis, self.state.names, batch_id)
+            logger.warning(
+                "%s: %d of its manifest parts are gone or unreadable: deleting the %d keys still under the batch",
+                batch_id,
+                lost,
+                len(found),
+            )
         return found
 
     async def _execute(self, tx: Tx, index: int) -> bool:

@@ -87,6 +87,12 @@ class CoordinatorConfig(ServiceConfig):
     batch is moved in pieces before it is published, so no command holds Redis for long (a few ms at 256; 18,000
     renames in one transaction took 82-290 ms). A coordinator that dies between pieces leaves a record the next
     one finishes the batch from (``batches.py``)."""
+    manifest_part_kib: int = Field(1024, ge=1)
+    """A batch whose manifest (its samples' refs: about 1 KiB each) would pass this many KiB is published as a
+    small header naming parts of at most this size (each its own Redis string): no entry or command grows with
+    the batch. With lanes it is the size of each lane coordinator's lane batches' parts (a joined batch is split
+    at the default). Lower it for a Redis whose entries must stay smaller; the fault suite lowers it to lose a
+    part."""
     max_staleness: int = Field(0, ge=0)
     """0 = synchronous (strictly on-policy); k = samples may be at most k versions behind when trained."""
     prefetch_steps: int = Field(1, ge=0)

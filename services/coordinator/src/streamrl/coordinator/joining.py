@@ -5,17 +5,17 @@ With ``lanes.count = K > 1`` every lane's coordinator builds *lane batches* (ind
 Lane 0's coordinator also runs the joiner (:func:`run_joiner`), holding the home lease ``singleton/joiner``
 (its home writes are fenced by it), with a bus on the home Redis and one per lane. It does three things:
 
-1. **Weights mirror.** Each home ``weights`` entry is copied, as it is (signed for the run), into every
-   lane's ``weights`` - lane 0's last, so lane 0's coordinator, which ends the run, never sees a version
-   another lane has not got. Each copy is one lane transaction that XADDs it and sets the lane's mark
-   (``state:weights_mirrored``, the home entry id) on the precondition that the mark is still the one read:
-   a restart (which reads the home stream again from the oldest mark) or a second joiner never mirrors an
-   entry twice. So every lane's coordinator and rollout replicas follow the one policy version unchanged.
+1. **Weights mirror** (:mod:`streamrl.coordinator.mirror`). Each home ``weights`` entry is copied, as it is
+   (signed for the run), into every lane's ``weights``, by one mirror per lane: a lane whose Redis is down delays
+   only its own copies. Lane 0's coordinator, which ends the run, ends it only once every lane has the last
+   version (:class:`~streamrl.coordinator.mirror.Mirrored`).
 2. **Join.** A consumer loop per lane (group ``joiner`` on the lane's ``batches``) stores each lane batch
    in the home (hash ``state:joiner_batch:{index}``, field = lane) and sets the lane's mark
    (``state:joiner_lane{k}``: its last entry id and index) in one fenced transaction conditioned on the
    mark read; the entry is acknowledged after that (a redelivered entry finds itself under the mark).
-   When every lane has its batch at the next index ``s`` (``state:batch_index``, the key the learner reads to tell a lost index from one still to come), one home transaction,
+   The joining itself is a loop of its own (woken by each store): when every lane has its batch at the next
+   index ``s`` (``state:batch_index``, the key the learner reads to tell a lost index from one still to come),
+   one home transaction,
    conditioned on ``batch_index`` still being ``s``, XADDs ONE :class:`BatchManifest` to the home
    ``batches`` - id ``batch-{s}``, index ``s``, the lanes' samples concatenated in lane order (their keys
    stay their lane's: ``streamrl:{run/lanek}:batched:batch-{s}:...``), their staleness concatenated,
@@ -23,6 +23,11 @@ Lane 0's coordinator also runs the joiner (:func:`run_joiner`), holding the home
    ``s + 1``: index ``s`` is never published twice, whatever restarts or lost replies (the transaction's
    ``once`` key) come between. A joined manifest whose refs pass :data:`MANIFEST_PART_BYTES` is split into
    home parts exactly as a coordinator splits its own (:func:`streamrl.coordinator.batches.store_parts`).
+   A lane batch that cannot be read whole any more (a manifest part lost: evicted, deleted, a Redis restarted
+   without its data) never stalls the run: index ``s`` is joined from the other lanes, and that lane gets, on
+   its ``dead``, a letter naming its ``batch-{s}`` ``skipped untrained`` with the samples still under the batch
+   (found by key, :func:`~streamrl.common.batch_payloads.batch_keys`), so its coordinator counts their groups
+   dropped and deletes what is left of them; later indices proceed.
    After it, the lane manifests' own parts (which no entry needs any more) are deleted and the stored lane
    batches dropped; an index joined but not yet cleaned up (``state:joiner_cleanup``) is finished at the
    next start.
@@ -33,7 +38,15 @@ Lane 0's coordinator also runs the joiner (:func:`run_joiner`), holding the home
    so each lane counts its groups dropped and deletes their payloads as today. A batch the learner refused
    unconsumed is sent again on the home (the coordinator's own resend script and limit,
    ``consumer.max_deliveries - 1`` times), and relayed as skipped once refused too often. Each lane's relay
-   mark (``state:dead_relayed``) is set in the transaction that writes the letter: relayed once.
+   mark (``state:dead_relayed``) is set in the transaction that writes the letter: relayed once. Any other home
+   letter (not about a batch: a weights entry the learner refused, an entry of a stream it cannot read) goes to
+   lane 0's ``dead`` as it is, where lane 0's coordinator counts it and shows its reason.
+
+Each part - a lane's consumer loop, a lane's mirror, the joining, the relay - outlasts a Redis outage longer
+than the client rides out (:func:`streamrl.common.bus.outlast`): it says so and tries again, so one lane down
+delays only what needs that lane, and lane 0's coordinator never exits for another lane's outage. (The home's
+outage ends the joiner through its lease, as before.) The lanes' consumer loops are in the coordinator's
+heartbeat (``ctx.loops``).
 
 Bad input never passes silently: a lane entry whose id is not ``batch-{index}``, that names keys not of its
 lane's batch (a manifest of another run or lane), or whose index is not the lane's next (one joined
@@ -45,17 +58,17 @@ for it), acknowledged with the entry, and one error line says it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 import msgspec
 import redis.asyncio as aioredis
 
-from streamrl.common.aio import cancel_and_wait
-from streamrl.common.batch_payloads import MissingPayloadError, load_manifest, owned_buffers
-from streamrl.common.bus import PAYLOAD_FIELD, Bus, Output, connect
+from streamrl.common.aio import cancel_and_wait, wait_set
+from streamrl.common.batch_payloads import MissingPayloadError, batch_keys, load_manifest, owned_buffers
+from streamrl.common.bus import PAYLOAD_FIELD, Bus, Output, connect, outlast
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.consumer import ConsumerLoop, current_entry
@@ -64,14 +77,21 @@ from streamrl.common.follower import StreamFollower
 from streamrl.common.lanes import lane_names, resolve_url
 from streamrl.common.lease import Lease, holder_token
 from streamrl.common.lifecycle import ServiceConfig, ServiceContext, bus_of
-from streamrl.common.messages import BATCH_SKIPPED, MANIFEST_PART_BYTES, BatchManifest, DeadLetter, Message
+from streamrl.common.messages import (
+    BATCH_SKIPPED,
+    MANIFEST_PART_BYTES,
+    BatchManifest,
+    DeadLetter,
+    Message,
+    SampleRef,
+)
 from streamrl.common.replies import text
 from streamrl.common.streams import StreamNames
-from streamrl.common.trim import parse_id
 from streamrl.common.tx import Fence, PreconditionFailed
 from streamrl.coordinator import state as st
 from streamrl.coordinator.batches import RESEND_LUA, store_parts
 from streamrl.coordinator.dead_letters import LostBatch, RefusedBatch, what_was_lost
+from streamrl.coordinator.mirror import Lane, Mirrored, after, mirror_lane
 from streamrl.coordinator.scripts import FencedScript
 
 logger = logging.getLogger(__name__)
@@ -84,11 +104,13 @@ CLEANUP = "joiner_cleanup"
 """Home state: indices joined whose lane batches are still to clean up."""
 DEAD_CURSOR = "joiner_dead_cursor"
 """Home state: the last home ``dead`` entry relayed to every lane."""
-MIRRORED = "weights_mirrored"
-"""Lane state: the last home ``weights`` entry mirrored into the lane."""
 RELAYED = "dead_relayed"
 """Lane state: the last home ``dead`` entry relayed into the lane."""
 BLOCK_MS = 200
+JOIN_CHECK_S = 1.0
+"""The joining looks again this often without a store waking it (a lane back from an outage)."""
+OUTAGE_RETRY_S = 5.0
+"""A part of the joiner whose Redis outlasted the client's retries is run again this long after."""
 
 
 def _raw(payload: bytes | str) -> bytes:
@@ -103,11 +125,6 @@ def lane_mark(lane: int) -> str:
 def stored_batches(index: int) -> str:
     """Home state: the lane batches of ``index`` waiting to be joined (field: the lane, value: its manifest)."""
     return f"joiner_batch:{index}"
-
-
-def after(entry_id: str, mark: str) -> bool:
-    """Entry ``entry_id`` comes after ``mark`` ("" = before everything)."""
-    return not mark or parse_id(entry_id) > parse_id(mark)
 
 
 def lane_entry_problem(manifest: BatchManifest, lane: int, names: StreamNames, last_index: int) -> str | None:
@@ -139,7 +156,7 @@ def join_manifests(index: int, manifests: Sequence[BatchManifest], created_at: f
         id=f"batch-{index}",
         index=index,
         samples=[s for m in manifests for s in m.samples],
-        policy_version=max(m.policy_version for m in manifests),
+        policy_version=max((m.policy_version for m in manifests), default=0),
         staleness=[x for m in manifests for x in m.staleness],
         created_at=created_at,
         traceparent=manifests[0].traceparent if manifests else "",
@@ -159,14 +176,6 @@ def lane_share(joined: BatchManifest, names: StreamNames) -> BatchManifest:
     )
 
 
-@dataclass(frozen=True)
-class Lane:
-    """One lane as the joiner sees it: its bus (its Redis) and its names."""
-
-    bus: Bus
-    names: StreamNames
-
-
 class Joiner:
     """Mirrors weights into the lanes, joins their batches, relays the learner's letters (module docstring)."""
 
@@ -178,6 +187,8 @@ class Joiner:
         consumer: ConsumerConfig,
         *,
         part_bytes: int = MANIFEST_PART_BYTES,
+        mirrored: Mirrored | None = None,
+        outage_retry_s: float = OUTAGE_RETRY_S,
     ) -> None:
         self.home = home
         self.names = home_names
@@ -185,17 +196,12 @@ class Joiner:
         self.consumer = consumer
         self.part_bytes = part_bytes
         self.resend_limit = consumer.max_deliveries - 1
+        self.mirrored = mirrored if mirrored is not None else Mirrored([-1] * len(self.lanes))
+        self.outage_retry_s = outage_retry_s
         self._lock = asyncio.Lock()
+        self._stored = asyncio.Event()
         self._resend = FencedScript(home, RESEND_LUA, "batches.RESEND_LUA")
-
-    def key(self, name: str) -> str:
-        return self.names.state(name)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Mirror, join and relay until ``stop`` is set; a part that fails ends the others and raises."""
-        for index in sorted(int(i) for i in await self.home.redis.smembers(self.key(CLEANUP))):
-            await self.clean_up(index)
-        loops = [
+        self.loops: list[ConsumerLoop[BatchManifest]] = [
             ConsumerLoop(
                 lane.bus,
                 lane.names,
@@ -208,8 +214,26 @@ class Joiner:
             )
             for k, lane in enumerate(self.lanes)
         ]
-        tasks = [asyncio.create_task(loop.run(stop)) for loop in loops]
-        tasks += [asyncio.create_task(self.mirror(stop)), asyncio.create_task(self.relay(stop))]
+        """One per lane, on its ``batches``: what the coordinator's heartbeat counts."""
+
+    def key(self, name: str) -> str:
+        return self.names.state(name)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Mirror, join and relay until ``stop`` is set; each part outlasts its Redis's outages, a part that fails
+        otherwise ends the others and raises."""
+        parts: dict[str, Callable[[], Awaitable[None]]] = {}
+        for k, loop in enumerate(self.loops):
+            parts[f"lane {k}'s batches"] = functools.partial(loop.run, stop)
+            parts[f"weights into lane {k}"] = functools.partial(
+                mirror_lane, self.home, self.names, self.lanes, k, self.mirrored, stop
+            )
+        parts["joining"] = functools.partial(self.join_forever, stop)
+        parts["the learner's letters"] = functools.partial(self.relay, stop)
+        tasks = [
+            asyncio.create_task(outlast(f"joiner: {what}", part, stop, retry_s=self.outage_retry_s))
+            for what, part in parts.items()
+        ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -218,57 +242,27 @@ class Joiner:
         finally:
             await cancel_and_wait([t for t in tasks if not t.done()])
 
-    # -- 1. weights ----------------------------------------------------------------------------
-    async def mirror(self, stop: asyncio.Event) -> None:
-        """Copy every home ``weights`` entry into every lane's, once each."""
-        marks = [text(await lane.bus.redis.get(lane.names.state(MIRRORED)) or b"") for lane in self.lanes]
-        cursor = min((m or "0-0" for m in marks), key=parse_id)
-
-        async def each(entries: list[tuple[str, bytes]], last_id: str) -> str:
-            for entry_id, payload in entries:
-                for k in reversed(range(len(self.lanes))):  # lane 0 (which ends the run) last
-                    marks[k] = await self._mirror_one(self.lanes[k], marks[k], entry_id, payload)
-            return last_id
-
-        def raw(fields: dict[bytes, bytes]) -> bytes:
-            return fields.get(PAYLOAD_FIELD, b"")
-
-        await StreamFollower(self.home.redis, self.names.weights, raw, each, block_ms=BLOCK_MS).run(cursor, stop)
-
-    async def _mirror_one(self, lane: Lane, mark: str, entry_id: str, payload: bytes) -> str:
-        """Mirror one entry into ``lane`` unless its mark is past it; the lane's mark after."""
-        key = lane.names.state(MIRRORED)
-        while after(entry_id, mark):
-            tx = lane.bus.tx().require(key, equals=mark or None)
-            tx.xadd_raw(lane.names.weights, payload).set(key, entry_id)
-            try:
-                await tx.execute()
-                return entry_id
-            except PreconditionFailed:
-                mark = text(await lane.bus.redis.get(key) or b"")
-        return mark
-
     # -- 2. batches ----------------------------------------------------------------------------
     def _handler(self, lane: int) -> Callable[[BatchManifest], Awaitable[list[Output]]]:
         async def handle(manifest: BatchManifest) -> list[Output]:
             entry_id = current_entry()
             async with self._lock:
                 problem = await self._store(lane, entry_id, manifest)
-                if problem is not None:
-                    logger.error("joiner: lane %d entry %s: %s", lane, entry_id, problem)
-                    letter = DeadLetter(
-                        stream=self.names.batches,
-                        entry_id=entry_id,
-                        group=GROUP,
-                        consumer=GROUP,
-                        error=problem,
-                        deliveries=1,
-                        payload=encode(manifest),
-                        ts=time.time(),
-                    )
-                    return [Output(stream=self.lanes[lane].names.dead, message=letter)]
-                await self.join_ready()
-            return []
+            if problem is None:
+                self._stored.set()
+                return []
+            logger.error("joiner: lane %d entry %s: %s", lane, entry_id, problem)
+            letter = DeadLetter(
+                stream=self.names.batches,
+                entry_id=entry_id,
+                group=GROUP,
+                consumer=GROUP,
+                error=problem,
+                deliveries=1,
+                payload=encode(manifest),
+                ts=time.time(),
+            )
+            return [Output(stream=self.lanes[lane].names.dead, message=letter)]
 
         return handle
 
@@ -288,8 +282,20 @@ class Joiner:
         await tx.execute()
         return None
 
+    async def join_forever(self, stop: asyncio.Event) -> None:
+        """Finish the clean-ups a previous life left, then join every index the lanes complete until ``stop``
+        (woken by each store; every :data:`JOIN_CHECK_S` anyway)."""
+        for index in sorted(int(i) for i in await self.home.redis.smembers(self.key(CLEANUP))):
+            await self.clean_up(index)
+        while not stop.is_set():
+            self._stored.clear()
+            async with self._lock:
+                await self.join_ready()
+            await wait_set(self._stored, JOIN_CHECK_S)
+
     async def join_ready(self) -> list[BatchManifest]:
-        """Publish every index all lanes have stored, in order; the joined manifests (whole)."""
+        """Publish every index all lanes have stored, in order; the joined manifests (whole). A lane batch that
+        cannot be read whole any more is left out of its index and dead-lettered to its lane (:meth:`_give_up`)."""
         joined: list[BatchManifest] = []
         while True:
             raw_next = await self.home.redis.get(self.key(NEXT))
@@ -300,7 +306,12 @@ class Joiner:
             whole = []
             for k, lane in enumerate(self.lanes):
                 manifest = decode(_raw(stored[str(k).encode()]), BatchManifest)
-                whole.append(await load_manifest(lane.bus.redis, manifest, max_reply_bytes=lane.bus.max_command_bytes))
+                try:
+                    whole.append(
+                        await load_manifest(lane.bus.redis, manifest, max_reply_bytes=lane.bus.max_command_bytes)
+                    )
+                except (MissingPayloadError, PoisonMessageError) as e:
+                    await self._give_up(k, manifest, str(e))
             batch = join_manifests(index, whole, time.time())
             published = await store_parts(self.home, self.names, batch, self.part_bytes)
             tx = self.home.tx().require(self.key(NEXT), equals=raw_next)
@@ -317,11 +328,52 @@ class Joiner:
                 "joiner: batch-%d published (%d samples from %d lanes%s)",
                 index,
                 len(batch.samples),
-                len(self.lanes),
+                len(whole),
                 f", {len(published.parts)} parts" if published.parts else "",
             )
             joined.append(batch)
             await self.clean_up(index)
+
+    async def _give_up(self, k: int, manifest: BatchManifest, reason: str) -> None:
+        """Lane ``k``'s batch ``manifest`` cannot be read whole: tell the lane it was skipped untrained, naming the
+        samples still under it (by key: the refs of a lost part are gone), so its coordinator counts their groups
+        dropped and deletes them. Written before the index is published: a restart writes it again, which the
+        lane counts once (by batch id)."""
+        lane = self.lanes[k]
+        prefix = lane.names.batched_samples(manifest.id, "")
+        refs = [
+            SampleRef(
+                trajectory_id=key[len(prefix) :],
+                group_id=key[len(prefix) :].rpartition("/")[0] or key[len(prefix) :],
+                key=key,
+                field="",
+                policy_version_start=manifest.policy_version,
+                num_bytes=0,
+            )
+            for key in sorted(await batch_keys(lane.bus.redis, lane.names, manifest.id))
+            if not key.startswith(f"{prefix}manifest:")
+        ]
+        error = (
+            f"{manifest.id} ({manifest.num_samples} samples) of lane {k}: {BATCH_SKIPPED}: {reason}; "
+            f"batch-{manifest.index} is joined without it"
+        )
+        logger.error("joiner: %s", error)
+        named = msgspec.structs.replace(manifest, samples=refs, staleness=[], parts=[], part_bytes=[])
+        published = await store_parts(lane.bus, lane.names, named, self.part_bytes)
+        letter = DeadLetter(
+            stream=lane.names.batches,
+            entry_id="",
+            group=GROUP,
+            consumer=GROUP,
+            error=error,
+            deliveries=1,
+            payload=encode(published),
+            ts=time.time(),
+        )
+        tx = lane.bus.tx()
+        for part in published.parts:
+            tx.call("PERSIST", part)
+        await tx.xadd(lane.names.dead, letter).execute()
 
     async def clean_up(self, index: int) -> None:
         """Delete the lane manifests' own parts of a joined index and what the home kept of them."""
@@ -356,6 +408,8 @@ class Joiner:
         """Relay one home letter (``marks``: each lane's relay mark, updated in place)."""
         lost = what_was_lost(letter, batches_stream=self.names.batches)
         if not isinstance(lost, LostBatch | RefusedBatch):
+            if after(entry_id, marks[0]):
+                marks[0] = await self._pass_on(entry_id, letter, marks[0])
             return
         reason = letter.error
         if isinstance(lost, RefusedBatch):
@@ -377,6 +431,19 @@ class Joiner:
             parts = owned_buffers(self.names, lost.batch_id, self._header_parts(letter))
             if parts:
                 await self.home.redis.unlink(*parts)
+
+    async def _pass_on(self, entry_id: str, letter: DeadLetter, mark: str) -> str:
+        """Hand a home letter not about a batch to lane 0's ``dead`` as it is (its coordinator counts it and shows
+        its reason); lane 0's relay mark after."""
+        lane = self.lanes[0]
+        key = lane.names.state(RELAYED)
+        tx = lane.bus.tx().require(key, equals=mark or None)
+        tx.xadd(lane.names.dead, letter).set(key, entry_id)
+        try:
+            await tx.execute()
+        except PreconditionFailed:
+            return text(await lane.bus.redis.get(key) or b"")
+        return entry_id
 
     def _header_parts(self, letter: DeadLetter) -> list[str]:
         try:
@@ -434,9 +501,10 @@ class Joiner:
         return entry_id
 
 
-async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.Event) -> None:
+async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.Event, mirrored: Mirrored) -> None:
     """Run the joiner of lane 0's coordinator until ``stop``: connect to the home and every lane, take the home
-    lease ``singleton/joiner`` (renewed; lost, the joiner raises), fence the home bus by it."""
+    lease ``singleton/joiner`` (renewed; lost, the joiner raises), fence the home bus by it. ``mirrored``: where
+    it says which version each lane has; its consumer loops join ``ctx.loops`` (the heartbeat)."""
     assert config.redis.url is not None
     home_names = StreamNames(config.run_id)
     clients: dict[str, aioredis.Redis] = {}
@@ -474,7 +542,9 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
                 await lease.renew()
 
         renewing = asyncio.create_task(renew())
-        joining = asyncio.create_task(Joiner(home, home_names, lanes, config.consumer).run(stop))
+        joiner = Joiner(home, home_names, lanes, config.consumer, mirrored=mirrored)
+        ctx.loops.extend(joiner.loops)
+        joining = asyncio.create_task(joiner.run(stop))
         done, _ = await asyncio.wait([renewing, joining], return_when=asyncio.FIRST_COMPLETED)
         await cancel_and_wait([t for t in (renewing, joining) if t not in done])
         for task in done:

@@ -58,6 +58,7 @@ from streamrl.coordinator.groups import GroupBuffer
 from streamrl.coordinator.issuing import PromptIssuer
 from streamrl.coordinator.joining import run_joiner
 from streamrl.coordinator.metrics import MetricsWriter, plot, wandb_run
+from streamrl.coordinator.mirror import Mirrored
 from streamrl.coordinator.progress import REASON_CHARS, Progress, counter_metrics
 from streamrl.coordinator.prompts import PromptSource
 from streamrl.coordinator.scripts import FencedScript
@@ -125,6 +126,7 @@ class CoordinatorService:
             tracing=ctx.tracing,
             tx_samples=config.batch_tx_samples,
             wait_s=config.batch_wait_s,
+            manifest_part_bytes=config.manifest_part_kib * 1024,
         )
         self.evals = (
             EvalRounds(config, self.state, PromptSource(config.eval.dataset), self.metrics)
@@ -144,6 +146,9 @@ class CoordinatorService:
         self.last_batch_time = time.monotonic()
         self.weights_key = weights_key()
         self._count_letter = FencedScript(ctx.bus, COUNT_LETTER_LUA, "service.COUNT_LETTER_LUA")
+        self.mirrored = Mirrored([-1] * config.lanes.count) if config.lanes.enabled and config.lane == 0 else None
+        """With lanes, lane 0's: the version each lane has. The run ends once every lane has the last one (a lane
+        whose Redis was down gets it when it is back), never leaving a lane's coordinator waiting for it."""
 
     # -- entry ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -187,8 +192,8 @@ class CoordinatorService:
             ): "dead-letter tail",
             asyncio.create_task(self._tick_forever(done, stop_all)): "tick",
         }
-        if self.cfg.lanes.enabled and self.cfg.lane == 0:  # lane 0's coordinator joins the lanes' batches
-            tasks[asyncio.create_task(run_joiner(self.cfg, self.ctx, stop_all))] = "joiner"
+        if self.mirrored is not None:  # lane 0's coordinator joins the lanes' batches
+            tasks[asyncio.create_task(run_joiner(self.cfg, self.ctx, stop_all, self.mirrored))] = "joiner"
         # A component that ends early (a bug raising in it) stops the run loudly instead of leaving
         # the others waiting for it forever.
         ends = [asyncio.create_task(self.ctx.stop.wait()), asyncio.create_task(done.wait())]
@@ -328,7 +333,12 @@ class CoordinatorService:
                 await self.evals.drop_late(rounds)
             # the run ends on a fresh look at the rounds, never on the count remembered from an
             # earlier look (a round may have been started since)
-            if evals_done and self.version >= self.cfg.total_steps and await self._finish_eval_rounds(look=True):
+            if (
+                evals_done
+                and self.version >= self.cfg.total_steps
+                and (self.mirrored is None or self.mirrored.everywhere() >= self.cfg.total_steps)
+                and await self._finish_eval_rounds(look=True)
+            ):
                 await self._publish_progress(refresh=True)
                 done.set()
                 return
