@@ -254,8 +254,13 @@ def but_prefix(base: str, word: str) -> tuple[str, ...]:
 def user_rule(user: str, run_id: str, password: str, lanes: int = 1) -> str:
     """The ACL file line of ``user``: enabled, its password's SHA-256, no default access, its selectors."""
     check_password(user, password)
-    selectors = grants(user, run_id, lanes)
-    root = ["resetkeys", "resetchannels", "-@all", *("+" + c for c in CONNECTION)]
+    return rule_line(user, password, grants(user, run_id, lanes))
+
+
+def rule_line(user: str, password: str, selectors: list[Grant], keyless: tuple[str, ...] = ()) -> str:
+    """The ACL file line of a user allowed ``selectors`` and the commands ``keyless`` (which name no key, e.g.
+    ``info``), besides the connection's."""
+    root = ["resetkeys", "resetchannels", "-@all", *("+" + c for c in (*CONNECTION, *keyless))]
     if any(g.access != "R" for g in selectors):
         # services run scripts: one may declare any key the user may touch (its commands are checked one by one)
         touched = dict.fromkeys(k for g in selectors for k in g.keys)

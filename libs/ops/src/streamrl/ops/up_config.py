@@ -95,13 +95,23 @@ class UpConfig(BaseConfig):
     ``{rollout = ["0", "1"], learner = "2"}``; the colocated mode is rollout and learner on one device:
     ``{rollout = "0", learner = "0"}``. The Ray backend places GPUs with ``resources`` instead."""
     max_restarts: dict[str, int] = {}
-    """Restarts allowed per replica after it crashes (exits non-zero, or exits at all unless it is the ``until``
-    service exiting 0), e.g. ``{rollout = 3, reward = 3}``. Default 0: a crash stops the whole run, naming the
-    service. Local backend: the launcher restarts the process after ``restart_backoff_s``; Ray: the actor's
-    ``max_restarts`` (Ray restarts it). A restarted replica gets a new instance name (``rollout-1.1``)."""
+    """Restarts allowed per replica over the whole run, by service, e.g. ``{learner = 10}``; a service not named
+    has no such bound (only ``crash_loop_limit`` ends its restarts); 0: its first crash stops the run. A crash is
+    an exit that is not asked for: non-zero, or any exit but the ``until`` service's exit 0. An exit code 2 (the
+    service refuses its configuration) is never restarted. A restarted replica gets a new instance name
+    (``rollout-1.1``). Ray backend: the actor's ``max_restarts`` (Ray restarts it), default
+    ``crash_loop_limit - 1``."""
+    crash_loop_limit: int = Field(5, ge=1)
+    """A replica that crashes this many times within ``crash_loop_window_s`` is crash-looping: the run stops,
+    naming it and showing its last lines of output. 1: no restarts (the first crash stops the run)."""
+    crash_loop_window_s: float = Field(600.0, gt=0)
+    """The window of ``crash_loop_limit`` (s): crashes older than this are forgotten, so a replica that crashes
+    now and then, recovering each time, keeps being restarted."""
     restart_backoff_s: float = Field(1.0, ge=0)
-    """Local backend: wait before a crashed replica's first restart (s); it doubles with each further restart of
-    that replica."""
+    """Local backend: wait before restarting a crashed replica (s); it doubles with each further crash of that
+    replica within ``crash_loop_window_s``, up to ``restart_backoff_max_s``."""
+    restart_backoff_max_s: float = Field(30.0, ge=0)
+    """Local backend: the longest wait before a restart (s)."""
     reconcile_interval_s: float = Field(1.0, gt=0)
     """How often the launcher reads the run's desired replica counts (``streamrl scale``) and starts or drains
     replicas to match (s)."""
