@@ -104,6 +104,8 @@ def test_a_killed_service_is_restarted_and_the_run_completes(tiny_task: Path, tm
         url = embedded_redis_url(tmp_path / "run", log)
         wait_for_heartbeats(url, log)
         children = descendants(proc)
+        logins = [p.environ()["STREAMRL_REDIS__URL"] for p in children if "streamrl.ops.cli" in p.cmdline()]
+        assert sorted(urlsplit(u).username or "" for u in logins) == sorted(SERVICES)  # each service its own user
         (reward,) = [p for p in children if "cli reward " in " ".join(p.cmdline())]
         reward.kill()
         assert proc.wait(480) == 0, log.read_text()[-4000:]
@@ -114,4 +116,5 @@ def test_a_killed_service_is_restarted_and_the_run_completes(tiny_task: Path, tm
     text = log.read_text()
     assert "reward-0 exited with code -9: restart in 1.0 s" in text
     assert "started reward-0.1" in text and "the run is complete" in text
-    assert urlsplit(url).password and urlsplit(url).password not in text
+    passwords = [urlsplit(u).password for u in [url, *logins]]
+    assert all(passwords) and not [p for p in passwords if p and p in text]  # no login in any line of the run
