@@ -12,8 +12,8 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
     rollout      prompts (rollout)            weights            trajectories, dead, served,
                                                                  payload:* (SET, PERSIST, EXISTS)
     reward       trajectories (reward)        -                  scored, dead; reads payload:* (GET, GETRANGE)
-    learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*,
-                                                                 batched:* (GET, HMGET, UNLINK, EXPIRE)
+    learner      batches (learner, + XRANGE,  -                  weights, dead, state:learner*, once:*,
+                 XREAD)                                          batched:* (GET, HMGET, UNLINK, EXPIRE)
     observer     -                            every key (reads)  nothing
 
 and every service: its own heartbeats ``hb:{service}:*`` and leases ``lease:instance:{service}:*``
@@ -228,7 +228,8 @@ def _grants(user: str, names: StreamNames) -> list[Grant]:
     else:
         own = [
             Grant("W", (names.weights,), PUBLISH),
-            Grant("R", (names.batches,), ("xrange",)),  # the ledger reads what is still to come (after a restart)
+            # the ledger reads what is still to come (after a restart); the prefetch waits for the next batch (XREAD)
+            Grant("R", (names.batches,), ("xrange", "xread")),
             Grant("R", (names.state("batch_index"),), ("get",)),  # how far the coordinator has published (gaps)
             Grant("RW", (names.state("learner*"),), OWN_STATE),
             # a batch's payloads, read by reference and deleted once the batch is trained and checkpointed
