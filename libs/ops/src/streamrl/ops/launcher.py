@@ -1,7 +1,8 @@
 """``streamrl up RECIPE``: run a whole streamrl job, on this machine or on a Ray cluster.
 
 1. If the recipe names no Redis (``redis.url``), start an embedded real ``redis-server`` on a free
-   port with its data (AOF) under ``{run_dir}/redis``, its ``maxmemory`` the run's memory bound
+   port with its data (AOF, ``[up] redis_appendfsync``) under ``{run_dir}/redis``, closed by a new password per
+   service (:mod:`streamrl.ops.embedded_auth`), its ``maxmemory`` the run's memory bound
    (:mod:`streamrl.ops.memory_budget`) times ``[up.redis_memory] margin`` and its policy
    ``noeviction``; both are printed. A Redis named by ``redis.url`` is checked instead: a WARNING when
    its ``maxmemory-policy`` could evict streamrl keys or its ``maxmemory`` is below the bound
@@ -20,8 +21,10 @@
    replicas hash (:mod:`streamrl.ops.scaling`): new replicas at the next free index, removed
    ones drained (SIGTERM, ``grace_s``, then SIGKILL). A removed replica's exit is not a failure.
 4. A crashed replica (non-zero exit, or any exit but the ``until`` service's exit 0) is restarted
-   under a new instance name if ``[up] max_restarts`` allows it for its service (local: after
-   ``restart_backoff_s``, doubling; Ray: Ray's own actor restart); otherwise it stops the run.
+   under a new instance name (local: after ``restart_backoff_s``, doubling; Ray: Ray's own actor restart)
+   until it crash-loops (``[up] crash_loop_limit`` crashes within ``crash_loop_window_s``), runs out of
+   ``[up] max_restarts``, or exits 2 (it refuses its configuration); then it stops the run, its last error
+   on screen.
 5. Stop: Ctrl-C / SIGTERM, or the ``until`` service exiting 0 (the run is done), stops everything
    cleanly (SIGTERM, grace, SIGKILL) and exits 0. A service failing for good stops the rest and
    exits 1, naming it. No process is left behind.
@@ -186,14 +189,19 @@ class Launcher:
         try:
             port = free_port()
             acl = write_files(data_dir, self.cfg.run_id, self.passwords, f"redis://127.0.0.1:{port}/0", self.lanes.count)
-            self.redis = RedisServer(data_dir, port=port, maxmemory=maxmemory, aclfile=acl, login=login).start()
+            fsync = up.redis_appendfsync
+            self.redis = RedisServer(
+                data_dir, port=port, appendfsync=fsync, maxmemory=maxmemory, aclfile=acl, login=login
+            ).start()
             for k in range(1, servers):
-                lane = RedisServer(run_dir / f"redis-lane{k}", maxmemory=maxmemory, aclfile=acl, login=login)
+                lane = RedisServer(
+                    run_dir / f"redis-lane{k}", appendfsync=fsync, maxmemory=maxmemory, aclfile=acl, login=login
+                )
                 self.lane_servers.append(lane.start())
         except FileNotFoundError as e:  # no redis-server anywhere: a setup problem, said plainly
             raise ConfigError(str(e)) from e
         self._say(
-            f"embedded redis-server at {self.redis.url} (data: {data_dir}); "
+            f"embedded redis-server at {self.redis.url} (data: {data_dir}, appendfsync {fsync}); "
             f"binary {self.redis.binary}: {self.redis.version}"
         )
         self._say(

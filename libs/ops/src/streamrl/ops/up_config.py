@@ -129,6 +129,11 @@ class UpConfig(BaseConfig):
     ray_object_store_mb: int = Field(128, ge=80)
     """Ray backend, local Ray only: its object store (MiB). streamrl moves no data through it (the data rides on
     Redis and the weights on their own transport), so it stays small."""
+    redis_appendfsync: Literal["everysec", "always"] = "everysec"
+    """When the embedded redis-server's AOF reaches the disk. ``everysec``: once a second; whatever Redis
+    acknowledged survives a crash of Redis or of any process, but a power loss or a kernel crash loses up to
+    the last second of writes. ``always``: before every reply; nothing acknowledged is lost even then, at a cost
+    (docs/operations.md: measured 248 vs 13,605 one-client XADDs per s on a virtual disk)."""
     redis_memory: RedisMemoryConfig = RedisMemoryConfig()
     """The run's Redis memory bound: ``maxmemory`` of the embedded redis-server, the check of an external one."""
     resources: dict[str, ServiceResources] = {}
