@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import redis as syncredis
 
@@ -126,7 +127,9 @@ def test_embedded_redis_over_the_bound_is_warned_about_once(recipe: str, capsys:
         assert "WARNING" not in capsys.readouterr().err  # an empty Redis is under the bound
         junk = bytes(MIB)
         assert launcher.redis_url is not None
-        coordinator = syncredis.Redis.from_url(user_url(launcher.redis_url, "coordinator", launcher.passwords["coordinator"]))
+        coordinator = syncredis.Redis.from_url(
+            user_url(launcher.redis_url, "coordinator", launcher.passwords["coordinator"])
+        )
         for i in range(launcher.memory.total // MIB + 2):
             coordinator.set(launcher.names.state(f"junk{i}"), junk)  # the run's own state keys: the coordinator's
         coordinator.close()
@@ -141,3 +144,16 @@ def test_embedded_redis_over_the_bound_is_warned_about_once(recipe: str, capsys:
     assert len(warnings) == 1, captured.err
     assert launcher.used_memory is not None and f"| redis {launcher.used_memory / MIB:.0f} MiB" in captured.out
     assert "redis used_memory peak" in captured.out
+
+
+@pytest.mark.parametrize("policy", ["everysec", "always"])
+def test_embedded_redis_fsyncs_as_the_recipe_says(recipe: str, policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    launcher = Launcher(recipe, [f"--run_dir={Path(recipe).parent / 'run'}", f"--up.redis_appendfsync={policy}"])
+    try:
+        launcher.start()
+        assert launcher.redis is not None and launcher.redis.proc is not None
+        command = psutil.Process(launcher.redis.proc.pid).cmdline()
+        assert command[command.index("--appendfsync") + 1] == policy
+    finally:
+        launcher.stop()
+    assert f"appendfsync {policy})" in capsys.readouterr().out
