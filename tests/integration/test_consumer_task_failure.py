@@ -18,7 +18,12 @@ def test_a_dead_letter_that_cannot_be_written_stops_the_loop_with_the_cause(redi
     client.set(names.dead, "not a stream")  # every XADD to the dead-letter stream fails (WRONGTYPE)
     client.xadd(names.trajectories, encode_payload(make_trajectory(0)))
     worker = start_worker(
-        redis_url, run_id, "w", '--echo.fail_ids=["g0/0"]', "--consumer.max_deliveries=1", "--consumer.claim_idle_ms=600"
+        redis_url,
+        run_id,
+        "w",
+        '--echo.fail_ids=["g0/0"]',
+        "--consumer.max_deliveries=1",
+        "--consumer.claim_idle_ms=600",
     )
     try:
         code = worker.wait(timeout=60)  # before the fix: runs for ever, the entry re-queued as an orphan

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import redis as syncredis
 
+from streamrl.ops.embedded_auth import user_url
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.memory_budget import MIB, maxmemory_for
-from streamrl.ops.embedded_auth import user_url
 from streamrl.ops.redis_server import RedisServer, memory_settings
 
 RECIPE = """

@@ -81,7 +81,13 @@ class Run:
         monkeypatch.setattr(
             local_backend,
             "service_command",
-            lambda python, service, recipe, overrides, instance: [python, str(path), service, instance, str(self.folder)],
+            lambda python, service, recipe, overrides, instance: [
+                python,
+                str(path),
+                service,
+                instance,
+                str(self.folder),
+            ],
         )
         monkeypatch.setenv("PROBE_STREAMS", json.dumps(OUTPUT))
         monkeypatch.delenv("STREAMRL_REDIS__URL", raising=False)
@@ -167,7 +173,12 @@ def test_passwords_are_in_no_file_but_the_private_ones_and_in_no_output(
     data = probes.run_dir / "redis"
     for private in (data / ACL_FILE, data / LAUNCHER_URL_FILE):
         assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
-    assert (data / LAUNCHER_URL_FILE).read_text().strip().endswith(f"launcher:{passwords['launcher']}@127.0.0.1:{probes.port}/0")
+    assert (
+        (data / LAUNCHER_URL_FILE)
+        .read_text()
+        .strip()
+        .endswith(f"launcher:{passwords['launcher']}@127.0.0.1:{probes.port}/0")
+    )
     everywhere = {p: p.read_text(errors="replace") for p in probes.run_dir.rglob("*") if p.is_file()}
     for path, text in everywhere.items():
         shown = [u for u, p in passwords.items() if p in text]

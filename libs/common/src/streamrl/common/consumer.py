@@ -344,7 +344,9 @@ class ConsumerLoop(Generic[M]):
         written (Redis refused or stayed away past ``redis.outage_s``), or a bug. Like a failure of the loop's
         own commands, it stops the loop: :meth:`run` raises it (the process exits non-zero for its
         orchestrator to restart), and the entry stays pending under this consumer for its next life."""
-        logger.error("%s %s: handling failed outside the handler; stopping: %r", self.stream, entry_id, error, exc_info=error)
+        logger.error(
+            "%s %s: handling failed outside the handler; stopping: %r", self.stream, entry_id, error, exc_info=error
+        )
         self.stats.last_error = f"{type(error).__name__}: {error}"
         if self.fatal is None:
             self.fatal = error

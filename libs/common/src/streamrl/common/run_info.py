@@ -46,7 +46,9 @@ class RunInfo:
             try:
                 return Path(self.credentials).read_text().strip()
             except OSError as e:
-                raise ConfigError(f"cannot read the run's Redis login {self.credentials} ({e}): set {REDIS_URL_ENV}") from e
+                raise ConfigError(
+                    f"cannot read the run's Redis login {self.credentials} ({e}): set {REDIS_URL_ENV}"
+                ) from e
         if self.redis_password:
             raise ConfigError(f"the run's Redis URL has a password, which {UP_FILE} does not keep: set {REDIS_URL_ENV}")
         return self.redis_url

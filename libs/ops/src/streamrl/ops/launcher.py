@@ -188,7 +188,9 @@ class Launcher:
         data_dir = run_dir / "redis"
         try:
             port = free_port()
-            acl = write_files(data_dir, self.cfg.run_id, self.passwords, f"redis://127.0.0.1:{port}/0", self.lanes.count)
+            acl = write_files(
+                data_dir, self.cfg.run_id, self.passwords, f"redis://127.0.0.1:{port}/0", self.lanes.count
+            )
             fsync = up.redis_appendfsync
             self.redis = RedisServer(
                 data_dir, port=port, appendfsync=fsync, maxmemory=maxmemory, aclfile=acl, login=login

@@ -190,7 +190,9 @@ class LocalReplicas:
                 )
                 continue
             if replica.tail:
-                self.say(f"last lines of {replica.name}:\n" + "\n".join(f"    {line}" for line in replica.tail), error=True)
+                self.say(
+                    f"last lines of {replica.name}:\n" + "\n".join(f"    {line}" for line in replica.tail), error=True
+                )
             detail = f"exit code {code}; {why}; last error: {last_error(replica.tail) or '-'}"
             ended.append(Ended(*key, replica.name, code, removed=False, detail=detail))
         for key, when in list(self.due.items()):
