@@ -1,4 +1,5 @@
-"""``streamrl up``: embedded Redis + the four real services; clean stop on Ctrl-C; loud stop on a failure."""
+"""``streamrl up``: embedded Redis (closed: each service its own login) + the four real services; clean stop on
+Ctrl-C; a killed service restarted (the crash-loop limit: tests/integration/ops/test_launcher_up_defaults.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
 import redis
 
-from streamrl.common.codec import decode
+from streamrl.common.health import live_heartbeats
 from streamrl.common.messages import Heartbeat
+from streamrl.common.run_info import UP_FILE, read_run_info
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
@@ -30,19 +33,19 @@ ENV = {
 }
 
 
-def start_up(recipe: Path, log: Path) -> subprocess.Popen[bytes]:
-    # many steps: the run must still be going when the test stops it
-    cmd = [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), "--total_steps=1000", "--run_id=up"]
+def start_up(recipe: Path, log: Path, total_steps: int = 1000) -> subprocess.Popen[bytes]:
+    # many steps by default: the run must still be going when the test stops it
+    cmd = [sys.executable, "-m", "streamrl.ops.cli", "up", str(recipe), f"--total_steps={total_steps}", "--run_id=up"]
     with log.open("wb") as out:  # the child keeps its own descriptor; ours is closed at once
         return subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
 
 
 def embedded_redis_url(run_dir: Path, log: Path, timeout_s: float = 60) -> str:
+    """The launcher's login to its embedded Redis (``streamrl scale``'s way in: up.json names its file)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            if "embedded redis-server at " in line:
-                return line.split("embedded redis-server at ")[1].split()[0]
+        if (run_dir / UP_FILE).exists():
+            return read_run_info(run_dir).url()
         time.sleep(0.2)
     raise AssertionError(f"no embedded redis in the launcher output:\n{log.read_text()[-3000:]}")
 
@@ -51,10 +54,7 @@ def wait_for_heartbeats(url: str, log: Path, timeout_s: float = 240) -> list[Hea
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        beats = [
-            decode(client.get(k) or b"", Heartbeat)
-            for k in client.scan_iter(match=StreamNames("up").heartbeat("*", "*"))
-        ]
+        beats = live_heartbeats(client, StreamNames("up"))
         running = {b.service for b in beats if b.status == "running"}
         if running >= set(SERVICES):
             return beats
@@ -94,19 +94,27 @@ def test_up_runs_everything_and_stops_cleanly_on_ctrl_c(tiny_task: Path, tmp_pat
         assert f"{s}/{s}-0 stopped" in text, f"{s} did not shut down cleanly"
 
 
-def test_up_stops_everything_when_a_child_dies(tiny_task: Path, tmp_path: Path, write_recipe) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_service_is_restarted_and_the_run_completes(tiny_task: Path, tmp_path: Path, write_recipe) -> None:  # type: ignore[no-untyped-def]
+    """Restarts are on by default: a reward killed mid-run comes back as reward-0.1 and the run reaches its
+    last step; no service's password is in the output."""
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url=None)
     log = tmp_path / "up.log"
-    proc = start_up(recipe, log)
+    proc = start_up(recipe, log, total_steps=4)
     try:
         url = embedded_redis_url(tmp_path / "run", log)
         wait_for_heartbeats(url, log)
         children = descendants(proc)
+        logins = [p.environ()["STREAMRL_REDIS__URL"] for p in children if "streamrl.ops.cli" in p.cmdline()]
+        assert sorted(urlsplit(u).username or "" for u in logins) == sorted(SERVICES)  # each service its own user
         (reward,) = [p for p in children if "cli reward " in " ".join(p.cmdline())]
         reward.kill()
-        assert proc.wait(90) == 1, log.read_text()[-4000:]
+        assert proc.wait(480) == 0, log.read_text()[-4000:]
         assert_all_gone(children)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "service reward-0 failed (exit code -9)" in log.read_text()
+    text = log.read_text()
+    assert "reward-0 exited with code -9: restart in 1.0 s" in text
+    assert "started reward-0.1" in text and "the run is complete" in text
+    passwords = [urlsplit(u).password for u in [url, *logins]]
+    assert all(passwords) and not [p for p in passwords if p and p in text]  # no login in any line of the run

@@ -9,7 +9,6 @@ with the embedded server's ``maxmemory`` set from it under ``noeviction``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from streamrl.common.run_info import read_run_info
 from streamrl.common.streams import StreamNames
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,8 @@ STEPS = 40
 
 
 class StreamSampler(threading.Thread):
-    """Reads every stream's length of the run (found through ``up.json``) every 0.5 s, keeping each maximum."""
+    """Reads every stream's length of the run (its login found through ``up.json``) every 0.5 s, keeping each
+    maximum."""
 
     def __init__(self, run_dir: Path, run_id: str) -> None:
         super().__init__(daemon=True)
@@ -47,7 +48,7 @@ class StreamSampler(threading.Thread):
         while not self.done.wait(0.5):
             try:
                 if client is None:
-                    client = redis.Redis.from_url(json.loads((self.run_dir / "up.json").read_text())["redis_url"])
+                    client = redis.Redis.from_url(read_run_info(self.run_dir).url())  # the launcher's login
                 for name, key in self.streams.items():
                     self.longest[name] = max(self.longest[name], int(client.xlen(key)))
             except (OSError, ValueError, KeyError, redis.RedisError):

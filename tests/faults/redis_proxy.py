@@ -7,7 +7,8 @@ names each command (:func:`resp.command_kind`: ``XADD batches``, ``EVALSHA bus.C
 trajectories``, ``MULTI[XADD batches, INCR state:batch_index]`` for a transaction: its distinct
 commands in order; each command of a pipeline on its own).
 
-What it does with a reply is its :class:`Policy`'s call, asked once per complete reply:
+What it does with a reply is its :class:`Policy`'s call, asked once per complete reply (or, for one reply,
+:meth:`FaultProxy.drop_reply_to`: the next command whose bytes hold a marker):
 
 * pass it through (no policy, the default);
 * **lose it**: the command was forwarded and Redis ran it, Redis's reply is read, and then the
@@ -104,8 +105,12 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.scripts = scripts or ScriptNames()
         self.policy: Policy | None = None
+        self.marker: bytes | None = None
+        """Set by :meth:`drop_reply_to`: the next command holding it loses its reply."""
         self.seen: Counter[tuple[str, str, bool]] = Counter()
         self.lost: list[LostReply] = []
+        self.forwarded = 0
+        """Replies passed on so far."""
         self._lock = threading.Lock()
         self._urls: dict[str, str] = {}
         self._servers: list[asyncio.Server] = []
@@ -129,6 +134,19 @@ class FaultProxy:
     def set_policy(self, policy: Policy | None) -> None:
         with self._lock:
             self.policy = policy
+
+    def drop_reply_to(self, marker: bytes) -> None:
+        """Lose the reply of the next command whose bytes hold ``marker`` (a key, a script's SHA1, ``EXEC``; a
+        command queued in a transaction: its EXEC's reply), once: the client's re-send goes through. An error
+        reply is not lost (the command had no effect), and the marker is spent all the same."""
+        with self._lock:
+            self.marker = marker
+
+    @property
+    def armed(self) -> bool:
+        """A :meth:`drop_reply_to` marker waits for its command."""
+        with self._lock:
+            return self.marker is not None
 
     def writes_by_service(self) -> dict[str, list[str]]:
         """Every kind of write seen, by service (sorted)."""
@@ -178,7 +196,7 @@ class FaultProxy:
             writer.transport.abort()
             return
         self._conns |= {writer, up_writer}
-        expected: deque[tuple[str, bool]] = deque()
+        expected: deque[tuple[str, bool, bool]] = deque()
         tasks = [
             asyncio.create_task(self._requests(service, reader, up_writer, expected)),
             asyncio.create_task(self._replies(service, up_reader, writer, expected)),
@@ -193,65 +211,88 @@ class FaultProxy:
                 self._conns.discard(w)
 
     async def _requests(
-        self, service: str, reader: asyncio.StreamReader, up: asyncio.StreamWriter, expected: deque[tuple[str, bool]]
+        self,
+        service: str,
+        reader: asyncio.StreamReader,
+        up: asyncio.StreamWriter,
+        expected: deque[tuple[str, bool, bool]],
     ) -> None:
+        """Forward commands, noting for each reply to come its command's kind, whether it writes, and whether it
+        is to be lost (:meth:`drop_reply_to`)."""
         buf = bytearray()
         multi: list[tuple[str, bool]] | None = None
+        multi_marked = False
         while data := await reader.read(READ_CHUNK):
             buf += data
             pos = 0
             while (parsed := parse_command(buf, pos)) is not None:
+                start = pos
                 args, pos = parsed
+                marked = self._marked(bytes(buf[start:pos]))
                 name = args[0].upper() if args else b""
                 kind, write = command_kind(args, self.scripts), is_write(args)
                 if name == b"MULTI":
-                    multi = []
-                    expected.append(("MULTI", False))
+                    multi, multi_marked = [], marked
+                    expected.append(("MULTI", False, False))
                 elif name == b"EXEC" and multi is not None:
                     kind = "MULTI[" + ", ".join(dict.fromkeys(k for k, _ in multi)) + "]"
                     write = any(w for _, w in multi)
-                    expected.append((kind, write))
+                    expected.append((kind, write, marked or multi_marked))  # the transaction ran at its EXEC
                     multi = None
                 elif name == b"DISCARD":
                     multi = None
-                    expected.append(("DISCARD", False))
+                    expected.append(("DISCARD", False, False))
                 elif multi is not None:
                     multi.append((kind, write))
-                    expected.append(("QUEUED", False))
+                    multi_marked |= marked
+                    expected.append(("QUEUED", False, False))
                     continue  # logged with its EXEC
                 else:
-                    expected.append((kind, write))
+                    expected.append((kind, write, marked))
                 with self._lock:
                     self.seen[(service, kind, write)] += 1
             del buf[:pos]
             up.write(data)
             await up.drain()
 
+    def _marked(self, command: bytes) -> bool:
+        """Whether ``command`` (its raw bytes) holds the :meth:`drop_reply_to` marker (which it then spends)."""
+        with self._lock:
+            if self.marker is None or self.marker not in command:
+                return False
+            self.marker = None
+            return True
+
     async def _replies(
-        self, service: str, up: asyncio.StreamReader, writer: asyncio.StreamWriter, expected: deque[tuple[str, bool]]
+        self,
+        service: str,
+        up: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        expected: deque[tuple[str, bool, bool]],
     ) -> None:
         buf = bytearray()
         while data := await up.read(READ_CHUNK):
             buf += data
             pos = 0
             while (end := next_frame(buf, pos)) is not None:
-                kind, write = expected.popleft() if expected else ("(out of band)", False)
-                if self._lose(service, kind, write, bytes(buf[pos : min(end, pos + 8)])):
+                kind, write, marked = expected.popleft() if expected else ("(out of band)", False, False)
+                if self._lose(service, kind, write, bytes(buf[pos : min(end, pos + 8)]), marked):
                     writer.write(bytes(buf[:pos]))  # the replies before it still arrive
                     await writer.drain()
                     return  # _serve closes both connections
+                self.forwarded += 1
                 pos = end
             if pos:
                 writer.write(bytes(buf[:pos]))
                 del buf[:pos]
                 await writer.drain()
 
-    def _lose(self, service: str, kind: str, write: bool, head: bytes) -> bool:
+    def _lose(self, service: str, kind: str, write: bool, head: bytes, marked: bool = False) -> bool:
         if head.startswith(b"-") or (kind.startswith(GROUP_READS) and head in EMPTY_REPLIES):
             return False
         now = time.time()
         with self._lock:
-            if self.policy is None or not self.policy(service, kind, write, now):
+            if not marked and (self.policy is None or not self.policy(service, kind, write, now)):
                 return False
             self.lost.append(LostReply(now, service, kind))
         return True

@@ -1,7 +1,7 @@
 """Every coordinator write survives a lost reply: Redis runs it, the connection drops before the
 reply, the client's outage retry sends it again - and the run state shows it ran once.
 
-A real redis-server behind :class:`LostReplyProxy` (127.0.0.1); each test drives one of the
+A real redis-server behind the fault proxy (tests/faults/redis_proxy.py, ``drop_reply_to``; 127.0.0.1); each test drives one of the
 coordinator's write points (``state.py`` lists them) through a client connected to the proxy.
 """
 
@@ -32,11 +32,11 @@ from streamrl.coordinator.issuing import PromptIssuer
 from streamrl.coordinator.prompts import Prompt
 from streamrl.coordinator.state import RunState
 
-sys.path.insert(0, str(Path(__file__).parent))
-from lost_reply_proxy import LostReplyProxy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+from redis_proxy import FaultProxy
 
 
-async def lose_reply(proxy: LostReplyProxy, state: RunState, marker: str, *scripts: str) -> None:
+async def lose_reply(proxy: FaultProxy, state: RunState, marker: str, *scripts: str) -> None:
     """Arm ``proxy`` for the next call holding ``marker`` (a key, or a script's SHA1), once the scripts
     are loaded (else the first call is a NOSCRIPT that never ran)."""
     for script in (TX_LUA, *scripts):
@@ -87,18 +87,17 @@ def trajectory(group: str, index: int, version: int = 0) -> Trajectory:
     )
 
 
-def through_proxy(redis_url: str, run_id: str, scenario: Callable[[RunState, LostReplyProxy], Awaitable[Any]]) -> Any:
+def through_proxy(redis_url: str, run_id: str, scenario: Callable[[RunState, FaultProxy], Awaitable[Any]]) -> Any:
     """Run ``scenario(state, proxy)`` with the run state's client connected through a lost-reply proxy."""
 
     async def main() -> Any:
-        url = urlparse(redis_url)
-        proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
-        client = connect(proxy.url, outage_s=10)
+        proxy = FaultProxy(urlparse(redis_url).port or 6379)
+        client = connect(proxy.listen("coordinator"), outage_s=10)
         try:
             return await scenario(RunState(Bus(client), StreamNames(run_id)), proxy)
         finally:
             await client.aclose()
-            await proxy.close()
+            await asyncio.to_thread(proxy.close)
 
     return asyncio.run(main())
 
@@ -125,12 +124,12 @@ async def batch_indices(state: RunState) -> list[int]:
 
 
 def test_a_lost_reply_to_a_batch_publication_publishes_it_once(redis_url: str, run_id: str) -> None:
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         build = builder(state)
         await ready_groups(build.groups, ("a", 0), ("b", 0), ("c", 0), ("d", 0))
         await lose_reply(proxy, state, state.names.batches)
         built = await build.build(version=0)
-        assert proxy.dropped == 1
+        assert len(proxy.lost) == 1
         assert await batch_indices(state) == [0, 1], "a re-sent publication duplicated a batch"
         assert [b.batch.index for b in built] == [0, 1]
         assert await state.get_int(st.BATCH_INDEX) == 2
@@ -143,7 +142,7 @@ def test_two_builders_racing_never_publish_an_index_twice(redis_url: str, run_id
     """A deposed coordinator and its successor (or a re-sent publication) both building batch 0 from
     the same view: one publishes it, the other finds the index taken and builds batch 1."""
 
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         first, second = builder(state), builder(state)
         await ready_groups(first.groups, ("a", 0), ("b", 0), ("c", 0), ("d", 0))
         for build in (first, second):
@@ -163,13 +162,13 @@ def test_two_builders_racing_never_publish_an_index_twice(redis_url: str, run_id
 
 
 def test_a_lost_reply_to_dropping_too_stale_groups_drops_them_once(redis_url: str, run_id: str) -> None:
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         build = builder(state, max_staleness=0)
         await state.redis.set(state.key(st.BATCH_INDEX), 3)
         await ready_groups(build.groups, ("old", 1), ("a", 3))
         await lose_reply(proxy, state, state.key(st.SAMPLES_TOO_STALE))
         assert await build.build(version=3) == []
-        assert proxy.dropped == 1
+        assert len(proxy.lost) == 1
         assert await build.groups.owed() == [3], "the replacement was owed twice"
         assert await state.get_int(st.ACCEPTED) == 1
         assert await state.get_int(st.SAMPLES_TOO_STALE) == 2
@@ -195,11 +194,11 @@ async def issued(state: RunState) -> list[str]:
 
 
 def test_a_lost_reply_to_issuing_prompts_issues_them_once(redis_url: str, run_id: str) -> None:
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         issue = issuer(state)
         await lose_reply(proxy, state, state.names.prompts)
         assert await issue.issue(version=0) == 4
-        assert proxy.dropped == 1
+        assert len(proxy.lost) == 1
         assert await issued(state) == ["p0", "p1", "p2", "p3"], "a re-sent issue duplicated prompts"
         assert await state.get_int(st.CURSOR) == 4, "a re-sent issue moved the cursor twice (a gap)"
         assert await issue.groups.in_flight() == 4
@@ -209,7 +208,7 @@ def test_a_lost_reply_to_issuing_prompts_issues_them_once(redis_url: str, run_id
 
 
 def test_a_lost_reply_to_a_groups_completion_readies_it_once(redis_url: str, run_id: str) -> None:
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
         tx = state.tx()
         groups.queue_issue(tx, "a", 0, time.time())
@@ -218,32 +217,32 @@ def test_a_lost_reply_to_a_groups_completion_readies_it_once(redis_url: str, run
             await put(state.redis, state.names, "a", i, float(i))
         await lose_reply(proxy, state, sha(groups._leave.source), groups._leave.source)
         await groups.complete(None)
-        assert proxy.dropped == 1
+        assert len(proxy.lost) == 1
         assert await groups.ready() == ["a"] and await state.get_int(st.ACCEPTED) == 1
 
     through_proxy(redis_url, run_id, scenario)
 
 
 def test_a_lost_reply_to_a_groups_failure_fails_it_once(redis_url: str, run_id: str) -> None:
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
         tx = state.tx()
         groups.queue_issue(tx, "a", 2, time.time())
         await tx.execute()
         await lose_reply(proxy, state, sha(groups._leave.source), groups._leave.source)
         assert await groups.fail("a", st.GROUPS_DEAD), "the re-sent call said the group was not in flight"
-        assert proxy.dropped == 1
+        assert len(proxy.lost) == 1
         assert await groups.owed() == [2] and await state.get_int(st.GROUPS_DEAD) == 1
 
     through_proxy(redis_url, run_id, scenario)
 
 
 def test_a_lost_reply_to_counting_a_dead_batch_counts_it_once(redis_url: str, run_id: str) -> None:
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         build = builder(state)
         await lose_reply(proxy, state, sha(build._dead_batch.source), build._dead_batch.source)
         assert await build.record_dead("batch-4", 8, 2, "RuntimeError: loss is not finite"), "counted as seen before"
-        assert proxy.dropped == 1
+        assert len(proxy.lost) == 1
         counters = await state.counters()
         assert (counters[st.BATCHES_DEAD], counters[st.SAMPLES_DEAD]) == (1, 8)
 
@@ -256,7 +255,7 @@ def test_a_deposed_coordinator_writes_nothing(redis_url: str, run_id: str) -> No
     from streamrl.common.lease import LeaseLostError
     from streamrl.common.tx import Fence
 
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         build = builder(state)
         await ready_groups(build.groups, ("a", 0), ("b", 0))
         lease = state.names.lease("singleton", "coordinator")
@@ -290,7 +289,7 @@ def test_an_evaluation_round_of_many_prompts_starts_in_one_script(redis_url: str
         def warm(self, indices: range) -> None:
             pass
 
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         held_out = EvalConfig(dataset=DatasetConfig(path="eval.jsonl", tokenizer="t"), num_prompts=10_000)
         config = CoordinatorConfig(dataset=DatasetConfig(path="unused.jsonl", tokenizer="unused"), eval=held_out)
         rounds = EvalRounds(config, state, Many(), MetricsWriter(tmp_path))  # type: ignore[arg-type]
@@ -301,13 +300,13 @@ def test_an_evaluation_round_of_many_prompts_starts_in_one_script(redis_url: str
 
 
 def test_a_lost_reply_to_dropping_late_samples_counts_them_once(redis_url: str, run_id: str) -> None:
-    async def scenario(state: RunState, proxy: LostReplyProxy) -> None:
+    async def scenario(state: RunState, proxy: FaultProxy) -> None:
         groups = GroupBuffer(state, group_size=2, dynamic_filtering=False)
         for i in range(2):  # samples of a group already failed: neither in flight nor ready
             await put(state.redis, state.names, "gone", i, 1.0)
         await lose_reply(proxy, state, sha(groups._drop_late.source), groups._drop_late.source)
         await groups.drop_late(["gone"])
-        assert proxy.dropped == 1
+        assert len(proxy.lost) == 1
         assert await state.get_int(st.LATE_SAMPLES_DROPPED) == 2
         assert not await state.redis.exists(groups.buffer("gone"))
 
@@ -332,12 +331,11 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
     steps = 4
 
     async def scenario() -> tuple[int, list[BatchManifest], list[PromptWorkItem], int]:
-        url = urlparse(redis_url)
-        proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
+        proxy = FaultProxy(urlparse(redis_url).port or 6379)
         args = [f"--run_id={run_id}", "--coordinator.eval.dataset=null", f"--total_steps={steps}"]
         config = load_config(CoordinatorConfig, str(recipe), args, section="coordinator")
         names = StreamNames(run_id)
-        bus = Bus(connect(proxy.url, outage_s=20), maxlen=config.redis.maxlen)
+        bus = Bus(connect(proxy.listen("coordinator"), outage_s=20), maxlen=config.redis.maxlen)
         ctx = ServiceContext(
             service="coordinator", instance="t", config=config, bus=bus, names=names, stop=asyncio.Event()
         )
@@ -369,7 +367,7 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
                         h.score_one(item, i, float(i % 2))
             if h.client.xlen(names.batches) > version:  # the learner trains it and publishes the next version
                 batch_seen = min(batch_seen, time.monotonic())
-                if proxy.dropped < 2 * (version + 1) and time.monotonic() < batch_seen + 3.0:
+                if len(proxy.lost) < 2 * (version + 1) and time.monotonic() < batch_seen + 3.0:
                     await asyncio.sleep(0.05)  # (a fast machine: let a few more replies be lost each step)
                     continue
                 version += 1
@@ -397,8 +395,8 @@ def test_the_running_service_loses_no_batch_and_duplicates_none_under_lost_repli
         batches = [decode(f[b"d"], BatchManifest) for _, f in h.client.xrange(names.batches)]
         items = h.prompts()
         await bus.redis.aclose()
-        await proxy.close()
-        return proxy.dropped, batches, items, cursor
+        await asyncio.to_thread(proxy.close)
+        return len(proxy.lost), batches, items, cursor
 
     dropped, batches, items, cursor = asyncio.run(scenario())
     assert dropped >= 5, f"only {dropped} replies were lost"

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import redis
-from lost_reply_proxy import LostReplyProxy
 from test_bus import make_trajectory
 
 from streamrl.common.bus import COMMIT_LUA, Bus, Fence, Output, connect
 from streamrl.common.consumer import encode_payload
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import TX_LUA
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+from redis_proxy import FaultProxy
 
 
 def _sha(script: str) -> bytes:
@@ -25,14 +29,13 @@ def _sha(script: str) -> bytes:
 
 
 async def _through_proxy(redis_url: str, body: Any) -> Any:
-    up = urlparse(redis_url)
-    proxy = await LostReplyProxy(up.hostname or "127.0.0.1", up.port or 6379).start()
-    bus = Bus(connect(proxy.url, outage_s=10), maxlen=1000)
+    proxy = FaultProxy(urlparse(redis_url).port or 6379)
+    bus = Bus(connect(proxy.listen("bus"), outage_s=10), maxlen=1000)
     try:
         return await body(bus, proxy)
     finally:
         await bus.redis.aclose()
-        await proxy.close()
+        await asyncio.to_thread(proxy.close)
 
 
 def test_a_tx_whose_reply_is_lost_runs_once(redis_url: str, run_id: str) -> None:
@@ -40,13 +43,13 @@ def test_a_tx_whose_reply_is_lost_runs_once(redis_url: str, run_id: str) -> None
     client = redis.Redis.from_url(redis_url)
     client.set(names.lease("singleton", "coordinator"), "me")
 
-    async def body(bus: Bus, proxy: LostReplyProxy) -> tuple[list[Any], int]:
+    async def body(bus: Bus, proxy: FaultProxy) -> tuple[list[Any], int]:
         bus.fence = Fence(names.lease("singleton", "coordinator"), "me")
         await bus.tx().set(names.state("warm"), 1).execute()  # the script is loaded: EVALSHA from here on
         proxy.drop_reply_to(_sha(TX_LUA))
         tx = bus.tx().require(names.state("batch_index"), equals=None).xadd(names.batches, make_trajectory(0))
         replies = await tx.incr(names.state("batch_index")).execute()
-        return replies, proxy.dropped
+        return replies, len(proxy.lost)
 
     (entry_id, index), dropped = asyncio.run(_through_proxy(redis_url, body))
     assert dropped == 1, "the proxy did not lose the reply"
@@ -61,14 +64,14 @@ def test_a_commit_whose_reply_is_lost_writes_once(redis_url: str, run_id: str) -
     entry = client.xadd(names.trajectories, encode_payload(make_trajectory(0))).decode()
     client.xreadgroup("reward", "c", {names.trajectories: ">"})
 
-    async def body(bus: Bus, proxy: LostReplyProxy) -> tuple[bool, bool, int]:
+    async def body(bus: Bus, proxy: FaultProxy) -> tuple[bool, bool, int]:
         await bus.commit([])  # the script is loaded: EVALSHA from here on
         proxy.drop_reply_to(_sha(COMMIT_LUA))
         out = [Output(stream=names.scored, message=make_trajectory(0))]
         acked = await bus.commit(out, ack_stream=names.trajectories, ack_group="reward", ack_entry=entry)
         proxy.drop_reply_to(_sha(COMMIT_LUA))
         no_entry = await bus.commit([Output(stream=names.prompts, message=make_trajectory(1))])
-        return acked, no_entry, proxy.dropped
+        return acked, no_entry, len(proxy.lost)
 
     acked, no_entry, dropped = asyncio.run(_through_proxy(redis_url, body))
     assert dropped == 2

@@ -523,14 +523,13 @@ def test_two_lane_coordinators_feed_one_joined_batch_and_follow_the_home_weights
 
 def test_a_join_whose_reply_is_lost_is_published_once(pair: Pair) -> None:
     """Redis runs the join's transaction, the reply is lost, the client's outage retry sends it again: one entry."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lost_reply_proxy import LostReplyProxy
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "faults"))
+    from redis_proxy import FaultProxy
 
     async def main() -> None:
-        url = urlparse(pair.urls[0])
-        proxy = await LostReplyProxy(url.hostname or "127.0.0.1", url.port or 6379).start()
+        proxy = FaultProxy(urlparse(pair.urls[0]).port or 6379)
         clients = [connect(u) for u in pair.urls]
-        home = connect(proxy.url)
+        home = connect(proxy.listen("coordinator"))
         stop = asyncio.Event()
         try:
             await pair.publish(clients, 0, lane_manifest(pair.names[0], 0, ["p0"]))
@@ -551,8 +550,8 @@ def test_a_join_whose_reply_is_lost_is_published_once(pair: Pair) -> None:
             await home.aclose()
             for c in clients:
                 await c.aclose()
-            await proxy.close()
-        assert proxy.dropped == 1
+            await asyncio.to_thread(proxy.close)
+        assert len(proxy.lost) == 1
 
     asyncio.run(main())
     assert [b.index for b in pair.home_batches()] == [0]

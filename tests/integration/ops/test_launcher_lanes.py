@@ -31,8 +31,9 @@ replicas = {rollout = 2}
 class Recorded:
     """A backend that records the replicas it is asked to start and drain (none runs)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], service_env: dict[str, dict[str, str]]) -> None:
         self.env = env
+        self.service_env = service_env
         self.started: list[tuple[str, int]] = []
         self.drained: list[tuple[str, int]] = []
 
@@ -63,13 +64,16 @@ def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
     recipe.write_text(RECIPE)
     launcher = Launcher(str(recipe), [f"--run_dir={tmp_path / 'run'}"])
     backends: list[Recorded] = []
-    monkeypatch.setattr(launcher, "_backend", lambda env: backends.append(Recorded(env)) or backends[-1])
+    monkeypatch.setattr(launcher, "_backend", lambda *env: backends.append(Recorded(*env)) or backends[-1])
     try:
         launcher.start()
         (backend,) = backends
-        urls = json.loads(backend.env["STREAMRL_LANES__URLS"])
-        assert urls[0] == backend.env["STREAMRL_REDIS__URL"] == launcher.redis_url  # lane 0's is the home
+        coordinator = backend.service_env["coordinator"]  # every service: its own login on every lane's server
+        urls = json.loads(coordinator["STREAMRL_LANES__URLS"])
+        assert urls[0] == coordinator["STREAMRL_REDIS__URL"]  # lane 0's is the home
+        assert urls[0].endswith(f"@{launcher.redis_url.split('//')[1]}")  # type: ignore[union-attr]
         assert len(set(urls)) == 2 and all(syncredis.Redis.from_url(u).ping() for u in urls)
+        assert all(u.startswith("redis://coordinator:") for u in urls)
         assert (tmp_path / "run" / "redis-lane1").is_dir()
         assert backend.started == [
             ("coordinator-lane0", 0),

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import redis as syncredis
 
+from streamrl.ops.embedded_auth import user_url
 from streamrl.ops.launcher import Launcher
 from streamrl.ops.memory_budget import MIB, maxmemory_for
-from streamrl.ops.redis_server import RedisServer
+from streamrl.ops.redis_server import RedisServer, memory_settings
 
 RECIPE = """
 run_id = "mem"
@@ -53,10 +54,10 @@ def run_launcher(recipe: str, overrides: list[str]) -> tuple[Launcher, dict[str,
     try:
         launcher.start()
         assert launcher.client is not None
-        settings = launcher.client.config_get("maxmemory*")
+        maxmemory, policy = memory_settings(launcher.client)  # INFO: the launcher's login may not CONFIG GET
     finally:
         launcher.stop()
-    return launcher, settings
+    return launcher, {"maxmemory": str(maxmemory), "maxmemory-policy": policy}
 
 
 def test_embedded_redis_gets_maxmemory_from_the_bound(recipe: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -124,8 +125,13 @@ def test_embedded_redis_over_the_bound_is_warned_about_once(recipe: str, capsys:
         assert launcher.check_memory() is not None
         assert "WARNING" not in capsys.readouterr().err  # an empty Redis is under the bound
         junk = bytes(MIB)
+        assert launcher.redis_url is not None
+        coordinator = syncredis.Redis.from_url(
+            user_url(launcher.redis_url, "coordinator", launcher.passwords["coordinator"])
+        )
         for i in range(launcher.memory.total // MIB + 2):
-            launcher.client.set(f"junk:{i}", junk)
+            coordinator.set(launcher.names.state(f"junk{i}"), junk)  # the run's own state keys: the coordinator's
+        coordinator.close()
         used = launcher.check_memory()
         assert used is not None and used > launcher.memory.total
         launcher.check_memory()
@@ -137,3 +143,14 @@ def test_embedded_redis_over_the_bound_is_warned_about_once(recipe: str, capsys:
     assert len(warnings) == 1, captured.err
     assert launcher.used_memory is not None and f"| redis {launcher.used_memory / MIB:.0f} MiB" in captured.out
     assert "redis used_memory peak" in captured.out
+
+
+@pytest.mark.parametrize("policy", ["everysec", "always"])
+def test_embedded_redis_fsyncs_as_the_recipe_says(recipe: str, policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    launcher = Launcher(recipe, [f"--run_dir={Path(recipe).parent / 'run'}", f"--up.redis_appendfsync={policy}"])
+    try:
+        launcher.start()
+        assert launcher.redis is not None and launcher.redis.appendfsync == policy  # its --appendfsync
+    finally:
+        launcher.stop()
+    assert f"appendfsync {policy})" in capsys.readouterr().out

@@ -209,7 +209,9 @@ def test_local_launcher_scales_drains_and_restarts_under_new_names(
     finally:
         code = run.finish()
     assert code == 0
-    assert "rollout-0 exited with code -9: restart 1 of 2 in 0.1 s" in capsys.readouterr().err
+    assert "rollout-0 exited with code -9: restart in 0.1 s (1 of 5 crashes within 600 s end the run)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_local_launcher_fails_the_run_once_a_replica_has_no_restart_left(
@@ -223,4 +225,4 @@ def test_local_launcher_fails_the_run_once_a_replica_has_no_restart_left(
     finally:
         code = run.finish()
     assert code == 1
-    assert "service rollout-0.2 failed (exit code -9)" in capsys.readouterr().err
+    assert "service rollout-0.2 failed (exit code -9; no restart left (up.max_restarts = 2)" in capsys.readouterr().err

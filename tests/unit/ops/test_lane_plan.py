@@ -122,6 +122,8 @@ def test_the_ray_backend_places_a_lanes_replica_as_its_service_told_its_lane() -
     backend.up = UpConfig.model_validate({"max_restarts": {"rollout": 2}})
     backend.run_id, backend.recipe, backend.overrides, backend.learner_ranks = "lanes", "r.toml", [], 1
     backend.env = {"STREAMRL_REDIS__URL": "redis://h:1/0"}
+    backend.service_env = {"rollout": {"STREAMRL_REDIS__URL": "redis://rollout:pw@h:1/0"}}  # an embedded Redis's login
+    backend.launcher_url = "redis://launcher:pw@h:1/0"
     backend.say = lambda *_, **__: None
     backend.replicas = {}
     backend.remote_actor = actors = FakeActorClass()
@@ -132,6 +134,9 @@ def test_the_ray_backend_places_a_lanes_replica_as_its_service_told_its_lane() -
     assert (rollout.service, rollout.unit, rollout.env["STREAMRL_LANE"]) == ("rollout", "rollout-lane1", "1")
     assert coordinator.until and coordinator.env["STREAMRL_LANE"] == "0"
     assert (learner.service, learner.unit, "STREAMRL_LANE" in learner.env) == ("learner", "", False)
+    assert rollout.env["STREAMRL_REDIS__URL"] == "redis://rollout:pw@h:1/0"  # each service its own login
+    assert learner.env["STREAMRL_REDIS__URL"] == "redis://h:1/0"
+    assert rollout.launcher_url == learner.launcher_url == "redis://launcher:pw@h:1/0"  # incarnations counted
     assert set(backend.replicas) == {("rollout-lane1", 0), ("coordinator-lane0", 0), ("learner", 0)}
     assert backend.active("rollout-lane1") == [0] and backend.active("rollout-lane0") == []
 

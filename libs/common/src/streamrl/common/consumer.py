@@ -152,8 +152,9 @@ class ConsumerLoop(Generic[M]):
         self._peers = PeerWatch(config.heartbeat_interval_s)
         self._forget = bus.redis.register_script(FORGET_LUA)
         self._stop: asyncio.Event | None = None
-        self.fatal: LeaseLostError | None = None
-        """Set when a commit was fenced off (another process holds this service's lease): run() raises it."""
+        self.fatal: BaseException | None = None
+        """Set when a commit was fenced off (another process holds this service's lease), or an entry's task
+        failed outside its handler (:meth:`_fail`): run() raises it."""
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self.keep_alive_s = min(config.claim_interval_s, config.claim_idle_ms / 3000)
         """How often what this consumer holds is marked alive: three times per ``claim_idle_ms`` at
@@ -334,8 +335,24 @@ class ConsumerLoop(Generic[M]):
             for _ in range(self._holding.pop(t, 0)):
                 self._slots.release()
             self.stats.in_flight = len(self._tasks)
+            if not t.cancelled() and (error := t.exception()) is not None:
+                self._fail(entry, error)
 
         task.add_done_callback(_done)
+
+    def _fail(self, entry_id: str, error: BaseException) -> None:
+        """An entry's task raised past the handler's boundary: its dead letter or its retry could not be
+        written (Redis refused or stayed away past ``redis.outage_s``), or a bug. Like a failure of the loop's
+        own commands, it stops the loop: :meth:`run` raises it (the process exits non-zero for its
+        orchestrator to restart), and the entry stays pending under this consumer for its next life."""
+        logger.error(
+            "%s %s: handling failed outside the handler; stopping: %r", self.stream, entry_id, error, exc_info=error
+        )
+        self.stats.last_error = f"{type(error).__name__}: {error}"
+        if self.fatal is None:
+            self.fatal = error
+        if self._stop is not None:
+            self._stop.set()
 
     async def _keep_alive(self) -> None:
         """Reset the idle time of every entry pending under this (live) consumer's name, and queue the

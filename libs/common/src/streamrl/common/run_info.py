@@ -2,7 +2,8 @@
 
 Written by the launcher when it starts: the run id, the Redis URL (the embedded server's, or the
 recipe's), the backend and the scaling bounds. A password in the URL is never written: the file
-then says so, and a reader must take the URL from ``STREAMRL_REDIS__URL``.
+then says so, and a reader takes the URL from ``STREAMRL_REDIS__URL``, or, for an embedded Redis, from the
+launcher's login file it names (``credentials``, mode 0600).
 """
 
 from __future__ import annotations
@@ -37,12 +38,22 @@ class RunInfo:
     """The run's ``lanes.count``."""
     lane_urls: list[str] = field(default_factory=list)
     """Each lane's Redis URL, without passwords (empty: every lane on ``redis_url``)."""
+    credentials: str = ""
+    """A file (mode 0600) holding the URL, password included, of the launcher's user of an embedded Redis
+    (:mod:`streamrl.ops.embedded_auth`); empty: none."""
 
     def url(self) -> str:
-        """The URL to connect with: ``STREAMRL_REDIS__URL`` if set, else the stored one (a config error if the
-        stored one lost its password)."""
+        """The URL to connect with: ``STREAMRL_REDIS__URL`` if set, else the one in :attr:`credentials`, else the
+        stored one (a config error if the stored one lost its password)."""
         if os.environ.get(REDIS_URL_ENV):
             return os.environ[REDIS_URL_ENV]
+        if self.credentials:
+            try:
+                return Path(self.credentials).read_text().strip()
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot read the run's Redis login {self.credentials} ({e}): set {REDIS_URL_ENV}"
+                ) from e
         if self.redis_password:
             raise ConfigError(f"the run's Redis URL has a password, which {UP_FILE} does not keep: set {REDIS_URL_ENV}")
         return self.redis_url

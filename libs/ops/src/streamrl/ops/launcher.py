@@ -1,7 +1,8 @@
 """``streamrl up RECIPE``: run a whole streamrl job, on this machine or on a Ray cluster.
 
 1. If the recipe names no Redis (``redis.url``), start an embedded real ``redis-server`` on a free
-   port with its data (AOF) under ``{run_dir}/redis``, its ``maxmemory`` the run's memory bound
+   port with its data (AOF, ``[up] redis_appendfsync``) under ``{run_dir}/redis``, closed by a new password per
+   service (:mod:`streamrl.ops.embedded_auth`), its ``maxmemory`` the run's memory bound
    (:mod:`streamrl.ops.memory_budget`) times ``[up.redis_memory] margin`` and its policy
    ``noeviction``; both are printed. A Redis named by ``redis.url`` is checked instead: a WARNING when
    its ``maxmemory-policy`` could evict streamrl keys or its ``maxmemory`` is below the bound
@@ -20,8 +21,10 @@
    replicas hash (:mod:`streamrl.ops.scaling`): new replicas at the next free index, removed
    ones drained (SIGTERM, ``grace_s``, then SIGKILL). A removed replica's exit is not a failure.
 4. A crashed replica (non-zero exit, or any exit but the ``until`` service's exit 0) is restarted
-   under a new instance name if ``[up] max_restarts`` allows it for its service (local: after
-   ``restart_backoff_s``, doubling; Ray: Ray's own actor restart); otherwise it stops the run.
+   under a new instance name (local: after ``restart_backoff_s``, doubling; Ray: Ray's own actor restart)
+   until it crash-loops (``[up] crash_loop_limit`` crashes within ``crash_loop_window_s``), runs out of
+   ``[up] max_restarts``, or exits 2 (it refuses its configuration); then it stops the run, its last error
+   on screen.
 5. Stop: Ctrl-C / SIGTERM, or the ``until`` service exiting 0 (the run is done), stops everything
    cleanly (SIGTERM, grace, SIGKILL) and exits 0. A service failing for good stops the rest and
    exits 1, naming it. No process is left behind.
@@ -57,6 +60,7 @@ from streamrl.common.run_info import RunInfo, write_run_info
 from streamrl.common.streams import StreamNames
 from streamrl.common.weights.auth import KEY_ENV
 from streamrl.ops.autoscale import Autoscaler
+from streamrl.ops.embedded_auth import LAUNCHER, LAUNCHER_URL_FILE, new_passwords, user_url, write_files
 from streamrl.ops.gpu_plan import plan_run
 from streamrl.ops.lane_plan import embedded_servers, home_url, lanes_env, server_maxmemory, split_unit, units
 from streamrl.ops.local_backend import LocalReplicas
@@ -68,7 +72,7 @@ from streamrl.ops.memory_budget import (
     policy_warnings,
     shape_from_recipe,
 )
-from streamrl.ops.redis_server import RedisServer, memory_settings
+from streamrl.ops.redis_server import RedisServer, free_port, memory_settings
 from streamrl.ops.replicas import Replicas
 from streamrl.ops.scaling import desired_count, desired_replicas, plan, request_replicas
 from streamrl.ops.up_config import SCALABLE, SERVICES, LaunchRecipe
@@ -107,6 +111,8 @@ class Launcher:
         """The embedded redis-servers of lanes 1.. (lane 0's is :attr:`redis`, the home)."""
         self.client: syncredis.Redis | None = None
         self.lock = threading.Lock()
+        self.passwords: dict[str, str] = {}
+        """The embedded Redis's password of each user (:mod:`streamrl.ops.embedded_auth`; empty: an external Redis)."""
         self.weights_key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
         """The run's weights key (:mod:`streamrl.common.weights.auth`): the environment's, else a new random one."""
         self.stop_requested = False
@@ -133,11 +139,11 @@ class Launcher:
         lane_urls: list[str] = []
         if not self.redis_url:
             self.redis_url, lane_urls = self.start_embedded(run_dir)
-        self.client = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
+        self.client = syncredis.Redis.from_url(self.login(self.redis_url), socket_timeout=2)
         if self.lanes.enabled:  # the display's view of each lane's heartbeats (a lane's services beat there)
             urls = lane_urls or [self.lanes.url(k, self.redis_url) for k in range(self.lanes.count)]
             self.lane_clients = [
-                (syncredis.Redis.from_url(url, socket_timeout=2), lane_names(self.cfg.run_id, k))
+                (syncredis.Redis.from_url(self.login(url), socket_timeout=2), lane_names(self.cfg.run_id, k))
                 for k, url in enumerate(urls)
             ]
         if self.redis is None:
@@ -154,33 +160,64 @@ class Launcher:
             pid=os.getpid(),
             lanes=self.lanes.count,
             lane_urls=lane_urls or list(self.lanes.urls),
+            redis_password=bool(self.passwords),
+            credentials=str((run_dir / "redis" / LAUNCHER_URL_FILE).resolve()) if self.passwords else "",
         )
         write_run_info(run_dir, info)
         # the URL is not on the command line: `ps` would show a password
         env = {**os.environ, "STREAMRL_REDIS__URL": self.redis_url, **lanes_env(lane_urls)}
         env.setdefault(KEY_ENV, self.weights_key)  # signs the learner's weights events; never logged
-        self.replicas = self._backend(env)
+        service_env = {s: self.service_env(s, self.redis_url, lane_urls) for s in SERVICES} if self.passwords else {}
+        self.replicas = self._backend(env, service_env)
         for unit in self.units:
             for i in range(up.replicas.get(split_unit(unit)[0], 1)):
                 self.replicas.start(unit, i)
 
+    def login(self, url: str) -> str:
+        """``url`` logged in as the launcher's user (the embedded Redis; an external one's URL as given)."""
+        return user_url(url, LAUNCHER, self.passwords[LAUNCHER]) if self.passwords else url
+
+    def service_env(self, service: str, url: str, lane_urls: list[str]) -> dict[str, str]:
+        """The Redis URLs of ``service`` on the embedded Redis: logged in as its own user (never logged: only
+        its process's environment holds them)."""
+        password = self.passwords[service]
+        lanes = [user_url(lane, service, password) for lane in lane_urls]
+        return {"STREAMRL_REDIS__URL": user_url(url, service, password), **lanes_env(lanes)}
+
     def start_embedded(self, run_dir: Path) -> tuple[str, list[str]]:
-        """Start the embedded redis-server (one per lane with lanes, lane 0's the home); the home's URL and the
-        lanes'."""
+        """Start the embedded redis-server (one per lane with lanes, lane 0's the home) with a new password per
+        user (:mod:`streamrl.ops.embedded_auth`); the home's URL and the lanes' (without passwords)."""
         up = self.cfg.up
         lane_urls: list[str] = []
         total = self.embedded_maxmemory()
         servers = embedded_servers(self.lanes.count, self.redis_url, self.lanes.urls)
         maxmemory = server_maxmemory(total, servers)  # the run's bound is shared by its lanes' servers
+        self.passwords = new_passwords()
+        login = (LAUNCHER, self.passwords[LAUNCHER])
+        data_dir = run_dir / "redis"
         try:
-            self.redis = RedisServer(run_dir / "redis", maxmemory=maxmemory).start()
+            port = free_port()
+            acl = write_files(
+                data_dir, self.cfg.run_id, self.passwords, f"redis://127.0.0.1:{port}/0", self.lanes.count
+            )
+            fsync = up.redis_appendfsync
+            self.redis = RedisServer(
+                data_dir, port=port, appendfsync=fsync, maxmemory=maxmemory, aclfile=acl, login=login
+            ).start()
             for k in range(1, servers):
-                self.lane_servers.append(RedisServer(run_dir / f"redis-lane{k}", maxmemory=maxmemory).start())
+                lane = RedisServer(
+                    run_dir / f"redis-lane{k}", appendfsync=fsync, maxmemory=maxmemory, aclfile=acl, login=login
+                )
+                self.lane_servers.append(lane.start())
         except FileNotFoundError as e:  # no redis-server anywhere: a setup problem, said plainly
             raise ConfigError(str(e)) from e
         self._say(
-            f"embedded redis-server at {self.redis.url} (data: {run_dir / 'redis'}); "
+            f"embedded redis-server at {self.redis.url} (data: {data_dir}, appendfsync {fsync}); "
             f"binary {self.redis.binary}: {self.redis.version}"
+        )
+        self._say(
+            f"redis users: one per service, new passwords, default user off; the launcher's login for tools "
+            f"(streamrl scale) is in {data_dir / LAUNCHER_URL_FILE} (mode 0600)"
         )
         if self.lanes.enabled:
             lane_urls = [self.redis.url, *(server.url for server in self.lane_servers)]
@@ -234,18 +271,29 @@ class Launcher:
         for problem in policy_warnings(policy, maxmemory, self.memory):
             self._say(f"WARNING: {problem} (docs/operations.md)", error=True)
 
-    def _backend(self, env: dict[str, str]) -> Replicas:
+    def _backend(self, env: dict[str, str], service_env: dict[str, dict[str, str]]) -> Replicas:
         up = self.cfg.up
         if up.backend == "local":
             for field in ("resources", "ray_address", "ray_num_cpus"):
                 if getattr(up, field):
                     self._say(f"note: up.{field} has no effect with up.backend = 'local'", error=True)
-            return LocalReplicas(up, self.recipe, self.overrides, env, self._say, self.lock)
+            return LocalReplicas(up, self.recipe, self.overrides, env, self._say, self.lock, service_env)
         try:
             from streamrl.ops.ray_backend import RayReplicas
         except ImportError as e:
             raise ConfigError(f"up.backend = 'ray' needs Ray: pip install 'streamrl-ops[ray]' ({e})") from e
-        return RayReplicas(up, self.cfg.run_id, self.recipe, self.overrides, env, self.learner_ranks, self._say)
+        assert self.redis_url is not None
+        return RayReplicas(
+            up,
+            self.cfg.run_id,
+            self.recipe,
+            self.overrides,
+            env,
+            self.learner_ranks,
+            self._say,
+            service_env,
+            self.login(self.redis_url),
+        )
 
     def watch(self) -> int:
         """Wait until the run ends, a service fails for good, or a stop is requested. Returns the exit code."""

@@ -9,12 +9,13 @@
   lane and ``up.replicas`` rollout and reward actors per lane, each with ``STREAMRL_LANE`` (units of
   :mod:`streamrl.ops.lane_plan`, named ``rollout-lane1-0``), and one learner.
 * The actor (:class:`ServiceActor`) runs the service as its child process - the same command and
-  environment as the local backend (the Redis URL, the weights key, ``OMP_NUM_THREADS``) with
+  environment as the local backend (its service's Redis URL, the weights key, ``OMP_NUM_THREADS``) with
   ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray assigned it (none when it asked for none). The child gets
   SIGTERM if the actor dies (``PR_SET_PDEATHSIG``). Its output goes to the actor's stdout, which Ray
   forwards to the driver prefixed by the instance name.
 * Restarts: when its child crashes the actor exits abnormally, and Ray restarts it while
-  ``[up] max_restarts.<service>`` allows; each incarnation counts itself in the run's
+  ``[up] max_restarts.<service>`` allows (default ``crash_loop_limit - 1`` over the run: Ray restarts
+  without the local backend's window); each incarnation counts itself in the run's
   ``state("incarnations")`` hash and takes a new instance name (``rollout-1.1``), so no consumer name
   is shared by two live processes. A driver call waiting on a restarting actor is retried on the
   new incarnation; one whose actor is dead for good fails, and the launcher stops the run.
@@ -72,6 +73,9 @@ class ReplicaSpec:
     """Working directory of the service (relative paths of the recipe), when it exists on the node."""
     unit: str = ""
     """Its unit when it serves a lane (``rollout-lane1``, :mod:`streamrl.ops.lane_plan`): its names' prefix."""
+    launcher_url: str = ""
+    """The Redis URL the actor counts its incarnation with (the launcher's login of an embedded Redis, whose
+    service users may not); empty: the service's own."""
 
 
 def incarnations_key(names: StreamNames) -> str:
@@ -111,7 +115,7 @@ class ServiceActor:
         import ray
 
         self.spec = spec
-        client = syncredis.Redis.from_url(spec.env["STREAMRL_REDIS__URL"], socket_timeout=10)
+        client = syncredis.Redis.from_url(spec.launcher_url or spec.env["STREAMRL_REDIS__URL"], socket_timeout=10)
         try:
             incarnation = next_incarnation(client, StreamNames(spec.run_id), spec.unit or spec.service, spec.index)
         finally:
@@ -209,6 +213,8 @@ class RayReplicas:
         env: Mapping[str, str],
         learner_ranks: int,
         say: Say,
+        service_env: Mapping[str, Mapping[str, str]] | None = None,
+        launcher_url: str = "",
     ) -> None:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # one line per replica, not "[repeated 3x across cluster]"
         import ray
@@ -219,10 +225,13 @@ class RayReplicas:
         self.recipe = os.path.abspath(recipe)
         self.overrides = overrides
         self.env = {k: v for k, v in env.items() if k.startswith("STREAMRL_")}
+        self.service_env = {s: dict(e) for s, e in (service_env or {}).items()}
+        """Set over :attr:`env` for the replicas of one service (its own Redis login)."""
+        self.launcher_url = launcher_url
         self.learner_ranks = learner_ranks
         self.say = say
         self.replicas: dict[tuple[str, int], RayReplica] = {}
-        client = syncredis.Redis.from_url(self.env["STREAMRL_REDIS__URL"], socket_timeout=10)
+        client = syncredis.Redis.from_url(launcher_url or self.env["STREAMRL_REDIS__URL"], socket_timeout=10)
         try:
             client.delete(incarnations_key(StreamNames(run_id)))  # first actors of this launch: rollout-0, ...
         finally:
@@ -245,19 +254,21 @@ class RayReplicas:
     def start(self, unit: str, index: int) -> None:
         service = split_unit(unit)[0]
         resources = self.up.resources_of(service)
-        options = actor_options(service, resources, self.up.max_restarts.get(service, 0), self.learner_ranks)
+        restarts = self.up.max_restarts.get(service, self.up.crash_loop_limit - 1)
+        options = actor_options(service, resources, restarts, self.learner_ranks)
         spec = ReplicaSpec(
             service=service,
             index=index,
             run_id=self.run_id,
             recipe=self.recipe,
             overrides=self.overrides,
-            env={**self.env, **unit_env(unit)},
+            env={**self.env, **self.service_env.get(service, {}), **unit_env(unit)},
             threads=self.up.threads.get(service),
             num_gpus=options["num_gpus"],
             until=service == self.up.until,
             cwd=os.getcwd(),
             unit=unit if unit != service else "",
+            launcher_url=self.launcher_url,
         )
         actor = self.remote_actor.options(**options).remote(spec)
         self.replicas[(unit, index)] = RayReplica(unit, index, actor, actor.wait.remote())

@@ -12,8 +12,8 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
     rollout      prompts (rollout)            weights            trajectories, dead, served,
                                                                  payload:* (SET, PERSIST, EXISTS)
     reward       trajectories (reward)        -                  scored, dead; reads payload:* (GET, GETRANGE)
-    learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*,
-                                                                 batched:* (GET, HMGET, UNLINK, EXPIRE)
+    learner      batches (learner, + XRANGE,  -                  weights, dead, state:learner*, once:*,
+                 XREAD)                                          batched:* (GET, HMGET, UNLINK, EXPIRE)
     observer     -                            every key (reads)  nothing
 
 and every service: its own heartbeats ``hb:{service}:*`` and leases ``lease:instance:{service}:*``
@@ -228,7 +228,8 @@ def _grants(user: str, names: StreamNames) -> list[Grant]:
     else:
         own = [
             Grant("W", (names.weights,), PUBLISH),
-            Grant("R", (names.batches,), ("xrange",)),  # the ledger reads what is still to come (after a restart)
+            # the ledger reads what is still to come (after a restart); the prefetch waits for the next batch (XREAD)
+            Grant("R", (names.batches,), ("xrange", "xread")),
             Grant("R", (names.state("batch_index"),), ("get",)),  # how far the coordinator has published (gaps)
             Grant("RW", (names.state("learner*"),), OWN_STATE),
             # a batch's payloads, read by reference and deleted once the batch is trained and checkpointed
@@ -254,8 +255,13 @@ def but_prefix(base: str, word: str) -> tuple[str, ...]:
 def user_rule(user: str, run_id: str, password: str, lanes: int = 1) -> str:
     """The ACL file line of ``user``: enabled, its password's SHA-256, no default access, its selectors."""
     check_password(user, password)
-    selectors = grants(user, run_id, lanes)
-    root = ["resetkeys", "resetchannels", "-@all", *("+" + c for c in CONNECTION)]
+    return rule_line(user, password, grants(user, run_id, lanes))
+
+
+def rule_line(user: str, password: str, selectors: list[Grant], keyless: tuple[str, ...] = ()) -> str:
+    """The ACL file line of a user allowed ``selectors`` and the commands ``keyless`` (which name no key, e.g.
+    ``info``), besides the connection's."""
+    root = ["resetkeys", "resetchannels", "-@all", *("+" + c for c in (*CONNECTION, *keyless))]
     if any(g.access != "R" for g in selectors):
         # services run scripts: one may declare any key the user may touch (its commands are checked one by one)
         touched = dict.fromkeys(k for g in selectors for k in g.keys)

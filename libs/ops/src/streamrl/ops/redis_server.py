@@ -93,8 +93,15 @@ class RedisServer:
         appendfsync: str = "everysec",
         extra_args: tuple[str, ...] = (),
         maxmemory: int = 0,
+        aclfile: Path | None = None,
+        login: tuple[str, str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.aclfile = aclfile
+        """An ACL file the server loads (``--aclfile``; :mod:`streamrl.ops.embedded_auth`): None = open to anyone
+        who reaches the port (test fixtures)."""
+        self.login = login
+        """``(user, password)`` the start-up check logs in with (needed when ``aclfile`` turns ``default`` off)."""
         self.extra_args = extra_args
         """More ``redis-server`` arguments (e.g. ``("--cluster-enabled", "yes")``)."""
         self.port = port or free_port()
@@ -139,11 +146,13 @@ class RedisServer:
             str(self.maxmemory),
             "--maxmemory-policy",
             "noeviction",
+            *(("--aclfile", str(self.aclfile.resolve())) if self.aclfile else ()),
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
-        client = syncredis.Redis(port=self.port, socket_timeout=1)
+        user, password = self.login or (None, None)
+        client = syncredis.Redis(port=self.port, socket_timeout=1, username=user, password=password)
         while True:
             try:
                 if client.ping():

@@ -104,13 +104,23 @@ class UpConfig(BaseConfig):
     gpu_plan_check: bool = True
     """Refuse to start a run whose memory plan does not fit (false: print the plan and start anyway)."""
     max_restarts: dict[str, int] = {}
-    """Restarts allowed per replica after it crashes (exits non-zero, or exits at all unless it is the ``until``
-    service exiting 0), e.g. ``{rollout = 3, reward = 3}``. Default 0: a crash stops the whole run, naming the
-    service. Local backend: the launcher restarts the process after ``restart_backoff_s``; Ray: the actor's
-    ``max_restarts`` (Ray restarts it). A restarted replica gets a new instance name (``rollout-1.1``)."""
+    """Restarts allowed per replica over the whole run, by service, e.g. ``{learner = 10}``; a service not named
+    has no such bound (only ``crash_loop_limit`` ends its restarts); 0: its first crash stops the run. A crash is
+    an exit that is not asked for: non-zero, or any exit but the ``until`` service's exit 0. An exit code 2 (the
+    service refuses its configuration) is never restarted. A restarted replica gets a new instance name
+    (``rollout-1.1``). Ray backend: the actor's ``max_restarts`` (Ray restarts it), default
+    ``crash_loop_limit - 1``."""
+    crash_loop_limit: int = Field(5, ge=1)
+    """A replica that crashes this many times within ``crash_loop_window_s`` is crash-looping: the run stops,
+    naming it and showing its last lines of output. 1: no restarts (the first crash stops the run)."""
+    crash_loop_window_s: float = Field(600.0, gt=0)
+    """The window of ``crash_loop_limit`` (s): crashes older than this are forgotten, so a replica that crashes
+    now and then, recovering each time, keeps being restarted."""
     restart_backoff_s: float = Field(1.0, ge=0)
-    """Local backend: wait before a crashed replica's first restart (s); it doubles with each further restart of
-    that replica."""
+    """Local backend: wait before restarting a crashed replica (s); it doubles with each further crash of that
+    replica within ``crash_loop_window_s``, up to ``restart_backoff_max_s``."""
+    restart_backoff_max_s: float = Field(30.0, ge=0)
+    """Local backend: the longest wait before a restart (s)."""
     reconcile_interval_s: float = Field(1.0, gt=0)
     """How often the launcher reads the run's desired replica counts (``streamrl scale``) and starts or drains
     replicas to match (s)."""
@@ -128,6 +138,11 @@ class UpConfig(BaseConfig):
     ray_object_store_mb: int = Field(128, ge=80)
     """Ray backend, local Ray only: its object store (MiB). streamrl moves no data through it (the data rides on
     Redis and the weights on their own transport), so it stays small."""
+    redis_appendfsync: Literal["everysec", "always"] = "everysec"
+    """When the embedded redis-server's AOF reaches the disk. ``everysec``: once a second; whatever Redis
+    acknowledged survives a crash of Redis or of any process, but a power loss or a kernel crash loses up to
+    the last second of writes. ``always``: before every reply; nothing acknowledged is lost even then, at a cost
+    (docs/operations.md: measured 248 vs 13,605 one-client XADDs per s on a virtual disk)."""
     redis_memory: RedisMemoryConfig = RedisMemoryConfig()
     """The run's Redis memory bound: ``maxmemory`` of the embedded redis-server, the check of an external one."""
     resources: dict[str, ServiceResources] = {}

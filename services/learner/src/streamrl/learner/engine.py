@@ -2,11 +2,8 @@
 
 What it owns, in order of use:
 
-* process-group setup: NCCL on GPU, gloo on CPU; a single process needs no launcher (it sets
-  ``MASTER_ADDR/PORT``, ``RANK=0``, ``WORLD_SIZE=1`` itself, on a free port); under ``torchrun`` or
-  the ``deepspeed`` launcher it uses their environment. DeepSpeed's first ``init_distributed``
-  needs a small shm op: scripts/setup.sh pre-builds it; otherwise it is JIT-built (~50 s) into
-  ``TORCH_EXTENSIONS_DIR``, which defaults to ``{sys.prefix}/torch_extensions`` (one per venv).
+* process-group setup (:mod:`streamrl.learner.distributed`): a single process needs no launcher, and no
+  world is written into its environment;
 * the model: causal LM, reward model (sequence classification, one label: the score at the last
   non-pad token) or value model (token classification, one label per token); optional LoRA (peft),
   QLoRA only on CUDA. A causal-LM checkpoint whose config has a ``vision_config`` is loaded as a
@@ -31,8 +28,6 @@ import logging
 import math
 import os
 import random
-import socket
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -43,6 +38,7 @@ import numpy as np
 import torch
 
 from streamrl.learner import durable
+from streamrl.learner.distributed import init_distributed
 from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.kernels import apply_kernels
 from streamrl.learner.safe_checkpoint import SafeLoads, load_checkpoint_file
@@ -69,49 +65,6 @@ def lr_multiplier(step: int, warmup: int, total: int, scheduler: str, min_ratio:
     if scheduler == "cosine":
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"unknown scheduler {scheduler!r}")
-
-
-def init_distributed() -> None:
-    """Create the default process group once (no launcher needed for one process)."""
-    # JIT-built ops (when setup did not pre-build them) go next to this interpreter's packages, so
-    # two virtual environments never rebuild, and lock, each other's copy.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    _release_stale_deepspeed_groups()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    import deepspeed
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        deepspeed.init_distributed(dist_backend="nccl")
-    else:
-        deepspeed.init_distributed(dist_backend="gloo")
-
-
-def _release_stale_deepspeed_groups() -> None:
-    """Forget the process groups DeepSpeed cached in a world that no longer exists.
-
-    Something else in this process (a vLLM engine's shutdown calls ``torch.distributed.destroy_process_group``)
-    may have destroyed the world DeepSpeed built its groups in. DeepSpeed only forgets them when the world is
-    destroyed through ``deepspeed.comm``; otherwise the next ``deepspeed.initialize`` broadcasts over a dead
-    group and fails with "Group ... is not registered".
-    """
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is None or groups._WORLD_GROUP is None:
-        return
-    if torch.distributed.is_initialized():
-        try:
-            torch.distributed.get_process_group_ranks(groups._WORLD_GROUP)
-            return
-        except (KeyError, ValueError, RuntimeError):
-            pass
-    groups._release_process_group_references()
 
 
 def seed_everything(seed: int) -> None:

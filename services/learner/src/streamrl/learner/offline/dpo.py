@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from streamrl.learner.distributed import init_distributed
 from streamrl.learner.ds_config import DeepSpeedConfig
-from streamrl.learner.engine import ModelEngine, init_distributed, load_tokenizer
+from streamrl.learner.engine import ModelEngine, load_tokenizer
 from streamrl.learner.lm_forward import rows_logprobs
 from streamrl.learner.offline.config import DPOConfig
 from streamrl.learner.offline.data import Pair, build_pairs, train_eval_records

@@ -30,8 +30,9 @@ import torch
 from tqdm import tqdm
 
 from streamrl.learner.checkpoint_retention import prune_checkpoints
+from streamrl.learner.distributed import init_distributed
 from streamrl.learner.ds_config import DeepSpeedConfig
-from streamrl.learner.engine import ModelEngine, init_distributed
+from streamrl.learner.engine import ModelEngine
 from streamrl.learner.offline.config import LoggingConfig, TrainConfig
 from streamrl.learner.offline.metric_sinks import MetricSink, build_sink
 

@@ -1,8 +1,8 @@
 """The next batch's payloads read while the current one trains: the learner's fetch off its step's path.
 
 While batch ``k`` trains (in a thread), :class:`Prefetcher` watches the ``batches`` stream for the entry right
-after ``k``'s (``XRANGE (id + COUNT 1``, polled, no consumer-group read: the consumer loop still delivers it,
-counts its deliveries and acks it as ever); when that entry is a :class:`BatchManifest` at index ``k + 1`` it
+after ``k``'s (``XREAD BLOCK`` from ``k``'s id, COUNT 1: it waits for the entry to be written, not a poll; no
+consumer-group read: the consumer loop still delivers it, counts its deliveries and acks it as ever); when that entry is a :class:`BatchManifest` at index ``k + 1`` it
 reads its parts and payloads (:func:`~streamrl.common.batch_payloads.fetch_batch`: bounded replies) in the
 background. When the consumer loop delivers that very entry (same entry id, same batch id) the handler takes
 the result (:meth:`Prefetcher.take`) after its order and duplicate checks, instead of reading Redis then; any
@@ -33,11 +33,13 @@ from streamrl.common.codec import decode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lanes import LaneClients
 from streamrl.common.messages import BatchManifest, TrainingBatch
+from streamrl.common.replies import Entry, read_entries
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05
-"""How often the stream is looked at for the next entry while it is not there yet."""
+WAIT_MS = 2000
+"""How long one look for the next entry waits for it to be written (``XREAD BLOCK``): the entry is seen the
+moment it lands, and an idle learner asks Redis once per this (not a poll every few milliseconds)."""
 
 Fetched = tuple[BatchManifest, TrainingBatch]
 """A manifest read whole (parts included) and the batch its payloads make."""
@@ -77,11 +79,9 @@ class Prefetcher:
         self._pending = pending
 
     async def _fetch(self, pending: _Pending) -> Fetched | None:
-        while True:
-            found = await self.redis.xrange(self.stream, f"({pending.after}", "+", count=1)
-            if found:
-                break
-            await asyncio.sleep(POLL_S)
+        found: list[Entry] = []
+        while not found:  # the first entry after ``after``, as soon as it is written
+            found = read_entries(await self.redis.xread({self.stream: pending.after}, count=1, block=WAIT_MS))
         ((entry_id, fields),) = found
         pending.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         try:
