@@ -69,9 +69,10 @@ from streamrl.common.replies import text
 from streamrl.common.streams import StreamNames
 from streamrl.common.trim import parse_id
 from streamrl.common.tx import Fence, PreconditionFailed
+from streamrl.common.weights.auth import sign, weights_key
 from streamrl.coordinator import state as st
 from streamrl.coordinator.batches import RESEND_LUA, store_parts
-from streamrl.coordinator.dead_letters import LostBatch, RefusedBatch, what_was_lost
+from streamrl.coordinator.dead_letters import ForgedLetter, LostBatch, RefusedBatch, what_was_lost
 from streamrl.coordinator.scripts import FencedScript
 
 logger = logging.getLogger(__name__)
@@ -178,8 +179,11 @@ class Joiner:
         consumer: ConsumerConfig,
         *,
         part_bytes: int = MANIFEST_PART_BYTES,
+        key: bytes | None = None,
     ) -> None:
         self.home = home
+        self.letter_key = key
+        """The run's weights key: the learner's letters must be signed with it, and the relayed ones are."""
         self.names = home_names
         self.lanes = list(lanes)
         self.consumer = consumer
@@ -354,7 +358,10 @@ class Joiner:
 
     async def relay_one(self, entry_id: str, letter: DeadLetter, marks: list[str]) -> None:
         """Relay one home letter (``marks``: each lane's relay mark, updated in place)."""
-        lost = what_was_lost(letter, batches_stream=self.names.batches)
+        lost = what_was_lost(letter, batches_stream=self.names.batches, key=self.letter_key, run_id=self.names.run_id)
+        if isinstance(lost, ForgedLetter):
+            logger.error("joiner: not relayed to the lanes: %s", lost.reason)
+            return
         if not isinstance(lost, LostBatch | RefusedBatch):
             return
         reason = letter.error
@@ -421,6 +428,7 @@ class Joiner:
             payload=encode(published) if published is not None else b"",
             ts=letter.ts,
         )
+        relayed = sign(relayed, self.letter_key, run_id=self.names.run_id)  # the lane's coordinator checks it
         key = lane.names.state(RELAYED)
         tx = lane.bus.tx().require(key, equals=mark or None)
         for part in published.parts if published is not None else []:
@@ -474,7 +482,7 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
                 await lease.renew()
 
         renewing = asyncio.create_task(renew())
-        joining = asyncio.create_task(Joiner(home, home_names, lanes, config.consumer).run(stop))
+        joining = asyncio.create_task(Joiner(home, home_names, lanes, config.consumer, key=weights_key()).run(stop))
         done, _ = await asyncio.wait([renewing, joining], return_when=asyncio.FIRST_COMPLETED)
         await cancel_and_wait([t for t in (renewing, joining) if t not in done])
         for task in done:
