@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Literal
 
 from streamrl.common.lanes import lane_names
+from streamrl.common.lease import takes_key
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import once_key
 
@@ -117,9 +118,9 @@ TIME for the age of what is kept)."""
 FOLLOW = ("xread", "xrange", "xrevrange", "xlen")
 """A :class:`streamrl.common.follower.StreamFollower` (and a look at the last entries)."""
 PUBLISH = ("xadd",)
-LEASE = ("set", "get", "pexpire", "del")
+LEASE = ("set", "get", "pexpire", "del", "incr")
 """A :class:`streamrl.common.lease.Lease` on its instance name (and, for the coordinator and the learner, its
-role); the bus's scripts GET the lease that fences them."""
+role), with its take count (``{lease}:takes``); the bus's scripts GET the lease that fences them."""
 ONCE = ("get", "set", "del")
 """The ``once`` keys of :mod:`streamrl.common.tx`: looked up (a re-send), set with the replies, removed
 when a commit without an entry failed."""
@@ -169,12 +170,17 @@ def grants(user: str, run_id: str, lanes: int = 1) -> list[Grant]:
     if user in ("rollout", "reward"):
         return [g for names in spaces for g in _grants(user, names)]
     if user == "coordinator":
-        joiner = [Grant("RW", (home.lease("singleton", "joiner"),), LEASE)]
+        joiner = [Grant("RW", _lease_keys(home.lease("singleton", "joiner")), LEASE)]
         for names in spaces:
             joiner += [Grant("W", (names.weights,), PUBLISH), Grant("RW", (names.batches,), (*CONSUME, "xrange"))]
         return [*(g for names in spaces for g in _grants(user, names)), *_grants(user, home), *joiner]
     payloads = tuple(names.batched_samples("*", "*") for names in spaces)
     return [*_grants(user, home), Grant("RW", payloads, ("get", "hmget", "unlink", "expire"))]
+
+
+def _lease_keys(key: str) -> tuple[str, str]:
+    """A lease and its take count (an instance lease's glob covers both)."""
+    return key, takes_key(key)
 
 
 def _grants(user: str, names: StreamNames) -> list[Grant]:
@@ -196,7 +202,7 @@ def _grants(user: str, names: StreamNames) -> list[Grant]:
         Grant("RW", (names.lease("instance", user, "*"),), LEASE),
     ]
     if user in ("coordinator", "learner"):  # one per run (streamrl.common.lifecycle.SINGLETONS)
-        common.append(Grant("RW", (names.lease("singleton", user),), LEASE))
+        common.append(Grant("RW", _lease_keys(names.lease("singleton", user)), LEASE))
         common.append(Grant("RW", (once_key([names.all_keys], "*"),), ONCE))  # their transactions run once
     if user == "coordinator":
         state = but_prefix(names.state(""), "learner")  # the run state, less the learner's ledger
