@@ -234,7 +234,7 @@ async def _serve(
         service=service,
         instance=instance,
         config=config,
-        bus=bus_of(redis, config.redis),
+        bus=bus_of(redis, config.redis, service),
         names=names,
         stop=asyncio.Event(),
         burst=burst,
@@ -303,8 +303,9 @@ async def _serve(
     return 0
 
 
-def bus_of(redis: aioredis.Redis, config: RedisConfig) -> Bus:
-    """A Bus on ``redis`` with the limits and lifetimes of ``config`` (a service's own, or one more it writes to)."""
+def bus_of(redis: aioredis.Redis, config: RedisConfig, service: str) -> Bus:
+    """A Bus on ``redis`` with the limits and lifetimes of ``config`` (a service's own, or one more it writes to),
+    keeping ``service``'s ``once`` keys."""
     return Bus(
         redis,
         maxlen=config.maxlen,
@@ -314,6 +315,7 @@ def bus_of(redis: aioredis.Redis, config: RedisConfig) -> Bus:
         retain_consumed_s=config.retain_consumed_s,
         payload_orphan_ttl_s=config.payload_orphan_ttl_s,
         payload_retention_s=config.payload_retention_s,
+        once_scope=service,
     )
 
 

@@ -8,12 +8,14 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
     user         consumes and trims (group)   follows            writes
     coordinator  scored (coordinator)         weights, dead      prompts, batches, dead, state:* but
                                                                  state:learner*, groups*, batched:*,
-                                                                 once:*, payload:* (RENAME, UNLINK, DEL)
+                                                                 once:coordinator:*, payload:* (RENAME,
+                                                                 UNLINK, DEL)
     rollout      prompts (rollout)            weights            trajectories, dead, served,
                                                                  payload:* (SET, PERSIST, EXISTS)
     reward       trajectories (reward)        -                  scored, dead; reads payload:* (GET, GETRANGE)
-    learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*, once:*,
-                                                                 batched:* (GET, HMGET, UNLINK, EXPIRE)
+    learner      batches (learner, + XRANGE)  -                  weights, dead, state:learner*,
+                                                                 once:learner:*, batched:* (GET, HMGET,
+                                                                 UNLINK, EXPIRE)
     observer     -                            every key (reads)  nothing
 
 and every service: its own heartbeats ``hb:{service}:*`` and leases ``lease:instance:{service}:*``
@@ -25,12 +27,12 @@ on its own state keys (the coordinator's ``state:*`` and group buffers, the lear
 state is its own business. The coordinator's ``state:*`` leaves out the learner's ledger
 (:func:`but_prefix`: glob patterns for "any name not starting with ``learner``").
 
-``once:{op}`` keys (:mod:`streamrl.common.tx`) make a write run once however often the client
+``once:{service}:{op}`` keys (:mod:`streamrl.common.tx`) make a write run once however often the client
 re-sends it: only the coordinator and the learner make such writes (transactions, the coordinator's
-fenced scripts, ``Bus.publish``), with GET, SET and DEL (:data:`ONCE`). Rollout and reward write only
-through consumer commits, which acknowledge an input entry and are made idempotent by checking that
-it is still pending (XPENDING), not by a ``once`` key. The ``once`` namespace is shared by the two:
-its key names carry no service (each ``op`` is 96 random bits).
+fenced scripts, ``Bus.publish``), each in its own namespace, with GET, SET and DEL (:data:`ONCE`): neither can
+read, delete or pre-empt the other's (a deleted ``once`` key would let a re-sent write run twice). Rollout and
+reward write only through consumer commits, which acknowledge an input entry and are made idempotent by checking
+that it is still pending (XPENDING), not by a ``once`` key.
 
 Each consumer loop trims the stream it consumes to what its groups still need
 (:mod:`streamrl.common.trim`: XINFO GROUPS, XPENDING, TIME, XTRIM MINID ~), so a consumer may XTRIM
@@ -203,7 +205,7 @@ def _grants(user: str, names: StreamNames) -> list[Grant]:
     ]
     if user in ("coordinator", "learner"):  # one per run (streamrl.common.lifecycle.SINGLETONS)
         common.append(Grant("RW", _lease_keys(names.lease("singleton", user)), LEASE))
-        common.append(Grant("RW", (once_key([names.all_keys], "*"),), ONCE))  # their transactions run once
+        common.append(Grant("RW", (once_key([names.all_keys], "*", user),), ONCE))  # their own transactions run once
     if user == "coordinator":
         state = but_prefix(names.state(""), "learner")  # the run state, less the learner's ledger
         own = [

@@ -461,9 +461,9 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
             lanes.append(Lane(ctx.bus, names))  # this coordinator's own: fenced by its lease
             continue
         url = await resolve_url(config.lanes.url(k, config.redis.url), names.prompts)
-        lanes.append(Lane(bus_of(client(url), config.redis), names))
+        lanes.append(Lane(bus_of(client(url), config.redis, ctx.service), names))
     home = bus_of(
-        client(await resolve_url(config.redis.url, home_names.prompts)), config.redis
+        client(await resolve_url(config.redis.url, home_names.prompts)), config.redis, ctx.service
     )  # a cluster: the home's node
     token = holder_token(ctx.instance)
     ttl_s = config.consumer.lease_ttl
