@@ -19,7 +19,10 @@
   serves one; then loaded. Every path loads exactly the signed event's version and checks the
   weights against its checksum (over the broadcast too: a member refuses whatever else the group's
   unauthenticated store offers, and a version replaced by a newer one before it was loaded waits
-  for that one's event). The version the engine serves is reported in the heartbeat and in the
+  for that one's event). The follower reads on while a version loads: a newer event - a newer version, or
+  this one published again by a restarted learner whose old endpoint may be dead - abandons the update
+  in progress (``WeightUpdate.abandoned``: its fetch stops) and takes its place; a failed sync is retried every
+  ``WEIGHT_RETRY_S``. The version the engine serves is reported in the heartbeat and in the
   ``served`` hash. A worker that joins late
   loads the latest published version before it takes prompts.
 * With ``rollout.engine.sleep_between_versions`` (colocated synchronous runs: ``streamrl up`` checks
