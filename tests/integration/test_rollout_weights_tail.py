@@ -364,3 +364,47 @@ def test_a_fetch_stuck_on_a_dead_learner_is_abandoned_for_the_republished_versio
     assert took < 2.0, f"the republished version was loaded {took:.1f} s after it was published"
     assert engine.abandoned == ["tcp://dead-learner:1"]
     assert engine.loads == [("tcp://restarted-learner:1", 1)]
+
+
+class _FailsTwice:
+    """Version 2 fails its first two syncs (its server not up yet); every other version loads."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.failures = 0
+
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+    ) -> None:
+        if version == 2 and self.failures < 2:
+            self.failures += 1
+            raise WeightSyncError("the server did not answer the connection within its deadline")
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_event_of_an_older_version_does_not_end_the_retries_of_a_newer_one(redis_url: str, run_id: str) -> None:
+    """A restarted learner publishes its checkpoint's version (1) again while the worker retries version 2: the
+    older event is no reason to give version 2 up (it would wait for the next version for ever)."""
+    engine = _FailsTwice()
+
+    async def scenario() -> None:
+        service, bus, names = _service(redis_url, run_id, engine)
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            await bus.publish(names.weights, _weights(2))
+            async with timeout(10):
+                while engine.failures < 1:
+                    await asyncio.sleep(0.01)
+            await bus.publish(names.weights, _weights(1))
+            async with timeout(30):
+                while engine.version < 2:
+                    await asyncio.sleep(0.01)
+        finally:
+            await cancel_and_wait([tail])
+            await bus.redis.aclose()
+
+    asyncio.run(scenario())
+    assert engine.version == 2 and engine.failures == 2

@@ -352,7 +352,7 @@ class RolloutService:
                 await self._apply(msg)
                 return
             except WeightSyncError as e:
-                if _stream_order(await self._newest_event_id()) > _stream_order(entry_id):
+                if await self._superseded(entry_id, msg.version):
                     logger.warning(
                         "weight sync to version %d failed (%s); a newer weights event is published: taking that",
                         msg.version,
@@ -362,15 +362,17 @@ class RolloutService:
                 logger.error("weight sync to version %d failed: %s", msg.version, e)
             await asyncio.sleep(WEIGHT_RETRY_S)
 
-    async def _newest_event_id(self) -> str:
-        """Stream id of the newest valid WeightsPublished ("0-0" = none)."""
-        for entry_id, fields in stream_entries(await self.redis.xrevrange(self.ctx.names.weights, count=16)):
+    async def _superseded(self, entry_id: str, version: int) -> bool:
+        """Whether a valid event of ``version`` or newer follows entry ``entry_id`` (the follower takes it next)."""
+        for newer_id, fields in stream_entries(await self.redis.xrevrange(self.ctx.names.weights, count=16)):
+            if _stream_order(newer_id.decode()) <= _stream_order(entry_id):
+                return False
             try:
-                self._weights_event(fields)
+                if self._weights_event(fields).version >= version:
+                    return True
             except PoisonMessageError:
                 continue
-            return str(entry_id.decode())
-        return "0-0"
+        return False
 
     async def _apply(self, msg: WeightsPublished) -> None:
         async with self.update_lock:
