@@ -197,10 +197,17 @@ class Pair:
         self.names = [lane_names(run_id, 0), lane_names(run_id, 1)]
         self.sync = [redis.Redis.from_url(u) for u in self.urls]
 
-    def joiner(self, clients: list[aioredis.Redis], part_bytes: int = 2**20, cls: type[Joiner] = Joiner) -> Joiner:
+    def joiner(
+        self,
+        clients: list[aioredis.Redis],
+        part_bytes: int = 2**20,
+        cls: type[Joiner] = Joiner,
+        key: bytes | None = None,
+    ) -> Joiner:
         home = Bus(clients[0])
         lanes = [Lane(Bus(c), n) for c, n in zip(clients, self.names, strict=True)]
-        return cls(home, self.home_names, lanes, ConsumerConfig(claim_interval_s=0.2), part_bytes=part_bytes)
+        config = ConsumerConfig(claim_interval_s=0.2)
+        return cls(home, self.home_names, lanes, config, part_bytes=part_bytes, key=key)
 
     async def publish(
         self, clients: list[aioredis.Redis], lane: int, manifest: BatchManifest, part_bytes: int = 2**20
