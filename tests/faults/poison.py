@@ -20,7 +20,8 @@ a conflicting copy; an exact copy is skipped quietly, tests/integration/test_lea
 and an oversized batch from the future; each must be dead-lettered, never trained. The followed
 streams (``weights``, ``dead``) have no consumer group: their readers must pass over bad entries and
 go on; ``weights`` also gets a forged event (a new version, signed with another key, pointing at a
-port where nothing listens).
+port where nothing listens), and ``dead`` a forged letter about a batch (issue 38, finding 5: the learner's
+"skipped untrained" letter, unsigned, naming a batch not trained yet - honoured, it would delete the batch's samples).
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ import msgspec
 
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import BatchManifest, Heartbeat, Message, TrainingBatch, WeightsPublished
+from streamrl.common.messages import (
+    BATCH_SKIPPED,
+    BatchManifest,
+    DeadLetter,
+    Heartbeat,
+    Message,
+    TrainingBatch,
+    WeightsPublished,
+)
 from streamrl.common.weights.auth import sign
 
 PAD_FIELD_BYTES = 3 * 2**19
@@ -111,6 +120,25 @@ def forged_weights(real: WeightsPublished) -> Poison:
         real, version=real.version + 500, step=real.step + 500, endpoint="tcp://127.0.0.1:9", checksum="0" * 64
     )
     return Poison("forged signature", encode(sign(forged, b"not-this-runs-key-0123456789", run_id="another-run")), None)
+
+
+FORGED_LETTER_ENTRY = "0-2"
+"""The entry id a forged batch letter names (the scenario marks it injected: the counting believes it no more than
+the coordinator must)."""
+
+
+def forged_batch_letter(victim: BatchManifest, stream: str) -> DeadLetter:
+    """The learner's letter for ``victim`` (on ``stream``, the run's batches) as any credential can write it: unsigned."""
+    return DeadLetter(
+        stream=stream,
+        entry_id=FORGED_LETTER_ENTRY,
+        group="learner",
+        consumer="learner",
+        error=f"{victim.id} ({victim.num_samples} samples) {BATCH_SKIPPED}: forged",
+        deliveries=1,
+        payload=encode(victim),
+        ts=time.time(),
+    )
 
 
 def first_message(entries: list[tuple[bytes, dict[bytes, bytes]]], kind: type[Message]) -> tuple[Any, bytes]:

@@ -1,6 +1,7 @@
 """Poison entries in every stream mid-run (the kinds of tests/faults/poison.py): each one a consumer
 group reads is dead-lettered with a reason naming its defect, the followed streams' readers pass
-over theirs, no out-of-order batch is trained, and the run goes on to the end with nothing lost.
+over theirs, no out-of-order batch is trained, a forged letter about the newest batch deletes nothing (it is
+counted as forged and the batch is trained), and the run goes on to the end with nothing lost.
 
 ``redis.max_message_mb = 1`` so that an oversized entry is 1.5 MiB, not 33.
 """
@@ -9,13 +10,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import TypeVar
 
 import pytest
 from harness import FaultRun, MakeRun
-from poison import Poison, first_message, forged_weights, malformed, out_of_order_batches
+from poison import (
+    FORGED_LETTER_ENTRY,
+    Poison,
+    first_message,
+    forged_batch_letter,
+    forged_weights,
+    malformed,
+    out_of_order_batches,
+)
 from scenario import conclude
 
-from streamrl.common.codec import decode
+from streamrl.common.codec import decode, encode
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import (
     BatchManifest,
@@ -27,6 +37,7 @@ from streamrl.common.messages import (
 )
 
 pytestmark = pytest.mark.slow
+T = TypeVar("T")
 TOTAL_STEPS = 12
 INJECT_AT_VERSION = 3
 RECOVERY_BOUND_S = 20.0
@@ -63,6 +74,17 @@ def _dead_letter_failures(run: FaultRun, written: list[tuple[str, str, Poison]])
     return failures
 
 
+def _decoded(run: FaultRun, stream: str, kind: type[T]) -> list[T]:
+    """The entries of ``stream`` that decode as ``kind`` (the poison among them left out)."""
+    out = []
+    for _, fields in run.written(stream):
+        try:
+            out.append(decode(fields.get(b"d", b""), kind))
+        except PoisonMessageError:
+            continue
+    return out
+
+
 def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     run: FaultRun = fault_run("poison", [f"--total_steps={TOTAL_STEPS}", "--redis.max_message_mb=1"]).start()
     run.wait_version(INJECT_AT_VERSION)
@@ -93,6 +115,11 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
     written += _write(run, n.weights, [replace(p, reason=None) for p in malformed(weights)])
     written += _write(run, n.weights, [forged_weights(weights)])
     written += _write(run, n.dead, [replace(p, reason=None) for p in malformed(letter)])
+    manifests = _decoded(run, n.batches, BatchManifest)
+    victim = max((m for m in manifests if m.index < 1000), key=lambda m: m.index)  # the newest: not trained yet
+    run.injected.add((n.batches, FORGED_LETTER_ENTRY))
+    client.xadd(n.dead, {b"d": encode(forged_batch_letter(victim, n.batches))})
+    run.details.update(forged_letter_victim=victim.id, version_at_forgery=run.version())
     injected_at = time.time()
 
     def checks() -> list[str]:
@@ -100,6 +127,12 @@ def test_poison_in_every_stream(fault_run: MakeRun) -> None:
         version = int(client.get(n.state("policy_version")) or 0)
         if version > TOTAL_STEPS:
             failures.append(f"the coordinator's policy version is {version}: a forged weights event moved it")
+        forged = int(client.get(n.state("dead_letters_forged")) or 0)
+        if forged != 1:
+            failures.append(f"the coordinator counted {forged} forged dead letters, not 1")
+        trained = {event.batch_id for event in _decoded(run, n.weights, WeightsPublished)}
+        if victim.id not in trained:
+            failures.append(f"{victim.id}, named by a forged letter, was never trained")
         return failures
 
     conclude(

@@ -25,10 +25,12 @@ from test_learner_group import training_batch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import DeadLetter, WeightsPublished
 from streamrl.common.streams import StreamNames
+from streamrl.common.weights.auth import KEY_ENV, check_letter
 from streamrl.torchkit.testing import build_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("learner_failure_worker.py")
+RUN_KEY = b"the-run-key-0123456789"
 
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -94,7 +96,7 @@ def test_a_batch_failing_before_any_backward_pass_is_skipped_and_the_run_goes_on
     names = StreamNames(run_id)
     for i in range(3):
         client.xadd(names.batches, {"d": encode(training_batch(i))})
-    done = _life(model, redis_url, run_id, tmp_path / "run", "1", "before")
+    done = _life(model, redis_url, run_id, tmp_path / "run", "1", "before", env={KEY_ENV: RUN_KEY.decode()})
     assert done.returncode == 0, done.stderr[-3000:]
     events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
     assert [w.version for w in events] == [0, 1, 2, 3]
@@ -103,6 +105,7 @@ def test_a_batch_failing_before_any_backward_pass_is_skipped_and_the_run_goes_on
     assert (
         "batch-1 (20 samples) skipped untrained: its step failed 2 times, last: ValueError: a bad input" in letter.error
     )
+    check_letter(letter, RUN_KEY, run_id=run_id)  # signed: the coordinator believes it (a forged one it does not)
     assert client.xpending(names.batches, "learner")["pending"] == 0
 
 
@@ -114,7 +117,7 @@ def test_batches_from_the_future_or_the_past_are_dead_lettered_and_never_trained
     names = StreamNames(run_id)
     for i in (0, 1000, 1, 0, 2):  # a batch from the future, and a second copy of batch 0
         client.xadd(names.batches, {"d": encode(training_batch(i))})
-    done = _life(model, redis_url, run_id, tmp_path / "run", "-1")
+    done = _life(model, redis_url, run_id, tmp_path / "run", "-1", env={KEY_ENV: RUN_KEY.decode()})
     assert done.returncode == 0, done.stderr[-3000:]
     events = [decode(f[b"d"], WeightsPublished) for _, f in client.xrange(names.weights)]
     assert [(w.version, w.batch_id) for w in events] == [(0, ""), (1, "batch-0"), (2, "batch-1"), (3, "batch-2")]
@@ -122,6 +125,7 @@ def test_batches_from_the_future_or_the_past_are_dead_lettered_and_never_trained
     # batches 1 and 2, still in the stream behind it, are trained first; then 1000 is a batch from the future
     assert "batch-1000 is ahead of the learner, whose next batch is 3" in future.error
     assert "a batch from the future, never trained out of order" in future.error
+    check_letter(future, RUN_KEY, run_id=run_id)  # the consumer loop's letter is signed too
     assert client.xpending(names.batches, "learner")["pending"] == 0
 
 

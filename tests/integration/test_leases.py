@@ -188,3 +188,35 @@ def test_a_renewal_whose_reply_was_lost_keeps_the_lease(redis_url: str) -> None:
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_stalled_holder_never_takes_back_a_lease_a_standby_held_meanwhile(redis_url: str) -> None:
+    """Issue 38: the learner stalled past its lease TTL; its standby took the lease over, worked, and released it
+    (stopped) - or died holding it. The stalled learner, waking, must not take the free lease back as if nobody
+    had held it: it stops (LeaseLostError) instead of resuming beside what its successor did. Nobody having taken
+    it, it still takes it back (test above)."""
+
+    async def scenario(successor_dies: bool) -> None:
+        client = connect(redis_url)
+        key = f"test:lease:{time.time_ns()}"
+        try:
+            stalled = Lease(client, key, "learner@h:1/x", ttl_s=0.3, what="the learner of run r")
+            standby = Lease(client, key, "learner@h:2/y", ttl_s=0.3, what="the learner of run r")
+            assert await stalled.acquire(wait_s=0)
+            await asyncio.sleep(0.5)  # stalled past the TTL: the standby takes over
+            assert await standby.acquire(wait_s=0)
+            if successor_dies:
+                await asyncio.sleep(0.5)  # it died: its lease expired
+            else:
+                await standby.release()  # it stopped
+            assert await client.get(key) is None
+            with pytest.raises(LeaseLostError, match="another process took it over meanwhile and gave it up"):
+                await stalled.renew()
+            assert await client.get(key) is None
+            assert await standby.acquire(wait_s=0)  # a later take is unaffected
+            await standby.renew()
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario(successor_dies=False))
+    asyncio.run(scenario(successor_dies=True))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from streamrl.common.aio import cancel_and_wait
+from streamrl.common.aio import cancel_and_wait, timeout
 from streamrl.common.bus import Bus, connect
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.lifecycle import ServiceContext
@@ -143,7 +143,7 @@ def test_a_dead_weight_follower_stops_the_worker(redis_url: str, run_id: str, mo
         finally:
             await bus.redis.aclose()
 
-    with pytest.raises(RuntimeError, match="the weight follower died"):
+    with pytest.raises(RuntimeError, match="the weight update died"):  # (its update task: the follower reads on)
         asyncio.run(scenario())
 
 
@@ -305,3 +305,106 @@ def test_a_version_republished_by_a_restarted_learner_replaces_the_lost_one(redi
         ("tcp://new-learner:1", 2, "c"),
         ("tcp://newer-learner:1", 2, "d"),
     ]
+
+
+class _Stuck:
+    """A fetch from the dead learner's endpoint hangs (as one does until the sync deadline) until given up."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.loads: list[tuple[str, int]] = []
+        self.abandoned: list[str] = []
+
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+    ) -> None:
+        if endpoint == "tcp://dead-learner:1":
+            try:
+                await asyncio.sleep(timeout_s)
+            except asyncio.CancelledError:
+                self.abandoned.append(endpoint)
+                raise
+            raise WeightSyncError("missed its deadline")
+        self.loads.append((endpoint, version))
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_fetch_stuck_on_a_dead_learner_is_abandoned_for_the_republished_version(redis_url: str, run_id: str) -> None:
+    """The learner published version 1 and was killed; the worker's fetch from its endpoint hangs. The
+    restarted learner publishes version 1 again (same weights, another endpoint): the worker gives the stuck
+    fetch up at once and loads the republished one - not after ``rollout.weight_sync_timeout_s`` (120 s)."""
+    engine = _Stuck()
+
+    def event(endpoint: str) -> WeightsPublished:
+        return WeightsPublished(
+            version=1, step=1, batch_id="", checksum="c", num_bytes=1, num_buckets=1, endpoint=endpoint
+        )
+
+    async def scenario() -> float:
+        service, bus, names = _service(redis_url, run_id, engine)
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            await bus.publish(names.weights, event("tcp://dead-learner:1"))
+            await asyncio.sleep(0.5)  # the worker is stuck in the fetch
+            assert engine.version == 0 and not engine.abandoned
+            started = time.monotonic()
+            await bus.publish(names.weights, event("tcp://restarted-learner:1"))
+            async with timeout(30):
+                while engine.version < 1:
+                    await asyncio.sleep(0.01)
+            return time.monotonic() - started
+        finally:
+            await cancel_and_wait([tail])
+            await bus.redis.aclose()
+
+    took = asyncio.run(scenario())
+    assert took < 2.0, f"the republished version was loaded {took:.1f} s after it was published"
+    assert engine.abandoned == ["tcp://dead-learner:1"]
+    assert engine.loads == [("tcp://restarted-learner:1", 1)]
+
+
+class _FailsTwice:
+    """Version 2 fails its first two syncs (its server not up yet); every other version loads."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.failures = 0
+
+    async def update_weights(
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+    ) -> None:
+        if version == 2 and self.failures < 2:
+            self.failures += 1
+            raise WeightSyncError("the server did not answer the connection within its deadline")
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_event_of_an_older_version_does_not_end_the_retries_of_a_newer_one(redis_url: str, run_id: str) -> None:
+    """A restarted learner publishes its checkpoint's version (1) again while the worker retries version 2: the
+    older event is no reason to give version 2 up (it would wait for the next version for ever)."""
+    engine = _FailsTwice()
+
+    async def scenario() -> None:
+        service, bus, names = _service(redis_url, run_id, engine)
+        tail = asyncio.create_task(service._tail_weights("0-0"))
+        try:
+            await bus.publish(names.weights, _weights(2))
+            async with timeout(10):
+                while engine.failures < 1:
+                    await asyncio.sleep(0.01)
+            await bus.publish(names.weights, _weights(1))
+            async with timeout(30):
+                while engine.version < 2:
+                    await asyncio.sleep(0.01)
+        finally:
+            await cancel_and_wait([tail])
+            await bus.redis.aclose()
+
+    asyncio.run(scenario())
+    assert engine.version == 2 and engine.failures == 2

@@ -200,10 +200,17 @@ class Pair:
         self.names = [lane_names(run_id, 0), lane_names(run_id, 1)]
         self.sync = [redis.Redis.from_url(u) for u in self.urls]
 
-    def joiner(self, clients: list[aioredis.Redis], part_bytes: int = 2**20, cls: type[Joiner] = Joiner) -> Joiner:
+    def joiner(
+        self,
+        clients: list[aioredis.Redis],
+        part_bytes: int = 2**20,
+        cls: type[Joiner] = Joiner,
+        key: bytes | None = None,
+    ) -> Joiner:
         home = Bus(clients[0])
         lanes = [Lane(Bus(c), n) for c, n in zip(clients, self.names, strict=True)]
-        return cls(home, self.home_names, lanes, ConsumerConfig(claim_interval_s=0.2), part_bytes=part_bytes)
+        config = ConsumerConfig(claim_interval_s=0.2)
+        return cls(home, self.home_names, lanes, config, part_bytes=part_bytes, key=key)
 
     async def publish(
         self, clients: list[aioredis.Redis], lane: int, manifest: BatchManifest, part_bytes: int = 2**20
@@ -377,7 +384,7 @@ def test_a_learner_dead_letter_about_a_joined_batch_reaches_every_lane_as_its_ow
     assert not pair.sync[0].exists(*joined.parts), "the dead joined batch's home parts were kept"
     for k, groups, count in ((0, ("p0", "p2"), 4), (1, ("p1",), 2)):
         (relayed,) = pair.letters(k)
-        lost = what_was_lost(relayed, batches_stream=pair.names[k].batches)
+        lost = what_was_lost(relayed, batches_stream=pair.names[k].batches, key=None, run_id=pair.home_names.run_id)
         assert isinstance(lost, LostBatch), lost
         assert (lost.batch_id, lost.num_samples, lost.num_groups) == ("batch-0", count, len(groups))
         assert "a payload is missing" in relayed.error
@@ -443,7 +450,9 @@ def test_bad_lane_entries_are_dead_lettered_naming_them_never_joined(pair: Pair,
     assert "keys not of its batch in lane 1" in second.error and "another run" in second.error
     for letter in (first, second):  # counted by lane 1's coordinator, never taken for a batch to drop or resend
         assert letter.stream == pair.home_names.batches
-        assert what_was_lost(letter, batches_stream=pair.names[1].batches) is None
+        assert (
+            what_was_lost(letter, batches_stream=pair.names[1].batches, key=None, run_id=pair.home_names.run_id) is None
+        )
     assert pair.sync[1].xpending(pair.names[1].batches, "joiner")["pending"] == 0
 
 

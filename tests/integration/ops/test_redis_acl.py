@@ -193,7 +193,7 @@ async def consume(
     to the stream's end (or, given ``until``, until it holds); then its health check and the clean-up
     of its heartbeat."""
     client = connect(acl.url(user), outage_s=2)
-    bus = Bus(client)
+    bus = Bus(client, once_scope=user)  # as lifecycle.bus_of builds it
     instance = f"{user}-0"
 
     async def handle(msg: M) -> list[Output]:
@@ -371,7 +371,7 @@ async def fenced_bus(acl: AclRedis, service: str) -> tuple[Bus, Lease]:
     token = holder_token(f"{service}-0")
     lease = Lease(client, acl.names.lease("singleton", service), token, 5.0, f"the {service}")
     assert await lease.acquire(0)
-    bus = Bus(client, outage_s=2)
+    bus = Bus(client, outage_s=2, once_scope=service)  # as lifecycle.bus_of builds it
     bus.fence = Fence(lease.key, token)
     return bus, lease
 
@@ -534,6 +534,9 @@ class Case:
 
 W = encode_payload(weights_event(9))[b"d"]
 ONCE = once_key([N.prompts], "0123456789abcdef01234567")
+ONCE_OF = {
+    service: once_key([N.prompts], "0123456789abcdef01234567", service) for service in ("coordinator", "learner")
+}
 REFUSED = [
     Case("rollout", ("XADD", N.weights, "*", "d", W), "only the learner publishes weights"),
     Case("rollout", ("XADD", N.prompts, "*", "d", "x"), "rollout consumes prompts, it does not issue them"),
@@ -547,6 +550,15 @@ REFUSED = [
     Case("rollout", ("SET", N.lease("instance", "reward", "r-0"), "x"), "another service's lease"),
     Case("rollout", ("SET", ONCE, "x"), "rollout runs no once-operations (its commits ack an entry)"),
     Case("reward", ("DEL", ONCE), "reward runs no once-operations (its commits ack an entry)"),
+    Case("rollout", ("SET", ONCE_OF["learner"], "x"), "nor in another service's name"),
+    Case(
+        "coordinator",
+        ("DEL", ONCE_OF["learner"]),
+        "the learner's once keys are its own (deleted: a re-send runs twice)",
+    ),
+    Case("coordinator", ("SET", ONCE_OF["learner"], "x"), "nor pre-set (a write of the learner would never run)"),
+    Case("learner", ("GET", ONCE_OF["coordinator"]), "the coordinator's once keys are its own"),
+    Case("learner", ("SET", ONCE, "x"), "once keys name their service"),
     Case("coordinator", ("HSET", N.state("learner"), "acked", "99"), "the learner's ledger is the learner's"),
     Case("coordinator", ("SET", N.state("learner_version"), "9@x"), "the learner's publication mark"),
     Case("learner", ("INCR", N.state("late_samples_dropped")), "coordinator counters are the coordinator's"),

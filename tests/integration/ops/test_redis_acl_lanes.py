@@ -97,7 +97,7 @@ def test_the_learner_deletes_a_lanes_payloads_with_its_ack(server: tuple[int, di
         try:
             await client.xgroup_create(HOME.batches, "learner", id="0")
             ((_, entries),) = await client.xreadgroup("learner", "learner", {HOME.batches: ">"})
-            ledger = LearnerLedger(Bus(client), HOME)
+            ledger = LearnerLedger(Bus(client, once_scope="learner"), HOME)
             lanes = LaneClients(client, [client, client])
             assert [await client.get(k) for k in payloads] == [b"x", b"x"]  # the learner reads them
             await ledger.ack(HOME.batches, [entries[0][0].decode()], ["batch-1"], 0, 2, [*payloads, home_part], lanes)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from streamrl.common.aio import cancel_and_wait, timeout
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
 from streamrl.learner.rl.weights.zmq import WeightServer
@@ -200,6 +203,38 @@ def test_hf_engine_interface(hf_engine: Engine, hf_model: PreTrainedModel, model
     expected_b = model_b.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT) :].tolist()
     assert after[0].token_ids == expected_b[: len(after[0].token_ids)] != expected[: len(after[0].token_ids)]
     assert (after[0].version_start, after[0].version_end) == (4, 4)
+
+
+def test_hf_update_given_up_mid_fetch_stops_it_and_the_engine_serves_on(hf_engine: Engine) -> None:
+    """The service gives a weight update up while its fetch waits on a weight server that never answers (a
+    newer weights event came, or the worker is stopping): the fetch stops at once instead of at the 60 s sync
+    deadline, the driver thread survives it (no InvalidStateError), generates and closes at once."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts the connection, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+
+    async def scenario() -> float:
+        update = asyncio.create_task(hf_engine.update_weights(endpoint, 1, "0" * 64, timeout_s=60))
+        await asyncio.sleep(1.0)  # the driver thread is in the fetch
+        await cancel_and_wait([update])
+        started = time.monotonic()
+        greedy = SamplingParams(temperature=0, max_new_tokens=4)
+        async with timeout(30):
+            (samples,) = await hf_engine.generate([GenerationRequest(PROMPT, greedy)])
+        assert samples[0].token_ids
+        return time.monotonic() - started
+
+    try:
+        generated_after_s = asyncio.run(scenario())
+    finally:
+        silent.close()
+        ctx.term()
+    assert generated_after_s < 5.0, f"generation waited {generated_after_s:.1f} s behind the abandoned fetch"
+    assert hf_engine.version == 0
+    started = time.monotonic()
+    hf_engine.close()
+    assert time.monotonic() - started < 5.0
 
 
 def test_hf_engine_batches_concurrent_calls_exactly(hf_engine: Engine, hf_model: PreTrainedModel) -> None:

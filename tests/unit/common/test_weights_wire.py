@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -9,10 +10,12 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights.wire import (
     ALIGN_BYTES,
+    CONNECT_TIMEOUT_S,
     BucketHeader,
     BucketServer,
     ErrorReply,
@@ -145,3 +148,62 @@ def test_unreachable_endpoint_fails_at_the_deadline() -> None:
     with pytest.raises(WeightSyncError, match="deadline"):
         list(fetch_buckets("tcp://127.0.0.1:9", 1, None, 0.3))
     assert 0.25 < time.monotonic() - start < 2.0
+
+
+def _silent_server() -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes], str]:
+    """A ROUTER that accepts connections and never answers (a stalled weight server)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return ctx, sock, f"tcp://127.0.0.1:{port}"
+
+
+def test_a_dead_server_fails_at_the_connect_deadline_not_the_sync_deadline() -> None:
+    """A learner killed right after it published: nothing listens on its endpoint any more. The fetch
+    fails within CONNECT_TIMEOUT_S, not at the (here 60 s) sync deadline."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    dead = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()  # the port is free: connections are refused, as to a killed learner's
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="did not answer the connection"):
+        list(fetch_buckets(dead, 1, None, 60.0))
+    assert time.monotonic() - start < CONNECT_TIMEOUT_S + 3.0
+
+
+def test_a_server_that_goes_away_mid_transfer_fails_the_fetch_at_once() -> None:
+    ctx, sock, endpoint = _silent_server()
+    errors: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            list(fetch_buckets(endpoint, 1, None, 60.0))
+        except WeightSyncError as e:
+            errors.append(e)
+
+    receiver = threading.Thread(target=fetch)
+    receiver.start()
+    assert sock.poll(10_000), "the receiver asked for its first bucket"
+    sock.recv_multipart()
+    start = time.monotonic()
+    sock.close()  # the learner dies holding the request
+    ctx.term()
+    receiver.join(timeout=30)
+    assert not receiver.is_alive()
+    assert time.monotonic() - start < 5.0
+    assert len(errors) == 1 and "the server went away (0/? buckets received)" in str(errors[0])
+
+
+def test_an_abandoned_fetch_stops_waiting() -> None:
+    ctx, sock, endpoint = _silent_server()
+    abandoned = threading.Event()
+    threading.Timer(0.3, abandoned.set).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match="abandoned"):
+            list(fetch_buckets(endpoint, 1, None, 60.0, abandoned=abandoned))
+    finally:
+        sock.close()
+        ctx.term()
+    assert time.monotonic() - start < 3.0

@@ -15,6 +15,7 @@ from streamrl.common.tx import decode_replies, once_key
 def test_the_once_key_shares_the_run_hash_tag() -> None:
     assert once_key(["plain", "streamrl:{r1}:batches"], "ab") == "streamrl:{r1}:once:ab"
     assert once_key(["plain"], "ab") == "streamrl:once:ab"
+    assert once_key(["streamrl:{r1}:batches"], "ab", "learner") == "streamrl:{r1}:once:learner:ab"  # its own namespace
 
 
 def test_stored_replies_decode_as_redis_py_replies() -> None:

@@ -326,8 +326,12 @@ class Bus:
         max_command_bytes: int = 8 * 2**20,
         payload_orphan_ttl_s: float = 3600.0,
         payload_retention_s: float = 0.0,
+        once_scope: str = "",
     ) -> None:
         self.redis = redis
+        self.once_scope = once_scope
+        """The service writing through this bus: its ``once`` keys are ``once:{once_scope}:{op}``, a namespace the
+        ACL grants that service alone ("" = ``once:{op}``: tests and tools)."""
         self.payload_orphan_ttl_s = payload_orphan_ttl_s
         """Time to live of a trajectory payload until the commit referencing it (``redis.payload_orphan_ttl_s``)."""
         self.payload_retention_s = payload_retention_s
@@ -399,7 +403,7 @@ class Bus:
             raise ValueError(
                 f"a commit of entry {ack_entry} needs its stream and group (got {ack_stream!r}, {ack_group!r})"
             )
-        once = "" if ack_entry else _once_key_for(ack_stream, outputs)
+        once = "" if ack_entry else _once_key_for(ack_stream, outputs, self.once_scope)
         ttl_ms = int(2 * self.outage_s * 1000)
         args: list[str | bytes | int] = [
             ack_stream,
@@ -445,9 +449,9 @@ def _client_outage_s(redis: aioredis.Redis) -> float:
     return retry.outage_s if isinstance(retry, OutageRetry) else 60.0
 
 
-def _once_key_for(stream: str, outputs: Sequence[Output]) -> str:
+def _once_key_for(stream: str, outputs: Sequence[Output], scope: str) -> str:
     keys = [stream, *(out.stream or out.key or "" for out in outputs)]
-    return once_key([k for k in keys if k], secrets.token_hex(12))
+    return once_key([k for k in keys if k], secrets.token_hex(12), scope)
 
 
 def commit_keys(commits: Sequence[Sequence[str | bytes | int]]) -> list[str]:

@@ -62,6 +62,7 @@ from streamrl.common.bus import PAYLOAD_FIELD, Bus, CommitBatcher, OutageRetry, 
 from streamrl.common.codec import decode, encode
 from streamrl.common.config import ConsumerConfig
 from streamrl.common.errors import PoisonMessageError, RetryableError
+from streamrl.common.lanes import home_run_id
 from streamrl.common.lease import LeaseLostError
 from streamrl.common.messages import DeadLetter, Message
 from streamrl.common.peers import FORGET_LUA, PeerWatch, may_judge
@@ -71,6 +72,7 @@ from streamrl.common.replies import entry_ids, pending, read_entries, text
 from streamrl.common.streams import StreamNames
 from streamrl.common.telemetry.tracing import set_delivery_attempt
 from streamrl.common.trim import trim_consumed
+from streamrl.common.weights.auth import sign
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ class ConsumerLoop(Generic[M]):
         ack: bool = True,
         on_committed: Callable[[str, M], Awaitable[None]] | None = None,
         max_message_bytes: int | None = -1,
+        letter_key: bytes | None = None,
     ) -> None:
         self.bus = bus
         self.redis = bus.redis
@@ -134,6 +137,9 @@ class ConsumerLoop(Generic[M]):
         self.on_committed = on_committed
         self.max_message_bytes = bus.max_message_bytes if max_message_bytes == -1 else max_message_bytes
         """Entries over this are dead-lettered unread (default: the bus's limit; None: no limit)."""
+        self.letter_key = letter_key
+        """The run's weights key, to sign this loop's dead letters with (the learner's: a letter about a batch is
+        believed only when signed, :mod:`streamrl.common.weights.auth`); None: unsigned."""
         self.stats = ConsumerStats()
         self._committer = CommitBatcher(bus)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -618,6 +624,7 @@ class ConsumerLoop(Generic[M]):
             payload=payload,
             ts=time.time(),
         )
+        letter = sign(letter, self.letter_key, run_id=home_run_id(self.names.run_id))
         await self.bus.commit(
             [Output(stream=self.names.dead, message=letter)],
             ack_stream=self.stream,

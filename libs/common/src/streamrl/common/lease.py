@@ -12,7 +12,10 @@ Two uses, both taken in :mod:`streamrl.common.lifecycle` before a service starts
 
 A lease is a ``SET NX PX`` of a token naming its holder; renewing and releasing check the token (a
 Lua script), so a holder that stalled past its TTL and lost the lease to another process learns it at
-its next renewal and stops instead of working beside its successor.
+its next renewal and stops instead of working beside its successor. Every take also counts in
+``{lease}:takes``, and each holder remembers its take: a holder whose lease expired takes it again at
+renewal only if nobody took it meanwhile - a standby that took it over and then released it (or died with it)
+leaves the count moved, and the stalled holder stops instead of resuming where its successor worked.
 """
 
 from __future__ import annotations
@@ -28,22 +31,42 @@ import redis.asyncio as aioredis
 
 logger = logging.getLogger(__name__)
 
+TAKES_TTL_S = 86_400
+"""How long a lease's take count outlives its last take or renewal (s)."""
+ACQUIRE_LUA = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local take = redis.call('INCR', KEYS[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  return {1, tostring(take)}
+end
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return {1, redis.call('GET', KEYS[2]) or ''} end
+return {0, holder}
+"""
+"""Take a lease if it is free. KEYS: the lease, its take count; ARGV: token, TTL ms, the count's TTL ms. Reply
+``{1, this take's number}`` (taken now, or by this very process before: a re-sent call) or ``{0, holder}``."""
 RENEW_LUA = """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
   return 1
 end
 if not holder then
+  local takes = redis.call('GET', KEYS[2])
+  if takes and takes ~= ARGV[3] then return 3 end
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
   return 2
 end
 return holder
 """
-"""Renew a lease in one step: 1 (extended), 2 (it had expired with nobody taking it: taken again) or
-the token of the process holding it now. One script, so two renewers of one process (the start-up
-thread and the heartbeat) cannot see each other's re-take as another holder, and a re-sent call
-(lost reply) finds the lease its first run took."""
+"""Renew a lease in one step. KEYS: the lease, its take count; ARGV: token, TTL ms, this holder's take, the
+count's TTL ms. Reply 1 (extended), 2 (it had expired with nobody taking it: taken again), 3 (it expired and
+another process took it meanwhile, and gave it up or died: lost) or the token of the process holding it now.
+One script, so two renewers of one process (the start-up thread and the heartbeat) cannot see each other's
+re-take as another holder, and a re-sent call (lost reply) finds the lease its first run took."""
+TAKEN_MEANWHILE = 3
 RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -80,16 +103,17 @@ class Lease:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.what = what
         """What is leased, for messages (e.g. ``the coordinator of run demo``)."""
+        self.take = ""
+        """Which take of the lease this process holds (``{key}:takes`` when it took it), set by :meth:`acquire`."""
 
     async def try_acquire(self) -> str | None:
         """Take the lease if it is free: None, else the current holder's token."""
-        if await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
+        keys = [self.key, takes_key(self.key)]
+        taken, value = await self.redis.eval(ACQUIRE_LUA, 2, *keys, self.token, self.ttl_ms, TAKES_TTL_S * 1000)
+        if taken:
+            self.take = _text(value)
             return None
-        holder = await self.redis.get(self.key)
-        if holder is None:  # expired between the two calls: try again at once
-            return await self.try_acquire()
-        text = _text(holder)
-        return None if text == self.token else text
+        return _text(value)
 
     async def acquire(self, wait_s: float | None, stop: asyncio.Event | None = None) -> bool:
         """Take the lease, waiting up to ``wait_s`` (None: until it is free or ``stop`` is set) for the
@@ -119,17 +143,31 @@ class Lease:
 
         A lease that expired with nobody taking it (Redis restarted, or this process stalled past the
         TTL with no standby waiting) is taken again: still only one holder."""
-        reply = await self.redis.eval(RENEW_LUA, 1, self.key, self.token, self.ttl_ms)
+        reply = await self.redis.eval(RENEW_LUA, 2, *self.renew_args())
         if reply == 2:
             logger.warning("the lease on %s had expired with nobody taking it: holding it again", self.what)
         elif reply != 1:
-            raise LeaseLostError(
-                f"lost the lease on {self.what} (it expired; now held by {holder_of(_text(reply))}): stopping"
-            )
+            raise LeaseLostError(f"lost the lease on {self.what} ({lost_to(reply)}): stopping")
+
+    def renew_args(self) -> list[str | int]:
+        """KEYS and ARGV of :data:`RENEW_LUA` for this lease (the start-up renewer thread calls it too)."""
+        return [self.key, takes_key(self.key), self.token, self.ttl_ms, self.take, TAKES_TTL_S * 1000]
 
     async def release(self) -> None:
         """Give the lease up (only if still held: never deletes a successor's)."""
         await self.redis.eval(RELEASE_LUA, 1, self.key, self.token)
+
+
+def takes_key(key: str) -> str:
+    """The count of takes of lease ``key`` (same hash slot: the key's tag)."""
+    return f"{key}:takes"
+
+
+def lost_to(reply: bytes | str | int) -> str:
+    """Why a renewal that did not extend the lease (``reply`` of :data:`RENEW_LUA`) lost it, for messages."""
+    if reply == TAKEN_MEANWHILE:
+        return "it expired, and another process took it over meanwhile and gave it up"
+    return f"it expired; now held by {holder_of(_text(reply))}"  # type: ignore[arg-type]
 
 
 def _text(value: bytes | str) -> str:

@@ -236,7 +236,7 @@ async def _serve(
         service=service,
         instance=instance,
         config=config,
-        bus=bus_of(redis, config.redis),
+        bus=bus_of(redis, config.redis, service),
         names=names,
         stop=asyncio.Event(),
         burst=burst,
@@ -305,8 +305,9 @@ async def _serve(
     return 0
 
 
-def bus_of(redis: aioredis.Redis, config: RedisConfig) -> Bus:
-    """A Bus on ``redis`` with the limits and lifetimes of ``config`` (a service's own, or one more it writes to)."""
+def bus_of(redis: aioredis.Redis, config: RedisConfig, service: str) -> Bus:
+    """A Bus on ``redis`` with the limits and lifetimes of ``config`` (a service's own, or one more it writes to),
+    keeping ``service``'s ``once`` keys."""
     return Bus(
         redis,
         maxlen=config.maxlen,
@@ -316,6 +317,7 @@ def bus_of(redis: aioredis.Redis, config: RedisConfig) -> Bus:
         retain_consumed_s=config.retain_consumed_s,
         payload_orphan_ttl_s=config.payload_orphan_ttl_s,
         payload_retention_s=config.payload_retention_s,
+        once_scope=service,
     )
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import redis as syncredis
 
-from streamrl.common.lease import RENEW_LUA, Lease, holder_of
+from streamrl.common.lease import RENEW_LUA, Lease, lost_to
 
 logger = logging.getLogger(__name__)
 LAG_PERIOD_S = 0.1
@@ -36,7 +36,7 @@ class StartupRenewer:
         self.interval_s = interval_s
         self.starting = starting
         self.lost: str | None = None
-        """Set when a lease turned out held by another process (the heartbeat's renewal then stops the service)."""
+        """Why a lease turned out lost to another process (the heartbeat's renewal then stops the service)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
 
@@ -63,9 +63,9 @@ class StartupRenewer:
             client.close()
 
     def _renew(self, client: syncredis.Redis, lease: Lease) -> None:
-        reply = client.eval(RENEW_LUA, 1, lease.key, lease.token, lease.ttl_ms)
+        reply = client.eval(RENEW_LUA, 2, *lease.renew_args())
         if reply not in (1, 2):
-            self.lost = holder_of(reply.decode() if isinstance(reply, bytes) else str(reply))
+            self.lost = lost_to(reply)
 
 
 async def watch_loop_lag(

@@ -596,6 +596,9 @@ class DeadLetter(_Message, tag="dead"):
     payload: bytes
     """The original entry payload, unchanged."""
     ts: float
+    signature: str = ""
+    """HMAC-SHA256 of this letter with the run's weights key (:mod:`streamrl.common.weights.auth`): set on the
+    letters about batches the learner (or lane 0's joiner) writes; the coordinator honours only signed ones."""
 
 
 BATCH_SKIPPED = "skipped untrained"

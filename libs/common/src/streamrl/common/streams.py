@@ -12,7 +12,7 @@
     streamrl:{run}:instances      set of "{service}:{instance}" that have heartbeated (readers look
                                   keys up from it, never with a SCAN of the keyspace)
     streamrl:{run}:lease:...      leases (:mod:`streamrl.common.lease`), the fence of a service's writes
-    streamrl:{run}:once:{op}      replies of one transaction / no-entry commit, for twice redis.outage_s
+    streamrl:{run}:once:{service}:{op}  replies of one transaction / no-entry commit, for twice redis.outage_s
                                   (:mod:`streamrl.common.tx`)
 
 The braces are literal: ``{run}`` is a Redis Cluster hash tag, so every key of a run hashes to one

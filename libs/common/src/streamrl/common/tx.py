@@ -13,7 +13,8 @@ script (:data:`TX_LUA`), which in this order:
 4. runs every queued command, in order, and replies as redis-py would (ints, bytes, lists, ``None``,
    ``True`` for ``OK``); a command that fails (say, WRONGTYPE) does not stop the others - as with
    MULTI/EXEC - and its error is raised after all ran;
-5. stores the replies (cmsgpack) under ``streamrl:{run}:once:{op}`` for twice ``redis.outage_s``.
+5. stores the replies (cmsgpack) under ``streamrl:{run}:once:{service}:{op}`` for twice ``redis.outage_s`` (each
+   service's own namespace: ``Bus.once_scope``).
 
 *Idempotent*: each ``execute()`` draws a random operation id ``op``. When the connection drops after
 Redis ran the script but before the reply arrived, the client's outage retry
@@ -102,12 +103,14 @@ class PreconditionFailed(RuntimeError):  # noqa: N818 - the name the services co
         self.key, self.wanted, self.found = key, wanted, found
 
 
-def once_key(keys: list[str], op: str) -> str:
-    """``streamrl:{run}:once:{op}``, with the hash tag of the first key that has one (one Cluster slot)."""
+def once_key(keys: list[str], op: str, scope: str = "") -> str:
+    """``streamrl:{run}:once:{scope}:{op}`` (``scope``: the writing service, whose ACL user alone may touch its
+    ``once`` keys; "" = ``once:{op}``), with the hash tag of the first key that has one (one Cluster slot)."""
+    name = f"once:{scope}:{op}" if scope else f"once:{op}"
     for key in keys:
         if tag := _HASH_TAG.search(key):
-            return f"streamrl:{{{tag.group(1)}}}:once:{op}"
-    return f"streamrl:once:{op}"
+            return f"streamrl:{{{tag.group(1)}}}:{name}"
+    return f"streamrl:{name}"
 
 
 def decode_replies(packed: bytes) -> list[Any]:
@@ -238,7 +241,7 @@ class Tx:
         args.append(len(self.commands))
         for command in self.commands:
             args += [len(command), *command]
-        return [once_key(keys, op), *keys], args
+        return [once_key(keys, op, self.bus.once_scope), *keys], args
 
     async def execute(self) -> list[Any]:
         """Run the queued commands once (see the module docstring): their replies, in order.

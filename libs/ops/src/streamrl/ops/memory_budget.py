@@ -82,7 +82,8 @@ KEY_OVERHEAD = 160
 NODE_SLACK_ENTRIES = 100
 """``stream-node-max-entries``: an approximate trim (``~``) keeps up to one partial node more."""
 INSTANCE_BYTES = 4096
-"""Per service instance: heartbeat key, instance-set member, lease, served-version field, group consumer."""
+"""Per service instance: heartbeat key, instance-set member, lease and its take count, served-version field,
+group consumer."""
 ONCE_KEY_BYTES = 320
 """One operation key (``once:{op}``): name, the stored replies, TTL."""
 WEIGHTS_ENTRY_BYTES = {"zmq": 4096, "ipc": 128 * 1024, "broadcast": 128 * 1024}

@@ -8,12 +8,14 @@ the passwords. What each user may do, keys under ``streamrl:{run}:`` (:mod:`stre
     user         consumes and trims (group)   follows            writes
     coordinator  scored (coordinator)         weights, dead      prompts, batches, dead, state:* but
                                                                  state:learner*, groups*, batched:*,
-                                                                 once:*, payload:* (RENAME, UNLINK, DEL)
+                                                                 once:coordinator:*, payload:* (RENAME,
+                                                                 UNLINK, DEL)
     rollout      prompts (rollout)            weights            trajectories, dead, served,
                                                                  payload:* (SET, PERSIST, EXISTS)
     reward       trajectories (reward)        -                  scored, dead; reads payload:* (GET, GETRANGE)
-    learner      batches (learner, + XRANGE,  -                  weights, dead, state:learner*, once:*,
-                 XREAD)                                          batched:* (GET, HMGET, UNLINK, EXPIRE)
+    learner      batches (learner, + XRANGE,  -                  weights, dead, state:learner*,
+                 XREAD)                                          once:learner:*, batched:* (GET, HMGET,
+                                                                 UNLINK, EXPIRE)
     observer     -                            every key (reads)  nothing
 
 and every service: its own heartbeats ``hb:{service}:*`` and leases ``lease:instance:{service}:*``
@@ -25,12 +27,12 @@ on its own state keys (the coordinator's ``state:*`` and group buffers, the lear
 state is its own business. The coordinator's ``state:*`` leaves out the learner's ledger
 (:func:`but_prefix`: glob patterns for "any name not starting with ``learner``").
 
-``once:{op}`` keys (:mod:`streamrl.common.tx`) make a write run once however often the client
+``once:{service}:{op}`` keys (:mod:`streamrl.common.tx`) make a write run once however often the client
 re-sends it: only the coordinator and the learner make such writes (transactions, the coordinator's
-fenced scripts, ``Bus.publish``), with GET, SET and DEL (:data:`ONCE`). Rollout and reward write only
-through consumer commits, which acknowledge an input entry and are made idempotent by checking that
-it is still pending (XPENDING), not by a ``once`` key. The ``once`` namespace is shared by the two:
-its key names carry no service (each ``op`` is 96 random bits).
+fenced scripts, ``Bus.publish``), each in its own namespace, with GET, SET and DEL (:data:`ONCE`): neither can
+read, delete or pre-empt the other's (a deleted ``once`` key would let a re-sent write run twice). Rollout and
+reward write only through consumer commits, which acknowledge an input entry and are made idempotent by checking
+that it is still pending (XPENDING), not by a ``once`` key.
 
 Each consumer loop trims the stream it consumes to what its groups still need
 (:mod:`streamrl.common.trim`: XINFO GROUPS, XPENDING, TIME, XTRIM MINID ~), so a consumer may XTRIM
@@ -78,6 +80,7 @@ from pathlib import Path
 from typing import Literal
 
 from streamrl.common.lanes import lane_names
+from streamrl.common.lease import takes_key
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import once_key
 
@@ -117,9 +120,9 @@ TIME for the age of what is kept)."""
 FOLLOW = ("xread", "xrange", "xrevrange", "xlen")
 """A :class:`streamrl.common.follower.StreamFollower` (and a look at the last entries)."""
 PUBLISH = ("xadd",)
-LEASE = ("set", "get", "pexpire", "del")
+LEASE = ("set", "get", "pexpire", "del", "incr")
 """A :class:`streamrl.common.lease.Lease` on its instance name (and, for the coordinator and the learner, its
-role); the bus's scripts GET the lease that fences them."""
+role), with its take count (``{lease}:takes``); the bus's scripts GET the lease that fences them."""
 ONCE = ("get", "set", "del")
 """The ``once`` keys of :mod:`streamrl.common.tx`: looked up (a re-send), set with the replies, removed
 when a commit without an entry failed."""
@@ -169,12 +172,17 @@ def grants(user: str, run_id: str, lanes: int = 1) -> list[Grant]:
     if user in ("rollout", "reward"):
         return [g for names in spaces for g in _grants(user, names)]
     if user == "coordinator":
-        joiner = [Grant("RW", (home.lease("singleton", "joiner"),), LEASE)]
+        joiner = [Grant("RW", _lease_keys(home.lease("singleton", "joiner")), LEASE)]
         for names in spaces:
             joiner += [Grant("W", (names.weights,), PUBLISH), Grant("RW", (names.batches,), (*CONSUME, "xrange"))]
         return [*(g for names in spaces for g in _grants(user, names)), *_grants(user, home), *joiner]
     payloads = tuple(names.batched_samples("*", "*") for names in spaces)
     return [*_grants(user, home), Grant("RW", payloads, ("get", "hmget", "unlink", "expire"))]
+
+
+def _lease_keys(key: str) -> tuple[str, str]:
+    """A lease and its take count (an instance lease's glob covers both)."""
+    return key, takes_key(key)
 
 
 def _grants(user: str, names: StreamNames) -> list[Grant]:
@@ -196,8 +204,8 @@ def _grants(user: str, names: StreamNames) -> list[Grant]:
         Grant("RW", (names.lease("instance", user, "*"),), LEASE),
     ]
     if user in ("coordinator", "learner"):  # one per run (streamrl.common.lifecycle.SINGLETONS)
-        common.append(Grant("RW", (names.lease("singleton", user),), LEASE))
-        common.append(Grant("RW", (once_key([names.all_keys], "*"),), ONCE))  # their transactions run once
+        common.append(Grant("RW", _lease_keys(names.lease("singleton", user)), LEASE))
+        common.append(Grant("RW", (once_key([names.all_keys], "*", user),), ONCE))  # their own transactions run once
     if user == "coordinator":
         state = but_prefix(names.state(""), "learner")  # the run state, less the learner's ledger
         own = [

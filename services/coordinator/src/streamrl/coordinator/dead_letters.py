@@ -17,6 +17,10 @@ coordinator that is one of:
 
 Anything else (a weights event, an undecodable entry of another stream) only counts as a dead
 letter: nothing the coordinator issued was lost.
+
+A letter about a batch is acted on only when the learner wrote it: with the run's weights key, one not signed
+with it (:func:`streamrl.common.weights.auth.check_letter`) is a :class:`ForgedLetter` - any service's credential
+can write to ``dead``, and an honoured batch letter deletes the samples it names.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from streamrl.common.messages import (
     Trajectory,
     TrajectoryRecord,
 )
+from streamrl.common.weights.auth import LetterAuthError, check_letter
 
 BATCH_ID = re.compile(r"\bbatch-\d+\b")
 """A batch id in a letter's error (the learner names the batch it gives up on)."""
@@ -83,11 +88,30 @@ class RefusedBatch:
     """The hashes holding its samples (a manifest's): deleted if it is counted dropped."""
 
 
-Loss = LostGroup | LostEvalPrompt | LostBatch | RefusedBatch
+@dataclass(frozen=True)
+class ForgedLetter:
+    """A letter about a batch not signed with the run's key: nothing is done for it but to say so."""
+
+    reason: str
 
 
-def what_was_lost(letter: DeadLetter, *, batches_stream: str) -> Loss | None:
-    """The group, evaluation prompt or batch that ``letter`` gives up on, or None."""
+Loss = LostGroup | LostEvalPrompt | LostBatch | RefusedBatch | ForgedLetter
+
+
+def what_was_lost(letter: DeadLetter, *, batches_stream: str, key: bytes | None, run_id: str) -> Loss | None:
+    """The group, evaluation prompt or batch that ``letter`` gives up on, or None. ``key``: the run's weights
+    key, which a letter about a batch (of ``batches_stream``) must be signed with for run ``run_id`` (None: every
+    letter is believed)."""
+    if letter.stream == batches_stream:
+        try:
+            check_letter(letter, key, run_id=run_id)
+        except LetterAuthError as e:
+            return ForgedLetter(str(e))
+    return _lost(letter, batches_stream)
+
+
+def _lost(letter: DeadLetter, batches_stream: str) -> Loss | None:
+    """What a letter believed gives up on (see :func:`what_was_lost`)."""
     try:
         inner: Message = decode(letter.payload)
     except PoisonMessageError:

@@ -88,9 +88,10 @@ from streamrl.common.messages import (
 from streamrl.common.replies import text
 from streamrl.common.streams import StreamNames
 from streamrl.common.tx import Fence, PreconditionFailed
+from streamrl.common.weights.auth import sign, weights_key
 from streamrl.coordinator import state as st
 from streamrl.coordinator.batches import RESEND_LUA, store_parts
-from streamrl.coordinator.dead_letters import LostBatch, RefusedBatch, what_was_lost
+from streamrl.coordinator.dead_letters import ForgedLetter, LostBatch, RefusedBatch, what_was_lost
 from streamrl.coordinator.mirror import Lane, Mirrored, after, mirror_lane
 from streamrl.coordinator.scripts import FencedScript
 
@@ -189,8 +190,11 @@ class Joiner:
         part_bytes: int = MANIFEST_PART_BYTES,
         mirrored: Mirrored | None = None,
         outage_retry_s: float = OUTAGE_RETRY_S,
+        key: bytes | None = None,
     ) -> None:
         self.home = home
+        self.letter_key = key
+        """The run's weights key: the learner's letters must be signed with it, and the relayed ones are."""
         self.names = home_names
         self.lanes = list(lanes)
         self.consumer = consumer
@@ -406,7 +410,10 @@ class Joiner:
 
     async def relay_one(self, entry_id: str, letter: DeadLetter, marks: list[str]) -> None:
         """Relay one home letter (``marks``: each lane's relay mark, updated in place)."""
-        lost = what_was_lost(letter, batches_stream=self.names.batches)
+        lost = what_was_lost(letter, batches_stream=self.names.batches, key=self.letter_key, run_id=self.names.run_id)
+        if isinstance(lost, ForgedLetter):
+            logger.error("joiner: not relayed to the lanes: %s", lost.reason)
+            return
         if not isinstance(lost, LostBatch | RefusedBatch):
             if after(entry_id, marks[0]):
                 marks[0] = await self._pass_on(entry_id, letter, marks[0])
@@ -488,6 +495,7 @@ class Joiner:
             payload=encode(published) if published is not None else b"",
             ts=letter.ts,
         )
+        relayed = sign(relayed, self.letter_key, run_id=self.names.run_id)  # the lane's coordinator checks it
         key = lane.names.state(RELAYED)
         tx = lane.bus.tx().require(key, equals=mark or None)
         for part in published.parts if published is not None else []:
@@ -521,9 +529,9 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
             lanes.append(Lane(ctx.bus, names))  # this coordinator's own: fenced by its lease
             continue
         url = await resolve_url(config.lanes.url(k, config.redis.url), names.prompts)
-        lanes.append(Lane(bus_of(client(url), config.redis), names))
+        lanes.append(Lane(bus_of(client(url), config.redis, ctx.service), names))
     home = bus_of(
-        client(await resolve_url(config.redis.url, home_names.prompts)), config.redis
+        client(await resolve_url(config.redis.url, home_names.prompts)), config.redis, ctx.service
     )  # a cluster: the home's node
     token = holder_token(ctx.instance)
     ttl_s = config.consumer.lease_ttl
@@ -542,7 +550,7 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
                 await lease.renew()
 
         renewing = asyncio.create_task(renew())
-        joiner = Joiner(home, home_names, lanes, config.consumer, mirrored=mirrored)
+        joiner = Joiner(home, home_names, lanes, config.consumer, mirrored=mirrored, key=weights_key())
         ctx.loops.extend(joiner.loops)
         joining = asyncio.create_task(joiner.run(stop))
         done, _ = await asyncio.wait([renewing, joining], return_when=asyncio.FIRST_COMPLETED)

@@ -71,7 +71,7 @@ class FencedScript:
 
     def _full(self, keys: Sequence[str], args: Sequence[Arg]) -> tuple[list[str], list[Arg]]:
         fence = self.bus.fence
-        once = once_key(list(keys), secrets.token_hex(12))
+        once = once_key(list(keys), secrets.token_hex(12), self.bus.once_scope)
         ttl_ms = int(2 * self.bus.outage_s * 1000) if self.once else 0
         head: list[Arg] = [ttl_ms, fence.key if fence else "", fence.token if fence else ""]
         return [once, fence.key if fence else once, *keys], [*head, *args]

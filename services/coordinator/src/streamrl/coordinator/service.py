@@ -43,15 +43,23 @@ from streamrl.common.aio import cancel_and_wait, wait_set
 from streamrl.common.bus import Output
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
+from streamrl.common.lanes import home_run_id
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import DeadLetter, ScoredRecord, TrajectoryRecord, WeightsPublished
 from streamrl.common.redact import redact
-from streamrl.common.weights.auth import weights_key
+from streamrl.common.weights.auth import KEY_ENV, weights_key
 from streamrl.coordinator import state as st
 from streamrl.coordinator.batch_metrics import batch_stats
 from streamrl.coordinator.batches import BatchBuilder, Built
 from streamrl.coordinator.config import CoordinatorConfig
-from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, RefusedBatch, what_was_lost
+from streamrl.coordinator.dead_letters import (
+    ForgedLetter,
+    LostBatch,
+    LostEvalPrompt,
+    LostGroup,
+    RefusedBatch,
+    what_was_lost,
+)
 from streamrl.coordinator.evaluation import EvalRounds, round_buffer_id, round_of_buffer
 from streamrl.coordinator.followers import follow
 from streamrl.coordinator.groups import GroupBuffer
@@ -75,10 +83,12 @@ if last then
 end
 redis.call('SET', KEYS[1], ARGV[1]); redis.call('INCR', KEYS[2])
 if ARGV[2] == '1' then redis.call('INCR', KEYS[3]) end
+if ARGV[3] == '1' then redis.call('INCR', KEYS[4]) end
 return 1
 """
 """Count a dead letter once, by its entry id (ids only grow). KEYS: dead_counted, dead_letters,
-reward_dead_lettered; ARGV: entry id, 1 when it came from the ``trajectories`` stream."""
+reward_dead_lettered, dead_letters_forged; ARGV: entry id, 1 when it came from the ``trajectories`` stream, 1 when
+it is forged."""
 TICK_S = 0.05
 """Longest pause between two ticks; stored trajectories and new versions wake the tick at once."""
 WAKE_BATCH_S = 0.002
@@ -145,6 +155,12 @@ class CoordinatorService:
         self.next_plot_at = 0.0
         self.last_batch_time = time.monotonic()
         self.weights_key = weights_key()
+        if self.weights_key is None:
+            logger.warning(
+                "weights events and dead letters about batches are not authenticated (%s is not set): any writer "
+                "to the weights or dead stream can move the policy version or have untrained batches deleted",
+                KEY_ENV,
+            )
         self._count_letter = FencedScript(ctx.bus, COUNT_LETTER_LUA, "service.COUNT_LETTER_LUA")
         self.mirrored = Mirrored([-1] * config.lanes.count) if config.lanes.enabled and config.lane == 0 else None
         """With lanes, lane 0's: the version each lane has. The run ends once every lane has the last one (a lane
@@ -256,13 +272,16 @@ class CoordinatorService:
         if not isinstance(msg, DeadLetter):
             return
         stream = msg.stream.rsplit(":", 1)[-1]
+        run_id = home_run_id(self.names.run_id)
+        lost = what_was_lost(msg, batches_stream=self.names.batches, key=self.weights_key, run_id=run_id)
+        forged = isinstance(lost, ForgedLetter)
+        reason = lost.reason if isinstance(lost, ForgedLetter) else msg.error
         k = self.state.key
-        keys = [k(st.DEAD_COUNTED), k(st.DEAD_LETTERS), k(st.REWARD_DEAD_LETTERED)]
-        if await self._count_letter(keys, [entry_id, int(msg.stream == self.names.trajectories)]):
-            logger.error("dead letter from %s: %s", stream, msg.error)
-        self.progress.update({"dead_reason": msg.error[:REASON_CHARS]})
+        keys = [k(st.DEAD_COUNTED), k(st.DEAD_LETTERS), k(st.REWARD_DEAD_LETTERED), k(st.DEAD_LETTERS_FORGED)]
+        if await self._count_letter(keys, [entry_id, int(msg.stream == self.names.trajectories), int(forged)]):
+            logger.error("%s %s: %s", "forged dead letter" if forged else "dead letter from", stream, reason)
+        self.progress.update({"dead_reason": reason[:REASON_CHARS]})
         await self._publish_progress(refresh=True)  # before any replacement goes out
-        lost = what_was_lost(msg, batches_stream=self.names.batches)
         if isinstance(lost, LostGroup | LostEvalPrompt):  # the dead record's payload: no buffer names it
             payloads = [p for p in lost.payloads if p.startswith(self.names.payload_prefix)]
             if payloads:
@@ -291,7 +310,7 @@ class CoordinatorService:
         self.metrics.write(
             self.version,
             {
-                "coordinator/dead_reason": msg.error[:500],
+                "coordinator/dead_reason": reason[:500],
                 "coordinator/dead_stream": stream,
                 **counter_metrics(counters),
             },

@@ -138,6 +138,8 @@ DEAD_LETTERS = "dead_letters"
 """Dead letters seen, of every stream."""
 REWARD_DEAD_LETTERED = "reward_dead_lettered"
 """Dead letters from the ``trajectories`` stream (the reward tier gave up on them)."""
+DEAD_LETTERS_FORGED = "dead_letters_forged"
+"""Dead letters about batches not signed with the run's weights key (not the learner's): refused, nothing done."""
 COUNTERS = (
     GROUPS_DEAD,
     GROUPS_TIMED_OUT,
@@ -153,6 +155,7 @@ COUNTERS = (
     EVAL_MISSING,
     DEAD_LETTERS,
     REWARD_DEAD_LETTERED,
+    DEAD_LETTERS_FORGED,
 )
 
 

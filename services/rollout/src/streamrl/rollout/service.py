@@ -19,7 +19,10 @@
   serves one; then loaded. Every path loads exactly the signed event's version and checks the
   weights against its checksum (over the broadcast too: a member refuses whatever else the group's
   unauthenticated store offers, and a version replaced by a newer one before it was loaded waits
-  for that one's event). The version the engine serves is reported in the heartbeat and in the
+  for that one's event). The follower reads on while a version loads: a newer event - a newer version, or
+  this one published again by a restarted learner whose old endpoint may be dead - abandons the update
+  in progress (``WeightUpdate.abandoned``: its fetch stops) and takes its place; a failed sync is retried every
+  ``WEIGHT_RETRY_S``. The version the engine serves is reported in the heartbeat and in the
   ``served`` hash. A worker that joins late
   loads the latest published version before it takes prompts. In a LoRA run a version is the
   adapter alone (``payload = "lora"``): the engine adds it to the base it was built from.
@@ -95,6 +98,8 @@ from streamrl.rollout.environments.episode import Episode, EpisodeRunner
 
 logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 10.0
+WEIGHT_RETRY_S = 1.0
+"""Pause between two tries of a weight update whose sync failed (a newer event abandons it meanwhile)."""
 SLEEP_IDLE_S = 0.2
 """With ``sleep_between_versions``: how long the engine must have had no prompt before it sleeps (prompts
 of one version arrive in reads of a few; this keeps it from sleeping between two of them)."""
@@ -129,6 +134,8 @@ class RolloutService:
         """When the last prompt left the engine (``time.monotonic()``)."""
         self.sleeper: asyncio.Task[None] | None = None
         """Puts the engine to sleep once it has been idle for SLEEP_IDLE_S (``sleep_between_versions``)."""
+        self.updating: tuple[WeightsPublished, asyncio.Task[None]] | None = None
+        """The weights event being loaded and the task loading it (:meth:`_on_weights`)."""
         self.loop: ConsumerLoop[PromptWorkItem] | None = None
         """The consumer loop on ``prompts`` (set by :meth:`run`): prompts park in it while they wait for weights."""
         if self.weights_key is None:
@@ -159,10 +166,13 @@ class RolloutService:
         supervise(tail, "the weight follower", lambda _: self.ctx.stop.set())
         try:
             await loop.run(self.ctx.stop, burst=self.ctx.burst)
-            if tail.done() and not tail.cancelled() and tail.exception() is not None:
-                raise RuntimeError(f"the weight follower died: {tail.exception()!r}") from tail.exception()
+            for what, task in (("the weight follower", tail), ("the weight update", self._update_task())):
+                if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+                    raise RuntimeError(f"{what} died: {task.exception()!r}") from task.exception()
         finally:
-            await cancel_and_wait([tail] if self.sleeper is None else [tail, self.sleeper])
+            # an update in progress is abandoned: its fetch stops, and the engine closes without waiting for it
+            tasks = [tail, self._update_task(), self.sleeper]
+            await cancel_and_wait([t for t in tasks if t is not None])
             await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
             try:
                 async with timeout(ENGINE_CLOSE_TIMEOUT_S):
@@ -313,36 +323,57 @@ class RolloutService:
         await follower.run(cursor)
 
     async def _on_weights(self, entries: list[tuple[str, WeightsPublished]], last_id: str) -> str:
-        """Apply the newest event of a read; the cursor to read on from (the same entry again to retry)."""
+        """Take the newest event of a read: its update runs while the follower reads on, and a newer event - a
+        newer version, or this version published again by a restarted learner (whose old endpoint may be dead) -
+        abandons it and takes its place."""
         if not entries:
             return last_id
         entry_id, newest = entries[-1]
-        try:
-            await self._apply(newest)
-        except WeightSyncError as e:
-            if _stream_order(await self._newest_event_id()) > _stream_order(entry_id):
-                # superseded while it waited (a newer version, or this one published again by a
-                # restarted learner): the next read takes the newer event
-                logger.warning(
-                    "weight sync to version %d failed (%s); a newer weights event is published: taking that",
-                    newest.version,
-                    e,
-                )
+        if self.updating is not None and not self.updating[1].done():
+            taking, task = self.updating
+            if newest.version < taking.version or newest == taking:
                 return last_id
-            logger.error("weight sync to version %d failed: %s", newest.version, e)  # retried
-            await asyncio.sleep(1.0)
-            return previous_id(entry_id)
+            logger.warning(
+                "abandoning the weight update to version %d: a newer weights event (version %d) is published",
+                taking.version,
+                newest.version,
+            )
+            await cancel_and_wait([task])
+        task = asyncio.create_task(self._update_until_loaded(entry_id, newest))
+        # a worker whose update failed for another reason than the sync (the engine broke) must stop too
+        supervise(task, f"the weight update to version {newest.version}", lambda _: self.ctx.stop.set())
+        self.updating = (newest, task)
         return last_id
 
-    async def _newest_event_id(self) -> str:
-        """Stream id of the newest valid WeightsPublished ("0-0" = none)."""
-        for entry_id, fields in stream_entries(await self.redis.xrevrange(self.ctx.names.weights, count=16)):
+    async def _update_until_loaded(self, entry_id: str, msg: WeightsPublished) -> None:
+        """Apply ``msg`` (entry ``entry_id``), again every ``WEIGHT_RETRY_S`` while the sync fails, until it is
+        loaded, abandoned, or superseded by a newer event (which the follower takes next)."""
+        while True:
             try:
-                self._weights_event(fields)
+                await self._apply(msg)
+                return
+            except WeightSyncError as e:
+                if await self._superseded(entry_id, msg.version):
+                    logger.warning(
+                        "weight sync to version %d failed (%s); a newer weights event is published: taking that",
+                        msg.version,
+                        e,
+                    )
+                    return
+                logger.error("weight sync to version %d failed: %s", msg.version, e)
+            await asyncio.sleep(WEIGHT_RETRY_S)
+
+    async def _superseded(self, entry_id: str, version: int) -> bool:
+        """Whether a valid event of ``version`` or newer follows entry ``entry_id`` (the follower takes it next)."""
+        for newer_id, fields in stream_entries(await self.redis.xrevrange(self.ctx.names.weights, count=16)):
+            if _stream_order(newer_id.decode()) <= _stream_order(entry_id):
+                return False
+            try:
+                if self._weights_event(fields).version >= version:
+                    return True
             except PoisonMessageError:
                 continue
-            return str(entry_id.decode())
-        return "0-0"
+        return False
 
     async def _apply(self, msg: WeightsPublished) -> None:
         async with self.update_lock:
@@ -398,6 +429,9 @@ class RolloutService:
             await self.engine.update_weights(msg.endpoint, msg.version, msg.checksum, timeout_s)
             return "zmq"
         return "broadcast"
+
+    def _update_task(self) -> asyncio.Task[None] | None:
+        return None if self.updating is None else self.updating[1]
 
     def _report(self, version: int) -> None:
         self.ctx.policy_version = version

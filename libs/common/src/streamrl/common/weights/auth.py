@@ -1,4 +1,5 @@
-"""Signed weights events: a rollout worker loads weights only from the run's learner.
+"""Signed messages: a rollout worker loads weights only from the run's learner, and the coordinator drops a
+batch only on the learner's word.
 
 A ``WeightsPublished`` event tells every rollout worker where to take new weights (a ZMQ endpoint,
 CUDA IPC buffers, a broadcast group's store) and what they must hash to. Anyone who can write to
@@ -17,6 +18,14 @@ themselves: over ZMQ it is blake2b over every byte served; over the broadcast gr
 carries the buckets' block checksum (``WeightsBroadcast.checksum``), and a member loads a version
 only when what it received hashes to it - whatever the group's unauthenticated store offers; over
 IPC the signed event fixes where the weights come from (buffers on the learner's GPU).
+
+The same HMAC signs the other message that must come from the learner: a **dead letter about a batch**
+(``DeadLetter.stream`` is a ``batches`` stream). The coordinator deletes the samples such a letter names and
+counts its groups dropped, and every service can write to ``dead``; so the learner signs its batch letters
+(its own and its consumer loop's), lane 0's joiner signs those it relays to the lanes, and a coordinator with
+the key honours only signed ones (:func:`check_letter`): a forged letter deletes nothing and is counted as
+forged. Each kind is signed under its own domain (its message tag), so a signature of one kind never passes for
+another.
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from typing import TypeVar
 
 import msgspec
 
 from streamrl.common.codec import encode
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.messages import WeightsPublished
+from streamrl.common.messages import DeadLetter, WeightsPublished
 
 KEY_ENV = "STREAMRL_WEIGHTS_KEY"
 """Environment variable holding the run's weights key (any string; at least 16 characters)."""
@@ -37,6 +47,14 @@ KEY_ENV = "STREAMRL_WEIGHTS_KEY"
 
 class WeightsAuthError(PoisonMessageError):
     """A weights event that is not signed with this run's key: never applied."""
+
+
+class LetterAuthError(PoisonMessageError):
+    """A dead letter about a batch that is not signed with this run's key: forged, never acted on."""
+
+
+Signed = TypeVar("Signed", WeightsPublished, DeadLetter)
+"""The messages signed with the run's key (each has a ``signature`` field)."""
 
 
 def weights_key() -> bytes | None:
@@ -49,15 +67,21 @@ def weights_key() -> bytes | None:
     return value.encode()
 
 
-def _digest(event: WeightsPublished, key: bytes, run_id: str) -> str:
-    # the run id, then the event: a run id holds no NUL (ServiceConfig.run_id's pattern), so the split is unambiguous
-    signed = b"streamrl-weights\0" + run_id.encode() + b"\0" + encode(msgspec.structs.replace(event, signature=""))
-    return hmac.new(key, signed, hashlib.sha256).hexdigest()
+def _digest(message: WeightsPublished | DeadLetter, key: bytes, run_id: str) -> str:
+    # the domain (the message's tag: "weights", "dead"), the run id, then the message: neither the tag nor a run id
+    # holds a NUL (ServiceConfig.run_id's pattern), so the split is unambiguous
+    domain = f"streamrl-{type(message).__struct_config__.tag}".encode()
+    unsigned = encode(msgspec.structs.replace(message, signature=""))
+    return hmac.new(key, domain + b"\0" + run_id.encode() + b"\0" + unsigned, hashlib.sha256).hexdigest()
 
 
-def sign(event: WeightsPublished, key: bytes | None, *, run_id: str) -> WeightsPublished:
-    """``event`` with its signature for run ``run_id`` (unchanged when there is no key)."""
-    return event if key is None else msgspec.structs.replace(event, signature=_digest(event, key, run_id))
+def sign(message: Signed, key: bytes | None, *, run_id: str) -> Signed:
+    """``message`` with its signature for run ``run_id`` (unchanged when there is no key)."""
+    return message if key is None else msgspec.structs.replace(message, signature=_digest(message, key, run_id))
+
+
+def _signed(message: WeightsPublished | DeadLetter, key: bytes, run_id: str) -> bool:
+    return bool(message.signature) and hmac.compare_digest(message.signature, _digest(message, key, run_id))
 
 
 def check(event: WeightsPublished, key: bytes | None, *, run_id: str) -> None:
@@ -67,8 +91,20 @@ def check(event: WeightsPublished, key: bytes | None, *, run_id: str) -> None:
         return
     if not event.signature:
         raise WeightsAuthError(f"weights version {event.version} is not signed; this worker requires {KEY_ENV}'s key")
-    if not hmac.compare_digest(event.signature, _digest(event, key, run_id)):
+    if not _signed(event, key, run_id):
         raise WeightsAuthError(
             f"weights version {event.version} is not signed with this run's key ({KEY_ENV}) for run {run_id!r}: "
             "refused (another key, an event of another run replayed, or an altered event)"
         )
+
+
+def check_letter(letter: DeadLetter, key: bytes | None, *, run_id: str) -> None:
+    """Raise :class:`LetterAuthError` unless ``letter`` is signed with ``key`` for run ``run_id`` (no key: nothing
+    to check). Only letters about batches need it (see the module docstring)."""
+    if key is None or _signed(letter, key, run_id):
+        return
+    how = "not signed" if not letter.signature else "not signed with this run's key"
+    raise LetterAuthError(
+        f"a dead letter about {letter.stream} entry {letter.entry_id} (consumer {letter.consumer!r}) is {how} "
+        f"({KEY_ENV}, run {run_id!r}): forged, refused - only the learner's letters about batches are honoured"
+    )

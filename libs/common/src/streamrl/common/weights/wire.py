@@ -37,6 +37,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from streamrl.common.errors import WeightSyncError
 
@@ -48,6 +49,12 @@ DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 """Target bucket size; a tensor larger than this gets a bucket of its own."""
 PIPELINE_DEPTH = 2
 """Bucket requests a receiver keeps in flight (hides the round trip behind the transfer)."""
+CONNECT_TIMEOUT_S = 5.0
+"""How long a receiver waits for the weight server to answer its connection (the ZMQ handshake, which the
+server's I/O thread answers in milliseconds however busy it is) before the fetch fails (s): a server that died -
+a learner killed right after it published - fails the sync in seconds, not at ``rollout.weight_sync_timeout_s``."""
+ABANDON_POLL_S = 0.1
+"""How often a waiting receiver looks at its abandon flag (s)."""
 BF16 = "bfloat16"
 
 
@@ -277,21 +284,29 @@ def fetch_buckets(
     checksum: str | None,
     timeout_s: float,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    abandoned: threading.Event | None = None,
 ) -> Iterator[ReceivedTensor]:
     """Pull every bucket of ``version`` from ``endpoint`` and yield its tensors in order.
 
     Nothing is yielded until all buckets arrived within ``timeout_s`` and the checksum over them
     equals ``checksum`` (when given): a failed sync raises :class:`WeightSyncError` before the
-    caller has applied anything. Memory: one host copy of the weights while they are applied.
+    caller has applied anything. A server that does not answer the connection within
+    ``CONNECT_TIMEOUT_S``, or that goes away mid-transfer, fails the sync at once; so does
+    ``abandoned`` being set (within ``ABANDON_POLL_S``). Memory: one host copy of the weights while
+    they are applied.
     """
     deadline = time.monotonic() + timeout_s
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     try:
         sock.connect(endpoint)
-        received, actual = _receive_all(sock, version, deadline, endpoint)
+        link = _Link(sock, monitor, endpoint, version, deadline, abandoned)
+        received, actual = _receive_all(link)
     finally:
+        sock.disable_monitor()
+        monitor.close()
         sock.close()
     if checksum is not None and actual != checksum:
         raise WeightSyncError(
@@ -301,14 +316,62 @@ def fetch_buckets(
         yield from decode_bucket(header, data)
 
 
-def _receive_all(
-    sock: zmq.Socket[bytes], version: int, deadline: float, endpoint: str
-) -> tuple[list[tuple[BucketHeader, memoryview]], str]:
+class _Link:
+    """A receiver's connection to one weight server for one fetch: waits for replies under the fetch's
+    deadlines, watching the connection (handshake done, peer gone) and the caller's abandon flag."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes],
+        endpoint: str,
+        version: int,
+        deadline: float,
+        abandoned: threading.Event | None,
+    ) -> None:
+        self.sock, self.monitor, self.endpoint, self.version = sock, monitor, endpoint, version
+        self.deadline = deadline
+        self.connect_deadline = min(deadline, time.monotonic() + CONNECT_TIMEOUT_S)
+        self.connected = False
+        self.abandoned = abandoned
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(monitor, zmq.POLLIN)
+
+    def wait_reply(self, progress: str) -> None:
+        """Return once a reply is ready to read; WeightSyncError naming why there will be none
+        (``progress``: the buckets received so far, for the message)."""
+        what = f"weight sync of version {self.version} from {self.endpoint}"
+        while True:
+            if self.abandoned is not None and self.abandoned.is_set():
+                raise WeightSyncError(f"{what} abandoned ({progress} buckets received)")
+            limit = self.deadline if self.connected else self.connect_deadline
+            left = limit - time.monotonic()
+            if left <= 0:
+                if not self.connected and limit < self.deadline:
+                    raise WeightSyncError(
+                        f"{what}: the server did not answer the connection within its deadline "
+                        f"({CONNECT_TIMEOUT_S:g} s; is the learner gone?)"
+                    )
+                raise WeightSyncError(f"{what} missed its deadline ({progress} buckets received)")
+            ready = dict(self.poller.poll(int(min(left, ABANDON_POLL_S) * 1000) + 1))
+            if self.sock in ready:
+                return
+            if self.monitor in ready:
+                event = recv_monitor_message(self.monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.connected = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    raise WeightSyncError(f"{what}: the server went away ({progress} buckets received)")
+
+
+def _receive_all(link: _Link) -> tuple[list[tuple[BucketHeader, memoryview]], str]:
     """Request buckets with ``PIPELINE_DEPTH`` in flight until all arrived; return them and their checksum.
 
     Replies arrive in request order on one connection, so each bucket is hashed as it lands,
     while the next one is still in transit (hashlib releases the GIL on large buffers).
     """
+    sock, version, endpoint = link.sock, link.version, link.endpoint
     digest = hashlib.blake2b(digest_size=32)
     num_buckets: int | None = None
     next_index = 0
@@ -321,12 +384,7 @@ def _receive_all(
             sock.send(_encoder.encode(BucketRequest(version, next_index)))
             next_index += 1
             in_flight += 1
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
-            raise WeightSyncError(
-                f"weight sync of version {version} from {endpoint} missed its deadline "
-                f"({len(received)}/{num_buckets if num_buckets is not None else '?'} buckets received)"
-            )
+        link.wait_reply(f"{len(received)}/{num_buckets if num_buckets is not None else '?'}")
         frames = sock.recv_multipart(copy=False)
         in_flight -= 1
         header_bytes = frames[0].bytes

@@ -252,6 +252,7 @@ class LearnerService:
             ack=False,
             on_committed=self._on_committed,
             max_message_bytes=None,  # a batch is many trajectories, each checked against the limit
+            letter_key=self.weights_key,  # its letters about batches are believed only when signed
         )
         self.ctx.loops.append(self.loop)
         if self.cfg.redis.url is not None:  # always under service_main; tests may hand the service a bus
@@ -595,7 +596,7 @@ class LearnerService:
         payload = encode(batch)
         if len(payload) > self.ctx.bus.max_message_bytes // 2:  # the letter must fit: keep the batch's header
             payload = encode(_header(batch) if isinstance(batch, TrainingBatch) else _manifest_header(batch))
-        letter = DeadLetter(
+        unsigned = DeadLetter(
             stream=self.ctx.names.batches,
             entry_id=entry_id,
             group="learner",
@@ -605,6 +606,7 @@ class LearnerService:
             payload=payload,
             ts=time.time(),
         )
+        letter = sign(unsigned, self.weights_key, run_id=self.cfg.run_id)  # the coordinator acts only on signed ones
         await self.ledger.dead_letter_once(batch.id, letter)
 
     async def _on_committed(self, entry_id: str, batch: Batch) -> None:

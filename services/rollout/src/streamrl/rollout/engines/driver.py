@@ -40,7 +40,11 @@ class DriverThread:
     async def _run_update(self, update: WeightUpdate) -> None:
         """Queue ``update`` to the driver thread and wait until the engine serves its version."""
         self._submit(update)
-        seconds = await asyncio.wrap_future(update.future)
+        try:
+            seconds = await asyncio.wrap_future(update.future)
+        except asyncio.CancelledError:  # given up: the driver thread stops fetching it, or never starts
+            update.abandoned.set()
+            raise
         logger.info("serving weights version %d (update took %.3f s)", update.version, seconds)
 
     def _stop_driver(self, stop: object) -> bool:

@@ -29,6 +29,7 @@ builds the engine a config names (the implementations import this module, never 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -140,6 +141,9 @@ class WeightUpdate:
     """The version is this LoRA adapter (its tensors only), applied on the engine's base model
     (:mod:`streamrl.rollout.weights.lora`); None = full weights."""
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    """Set when the caller gave the update up (a newer weights event, or the service stopping): a ZMQ fetch
+    in progress stops within ``ABANDON_POLL_S`` (transformers engine), and an update not yet begun never is."""
 
 
 def check_requests(requests: list[GenerationRequest], config: EngineConfig, image_token_id: int | None) -> None:

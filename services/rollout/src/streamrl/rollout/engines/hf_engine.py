@@ -386,13 +386,15 @@ class HFEngine(DriverThread):
 
     def _between_batches(self, command: WeightUpdate | _Sleep | _Wake) -> None:
         """Run a command that waits for the samples admitted before it."""
-        if isinstance(command, _Sleep):
-            command.future.set_result(self._sleep())
-        elif isinstance(command, _Wake):
-            self._asleep = False
-            command.future.set_result(0.0)
-        else:
+        if isinstance(command, WeightUpdate):
             self._update(command)
+            return
+        if command.future.set_running_or_notify_cancel():  # (not when its waiter gave it up: the service stopped)
+            if isinstance(command, _Sleep):
+                command.future.set_result(self._sleep())
+            else:
+                self._asleep = False
+                command.future.set_result(0.0)
 
     def _take(self, backlog: collections.deque[Command], block: bool) -> None:
         """Move queued commands to ``backlog``; when ``block``, wait for one and then ``batch_wait_ms``."""
@@ -410,7 +412,10 @@ class HFEngine(DriverThread):
     def _fail_rest(self, backlog: collections.deque[Command], error: BaseException) -> None:
         self._take(backlog, block=False)
         for command in backlog:
-            if isinstance(command, _Job | WeightUpdate | _Sleep | _Wake):
+            if (
+                isinstance(command, _Job | WeightUpdate | _Sleep | _Wake)
+                and command.future.set_running_or_notify_cancel()
+            ):
                 command.future.set_exception(error)
 
     def _admit(self, job: _Job) -> list[_Row]:
@@ -700,6 +705,8 @@ class HFEngine(DriverThread):
     # --- weights -------------------------------------------------------------------------
 
     def _update(self, update: WeightUpdate) -> None:
+        if not update.future.set_running_or_notify_cancel():  # given up before it began
+            return
         start = time.perf_counter()
         version = update.version
         try:
@@ -710,7 +717,11 @@ class HFEngine(DriverThread):
             elif update.broadcast is not None:
                 version = self._load_broadcast(update)
             else:
-                received = list(torch_tensors(update.endpoint, update.version, update.checksum, update.timeout_s))
+                received = list(
+                    torch_tensors(
+                        update.endpoint, update.version, update.checksum, update.timeout_s, abandoned=update.abandoned
+                    )
+                )
                 self._load(update.version, received)
             if update.lora is None and self._lora is not None:  # full weights now: the adapter adds nothing
                 lora_weights.zero_adapter(self._model)

@@ -430,6 +430,8 @@ class VLLMEngine(DriverThread):
                 return
             self._add(command)
         elif isinstance(command, WeightUpdate):
+            if not command.future.set_running_or_notify_cancel():  # given up before it began
+                return
             self._wake()
             self._apply_update(command)
         elif isinstance(command, _Abort):

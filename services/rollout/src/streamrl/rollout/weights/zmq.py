@@ -10,6 +10,7 @@ driver thread, each vLLM worker through the worker extension (:mod:`.vllm_extens
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -19,10 +20,11 @@ from streamrl.torchkit.wire import to_torch
 
 
 def torch_tensors(
-    endpoint: str, version: int, checksum: str | None, timeout_s: float
+    endpoint: str, version: int, checksum: str | None, timeout_s: float, abandoned: threading.Event | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of ``version`` from the weight server at ``endpoint``, verified against
     ``checksum`` (None: not checked) before the first is yielded; raises
-    :class:`streamrl.common.errors.WeightSyncError` on a missed deadline or a mismatch."""
-    for received in fetch_buckets(endpoint, version, checksum, timeout_s):
+    :class:`streamrl.common.errors.WeightSyncError` on a missed deadline, a server gone, a mismatch, or
+    ``abandoned`` set."""
+    for received in fetch_buckets(endpoint, version, checksum, timeout_s, abandoned=abandoned):
         yield received.name, to_torch(received)
