@@ -69,3 +69,26 @@ def test_the_full_recipe_fits_an_80_gb_gpu_and_needs_more_than_128_gib_of_host(
     monkeypatch.setattr(gpu_plan, "host_memory_gib", lambda: 125.8)  # the one-H100 machine here
     _, refusal = plan_of(RECIPES / "gpu_7b_full.toml", tmp_path, *lengths)
     assert refusal is not None and refusal.startswith("host memory")
+
+
+def test_the_lora_recipe_reads_in_every_service_and_fits_the_one_h100_machine_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = RECIPES / "gpu_7b_lora.toml"
+    rollout = load_config(RolloutConfig, recipe, [], section="rollout")
+    learner = load_config(LearnerConfig, recipe, [], section="learner")
+    load_config(CoordinatorConfig, recipe, [], section="coordinator")
+    load_config(RewardServiceConfig, recipe, [], section="reward")
+    assert learner.lora is not None and learner.lora.sync == "adapter"
+    assert rollout.engine.max_lora_rank is not None and rollout.engine.max_lora_rank >= learner.lora.rank
+    Launcher(str(recipe), [])
+    monkeypatch.setattr(gpu_plan, "host_memory_gib", lambda: 125.8)
+    for new_tokens in (256, 2048):
+        lengths = [
+            f"--coordinator.sampling.max_new_tokens={new_tokens}",
+            f"--rollout.engine.max_model_len={new_tokens + 32}",
+        ]
+        plans, refusal = plan_of(recipe, tmp_path, *lengths)
+        assert refusal is None, refusal
+        terms = {t.name: t.gib for t in plans[0].terms}
+        assert terms["learner CUDA IPC weight buffers"] < 0.1  # the adapter alone travels
