@@ -74,8 +74,9 @@ def test_a_lane_batch_whose_manifest_part_is_lost_is_joined_without_it_and_later
         await pair.publish(clients, 0, lane_manifest(pair.names[0], 1, ["p4"]))
         await pair.publish(clients, 1, lane_manifest(pair.names[1], 1, ["p5"]))
 
-    run_until(pair, lambda: len(pair.home_batches()) >= 2 and bool(pair.letters(1)), scenario)
-    run_until(pair, lambda: True, nothing)  # restarted: nothing joined or dead-lettered twice
+    key = b"the-run-key-0123456789"  # the lane's coordinator believes only a letter signed for the run
+    run_until(pair, lambda: len(pair.home_batches()) >= 2 and bool(pair.letters(1)), scenario, key=key)
+    run_until(pair, lambda: True, nothing, key=key)  # restarted: nothing joined or dead-lettered twice
     time.sleep(0.5)
     first, second = pair.home_batches()
     assert (first.index, second.index) == (0, 1)
@@ -86,7 +87,7 @@ def test_a_lane_batch_whose_manifest_part_is_lost_is_joined_without_it_and_later
     assert (
         f"batch-0 (4 samples) of lane 1: {BATCH_SKIPPED}" in letter.error and "manifest parts missing" in letter.error
     )
-    lost = what_was_lost(letter, batches_stream=pair.names[1].batches)
+    lost = what_was_lost(letter, batches_stream=pair.names[1].batches, key=key, run_id=pair.home_names.run_id)
     assert isinstance(lost, LostBatch), lost
     assert (lost.batch_id, lost.num_samples, lost.num_groups) == ("batch-0", 4, 2)
     assert record_dead(pair, 1, lost)

@@ -374,6 +374,7 @@ class Joiner:
             payload=encode(published),
             ts=time.time(),
         )
+        letter = sign(letter, self.letter_key, run_id=self.names.run_id)  # the lane's coordinator checks it
         tx = lane.bus.tx()
         for part in published.parts:
             tx.call("PERSIST", part)
