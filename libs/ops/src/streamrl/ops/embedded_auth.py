@@ -45,15 +45,20 @@ def new_passwords() -> dict[str, str]:
 
 def launcher_grants(run_id: str, lanes: int = 1) -> list[Grant]:
     """What the launcher user may do: read every key of the run (each lane's too), set the desired replica
-    counts and count the Ray backend's actor incarnations (both on the home)."""
+    counts (a service's and its lanes', in one transaction) and count the Ray backend's actor incarnations
+    (both on the home)."""
     home = StreamNames(run_id)
-    own = Grant("RW", (replicas_key(home), incarnations_key(home)), ("hset", "hgetall", "hincrby", "del"))
+    own = Grant(
+        "RW", (replicas_key(home), incarnations_key(home)), ("hset", "hgetall", "hkeys", "hdel", "hincrby", "del")
+    )
     return [*grants("observer", run_id, lanes), own]
 
 
 def acl_text(run_id: str, passwords: Mapping[str, str], lanes: int = 1) -> str:
     """The ACL file of the embedded server(s): :func:`streamrl.ops.redis_acl.acl_file`, plus the launcher."""
-    launcher = rule_line(LAUNCHER, passwords[LAUNCHER], launcher_grants(run_id, lanes), keyless=("info",))
+    # multi/exec: a service's count and its lanes' own counts change in one transaction (scaling.request_replicas)
+    keyless = ("info", "multi", "exec")
+    launcher = rule_line(LAUNCHER, passwords[LAUNCHER], launcher_grants(run_id, lanes), keyless=keyless)
     services = {user: passwords[user] for user in USERS}
     return acl_file(run_id, services, lanes) + launcher + "\n"
 
