@@ -316,7 +316,7 @@ class _Stuck:
         self.abandoned: list[str] = []
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
     ) -> None:
         if endpoint == "tcp://dead-learner:1":
             try:
@@ -374,7 +374,7 @@ class _FailsTwice:
         self.failures = 0
 
     async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None
+        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
     ) -> None:
         if version == 2 and self.failures < 2:
             self.failures += 1

@@ -15,6 +15,7 @@ from streamrl.common.lanes import lane_names
 from streamrl.common.run_info import read_run_info
 from streamrl.ops.lane_plan import server_maxmemory, split_unit, unit_env
 from streamrl.ops.launcher import Launcher
+from streamrl.ops.redis_server import memory_settings
 from streamrl.ops.replicas import Ended
 from streamrl.ops.scaling import request_replicas
 
@@ -101,11 +102,13 @@ def test_up_starts_a_redis_server_per_lane_and_places_each_lanes_services(
         assert sorted(backend.drained) == [("rollout-lane0", 1), ("rollout-lane1", 1), ("rollout-lane1", 2)]
         # the run's memory bound is shared by the lanes' servers, not given whole to each
         total = launcher.embedded_maxmemory()
-        each = [int(syncredis.Redis.from_url(u).config_get("maxmemory")["maxmemory"]) for u in urls]
+        each = [memory_settings(syncredis.Redis.from_url(launcher.login(u)))[0] for u in urls]  # the closed servers
         assert each == [server_maxmemory(total, 2)] * 2 and each[0] < total
         info = read_run_info(tmp_path / "run")
-        assert (info.lanes, info.lane_urls) == (2, urls)
-        lane1 = syncredis.Redis.from_url(urls[1])
+        assert launcher.redis is not None
+        servers = [launcher.redis.url, *(server.url for server in launcher.lane_servers)]
+        assert (info.lanes, info.lane_urls) == (2, servers)  # the servers' URLs: no login kept
+        lane1 = syncredis.Redis.from_url(launcher.service_env("coordinator", urls[1], [])["STREAMRL_REDIS__URL"])
         lane1.set(lane_names("lanes", 1).state("probe"), 1)  # lane 1's keys live on its own server
         assert launcher.client.get(lane_names("lanes", 1).state("probe")) is None
         assert [names.run_id for _, names in launcher.lane_clients] == ["lanes/lane0", "lanes/lane1"]  # display
