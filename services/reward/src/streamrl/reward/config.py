@@ -101,6 +101,10 @@ class ModelScorerConfig(_ScorerBase):
     trajectory's token ids as they are (only when the policy and reward model share a tokenizer)."""
     batch_size: int = Field(16, ge=1)
     """Sequences per forward pass."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A micro-batch's forward passes that take longer fail (s). Forwards run one at a time on a thread of the
+    scorer's own, which cannot be stopped: when a forward overruns this the reward worker exits with status 1
+    (what it holds stays pending) for its orchestrator to restart it, rather than wait on a wedged device."""
     max_length: int = Field(2048, ge=8)
     """Longer inputs are truncated from the left, keeping the end of the response (tokens)."""
     device: str = "cpu"

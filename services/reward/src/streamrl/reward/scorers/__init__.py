@@ -35,11 +35,11 @@ def reads_tokens(config: ScorerConfig) -> bool:
 
 def build_scorer(config: ScorerConfig, on_exhausted: Callable[[str], None] | None = None) -> Scorer:
     """Construct the scorer a config section describes (a model scorer loads its model here).
-    ``on_exhausted``: told why when a function scorer's threads are all held by calls that timed out."""
+    ``on_exhausted``: told why when a function or model scorer's threads are all held by calls that timed out."""
     if isinstance(config, FunctionScorerConfig):
         return FunctionScorer(config, on_exhausted=on_exhausted)
     if isinstance(config, HttpScorerConfig):
         return HttpScorer(config)
     if isinstance(config, ModelScorerConfig):
-        return ModelScorer(config)
+        return ModelScorer(config, on_exhausted=on_exhausted)
     raise AssertionError(f"unknown scorer config {type(config).__name__}")
