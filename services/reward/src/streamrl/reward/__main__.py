@@ -1,6 +1,7 @@
 """``streamrl reward RECIPE [--reward.field=value ...]``: run one reward worker.
 
-It exits with status 1 when a scorer can score nothing more (a sync reward function whose threads
+While a permanent error pauses scoring (:mod:`streamrl.reward.pause`) its heartbeat says ``paused`` with the
+cause. It exits with status 1 when a scorer can score nothing more (a sync reward function whose threads
 all hang: :mod:`streamrl.reward.threads`), leaving what it held pending for its restart.
 """
 
@@ -26,7 +27,18 @@ async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
     assert config.redis.url is not None  # service_main refuses to start without one
     ctx.metrics.watch_streams(config.redis.url, {"trajectories": ctx.names.trajectories})
     payloads = RedisPayloads(ctx.bus.redis, ctx.bus.max_command_bytes)
-    service = RewardService(config, ctx.names, tracing=ctx.tracing, metrics=ctx.metrics, payloads=payloads)
+
+    def paused(cause: str) -> None:  # the heartbeat says paused, with the cause ("" once it resumes)
+        ctx.paused = cause
+
+    service = RewardService(
+        config,
+        ctx.names,
+        tracing=ctx.tracing,
+        metrics=ctx.metrics,
+        payloads=payloads,
+        on_pause=paused,
+    )
     loop: ConsumerLoop[TrajectoryRecord | Trajectory] = ConsumerLoop(
         ctx.bus,
         ctx.names,

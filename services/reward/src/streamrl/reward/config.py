@@ -130,6 +130,10 @@ class RewardConfig(BaseConfig):
     """Trajectories grouped into one scorer call at most."""
     max_wait_ms: float = Field(10.0, ge=0)
     """How long the first trajectory of a micro-batch waits for more (ms)."""
+    probe_interval_s: float = Field(5.0, gt=0)
+    """While scoring is paused by a permanent error (an HTTP scorer's token refused, its backend down past
+    ``retry_timeout_s``), how often one held trajectory is scored again to see whether the backend accepts (s);
+    the first that is scored resumes intake."""
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:

@@ -10,7 +10,7 @@ from streamrl.reward.config import (
     ModelScorerConfig,
     ScorerConfig,
 )
-from streamrl.reward.scorers.base import Scorer, ScorerError, ScorerResult
+from streamrl.reward.scorers.base import PermanentScorerError, Scorer, ScorerError, ScorerResult
 from streamrl.reward.scorers.function import FunctionScorer
 from streamrl.reward.scorers.http import HttpScorer
 from streamrl.reward.scorers.model import ModelScorer
@@ -19,6 +19,7 @@ __all__ = [
     "FunctionScorer",
     "HttpScorer",
     "ModelScorer",
+    "PermanentScorerError",
     "Scorer",
     "ScorerError",
     "ScorerResult",

@@ -7,9 +7,11 @@
 * Each request has a total timeout. Timeouts, connection errors, HTTP 5xx, 408 and 429 are
   retried with capped exponential backoff and jitter (so the requests of a failed batch do not
   retry in lockstep), up to ``max_retries`` times and no later than ``retry_timeout_s`` after
-  the first attempt: a service that fails or is down for less than that is ridden out. Other 4xx
-  answers and malformed bodies (no rewards, wrong length, not numbers) fail at once; 401 and 403
-  say which environment variable holds the token that was refused.
+  the first attempt: a service that fails or is down for less than that is ridden out; one down for
+  longer fails with ``PermanentScorerError`` (the reward service pauses, :mod:`streamrl.reward.pause`).
+  401 and 403 are never retried: ``PermanentScorerError`` naming the environment variable that holds the
+  token that was refused. Other 4xx answers and malformed bodies (no rewards, wrong length, not numbers)
+  fail at once.
 * Several URLs: each attempt picks one by round-robin or least-loaded; a URL that just failed
   is avoided for a while and a retry prefers a URL the request has not tried (fail-over).
 * When every attempt failed, ``ScorerError`` says how often, for how long, where and the last
@@ -40,6 +42,7 @@ import aiohttp
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import HttpScorerConfig
 from streamrl.reward.scorers.base import (
+    PermanentScorerError,
     ScorerError,
     ScorerResult,
     parse_reward_output,
@@ -259,7 +262,7 @@ class HttpScorer:
                 return dataclasses.replace(outcome, attempts=[attempts] * n, retries=attempts - 1)
             reason = outcome
         self._counts["failures"] += 1
-        raise ScorerError(
+        raise PermanentScorerError(
             f"http scorer {self.name!r}: {n} samples not scored after {attempts} attempts in "
             f"{time.monotonic() - started:.1f} s to {', '.join(sorted(tried))}; last error: {reason}",
             attempts=attempts,
@@ -286,6 +289,9 @@ class HttpScorer:
         if status >= 400:
             self._counts["client_errors"] += 1
             detail = self._client_error(status, one_line(body_text))
+            if status in AUTH_STATUS:
+                endpoint.failed(detail, self.name, "scoring pauses until the token is accepted", logging.ERROR)
+                raise PermanentScorerError(f"{source}: {detail}")
             endpoint.failed(detail, self.name, "entries fail until this is fixed", logging.ERROR)
             raise ScorerError(f"{source}: {detail}", sample_specific=status in SAMPLE_SPECIFIC_STATUS)
         endpoint.answered(self.name)
@@ -313,7 +319,10 @@ class HttpScorer:
         if env is None:
             hint = "the server wants a token: set token_env to the environment variable that holds it"
         else:
-            hint = f"the server refused the token in ${env} (token_env): set the right one and restart the service"
+            hint = (
+                f"the server refused the token in ${env} (token_env): give the server the token the reward service "
+                f"holds (scoring resumes by itself), or restart the service with the right one in ${env}"
+            )
         return f"HTTP {status}, not retried: {hint}; server said: {body}"
 
     def metrics(self) -> dict[str, float]:
