@@ -16,6 +16,7 @@ def test_a_failure_every_group_meets_trips_after_a_step_then_pauses_for_the_wind
     assert cause is not None and cause.startswith("error budget spent: 32 of the 32 groups settled in the last 60 s")
     assert "coordinator.max_dead_fraction = 0.5" in cause
     assert budget.paused(3.2) and budget.check(3.2) is None  # said once
+    budget.record(10.0, failed=100)  # groups failing while paused met the same cause: no next window's budget
     assert not budget.paused(63.2)  # the window passed: issuing resumes (half-open)
     for _ in range(31):
         budget.record(64.0, failed=1)

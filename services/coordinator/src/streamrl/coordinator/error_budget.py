@@ -6,7 +6,8 @@ replacement, ... until the dataset is burnt while the policy version never moves
 that settled over the last ``window_s``: completed (trained-ready or filtered) or failed (dead-lettered member,
 timed out). With at least ``min_groups`` settled and more than ``max_dead_fraction`` of them failed, it trips:
 issuing - new prompts and replacements - pauses for ``window_s`` with the cause on screen, then resumes with a
-fresh window (a half-open circuit: if the failure lasts, it trips again after ``min_groups`` more failures).
+fresh window (a half-open circuit: if the failure lasts, it trips again after ``min_groups`` more failures;
+groups that settle while it is paused count in no window: they met the cause already counted).
 The window lives in the coordinator's memory: a restarted coordinator starts a fresh one.
 """
 
@@ -35,7 +36,8 @@ class ErrorBudget:
     """(time, failed, completed) of each record within the window."""
 
     def record(self, now: float, *, failed: int = 0, completed: int = 0) -> None:
-        if failed or completed:
+        """Groups settled at ``now``; those settled while paused count in no window (they met the same cause)."""
+        if (failed or completed) and not self.paused(now):
             self._events.append((now, failed, completed))
 
     def paused(self, now: float) -> bool:

@@ -151,6 +151,8 @@ class CoordinatorService:
         self.weights_key = weights_key()
         self.budget = ErrorBudget(config.max_dead_fraction, config.dead_window_s, config.prompts_per_step)
         self.budget_cause = ""
+        self.reward_cause = ""
+        """Why every live reward worker is paused (their heartbeats, read every FULL_CHECK_S); empty if one is not."""
         self.paused = ""
         """Why no prompt is issued now (the run is paused); empty while it runs."""
         self.paused_since = 0.0
@@ -322,7 +324,7 @@ class CoordinatorService:
                     version=self.version, now=time.time(), timeout_s=self.cfg.group_timeout_s
                 )
                 self.budget.record(now, failed=len(timed_out))
-                await self._check_pause(now)
+                await self._read_reward_pause()
             if sweep:
                 self.sweep_at = now + SWEEP_S
             touched, self.touched = self.touched, set()
@@ -339,7 +341,7 @@ class CoordinatorService:
                 for built in await self.batches.build(self.version):
                     self.changed = True  # the next batch may be buildable too, and admission moved
                     await self._record_batch(built)
-                if not self.paused:
+                if not await self._paused(now):
                     await self.issuer.issue(self.version)
             evals_done = await self._finish_eval_rounds(look=full or bool(rounds))
             if self.evals is not None and rounds:
@@ -355,19 +357,22 @@ class CoordinatorService:
                 await asyncio.sleep(WAKE_BATCH_S)  # let the rest of a burst of commits land first
             self.wake.clear()
 
-    async def _check_pause(self, now: float) -> None:
-        """Pause issuing while every live reward worker is paused or the error budget is spent; say so once."""
+    async def _read_reward_pause(self) -> None:
+        beats = await live_heartbeats_async(self.ctx.bus.redis, self.names, "reward")
+        paused = [b for b in beats if b.status == "paused"]
+        whole = bool(paused) and len(paused) == len(beats)
+        self.reward_cause = f"reward paused ({len(paused)} of {len(beats)} workers): {paused[0].reason}" if whole else ""
+
+    async def _paused(self, now: float) -> bool:
+        """Whether issuing is paused: every live reward worker is paused, or the error budget is spent; a change
+        is said once (ERROR when it pauses, INFO when it resumes) and shown on the progress line."""
         tripped = self.budget.check(now)
         if tripped:
             self.budget_cause = f"{tripped}; last dead letter: {self.progress.fields.get('dead_reason', '-')}"
-        causes = [self.budget_cause] if self.budget.paused(now) else []
-        beats = await live_heartbeats_async(self.ctx.bus.redis, self.names, "reward")
-        paused = [b for b in beats if b.status == "paused"]
-        if paused and len(paused) == len(beats):
-            causes.append(f"reward paused ({len(paused)} of {len(beats)} workers): {paused[0].reason}")
+        causes = [c for c in (self.budget_cause if self.budget.paused(now) else "", self.reward_cause) if c]
         cause = "; ".join(causes)
         if cause == self.paused:
-            return
+            return bool(cause)
         if cause:
             logger.error("run PAUSED, no prompt issued until this clears: %s", cause)
             self.progress.update({"paused": cause[: 2 * REASON_CHARS]})
@@ -377,8 +382,8 @@ class CoordinatorService:
             logger.info("run resumed: issuing prompts again after %.0f s paused", now - self.paused_since)
             self.progress.clear("paused")
         self.paused = cause
-        self.changed = True
         await self._publish_progress(refresh=False)
+        return bool(cause)
 
     async def _finish_eval_rounds(self, look: bool) -> bool:
         """Close the evaluation rounds that can close; True when none is open."""
