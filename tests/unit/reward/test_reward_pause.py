@@ -64,3 +64,24 @@ def test_a_refused_token_pauses_scoring_until_a_probe_is_accepted(traj: Callable
         await service.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_stopping_while_paused_cancels_the_waiting_deliveries_at_once(traj: Callable[..., Trajectory]) -> None:
+    """Nothing to drain while paused: the deliveries are cancelled (their entries stay pending for the next worker)
+    instead of holding the stop for the whole shutdown grace."""
+    config = RewardConfig(
+        scorers=[{"type": "function", "name": "remote", "path": "unused.py"}], max_wait_ms=5, probe_interval_s=60
+    )
+    service = RewardService(config, StreamNames("run1"), scorers=[RefusingScorer()])
+
+    async def main() -> None:
+        handles = [asyncio.ensure_future(service.handle(traj(i))) for i in range(3)]
+        await asyncio.sleep(0.2)
+        assert service.metrics()["reward/paused"] == 1.0
+        await service.stopping()
+        async with timeout(2.0):
+            done = await asyncio.gather(*handles, return_exceptions=True)
+        assert all(isinstance(d, asyncio.CancelledError) for d in done), done
+        await service.close()
+
+    asyncio.run(main())

@@ -57,11 +57,15 @@ async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
         ctx.stop.set()
         await service.close()  # the calls still waiting are cancelled: their entries stay pending
 
-    watcher = asyncio.create_task(stop_when_failed())
+    async def release_paused_when_stopping() -> None:
+        await ctx.stop.wait()
+        await service.stopping()
+
+    watchers = [asyncio.create_task(stop_when_failed()), asyncio.create_task(release_paused_when_stopping())]
     try:
         await loop.run(ctx.stop, burst=ctx.burst)
     finally:
-        await cancel_and_wait([watcher])
+        await cancel_and_wait(watchers)
         await service.close()
     if service.failure is not None:
         raise RuntimeError(f"the reward worker stopped: {service.failure}")

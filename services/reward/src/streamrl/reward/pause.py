@@ -65,14 +65,23 @@ class IntakePause(Generic[T]):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._prober: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def wait(self) -> None:
-        """Return at once while intake runs; while it is paused, once it resumes."""
+        """Return at once while intake runs; while it is paused, once it resumes. CancelledError once closed (the
+        worker is stopping: the delivery's entry stays pending for the next consumer)."""
+        if self._resumed.is_set():
+            return
         while not self._resumed.is_set():
             await wait_set(self._resumed, self.probe_interval_s)
+        if self._closed:
+            raise asyncio.CancelledError("the reward worker is stopping while paused")
 
     def trip(self, cause: str, sample: T) -> None:
-        """A permanent error met ``sample``: pause (said once, however many deliveries meet it) and probe with it."""
+        """A permanent error met ``sample``: pause (said once, however many deliveries meet it) and probe with it.
+        CancelledError once closed (the worker is stopping: the entry stays pending)."""
+        if self._closed:
+            raise asyncio.CancelledError(f"the reward worker is stopping: {cause}")
         if self.cause is not None:
             return
         self.cause, self.since = cause, time.monotonic()
@@ -108,6 +117,8 @@ class IntakePause(Generic[T]):
         self._resumed.set()
 
     async def close(self) -> None:
-        """Stop probing (the deliveries still waiting are the consumer loop's to cancel)."""
+        """Stop probing; the deliveries waiting for the pause to end get CancelledError now (nothing to drain)."""
+        self._closed = True
         if self._prober is not None:
             await cancel_and_wait([self._prober])
+        self._resumed.set()

@@ -337,6 +337,11 @@ class RewardService:
         totals["reward/pauses"] = float(self._pause.num_pauses)
         return totals
 
+    async def stopping(self) -> None:
+        """The worker stops: deliveries waiting for a pause to end are cancelled at once (their entries stay pending
+        for the next worker) instead of waiting out the drain; the others drain as usual."""
+        await self._pause.close()
+
     async def close(self) -> None:
         """Cancel the calls still waiting for scores (their entries stay pending), then close the scorers."""
         if self._closed:

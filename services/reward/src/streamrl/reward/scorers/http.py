@@ -7,8 +7,10 @@
 * Each request has a total timeout. Timeouts, connection errors, HTTP 5xx, 408 and 429 are
   retried with capped exponential backoff and jitter (so the requests of a failed batch do not
   retry in lockstep), up to ``max_retries`` times and no later than ``retry_timeout_s`` after
-  the first attempt: a service that fails or is down for less than that is ridden out; one down for
-  longer fails with ``PermanentScorerError`` (the reward service pauses, :mod:`streamrl.reward.pause`).
+  the first attempt: a service that fails or is down for less than that is ridden out. When the last attempt
+  could not even connect (the service is down, not failing on these samples) the request fails with
+  ``PermanentScorerError`` (the reward service pauses, :mod:`streamrl.reward.pause`); a 5xx, a timeout or a
+  dropped connection may be caused by the samples, so those fail with ``ScorerError`` (retried, dead-lettered).
   401 and 403 are never retried: ``PermanentScorerError`` naming the environment variable that holds the
   token that was refused. Other 4xx answers and malformed bodies (no rewards, wrong length, not numbers)
   fail at once.
@@ -82,6 +84,10 @@ def describe_client_error(error: aiohttp.ClientError) -> str:
     if isinstance(error, aiohttp.ClientOSError):
         return f"connection error: {one_line(error.strerror or type(error).__name__)}"
     return one_line(f"{type(error).__name__}: {error}")
+
+
+class _Unreachable(str):
+    """The reason of an attempt that could not connect: no sample can be the cause."""
 
 
 def backoff_delay_s(retry: int, base_s: float, max_s: float, jitter: float, rng: random.Random) -> float:
@@ -262,7 +268,8 @@ class HttpScorer:
                 return dataclasses.replace(outcome, attempts=[attempts] * n, retries=attempts - 1)
             reason = outcome
         self._counts["failures"] += 1
-        raise PermanentScorerError(
+        error = PermanentScorerError if isinstance(reason, _Unreachable) else ScorerError
+        raise error(
             f"http scorer {self.name!r}: {n} samples not scored after {attempts} attempts in "
             f"{time.monotonic() - started:.1f} s to {', '.join(sorted(tried))}; last error: {reason}",
             attempts=attempts,
@@ -282,7 +289,8 @@ class HttpScorer:
             return self._retryable(endpoint, f"no answer within {self._config.timeout_s} s")
         except aiohttp.ClientError as e:
             self._counts["connection_errors"] += 1
-            return self._retryable(endpoint, describe_client_error(e))
+            reason = self._retryable(endpoint, describe_client_error(e))
+            return _Unreachable(reason) if isinstance(e, aiohttp.ClientConnectorError) else reason
         if status >= 500 or status in RETRYABLE_STATUS:
             self._counts["server_errors"] += 1
             return self._retryable(endpoint, f"HTTP {status}: {one_line(body_text)}")
