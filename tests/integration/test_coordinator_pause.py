@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_coordinator import a_trajectory, coordinator
 
 from streamrl.common.codec import encode
@@ -29,7 +28,9 @@ def test_the_run_pauses_while_every_reward_worker_is_paused(
         async with coordinator(recipe, run_id, redis_url) as h:
 
             def beat(status: str, reason: str = "") -> None:
-                hb = Heartbeat(service="reward", instance="r0", pid=os.getpid(), ts=time.time(), status=status, reason=reason)
+                hb = Heartbeat(
+                    service="reward", instance="r0", pid=os.getpid(), ts=time.time(), status=status, reason=reason
+                )
                 h.client.set(h.names.heartbeat("reward", "r0"), encode(hb), px=60_000)
                 h.client.sadd(h.names.instances, "reward:r0")
 

@@ -41,4 +41,6 @@ def test_a_forward_that_never_returns_fails_its_batch_and_stops_the_worker(traj:
 
     asyncio.run(main())
     model.release.set()
-    assert told == ["model scorer 'rm': every one of its 1 threads is held by a call that timed out and has not returned"]
+    assert told == [
+        "model scorer 'rm': every one of its 1 threads is held by a call that timed out and has not returned"
+    ]

@@ -73,7 +73,7 @@ def _heartbeat_keys(members: Iterable[bytes | str], names: StreamNames, service:
     return [names.heartbeat(*m.split(":", 1)) for m in found]
 
 
-def _decode_beats(values: list[bytes | None]) -> list[Heartbeat]:
+def _decode_beats(values: list[bytes | str | None]) -> list[Heartbeat]:
     return [decode(raw(value), Heartbeat) for value in values if value]
 
 

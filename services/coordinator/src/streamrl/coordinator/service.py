@@ -57,8 +57,8 @@ from streamrl.coordinator import state as st
 from streamrl.coordinator.batch_metrics import batch_stats
 from streamrl.coordinator.batches import BatchBuilder, Built
 from streamrl.coordinator.config import CoordinatorConfig
-from streamrl.coordinator.error_budget import ErrorBudget
 from streamrl.coordinator.dead_letters import LostBatch, LostEvalPrompt, LostGroup, RefusedBatch, what_was_lost
+from streamrl.coordinator.error_budget import ErrorBudget
 from streamrl.coordinator.evaluation import EvalRounds, round_buffer_id, round_of_buffer
 from streamrl.coordinator.followers import follow
 from streamrl.coordinator.groups import GroupBuffer
@@ -361,7 +361,9 @@ class CoordinatorService:
         beats = await live_heartbeats_async(self.ctx.bus.redis, self.names, "reward")
         paused = [b for b in beats if b.status == "paused"]
         whole = bool(paused) and len(paused) == len(beats)
-        self.reward_cause = f"reward paused ({len(paused)} of {len(beats)} workers): {paused[0].reason}" if whole else ""
+        self.reward_cause = (
+            f"reward paused ({len(paused)} of {len(beats)} workers): {paused[0].reason}" if whole else ""
+        )
 
     async def _paused(self, now: float) -> bool:
         """Whether issuing is paused: every live reward worker is paused, or the error budget is spent; a change

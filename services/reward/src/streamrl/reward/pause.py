@@ -110,7 +110,10 @@ class IntakePause(Generic[T]):
                 logger.info("probe %d failed otherwise (%s): the backend answers again", probes, e)
             break
         logger.info(
-            "reward scoring RESUMED after %.1f s paused (%d probes): %s", time.monotonic() - self.since, probes, self.cause
+            "reward scoring RESUMED after %.1f s paused (%d probes): %s",
+            time.monotonic() - self.since,
+            probes,
+            self.cause,
         )
         self.cause = None
         self._on_change("")

@@ -172,7 +172,9 @@ class ModelScorer:
         self._config = config
         source = f"model scorer {self.name!r}"
         self._thread = ThreadCaller(
-            1, f"reward-{self.name}", on_exhausted=lambda why: on_exhausted(f"{source}: {why}") if on_exhausted else None
+            1,
+            f"reward-{self.name}",
+            on_exhausted=lambda why: on_exhausted(f"{source}: {why}") if on_exhausted else None,
         )
         """One forward at a time on a thread of the scorer's own, each with a deadline (``timeout_s``): a forward
         that never returns exhausts it, and the worker exits for its orchestrator to restart it."""
