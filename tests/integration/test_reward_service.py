@@ -1,5 +1,5 @@
-"""Reward replicas over a real redis-server: SIGKILL of one replica, failing scorers dead-lettered,
-and a remote reward service (reward_server.py) failing a whole batch at the demo's in-flight settings.
+"""Reward replicas over a real redis-server: SIGKILL of one replica, failing scorers dead-lettered, permanent
+errors (a refused token, a service that cannot be reached) pausing intake, and a remote reward service (reward_server.py) failing a whole batch at the demo's in-flight settings.
 
 Runs the real entry point (``python -m streamrl.reward RECIPE``) as separate processes.
 """
@@ -153,34 +153,41 @@ def test_sigkill_of_a_replica_loses_and_duplicates_nothing(tmp_path: Path, redis
         assert survivor.wait(30) == 0, (tmp_path / "survivor.log").read_text()
 
 
-def test_a_failing_scorer_dead_letters_with_the_reason(tmp_path: Path, redis_url: str, run_id: str) -> None:
+def test_a_scorer_that_cannot_connect_pauses_intake_instead_of_dead_lettering(
+    tmp_path: Path, redis_url: str, run_id: str
+) -> None:
+    """A remote reward service that refuses connections past the retries: the worker pauses (heartbeat ``paused``
+    with the reason, said once), dead-letters nothing and holds what it read pending. Before: every entry was
+    dead-lettered after max_deliveries and its group replaced, burning the dataset."""
     scorer = (
         'type = "http"\nname = "remote"\nurls = ["http://127.0.0.1:9/get_reward"]\n'
         "max_retries = 1\nbackoff_base_s = 0.01\nbackoff_max_s = 0.02\ntimeout_s = 1"
     )
     recipe = write_recipe(tmp_path, redis_url, run_id, scorer, consumer_toml="max_deliveries = 2")
+    recipe.write_text(recipe.read_text().replace("max_wait_ms = 20\n", "max_wait_ms = 20\nprobe_interval_s = 0.2\n"))
     client = redis.Redis.from_url(redis_url)
     names = StreamNames(run_id)
     for i in range(3):
         client.xadd(names.trajectories, encode_payload(trajectory(i)))
     replica = start_replica(recipe, "r", tmp_path)
+    log = tmp_path / "r.log"
     try:
-        wait_for(lambda: client.xlen(names.dead) >= 3, 30, "dead letters")
-        letters = dead_letters(client, names)
-        assert sorted(decode(d.payload, Trajectory).id for d in letters) == [
-            "g0/0",
-            "g1/0",
-            "g2/0",
-        ]
-        for letter in letters:
-            assert letter.deliveries == 2
-            assert letter.error.startswith("ScorerError: http scorer 'remote'")
-            assert "not scored after 2 attempts" in letter.error and "127.0.0.1:9" in letter.error
-        assert client.xlen(names.scored) == 0  # never a silent 0 reward
-        assert pending(client, names) == 0
+
+        def paused() -> bool:
+            return any(b.status == "paused" for b in live_heartbeats(client, names, "reward"))
+
+        wait_for(paused, 30, "the worker to pause", log.read_text)
+        (beat,) = live_heartbeats(client, names, "reward")
+        assert beat.reason.startswith("http scorer 'remote': 3 samples not scored after 2 attempts"), beat.reason
+        assert "connection refused (is the service up?)" in beat.reason
+        time.sleep(1.5)  # several probes, and a claim_idle_ms: the entries stay held, never charged a delivery
+        assert client.xlen(names.dead) == 0 and client.xlen(names.scored) == 0  # never a silent 0 reward
+        assert pending(client, names) == 3
+        assert log.read_text().count("reward scoring PAUSED") == 1
     finally:
         replica.send_signal(signal.SIGTERM)
-        assert replica.wait(30) == 0, (tmp_path / "r.log").read_text()
+        assert replica.wait(30) == 0, log.read_text()
+    assert pending(client, names) == 3  # left for the next worker
 
 
 PID_REWARD = """
@@ -371,32 +378,44 @@ def test_remote_down_then_back_at_demo_in_flight_is_ridden_out(
     assert "is failing: connection refused (is the service up?)" in log and log.count("answers again") == 1
 
 
-def test_wrong_token_at_demo_in_flight_dead_letters_fast_naming_the_variable(
+def test_wrong_token_at_demo_in_flight_pauses_naming_the_variable_and_loses_nothing(
     tmp_path: Path, redis_url: str, run_id: str, remote: ServerProcess
 ) -> None:
-    """A refused token is not retried by the scorer: 512 entries are dead-lettered within seconds
-    with one reason that names $RM_TOKEN, the service stays alive. Before: the reason was
-    'HTTP 403 (not retried): {"error": "invalid token"}', saying nothing of where the token comes from."""
+    """A refused token is not retried: the worker pauses at once with one reason that names $RM_TOKEN (its
+    heartbeat says so), dead-letters none of its 512 entries and calls the server only to probe; a worker
+    restarted with the right token scores them all. Before: all 512 were dead-lettered within seconds."""
     client, names = redis.Redis.from_url(redis_url), StreamNames(run_id)
     recipe = write_demo_recipe(tmp_path, redis_url, run_id, remote.url, consumer="retry_delay_s = 0.2")
+    recipe.write_text(recipe.read_text().replace("max_wait_ms = 5\n", "max_wait_ms = 5\nprobe_interval_s = 0.5\n"))
     proc = start_and_wait_running(recipe, tmp_path, client, names, token="wrong")
+    log = tmp_path / "r.log"
     try:
-        started = time.monotonic()
         publish(client, names, NUM_IN_FLIGHT)
-        results, letters = wait_all_accounted(client, names, NUM_IN_FLIGHT, proc, tmp_path / "r.log")
-        elapsed_s = time.monotonic() - started
-        assert not results and len(letters) == NUM_IN_FLIGHT
-        (reason,) = {r.split(" (http://")[0] + r.split(")", 1)[1] for r in assert_one_line_reasons(letters)}
-        assert reason == (
-            "ScorerError: http scorer 'remote': HTTP 403, not retried: the server refused the token in "
-            '$RM_TOKEN (token_env): set the right one and restart the service; server said: {"error": "invalid token"}'
+
+        def paused() -> bool:
+            return any(b.status == "paused" for b in live_heartbeats(client, names, "reward"))
+
+        wait_for(paused, 10, "the worker to pause", lambda: log.read_text()[-3000:])
+        (beat,) = live_heartbeats(client, names, "reward")
+        assert beat.reason.split(" (http://")[0] + beat.reason.split(")", 1)[1] == (
+            "http scorer 'remote': HTTP 403, not retried: the server refused the token in $RM_TOKEN (token_env): "
+            "give the server the token the reward service holds (scoring resumes by itself), or restart the service "
+            'with the right one in $RM_TOKEN; server said: {"error": "invalid token"}'
         )
-        assert all(d.deliveries == 3 for d in letters)  # consumer.max_deliveries, one request each
-        assert remote.stats()["forbidden"] < NUM_IN_FLIGHT  # one request per 32 samples per delivery
-        assert elapsed_s < 10
+        time.sleep(2.0)  # four probes
+        assert client.xlen(names.dead) == 0 and client.xlen(names.scored) == 0
+        assert pending(client, names) == NUM_IN_FLIGHT
+        # one request per 32 samples of the batches that met it, then one per probe: no retry storm
+        assert remote.stats()["forbidden"] <= NUM_IN_FLIGHT // 32 + 8, remote.stats()
+        assert log.read_text().count("reward scoring PAUSED") == 1
     finally:
-        stop(proc, tmp_path / "r.log")
-    assert (tmp_path / "r.log").read_text().count("refused the token in $RM_TOKEN") >= 1
+        stop(proc, log)
+    fixed = start_and_wait_running(recipe, tmp_path, client, names, token=TOKEN)
+    try:
+        results, letters = wait_all_accounted(client, names, NUM_IN_FLIGHT, fixed, log, timeout_s=60)
+        assert len(results) == NUM_IN_FLIGHT and not letters
+    finally:
+        stop(fixed, log)
 
 
 def test_remote_failing_past_the_retry_window_dead_letters_with_a_one_line_reason(

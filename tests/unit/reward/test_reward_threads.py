@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from streamrl.common.aio import timeout
 from streamrl.reward.threads import CallTimeoutError, ThreadCaller, ThreadsExhaustedError
 
 
@@ -56,3 +57,40 @@ def test_what_the_function_raises_reaches_the_caller() -> None:
 
     with pytest.raises(KeyError, match="label"):
         asyncio.run(ThreadCaller(1, "t").call(1.0, bad))
+
+
+class _StoppedClock:
+    """A ``time`` module whose monotonic clock stands still: a judgement that compares deadlines with it
+    always finds the timed-out calls not yet due, as the event loop's timer firing early made it do at
+    random (the loop fires a timer up to its clock resolution before ``time.monotonic()`` reaches it)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_exhaustion_is_judged_from_the_calls_not_from_a_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamrl.reward import threads
+
+    monkeypatch.setattr(threads, "time", _StoppedClock(), raising=False)
+    forever = threading.Event()
+    told: list[str] = []
+
+    async def main() -> None:
+        caller = ThreadCaller(2, "t", on_exhausted=told.append)
+        hung = [asyncio.ensure_future(caller.call(0.1, forever.wait)) for _ in range(2)]
+        # a third call waits for a thread; it must hear of the exhaustion, not wait on
+        waiting = asyncio.ensure_future(caller.call(0.1, lambda: 7))
+        async with timeout(5.0):  # the deadline of this test; the fault being tested waits for ever
+            for call in hung:
+                with pytest.raises(CallTimeoutError):
+                    await call
+            with pytest.raises(ThreadsExhaustedError, match="every one of its 2 threads"):
+                await waiting
+        assert caller.num_overdue == 2 and caller.exhausted is not None
+        forever.set()
+
+    asyncio.run(main())
+    assert len(told) == 1

@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import redis as syncredis
 import redis.asyncio as aioredis
@@ -55,13 +55,26 @@ def live_heartbeats(client: syncredis.Redis, names: StreamNames, service: str = 
     but stays in the set: a consumer loop judges its entries by it (the one that takes them over
     removes it, :meth:`streamrl.common.consumer.ConsumerLoop._reclaim_from_the_dead`); one that
     stopped cleanly removed itself."""
-    members = sorted(text(m) for m in client.smembers(names.instances))
+    keys = _heartbeat_keys(client.smembers(names.instances), names, service)
+    return _decode_beats(client.mget(keys)) if keys else []
+
+
+async def live_heartbeats_async(redis: aioredis.Redis, names: StreamNames, service: str = "*") -> list[Heartbeat]:
+    """:func:`live_heartbeats` on an asyncio client (two round trips)."""
+    keys = _heartbeat_keys(await redis.smembers(names.instances), names, service)
+    return _decode_beats(await redis.mget(keys)) if keys else []
+
+
+def _heartbeat_keys(members: Iterable[bytes | str], names: StreamNames, service: str) -> list[str]:
+    """The heartbeat keys of the ``instances`` members (``service:instance``) of ``service``, sorted."""
+    found = sorted(text(m) for m in members)
     if service != "*":
-        members = [m for m in members if m.split(":", 1)[0] == service]
-    if not members:
-        return []
-    raws = client.mget([names.heartbeat(*m.split(":", 1)) for m in members])
-    return [decode(raw(value), Heartbeat) for value in raws if value]
+        found = [m for m in found if m.split(":", 1)[0] == service]
+    return [names.heartbeat(*m.split(":", 1)) for m in found]
+
+
+def _decode_beats(values: list[bytes | str | None]) -> list[Heartbeat]:
+    return [decode(raw(value), Heartbeat) for value in values if value]
 
 
 def read_heartbeats(redis_url: str, names: StreamNames, service: str = "*") -> list[Heartbeat]:

@@ -103,6 +103,9 @@ class ServiceContext:
     policy_version: int = -1
     loop_lag_s: float = 0.0
     """The event loop's worst pause since the service runs (s) (:mod:`streamrl.common.liveness`)."""
+    paused: str = ""
+    """Why the service consumes nothing for now (it resumes by itself); empty while it works. A running service
+    with a reason beats ``status = paused`` with it (``Heartbeat.reason``)."""
     tracing: Tracing = NULL_TRACING
     metrics: Metrics = NULL_METRICS
 
@@ -132,8 +135,9 @@ class ServiceContext:
             "dead_lettered": sum(loop.stats.dead_lettered for loop in self.loops),
             "in_flight": sum(loop.stats.in_flight for loop in self.loops),
             "policy_version": self.policy_version,
-            "status": self.status,
+            "status": "paused" if self.paused and self.status == "running" else self.status,
             "loop_lag_s": round(self.loop_lag_s, 3),
+            "reason": self.paused,
         }
 
     def record_loop_lag(self, pause_s: float) -> None:

@@ -577,9 +577,12 @@ class Heartbeat(_Message, tag="heartbeat"):
     policy_version: int = -1
     """Version the instance serves or trains (-1 = n/a)."""
     status: str = "running"
-    """``starting`` | ``running`` | ``draining``."""
+    """``starting`` | ``running`` | ``paused`` | ``draining`` (``standby`` for a coordinator waiting for the lease)."""
     loop_lag_s: float = 0.0
     """The event loop's worst pause since the instance runs (s); the lease TTL must cover it."""
+    reason: str = ""
+    """Why the instance is ``paused`` (a reward worker whose backend refuses its token or stays down: it
+    consumes nothing until a probe succeeds); empty otherwise. The coordinator shows it and issues no prompts."""
 
 
 class DeadLetter(_Message, tag="dead"):

@@ -118,6 +118,15 @@ class CoordinatorConfig(ServiceConfig):
     life with the default settings - generation, a function scorer's or an HTTP scorer's retries, and
     a dead worker's entries reclaimed after consumer.claim_idle_ms - so only lost work reaches it; a
     group failed while still running costs only its compute (its late samples are dropped, counted)."""
+    max_dead_fraction: float = Field(0.5, gt=0, le=1)
+    """Error budget: when more than this fraction of the training groups settled (trained-ready, filtered, failed
+    or timed out) over the last ``dead_window_s`` failed - at least ``prompts_per_step`` groups settled - the
+    run pauses: no prompt and no replacement is issued for ``dead_window_s``, with the cause (the last dead
+    letter's reason) on the progress line; then issuing resumes, and the budget trips again if groups keep
+    failing. A failure every group meets (a scorer refusing everything) then burns a step's worth of the dataset
+    per window instead of all of it. 1 = never pause."""
+    dead_window_s: float = Field(120.0, gt=0)
+    """The error budget's window, and how long a tripped budget pauses issuing (s)."""
     wait_for_learner: bool = True
     """Issue the first prompts only once a learner has published its weights (it is ready to train):
     samples generated while the learner still loads (or compiles) its model would only grow stale."""

@@ -1,7 +1,7 @@
 """What a user sees of the run besides its curves: the progress hash and the run counters as metrics.
 
 The progress hash (``state:progress``) is what ``streamrl up`` shows as its progress line. It holds the latest figures (step, reward, accuracy, staleness, loss, evaluation accuracy, the last
-dead-letter reason) and every run counter of ``state.COUNTERS`` that is not zero - groups dead, timed
+dead-letter reason, and ``paused`` with its cause while the run issues no prompts) and every run counter of ``state.COUNTERS`` that is not zero - groups dead, timed
 out or filtered, batches dead, evaluation prompts dead or missing... - so a user sees what was lost
 as soon as it is. It is written only when something changed.
 """
@@ -40,12 +40,17 @@ class Progress:
         self.fields["version"] = version
         shown = {k: str(v) for k, v in self.fields.items()}
         if shown != self.published:
-            await (
-                self.state.tx()
-                .call("HSET", self.state.key(st.PROGRESS), *(x for kv in shown.items() for x in kv))
-                .execute()
-            )
+            key = self.state.key(st.PROGRESS)
+            tx = self.state.tx().call("HSET", key, *(x for kv in shown.items() for x in kv))
+            gone = [k for k in self.published if k not in shown]
+            if gone:  # a figure that no longer holds (the run is no longer paused)
+                tx = tx.hdel(key, *gone)
+            await tx.execute()
             self.published = shown
+
+    def clear(self, name: str) -> None:
+        """Stop showing ``name`` (removed from the hash at the next publish)."""
+        self.fields.pop(name, None)
 
 
 def counter_metrics(counters: dict[str, int]) -> dict[str, int]:

@@ -12,6 +12,11 @@ The pieces, one concept per module, wired here:
   ``prompts_per_step / K`` groups, evaluation on lane 0 only (``CoordinatorConfig.for_lane``); its
   ``weights`` and ``dead`` are the lane's, which lane 0's ``joining.run_joiner`` fills from the home;
 * ``progress.Progress`` and ``metrics.MetricsWriter``: what a user sees;
+* the run pauses - no prompt and no replacement issued, ``paused`` with the cause on the progress line, one
+  ERROR line - while every live reward worker is paused (its heartbeat says why: a scorer's token refused, its
+  backend down; :mod:`streamrl.reward.pause`) or the error budget is spent (``error_budget.py``: too many of
+  the groups settled lately failed); it resumes by itself (one INFO line) when they resume or the budget's
+  window has passed;
 * ``traces``: where each prompt group's trace starts and what its samples waited for (``ctx.tracing``);
   ``ctx.metrics`` exports the ``scored`` stream's lag and the staleness of each batch's samples.
 
@@ -44,6 +49,7 @@ from streamrl.common.bus import Output
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
 from streamrl.common.lanes import home_run_id
+from streamrl.common.health import live_heartbeats_async
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import DeadLetter, ScoredRecord, TrajectoryRecord, WeightsPublished
 from streamrl.common.redact import redact
@@ -60,6 +66,7 @@ from streamrl.coordinator.dead_letters import (
     RefusedBatch,
     what_was_lost,
 )
+from streamrl.coordinator.error_budget import ErrorBudget
 from streamrl.coordinator.evaluation import EvalRounds, round_buffer_id, round_of_buffer
 from streamrl.coordinator.followers import follow
 from streamrl.coordinator.groups import GroupBuffer
@@ -161,6 +168,13 @@ class CoordinatorService:
                 "to the weights or dead stream can move the policy version or have untrained batches deleted",
                 KEY_ENV,
             )
+        self.budget = ErrorBudget(config.max_dead_fraction, config.dead_window_s, config.prompts_per_step)
+        self.budget_cause = ""
+        self.reward_cause = ""
+        """Why every live reward worker is paused (their heartbeats, read every FULL_CHECK_S); empty if one is not."""
+        self.paused = ""
+        """Why no prompt is issued now (the run is paused); empty while it runs."""
+        self.paused_since = 0.0
         self._count_letter = FencedScript(ctx.bus, COUNT_LETTER_LUA, "service.COUNT_LETTER_LUA")
         self.mirrored = Mirrored([-1] * config.lanes.count) if config.lanes.enabled and config.lane == 0 else None
         """With lanes, lane 0's: the version each lane has. The run ends once every lane has the last one (a lane
@@ -288,6 +302,7 @@ class CoordinatorService:
                 await self.ctx.bus.redis.unlink(*payloads)
         if isinstance(lost, LostGroup):
             if await self.groups.fail(lost.group_id, st.GROUPS_DEAD):
+                self.budget.record(time.monotonic(), failed=1)
                 logger.warning(
                     "group %s failed (dead-lettered member): a replacement prompt will be issued", lost.group_id
                 )
@@ -330,13 +345,18 @@ class CoordinatorService:
             sweep = now >= self.sweep_at
             if full:
                 self.full_check_at = now + FULL_CHECK_S
-                await self.groups.time_out(version=self.version, now=time.time(), timeout_s=self.cfg.group_timeout_s)
+                timed_out = await self.groups.time_out(
+                    version=self.version, now=time.time(), timeout_s=self.cfg.group_timeout_s
+                )
+                self.budget.record(now, failed=len(timed_out))
+                await self._read_reward_pause()
             if sweep:
                 self.sweep_at = now + SWEEP_S
             touched, self.touched = self.touched, set()
             rounds = {v for v in map(round_of_buffer, touched) if v is not None}
             groups = {b for b in touched if round_of_buffer(b) is None}
             checked = await self.groups.complete(None if sweep else groups)
+            self.budget.record(now, completed=checked.left)
             await self.groups.drop_late(groups if sweep else checked.gone)
             # batching and admission read state that only a group leaving the in-flight set, a new version, a
             # dead letter or a batch built changes: a tick that saw none of these (a sample stored in a group not
@@ -346,7 +366,8 @@ class CoordinatorService:
                 for built in await self.batches.build(self.version):
                     self.changed = True  # the next batch may be buildable too, and admission moved
                     await self._record_batch(built)
-                await self.issuer.issue(self.version)
+                if not await self._paused(now):
+                    await self.issuer.issue(self.version)
             evals_done = await self._finish_eval_rounds(look=full or bool(rounds))
             if self.evals is not None and rounds:
                 await self.evals.drop_late(rounds)
@@ -365,6 +386,36 @@ class CoordinatorService:
             if await wait_set(self.wake, TICK_S):
                 await asyncio.sleep(WAKE_BATCH_S)  # let the rest of a burst of commits land first
             self.wake.clear()
+
+    async def _read_reward_pause(self) -> None:
+        beats = await live_heartbeats_async(self.ctx.bus.redis, self.names, "reward")
+        paused = [b for b in beats if b.status == "paused"]
+        whole = bool(paused) and len(paused) == len(beats)
+        self.reward_cause = (
+            f"reward paused ({len(paused)} of {len(beats)} workers): {paused[0].reason}" if whole else ""
+        )
+
+    async def _paused(self, now: float) -> bool:
+        """Whether issuing is paused: every live reward worker is paused, or the error budget is spent; a change
+        is said once (ERROR when it pauses, INFO when it resumes) and shown on the progress line."""
+        tripped = self.budget.check(now)
+        if tripped:
+            self.budget_cause = f"{tripped}; last dead letter: {self.progress.fields.get('dead_reason', '-')}"
+        causes = [c for c in (self.budget_cause if self.budget.paused(now) else "", self.reward_cause) if c]
+        cause = "; ".join(causes)
+        if cause == self.paused:
+            return bool(cause)
+        if cause:
+            logger.error("run PAUSED, no prompt issued until this clears: %s", cause)
+            self.progress.update({"paused": cause[: 2 * REASON_CHARS]})
+            if not self.paused:
+                self.paused_since = now
+        else:
+            logger.info("run resumed: issuing prompts again after %.0f s paused", now - self.paused_since)
+            self.progress.clear("paused")
+        self.paused = cause
+        await self._publish_progress(refresh=False)
+        return bool(cause)
 
     async def _finish_eval_rounds(self, look: bool) -> bool:
         """Close the evaluation rounds that can close; True when none is open."""

@@ -1,6 +1,7 @@
 """``streamrl reward RECIPE [--reward.field=value ...]``: run one reward worker.
 
-It exits with status 1 when a scorer can score nothing more (a sync reward function whose threads
+While a permanent error pauses scoring (:mod:`streamrl.reward.pause`) its heartbeat says ``paused`` with the
+cause. It exits with status 1 when a scorer can score nothing more (a sync reward function whose threads
 all hang: :mod:`streamrl.reward.threads`), leaving what it held pending for its restart.
 """
 
@@ -26,7 +27,18 @@ async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
     assert config.redis.url is not None  # service_main refuses to start without one
     ctx.metrics.watch_streams(config.redis.url, {"trajectories": ctx.names.trajectories})
     payloads = RedisPayloads(ctx.bus.redis, ctx.bus.max_command_bytes)
-    service = RewardService(config, ctx.names, tracing=ctx.tracing, metrics=ctx.metrics, payloads=payloads)
+
+    def paused(cause: str) -> None:  # the heartbeat says paused, with the cause ("" once it resumes)
+        ctx.paused = cause
+
+    service = RewardService(
+        config,
+        ctx.names,
+        tracing=ctx.tracing,
+        metrics=ctx.metrics,
+        payloads=payloads,
+        on_pause=paused,
+    )
     loop: ConsumerLoop[TrajectoryRecord | Trajectory] = ConsumerLoop(
         ctx.bus,
         ctx.names,
@@ -45,11 +57,15 @@ async def _run(config: RewardServiceConfig, ctx: ServiceContext) -> None:
         ctx.stop.set()
         await service.close()  # the calls still waiting are cancelled: their entries stay pending
 
-    watcher = asyncio.create_task(stop_when_failed())
+    async def release_paused_when_stopping() -> None:
+        await ctx.stop.wait()
+        await service.stopping()
+
+    watchers = [asyncio.create_task(stop_when_failed()), asyncio.create_task(release_paused_when_stopping())]
     try:
         await loop.run(ctx.stop, burst=ctx.burst)
     finally:
-        await cancel_and_wait([watcher])
+        await cancel_and_wait(watchers)
         await service.close()
     if service.failure is not None:
         raise RuntimeError(f"the reward worker stopped: {service.failure}")

@@ -66,7 +66,9 @@ class HttpScorerConfig(_ScorerBase):
     retry_timeout_s: float = Field(60.0, gt=0)
     """No retry of a request starts later than this after its first attempt (s): a remote service that
     fails or is down for less is ridden out; past it the request fails and the consumer loop
-    delivers its entries again (``consumer.max_deliveries``), then dead-letters them with the reason."""
+    delivers its entries again (``consumer.max_deliveries``), then dead-letters them with the reason - except
+    when its last attempt could not connect at all: the service is down, and the reward worker pauses its
+    intake until a probe is scored (``reward.probe_interval_s``) instead of dead-lettering every entry."""
     backoff_base_s: float = Field(0.5, gt=0)
     """Backoff before retry k is ``min(backoff_max_s, backoff_base_s * 2**k)``, reduced by jitter (s)."""
     backoff_max_s: float = Field(10.0, gt=0)
@@ -79,7 +81,8 @@ class HttpScorerConfig(_ScorerBase):
     """Prefix of the header value (``Bearer <token>``); empty = the raw token."""
     token_env: str | None = None
     """Name of the environment variable holding the token (never the token itself); None = no auth.
-    A 401 or 403 answer is not retried: its entries are dead-lettered with a reason naming this variable."""
+    A 401 or 403 answer is not retried: the reward worker pauses its intake, with a reason naming this variable,
+    until a probe is accepted (the server given this token again, or the worker restarted with the right one)."""
 
     @model_validator(mode="after")
     def _check(self) -> HttpScorerConfig:
@@ -113,6 +116,10 @@ class ModelScorerConfig(_ScorerBase):
     trajectory's token ids as they are (only when the policy and reward model share a tokenizer)."""
     batch_size: int = Field(16, ge=1)
     """Sequences per forward pass."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A micro-batch's forward passes that take longer fail (s). Forwards run one at a time on a thread of the
+    scorer's own, which cannot be stopped: when a forward overruns this the reward worker exits with status 1
+    (what it holds stays pending) for its orchestrator to restart it, rather than wait on a wedged device."""
     max_length: int = Field(2048, ge=8)
     """Longer inputs are truncated from the left, keeping the end of the response (tokens)."""
     device: str = "cpu"
@@ -144,6 +151,10 @@ class RewardConfig(BaseConfig):
     ``score`` scores it ``invalid_value`` (counted in ``reward/invalid``, the reason logged once per 100)."""
     invalid_value: float | None = Field(None, allow_inf_nan=False)
     """Reward and score of an invalid sample when ``on_invalid = "score"`` (required then, e.g. 0.0)."""
+    probe_interval_s: float = Field(5.0, gt=0)
+    """While scoring is paused by a permanent error (an HTTP scorer's token refused, its service not reachable
+    past ``retry_timeout_s``), how often one held trajectory is scored again to see whether the backend accepts (s);
+    the first that is scored resumes intake."""
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:

@@ -43,6 +43,11 @@ earlier deliveries that failed, and of a batch that failed before it was scored 
 On stop, ``close`` cancels the calls still waiting for scores: their entries stay pending for the
 next consumer; they never fail with a reason that only says the service was stopping.
 
+A permanent error (:class:`PermanentScorerError`: the backend refused the token, or stayed unreachable past every
+retry) does not fail the delivery: the worker pauses its intake and probes until the backend accepts again
+(:mod:`streamrl.reward.pause`); ``on_pause`` hears the cause (the heartbeat says ``paused`` with it) and ``""`` once
+scoring resumes.
+
 A scorer that can score nothing more - a synchronous reward function whose threads are all held by
 calls that timed out (:mod:`streamrl.reward.threads`) - sets ``failure`` and ``failed``: the worker
 (``__main__``) then stops, leaves what it holds pending and exits non-zero, to be restarted, rather
@@ -61,9 +66,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from streamrl.common.aio import cancel_and_wait
 from streamrl.common.bus import Output
 from streamrl.common.messages import ScoredRecord, Trajectory, TrajectoryRecord
 from streamrl.common.payload_format import unpack_head, unpack_payload
@@ -82,7 +88,8 @@ from streamrl.common.telemetry.tracing import NULL_TRACING, Tracing
 from streamrl.reward.batcher import MicroBatcher
 from streamrl.reward.combine import CombinedScore, WeightedResult, combine
 from streamrl.reward.config import RewardConfig
-from streamrl.reward.scorers import Scorer, ScorerError, ScorerResult, build_scorer
+from streamrl.reward.pause import IntakePause
+from streamrl.reward.scorers import PermanentScorerError, Scorer, ScorerError, ScorerResult, build_scorer
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +177,7 @@ class RewardService:
         tracing: Tracing = NULL_TRACING,
         metrics: Metrics = NULL_METRICS,
         payloads: PayloadSource | None = None,
+        on_pause: Callable[[str], None] | None = None,
     ) -> None:
         self._names = names
         self._payloads = payloads
@@ -201,6 +209,9 @@ class RewardService:
             config.max_wait_ms,
             split_on=_is_sample_specific,
         )
+        self._pause: IntakePause[Trajectory] = IntakePause(
+            self._probe, config.probe_interval_s, on_pause if on_pause is not None else lambda _: None
+        )
         self._latency_ms_sum = 0.0
         self._num_scored = 0
         self._num_failed = 0
@@ -228,7 +239,7 @@ class RewardService:
         attributes = {TRAJECTORY_ID: msg.id, SCORER: self.provenance}
         with self._tracing.span(REWARD, msg.traceparent, attributes=attributes) as span:
             try:
-                combined = await self._batcher.submit(msg)
+                combined = await self._submit(msg)
                 if combined.invalid:
                     self._invalid(msg, combined.invalid)
             except Exception:  # counted and re-raised; the span is marked failed on the way out
@@ -256,6 +267,23 @@ class RewardService:
         if record is None:  # a whole Trajectory in: a whole ScoredTrajectory out
             return [Output(stream=self._names.scored, message=assemble(scored, msg))]
         return [Output(stream=self._names.scored, message=scored)]
+
+    async def _submit(self, msg: Trajectory) -> CombinedScore:
+        """Score ``msg`` in a micro-batch; while intake is paused by a permanent error, wait for it to resume."""
+        while True:
+            await self._pause.wait()
+            try:
+                return await self._batcher.submit(msg)
+            except PermanentScorerError as e:
+                self._pause.trip(str(e), msg)
+
+    async def _probe(self, sample: Trajectory) -> None:
+        """Score ``sample`` alone with every scorer (the pause's probe); raises what a scorer raises."""
+        tasks = [asyncio.ensure_future(s.score([sample])) for s in self._scorers]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await cancel_and_wait(tasks)
 
     async def _score_batch(self, batch: list[Trajectory]) -> list[CombinedScore]:
         tasks = [asyncio.ensure_future(self._call(s, batch)) for s in self._scorers]
@@ -329,13 +357,21 @@ class RewardService:
         totals["reward/batches"] = float(batches)
         totals["reward/batch_size_mean"] = self._batcher.num_items / batches if batches else 0.0
         totals["reward/latency_ms_mean"] = self._latency_ms_sum / self._num_scored if self._num_scored else 0.0
+        totals["reward/paused"] = float(self._pause.cause is not None)
+        totals["reward/pauses"] = float(self._pause.num_pauses)
         return totals
+
+    async def stopping(self) -> None:
+        """The worker stops: deliveries waiting for a pause to end are cancelled at once (their entries stay pending
+        for the next worker) instead of waiting out the drain; the others drain as usual."""
+        await self._pause.close()
 
     async def close(self) -> None:
         """Cancel the calls still waiting for scores (their entries stay pending), then close the scorers."""
         if self._closed:
             return
         self._closed = True
+        await self._pause.close()
         await self._fetcher.close()
         await self._batcher.close()
         for scorer in self._scorers:

@@ -14,7 +14,15 @@ piled up until nothing else could run there - scoring stopped while the heartbea
   exiting;
 * when every thread is held by a call past its time-out nothing can run any more: the caller is told
   once (``on_exhausted`` with the reason) and :attr:`ThreadCaller.exhausted` is set - the reward
-  worker then exits non-zero for its orchestrator to restart it.
+  worker then exits non-zero for its orchestrator to restart it. Calls waiting for a thread are woken
+  and raise :class:`ThreadsExhaustedError`, so no wait here outlives the time-outs of the calls running.
+
+Exhaustion is judged from state, never from a clock: each call past its time-out marks itself overdue
+when its own timer fires (a call whose caller gave up, at its deadline all the same), and the mark that
+makes every running call overdue is the one that exhausts the caller. (Comparing deadlines with
+``time.monotonic()`` instead lost a race about one time in 30: the event loop fires a timer up to its
+clock resolution early, so the last time-out could count ``max_threads - 1`` overdue calls, and the
+worker then waited for a thread for ever while its heartbeat stayed healthy.)
 """
 
 from __future__ import annotations
@@ -23,7 +31,6 @@ import asyncio
 import contextlib
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +64,12 @@ class ThreadCaller:
         self.max_threads = max_threads
         self.name = name
         self._on_exhausted = on_exhausted
-        self._free = asyncio.Semaphore(max_threads)
-        self._deadlines: dict[int, float] = {}
-        """Running call -> its deadline (``time.monotonic()``)."""
+        self._waiters: list[asyncio.Future[None]] = []
+        """Calls waiting for a thread, woken when one is free again or the caller is exhausted."""
+        self._running: set[int] = set()
+        """Calls whose function has not returned yet (each holds a thread)."""
+        self._overdue: set[int] = set()
+        """Those of ``_running`` past their time-out: marked by their own timer, never by reading a clock."""
         self._ids = itertools.count()
         self.exhausted: str | None = None
         """Why no call can run any more (every thread held by a call past its time-out); None until then."""
@@ -67,26 +77,34 @@ class ThreadCaller:
     @property
     def num_overdue(self) -> int:
         """Threads held by a call past its time-out now."""
-        now = time.monotonic()
-        return sum(deadline <= now for deadline in self._deadlines.values())
+        return len(self._overdue)
 
     async def call(self, timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on a thread of this caller, waited for at most ``timeout_s`` once started.
 
-        Raises what ``fn`` raises, :class:`CallTimeoutError` past ``timeout_s``, or :class:`ThreadsExhaustedError`.
+        Raises what ``fn`` raises, :class:`CallTimeoutError` past ``timeout_s``, or :class:`ThreadsExhaustedError`
+        (also to a call that was waiting for a thread when the last one was taken by a call past its time-out).
         """
+        loop = asyncio.get_running_loop()
+        while self.exhausted is None and len(self._running) >= self.max_threads:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                self._waiters.remove(waiter)
         if self.exhausted is not None:
             raise ThreadsExhaustedError(self.exhausted)
-        await self._free.acquire()
-        loop = asyncio.get_running_loop()
+        call = next(self._ids)
+        self._running.add(call)
         result: asyncio.Future[Any] = loop.create_future()
         returned: asyncio.Future[None] = loop.create_future()
-        call = next(self._ids)
-        self._deadlines[call] = time.monotonic() + timeout_s
+        deadline = loop.time() + timeout_s
 
         def finished(value: Any, error: BaseException | None) -> None:  # on the event loop
-            del self._deadlines[call]
-            self._free.release()
+            self._running.discard(call)
+            self._overdue.discard(call)
+            self._wake()
             returned.set_result(None)
             if result.done():
                 return
@@ -109,18 +127,29 @@ class ThreadCaller:
             async with timeout(timeout_s):
                 return await asyncio.shield(result)
         except TimeoutError:
-            self._check_exhausted()
+            self._overran(call)
             raise CallTimeoutError(f"timed out after {timeout_s:g} s", returned) from None
-        except asyncio.CancelledError:  # the caller gave up: the thread runs on, judged at its deadline
+        except asyncio.CancelledError:  # the caller gave up: the thread runs on, judged at its deadline all the same
             if not returned.done():
-                loop.call_at(loop.time() + self._deadlines[call] - time.monotonic(), self._check_exhausted)
+                loop.call_at(deadline, self._overran, call)
             raise
 
-    def _check_exhausted(self) -> None:
-        if self.exhausted is not None or self.num_overdue < self.max_threads:
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _overran(self, call: int) -> None:
+        """``call`` is past its time-out: mark it; when that leaves no thread for another call, the caller is
+        exhausted (told once) and every call waiting for a thread is woken to hear it."""
+        if call not in self._running:  # it returned in the meantime
+            return
+        self._overdue.add(call)
+        if self.exhausted is not None or len(self._overdue) < self.max_threads:
             return
         self.exhausted = (
             f"every one of its {self.max_threads} threads is held by a call that timed out and has not returned"
         )
         if self._on_exhausted is not None:
             self._on_exhausted(self.exhausted)
+        self._wake()

@@ -10,7 +10,7 @@ from streamrl.reward.config import (
     ModelScorerConfig,
     ScorerConfig,
 )
-from streamrl.reward.scorers.base import Scorer, ScorerError, ScorerResult
+from streamrl.reward.scorers.base import PermanentScorerError, Scorer, ScorerError, ScorerResult
 from streamrl.reward.scorers.function import FunctionScorer
 from streamrl.reward.scorers.http import HttpScorer
 from streamrl.reward.scorers.model import ModelScorer
@@ -19,6 +19,7 @@ __all__ = [
     "FunctionScorer",
     "HttpScorer",
     "ModelScorer",
+    "PermanentScorerError",
     "Scorer",
     "ScorerError",
     "ScorerResult",
@@ -28,11 +29,11 @@ __all__ = [
 
 def build_scorer(config: ScorerConfig, on_exhausted: Callable[[str], None] | None = None) -> Scorer:
     """Construct the scorer a config section describes (a model scorer loads its model here).
-    ``on_exhausted``: told why when a function scorer's threads are all held by calls that timed out."""
+    ``on_exhausted``: told why when a function or model scorer's threads are all held by calls that timed out."""
     if isinstance(config, FunctionScorerConfig):
         return FunctionScorer(config, on_exhausted=on_exhausted)
     if isinstance(config, HttpScorerConfig):
         return HttpScorer(config)
     if isinstance(config, ModelScorerConfig):
-        return ModelScorer(config)
+        return ModelScorer(config, on_exhausted=on_exhausted)
     raise AssertionError(f"unknown scorer config {type(config).__name__}")

@@ -40,6 +40,12 @@ class ScorerError(RuntimeError):
         """Calls to the backend made for these samples before giving up (1 = no retry)."""
 
 
+class PermanentScorerError(ScorerError):
+    """The backend refuses every sample for now, whichever they are: it refused the token (HTTP 401/403) or stayed
+    unreachable past every retry. Retrying the entries would only dead-letter them all; the reward service pauses
+    its intake instead and probes until the backend accepts again (:mod:`streamrl.reward.pause`)."""
+
+
 @dataclass(frozen=True)
 class ScorerResult:
     """Per-sample output of one scorer call.

@@ -7,9 +7,13 @@
 * Each request has a total timeout. Timeouts, connection errors, HTTP 5xx, 408 and 429 are
   retried with capped exponential backoff and jitter (so the requests of a failed batch do not
   retry in lockstep), up to ``max_retries`` times and no later than ``retry_timeout_s`` after
-  the first attempt: a service that fails or is down for less than that is ridden out. Other 4xx
-  answers and malformed bodies (no rewards, wrong length, not numbers) fail at once; 401 and 403
-  say which environment variable holds the token that was refused.
+  the first attempt: a service that fails or is down for less than that is ridden out. When the last attempt
+  could not even connect (the service is down, not failing on these samples) the request fails with
+  ``PermanentScorerError`` (the reward service pauses, :mod:`streamrl.reward.pause`); a 5xx, a timeout or a
+  dropped connection may be caused by the samples, so those fail with ``ScorerError`` (retried, dead-lettered).
+  401 and 403 are never retried: ``PermanentScorerError`` naming the environment variable that holds the
+  token that was refused. Other 4xx answers and malformed bodies (no rewards, wrong length, not numbers)
+  fail at once.
 * Several URLs: each attempt picks one by round-robin or least-loaded; a URL that just failed
   is avoided for a while and a retry prefers a URL the request has not tried (fail-over).
 * When every attempt failed, ``ScorerError`` says how often, for how long, where and the last
@@ -46,6 +50,7 @@ from streamrl.common.messages import Trajectory
 from streamrl.common.redact import redact_url
 from streamrl.reward.config import HttpScorerConfig
 from streamrl.reward.scorers.base import (
+    PermanentScorerError,
     ScorerError,
     ScorerResult,
     parse_reward_output,
@@ -86,6 +91,10 @@ def describe_client_error(error: aiohttp.ClientError) -> str:
     if isinstance(error, aiohttp.ClientOSError):
         return f"connection error: {one_line(error.strerror or type(error).__name__)}"
     return one_line(f"{type(error).__name__}: {error}")
+
+
+class _Unreachable(str):
+    """The reason of an attempt that could not connect: no sample can be the cause."""
 
 
 def backoff_delay_s(retry: int, base_s: float, max_s: float, jitter: float, rng: random.Random) -> float:
@@ -290,7 +299,8 @@ class HttpScorer:
                 return dataclasses.replace(outcome, attempts=[attempts] * n, retries=attempts - 1)
             reason = outcome
         self._counts["failures"] += 1
-        raise ScorerError(
+        error = PermanentScorerError if isinstance(reason, _Unreachable) else ScorerError
+        raise error(
             f"http scorer {self.name!r}: {n} samples not scored after {attempts} attempts in "
             f"{time.monotonic() - started:.1f} s to {', '.join(sorted(shown))}; last error: {reason}",
             attempts=attempts,
@@ -313,7 +323,8 @@ class HttpScorer:
             return self._retryable(endpoint, f"no answer within {self._config.timeout_s} s")
         except aiohttp.ClientError as e:
             self._counts["connection_errors"] += 1
-            return self._retryable(endpoint, describe_client_error(e))
+            reason = self._retryable(endpoint, describe_client_error(e))
+            return _Unreachable(reason) if isinstance(e, aiohttp.ClientConnectorError) else reason
         too_long = f"answer over {self._config.max_response_mb:g} MiB (max_response_mb), not read"
         body_text = too_long if body is None else body
         if 300 <= status < 400:  # a token is never sent on to an address not in urls
@@ -330,6 +341,9 @@ class HttpScorer:
         if status >= 400:
             self._counts["client_errors"] += 1
             detail = self._client_error(status, one_line(body_text))
+            if status in AUTH_STATUS:
+                endpoint.failed(detail, self.name, "scoring pauses until the token is accepted", logging.ERROR)
+                raise PermanentScorerError(f"{source}: {detail}")
             endpoint.failed(detail, self.name, "entries fail until this is fixed", logging.ERROR)
             raise ScorerError(f"{source}: {detail}", sample_specific=status in SAMPLE_SPECIFIC_STATUS)
         endpoint.answered(self.name)
@@ -360,7 +374,10 @@ class HttpScorer:
         if env is None:
             hint = "the server wants a token: set token_env to the environment variable that holds it"
         else:
-            hint = f"the server refused the token in ${env} (token_env): set the right one and restart the service"
+            hint = (
+                f"the server refused the token in ${env} (token_env): give the server the token the reward service "
+                f"holds (scoring resumes by itself), or restart the service with the right one in ${env}"
+            )
         return f"HTTP {status}, not retried: {hint}; server said: {body}"
 
     def metrics(self) -> dict[str, float]:

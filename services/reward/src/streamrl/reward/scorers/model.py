@@ -20,12 +20,14 @@ import asyncio
 import logging
 import math
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from streamrl.common.messages import Trajectory
 from streamrl.reward.config import ModelScorerConfig
 from streamrl.reward.scorers.base import ScorerError, ScorerResult
+from streamrl.reward.threads import CallTimeoutError, ThreadCaller, ThreadsExhaustedError
 
 logger = logging.getLogger(__name__)
 
@@ -160,10 +162,23 @@ class LocalRewardModel:
 class ModelScorer:
     """Scores micro-batches with a local reward model, off the event loop."""
 
-    def __init__(self, config: ModelScorerConfig, model: LocalRewardModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelScorerConfig,
+        model: LocalRewardModel | None = None,
+        on_exhausted: Callable[[str], None] | None = None,
+    ) -> None:
         self.name = config.name
         self.reads_tokens = config.input == "token_ids"
         self._config = config
+        source = f"model scorer {self.name!r}"
+        self._thread = ThreadCaller(
+            1,
+            f"reward-{self.name}",
+            on_exhausted=lambda why: on_exhausted(f"{source}: {why}") if on_exhausted else None,
+        )
+        """One forward at a time on a thread of the scorer's own, each with a deadline (``timeout_s``): a forward
+        that never returns exhausts it, and the worker exits for its orchestrator to restart it."""
         self._model = model or LocalRewardModel(
             config.path,
             architecture=config.architecture,
@@ -178,15 +193,20 @@ class ModelScorer:
         self._num_samples = 0
 
     async def score(self, batch: list[Trajectory]) -> ScorerResult:
+        timeout_s = self._config.timeout_s
         try:
             if self._config.input == "text":
                 texts = [t.prompt_text + t.response_text for t in batch]
-                rewards = await asyncio.to_thread(self._model.score_texts, texts)
+                rewards = await self._thread.call(timeout_s, self._model.score_texts, texts)
             else:
                 ids = [t.prompt_ids.tolist() + t.response_ids.tolist() for t in batch]
-                rewards = await asyncio.to_thread(self._model.score_token_ids, ids)
+                rewards = await self._thread.call(timeout_s, self._model.score_token_ids, ids)
         except ValueError as e:
             raise ScorerError(f"model scorer {self.name!r}: {e}", sample_specific=True) from e
+        except CallTimeoutError as e:
+            raise ScorerError(f"model scorer {self.name!r}: a forward of {len(batch)} samples {e}") from e
+        except ThreadsExhaustedError as e:  # the worker is stopping: leave the entries pending
+            raise asyncio.CancelledError(str(e)) from None
         self._num_samples += len(batch)
         return ScorerResult(
             rewards=rewards,
