@@ -18,6 +18,7 @@ class RefusingScorer:
     """Refuses every call (a wrong token) until ``accept`` is set."""
 
     name = "remote"
+    reads_tokens = False
 
     def __init__(self) -> None:
         self.accept = False

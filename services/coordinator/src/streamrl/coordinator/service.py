@@ -48,8 +48,8 @@ from streamrl.common.aio import cancel_and_wait, wait_set
 from streamrl.common.bus import Output
 from streamrl.common.consumer import ConsumerLoop
 from streamrl.common.errors import PoisonMessageError
-from streamrl.common.lanes import home_run_id
 from streamrl.common.health import live_heartbeats_async
+from streamrl.common.lanes import home_run_id
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import DeadLetter, ScoredRecord, TrajectoryRecord, WeightsPublished
 from streamrl.common.redact import redact

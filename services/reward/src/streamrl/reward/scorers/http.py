@@ -7,8 +7,8 @@
 * Each request has a total timeout. Timeouts, connection errors, HTTP 5xx, 408 and 429 are
   retried with capped exponential backoff and jitter (so the requests of a failed batch do not
   retry in lockstep), up to ``max_retries`` times and no later than ``retry_timeout_s`` after
-  the first attempt: a service that fails or is down for less than that is ridden out. When the last attempt
-  could not even connect (the service is down, not failing on these samples) the request fails with
+  the first attempt: a service that fails or is down for less than that is ridden out. When not one attempt
+  could even connect (the service is down, not failing on these samples) the request fails with
   ``PermanentScorerError`` (the reward service pauses, :mod:`streamrl.reward.pause`); a 5xx, a timeout or a
   dropped connection may be caused by the samples, so those fail with ``ScorerError`` (retried, dead-lettered).
   401 and 403 are never retried: ``PermanentScorerError`` naming the environment variable that holds the
@@ -275,6 +275,7 @@ class HttpScorer:
         shown: set[str] = set()
         reason = ""
         attempts = 0
+        answered = False  # an endpoint answered (an HTTP error): the backend is there, its failure is not permanent
         while True:
             if attempts:
                 delay_s = next_retry_delay_s(cfg, attempts - 1, time.monotonic() - started, self._rng)
@@ -298,8 +299,9 @@ class HttpScorer:
             if isinstance(outcome, ScorerResult):
                 return dataclasses.replace(outcome, attempts=[attempts] * n, retries=attempts - 1)
             reason = outcome
+            answered = answered or not isinstance(outcome, _Unreachable)
         self._counts["failures"] += 1
-        error = PermanentScorerError if isinstance(reason, _Unreachable) else ScorerError
+        error = ScorerError if answered else PermanentScorerError  # not one attempt could connect: permanent
         raise error(
             f"http scorer {self.name!r}: {n} samples not scored after {attempts} attempts in "
             f"{time.monotonic() - started:.1f} s to {', '.join(sorted(shown))}; last error: {reason}",
