@@ -454,7 +454,9 @@ def test_a_timed_out_group_is_logged_counted_and_its_late_samples_dropped(
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url)
 
     async def scenario() -> None:
-        async with coordinator(recipe, run_id, redis_url, "--coordinator.group_timeout_s=1.0") as h:
+        # every group of the run times out here: with the error budget on, 4 of 4 failed would pause issuing
+        budget_off = "--coordinator.max_dead_fraction=1.0"
+        async with coordinator(recipe, run_id, redis_url, "--coordinator.group_timeout_s=1.0", budget_off) as h:
             h.weights(0)
             await h.until(lambda: len(h.prompts()) >= 8, "the first prompts")
             late = h.prompts()[0]
