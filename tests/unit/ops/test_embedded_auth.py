@@ -43,11 +43,12 @@ def test_the_launcher_reads_the_run_and_writes_only_the_replica_counts() -> None
     assert [(g.keys, set(g.commands)) for g in writes] == [
         (
             ("streamrl:{demo}:state:replicas", "streamrl:{demo}:state:incarnations"),
-            {"hset", "hgetall", "hincrby", "del"},
+            {"hset", "hgetall", "hkeys", "hdel", "hincrby", "del"},  # a service's and its lanes' counts
         )
     ]
     launcher_line = acl_text("demo", new_passwords()).splitlines()[-1]
     assert "+info" in launcher_line and "+xadd" not in launcher_line
+    assert "+multi" in launcher_line and "+exec" in launcher_line  # the counts change in one transaction
 
 
 def test_a_login_url_keeps_host_port_and_db() -> None:
