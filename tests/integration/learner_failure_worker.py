@@ -138,10 +138,10 @@ async def life(
     assert service.server is not None
     real_publish = service.server.publish
 
-    def publish(params: Any, version: int) -> Any:
+    def publish(params: Any, version: int, *args: Any) -> Any:  # the server's signature (tied names after)
         if version == fail_index + 1:
             once("publish")
-        return real_publish(params, version)
+        return real_publish(params, version, *args)
 
     service.server.publish = publish  # type: ignore[method-assign]
     try:
