@@ -96,10 +96,12 @@ def test_up_runs_everything_and_stops_cleanly_on_ctrl_c(tiny_task: Path, tmp_pat
 
 def test_a_killed_service_is_restarted_and_the_run_completes(tiny_task: Path, tmp_path: Path, write_recipe) -> None:  # type: ignore[no-untyped-def]
     """Restarts are on by default: a reward killed mid-run comes back as reward-0.1 and the run reaches its
-    last step; no service's password is in the output."""
+    last step; no service's password is in the output. Enough steps that the run cannot finish on what was
+    already scored when the kill lands (with 4, a loaded machine reached the heartbeats late and the run completed
+    within the 1 s restart delay, so no restart was due)."""
     recipe = write_recipe(tiny_task, tmp_path / "run", redis_url=None)
     log = tmp_path / "up.log"
-    proc = start_up(recipe, log, total_steps=4)
+    proc = start_up(recipe, log, total_steps=24)
     try:
         url = embedded_redis_url(tmp_path / "run", log)
         wait_for_heartbeats(url, log)

@@ -150,13 +150,17 @@ def assert_same_weights(
     a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]
 ) -> None:
     """Equal up to float noise: every tensor within 0.1% of how far training moved it. (Adam turns
-    rounding noise in near-zero gradients, e.g. of the key biases, into lr-sized noise in the update,
-    so a fixed absolute tolerance would be either too tight there or too loose elsewhere.)"""
+    rounding noise in near-zero gradients into lr-sized noise in the update, so a fixed absolute tolerance
+    would be either too tight there or too loose elsewhere.) The key biases get 1%: their gradient is nearly
+    zero (a bias on the keys adds ``q . b`` to a query's scores, which softmax would ignore but for RoPE's
+    per-position rotation of it), so Adam's normalised update is mostly rounding noise, which differs with the
+    ranks' summation order (ZeRO-3, 2 ranks: 6.4e-5 apart after moving 0.058, CI 2026-12-07)."""
     assert a.keys() == b.keys()
     for name in a:
         moved = float((a[name] - initial[name]).abs().max())
         assert moved > 1e-3, f"{name} did not train"
-        assert float((a[name] - b[name]).abs().max()) <= 1e-3 * moved, name
+        bound = 1e-2 if name.endswith("k_proj.bias") else 1e-3
+        assert float((a[name] - b[name]).abs().max()) <= bound * moved, name
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
