@@ -1,0 +1,397 @@
+"""Delta weight sync: what changed between two versions of a named tensor set, as bytes, applied in place.
+
+A rollout worker that holds version ``v - k`` needs only the elements whose bit patterns changed
+since. Pure functions, no I/O; the services wire them in (issue 39, item 3):
+
+* :func:`encode_delta` (sender, holds both versions) -> :class:`Delta`;
+  :func:`delta_to_bytes` / :func:`delta_from_bytes` put it on the wire and back.
+* :func:`apply_delta` (receiver): refuses a delta whose names, dtypes or shapes differ from the tensors
+  it holds (``ValueError``) before writing anything, writes the changed elements in place, then
+  checks :func:`weights_digest` of the result against the new version's digest carried in the delta.
+  A failed check raises :class:`DeltaChecksumError`: the tensors are then neither version and the
+  receiver must fetch the full weights. That check, not the encoding, is what guarantees the result.
+* :func:`plan_sync`: the pure policy, full weights or a chain of deltas (see its docstring).
+
+Elements are compared and written as raw words (bf16/fp16 as 16-bit, fp32 as 32-bit integers), so
+NaN payloads and -0.0 travel exactly. Per tensor the smallest of these encodings is sent
+(``n`` elements, ``c`` changed, ``w`` bytes per element):
+
+``idx32``   ``c`` little-endian uint32 indices, then the ``c`` new words: ``c * (4 + w)`` bytes.
+``gaps``    the gaps between changed indices minus one as LEB128 varints (1 byte below 128,
+            2 below 16,384, ...), then the ``c`` new words: about ``c * (1 + w)`` bytes while
+            fewer than 1 element in 128 is skipped between changes.
+``bitmask`` ``ceil(n / 8)`` bytes of changed flags (numpy ``packbits``, big-endian bit order), then
+            the ``c`` new words: wins when more than about 1 element in 8 changed.
+``dense``   all ``n`` words: when nearly every element changed (an fp32 set after any step).
+``none``    nothing changed (empty payload).
+
+An XOR of the whole tensor's words compressed with zlib (the only compressor here: no zstandard or
+lz4 in the environment) was measured too (``bench/weights_delta.py``, ``candidates``): on real
+training steps it came out larger than ``gaps`` at small changed fractions and 20-60x slower to
+encode, so it is not an encoding here (the ``gaps`` buffer can still be compressed by a transport).
+
+Wire form (:func:`delta_to_bytes`): a 4-byte little-endian header length, a msgpack header
+``{"format": "streamrl.delta.v1", "base_version", "version", "checksum", "tensors": [[name, dtype,
+shape, encoding, num_changed, num_bytes], ...]}`` listing every tensor of the set in the sender's
+order, then the tensors' payloads concatenated in that order.
+
+Measured (``bench/weights_delta.py``, docs/benchmarks.md): see the "Delta sync" row there; the
+changed fraction per step is set by the learning rate against the bf16 spacing of each weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from streamrl.common.errors import WeightSyncError
+
+DELTA_FORMAT = "streamrl.delta.v1"
+ENCODINGS = ("idx32", "gaps", "bitmask", "dense")
+"""Encodings :func:`encode_delta` chooses from, per tensor (``none`` when nothing changed)."""
+
+_WORDS: dict[torch.dtype, tuple[torch.dtype, np.dtype[Any]]] = {
+    torch.bfloat16: (torch.int16, np.dtype("<u2")),
+    torch.float16: (torch.int16, np.dtype("<u2")),
+    torch.float32: (torch.int32, np.dtype("<u4")),
+}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_HEADER_LEN = struct.Struct("<I")
+
+
+class DeltaChecksumError(WeightSyncError):
+    """The tensors after :func:`apply_delta` do not hash to the new version: fetch the full weights."""
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """One tensor's changed elements in one :data:`ENCODINGS` form (``none``: unchanged, empty ``data``)."""
+
+    name: str
+    dtype: str
+    """``bfloat16``, ``float16`` or ``float32``."""
+    shape: tuple[int, ...]
+    encoding: str
+    num_changed: int
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What turns version ``base_version`` of a tensor set into ``version``.
+
+    Example:
+        delta = encode_delta(old, new, base_version=3, version=4)
+        apply_delta(held, delta_from_bytes(delta_to_bytes(delta)))   # held: version 3 -> 4, checked
+    """
+
+    base_version: int
+    version: int
+    checksum: str
+    """:func:`weights_digest` of version ``version``."""
+    tensors: tuple[TensorDelta, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        """Payload bytes (the wire form adds a header of a few dozen bytes per tensor)."""
+        return sum(len(t.data) for t in self.tensors)
+
+
+def _words(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's elements as a flat host array of unsigned words (a view when already on the CPU)."""
+    if tensor.dtype not in _WORDS:
+        raise ValueError(f"delta sync takes bfloat16, float16 or float32 tensors, got {tensor.dtype}")
+    int_dtype, np_dtype = _WORDS[tensor.dtype]
+    host = tensor.detach().to("cpu").contiguous()
+    return host.view(int_dtype).numpy().view(np_dtype).reshape(-1)
+
+
+def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """blake2b (16 bytes, hex) over every tensor's name, dtype, shape and bytes, in sorted name order.
+
+    Both sides compute it the same way whatever order they hold the tensors in.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(_words(t).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def _varint_encode(values: np.ndarray) -> np.ndarray:
+    """LEB128 of integers in [0, 2**32), vectorised: 7 bits per byte, high bit = more bytes follow."""
+    v = values.astype(np.uint32)
+    lengths = np.searchsorted(np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28], dtype=np.uint32), v, side="right") + 1
+    starts = np.cumsum(lengths) - lengths
+    out = np.empty(int(starts[-1] + lengths[-1]) if len(v) else 0, dtype=np.uint8)
+    out[starts] = (v & 0x7F) | ((lengths > 1) << 7)
+    sel = np.flatnonzero(lengths > 1)  # few when changes are dense enough for gaps to win
+    for j in range(1, 5):
+        if not len(sel):
+            break
+        out[starts[sel] + j] = ((v[sel] >> (7 * j)) & 0x7F) | ((lengths[sel] > j + 1) << 7)
+        sel = sel[lengths[sel] > j + 1]
+    return out
+
+
+def _varint_decode(data: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of :func:`_varint_encode`; ``ValueError`` unless ``data`` holds exactly ``count`` varints."""
+    ends = np.flatnonzero(data < 0x80)
+    if len(ends) != count or (count and ends[-1] != len(data) - 1):
+        raise ValueError(f"varint stream holds {len(ends)} values in {len(data)} bytes, expected {count}")
+    starts = np.empty(count, dtype=np.int64)
+    starts[:1] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if count and lengths.max() > 5:
+        raise ValueError("varint longer than 5 bytes")
+    out = np.zeros(count, dtype=np.uint64)
+    for j in range(int(lengths.max()) if count else 0):
+        sel = lengths > j
+        out[sel] |= (data[starts[sel] + j].astype(np.uint64) & np.uint64(0x7F)) << np.uint64(7 * j)
+    return out
+
+
+def _decode_indices(encoding: str, data: np.ndarray, count: int, numel: int) -> np.ndarray:
+    """Changed indices (int64, sorted) from the index part; ``ValueError`` when it is malformed."""
+    if encoding == "idx32":
+        if len(data) != 4 * count:
+            raise ValueError(f"idx32 part of {len(data)} bytes for {count} indices")
+        idx = data.view("<u4").astype(np.int64)
+    elif encoding == "gaps":
+        idx = np.cumsum(_varint_decode(data, count).astype(np.int64) + 1) - 1
+    else:
+        raise ValueError(f"unknown delta encoding {encoding!r}")
+    if count and (idx[-1] >= numel or idx[0] < 0):
+        raise ValueError(f"changed index out of range for {numel} elements")
+    return idx
+
+
+def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, encodings: Iterable[str] = ENCODINGS) -> TensorDelta:
+    """The smallest encoding among ``encodings`` of the elements of ``new`` whose bits differ from ``old``."""
+    if old.dtype != new.dtype or old.shape != new.shape:
+        raise ValueError(f"{name}: {old.dtype} {tuple(old.shape)} -> {new.dtype} {tuple(new.shape)}, not one tensor")
+    if new.numel() >= 2**32:
+        raise ValueError(f"{name}: {new.numel()} elements, delta sync indexes at most 2**32 per tensor")
+    old_w, new_w = _words(old), _words(new)
+    mask = old_w != new_w
+    count = int(np.count_nonzero(mask))
+    shape, dtype, numel, width = tuple(new.shape), _DTYPE_NAMES[new.dtype], len(new_w), new_w.itemsize
+    if count == 0:
+        return TensorDelta(name, dtype, shape, "none", 0, b"")
+    size = {"idx32": (4 + width) * count, "bitmask": (numel + 7) // 8 + width * count, "dense": width * numel}
+    others = [size[e] for e in encodings if e != "gaps"]
+    changed, gaps = None, None
+    # gaps takes at least one byte per change: its varints are built only when it can win
+    if "gaps" in encodings and (not others or (1 + width) * count < min(others)):
+        changed = np.flatnonzero(mask)
+        gaps = _varint_encode(np.diff(changed, prepend=-1) - 1)
+        size["gaps"] = len(gaps) + width * count
+    best = min((e for e in encodings if e in size), key=size.__getitem__)
+    if best == "dense":
+        data = new_w.tobytes()
+    elif best == "bitmask":
+        data = np.packbits(mask).tobytes() + new_w[mask].tobytes()
+    else:
+        changed = np.flatnonzero(mask) if changed is None else changed
+        index = gaps if best == "gaps" else changed.astype("<u4")
+        assert index is not None
+        data = index.tobytes() + new_w[changed].tobytes()
+    return TensorDelta(name, dtype, shape, best, count, data)
+
+
+def _check_same_set(names: Iterable[str], held: Mapping[str, object], what: str) -> None:
+    names = set(names)
+    if names != set(held):
+        missing, extra = sorted(set(held) - names), sorted(names - set(held))
+        raise ValueError(f"{what}: tensor names differ (only held: {missing[:5]}, only in delta: {extra[:5]})")
+
+
+def encode_delta(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    base_version: int,
+    version: int,
+    encodings: Iterable[str] = ENCODINGS,
+) -> Delta:
+    """The delta from ``old`` (``base_version``) to ``new`` (``version``): same names, dtypes, shapes."""
+    _check_same_set(new, old, "encode_delta")
+    encodings = tuple(encodings)
+    unknown = set(encodings) - set(ENCODINGS)
+    if not encodings or unknown:
+        raise ValueError(f"encodings must be some of {ENCODINGS}, got {encodings}")
+    tensors = tuple(encode_tensor(name, old[name], new[name], encodings) for name in new)
+    return Delta(base_version, version, weights_digest(new), tensors)
+
+
+def _apply_tensor(held: torch.Tensor, td: TensorDelta) -> None:
+    """Decode ``td`` and write its values into ``held``; ``ValueError`` when the payload is malformed."""
+    int_dtype, np_dtype = _WORDS[held.dtype]
+    data = np.frombuffer(td.data, dtype=np.uint8)
+    flat = held.view(int_dtype).view(-1)
+    if td.encoding == "dense":
+        if len(data) != held.numel() * np_dtype.itemsize:
+            raise ValueError(f"{td.name}: dense payload of {len(data)} bytes for {held.numel()} elements")
+        flat.copy_(torch.from_numpy(data.view(np.int16 if np_dtype.itemsize == 2 else np.int32).copy()))
+        return
+    split = len(data) - td.num_changed * np_dtype.itemsize
+    if split < 0:
+        raise ValueError(f"{td.name}: {len(data)} bytes cannot hold {td.num_changed} values")
+    values = data[split:].view(np.int16 if np_dtype.itemsize == 2 else np.int32)
+    if td.encoding == "bitmask":  # a boolean mask scatter, no index array
+        if split != (held.numel() + 7) // 8:
+            raise ValueError(f"{td.name}: bitmask of {split} bytes for {held.numel()} elements")
+        flags = np.unpackbits(data[:split], count=held.numel())
+        if int(np.count_nonzero(flags)) != td.num_changed:
+            raise ValueError(
+                f"{td.name}: bitmask flags {np.count_nonzero(flags)} elements, header says {td.num_changed}"
+            )
+        flat.masked_scatter_(
+            torch.from_numpy(flags).view(torch.bool).to(held.device), torch.from_numpy(values.copy()).to(held.device)
+        )
+        return
+    idx = _decode_indices(td.encoding, data[:split], td.num_changed, held.numel())
+    flat[torch.from_numpy(idx).to(held.device)] = torch.from_numpy(values.copy()).to(held.device)
+
+
+def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Delta, verify: bool = True) -> None:
+    """Write ``delta``'s changed elements into ``tensors`` (in place, any device), then check the digest.
+
+    Raises ``ValueError`` before writing anything when a name, dtype or shape differs, or when a
+    tensor is not contiguous; :class:`DeltaChecksumError` when a payload is malformed or the result
+    is not the new version: the tensors are then neither version (fetch the full weights).
+    ``verify=False`` skips the digest: for the inner links of a chain, checked once at its end.
+    """
+    _check_same_set((t.name for t in delta.tensors), tensors, f"delta {delta.base_version}->{delta.version}")
+    for td in delta.tensors:
+        held = tensors[td.name]
+        if _DTYPE_NAMES.get(held.dtype) != td.dtype or tuple(held.shape) != td.shape:
+            raise ValueError(f"{td.name}: held {held.dtype} {tuple(held.shape)}, delta has {td.dtype} {td.shape}")
+        if not held.is_contiguous():
+            raise ValueError(f"{td.name}: apply_delta writes contiguous tensors only")
+    for td in delta.tensors:
+        if td.encoding != "none":
+            try:
+                _apply_tensor(tensors[td.name], td)
+            except ValueError as e:  # earlier tensors are written already: neither version now
+                raise DeltaChecksumError(f"corrupt delta {delta.base_version}->{delta.version}: {e}") from e
+    if verify and weights_digest(tensors) != delta.checksum:
+        raise DeltaChecksumError(
+            f"weights after delta {delta.base_version}->{delta.version} do not match its checksum: fetch full weights"
+        )
+
+
+def delta_to_bytes(delta: Delta) -> bytes:
+    """The wire form (module docstring): header length, msgpack header, payloads."""
+    header = msgspec.msgpack.encode(
+        {
+            "format": DELTA_FORMAT,
+            "base_version": delta.base_version,
+            "version": delta.version,
+            "checksum": delta.checksum,
+            "tensors": [
+                [t.name, t.dtype, list(t.shape), t.encoding, t.num_changed, len(t.data)] for t in delta.tensors
+            ],
+        }
+    )
+    return b"".join([_HEADER_LEN.pack(len(header)), header, *(t.data for t in delta.tensors)])
+
+
+def delta_from_bytes(buf: bytes | memoryview) -> Delta:
+    """Parse :func:`delta_to_bytes` output (payloads are views of ``buf``); ``ValueError`` when malformed."""
+    view = memoryview(buf)
+    try:
+        (header_len,) = _HEADER_LEN.unpack_from(view)
+        header = msgspec.msgpack.decode(view[_HEADER_LEN.size : _HEADER_LEN.size + header_len])
+        if header["format"] != DELTA_FORMAT:
+            raise ValueError(f"not a {DELTA_FORMAT} delta: {header['format']!r}")
+        offset = _HEADER_LEN.size + header_len
+        tensors = []
+        for name, dtype, shape, encoding, num_changed, num_bytes in header["tensors"]:
+            tensors.append(
+                TensorDelta(name, dtype, tuple(shape), encoding, num_changed, view[offset : offset + num_bytes])
+            )
+            offset += num_bytes
+        if offset != len(view):
+            raise ValueError(f"delta of {len(view)} bytes, header accounts for {offset}")
+        return Delta(header["base_version"], header["version"], header["checksum"], tuple(tensors))
+    except (struct.error, msgspec.DecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"malformed delta: {e}") from e
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    """A delta the sender can serve: ``base_version`` -> ``version`` in ``num_bytes`` wire bytes."""
+
+    base_version: int
+    version: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """What a receiver should fetch: nothing, a chain of deltas (applied in order), or the full weights."""
+
+    kind: Literal["none", "delta", "full"]
+    deltas: tuple[DeltaInfo, ...]
+    num_bytes: int
+    reason: str
+
+
+def _cheapest_chain(
+    held_version: int, current_version: int, available: Iterable[DeltaInfo]
+) -> tuple[int, tuple[DeltaInfo, ...]] | None:
+    """(bytes, links) of the cheapest chain of deltas from ``held_version`` to ``current_version``, or None."""
+    links: dict[int, list[DeltaInfo]] = {}
+    for d in available:
+        if held_version <= d.base_version < d.version <= current_version:
+            links.setdefault(d.base_version, []).append(d)
+    # links only go forward (a DAG): relax them in version order
+    best: dict[int, tuple[int, tuple[DeltaInfo, ...]]] = {held_version: (0, ())}
+    for v in sorted(links):
+        if v in best:
+            cost, chain = best[v]
+            for d in links[v]:
+                if d.version not in best or cost + d.num_bytes < best[d.version][0]:
+                    best[d.version] = (cost + d.num_bytes, (*chain, d))
+    return best.get(current_version)
+
+
+def plan_sync(
+    held_version: int | None,
+    current_version: int,
+    available: Iterable[DeltaInfo],
+    full_bytes: int,
+    max_delta_fraction: float = 0.5,
+) -> SyncPlan:
+    """Deltas from ``held_version`` to ``current_version`` when a chain exists and is cheap, else full weights.
+
+    The chain is the one of fewest total bytes through ``available`` (forward links only; a link may
+    span several versions). It is taken while its bytes stay below ``max_delta_fraction`` of
+    ``full_bytes``: a worker far behind pays more for deltas than for the full weights, and a full
+    fetch also resets a worker whose weights drifted (its check failed). ``held_version=None``
+    (nothing held) or a held version ahead of the current one (a restarted learner) gets full weights.
+    """
+    if not 0 < max_delta_fraction <= 1:
+        raise ValueError(f"max_delta_fraction must lie in (0, 1], got {max_delta_fraction}")
+    if held_version is None:
+        return SyncPlan("full", (), full_bytes, "no weights held")
+    if held_version == current_version:
+        return SyncPlan("none", (), 0, f"version {current_version} held")
+    if held_version > current_version:
+        return SyncPlan("full", (), full_bytes, f"held version {held_version} is ahead of {current_version}")
+    found = _cheapest_chain(held_version, current_version, available)
+    if found is None:
+        return SyncPlan("full", (), full_bytes, f"no delta chain from version {held_version} to {current_version}")
+    cost, chain = found
+    if cost >= max_delta_fraction * full_bytes:
+        return SyncPlan("full", (), full_bytes, f"deltas of {cost} bytes >= {max_delta_fraction} x {full_bytes}")
+    return SyncPlan("delta", chain, cost, f"{len(chain)} delta(s) from version {held_version}")
