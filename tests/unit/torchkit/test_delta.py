@@ -14,6 +14,7 @@ import torch
 from streamrl.common.errors import WeightSyncError
 from streamrl.torchkit.delta import (
     ENCODINGS,
+    VALUE_CODINGS,
     DeltaChecksumError,
     DeltaInfo,
     apply_delta,
@@ -53,9 +54,12 @@ def _step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[
     return out
 
 
-def _round_trip(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], **kw: object) -> dict[str, torch.Tensor]:
+def _round_trip(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], zlib_level: int | None = 1, **kw: object
+) -> dict[str, torch.Tensor]:
     held = {n: t.clone() for n, t in old.items()}
-    apply_delta(held, delta_from_bytes(delta_to_bytes(encode_delta(old, new, 3, 4, **kw))))  # type: ignore[arg-type]
+    delta = encode_delta(old, new, 3, 4, **kw)  # type: ignore[arg-type]
+    apply_delta(held, delta_from_bytes(delta_to_bytes(delta, zlib_level)))
     return held
 
 
@@ -67,15 +71,19 @@ def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fraction", [0.001, 0.05, 0.3, 0.99])
-def test_round_trip_is_bit_exact(dtype: torch.dtype, fraction: float) -> None:
+@pytest.mark.parametrize("zlib_level", [1, None])
+def test_round_trip_is_bit_exact(dtype: torch.dtype, fraction: float, zlib_level: int | None) -> None:
     old = _weights(dtype)
     new = _step(old, fraction, seed=1)
-    _assert_bit_equal(_round_trip(old, new), new)
+    _assert_bit_equal(_round_trip(old, new, zlib_level), new)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("encoding", ENCODINGS)
-def test_each_encoding_round_trips_nan_payloads_and_signed_zeros(dtype: torch.dtype, encoding: str) -> None:
+@pytest.mark.parametrize("values", VALUE_CODINGS)
+def test_each_encoding_round_trips_nan_payloads_and_signed_zeros(
+    dtype: torch.dtype, encoding: str, values: str
+) -> None:
     old = _weights(dtype)
     new = {n: t.clone() for n, t in old.items()}
     q = _bits(new["layer.0.q.weight"]).reshape(-1)
@@ -84,7 +92,8 @@ def test_each_encoding_round_trips_nan_payloads_and_signed_zeros(dtype: torch.dt
     new["layer.0.q.bias"][3] = -0.0  # +0.0 -> -0.0: equal as numbers, different bits
     old["embed.weight"][0, 0] = float("nan")
     new["embed.weight"][0, 0] = -float("nan")  # NaN -> NaN of the other sign
-    held = _round_trip(old, new, encodings=(encoding,))
+    assert {t.encoding for t in encode_delta(old, new, 0, 1, (encoding,), (values,)).tensors} <= {encoding, "none"}
+    held = _round_trip(old, new, encodings=(encoding,), value_codings=(values,))
     _assert_bit_equal(held, new)
     assert weights_digest(held) == weights_digest(new)
 
@@ -161,14 +170,24 @@ def test_encode_refuses_different_tensor_sets() -> None:
         encode_delta({"i": torch.zeros(3, dtype=torch.int64)}, {"i": torch.ones(3, dtype=torch.int64)}, 0, 1)
 
 
-def test_a_corrupted_value_fails_the_checksum() -> None:
+@pytest.mark.parametrize("values", VALUE_CODINGS)
+def test_a_corrupted_value_fails_the_checksum(values: str) -> None:
     old = _weights(torch.bfloat16)
-    buf = bytearray(delta_to_bytes(encode_delta(old, _step(old, 0.05, seed=1), 3, 4)))
-    buf[-1] ^= 0x01  # the last value byte of the last changed tensor
+    delta = encode_delta(old, _step(old, 0.05, seed=1), 3, 4, value_codings=(values,))
+    buf = bytearray(delta_to_bytes(delta, zlib_level=None))
+    buf[-1] ^= 0x01  # the last value byte of the last changed tensor (a diff varint stays one byte)
     held = {n: t.clone() for n, t in old.items()}
     with pytest.raises(DeltaChecksumError, match="fetch full weights"):
         apply_delta(held, delta_from_bytes(bytes(buf)))
     assert issubclass(DeltaChecksumError, WeightSyncError)
+
+
+def test_a_corrupted_compressed_delta_is_refused_by_zlib() -> None:
+    old = _weights(torch.bfloat16)
+    buf = bytearray(delta_to_bytes(encode_delta(old, _step(old, 0.05, seed=1), 3, 4)))
+    buf[-8] ^= 0x01
+    with pytest.raises(ValueError, match="malformed delta"):
+        delta_from_bytes(bytes(buf))
 
 
 def test_a_delta_applied_to_the_wrong_base_fails_the_checksum() -> None:
@@ -182,8 +201,11 @@ def test_a_delta_applied_to_the_wrong_base_fails_the_checksum() -> None:
 
 def test_a_truncated_or_garbled_delta_is_refused() -> None:
     old = _weights(torch.bfloat16)
-    buf = delta_to_bytes(encode_delta(old, _step(old, 0.05, seed=1), 3, 4))
-    with pytest.raises(ValueError, match="header accounts for"):
+    delta = encode_delta(old, _step(old, 0.05, seed=1), 3, 4)
+    with pytest.raises(ValueError, match="header says"):
+        delta_from_bytes(delta_to_bytes(delta, zlib_level=None)[:-1])
+    buf = delta_to_bytes(delta)
+    with pytest.raises(ValueError, match="zlib stream truncated"):
         delta_from_bytes(buf[:-1])
     with pytest.raises(ValueError, match="malformed delta"):
         delta_from_bytes(b"\x01\x00")

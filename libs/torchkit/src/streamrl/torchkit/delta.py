@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,7 +56,9 @@ from streamrl.common.errors import WeightSyncError
 
 DELTA_FORMAT = "streamrl.delta.v1"
 ENCODINGS = ("idx32", "gaps", "bitmask", "dense")
-"""Encodings :func:`encode_delta` chooses from, per tensor (``none`` when nothing changed)."""
+"""Index encodings :func:`encode_delta` chooses from, per tensor (``none`` when nothing changed)."""
+VALUE_CODINGS = ("raw", "diff")
+"""Value codings it chooses from, per tensor: the new words, or their differences as varints."""
 
 _WORDS: dict[torch.dtype, tuple[torch.dtype, np.dtype[Any]]] = {
     torch.bfloat16: (torch.int16, np.dtype("<u2")),
@@ -79,7 +82,12 @@ class TensorDelta:
     """``bfloat16``, ``float16`` or ``float32``."""
     shape: tuple[int, ...]
     encoding: str
+    """Index part: one of :data:`ENCODINGS` or ``none``."""
+    values: str
+    """Value part: one of :data:`VALUE_CODINGS` (``raw`` for ``dense`` and ``none``)."""
     num_changed: int
+    index_bytes: int
+    """Bytes of ``data`` before the value part."""
     data: bytes | memoryview
 
 
@@ -175,37 +183,59 @@ def _decode_indices(encoding: str, data: np.ndarray, count: int, numel: int) -> 
     return idx
 
 
-def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, encodings: Iterable[str] = ENCODINGS) -> TensorDelta:
-    """The smallest encoding among ``encodings`` of the elements of ``new`` whose bits differ from ``old``."""
+def _diff_varints(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``new - old`` per word, wrapped to a signed word, zigzag-mapped, as LEB128 varints."""
+    wide = np.int32 if new.itemsize == 2 else np.int64
+    d = (new - old).view(np.int16 if new.itemsize == 2 else np.int32).astype(wide)  # unsigned words wrap
+    return _varint_encode((d << 1) ^ (d >> (8 * new.itemsize - 1)))
+
+
+def encode_tensor(
+    name: str,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    encodings: Iterable[str] = ENCODINGS,
+    value_codings: Iterable[str] = VALUE_CODINGS,
+) -> TensorDelta:
+    """The smallest encoding among ``encodings`` x ``value_codings`` of the elements of ``new`` whose
+    bits differ from ``old``."""
     if old.dtype != new.dtype or old.shape != new.shape:
         raise ValueError(f"{name}: {old.dtype} {tuple(old.shape)} -> {new.dtype} {tuple(new.shape)}, not one tensor")
     if new.numel() >= 2**32:
         raise ValueError(f"{name}: {new.numel()} elements, delta sync indexes at most 2**32 per tensor")
+    encodings, value_codings = tuple(encodings), tuple(value_codings)
     old_w, new_w = _words(old), _words(new)
     mask = old_w != new_w
     count = int(np.count_nonzero(mask))
     shape, dtype, numel, width = tuple(new.shape), _DTYPE_NAMES[new.dtype], len(new_w), new_w.itemsize
     if count == 0:
-        return TensorDelta(name, dtype, shape, "none", 0, b"")
-    size = {"idx32": (4 + width) * count, "bitmask": (numel + 7) // 8 + width * count, "dense": width * numel}
+        return TensorDelta(name, dtype, shape, "none", "raw", 0, 0, b"")
+    changed = np.flatnonzero(mask)  # gathers by index are ~10x faster than by boolean mask here
+    new_c = new_w[changed]
+    value_parts = {"raw": new_c} if "raw" in value_codings else {}
+    if "diff" in value_codings:
+        value_parts["diff"] = _diff_varints(old_w[changed], new_c)
+    value_coding = min(value_parts, key=lambda v: value_parts[v].nbytes)
+    value_bytes = value_parts[value_coding].nbytes
+    size = {"idx32": 4 * count, "bitmask": (numel + 7) // 8, "dense": width * numel - value_bytes}
     others = [size[e] for e in encodings if e != "gaps"]
-    changed, gaps = None, None
+    gaps = None
     # gaps takes at least one byte per change: its varints are built only when it can win
-    if "gaps" in encodings and (not others or (1 + width) * count < min(others)):
-        changed = np.flatnonzero(mask)
+    if "gaps" in encodings and (not others or count < min(others)):
         gaps = _varint_encode(np.diff(changed, prepend=-1) - 1)
-        size["gaps"] = len(gaps) + width * count
+        size["gaps"] = len(gaps)
     best = min((e for e in encodings if e in size), key=size.__getitem__)
     if best == "dense":
-        data = new_w.tobytes()
-    elif best == "bitmask":
-        data = np.packbits(mask).tobytes() + new_w[mask].tobytes()
+        return TensorDelta(name, dtype, shape, "dense", "raw", count, 0, new_w.tobytes())
+    if best == "bitmask":
+        index = np.packbits(mask)
+    elif best == "gaps":
+        assert gaps is not None
+        index = gaps
     else:
-        changed = np.flatnonzero(mask) if changed is None else changed
-        index = gaps if best == "gaps" else changed.astype("<u4")
-        assert index is not None
-        data = index.tobytes() + new_w[changed].tobytes()
-    return TensorDelta(name, dtype, shape, best, count, data)
+        index = changed.astype("<u4")
+    data = index.tobytes() + value_parts[value_coding].tobytes()
+    return TensorDelta(name, dtype, shape, best, value_coding, count, index.nbytes, data)
 
 
 def _check_same_set(names: Iterable[str], held: Mapping[str, object], what: str) -> None:
@@ -221,45 +251,61 @@ def encode_delta(
     base_version: int,
     version: int,
     encodings: Iterable[str] = ENCODINGS,
+    value_codings: Iterable[str] = VALUE_CODINGS,
 ) -> Delta:
-    """The delta from ``old`` (``base_version``) to ``new`` (``version``): same names, dtypes, shapes."""
+    """The delta from ``old`` (``base_version``) to ``new`` (``version``): same names, dtypes, shapes.
+
+    Per tensor the smallest of ``encodings`` x ``value_codings`` (restrict them to measure one alone).
+    """
     _check_same_set(new, old, "encode_delta")
-    encodings = tuple(encodings)
-    unknown = set(encodings) - set(ENCODINGS)
-    if not encodings or unknown:
+    encodings, value_codings = tuple(encodings), tuple(value_codings)
+    if not encodings or set(encodings) - set(ENCODINGS):
         raise ValueError(f"encodings must be some of {ENCODINGS}, got {encodings}")
-    tensors = tuple(encode_tensor(name, old[name], new[name], encodings) for name in new)
+    if not value_codings or set(value_codings) - set(VALUE_CODINGS):
+        raise ValueError(f"value_codings must be some of {VALUE_CODINGS}, got {value_codings}")
+    tensors = tuple(encode_tensor(name, old[name], new[name], encodings, value_codings) for name in new)
     return Delta(base_version, version, weights_digest(new), tensors)
 
 
 def _apply_tensor(held: torch.Tensor, td: TensorDelta) -> None:
     """Decode ``td`` and write its values into ``held``; ``ValueError`` when the payload is malformed."""
     int_dtype, np_dtype = _WORDS[held.dtype]
+    signed = np.int16 if np_dtype.itemsize == 2 else np.int32
     data = np.frombuffer(td.data, dtype=np.uint8)
     flat = held.view(int_dtype).view(-1)
+    numel, count = held.numel(), td.num_changed
     if td.encoding == "dense":
-        if len(data) != held.numel() * np_dtype.itemsize:
-            raise ValueError(f"{td.name}: dense payload of {len(data)} bytes for {held.numel()} elements")
-        flat.copy_(torch.from_numpy(data.view(np.int16 if np_dtype.itemsize == 2 else np.int32).copy()))
+        if len(data) != numel * np_dtype.itemsize:
+            raise ValueError(f"{td.name}: dense payload of {len(data)} bytes for {numel} elements")
+        flat.copy_(torch.from_numpy(data.view(signed).copy()))
         return
-    split = len(data) - td.num_changed * np_dtype.itemsize
-    if split < 0:
-        raise ValueError(f"{td.name}: {len(data)} bytes cannot hold {td.num_changed} values")
-    values = data[split:].view(np.int16 if np_dtype.itemsize == 2 else np.int32)
-    if td.encoding == "bitmask":  # a boolean mask scatter, no index array
-        if split != (held.numel() + 7) // 8:
-            raise ValueError(f"{td.name}: bitmask of {split} bytes for {held.numel()} elements")
-        flags = np.unpackbits(data[:split], count=held.numel())
-        if int(np.count_nonzero(flags)) != td.num_changed:
-            raise ValueError(
-                f"{td.name}: bitmask flags {np.count_nonzero(flags)} elements, header says {td.num_changed}"
-            )
-        flat.masked_scatter_(
-            torch.from_numpy(flags).view(torch.bool).to(held.device), torch.from_numpy(values.copy()).to(held.device)
-        )
-        return
-    idx = _decode_indices(td.encoding, data[:split], td.num_changed, held.numel())
-    flat[torch.from_numpy(idx).to(held.device)] = torch.from_numpy(values.copy()).to(held.device)
+    if not 0 <= td.index_bytes <= len(data):
+        raise ValueError(f"{td.name}: index part of {td.index_bytes} bytes in {len(data)}")
+    index_part, value_part = data[: td.index_bytes], data[td.index_bytes :]
+    if td.encoding == "bitmask":  # a boolean mask, no index array
+        if len(index_part) != (numel + 7) // 8:
+            raise ValueError(f"{td.name}: bitmask of {len(index_part)} bytes for {numel} elements")
+        flags = np.unpackbits(index_part, count=numel)
+        if int(np.count_nonzero(flags)) != count:
+            raise ValueError(f"{td.name}: bitmask flags {np.count_nonzero(flags)} elements, header says {count}")
+        where: torch.Tensor = torch.from_numpy(flags).view(torch.bool).to(held.device)
+    else:
+        where = torch.from_numpy(_decode_indices(td.encoding, index_part, count, numel)).to(held.device)
+    if td.values == "raw":
+        if len(value_part) != count * np_dtype.itemsize:
+            raise ValueError(f"{td.name}: {len(value_part)} value bytes for {count} values")
+        values = torch.from_numpy(value_part.view(signed).copy()).to(held.device)
+    elif td.values == "diff":
+        zigzag = _varint_decode(value_part, count).astype(np.int64)
+        diff = ((zigzag >> 1) ^ -(zigzag & 1)).astype(np_dtype)  # wraps to the unsigned word
+        old = flat[where].cpu().numpy().view(np_dtype)
+        values = torch.from_numpy((old + diff).view(signed)).to(held.device)  # modular: every bit pattern
+    else:
+        raise ValueError(f"{td.name}: unknown value coding {td.values!r}")
+    if td.encoding == "bitmask":
+        flat.masked_scatter_(where, values)
+    else:
+        flat[where] = values
 
 
 def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Delta, verify: bool = True) -> None:
@@ -289,41 +335,63 @@ def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Delta, verify: bool 
         )
 
 
-def delta_to_bytes(delta: Delta) -> bytes:
-    """The wire form (module docstring): header length, msgpack header, payloads."""
+def delta_to_bytes(delta: Delta, zlib_level: int | None = 1) -> bytes:
+    """The wire form (module docstring): header length, msgpack header, payloads (zlib-compressed
+    as one stream at ``zlib_level``; None = uncompressed)."""
+    payload = b"".join(t.data for t in delta.tensors)
     header = msgspec.msgpack.encode(
         {
             "format": DELTA_FORMAT,
             "base_version": delta.base_version,
             "version": delta.version,
             "checksum": delta.checksum,
+            "compression": "none" if zlib_level is None else "zlib",
+            "payload_bytes": len(payload),
             "tensors": [
-                [t.name, t.dtype, list(t.shape), t.encoding, t.num_changed, len(t.data)] for t in delta.tensors
+                [t.name, t.dtype, list(t.shape), t.encoding, t.values, t.num_changed, t.index_bytes, len(t.data)]
+                for t in delta.tensors
             ],
         }
     )
-    return b"".join([_HEADER_LEN.pack(len(header)), header, *(t.data for t in delta.tensors)])
+    body = payload if zlib_level is None else zlib.compress(payload, zlib_level)
+    return b"".join([_HEADER_LEN.pack(len(header)), header, body])
+
+
+def _payload(header: dict[str, Any], body: memoryview) -> memoryview:
+    """The uncompressed payloads (a view of ``body`` when it was sent uncompressed)."""
+    expected = int(header["payload_bytes"])
+    if header["compression"] == "none":
+        payload = body
+    elif header["compression"] == "zlib":
+        inflater = zlib.decompressobj()
+        payload = memoryview(inflater.decompress(body, expected + 1))  # never inflates past what the header says
+        if not inflater.eof:
+            raise ValueError("zlib stream truncated or longer than its header says")
+    else:
+        raise ValueError(f"unknown compression {header['compression']!r}")
+    if len(payload) != expected:
+        raise ValueError(f"payload of {len(payload)} bytes, header says {expected}")
+    return payload
 
 
 def delta_from_bytes(buf: bytes | memoryview) -> Delta:
-    """Parse :func:`delta_to_bytes` output (payloads are views of ``buf``); ``ValueError`` when malformed."""
+    """Parse :func:`delta_to_bytes` output; ``ValueError`` when malformed."""
     view = memoryview(buf)
     try:
         (header_len,) = _HEADER_LEN.unpack_from(view)
         header = msgspec.msgpack.decode(view[_HEADER_LEN.size : _HEADER_LEN.size + header_len])
         if header["format"] != DELTA_FORMAT:
             raise ValueError(f"not a {DELTA_FORMAT} delta: {header['format']!r}")
-        offset = _HEADER_LEN.size + header_len
-        tensors = []
-        for name, dtype, shape, encoding, num_changed, num_bytes in header["tensors"]:
-            tensors.append(
-                TensorDelta(name, dtype, tuple(shape), encoding, num_changed, view[offset : offset + num_bytes])
-            )
+        payload = _payload(header, view[_HEADER_LEN.size + header_len :])
+        offset, tensors = 0, []
+        for name, dtype, shape, encoding, values, num_changed, index_bytes, num_bytes in header["tensors"]:
+            data = payload[offset : offset + num_bytes]
+            tensors.append(TensorDelta(name, dtype, tuple(shape), encoding, values, num_changed, index_bytes, data))
             offset += num_bytes
-        if offset != len(view):
-            raise ValueError(f"delta of {len(view)} bytes, header accounts for {offset}")
+        if offset != len(payload):
+            raise ValueError(f"payload of {len(payload)} bytes, header accounts for {offset}")
         return Delta(header["base_version"], header["version"], header["checksum"], tuple(tensors))
-    except (struct.error, msgspec.DecodeError, KeyError, TypeError) as e:
+    except (struct.error, msgspec.DecodeError, zlib.error, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed delta: {e}") from e
 
 
