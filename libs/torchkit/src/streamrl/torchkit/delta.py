@@ -13,30 +13,52 @@ since. Pure functions, no I/O; the services wire them in (issue 39, item 3):
 * :func:`plan_sync`: the pure policy, full weights or a chain of deltas (see its docstring).
 
 Elements are compared and written as raw words (bf16/fp16 as 16-bit, fp32 as 32-bit integers), so
-NaN payloads and -0.0 travel exactly. Per tensor the smallest of these encodings is sent
-(``n`` elements, ``c`` changed, ``w`` bytes per element):
+NaN payloads and -0.0 travel exactly. Per tensor (``n`` elements, ``c`` changed, ``w`` bytes each)
+the smallest index part x value part is sent:
 
-``idx32``   ``c`` little-endian uint32 indices, then the ``c`` new words: ``c * (4 + w)`` bytes.
-``gaps``    the gaps between changed indices minus one as LEB128 varints (1 byte below 128,
-            2 below 16,384, ...), then the ``c`` new words: about ``c * (1 + w)`` bytes while
-            fewer than 1 element in 128 is skipped between changes.
-``bitmask`` ``ceil(n / 8)`` bytes of changed flags (numpy ``packbits``, big-endian bit order), then
-            the ``c`` new words: wins when more than about 1 element in 8 changed.
-``dense``   all ``n`` words: when nearly every element changed (an fp32 set after any step).
+``idx32``   index part: ``c`` little-endian uint32 indices (``4c`` bytes).
+``gaps``    index part: the gaps between changed indices minus one, as LEB128 varints (1 byte below
+            128, 2 below 16,384, ...): about ``c`` bytes while changes are denser than 1 in 128.
+``bitmask`` index part: ``ceil(n / 8)`` bytes of changed flags (numpy ``packbits``, big-endian bit
+            order): wins above about 1 change in 8.
+``dense``   no index part, all ``n`` words raw: when nearly every element changed.
 ``none``    nothing changed (empty payload).
 
-An XOR of the whole tensor's words compressed with zlib (the only compressor here: no zstandard or
-lz4 in the environment) was measured too (``bench/weights_delta.py``, ``candidates``): on real
-training steps it came out larger than ``gaps`` at small changed fractions and 20-60x slower to
-encode, so it is not an encoding here (the ``gaps`` buffer can still be compressed by a transport).
+``raw``     value part: the ``c`` new words (``wc`` bytes).
+``diff``    value part: ``new - old`` per word, modulo ``2**(8w)`` as a signed word, zigzag-mapped,
+            LEB128: 1 byte for a move of up to 63 units in the last place - what an optimizer step
+            does to a bf16 weight. Modular, so every bit pattern round-trips; it needs the exact
+            base, which the digest check enforces anyway (a wrong base fails it, as with ``raw``).
+
+Then the whole payload goes through zlib level 1 (the stdlib's; zstandard and lz4 are not installed
+here): the gap and diff varints are mostly small, and it saved another 1.4-1.6x on real steps.
+
+Candidates measured on the weights of real GRPO steps (``bench/weights_delta.py``, the demo's 0.66M
+model, bf16, the last of 24 steps, bytes as a fraction of the full 1.32 MB; 2026-12-07)::
+
+    lr (recipe)            changed  idx32+raw  gaps+raw  bitmask+raw  gaps+diff  bitmask+diff  +zlib1  xor+zlib1
+    1e-6 (gpu_7b_full)     1.8%     0.054      0.029     0.082        0.020      0.073         0.014   0.034
+    5e-6 (gpu_arithmetic)  6.3%     0.177      0.089     0.123        0.060      0.094         0.038   0.085
+    1e-4 (demo)            37%      1.03       0.52      0.41         0.35       0.24          0.15    0.26
+
+XOR of all words through zlib level 1 (what a generic compressor gets) was larger than the chosen
+encoding before its zlib stage at every lr, and 1.5x slower to encode on one core (5.5 against 3.5
+CPU s/GB).
+
+``delta_bytes_ratio`` (full bytes / wire bytes, this wire form, mean over 17 versions): 68x, 44x,
+28x for 1, 2, 4 versions behind at lr 1e-6; 25x, 16x, 11x at 5e-6; 6.1x, 4.5x, 3.5x at 1e-4 (the demo
+publishes fp32, where 99.95% of the elements change per step: 1.6x). From the demo's tiny model,
+not the GPU recipes' Qwen2 shapes: docs/benchmarks.md ("Delta weight sync") says how far it carries.
+A direct ``v - k -> v`` delta is smaller than the chain of ``k`` single steps (11x against 6x at
+5e-6, k = 4): elements that move twice are sent once. One CPU thread per GB of full weights:
+encode 3.5 s (digest included), zlib 1.0 s, apply 1.9 s, digest check 1.1 s.
 
 Wire form (:func:`delta_to_bytes`): a 4-byte little-endian header length, a msgpack header
-``{"format": "streamrl.delta.v1", "base_version", "version", "checksum", "tensors": [[name, dtype,
-shape, encoding, num_changed, num_bytes], ...]}`` listing every tensor of the set in the sender's
-order, then the tensors' payloads concatenated in that order.
-
-Measured (``bench/weights_delta.py``, docs/benchmarks.md): see the "Delta sync" row there; the
-changed fraction per step is set by the learning rate against the bf16 spacing of each weight.
+``{"format": "streamrl.delta.v1", "base_version", "version", "checksum", "compression": "zlib" |
+"none", "payload_bytes", "tensors": [[name, dtype, shape, encoding, values, num_changed,
+index_bytes, num_bytes], ...]}`` listing every tensor of the set in the sender's order, then the
+payload: the tensors' ``index part + value part`` concatenated in that order, zlib-compressed as one
+stream unless ``compression`` is ``none``.
 """
 
 from __future__ import annotations
