@@ -1,6 +1,7 @@
 """How much smaller a delta weight sync is than the full weights, on weights from real RL steps.
 
-    OMP_NUM_THREADS=1 python bench/weights_delta.py [--model runs/arith_a/model] [--steps 16] [--speed-mb 512]
+    OMP_NUM_THREADS=1 python bench/weights_delta.py [--model runs/arith_a/model --data runs/arith_a/train.jsonl]
+        [--steps 24] [--warmup 8] [--speed-mb 512]
 
 Needs the demo's warm-started policy and data (``python examples/arithmetic/prepare.py
 recipes/demo.toml`` writes ``runs/arith_a``).
@@ -299,9 +300,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="runs/arith_a/model")
     parser.add_argument("--data", default="runs/arith_a/train.jsonl")
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=4, help="versions skipped before averaging (Adam's first steps)")
-    parser.add_argument("--speed-mb", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=8, help="versions skipped before averaging (Adam's first steps)")
+    parser.add_argument("--speed-mb", type=int, default=512, help="size of the speed test's set (0: skip it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
@@ -322,7 +323,7 @@ def main() -> None:
         if not setting["bf16_learner"]:
             results[name]["fp32"] = _ratios(published, "fp32/", args.warmup)
     speed_fraction = results["gpu_arithmetic"]["bf16"]["k1"]["changed_fraction"]
-    speed = _speed(speed_fraction, args.speed_mb, args.seed)
+    speed = _speed(speed_fraction, args.speed_mb, args.seed) if args.speed_mb else {}
     print(f"{'setting':16} {'dtype':5} {'k':>2} {'changed':>9} {'ratio':>7} {'chain':>7}")
     for name, r in results.items():
         for dtype in ("bf16", "fp32"):
@@ -333,7 +334,8 @@ def main() -> None:
                         f"{name:16} {dtype:5} {k:2} {m['changed_fraction']:9.4f} {m['delta_bytes_ratio']:7.2f} "
                         f"{m['chain_delta_bytes_ratio']:7.2f}"
                     )
-    print(f"speed ({speed['set_bytes'] / 1e9:.2f} GB bf16, changed {speed_fraction:.4f}): {speed}")
+    if speed:
+        print(f"speed ({speed['set_bytes'] / 1e9:.2f} GB bf16, changed {speed_fraction:.4f}): {speed}")
     now = datetime.now(timezone.utc)
     report = {
         "bench": "weights_delta",
