@@ -42,8 +42,8 @@ model, bf16, the last of 24 steps, bytes as a fraction of the full 1.32 MB; 2026
     1e-4 (demo)            37%      1.03       0.52      0.41         0.35       0.24          0.15    0.26
 
 XOR of all words through zlib level 1 (what a generic compressor gets) was larger than the chosen
-encoding before its zlib stage at every lr, and 1.5x slower to encode on one core (5.5 against 3.5
-CPU s/GB).
+encoding before its zlib stage at every lr, and slower to encode on one core (4.7 against 3.4 CPU
+s/GB).
 
 ``delta_bytes_ratio`` (full bytes / wire bytes, this wire form, mean over 17 versions): 68x, 44x,
 28x for 1, 2, 4 versions behind at lr 1e-6; 25x, 16x, 11x at 5e-6; 6.1x, 4.5x, 3.5x at 1e-4 (the demo
@@ -51,7 +51,7 @@ publishes fp32, where 99.95% of the elements change per step: 1.6x). From the de
 not the GPU recipes' Qwen2 shapes: docs/benchmarks.md ("Delta weight sync") says how far it carries.
 A direct ``v - k -> v`` delta is smaller than the chain of ``k`` single steps (11x against 6x at
 5e-6, k = 4): elements that move twice are sent once. One CPU thread per GB of full weights:
-encode 3.5 s (digest included), zlib 1.0 s, apply 1.9 s, digest check 1.1 s.
+encode 3.4 s (digest included), zlib 1.0 s, apply 1.6 s, digest check 1.1 s.
 
 Wire form (:func:`delta_to_bytes`): a 4-byte little-endian header length, a msgpack header
 ``{"format": "streamrl.delta.v1", "base_version", "version", "checksum", "compression": "zlib" |
