@@ -130,7 +130,8 @@ class Delta:
 
     @property
     def num_bytes(self) -> int:
-        """Payload bytes (the wire form adds a header of a few dozen bytes per tensor)."""
+        """Uncompressed payload bytes (the wire form adds a header of a few dozen bytes per tensor and
+        compresses the payload unless told not to)."""
         return sum(len(t.data) for t in self.tensors)
 
 
