@@ -215,6 +215,14 @@ def test_a_truncated_or_garbled_delta_is_refused() -> None:
     garbled = replace(delta, tensors=(replace(first, data=b"\xff" * len(first.data)), *delta.tensors[1:]))
     with pytest.raises(DeltaChecksumError, match="corrupt delta"):
         apply_delta({n: t.clone() for n, t in old.items()}, garbled)
+    # an idx32 index past the end
+    delta = encode_delta(old, _step(old, 0.05, seed=1), 3, 4, encodings=("idx32",))
+    first = delta.tensors[0]
+    data = bytearray(first.data)
+    data[0:4] = (10**6).to_bytes(4, "little")
+    garbled = replace(delta, tensors=(replace(first, data=bytes(data)), *delta.tensors[1:]))
+    with pytest.raises(DeltaChecksumError, match="out of range"):
+        apply_delta({n: t.clone() for n, t in old.items()}, garbled)
 
 
 def test_a_chain_of_deltas_reaches_the_current_version() -> None:
