@@ -9,6 +9,8 @@ torch; what both torch services need lives here, imported by them alone:
   gloo), never the default group: the weight-broadcast group of the learner and its workers.
 * :mod:`streamrl.torchkit.wire` - torch tensors to and from the ZMQ path's buckets
   (:mod:`streamrl.common.weights.wire`), bf16 as raw 16-bit words.
+* :mod:`streamrl.torchkit.delta` - delta weight sync: the changed elements between two versions as
+  bytes, applied in place and checked against the new version's digest; the full-or-delta policy.
 * :mod:`streamrl.torchkit.vision` - vision-language checkpoints: the vision tower test, the
   processor and its image token.
 * :mod:`streamrl.torchkit.testing` - tiny random checkpoints (Qwen2, Idefics3) with a locally
