@@ -229,7 +229,7 @@ class _Transfer:
                 pass
         for thread in self.threads:
             thread.join()
-        for sock in sockets:
+        for sock in self.sockets:  # (a thread may have connected after the snapshot above)
             sock.close()
 
     def _what(self) -> str:

@@ -372,9 +372,9 @@ class BucketServer:
 
     def close(self) -> None:
         """Stop serving and release the port."""
+        self._chunks.close()
         self._stop.set()
         self._thread.join()
-        self._chunks.close()
         self._sock.close()
         self._ctx.term()
 
