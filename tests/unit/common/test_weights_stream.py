@@ -79,6 +79,24 @@ def test_tensors_arrive_equal_and_every_bucket_once(server: BucketServer, num_co
     assert all(np.array_equal(received[t.name], t.array) for t in _tensors(seed=1))
 
 
+def test_the_staging_buffer_can_be_the_callers(server: BucketServer) -> None:
+    encoded = _encode()
+    server.set_current(encoded)
+    buffers: list[bytearray] = []
+
+    def allocate(num_bytes: int) -> memoryview:
+        buffers.append(bytearray(num_bytes))
+        return memoryview(buffers[-1])
+
+    receiver = StreamReceiver(allocate=allocate)
+    for _ in range(2):
+        received = _collect(receiver.fetch(server.endpoint, 1, encoded.checksum, 5.0))
+        assert all(np.array_equal(received[t.name], t.array) for t in _tensors())
+    assert len(buffers) == 1 and bytes(encoded.buckets[0].data[:64]) in buffers[0]
+    with pytest.raises(ValueError, match="read-only"):
+        StreamReceiver(allocate=lambda n: memoryview(bytes(n))).staging(10)
+
+
 def test_both_receivers_agree_on_the_checksum(server: BucketServer) -> None:
     encoded = _encode()
     server.set_current(encoded)

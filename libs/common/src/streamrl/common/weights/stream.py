@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import blake3
@@ -98,21 +98,26 @@ class StreamReceiver:
         num_connections: int = DEFAULT_CONNECTIONS,
         requests_in_flight: int = REQUESTS_IN_FLIGHT,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        allocate: Callable[[int], memoryview] | None = None,
     ) -> None:
+        """``allocate(num_bytes)``: a writable buffer of at least that many bytes for the staging (e.g.
+        a pinned torch tensor's memory, for the copy to a GPU); default: host memory, pages touched."""
         if num_connections < 1 or requests_in_flight < 1:
             raise ValueError("num_connections and requests_in_flight must be >= 1")
         self.num_connections = num_connections
         self.requests_in_flight = requests_in_flight
         self._context = context
-        self._staging = np.empty(0, dtype=np.uint8)
+        self._allocate = allocate or _host_buffer
+        self._staging = memoryview(b"")
 
     def staging(self, num_bytes: int) -> memoryview:
-        """The staging buffer, grown (and its pages touched once) to hold ``num_bytes``."""
+        """The staging buffer, grown (only when too small) to hold ``num_bytes``."""
         if len(self._staging) < num_bytes:
-            self._staging = np.empty(0, dtype=np.uint8)  # (drop the old one first)
-            self._staging = np.zeros(num_bytes, dtype=np.uint8)
-            self._staging.fill(1)  # fault every page in now, not during the transfer
-        return self._staging.data[:num_bytes]
+            self._staging = memoryview(b"")  # (drop the old one first)
+            self._staging = memoryview(self._allocate(num_bytes)).cast("B")
+            if self._staging.readonly or len(self._staging) < num_bytes:
+                raise ValueError(f"allocate({num_bytes}) gave a read-only or smaller buffer")
+        return self._staging[:num_bytes]
 
     def fetch(
         self,
@@ -150,6 +155,12 @@ def stream_buckets(
 ) -> Iterator[VerifiedBucket]:
     """One :meth:`StreamReceiver.fetch` with a fresh receiver (its staging buffer is not kept)."""
     yield from StreamReceiver(num_connections).fetch(endpoint, version, checksum, timeout_s, abandoned)
+
+
+def _host_buffer(num_bytes: int) -> memoryview:
+    buffer = np.empty(num_bytes, dtype=np.uint8)
+    buffer.fill(1)  # fault every page in now, not during the first transfer
+    return buffer.data
 
 
 def _aligned(n: int) -> int:
