@@ -67,8 +67,9 @@ CONNECT_TIMEOUT_S = 5.0
 """How long a receiver waits for the weight server to answer its connection (the ZMQ handshake, which the
 server's I/O thread answers in milliseconds however busy it is) before the fetch fails (s): a server that died -
 a learner killed right after it published - fails the sync in seconds, not at ``rollout.weight_sync_timeout_s``."""
-CHUNK_BYTES = 4 * 1024 * 1024
-"""Digest granularity: each bucket's data is hashed (and streamed) in chunks of this many bytes."""
+CHUNK_BYTES = 1024 * 1024
+"""Digest granularity: each bucket's data is hashed (and streamed) in chunks of this many bytes
+(1 MiB streamed ~15% faster than 4 MiB and ~35% than 16 MiB on the CPU bench machine; 512 KiB-2 MiB alike)."""
 DIGEST_BYTES = 32
 """blake3 digest size of one chunk."""
 ABANDON_POLL_S = 0.1
