@@ -14,7 +14,8 @@ when it is not set).
 Rollout workers and the coordinator with a key refuse an event whose signature does not match
 (:func:`check`), naming the version and the run; without a key they accept every event (and say
 once that weights events are not authenticated). The signed checksum authenticates the weights
-themselves: over ZMQ it is blake2b over every byte served; over the broadcast group the event also
+themselves: over ZMQ it is blake2b over every bucket header and the blake3 digest of every chunk
+served (:func:`streamrl.common.weights.wire.version_checksum`); over the broadcast group the event also
 carries the buckets' block checksum (``WeightsBroadcast.checksum``), and a member loads a version
 only when what it received hashes to it - whatever the group's unauthenticated store offers; over
 IPC the signed event fixes where the weights come from (buffers on the learner's GPU).

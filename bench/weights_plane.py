@@ -1,0 +1,279 @@
+"""The network weight path on one machine's loopback, end to end into a transformers model (CPU).
+
+For a Qwen2-0.5B-shaped and a Qwen2-1.5B-shaped bf16 weight set (random bf16 words, finite; every
+parameter of the model once - the tied head is the embedding), this process publishes the set once
+(:func:`~streamrl.common.weights.wire.encode_version` into a
+:class:`~streamrl.common.weights.wire.BucketServer`) and a receiver process (spawned, not forked)
+holding a ``Qwen2ForCausalLM`` built from the config on the CPU in bf16 takes it, ``--repeats`` times
+each, interleaved so that they share the machine's load:
+
+* ``stream``: :class:`~streamrl.common.weights.stream.StreamReceiver` (``--connections`` TCP
+  connections, each count measured), every verified bucket copied into the model's parameters as it
+  arrives (``torch._foreach_copy_``, one copy per tensor, as the transformers engine loads);
+* ``zmq`` (the path before this one): :func:`~streamrl.common.weights.wire.fetch_buckets`, then the
+  same copy into the model;
+* ``raw_tcp``: the same bytes (every bucket's data) over one plain TCP socket into a preallocated
+  buffer with ``recv_into`` - the ceiling the machine allows, no checksum, no copy into the model.
+
+Time = from the moment the receiver is told the version (the version is already served: "publish
+returned") to the receiver's last tensor applied (``time.monotonic`` is one clock for both processes
+on Linux); GB/s = model bytes / time (1 GB = 1e9 B). Reported per shape: medians over the repeats,
+``vs_raw_tcp`` = loopback / raw of the same run; the top-level ``loopback_gbps`` and ``vs_raw_tcp``
+are the lower of the two shapes. After the last stream repeat the receiver's parameters are hashed
+and compared with the published set.
+
+    python bench/weights_plane.py [--shapes 0.5b 1.5b] [--repeats 5] [--connections 1 2 4]
+
+Prints a table, then one JSON line last; writes it to ``bench/results/weights_plane-<date>.json`` (or
+``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for src in ("libs/common/src",):
+    if str(ROOT / src) not in sys.path:
+        sys.path.insert(0, str(ROOT / src))
+
+import blake3  # noqa: E402
+import numpy as np  # noqa: E402
+
+from streamrl.common.weights.chunks import recv_exactly  # noqa: E402
+from streamrl.common.weights.stream import StreamReceiver  # noqa: E402
+from streamrl.common.weights.wire import BF16, BucketServer, WireTensor, encode_version, fetch_buckets  # noqa: E402
+
+QWEN2 = {"vocab_size": 151_936, "tie_word_embeddings": True, "num_key_value_heads": 2}
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.5b": {
+        **QWEN2,
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "intermediate_size": 4864,
+    },
+    "1.5b": {
+        **QWEN2,
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "intermediate_size": 8960,
+    },
+}
+TIMEOUT_S = 300.0
+
+
+def build_model(shape: str) -> Any:
+    """A bf16 Qwen2ForCausalLM of ``shape`` on the CPU (storage allocated, not initialised)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape])
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    return model.eval()
+
+
+def weight_set(shape: str, seed: int = 0) -> list[WireTensor]:
+    """Random finite bf16 words for every parameter of the model (names and shapes from a meta model)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape]))
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, p in model.named_parameters():
+        words = rng.integers(0, 1 << 16, p.numel(), dtype=np.uint16)
+        words &= 0x83FF  # sign + low mantissa bits;
+        words |= 0x3800  # exponent of ~1e-3..2e-3: finite, weight-like magnitudes
+        out.append(WireTensor(name, BF16, words.reshape(tuple(p.shape))))
+    return out
+
+
+def digest_of(arrays: list[np.ndarray]) -> str:
+    h = blake3.blake3()
+    for a in arrays:
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the receiver process
+def receiver_main(conn: Connection, shape: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    model = build_model(shape)
+    params = dict(model.named_parameters())
+    receiver = StreamReceiver()  # its staging buffer is the raw baseline's preallocated buffer too
+
+    def apply(tensors: list[Any]) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            srcs = [torch.from_numpy(t.array.view(np.int16)).view(torch.bfloat16) for t in tensors]
+        with torch.no_grad():
+            torch._foreach_copy_([params[t.name].data for t in tensors], srcs)
+
+    conn.send(("ready", sum(p.numel() * p.element_size() for p in params.values())))
+    while True:
+        command, *args = conn.recv()
+        if command == "stop":
+            return
+        if command == "stream":
+            endpoint, version, checksum, connections = args
+            receiver.num_connections = connections
+            for bucket in receiver.fetch(endpoint, version, checksum, TIMEOUT_S):
+                apply(bucket.tensors)
+        elif command == "zmq":
+            endpoint, version, checksum = args
+            apply(list(fetch_buckets(endpoint, version, checksum, TIMEOUT_S)))
+        elif command == "raw":
+            port, num_bytes = args
+            buffer = receiver.staging(num_bytes)
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                conn.send(("connected", 0.0))
+                assert recv_exactly(sock, buffer), "raw sender closed early"
+        elif command == "digest":
+            conn.send(("digest", digest_of([params[name].data.view(torch.int16).numpy() for name in args[0]])))
+            continue
+        conn.send(("done", time.monotonic()))
+
+
+# ----------------------------------------------------------------------------- the sender side
+def run_raw(conn: Connection, data: list[memoryview], num_bytes: int) -> float:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(("raw", listener.getsockname()[1], num_bytes))
+        sock, _ = listener.accept()
+        with sock:
+            assert conn.recv()[0] == "connected"
+            start = time.monotonic()
+            for view in data:
+                sock.sendall(view)
+            tag, end = conn.recv()
+    assert tag == "done"
+    return float(end - start)
+
+
+def run_fetch(conn: Connection, command: tuple[Any, ...]) -> float:
+    start = time.monotonic()
+    conn.send(command)
+    tag, end = conn.recv()
+    assert tag == "done", tag
+    return float(end - start)
+
+
+def measure(shape: str, repeats: int, connections: list[int], bucket_mb: int) -> dict[str, Any]:
+    tensors = weight_set(shape)
+    names = [t.name for t in tensors]
+    expected = digest_of([t.array for t in tensors])
+    encoded = encode_version(tensors, version=1, bucket_bytes=bucket_mb << 20)
+    del tensors
+    model_bytes = encoded.num_bytes
+    data = [memoryview(b.data) for b in encoded.buckets]
+    server = BucketServer()
+    server.set_current(encoded)
+    ctx = get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child, shape), daemon=True)
+    proc.start()
+    try:
+        tag, param_bytes = parent.recv()
+        assert tag == "ready" and param_bytes == model_bytes, (param_bytes, model_bytes)
+        times: dict[str, list[float]] = {"raw_tcp": [], "zmq": []} | {f"stream_{c}": [] for c in connections}
+        for _ in range(repeats + 1):  # the first round warms the buffers and is dropped
+            times["raw_tcp"].append(run_raw(parent, data, sum(len(d) for d in data)))
+            for c in connections:
+                times[f"stream_{c}"].append(run_fetch(parent, ("stream", server.endpoint, 1, encoded.checksum, c)))
+            times["zmq"].append(run_fetch(parent, ("zmq", server.endpoint, 1, encoded.checksum)))
+        parent.send(("digest", names))
+        tag, actual = parent.recv()
+        assert actual == expected, "the receiver's parameters differ from the published set"
+        parent.send(("stop",))
+        proc.join(timeout=30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        server.close()
+    gbps = {k: [model_bytes / s / 1e9 for s in v[1:]] for k, v in times.items()}
+    median = {k: statistics.median(v) for k, v in gbps.items()}
+    best = max(connections, key=lambda c: median[f"stream_{c}"])
+    return {
+        "model_bytes": model_bytes,
+        "num_tensors": len(names),
+        "num_buckets": len(encoded.buckets),
+        "bucket_bytes": bucket_mb << 20,
+        "chunk_bytes": encoded.chunk_bytes,
+        "raw_tcp_gbps": median["raw_tcp"],
+        "loopback_gbps": median[f"stream_{best}"],
+        "connections": best,
+        "vs_raw_tcp": median[f"stream_{best}"] / median["raw_tcp"],
+        "old_zmq_gbps": median["zmq"],
+        "stream_gbps_by_connections": {c: median[f"stream_{c}"] for c in connections},
+        "gbps_per_repeat": gbps,
+        "cold_first_round_gbps": {k: model_bytes / v[0] / 1e9 for k, v in times.items()},
+        "applied_digest_matches": True,
+    }
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--connections", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    load_before = loadavg()
+    results = {shape: measure(shape, args.repeats, args.connections, args.bucket_mb) for shape in args.shapes}
+    print(f"{'shape':>6} {'GB':>6} {'raw GB/s':>9} {'stream GB/s':>12} {'conns':>6} {'vs raw':>7} {'old zmq GB/s':>13}")
+    for shape, r in results.items():
+        print(
+            f"{shape:>6} {r['model_bytes'] / 1e9:>6.2f} {r['raw_tcp_gbps']:>9.2f} {r['loopback_gbps']:>12.2f} "
+            f"{r['connections']:>6} {r['vs_raw_tcp']:>7.2f} {r['old_zmq_gbps']:>13.3f}"
+        )
+    worst = min(results.values(), key=lambda r: r["vs_raw_tcp"])
+    now = datetime.now(timezone.utc)
+    out = {
+        "bench": "weights_plane",
+        "date": now.isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "machine": {
+            "uname": " ".join(platform.uname()),
+            "cores": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": loadavg(),
+        },
+        "loopback_gbps": min(r["loopback_gbps"] for r in results.values()),
+        "raw_tcp_gbps": worst["raw_tcp_gbps"],
+        "vs_raw_tcp": worst["vs_raw_tcp"],
+        "old_zmq_gbps": min(r["old_zmq_gbps"] for r in results.values()),
+        "repeats": args.repeats,
+        "shapes": results,
+    }
+    path = args.out or ROOT / "bench" / "results" / f"weights_plane-{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
