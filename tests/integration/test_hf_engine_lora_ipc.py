@@ -35,7 +35,7 @@ def _learner(conn: Connection, folder: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from streamrl.learner.ds_config import LoraConfig
-    from streamrl.learner.rl.weights.adapter import adapter_shape, iter_adapter
+    from streamrl.learner.rl.adapter import adapter_shape, iter_adapter
     from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
 
     base = AutoModelForCausalLM.from_pretrained(folder).cuda()

@@ -21,7 +21,7 @@ from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import LoraAdapter, SamplingParams
 from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.engine import ModelEngine
-from streamrl.learner.rl.weights.adapter import adapter_shape, iter_adapter
+from streamrl.learner.rl.adapter import adapter_shape, iter_adapter
 from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import Engine, GenerationRequest

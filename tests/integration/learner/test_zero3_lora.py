@@ -14,7 +14,7 @@ from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.rl.algo.config import AlgoConfig, KLConfig
 from streamrl.learner.rl.config import LearnerConfig, RLLoraConfig
 from streamrl.learner.rl.trainer import RLTrainer
-from streamrl.learner.rl.weights.adapter import iter_adapter
+from streamrl.learner.rl.adapter import iter_adapter
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # DeepSpeed's ZeRO-3 gather calls a deprecated torch API

@@ -15,7 +15,7 @@ from streamrl.learner.ds_config import DeepSpeedConfig
 from streamrl.learner.rl.algo.config import AlgoConfig, KLConfig
 from streamrl.learner.rl.config import LearnerConfig, RLLoraConfig
 from streamrl.learner.rl.trainer import RLTrainer
-from streamrl.learner.rl.weights.adapter import adapter_shape, check_target_modules, iter_adapter
+from streamrl.learner.rl.adapter import adapter_shape, check_target_modules, iter_adapter
 from streamrl.learner.rl.weights.zmq import WeightServer
 
 DS = DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2, grad_clip=0.0)

@@ -72,7 +72,7 @@ from streamrl.learner.rl.algo.objective import compute_advantages, policy_object
 from streamrl.learner.rl.batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.traces import SampleCorrection, traced_rows
-from streamrl.learner.rl.weights.adapter import check_target_modules
+from streamrl.learner.rl.adapter import check_target_modules
 from streamrl.learner.vision import check_learner, image_inputs
 from streamrl.learner.vision import response_logprobs as image_response_logprobs
 
