@@ -192,7 +192,7 @@ class BroadcastPublisher:
         )
         if self._zmq is not None:  # the event's checksum is then the ZMQ server's
             served = self._zmq.publish(self.tensors(), version)
-            fields.update(checksum=served["checksum"], endpoint=served["endpoint"])
+            fields["checksum"], fields["endpoint"] = served["checksum"], served["endpoint"]
         return fields
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:

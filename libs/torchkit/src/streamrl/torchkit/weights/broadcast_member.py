@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.messages import WeightsBroadcast, WeightsPublished
+from streamrl.common.messages import WeightsBroadcast, WeightsPublished, WeightsTransport
 from streamrl.common.weights import broadcast as wb
 from streamrl.torchkit.flat import tensor_views, weights_checksum
 from streamrl.torchkit.process_group import Group, new_group, put
@@ -369,7 +369,7 @@ class BroadcastReceiver:
     learner restarts), and a ZMQ fetch when the member fails and the event names an ``endpoint``.
     ``label`` names the member within its process (``hf``, ``tp0``...)."""
 
-    transport = "broadcast"
+    transport: WeightsTransport = "broadcast"
 
     def __init__(self, device: torch.device, label: str) -> None:
         self._device = device

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import torch
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights, WeightsPublished
+from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights, WeightsPublished, WeightsTransport
 from streamrl.torchkit.flat import BLOCK_BYTES, plan_layout, tensor_views, weights_checksum
 from streamrl.torchkit.weights.ipc_plan import checksum_problem, ipc_refusal, plan_ipc
 from streamrl.torchkit.weights.protocol import PublishedWeights, Received
@@ -210,7 +210,7 @@ class IpcReceiver:
             load(received.tensors)  # views of the staging buffers
     """
 
-    transport = "ipc"
+    transport: WeightsTransport = "ipc"
 
     def __init__(self, device: torch.device | str | int, tensor_parallel_size: int = 1) -> None:
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)

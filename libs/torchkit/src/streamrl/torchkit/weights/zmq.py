@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from streamrl.common.messages import WeightsPublished
+from streamrl.common.messages import WeightsPublished, WeightsTransport
 from streamrl.common.weights.wire import DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version, fetch_buckets
 from streamrl.torchkit.weights.protocol import PublishedWeights, Received
 from streamrl.torchkit.weights.tied import TIED_ALIASES, tied_copies
@@ -112,7 +112,7 @@ def torch_tensors(
 class ZmqReceiver:
     """Pulls each version from the weight server the event names; holds nothing between versions."""
 
-    transport = "zmq"
+    transport: WeightsTransport = "zmq"
 
     @contextmanager
     def receive(

@@ -96,6 +96,7 @@ from streamrl.common.messages import BATCH_SKIPPED, BatchManifest, DeadLetter, T
 from streamrl.common.telemetry.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
 from streamrl.common.telemetry.tracing import weights_traceparent
 from streamrl.common.weights.auth import sign, weights_key
+from streamrl.learner.rl.adapter import adapter_shape
 from streamrl.learner.rl.batch_order import Batch, behind_verdict, fingerprint, gap_verdict
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
@@ -104,7 +105,6 @@ from streamrl.learner.rl.ledger import LearnerLedger
 from streamrl.learner.rl.prefetch import Prefetcher
 from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
 from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
-from streamrl.learner.rl.adapter import adapter_shape
 from streamrl.torchkit.weights.factory import make_publisher
 from streamrl.torchkit.weights.protocol import WeightPublisher
 from streamrl.torchkit.weights.tied import TIED_ALIASES
