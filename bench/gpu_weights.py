@@ -4,10 +4,10 @@ Two processes on one GPU. The learner process (spawned) holds a Qwen2-1.5B-shape
 bf16 parameters (28 layers, hidden 1536, intermediate 8960, 12 heads and 2 KV heads of 128, vocab
 151,936, q/k/v biases, tied embeddings: 338 parameters, plus ``lm_head.weight`` sent explicitly =
 339 tensors, 3.55 GB; shapes built here, nothing downloaded) and publishes each version with
-``streamrl.learner.rl.weights.ipc.IpcWeightPublisher``: copy into the persistent IPC buffers +
+``streamrl.torchkit.weights.ipc.IpcPublisher``: copy into the persistent IPC buffers +
 device-side checksum. It sends the ``WeightsPublished`` message as the msgpack bytes the bus would
 carry. The engine process (this one) decodes it, fetches with
-``streamrl.rollout.weights.ipc.IpcWeightReceiver`` (copy into staging + checksum verified) and
+``streamrl.torchkit.weights.ipc.IpcReceiver`` (copy into staging + checksum verified) and
 copies them into its own parameters (339 tensors) the way the transformers engine does: the
 parameters live in flat buffers of the published layout (``FlatParameters``, set up at the first
 update), so loading is one copy per buffer; then it waits for the GPU.
@@ -53,8 +53,11 @@ import torch  # noqa: E402
 
 from streamrl.common.codec import decode, encode  # noqa: E402
 from streamrl.common.messages import WeightsPublished  # noqa: E402
-from streamrl.learner.rl.weights.ipc import IpcWeightPublisher  # noqa: E402
-from streamrl.rollout.weights.ipc import FlatParameters, IpcWeightReceiver  # noqa: E402
+from streamrl.torchkit.weights.ipc import (  # noqa: E402
+    FlatParameters,
+    IpcPublisher,
+    IpcReceiver,
+)
 
 TARGET_MS = 10.0
 QWEN2_1_5B = {
@@ -99,12 +102,13 @@ def _learner(conn: Connection, shapes: list[tuple[str, tuple[int, ...]]], bucket
     torch.manual_seed(0)
     params = [(name, torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for name, shape in shapes]
     marker = dict(params)["model.norm.weight"]
-    publisher = IpcWeightPublisher(bucket_bytes=bucket_bytes)
+    publisher = IpcPublisher(bucket_bytes=bucket_bytes)
     conn.send("ready")
     while (version := conn.recv()) is not None:
         marker.fill_(float(version % 256))  # every version differs (what the engine checks at the end)
         started = time.perf_counter()
-        ipc, checksum = publisher.publish(params, version)
+        published = publisher.publish(params, version)
+        ipc, checksum = published["ipc"], published["checksum"]
         seconds = time.perf_counter() - started
         message = WeightsPublished(
             version=version,
@@ -114,6 +118,7 @@ def _learner(conn: Connection, shapes: list[tuple[str, tuple[int, ...]]], bucket
             num_bytes=publisher.num_bytes,
             num_buckets=publisher.num_buffers,
             endpoint="",
+            transport="ipc",
             ipc=ipc,
             published_at=time.time(),
         )
@@ -144,7 +149,7 @@ def _measure(
 ) -> tuple[list[list[float]], int, int]:
     """The engine's side: ask for each version, fetch it, load it into the parameters. Returns the
     seconds per measured update ([update, publish, fetch, load]), bytes and buffers."""
-    receiver = IpcWeightReceiver(torch.device("cuda", 0))
+    receiver = IpcReceiver(torch.device("cuda", 0))
     params = {
         name: torch.nn.Parameter(torch.empty(sizes[name], device="cuda", dtype=torch.bfloat16), requires_grad=False)
         for name in names

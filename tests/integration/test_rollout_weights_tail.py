@@ -35,9 +35,8 @@ class _Engine:
         self.bus, self.names = bus, names
         self.failed_3 = False
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         if version == 1:
             await self.bus.publish(self.names.weights, _weights(2))
             raise WeightSyncError("version 1 is not served (current version: 2)")
@@ -88,9 +87,8 @@ class _Recorder:
     def __init__(self) -> None:
         self.version = 0
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         if version == 5:
             raise RuntimeError("engine crashed while loading")
         self.version = version
@@ -251,9 +249,10 @@ class _Loads:
         self.version = 0
         self.loads: list[tuple[str, int, str]] = []
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        endpoint = event.endpoint
+        version = event.version
+        checksum = event.checksum
         if endpoint == "tcp://dead-learner:1":
             await asyncio.sleep(0.2)
             raise WeightSyncError(f"version {version}: no answer from {endpoint} within the deadline")
@@ -315,9 +314,9 @@ class _Stuck:
         self.loads: list[tuple[str, int]] = []
         self.abandoned: list[str] = []
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        endpoint = event.endpoint
+        version = event.version
         if endpoint == "tcp://dead-learner:1":
             try:
                 await asyncio.sleep(timeout_s)
@@ -373,9 +372,8 @@ class _FailsTwice:
         self.version = 0
         self.failures = 0
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         if version == 2 and self.failures < 2:
             self.failures += 1
             raise WeightSyncError("the server did not answer the connection within its deadline")

@@ -35,7 +35,7 @@ def _published(**extra: object) -> WeightsPublished:
 
 
 def test_ipc_weights_round_trip_as_plain_msgpack() -> None:
-    message = _published(ipc=IPC)
+    message = _published(transport="ipc", ipc=IPC)
     data = encode(message)
     assert decode(data, WeightsPublished) == message
     plain = msgpack.unpackb(data, raw=False)  # no extension types, no pickle

@@ -1,4 +1,4 @@
-"""CUDA IPC weights into an engine, the parts without a GPU (streamrl.rollout.weights.ipc_plan): the
+"""CUDA IPC weights into an engine, the parts without a GPU (streamrl.torchkit.weights.ipc_plan): the
 IpcWeights message checked and turned into a per-tensor plan before any handle is opened, the
 checksum comparison, and when an engine refuses IPC weights (and why)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
-from streamrl.rollout.weights.ipc_plan import (
+from streamrl.torchkit.weights.ipc_plan import (
     PlannedTensor,
     checksum_problem,
     decode_ipc,

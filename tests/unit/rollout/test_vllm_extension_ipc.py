@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights
-from streamrl.rollout.weights.ipc_plan import encode_ipc
 from streamrl.rollout.weights.vllm_extension import WeightReceiver
+from streamrl.torchkit.weights.ipc_plan import encode_ipc
 
 
 class _Worker(WeightReceiver):
