@@ -8,9 +8,8 @@ bf16 parameters (28 layers, hidden 1536, intermediate 8960, 12 heads and 2 KV he
 device-side checksum. It sends the ``WeightsPublished`` message as the msgpack bytes the bus would
 carry. The engine process (this one) decodes it, fetches with
 ``streamrl.torchkit.weights.ipc.IpcReceiver`` (copy into staging + checksum verified) and
-copies them into its own parameters (339 tensors) the way the transformers engine does: the
-parameters live in flat buffers of the published layout (``FlatParameters``, set up at the first
-update), so loading is one copy per buffer; then it waits for the GPU.
+copies them into its own parameters (339 tensors) the way the transformers engine does: one
+``torch._foreach_copy_`` of the received views into the parameters; then it waits for the GPU.
 
 Per update (after ``--warmups`` updates; the first opens the handles), over ``--updates`` updates:
 
@@ -53,11 +52,7 @@ import torch  # noqa: E402
 
 from streamrl.common.codec import decode, encode  # noqa: E402
 from streamrl.common.messages import WeightsPublished  # noqa: E402
-from streamrl.torchkit.weights.ipc import (  # noqa: E402
-    FlatParameters,
-    IpcPublisher,
-    IpcReceiver,
-)
+from streamrl.torchkit.weights.ipc import IpcPublisher, IpcReceiver  # noqa: E402
 
 TARGET_MS = 10.0
 QWEN2_1_5B = {
@@ -154,7 +149,6 @@ def _measure(
         name: torch.nn.Parameter(torch.empty(sizes[name], device="cuda", dtype=torch.bfloat16), requires_grad=False)
         for name in names
     }
-    flat: FlatParameters | None = None
     timings: list[list[float]] = [[], [], [], []]
     for version in range(1, warmups + updates + 1):
         torch.cuda.synchronize()
@@ -163,11 +157,10 @@ def _measure(
         msg = decode(conn.recv_bytes(), WeightsPublished)
         published = time.perf_counter()
         assert msg.ipc is not None
-        receiver.fetch(msg.ipc, msg.version, msg.checksum)
+        views = receiver.fetch(msg.ipc, msg.version, msg.checksum)
         received = time.perf_counter()
-        if flat is None:  # the engine moves its parameters into the layout once (as HFEngine does)
-            flat = FlatParameters(dict(params), list(params.values()), msg.ipc, receiver.staging)
-        flat.load(receiver.staging)
+        with torch.no_grad():  # as HFEngine._load does
+            torch._foreach_copy_([params[name].data for name, _ in views], [t for _, t in views], non_blocking=True)
         torch.cuda.synchronize()
         done = time.perf_counter()
         publish_s = conn.recv()

@@ -62,9 +62,9 @@ def test_adapter_version_carries_only_adapter_tensors(tiny_qwen_dir: Path) -> No
     )
     adapter_bytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters() if ".lora_" in n)
     full_bytes = sum(t.numel() * t.element_size() for _, t in trainer.policy.iter_full_params())
-    server = ZmqPublisher()
+    server = ZmqPublisher(tied_aliases={})
     try:
-        published = server.publish(tensors, version=1, tied_aliases={})
+        published = server.publish(tensors, version=1)
         num_bytes = published["num_bytes"]
     finally:
         server.close()
