@@ -2,7 +2,7 @@
 
 With ``learner.weights_transport = "ipc"`` the weights never leave the GPU:
 
-1. On the first publish, :class:`IpcWeightPublisher` plans a layout (:func:`streamrl.torchkit.flat.plan_layout`), allocates
+1. On the first publish, :class:`IpcPublisher` plans a layout (:func:`streamrl.torchkit.flat.plan_layout`), allocates
    persistent flat buffers on the learner's device (about ``bucket_bytes`` each, one dtype per
    buffer, every tensor starting at a multiple of ``BLOCK_BYTES``) and shares each buffer once
    (``UntypedStorage._share_cuda_()``).
