@@ -47,11 +47,13 @@ class Served:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
         self.shape = adapter_shape(engine.module)
         self.adapter_tensors = list(iter_adapter(engine.module, 0))
-        self.adapter = ZmqPublisher()
-        self.adapter_checksum, self.adapter_bytes, _ = self.adapter.publish(self.adapter_tensors, 1, tied_aliases={})
+        self.adapter = ZmqPublisher(tied_aliases={})
+        adapter = self.adapter.publish(self.adapter_tensors, 1)
+        self.adapter_checksum, self.adapter_bytes = adapter["checksum"], adapter["num_bytes"]
         self.merged_tensors = list(engine.iter_full_params())
         self.merged = ZmqPublisher()
-        self.merged_checksum, self.merged_bytes, _ = self.merged.publish(self.merged_tensors, 1)
+        merged = self.merged.publish(self.merged_tensors, 1)
+        self.merged_checksum, self.merged_bytes = merged["checksum"], merged["num_bytes"]
 
     def close(self) -> None:
         self.adapter.close()

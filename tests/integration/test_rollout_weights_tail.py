@@ -162,9 +162,9 @@ def test_weights_events_signed_with_another_key_are_refused(
         endpoints: list[str] = []
         real_update = engine.update_weights
 
-        async def update(endpoint: str, version: int, *args: object, **kwargs: object) -> None:
-            endpoints.append(endpoint)
-            await real_update(endpoint, version, *args, **kwargs)  # type: ignore[arg-type]
+        async def update(event: WeightsPublished, timeout_s: float) -> None:
+            endpoints.append(event.endpoint)
+            await real_update(event, timeout_s)
 
         engine.update_weights = update  # type: ignore[method-assign]
         tail = asyncio.create_task(service._tail_weights("0-0"))
@@ -208,9 +208,9 @@ def test_an_event_signed_for_another_run_sharing_the_key_is_refused(
         loads: list[tuple[str, int]] = []
         real_update = engine.update_weights
 
-        async def update(endpoint: str, version: int, *args: object, **kwargs: object) -> None:
-            loads.append((endpoint, version))
-            await real_update(endpoint, version, *args, **kwargs)  # type: ignore[arg-type]
+        async def update(event: WeightsPublished, timeout_s: float) -> None:
+            loads.append((event.endpoint, event.version))
+            await real_update(event, timeout_s)
 
         engine.update_weights = update  # type: ignore[method-assign]
         tail = asyncio.create_task(service._tail_weights("0-0"))
