@@ -10,7 +10,7 @@ log-probs checked, and the weight update over ZMQ - in one process, on one GPU.
 3. Processed log-probs: ``check_prompts`` prompts x 2 samples x 32 tokens at temperature 0.7; the
    engine's log-prob of each sampled token against transformers' ``log_softmax(logits / 0.7)`` of
    the same prefix (bf16 both sides: agreement to ~1e-2 is what bf16 allows).
-4. ZMQ weight update: the learner's :class:`streamrl.learner.rl.weights.ZmqPublisher` publishes a
+4. ZMQ weight update: the learner's :class:`streamrl.torchkit.weights.zmq.ZmqPublisher` publishes a
    second random checkpoint (seed 1) and then the first again, ``update_repeats`` times;
    ``engine.update_weights`` pulls, verifies and loads each. Reported: publish and update seconds
    (median), bytes; then the served log-probs are checked against transformers with the weights
