@@ -10,7 +10,7 @@ log-probs checked, and the weight update over ZMQ - in one process, on one GPU.
 3. Processed log-probs: ``check_prompts`` prompts x 2 samples x 32 tokens at temperature 0.7; the
    engine's log-prob of each sampled token against transformers' ``log_softmax(logits / 0.7)`` of
    the same prefix (bf16 both sides: agreement to ~1e-2 is what bf16 allows).
-4. ZMQ weight update: the learner's :class:`streamrl.learner.rl.weights.WeightServer` publishes a
+4. ZMQ weight update: the learner's :class:`streamrl.torchkit.weights.zmq.ZmqPublisher` publishes a
    second random checkpoint (seed 1) and then the first again, ``update_repeats`` times;
    ``engine.update_weights`` pulls, verifies and loads each. Reported: publish and update seconds
    (median), bytes; then the served log-probs are checked against transformers with the weights
@@ -118,10 +118,11 @@ def _run_vllm(args: argparse.Namespace, result: dict[str, Any], total: int, devi
     from transformers import AutoModelForCausalLM
 
     from streamrl.common.messages import SamplingParams
-    from streamrl.learner.rl.weights.zmq import WeightServer
     from streamrl.rollout.engines.config import EngineConfig
     from streamrl.rollout.engines.engine import GenerationRequest
     from streamrl.rollout.engines.vllm_engine import VLLMEngine
+    from streamrl.torchkit.testing import weights_event
+    from streamrl.torchkit.weights.zmq import ZmqPublisher
 
     tiny = args.tiny
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +156,7 @@ def _run_vllm(args: argparse.Namespace, result: dict[str, Any], total: int, devi
             assert sum(len(s.token_ids) for group in out for s in group) == total
             return seconds
 
-        server = WeightServer()
+        server = ZmqPublisher()
         try:
             first = timed()
             warm = [timed() for _ in range(args.repeats)]
@@ -173,10 +174,17 @@ def _run_vllm(args: argparse.Namespace, result: dict[str, Any], total: int, devi
             publish_s, update_s = [], []
             for version in range(1, args.update_repeats + 1):
                 t0 = time.perf_counter()
-                checksum, num_bytes, num_buckets = server.publish(states[version % 2], version)
+                published = server.publish(states[version % 2], version)
+                checksum, num_bytes, num_buckets = (
+                    published["checksum"],
+                    published["num_bytes"],
+                    published["num_buckets"],
+                )
                 publish_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=120))
+                asyncio.run(
+                    engine.update_weights(weights_event(version, endpoint=server.endpoint, checksum=checksum), 120)
+                )
                 update_s.append(time.perf_counter() - t0)
             last = models[args.update_repeats % 2]
             result["zmq_update"] = {
@@ -257,10 +265,10 @@ def _sync_1p5b(args: argparse.Namespace, result: dict[str, Any]) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from streamrl.learner.rl.weights.zmq import WeightServer
     from streamrl.rollout.engines.config import EngineConfig
     from streamrl.rollout.engines.vllm_engine import VLLMEngine
-    from streamrl.torchkit.testing import build_tokenizer
+    from streamrl.torchkit.testing import build_tokenizer, weights_event
+    from streamrl.torchkit.weights.zmq import ZmqPublisher
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "m"
@@ -280,16 +288,23 @@ def _sync_1p5b(args: argparse.Namespace, result: dict[str, Any]) -> None:
             gpu_memory_utilization=0.3,
             enforce_eager=True,
         )  # type: ignore[arg-type]
-        engine, server = VLLMEngine(config), WeightServer()
+        engine, server = VLLMEngine(config), ZmqPublisher()
         publish_s, update_s = [], []
         try:
             for version in range(1, args.update_repeats + 1):
                 t0 = time.perf_counter()
-                checksum, num_bytes, num_buckets = server.publish(states[version % 2], version)
+                published = server.publish(states[version % 2], version)
+                checksum, num_bytes, num_buckets = (
+                    published["checksum"],
+                    published["num_bytes"],
+                    published["num_buckets"],
+                )
                 torch.cuda.synchronize()
                 publish_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=300))
+                asyncio.run(
+                    engine.update_weights(weights_event(version, endpoint=server.endpoint, checksum=checksum), 300)
+                )
                 update_s.append(time.perf_counter() - t0)
         finally:
             server.close()

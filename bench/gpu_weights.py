@@ -4,13 +4,12 @@ Two processes on one GPU. The learner process (spawned) holds a Qwen2-1.5B-shape
 bf16 parameters (28 layers, hidden 1536, intermediate 8960, 12 heads and 2 KV heads of 128, vocab
 151,936, q/k/v biases, tied embeddings: 338 parameters, plus ``lm_head.weight`` sent explicitly =
 339 tensors, 3.55 GB; shapes built here, nothing downloaded) and publishes each version with
-``streamrl.learner.rl.weights.ipc.IpcWeightPublisher``: copy into the persistent IPC buffers +
+``streamrl.torchkit.weights.ipc.IpcPublisher``: copy into the persistent IPC buffers +
 device-side checksum. It sends the ``WeightsPublished`` message as the msgpack bytes the bus would
 carry. The engine process (this one) decodes it, fetches with
-``streamrl.rollout.weights.ipc.IpcWeightReceiver`` (copy into staging + checksum verified) and
-copies them into its own parameters (339 tensors) the way the transformers engine does: the
-parameters live in flat buffers of the published layout (``FlatParameters``, set up at the first
-update), so loading is one copy per buffer; then it waits for the GPU.
+``streamrl.torchkit.weights.ipc.IpcReceiver`` (copy into staging + checksum verified) and
+copies them into its own parameters (339 tensors) the way the transformers engine does: one
+``torch._foreach_copy_`` of the received views into the parameters; then it waits for the GPU.
 
 Per update (after ``--warmups`` updates; the first opens the handles), over ``--updates`` updates:
 
@@ -53,8 +52,7 @@ import torch  # noqa: E402
 
 from streamrl.common.codec import decode, encode  # noqa: E402
 from streamrl.common.messages import WeightsPublished  # noqa: E402
-from streamrl.learner.rl.weights.ipc import IpcWeightPublisher  # noqa: E402
-from streamrl.rollout.weights.ipc import FlatParameters, IpcWeightReceiver  # noqa: E402
+from streamrl.torchkit.weights.ipc import IpcPublisher, IpcReceiver  # noqa: E402
 
 TARGET_MS = 10.0
 QWEN2_1_5B = {
@@ -99,12 +97,13 @@ def _learner(conn: Connection, shapes: list[tuple[str, tuple[int, ...]]], bucket
     torch.manual_seed(0)
     params = [(name, torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for name, shape in shapes]
     marker = dict(params)["model.norm.weight"]
-    publisher = IpcWeightPublisher(bucket_bytes=bucket_bytes)
+    publisher = IpcPublisher(bucket_bytes=bucket_bytes)
     conn.send("ready")
     while (version := conn.recv()) is not None:
         marker.fill_(float(version % 256))  # every version differs (what the engine checks at the end)
         started = time.perf_counter()
-        ipc, checksum = publisher.publish(params, version)
+        published = publisher.publish(params, version)
+        ipc, checksum = published["ipc"], published["checksum"]
         seconds = time.perf_counter() - started
         message = WeightsPublished(
             version=version,
@@ -114,6 +113,7 @@ def _learner(conn: Connection, shapes: list[tuple[str, tuple[int, ...]]], bucket
             num_bytes=publisher.num_bytes,
             num_buckets=publisher.num_buffers,
             endpoint="",
+            transport="ipc",
             ipc=ipc,
             published_at=time.time(),
         )
@@ -144,12 +144,11 @@ def _measure(
 ) -> tuple[list[list[float]], int, int]:
     """The engine's side: ask for each version, fetch it, load it into the parameters. Returns the
     seconds per measured update ([update, publish, fetch, load]), bytes and buffers."""
-    receiver = IpcWeightReceiver(torch.device("cuda", 0))
+    receiver = IpcReceiver(torch.device("cuda", 0))
     params = {
         name: torch.nn.Parameter(torch.empty(sizes[name], device="cuda", dtype=torch.bfloat16), requires_grad=False)
         for name in names
     }
-    flat: FlatParameters | None = None
     timings: list[list[float]] = [[], [], [], []]
     for version in range(1, warmups + updates + 1):
         torch.cuda.synchronize()
@@ -158,11 +157,10 @@ def _measure(
         msg = decode(conn.recv_bytes(), WeightsPublished)
         published = time.perf_counter()
         assert msg.ipc is not None
-        receiver.fetch(msg.ipc, msg.version, msg.checksum)
+        views = receiver.fetch(msg.ipc, msg.version, msg.checksum)
         received = time.perf_counter()
-        if flat is None:  # the engine moves its parameters into the layout once (as HFEngine does)
-            flat = FlatParameters(dict(params), list(params.values()), msg.ipc, receiver.staging)
-        flat.load(receiver.staging)
+        with torch.no_grad():  # as HFEngine._load does
+            torch._foreach_copy_([params[name].data for name, _ in views], [t for _, t in views], non_blocking=True)
         torch.cuda.synchronize()
         done = time.perf_counter()
         publish_s = conn.recv()

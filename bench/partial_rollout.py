@@ -2,7 +2,7 @@
 ``rollout.engine.partial_rollout``.
 
 Two random Qwen2 checkpoints of one shape (A: the engine's, B: the update; ``--size``) and a
-:class:`WeightServer` on this machine (ZMQ, the hf engine's portable path). Per mode (``partial_rollout``
+:class:`ZmqPublisher` on this machine (ZMQ, the hf engine's portable path). Per mode (``partial_rollout``
 false, then true) an engine is built on A and warmed up, then ``--repeats`` times:
 
 * one ``generate`` of ``--prompts`` random prompts x ``--samples`` samples x exactly ``--new-tokens``
@@ -96,13 +96,18 @@ async def _once(
     long = SamplingParams(
         temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, n=args.samples, seed=version
     )
-    checksum, _, _ = server.publish(models[version % 2].items(), version=version)
+    from streamrl.torchkit.testing import weights_event
+
+    published = server.publish(models[version % 2].items(), version=version)
+    checksum = published["checksum"]
     start = time.perf_counter()
     running = asyncio.create_task(engine.generate([GenerationRequest(p, long) for p in args.prompt_ids]))
     await asyncio.sleep(at_s)
     assert not running.done(), "the decode ended before the update: raise --new-tokens or lower --at"
     arrival = time.perf_counter()
-    update = asyncio.create_task(engine.update_weights(server.endpoint, version, checksum, timeout_s=600))
+    update = asyncio.create_task(
+        engine.update_weights(weights_event(version, endpoint=server.endpoint, checksum=checksum), 600)
+    )
     await asyncio.sleep(0)  # the update is queued first
     probe = asyncio.create_task(
         engine.generate([GenerationRequest(args.prompt_ids[0], SamplingParams(max_new_tokens=1))])
@@ -127,10 +132,11 @@ async def _once(
 
 async def _mode(partial: bool, args: argparse.Namespace, folder: Path, models: list[Any]) -> dict[str, Any]:
     from streamrl.common.messages import SamplingParams
-    from streamrl.learner.rl.weights.zmq import WeightServer
     from streamrl.rollout.engines.config import EngineConfig
     from streamrl.rollout.engines.engine import GenerationRequest
     from streamrl.rollout.engines.hf_engine import HFEngine
+    from streamrl.torchkit.testing import weights_event
+    from streamrl.torchkit.weights.zmq import ZmqPublisher
 
     config = EngineConfig(
         type="hf",
@@ -142,7 +148,7 @@ async def _mode(partial: bool, args: argparse.Namespace, folder: Path, models: l
         partial_rollout=partial,
     )
     engine = HFEngine(config)
-    server = WeightServer()
+    server = ZmqPublisher()
     try:
         long = SamplingParams(
             temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, n=args.samples
@@ -152,9 +158,10 @@ async def _mode(partial: bool, args: argparse.Namespace, folder: Path, models: l
         start = time.perf_counter()
         await engine.generate(requests)
         decode_s = time.perf_counter() - start
-        checksum, _, _ = server.publish(models[1].items(), version=1)
+        published = server.publish(models[1].items(), version=1)
+        checksum = published["checksum"]
         start = time.perf_counter()
-        await engine.update_weights(server.endpoint, 1, checksum, timeout_s=600)
+        await engine.update_weights(weights_event(1, endpoint=server.endpoint, checksum=checksum), 600)
         transfer_ms = (time.perf_counter() - start) * 1e3
         runs = [await _once(engine, server, models, v, args, args.at * decode_s) for v in range(2, 2 + args.repeats)]
     finally:

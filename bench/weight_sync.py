@@ -2,7 +2,7 @@
 
 ``--mode zmq`` (default; CPU vLLM or HF): for each model size it builds two random Qwen2
 checkpoints (A and B), starts an engine on A, and ``--repeats`` times publishes B (then A, ...)
-from a :class:`WeightServer` and applies it with ``engine.update_weights``. Reported per size,
+from a :class:`ZmqPublisher` and applies it with ``engine.update_weights``. Reported per size,
 median over the repeats:
 
 * ``publish_s``: learner side, torch tensors -> host buckets + checksum;
@@ -22,13 +22,13 @@ with ``--tiny``, a 2-layer model of the same family that runs on a CPU. Median a
 * ``gather``: a single-rank DeepSpeed ZeRO-3 engine (``streamrl.learner.engine.ModelEngine``, frozen)
   yields every full parameter (``iter_full_params``: ``GatheredParameters`` per 512 MiB group, a
   clone each) into a list;
-* ``pack``: ``BroadcastWeightPublisher.publish`` of that list: copy into the flat buckets + the
+* ``pack``: ``BroadcastPublisher.publish`` of that list: copy into the flat buckets + the
   device-side block checksum - all the training step waits for;
 * ``checksum``: the checksum alone, over buffers of the buckets' sizes;
 * ``publish``: the learner's path, ``publish(engine.iter_full_params())`` (gather streamed into the buckets);
 * the broadcast, as far as the machine allows:
   - ``--receivers N`` (default: 1 on CPU; on CUDA 1 when a second GPU is visible, else 0): N
-    processes, each a ``BroadcastReceiver`` on cuda:1..N (NCCL) or on the CPU (gloo), join the
+    processes, each a ``BroadcastMember`` on cuda:1..N (NCCL) or on the CPU (gloo), join the
     group; ``broadcast`` = publish returned -> every receiver acknowledged (store handshakes,
     buckets, checksum on the receivers) and ``buckets`` = the publisher's broadcast calls alone;
   - on CUDA, ``nccl_self``: the broadcast calls of every bucket on a 1-member NCCL group - all
@@ -91,10 +91,10 @@ def measure_zmq(size: str, engine_type: str, wire_dtype: torch.dtype, repeats: i
 
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.rl.weights.zmq import WeightServer
     from streamrl.rollout.engines.config import EngineConfig
     from streamrl.rollout.engines.factory import build_engine
-    from streamrl.torchkit.testing import build_tiny_qwen2
+    from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
+    from streamrl.torchkit.weights.zmq import ZmqPublisher
 
     dirs = [build_tiny_qwen2(tmp / f"{size}-{s}", seed=s, **SIZES[size]) for s in (0, 1)]  # type: ignore[arg-type]
     states = [
@@ -104,15 +104,16 @@ def measure_zmq(size: str, engine_type: str, wire_dtype: torch.dtype, repeats: i
         type=engine_type, model=str(dirs[0]), dtype="float32", max_model_len=256, kv_cache_gib=0.25, enforce_eager=True
     )  # type: ignore[arg-type]
     engine = build_engine(config)
-    server = WeightServer()
+    server = ZmqPublisher()
     publish_s, update_s = [], []
     try:
         for version in range(1, repeats + 1):
             start = time.perf_counter()
-            checksum, num_bytes, num_buckets = server.publish(states[version % 2], version)
+            published = server.publish(states[version % 2], version)
+            checksum, num_bytes, num_buckets = published["checksum"], published["num_bytes"], published["num_buckets"]
             publish_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=60))
+            asyncio.run(engine.update_weights(weights_event(version, endpoint=server.endpoint, checksum=checksum), 60))
             update_s.append(time.perf_counter() - start)
             assert engine.version == version
     finally:
@@ -174,11 +175,11 @@ def _save_model(folder: Path, shape: dict[str, int], device: torch.device) -> in
 def _receiver(conn: Connection, rendezvous: bytes, device: str) -> None:
     """A rollout worker's member of the group on ``device``; it stages every version until told to stop."""
     from streamrl.common.weights.broadcast import decode_rendezvous
-    from streamrl.rollout.weights.broadcast import BroadcastReceiver
+    from streamrl.torchkit.weights.broadcast_member import BroadcastMember
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    receiver = BroadcastReceiver(decode_rendezvous(rendezvous), torch.device(device), "bench", timeout_s=120)
+    receiver = BroadcastMember(decode_rendezvous(rendezvous), torch.device(device), "bench", timeout_s=120)
     conn.recv()
     receiver.close()
 
@@ -187,7 +188,7 @@ def _self_broadcast_seconds(sizes: list[int], device: torch.device, repeats: int
     """Broadcast calls of buckets of ``sizes`` on a 1-member NCCL group (see the module docstring)."""
     import torch.distributed as dist
 
-    from streamrl.learner.rl.weights.broadcast import new_group
+    from streamrl.torchkit.weights.broadcast import new_group
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group = new_group(dist.PrefixStore("self/", store), 0, 1, "nccl", 60.0, device)
@@ -220,14 +221,15 @@ def _start_receivers(rendezvous: bytes, count: int, device: torch.device) -> lis
 
 def _round(engine: Any, publisher: Any, version: int, device: torch.device, receivers: int) -> dict[str, float]:
     """One measurement of every part (versions ``version`` and ``version + 1``); seconds by part."""
-    from streamrl.learner.rl.weights.ipc import weights_checksum
+    from streamrl.torchkit.weights.ipc import weights_checksum
 
     _sync(device)
     started = time.perf_counter()
     params = list(engine.iter_full_params())
     _sync(device)
     gathered = time.perf_counter()
-    info, _ = publisher.publish(params, version)  # the checksum's result waits for the device
+    published = publisher.publish(params, version)  # the checksum's result waits for the device
+    info = published["broadcast"]
     packed = time.perf_counter()
     del params
     out = {"gather": gathered - started, "pack": packed - gathered}
@@ -266,7 +268,7 @@ def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
     from streamrl.common.weights.broadcast import encode
     from streamrl.learner.ds_config import DeepSpeedConfig
     from streamrl.learner.engine import ModelEngine
-    from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
+    from streamrl.torchkit.weights.broadcast import BroadcastPublisher
 
     device, receivers = _pick_device(args)
     shape = TINY if args.tiny else QWEN2_1_5B
@@ -276,11 +278,12 @@ def run_broadcast(args: argparse.Namespace) -> dict[str, Any]:
         print(f"model of {num_params:,} parameters saved in {time.perf_counter() - started:.1f} s", flush=True)
         ds = DeepSpeedConfig(zero_stage=3, dtype="bf16", scheduler="constant", attn_implementation="sdpa")
         engine = ModelEngine.from_config(tmp, ds, train=False)
-    publisher = BroadcastWeightPublisher(bucket_bytes=args.bucket_mb * 2**20, timeout_s=120)
+    publisher = BroadcastPublisher(bucket_bytes=args.bucket_mb * 2**20, timeout_s=120)
     procs: list[tuple[Connection, Any]] = []
     timings: dict[str, list[float]] = {}
     try:
-        info, _ = publisher.publish(engine.iter_full_params(), 1)
+        published = publisher.publish(engine.iter_full_params(), 1)
+        info = published["broadcast"]
         if receivers:  # they join, and get version 1, before the first round
             procs = _start_receivers(encode(info), receivers, device)
             publisher.wait_delivered(1, timeout_s=300, min_members=receivers)

@@ -135,15 +135,14 @@ async def life(
     bus = Bus(connect(redis_url))
     ctx = ServiceContext("learner", "learner-0", cfg, bus, StreamNames(run_id), asyncio.Event(), burst=True)
     service = LearnerService(cfg, ctx, trainer, group)
-    assert service.server is not None
-    real_publish = service.server.publish
+    real_publish = service.publisher.publish
 
-    def publish(params: Any, version: int, *args: Any) -> Any:  # the server's signature (tied names after)
+    def publish(params: Any, version: int) -> Any:  # the WeightPublisher's signature
         if version == fail_index + 1:
             once("publish")
-        return real_publish(params, version, *args)
+        return real_publish(params, version)
 
-    service.server.publish = publish  # type: ignore[method-assign]
+    service.publisher.publish = publish  # type: ignore[method-assign]
     try:
         await service.run()
     finally:

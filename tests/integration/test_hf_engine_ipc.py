@@ -1,7 +1,7 @@
 """The transformers engine on a GPU takes colocated weights over CUDA IPC (skipped without CUDA).
 
 A spawned process plays the learner: it loads a model folder onto the GPU and publishes its weights
-with ``IpcWeightPublisher``. The engine (CUDA graphs on) updates from the message; its greedy output
+with ``IpcPublisher``. The engine (CUDA graphs on) updates from the message; its greedy output
 must then be the published model's, again after a second update back to the first model (the
 parameters were moved into the flat layout once and the decode graphs recaptured).
 """
@@ -20,7 +20,7 @@ from streamrl.common.messages import SamplingParams, WeightsPublished
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import GenerationRequest
 from streamrl.rollout.engines.factory import build_engine
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPT = [5, 6, 7, 8, 9]
@@ -29,13 +29,14 @@ PROMPT = [5, 6, 7, 8, 9]
 def _learner(conn: Connection) -> None:
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+    from streamrl.torchkit.weights.ipc import IpcPublisher
 
-    publisher = IpcWeightPublisher(bucket_bytes=2**20)
+    publisher = IpcPublisher(bucket_bytes=2**20)
     while (request := conn.recv()) is not None:
         folder, version = request
         model = AutoModelForCausalLM.from_pretrained(folder).cuda()
-        ipc, checksum = publisher.publish(model.state_dict().items(), version)
+        published = publisher.publish(model.state_dict().items(), version)
+        ipc, checksum = published["ipc"], published["checksum"]
         conn.send_bytes(
             encode(
                 WeightsPublished(
@@ -46,6 +47,7 @@ def _learner(conn: Connection) -> None:
                     num_bytes=publisher.num_bytes,
                     num_buckets=publisher.num_buffers,
                     endpoint="",
+                    transport="ipc",
                     ipc=ipc,
                 )
             )
@@ -73,7 +75,11 @@ def test_engine_updates_over_cuda_ipc(tmp_path: Path) -> None:
         for version, folder in ((1, b), (2, a)):
             conn.send((str(folder), version))
             msg = decode(conn.recv_bytes(), WeightsPublished)
-            asyncio.run(engine.update_weights("", msg.version, msg.checksum, 5.0, ipc=msg.ipc))
+            asyncio.run(
+                engine.update_weights(
+                    weights_event(msg.version, transport="ipc", checksum=msg.checksum, ipc=msg.ipc), 5.0
+                )
+            )
             conn.send("taken")
             (out,) = asyncio.run(engine.generate([GenerationRequest(PROMPT, greedy)]))
             expected = _greedy(folder)

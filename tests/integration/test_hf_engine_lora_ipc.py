@@ -1,7 +1,7 @@
 """The transformers engine on a GPU takes a LoRA adapter version over CUDA IPC (skipped without CUDA).
 
 A spawned process plays the LoRA learner: a peft model on the GPU with a random adapter, its adapter
-tensors alone published with ``IpcWeightPublisher`` (no tied head: an adapter has none) in a
+tensors alone published with ``IpcPublisher`` (no tied head: an adapter has none) in a
 ``payload = "lora"`` event. The engine, built from the base folder, takes two versions; after each its
 greedy output is the merged model's; a version whose buffers changed since the event (another checksum)
 is refused and the version before is still served.
@@ -23,7 +23,7 @@ from streamrl.common.messages import SamplingParams, WeightsPublished
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import GenerationRequest
 from streamrl.rollout.engines.factory import build_engine
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPT = [5, 6, 7, 8, 9]
@@ -35,21 +35,22 @@ def _learner(conn: Connection, folder: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from streamrl.learner.ds_config import LoraConfig
-    from streamrl.learner.rl.weights.adapter import adapter_shape, iter_adapter
-    from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
+    from streamrl.learner.rl.adapter import adapter_shape, iter_adapter
+    from streamrl.torchkit.weights.ipc import IpcPublisher
 
     base = AutoModelForCausalLM.from_pretrained(folder).cuda()
     lora = LoraConfig(rank=RANK, alpha=16.0)
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules)  # type: ignore[arg-type]
     model = peft.get_peft_model(base, config).eval()
-    publisher = IpcWeightPublisher(bucket_bytes=2**20, tied_aliases={})
+    publisher = IpcPublisher(bucket_bytes=2**20, tied_aliases={})
     while (version := conn.recv()) is not None:
         generator = torch.Generator().manual_seed(version)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if ".lora_B." in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-        ipc, checksum = publisher.publish(iter_adapter(model, 0), version)
+        published = publisher.publish(iter_adapter(model, 0), version)
+        ipc, checksum = published["ipc"], published["checksum"]
         with torch.no_grad():
             ids = torch.tensor([PROMPT], device="cuda")
             with model.disable_adapter():
@@ -65,6 +66,7 @@ def _learner(conn: Connection, folder: str) -> None:
             num_bytes=publisher.num_bytes,
             num_buckets=publisher.num_buffers,
             endpoint="",
+            transport="ipc",
             ipc=ipc,
             payload="lora",
             lora=adapter_shape(model),
@@ -93,9 +95,23 @@ def test_engine_takes_lora_adapters_over_cuda_ipc(tmp_path: Path) -> None:
             if version == 2:  # tampered: the buffers hold other bytes than the signed checksum says
                 with pytest.raises(WeightSyncError, match="checksum"):
                     bad = msgspec.structs.replace(msg, checksum="v2:0:0")
-                    asyncio.run(engine.update_weights("", 2, bad.checksum, 5.0, ipc=bad.ipc, lora=bad.lora))
+                    asyncio.run(
+                        engine.update_weights(
+                            weights_event(
+                                2, transport="ipc", checksum=bad.checksum, ipc=bad.ipc, payload="lora", lora=bad.lora
+                            ),
+                            5.0,
+                        )
+                    )
                 assert engine.version == 1
-            asyncio.run(engine.update_weights("", msg.version, msg.checksum, 5.0, ipc=msg.ipc, lora=msg.lora))
+            asyncio.run(
+                engine.update_weights(
+                    weights_event(
+                        msg.version, transport="ipc", checksum=msg.checksum, ipc=msg.ipc, payload="lora", lora=msg.lora
+                    ),
+                    5.0,
+                )
+            )
             conn.send("taken")
             (out,) = asyncio.run(engine.generate([GenerationRequest(PROMPT, greedy)]))
             assert merged != plain, "the adapter must change the greedy tokens for the test to mean anything"

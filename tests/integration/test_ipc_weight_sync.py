@@ -1,8 +1,8 @@
 """CUDA IPC weight sync between two processes on one GPU (skipped without CUDA).
 
-A spawned process plays the learner: it publishes with ``IpcWeightPublisher`` and sends the
+A spawned process plays the learner: it publishes with ``IpcPublisher`` and sends the
 ``WeightsPublished`` message through a pipe as the msgpack bytes the bus would carry. The test
-process plays the engine: ``IpcWeightReceiver`` fetches, and the tensors must equal the published ones.
+process plays the engine: ``IpcReceiver`` fetches, and the tensors must equal the published ones.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch
 from streamrl.common.codec import decode, encode
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import WeightsPublished
-from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
-from streamrl.rollout.weights.ipc import IpcWeightReceiver
+from streamrl.torchkit.weights.ipc import IpcPublisher, IpcReceiver
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 BUCKET_BYTES = 2**20
@@ -48,13 +47,14 @@ def _expected(seed: int) -> dict[str, torch.Tensor]:
 
 def _learner(conn: Connection) -> None:
     """The learner process: ("publish", version) -> WeightsPublished bytes; ("corrupt", _) flips a bit."""
-    publisher = IpcWeightPublisher(bucket_bytes=BUCKET_BYTES)
+    publisher = IpcPublisher(bucket_bytes=BUCKET_BYTES)
     while True:
         command, version = conn.recv()
         if command == "stop":
             return
         if command == "publish":
-            ipc, checksum = publisher.publish(_weights(version, "cuda"), version)
+            published = publisher.publish(_weights(version, "cuda"), version)
+            ipc, checksum = published["ipc"], published["checksum"]
             message = WeightsPublished(
                 version=version,
                 step=version,
@@ -63,6 +63,7 @@ def _learner(conn: Connection) -> None:
                 num_bytes=publisher.num_bytes,
                 num_buckets=publisher.num_buffers,
                 endpoint="",
+                transport="ipc",
                 ipc=ipc,
             )
             conn.send_bytes(encode(message))
@@ -85,9 +86,9 @@ def learner() -> Iterator[Connection]:
 
 
 @pytest.fixture(scope="module")
-def receiver(learner: Connection) -> IpcWeightReceiver:
+def receiver(learner: Connection) -> IpcReceiver:
     """Torn down before the learner: it releases the learner's buffers while the learner lives."""
-    return IpcWeightReceiver(torch.device("cuda", 0))
+    return IpcReceiver(torch.device("cuda", 0))
 
 
 def _publish(learner: Connection, version: int) -> WeightsPublished:
@@ -103,28 +104,26 @@ def _assert_equal(fetched: list[tuple[str, torch.Tensor]], seed: int) -> None:
 
 
 def test_fetch_returns_the_published_weights(
-    learner: Connection, receiver: IpcWeightReceiver, caplog: pytest.LogCaptureFixture
+    learner: Connection, receiver: IpcReceiver, caplog: pytest.LogCaptureFixture
 ) -> None:
     msg = _publish(learner, 1)
     assert msg.ipc is not None and len(msg.ipc.buffers) >= 3
-    with caplog.at_level(logging.INFO, logger="streamrl.rollout.weights.ipc"):
+    with caplog.at_level(logging.INFO, logger="streamrl.torchkit.weights.ipc"):
         _assert_equal(receiver.fetch(msg.ipc, msg.version, msg.checksum), seed=1)
     assert sum(OPENED in r.getMessage() for r in caplog.records) == len(msg.ipc.buffers)
 
 
 def test_the_next_version_reuses_the_open_handles(
-    learner: Connection, receiver: IpcWeightReceiver, caplog: pytest.LogCaptureFixture
+    learner: Connection, receiver: IpcReceiver, caplog: pytest.LogCaptureFixture
 ) -> None:
     msg = _publish(learner, 2)
     assert msg.ipc is not None
-    with caplog.at_level(logging.INFO, logger="streamrl.rollout.weights.ipc"):
+    with caplog.at_level(logging.INFO, logger="streamrl.torchkit.weights.ipc"):
         _assert_equal(receiver.fetch(msg.ipc, msg.version, msg.checksum), seed=2)
     assert not any(OPENED in r.getMessage() for r in caplog.records)
 
 
-def test_a_version_overwritten_before_the_fetch_fails_the_checksum(
-    learner: Connection, receiver: IpcWeightReceiver
-) -> None:
+def test_a_version_overwritten_before_the_fetch_fails_the_checksum(learner: Connection, receiver: IpcReceiver) -> None:
     old, new = _publish(learner, 3), _publish(learner, 4)
     assert old.ipc is not None and new.ipc is not None
     with pytest.raises(WeightSyncError, match="checksum mismatch for version 3"):
@@ -132,7 +131,7 @@ def test_a_version_overwritten_before_the_fetch_fails_the_checksum(
     _assert_equal(receiver.fetch(new.ipc, new.version, new.checksum), seed=4)
 
 
-def test_a_corrupted_buffer_raises(learner: Connection, receiver: IpcWeightReceiver) -> None:
+def test_a_corrupted_buffer_raises(learner: Connection, receiver: IpcReceiver) -> None:
     msg = _publish(learner, 5)
     assert msg.ipc is not None
     learner.send(("corrupt", 0))
@@ -141,7 +140,7 @@ def test_a_corrupted_buffer_raises(learner: Connection, receiver: IpcWeightRecei
         receiver.fetch(msg.ipc, msg.version, msg.checksum)
 
 
-def test_an_engine_on_another_gpu_is_told_to_use_zmq(learner: Connection, receiver: IpcWeightReceiver) -> None:
+def test_an_engine_on_another_gpu_is_told_to_use_zmq(learner: Connection, receiver: IpcReceiver) -> None:
     msg = _publish(learner, 6)
     assert msg.ipc is not None
     elsewhere = msgspec.structs.replace(msg.ipc, device_uuid="00000000-0000-0000-0000-000000000000")

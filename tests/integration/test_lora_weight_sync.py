@@ -21,12 +21,12 @@ from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import LoraAdapter, SamplingParams
 from streamrl.learner.ds_config import DeepSpeedConfig, LoraConfig
 from streamrl.learner.engine import ModelEngine
-from streamrl.learner.rl.weights.adapter import adapter_shape, iter_adapter
-from streamrl.learner.rl.weights.zmq import WeightServer
+from streamrl.learner.rl.adapter import adapter_shape, iter_adapter
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import Engine, GenerationRequest
 from streamrl.rollout.engines.factory import build_engine
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPTS = [[11, 12, 13, 14], [40, 41, 7], [5, 99, 23, 61, 8, 3]]
@@ -47,11 +47,13 @@ class Served:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
         self.shape = adapter_shape(engine.module)
         self.adapter_tensors = list(iter_adapter(engine.module, 0))
-        self.adapter = WeightServer()
-        self.adapter_checksum, self.adapter_bytes, _ = self.adapter.publish(self.adapter_tensors, 1, tied_aliases={})
+        self.adapter = ZmqPublisher(tied_aliases={})
+        adapter = self.adapter.publish(self.adapter_tensors, 1)
+        self.adapter_checksum, self.adapter_bytes = adapter["checksum"], adapter["num_bytes"]
         self.merged_tensors = list(engine.iter_full_params())
-        self.merged = WeightServer()
-        self.merged_checksum, self.merged_bytes, _ = self.merged.publish(self.merged_tensors, 1)
+        self.merged = ZmqPublisher()
+        merged = self.merged.publish(self.merged_tensors, 1)
+        self.merged_checksum, self.merged_bytes = merged["checksum"], merged["num_bytes"]
 
     def close(self) -> None:
         self.adapter.close()
@@ -101,7 +103,11 @@ def test_adapter_sync_generates_exactly_what_merged_weights_generate(
     merged = _engine(kind, model, max_lora_rank=None)
     try:
         base = _greedy(merged)
-        asyncio.run(merged.update_weights(served.merged.endpoint, 1, served.merged_checksum, timeout_s=30))
+        asyncio.run(
+            merged.update_weights(
+                weights_event(1, endpoint=served.merged.endpoint, checksum=served.merged_checksum), 30
+            )
+        )
         expected = _greedy(merged)
     finally:
         merged.close()
@@ -112,19 +118,32 @@ def test_adapter_sync_generates_exactly_what_merged_weights_generate(
         assert _greedy(lora) == base
         endpoint, checksum = served.adapter.endpoint, served.adapter_checksum
         with pytest.raises(WeightSyncError, match="checksum mismatch"):  # a tampered adapter: nothing applied
-            asyncio.run(lora.update_weights(endpoint, 1, "f" * 64, timeout_s=30, lora=served.shape))
+            asyncio.run(
+                lora.update_weights(
+                    weights_event(1, endpoint=endpoint, checksum="f" * 64, payload="lora", lora=served.shape), 30
+                )
+            )
         assert lora.version == 0 and _greedy(lora) == base
         above = LoraAdapter(rank=RANK * 2, alpha=32.0, target_modules=served.shape.target_modules)
         with pytest.raises(WeightSyncError, match=r"above rollout\.engine\.max_lora_rank"):
-            asyncio.run(lora.update_weights(endpoint, 1, checksum, timeout_s=30, lora=above))
-        asyncio.run(lora.update_weights(endpoint, 1, checksum, timeout_s=30, lora=served.shape))
+            asyncio.run(
+                lora.update_weights(
+                    weights_event(1, endpoint=endpoint, checksum=checksum, payload="lora", lora=above), 30
+                )
+            )
+        asyncio.run(
+            lora.update_weights(
+                weights_event(1, endpoint=endpoint, checksum=checksum, payload="lora", lora=served.shape), 30
+            )
+        )
         assert lora.version == 1
         assert _greedy(lora) == expected
         # full weights after adapters (a learner restarted with lora.sync = "merged"): no adapter on top of them
-        merged_again = WeightServer()
+        merged_again = ZmqPublisher()
         try:
-            checksum2, _, _ = merged_again.publish(served.merged_tensors, 2)
-            asyncio.run(lora.update_weights(merged_again.endpoint, 2, checksum2, timeout_s=30))
+            published = merged_again.publish(served.merged_tensors, 2)
+            checksum2 = published["checksum"]
+            asyncio.run(lora.update_weights(weights_event(2, endpoint=merged_again.endpoint, checksum=checksum2), 30))
         finally:
             merged_again.close()
         assert lora.version == 2
@@ -140,7 +159,14 @@ def test_an_engine_without_lora_refuses_an_adapter(kind: str, model: Path, serve
         with pytest.raises(WeightSyncError, match=r"set rollout\.engine\.max_lora_rank"):
             asyncio.run(
                 engine.update_weights(
-                    served.adapter.endpoint, 1, served.adapter_checksum, timeout_s=30, lora=served.shape
+                    weights_event(
+                        1,
+                        endpoint=served.adapter.endpoint,
+                        checksum=served.adapter_checksum,
+                        payload="lora",
+                        lora=served.shape,
+                    ),
+                    30,
                 )
             )
         assert engine.version == 0

@@ -42,9 +42,8 @@ class _Engine:
             out.append([sample] * request.sampling.n)
         return out
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         if self.fail_loads:
             self.fail_loads -= 1
             raise WeightSyncError(f"version {version}: the learner's endpoint did not answer")

@@ -35,9 +35,8 @@ class _Engine:
         self.bus, self.names = bus, names
         self.failed_3 = False
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         if version == 1:
             await self.bus.publish(self.names.weights, _weights(2))
             raise WeightSyncError("version 1 is not served (current version: 2)")
@@ -88,9 +87,8 @@ class _Recorder:
     def __init__(self) -> None:
         self.version = 0
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         if version == 5:
             raise RuntimeError("engine crashed while loading")
         self.version = version
@@ -164,9 +162,9 @@ def test_weights_events_signed_with_another_key_are_refused(
         endpoints: list[str] = []
         real_update = engine.update_weights
 
-        async def update(endpoint: str, version: int, *args: object, **kwargs: object) -> None:
-            endpoints.append(endpoint)
-            await real_update(endpoint, version, *args, **kwargs)  # type: ignore[arg-type]
+        async def update(event: WeightsPublished, timeout_s: float) -> None:
+            endpoints.append(event.endpoint)
+            await real_update(event, timeout_s)
 
         engine.update_weights = update  # type: ignore[method-assign]
         tail = asyncio.create_task(service._tail_weights("0-0"))
@@ -210,9 +208,9 @@ def test_an_event_signed_for_another_run_sharing_the_key_is_refused(
         loads: list[tuple[str, int]] = []
         real_update = engine.update_weights
 
-        async def update(endpoint: str, version: int, *args: object, **kwargs: object) -> None:
-            loads.append((endpoint, version))
-            await real_update(endpoint, version, *args, **kwargs)  # type: ignore[arg-type]
+        async def update(event: WeightsPublished, timeout_s: float) -> None:
+            loads.append((event.endpoint, event.version))
+            await real_update(event, timeout_s)
 
         engine.update_weights = update  # type: ignore[method-assign]
         tail = asyncio.create_task(service._tail_weights("0-0"))
@@ -251,9 +249,10 @@ class _Loads:
         self.version = 0
         self.loads: list[tuple[str, int, str]] = []
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        endpoint = event.endpoint
+        version = event.version
+        checksum = event.checksum
         if endpoint == "tcp://dead-learner:1":
             await asyncio.sleep(0.2)
             raise WeightSyncError(f"version {version}: no answer from {endpoint} within the deadline")
@@ -315,9 +314,9 @@ class _Stuck:
         self.loads: list[tuple[str, int]] = []
         self.abandoned: list[str] = []
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        endpoint = event.endpoint
+        version = event.version
         if endpoint == "tcp://dead-learner:1":
             try:
                 await asyncio.sleep(timeout_s)
@@ -373,9 +372,8 @@ class _FailsTwice:
         self.version = 0
         self.failures = 0
 
-    async def update_weights(
-        self, endpoint: str, version: int, checksum: str, timeout_s: float, ipc: object = None, lora: object = None
-    ) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         if version == 2 and self.failures < 2:
             self.failures += 1
             raise WeightSyncError("the server did not answer the connection within its deadline")

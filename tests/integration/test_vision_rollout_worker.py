@@ -31,9 +31,9 @@ from streamrl.common.messages import (
 )
 from streamrl.common.payload_format import unpack_payload
 from streamrl.common.streams import StreamNames
-from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.vision import decode_image, encode, expand_image_tokens, expansion_token_ids, vision_processor
 from streamrl.torchkit.testing import build_tiny_idefics3
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 IMAGE = 387
 OBSERVATION = "<|im_end|>\n<|im_start|>user\nand now <image>?"
@@ -98,7 +98,7 @@ max_turns = 2
 max_tokens = 100
 """)
     names = StreamNames(run_id)
-    server = WeightServer()
+    server = ZmqPublisher()
     item = PromptWorkItem(
         id="g0",
         prompt_ids=Tensor.from_list(ids, "int32"),
@@ -110,7 +110,8 @@ max_tokens = 100
 
     async def publish() -> None:
         bus = Bus(connect(redis_url))
-        checksum, num_bytes, num_buckets = server.publish(learner.state_dict().items(), version=1)
+        published = server.publish(learner.state_dict().items(), version=1)
+        checksum, num_bytes, num_buckets = published["checksum"], published["num_bytes"], published["num_buckets"]
         await bus.publish(
             names.weights,
             WeightsPublished(

@@ -1,7 +1,7 @@
 """The vLLM engine on a GPU takes colocated weights over CUDA IPC and sleeps between versions
 (skipped without CUDA; on vLLM's CPU build the refusals are tests/integration/rollout/test_vllm_ipc_refusal.py).
 
-A spawned process plays the learner and publishes with ``IpcWeightPublisher``; the engine (a worker
+A spawned process plays the learner and publishes with ``IpcPublisher``; the engine (a worker
 process of its own: the handles are opened there) updates from the message, and its greedy output
 must then be the published model's - again after it slept, woke and took the next version.
 """
@@ -19,7 +19,7 @@ from streamrl.common.codec import decode
 from streamrl.common.messages import SamplingParams, WeightsPublished
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import GenerationRequest
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -55,7 +55,11 @@ def test_vllm_engine_updates_over_cuda_ipc_and_sleeps_between_versions(
                 asyncio.run(engine.wake())
             conn.send((str(folder), version))
             msg = decode(conn.recv_bytes(), WeightsPublished)
-            asyncio.run(engine.update_weights("", msg.version, msg.checksum, 30.0, ipc=msg.ipc))
+            asyncio.run(
+                engine.update_weights(
+                    weights_event(msg.version, transport="ipc", checksum=msg.checksum, ipc=msg.ipc), 30.0
+                )
+            )
             conn.send("taken")
             (out,) = asyncio.run(engine.generate([GenerationRequest(PROMPT, greedy)]))
             expected = _greedy(folder)

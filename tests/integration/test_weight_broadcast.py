@@ -42,9 +42,9 @@ def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
 
 def _publisher(conn: Connection) -> None:
     """("publish", v) -> (rendezvous bytes, checksum, seconds publish took); ("delivered", v, n) -> members."""
-    from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
+    from streamrl.torchkit.weights.broadcast import BroadcastPublisher
 
-    publisher = BroadcastWeightPublisher(bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
+    publisher = BroadcastPublisher(bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
     while True:
         command, *args = conn.recv()
         if command == "stop":
@@ -52,7 +52,8 @@ def _publisher(conn: Connection) -> None:
             return
         if command == "publish":
             started = time.perf_counter()
-            broadcast, checksum = publisher.publish(_weights(args[0]), args[0])
+            published = publisher.publish(_weights(args[0]), args[0])
+            broadcast, checksum = published["broadcast"], published["checksum"]
             conn.send((encode(broadcast), checksum, time.perf_counter() - started))
         elif command == "delivered":
             conn.send(publisher.wait_delivered(args[0], timeout_s=30, min_members=args[1]))
@@ -63,10 +64,10 @@ def _receiver(conn: Connection, rendezvous: bytes, label: str, die_at: int) -> N
 
     With ``die_at`` > 0 the process kills itself (SIGKILL) after the first bucket of that version.
     """
-    from streamrl.rollout.weights.broadcast import BroadcastReceiver
-    from streamrl.rollout.weights.ipc import weights_checksum
+    from streamrl.torchkit.weights.broadcast_member import BroadcastMember
+    from streamrl.torchkit.weights.ipc import weights_checksum
 
-    class DyingReceiver(BroadcastReceiver):
+    class DyingReceiver(BroadcastMember):
         def _receive(self, store: Any, generation: int, op: int, rank: int, group: Any, record: Any) -> None:
             if record.version == die_at:
                 group = _KillAfterOneBucket(group)

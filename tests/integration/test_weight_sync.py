@@ -1,4 +1,4 @@
-"""Learner WeightServer -> rollout VLLMEngine over ZMQ, on a tiny random Qwen2 (CPU vLLM).
+"""Learner ZmqPublisher -> rollout VLLMEngine over ZMQ, on a tiny random Qwen2 (CPU vLLM).
 
 Model A is what the engine starts from; model B (another seed) is what the learner publishes.
 One engine is shared by the module; tests run in file order (A, then B as version 1, ...).
@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
-from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
 from streamrl.rollout.engines.factory import build_engine
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPT = [11, 12, 13, 14]
@@ -56,9 +56,9 @@ def engine(request: pytest.FixtureRequest, models: tuple[Path, PreTrainedModel, 
 
 
 @pytest.fixture(scope="module")
-def server(engine: Engine) -> Iterator[WeightServer]:
+def server(engine: Engine) -> Iterator[ZmqPublisher]:
     """One per engine (versions start again for each)."""
-    srv = WeightServer(bucket_bytes=256 * 1024)  # several buckets even for the tiny model
+    srv = ZmqPublisher(bucket_bytes=256 * 1024)  # several buckets even for the tiny model
     yield srv
     srv.close()
 
@@ -79,7 +79,7 @@ def _prefix_equal(engine_tokens: list[int], hf_tokens: list[int]) -> bool:
 
 
 def test_update_serves_new_weights(
-    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: ZmqPublisher
 ) -> None:
     _, model_a, model_b = models
     before = _greedy(engine)
@@ -90,10 +90,11 @@ def test_update_serves_new_weights(
     # Tied embeddings: the learner's named_parameters() lack lm_head.weight; the server adds it.
     named = list(model_b.named_parameters())
     assert "lm_head.weight" not in dict(named)
-    checksum, num_bytes, num_buckets = server.publish(named, version=1)
+    published = server.publish(named, version=1)
+    checksum, num_bytes, num_buckets = published["checksum"], published["num_bytes"], published["num_buckets"]
     assert num_buckets > 1 and num_bytes >= sum(p.numel() * 4 for _, p in named)
     start = time.perf_counter()
-    asyncio.run(engine.update_weights(server.endpoint, 1, checksum, timeout_s=10))
+    asyncio.run(engine.update_weights(weights_event(1, endpoint=server.endpoint, checksum=checksum), 10))
     elapsed = time.perf_counter() - start
     assert engine.version == 1
     (samples,) = asyncio.run(engine.generate([GenerationRequest(PROMPT, GREEDY)]))
@@ -102,11 +103,13 @@ def test_update_serves_new_weights(
     print(f"weight sync of the tiny model: {elapsed * 1000:.1f} ms")
 
 
-def test_bad_checksum_keeps_serving_old_weights(engine: Engine, server: WeightServer) -> None:
+def test_bad_checksum_keeps_serving_old_weights(engine: Engine, server: ZmqPublisher) -> None:
     served = _greedy(engine)
     start = time.perf_counter()
     with pytest.raises(WeightSyncError, match="checksum mismatch"):
-        asyncio.run(engine.update_weights(server.endpoint, server.version, "f" * 64, timeout_s=5))
+        asyncio.run(
+            engine.update_weights(weights_event(server.version, endpoint=server.endpoint, checksum="f" * 64), 5)
+        )
     assert time.perf_counter() - start < 5
     assert engine.version == 1
     assert _greedy(engine) == served
@@ -115,14 +118,14 @@ def test_bad_checksum_keeps_serving_old_weights(engine: Engine, server: WeightSe
 def test_unreachable_endpoint_fails_within_deadline(engine: Engine) -> None:
     start = time.perf_counter()
     with pytest.raises(WeightSyncError, match="deadline"):
-        asyncio.run(engine.update_weights("tcp://127.0.0.1:9", 2, "0" * 64, timeout_s=1.0))
+        asyncio.run(engine.update_weights(weights_event(2, endpoint="tcp://127.0.0.1:9", checksum="0" * 64), 1.0))
     assert time.perf_counter() - start < 3.0
     assert engine.version == 1
 
 
-def test_stale_version_is_refused(engine: Engine, server: WeightServer) -> None:
+def test_stale_version_is_refused(engine: Engine, server: ZmqPublisher) -> None:
     with pytest.raises(WeightSyncError, match="current version: 1"):
-        asyncio.run(engine.update_weights(server.endpoint, 0, "0" * 64, timeout_s=5))
+        asyncio.run(engine.update_weights(weights_event(0, endpoint=server.endpoint, checksum="0" * 64), 5))
 
 
 LONG = SamplingParams(temperature=0, max_new_tokens=280)
@@ -136,13 +139,14 @@ def _greedy_under(model: PreTrainedModel, tokens: list[int]) -> list[int]:
 
 
 def test_update_waits_for_running_requests(
-    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: ZmqPublisher
 ) -> None:
     """Default (no partial rollout): an update that arrives while a long generation runs lands
     after it finishes; the running sample is all old weights, and a request submitted after the
     update waits for it and is all new weights."""
     _, model_a, model_b = models
-    checksum, _, _ = server.publish(model_a.state_dict().items(), version=2)  # B -> A at version 2
+    published = server.publish(model_a.state_dict().items(), version=2)  # B -> A at version 2
+    checksum = published["checksum"]
     finished: dict[str, float] = {}
 
     async def timed(name: str, coro: Any) -> Any:
@@ -154,7 +158,9 @@ def test_update_waits_for_running_requests(
         running = asyncio.create_task(timed("running", engine.generate([GenerationRequest(PROMPT, LONG)])))
         await asyncio.sleep(0.3)
         assert not running.done(), "generation finished before the update could land; make it longer"
-        update = asyncio.create_task(timed("update", engine.update_weights(server.endpoint, 2, checksum, 10)))
+        update = asyncio.create_task(
+            timed("update", engine.update_weights(weights_event(2, endpoint=server.endpoint, checksum=checksum), 10))
+        )
         await asyncio.sleep(0.05)
         after = asyncio.create_task(timed("after", engine.generate([GenerationRequest(PROMPT, GREEDY)])))
         (old,), (new,), _ = await asyncio.gather(running, after, update)
@@ -170,18 +176,21 @@ def test_update_waits_for_running_requests(
 
 
 def test_request_cancelled_behind_a_waiting_update_is_dropped(
-    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+    engine: Engine, models: tuple[Path, PreTrainedModel, PreTrainedModel], server: ZmqPublisher
 ) -> None:
     """A request held behind a waiting update and then cancelled never runs; the update and the
     running request complete, and the engine serves the new weights."""
     _, _, model_b = models
-    checksum, _, _ = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
+    published = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
+    checksum = published["checksum"]
 
     async def scenario() -> tuple[Sample, Sample]:
         running = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, LONG)]))
         await asyncio.sleep(0.3)
         assert not running.done(), "generation finished before the update could land; make it longer"
-        update = asyncio.create_task(engine.update_weights(server.endpoint, 3, checksum, 10))
+        update = asyncio.create_task(
+            engine.update_weights(weights_event(3, endpoint=server.endpoint, checksum=checksum), 10)
+        )
         await asyncio.sleep(0.05)
         held = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, GREEDY)]))
         await asyncio.sleep(0.05)
@@ -216,15 +225,16 @@ def test_partial_rollout_update_mid_generation_records_both_versions(
         partial_rollout=True,
     )
     partial = build_engine(config)
-    server = WeightServer()
+    server = ZmqPublisher()
     try:
-        checksum, _, _ = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
+        published = server.publish(model_b.state_dict().items(), version=3)  # A -> B at version 3
+        checksum = published["checksum"]
 
         async def update_while_generating() -> Sample:
             task = asyncio.create_task(partial.generate([GenerationRequest(PROMPT, LONG)]))
             await asyncio.sleep(0.3)
             assert not task.done(), "generation finished before the update could land; make it longer"
-            await partial.update_weights(server.endpoint, 3, checksum, timeout_s=10)
+            await partial.update_weights(weights_event(3, endpoint=server.endpoint, checksum=checksum), 10)
             assert not task.done(), "the update waited for the running request"
             (samples,) = await task
             sample = samples[0]

@@ -40,8 +40,7 @@ def test_rl_learner_keeps_the_last_checkpoints_and_resumes_from_latest(tiny_qwen
             service.step = service.next_index = k
             service._checkpoint(f"batch-{k - 1}", {"learner/loss/total": 0.5}, "")
     finally:
-        assert service.server is not None
-        service.server.close()
+        service.publisher.close()
     assert left(group.ckpt_dir) == ["latest", "step_3", "step_4"]
     assert (group.ckpt_dir / "latest").read_text() == "step_4"
 

@@ -11,10 +11,10 @@ import torch
 from test_trainer_updates import scored_batch
 
 from streamrl.learner.ds_config import DeepSpeedConfig
+from streamrl.learner.rl.adapter import iter_adapter
 from streamrl.learner.rl.algo.config import AlgoConfig, KLConfig
 from streamrl.learner.rl.config import LearnerConfig, RLLoraConfig
 from streamrl.learner.rl.trainer import RLTrainer
-from streamrl.learner.rl.weights.adapter import iter_adapter
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # DeepSpeed's ZeRO-3 gather calls a deprecated torch API

@@ -19,12 +19,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from streamrl.common.aio import cancel_and_wait, timeout
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import SamplingParams
-from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
 from streamrl.rollout.engines.factory import build_engine
 from streamrl.rollout.engines.hf_engine import HFEngine, processed_logprobs
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPT = [5, 6, 7, 8, 9]
@@ -188,14 +188,15 @@ def test_hf_engine_interface(hf_engine: Engine, hf_model: PreTrainedModel, model
 
     # Weight update from the learner's server: greedy output becomes model B's.
     model_b = AutoModelForCausalLM.from_pretrained(model_dirs[1]).eval()
-    server = WeightServer(bucket_bytes=256 * 1024)
+    server = ZmqPublisher(bucket_bytes=256 * 1024)
     try:
-        checksum, _, num_buckets = server.publish(model_b.state_dict().items(), version=4)
+        published = server.publish(model_b.state_dict().items(), version=4)
+        checksum, num_buckets = published["checksum"], published["num_buckets"]
         assert num_buckets > 1
         with pytest.raises(WeightSyncError, match="checksum"):
-            asyncio.run(hf_engine.update_weights(server.endpoint, 4, "0" * 64, timeout_s=5))
+            asyncio.run(hf_engine.update_weights(weights_event(4, endpoint=server.endpoint, checksum="0" * 64), 5))
         assert hf_engine.version == 0
-        asyncio.run(hf_engine.update_weights(server.endpoint, 4, checksum, timeout_s=5))
+        asyncio.run(hf_engine.update_weights(weights_event(4, endpoint=server.endpoint, checksum=checksum), 5))
     finally:
         server.close()
     assert hf_engine.version == 4
@@ -215,7 +216,9 @@ def test_hf_update_given_up_mid_fetch_stops_it_and_the_engine_serves_on(hf_engin
     endpoint = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
 
     async def scenario() -> float:
-        update = asyncio.create_task(hf_engine.update_weights(endpoint, 1, "0" * 64, timeout_s=60))
+        update = asyncio.create_task(
+            hf_engine.update_weights(weights_event(1, endpoint=endpoint, checksum="0" * 64), 60)
+        )
         await asyncio.sleep(1.0)  # the driver thread is in the fetch
         await cancel_and_wait([update])
         started = time.monotonic()

@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from streamrl.common.messages import SamplingParams
-from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import GenerationRequest, Sample
 from streamrl.rollout.engines.factory import build_engine
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 PROMPT = [11, 12, 13, 14]
 LONG = SamplingParams(temperature=0, max_new_tokens=900, min_new_tokens=900)
@@ -38,8 +38,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedMo
 
 
 @pytest.fixture
-def server() -> Iterator[WeightServer]:
-    srv = WeightServer(bucket_bytes=256 * 1024)
+def server() -> Iterator[ZmqPublisher]:
+    srv = ZmqPublisher(bucket_bytes=256 * 1024)
     yield srv
     srv.close()
 
@@ -51,16 +51,17 @@ def _engine(path: Path, partial: bool) -> Any:
     return build_engine(config)
 
 
-def _update_while_decoding(engine: Any, server: WeightServer, model: PreTrainedModel) -> tuple[Sample, bool]:
+def _update_while_decoding(engine: Any, server: ZmqPublisher, model: PreTrainedModel) -> tuple[Sample, bool]:
     """Publish ``model`` as version 1 while a long greedy decode runs; the sample, and whether the
     decode was still running when the update had been applied."""
-    checksum, _, _ = server.publish(model.state_dict().items(), version=1)
+    published = server.publish(model.state_dict().items(), version=1)
+    checksum = published["checksum"]
 
     async def scenario() -> tuple[Sample, bool]:
         task = asyncio.create_task(engine.generate([GenerationRequest(PROMPT, LONG)]))
         await asyncio.sleep(0.3)  # a few tokens in (the decode of LONG takes ~2 s on the 2-core VM)
         assert not task.done(), "generation finished before the update could land; make it longer"
-        await engine.update_weights(server.endpoint, 1, checksum, timeout_s=10)
+        await engine.update_weights(weights_event(1, endpoint=server.endpoint, checksum=checksum), 10)
         running = not task.done()
         ((sample,),) = await task
         return sample, running
@@ -85,7 +86,7 @@ def _eos_ids(model: PreTrainedModel, path: Path) -> list[int]:
 
 
 def test_partial_rollout_update_lands_between_decode_steps(
-    models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+    models: tuple[Path, PreTrainedModel, PreTrainedModel], server: ZmqPublisher
 ) -> None:
     path, model_a, model_b = models
     engine = _engine(path, partial=True)
@@ -131,7 +132,7 @@ def _check_switch(sample: Sample, model_a: PreTrainedModel, model_b: PreTrainedM
     assert (got[switch:] - old_chosen[switch:]).abs().max() > 1e-2, "the new weights changed nothing"
 
 
-def test_partial_rollout_on_the_plain_forward(tmp_path: Path, server: WeightServer) -> None:
+def test_partial_rollout_on_the_plain_forward(tmp_path: Path, server: ZmqPublisher) -> None:
     """Architectures without the KV decoder (GPT-2 here): the update lands between two steps of the
     model's own forward, its cache kept."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
@@ -157,7 +158,7 @@ def test_partial_rollout_on_the_plain_forward(tmp_path: Path, server: WeightServ
 
 
 def test_without_partial_rollout_the_update_waits_for_the_decode(
-    models: tuple[Path, PreTrainedModel, PreTrainedModel], server: WeightServer
+    models: tuple[Path, PreTrainedModel, PreTrainedModel], server: ZmqPublisher
 ) -> None:
     path, model_a, model_b = models
     engine = _engine(path, partial=False)

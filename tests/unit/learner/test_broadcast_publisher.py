@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from streamrl.common.weights import broadcast as wb
-from streamrl.learner.rl.config import LearnerConfig
-from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
-from streamrl.learner.rl.weights.ipc import BLOCK_BYTES, tensor_views, weights_checksum
-from streamrl.rollout.weights.broadcast import BroadcastReceiver
+from streamrl.torchkit.weights.broadcast import BroadcastPublisher
+from streamrl.torchkit.weights.broadcast_member import BroadcastMember
+from streamrl.torchkit.weights.factory import make_publisher
+from streamrl.torchkit.weights.ipc import BLOCK_BYTES, tensor_views, weights_checksum
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -32,16 +32,17 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 @pytest.fixture
-def publisher(request: pytest.FixtureRequest) -> Iterator[BroadcastWeightPublisher]:
+def publisher(request: pytest.FixtureRequest) -> Iterator[BroadcastPublisher]:
     timeout_s = getattr(request, "param", 30.0)
-    pub = BroadcastWeightPublisher(bucket_bytes=2 * BLOCK_BYTES, timeout_s=timeout_s)
+    pub = BroadcastPublisher(bucket_bytes=2 * BLOCK_BYTES, timeout_s=timeout_s)
     yield pub
     pub.close()
 
 
-def test_the_advertised_layout_rebuilds_the_tensors_and_the_checksum(publisher: BroadcastWeightPublisher) -> None:
+def test_the_advertised_layout_rebuilds_the_tensors_and_the_checksum(publisher: BroadcastPublisher) -> None:
     named = _weights(0)
-    info, checksum = publisher.publish(named, version=1)
+    published = publisher.publish(named, version=1)
+    info, checksum = published["broadcast"], published["checksum"]
     assert info.backend == "gloo" and info.store == publisher.address and info.block_bytes == BLOCK_BYTES
     assert len(info.bucket_bytes) == publisher.num_buckets > 1
     assert [t.name for t in info.tensors] == [n for n, _ in named] + ["lm_head.weight"]
@@ -52,13 +53,14 @@ def test_the_advertised_layout_rebuilds_the_tensors_and_the_checksum(publisher: 
         view.copy_(expected[t.name])
     assert weights_checksum(buckets, 1) == checksum
     assert all(torch.equal(tensor, expected[name]) for name, tensor in publisher.tensors())
-    info_2, checksum_2 = publisher.publish(_weights(1), version=2)
+    published = publisher.publish(_weights(1), version=2)
+    info_2, checksum_2 = published["broadcast"], published["checksum"]
     assert checksum_2 != checksum and info_2.tensors == info.tensors and info_2.session == info.session
     with pytest.raises(ValueError, match="version must increase"):
         publisher.publish(_weights(1), version=2)
 
 
-def test_without_members_publish_returns_at_once(publisher: BroadcastWeightPublisher) -> None:
+def test_without_members_publish_returns_at_once(publisher: BroadcastPublisher) -> None:
     started = time.perf_counter()
     for version in range(1, 4):
         publisher.publish(_weights(version), version)
@@ -69,13 +71,14 @@ def test_without_members_publish_returns_at_once(publisher: BroadcastWeightPubli
 
 @pytest.mark.parametrize("publisher", [0.5], indirect=True)
 def test_a_member_that_never_comes_is_named_dropped_and_the_others_served(
-    publisher: BroadcastWeightPublisher, caplog: pytest.LogCaptureFixture
+    publisher: BroadcastPublisher, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="streamrl.learner.rl.weights.broadcast")
-    info, _ = publisher.publish(_weights(0), version=1)
+    caplog.set_level(logging.WARNING, logger="streamrl.torchkit.weights.broadcast")
+    published = publisher.publish(_weights(0), version=1)
+    info = published["broadcast"]
     ghost = torch.distributed.TCPStore("127.0.0.1", int(info.store.rsplit(":", 1)[1]), is_master=False)
     ghost.set(wb.join_key(ghost.add(wb.JOINS, 1)), "ghost:1:hf:00")  # registers, never comes
-    receiver = BroadcastReceiver(info, torch.device("cpu"), "hf", timeout_s=10)
+    receiver = BroadcastMember(info, torch.device("cpu"), "hf", timeout_s=10)
     try:
         started = time.perf_counter()
         version, _ = receiver.acquire(1, timeout_s=10)
@@ -88,9 +91,10 @@ def test_a_member_that_never_comes_is_named_dropped_and_the_others_served(
         receiver.close()
 
 
-def test_a_member_that_leaves_costs_no_deadline(publisher: BroadcastWeightPublisher) -> None:
-    info, _ = publisher.publish(_weights(0), version=1)
-    staying, leaving = (BroadcastReceiver(info, torch.device("cpu"), label, timeout_s=10) for label in ("a", "b"))
+def test_a_member_that_leaves_costs_no_deadline(publisher: BroadcastPublisher) -> None:
+    published = publisher.publish(_weights(0), version=1)
+    info = published["broadcast"]
+    staying, leaving = (BroadcastMember(info, torch.device("cpu"), label, timeout_s=10) for label in ("a", "b"))
     try:
         assert set(publisher.wait_delivered(1, timeout_s=10, min_members=2)) == {staying.member, leaving.member}
         leaving.close()
@@ -112,16 +116,10 @@ def test_a_member_that_leaves_costs_no_deadline(publisher: BroadcastWeightPublis
         staying.close()
 
 
-def test_from_config_advertises_the_weights_host() -> None:
-    config = LearnerConfig(
-        model="unused",
-        weights_transport="broadcast",
-        weights_advertise_host="learner-0",
-        weights_bucket_mb=2,
-        weights_broadcast_timeout_s=5,
-    )
-    pub = BroadcastWeightPublisher.from_config(config)
+def test_the_factory_advertises_the_weights_host() -> None:
+    pub = make_publisher("broadcast", advertise_host="learner-0", bucket_bytes=2 * 2**20, broadcast_timeout_s=5)
     try:
+        assert isinstance(pub, BroadcastPublisher)
         assert pub.address.startswith("learner-0:") and int(pub.address.rsplit(":", 1)[1]) > 0
     finally:
         pub.close()

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
 from streamrl.torchkit.flat import BLOCK_BYTES, plan_layout, tensor_views, weights_checksum
+from streamrl.torchkit.weights.ipc import IpcPublisher
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -26,7 +26,7 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_checksum_detects_a_flipped_byte_swapped_tensors_and_a_stale_version() -> None:
-    publisher = IpcWeightPublisher(bucket_bytes=2**20)
+    publisher = IpcPublisher(bucket_bytes=2**20)
     checksum = publisher.pack(_weights(0), version=1)
     buffers = [b.clone() for b in publisher._buffers]
     assert weights_checksum(buffers, 1) == checksum
@@ -36,12 +36,12 @@ def test_checksum_detects_a_flipped_byte_swapped_tensors_and_a_stale_version() -
     swapped = _weights(0)  # q_proj and k_proj (same shape and dtype) trade places
     (_, q), (_, k) = swapped[1], swapped[3]
     swapped[1], swapped[3] = (swapped[1][0], k), (swapped[3][0], q)
-    assert IpcWeightPublisher(bucket_bytes=2**20).pack(swapped, version=1) != checksum
+    assert IpcPublisher(bucket_bytes=2**20).pack(swapped, version=1) != checksum
     assert publisher.pack(_weights(1), version=2) != weights_checksum(buffers, 2)  # new weights, new digest
 
 
 def test_pack_copies_every_version_and_sends_the_tied_head() -> None:
-    publisher = IpcWeightPublisher(bucket_bytes=2 * BLOCK_BYTES)
+    publisher = IpcPublisher(bucket_bytes=2 * BLOCK_BYTES)
     for version, seed in [(0, 0), (1, 1)]:
         named = _weights(seed)
         publisher.pack(iter(named), version)  # later versions are streamed
@@ -55,7 +55,7 @@ def test_pack_copies_every_version_and_sends_the_tied_head() -> None:
 
 
 def test_pack_refuses_a_changed_layout_and_an_old_version() -> None:
-    publisher = IpcWeightPublisher(bucket_bytes=2**20)
+    publisher = IpcPublisher(bucket_bytes=2**20)
     publisher.pack(_weights(0), version=3)
     with pytest.raises(ValueError, match="version must increase"):
         publisher.pack(_weights(0), version=3)
@@ -70,7 +70,7 @@ def test_pack_refuses_a_changed_layout_and_an_old_version() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_publishing_cpu_tensors_over_ipc_says_to_use_zmq() -> None:
     with pytest.raises(ValueError, match="weights_transport = 'zmq'"):
-        IpcWeightPublisher().publish(_weights(0), version=0)
+        IpcPublisher().publish(_weights(0), version=0)
 
 
 def test_the_benchmarks_1_5b_shaped_weights_fill_seven_512_mib_buffers() -> None:

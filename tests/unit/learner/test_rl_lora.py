@@ -12,11 +12,11 @@ from test_trainer_updates import scored_batch
 from transformers import AutoModelForCausalLM
 
 from streamrl.learner.ds_config import DeepSpeedConfig
+from streamrl.learner.rl.adapter import adapter_shape, check_target_modules, iter_adapter
 from streamrl.learner.rl.algo.config import AlgoConfig, KLConfig
 from streamrl.learner.rl.config import LearnerConfig, RLLoraConfig
 from streamrl.learner.rl.trainer import RLTrainer
-from streamrl.learner.rl.weights.adapter import adapter_shape, check_target_modules, iter_adapter
-from streamrl.learner.rl.weights.zmq import WeightServer
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 DS = DeepSpeedConfig(dtype="fp32", zero_stage=0, scheduler="constant", lr=1e-2, grad_clip=0.0)
 
@@ -62,9 +62,10 @@ def test_adapter_version_carries_only_adapter_tensors(tiny_qwen_dir: Path) -> No
     )
     adapter_bytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters() if ".lora_" in n)
     full_bytes = sum(t.numel() * t.element_size() for _, t in trainer.policy.iter_full_params())
-    server = WeightServer()
+    server = ZmqPublisher(tied_aliases={})
     try:
-        _, num_bytes, _ = server.publish(tensors, version=1, tied_aliases={})
+        published = server.publish(tensors, version=1)
+        num_bytes = published["num_bytes"]
     finally:
         server.close()
     assert num_bytes == adapter_bytes

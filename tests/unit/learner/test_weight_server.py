@@ -1,4 +1,4 @@
-"""Learner WeightServer: torch tensors -> buckets -> received arrays, bf16, tied head, versions."""
+"""Learner ZmqPublisher: torch tensors -> buckets -> received arrays, bf16, tied head, versions."""
 
 from __future__ import annotations
 
@@ -9,24 +9,25 @@ import pytest
 import torch
 
 from streamrl.common.weights.wire import fetch_buckets
-from streamrl.learner.rl.weights.zmq import WeightServer
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 
 @pytest.fixture
-def server() -> Iterator[WeightServer]:
-    srv = WeightServer(bucket_bytes=1024)
+def server() -> Iterator[ZmqPublisher]:
+    srv = ZmqPublisher(bucket_bytes=1024)
     yield srv
     srv.close()
 
 
-def test_publish_round_trips_dtypes_and_adds_the_tied_head(server: WeightServer) -> None:
+def test_publish_round_trips_dtypes_and_adds_the_tied_head(server: ZmqPublisher) -> None:
     embed = torch.randn(20, 8, dtype=torch.bfloat16)
     named = [
         ("model.embed_tokens.weight", embed),
         ("model.norm.weight", torch.randn(8)),
         ("model.layers.0.mlp.up_proj.weight", torch.randn(16, 8).t()),  # non-contiguous
     ]
-    checksum, num_bytes, num_buckets = server.publish(named, version=1)
+    published = server.publish(named, version=1)
+    checksum, num_bytes, num_buckets = published["checksum"], published["num_bytes"], published["num_buckets"]
     assert num_buckets > 1
     received = {t.name: t for t in fetch_buckets(server.endpoint, 1, checksum, 5.0)}
     assert set(received) == {name for name, _ in named} | {"lm_head.weight"}
@@ -39,9 +40,10 @@ def test_publish_round_trips_dtypes_and_adds_the_tied_head(server: WeightServer)
     assert up.dtype == "float32" and np.array_equal(up.array, named[2][1].numpy())
 
 
-def test_an_explicit_head_is_kept(server: WeightServer) -> None:
+def test_an_explicit_head_is_kept(server: ZmqPublisher) -> None:
     embed, head = torch.randn(4, 2), torch.randn(4, 2)
-    checksum, _, _ = server.publish([("model.embed_tokens.weight", embed), ("lm_head.weight", head)], version=1)
+    published = server.publish([("model.embed_tokens.weight", embed), ("lm_head.weight", head)], version=1)
+    checksum = published["checksum"]
     received = {t.name: t.array for t in fetch_buckets(server.endpoint, 1, checksum, 5.0)}
     assert np.array_equal(received["lm_head.weight"], head.numpy())
 
@@ -49,18 +51,17 @@ def test_an_explicit_head_is_kept(server: WeightServer) -> None:
 @pytest.mark.parametrize(
     "embed_name", ["model.text_model.embed_tokens.weight", "model.language_model.embed_tokens.weight"]
 )
-def test_a_vision_language_model_gets_its_tied_head_too(server: WeightServer, embed_name: str) -> None:
+def test_a_vision_language_model_gets_its_tied_head_too(server: ZmqPublisher, embed_name: str) -> None:
     """vLLM's CPU backend keeps its own packed head: without lm_head.weight a tied VL model is served
     a mix of old and new weights."""
     embed = torch.randn(6, 4)
-    checksum, _, _ = server.publish(
-        [(embed_name, embed), ("model.vision_model.post_layernorm.weight", torch.ones(4))], 1
-    )
+    published = server.publish([(embed_name, embed), ("model.vision_model.post_layernorm.weight", torch.ones(4))], 1)
+    checksum = published["checksum"]
     received = {t.name: t.array for t in fetch_buckets(server.endpoint, 1, checksum, 5.0)}
     assert np.array_equal(received["lm_head.weight"], embed.numpy())
 
 
-def test_versions_must_increase(server: WeightServer) -> None:
+def test_versions_must_increase(server: ZmqPublisher) -> None:
     server.publish([("w", torch.ones(2))], version=3)
     assert server.version == 3
     with pytest.raises(ValueError, match="increase"):

@@ -85,10 +85,9 @@ def test_a_lora_event_is_signed_and_an_altered_one_refused() -> None:
             check(altered, key, run_id="run")
 
 
-def test_weights_events_are_v2_and_v1_still_reads_as_full_weights() -> None:
+def test_weights_events_are_v3_and_older_ones_are_refused() -> None:
     event = _event()
-    assert event.v == 2
-    old = decode(encode(msgspec.structs.replace(event, v=1, payload="full", lora=None)), WeightsPublished)
-    assert (old.v, old.payload, old.lora) == (1, "full", None)
-    with pytest.raises(PoisonMessageError, match="unsupported version v=3"):
-        decode(encode(msgspec.structs.replace(event, v=3)), WeightsPublished)
+    assert event.v == 3 and decode(encode(event), WeightsPublished) == event
+    for old in (1, 2, 4):  # v1/v2 carry no transport tag; v4 is a future schema
+        with pytest.raises(PoisonMessageError, match=rf"unsupported version v={old} of 'weights' \(supported: \[3\]\)"):
+            decode(encode(msgspec.structs.replace(event, v=old)), WeightsPublished)

@@ -12,8 +12,8 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcTensor, WeightsBroadcast
-from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
-from streamrl.rollout.weights.broadcast import BroadcastReceiver, member_for, staging_device
+from streamrl.torchkit.weights.broadcast import BroadcastPublisher
+from streamrl.torchkit.weights.broadcast_member import BroadcastMember, member_for, staging_device
 
 
 def _rendezvous(store: str, backend: str = "gloo", session: str = "s1") -> WeightsBroadcast:
@@ -35,8 +35,8 @@ def _closed_port() -> int:
 
 
 @pytest.fixture
-def publisher() -> Iterator[BroadcastWeightPublisher]:
-    pub = BroadcastWeightPublisher(bucket_bytes=4096, timeout_s=10)
+def publisher() -> Iterator[BroadcastPublisher]:
+    pub = BroadcastPublisher(bucket_bytes=4096, timeout_s=10)
     yield pub
     pub.close()
 
@@ -49,7 +49,7 @@ def test_nccl_needs_a_cuda_device() -> None:
 
 def test_an_unreachable_store_fails_fast_and_stays_failed() -> None:
     store = f"127.0.0.1:{_closed_port()}"
-    receiver = BroadcastReceiver(_rendezvous(store), torch.device("cpu"), "hf", timeout_s=1.0)
+    receiver = BroadcastMember(_rendezvous(store), torch.device("cpu"), "hf", timeout_s=1.0)
     try:
         started = time.perf_counter()
         with pytest.raises(
@@ -67,9 +67,10 @@ def test_an_unreachable_store_fails_fast_and_stays_failed() -> None:
         receiver.close()
 
 
-def test_a_version_never_broadcast_misses_its_deadline_naming_the_member(publisher: BroadcastWeightPublisher) -> None:
-    info, _ = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
-    receiver = BroadcastReceiver(info, torch.device("cpu"), "hf", timeout_s=10)
+def test_a_version_never_broadcast_misses_its_deadline_naming_the_member(publisher: BroadcastPublisher) -> None:
+    published = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+    info = published["broadcast"]
+    receiver = BroadcastMember(info, torch.device("cpu"), "hf", timeout_s=10)
     try:
         assert receiver.acquire(1, timeout_s=10)[0] == 1
         receiver.release()
@@ -82,8 +83,9 @@ def test_a_version_never_broadcast_misses_its_deadline_naming_the_member(publish
         receiver.close()
 
 
-def test_a_new_learner_session_gets_a_new_member(publisher: BroadcastWeightPublisher) -> None:
-    info, _ = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+def test_a_new_learner_session_gets_a_new_member(publisher: BroadcastPublisher) -> None:
+    published = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+    info = published["broadcast"]
     first = member_for(None, info, torch.device("cpu"), "hf", 10)
     assert member_for(first, info, torch.device("cpu"), "hf", 10) is first
     assert publisher.wait_delivered(1, timeout_s=10) == [first.member]
@@ -100,18 +102,20 @@ def test_a_new_learner_session_gets_a_new_member(publisher: BroadcastWeightPubli
 
 
 def test_only_the_version_and_checksum_the_signed_event_names_are_handed_out(
-    publisher: BroadcastWeightPublisher,
+    publisher: BroadcastPublisher,
 ) -> None:
-    info, checksum = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+    published = publisher.publish([("model.norm.weight", torch.ones(16))], version=1)
+    info, checksum = published["broadcast"], published["checksum"]
     assert info.checksum == checksum  # the rendezvous carries it: signed with the event
-    receiver = BroadcastReceiver(info, torch.device("cpu"), "hf", timeout_s=10)
+    receiver = BroadcastMember(info, torch.device("cpu"), "hf", timeout_s=10)
     try:
         with pytest.raises(WeightSyncError, match=rf"version 1 that hashes to {checksum}, not to {'0' * 64} as the"):
             receiver.acquire(1, timeout_s=10, checksum="0" * 64)  # what the store offers is not what was signed
         version, views = receiver.acquire(1, timeout_s=10, checksum=checksum)
         assert version == 1 and torch.equal(views[0][1], torch.ones(16))
         receiver.release()
-        _, checksum_2 = publisher.publish([("model.norm.weight", torch.full((16,), 2.0))], version=2)
+        published = publisher.publish([("model.norm.weight", torch.full((16,), 2.0))], version=2)
+        checksum_2 = published["checksum"]
         publisher.wait_delivered(2, timeout_s=10)
         with pytest.raises(WeightSyncError, match=r"version 1 was replaced in the staging buffers .* by version 2"):
             receiver.acquire(1, timeout_s=10, checksum=checksum)

@@ -510,10 +510,13 @@ class LoraAdapter(msgspec.Struct, frozen=True):
     """Names of the adapted modules (``all-linear`` resolved: e.g. ``q_proj``, ``down_proj``), sorted."""
 
 
-WEIGHTS_SCHEMA_VERSION = 2
-"""Schema version of :class:`WeightsPublished`: v2 added ``payload`` and ``lora``. A v1 event (no such
-fields) is read as full weights; a worker that reads only v1 refuses a v2 event as an unsupported version
-instead of loading an adapter as if it were the whole model."""
+WeightsTransport = Literal["zmq", "ipc", "broadcast"]
+"""The weight transports (``learner.weights_transport``, ``WeightsPublished.transport``)."""
+
+WEIGHTS_SCHEMA_VERSION = 3
+"""Schema version of :class:`WeightsPublished`: v2 added ``payload`` and ``lora``, v3 the explicit
+``transport`` tag. Only v3 is read: a v1 or v2 event (no tag; its path was guessed from which optional
+field was set) is refused as an unsupported version, and a v2 worker refuses a v3 event the same way."""
 
 
 class WeightsPublished(_Message, tag="weights", kw_only=True):
@@ -524,10 +527,15 @@ class WeightsPublished(_Message, tag="weights", kw_only=True):
     tensors are then the adapter's in peft naming (``base_model.model.<module>.lora_A.weight`` /
     ``lora_B.weight``), applied on top of the engine's base model (the model folder it was built from).
     Either payload travels the same transports (ZMQ buckets, CUDA IPC buffers) with the same version,
-    checksum and signature.
+    checksum and signature. ``transport`` says which one carries the bytes; receivers are built from it
+    (``streamrl.torchkit.weights.factory``), never from which optional field is set.
     """
 
     v: int = WEIGHTS_SCHEMA_VERSION
+    transport: WeightsTransport = "zmq"
+    """How the bytes travel: ``zmq`` (buckets at ``endpoint``), ``ipc`` (CUDA IPC buffers in ``ipc``) or
+    ``broadcast`` (the group of ``broadcast``; ``endpoint`` set too when the learner also serves ZMQ for
+    workers that cannot join - still tagged ``broadcast``)."""
     version: int
     """New policy version (monotonic)."""
     step: int
@@ -626,5 +634,5 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
     )
 }
 SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {tag: frozenset({SCHEMA_VERSION}) for tag in MESSAGE_TYPES}
-SUPPORTED_VERSIONS["weights"] = frozenset({SCHEMA_VERSION, WEIGHTS_SCHEMA_VERSION})
+SUPPORTED_VERSIONS["weights"] = frozenset({WEIGHTS_SCHEMA_VERSION})
 Message = _Message

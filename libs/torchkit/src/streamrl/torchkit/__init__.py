@@ -3,6 +3,8 @@
 Services never import each other (they meet only on the bus), and ``streamrl.common`` imports no
 torch; what both torch services need lives here, imported by them alone:
 
+* :mod:`streamrl.torchkit.weights` - weight sync: the publisher / receiver protocols, the factory
+  that picks a transport, and both ends of every transport (ZMQ, CUDA IPC, broadcast) side by side.
 * :mod:`streamrl.torchkit.flat` - flat device buffers of named tensors (layout, typed views) and
   their block checksum: the CUDA IPC and broadcast weight paths' wire contract.
 * :mod:`streamrl.torchkit.process_group` - a process group built directly on a store (NCCL or

@@ -1,7 +1,8 @@
 """Tiny random checkpoints (Qwen2, and the Idefics3 vision-language model) with a locally trained tokenizer.
 
 For tests, benchmarks and the CPU demos (examples/vlm/prepare.py); test-only code, so it lives here
-rather than in a service, and no service module imports it.
+rather than in a service, and no service module imports it. :func:`weights_event` turns a weight
+publisher's fields into the event a receiver takes.
 
 No model hub is needed: the tokenizer is a byte-level BPE trained on a few hundred generated
 sentences with the ``tokenizers`` library and saved as a ``PreTrainedTokenizerFast`` (vLLM and
@@ -14,10 +15,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from streamrl.common.messages import WeightsPublished
 
 if TYPE_CHECKING:  # transformers is imported where used
     from transformers import PreTrainedTokenizerBase
+
+    from streamrl.torchkit.weights.protocol import PublishedWeights
 
 EOS_TOKEN = "<|endoftext|>"
 HEAD_DIM = 64
@@ -214,3 +219,10 @@ def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     if not isinstance(token_id, int):
         raise ValueError(f"{token!r} is not a single token of the tokenizer")
     return token_id
+
+
+def weights_event(version: int, published: PublishedWeights | None = None, **fields: Any) -> WeightsPublished:
+    """The (unsigned) event for ``version`` (step = version) of a publisher's ``published`` fields, or of
+    ``fields`` alone (a ZMQ event without an endpoint by default)."""
+    base: dict[str, Any] = {"checksum": "", "num_bytes": 0, "num_buckets": 0, "endpoint": ""}
+    return WeightsPublished(version=version, step=version, batch_id="", **{**base, **(published or {}), **fields})

@@ -11,12 +11,11 @@
   in-flight slot while it waits, so a prompt that can run now - the replacement of a filtered or
   failed group, owed the current version - is still read and generated, however many wait; once
   their version lands the waiting prompts take slots again in the order they came.
-* A tail of ``weights``: every WeightsPublished newer than what the engine serves is pulled from
-  the learner's weight server (ZMQ, checksum verified, with a deadline), or copied from the
-  learner's CUDA IPC buffers when the message carries them (colocated), or - when it advertises a
-  weight-broadcast rendezvous - received by the engine as a member of the learner's broadcast
-  group (NCCL/gloo), falling back to the ZMQ server when the engine cannot join and the learner
-  serves one; then loaded. Every path loads exactly the signed event's version and checks the
+* A tail of ``weights``: every WeightsPublished newer than what the engine serves is handed to the
+  engine, whose receiver - the one the event's ``transport`` tag picks (:mod:`streamrl.torchkit.weights`:
+  the learner's ZMQ server, its CUDA IPC buffers when colocated, or a member of its broadcast group,
+  falling back to ZMQ when the engine cannot join and the learner serves one) - fetches it with a
+  deadline; then it is loaded. Every path loads exactly the signed event's version and checks the
   weights against its checksum (over the broadcast too: a member refuses whatever else the group's
   unauthenticated store offers, and a version replaced by a newer one before it was loaded waits
   for that one's event). The follower reads on while a version loads: a newer event - a newer version, or
@@ -390,14 +389,8 @@ class RolloutService:
                 if self.cfg.engine.sleep_between_versions and self.engine.asleep:  # wake, update, generate
                     woke = await self.engine.wake()
                     logger.info("engine awake for policy version %d (%.0f ms)", msg.version, woke * 1e3)
-                if msg.broadcast is None:
-                    path = "zmq" if msg.ipc is None else "ipc"
-                    timeout_s = self.cfg.weight_sync_timeout_s
-                    await self.engine.update_weights(
-                        msg.endpoint, msg.version, msg.checksum, timeout_s, ipc=msg.ipc, lora=msg.lora
-                    )
-                else:
-                    path = await self._update_over_broadcast(msg)
+                path = msg.transport
+                await self.engine.update_weights(msg, self.cfg.weight_sync_timeout_s)
                 version = self.engine.version
                 self.served_checksum = msg.checksum if version == msg.version else None
                 span.set_attributes({POLICY_VERSION: version, WEIGHTS_PATH: path})
@@ -408,27 +401,6 @@ class RolloutService:
         await self.redis.hset(self.ctx.names.served_versions, self.ctx.instance, version)
         async with self.changed:
             self.changed.notify_all()
-
-    async def _update_over_broadcast(self, msg: WeightsPublished) -> str:
-        """Take ``msg``'s version as a member of the learner's broadcast group; over ZMQ if that fails
-        and the learner serves the version there too (``learner.weights_zmq_fallback``). Returns the
-        path the weights came by: ``broadcast`` or ``zmq``."""
-        assert msg.broadcast is not None
-        timeout_s = self.cfg.weight_sync_timeout_s
-        try:
-            await self.engine.update_weights(
-                msg.endpoint, msg.version, msg.checksum, timeout_s, broadcast=msg.broadcast
-            )
-        except WeightSyncError as e:
-            if not msg.endpoint:
-                raise WeightSyncError(
-                    f"{e}; the learner serves version {msg.version} only over its broadcast group (set "
-                    "learner.weights_zmq_fallback = true to let workers that cannot join fetch over ZMQ)"
-                ) from e
-            logger.warning("weight broadcast failed (%s): fetching version %d over ZMQ", e, msg.version)
-            await self.engine.update_weights(msg.endpoint, msg.version, msg.checksum, timeout_s)
-            return "zmq"
-        return "broadcast"
 
     def _update_task(self) -> asyncio.Task[None] | None:
         return None if self.updating is None else self.updating[1]

@@ -8,6 +8,6 @@
 * :mod:`streamrl.common.weights.broadcast` - the broadcast path's rendezvous: store keys and records.
 
 The torch half (flat device buffers, their block checksum, the weight process group) is
-``streamrl.torchkit``; each service's ends of the three paths are its ``weights`` package
-(``streamrl.learner.weights``, ``streamrl.rollout.weights``).
+``streamrl.torchkit``; both ends of every transport, their protocols and the factory that picks one
+are ``streamrl.torchkit.weights``.
 """

@@ -74,7 +74,7 @@ class LearnerConfig(ServiceConfig):
     every engine must be a transformers engine on the learner's GPU. ``broadcast``: rank 0 hosts a TCP
     store (``weights_store_port``) and broadcasts every version in buckets to the rollout workers that
     joined its weight group - NCCL when the weights are on CUDA, gloo on CPU - from a background
-    thread (``streamrl.learner.rl.weights.broadcast``); workers join and leave at any time. The store and
+    thread (``streamrl.torchkit.weights.broadcast``); workers join and leave at any time. The store and
     the group have no authentication: a private network only."""
     weights_store_port: int = Field(0, ge=0, le=65535)
     """``broadcast``: port of the TCP store rollout workers join through (0 = a free port; it listens on

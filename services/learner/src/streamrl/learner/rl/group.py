@@ -50,8 +50,8 @@ import torch
 from streamrl.common.codec import decode, encode
 from streamrl.common.messages import TrainingBatch
 from streamrl.learner.checkpoint_retention import prune_checkpoints
+from streamrl.learner.rl.adapter import iter_adapter
 from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
-from streamrl.learner.rl.weights.adapter import iter_adapter
 
 logger = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=7)

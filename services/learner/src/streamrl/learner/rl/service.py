@@ -1,12 +1,11 @@
 """LearnerService: training batches in, new weights out.
 
 * A consumer loop on ``batches`` (one at a time, in order). For batch ``k`` at step ``k``: train one
-  step, serve the new weights (version ``k + 1``) from the ZMQ weight server, or with
-  ``weights_transport = "ipc"`` copy them into the CUDA IPC buffers on the learner's GPU, or with
-  ``"broadcast"`` into the buckets its weight group receives in the background, and publish
-  WeightsPublished (version, checksum, endpoint / IPC buffers / group rendezvous, step metrics).
+  step, hand the new weights (version ``k + 1``) to the weight publisher ``learner.weights_transport``
+  picks (:mod:`streamrl.torchkit.weights`: ZMQ server, CUDA IPC buffers or broadcast group), and publish
+  WeightsPublished (its transport tag and fields, version, checksum, step metrics).
 * With ``learner.lora.sync = "adapter"`` a version is the LoRA adapter alone (``payload = "lora"``,
-  :mod:`~streamrl.learner.rl.weights.adapter`), served the same way.
+  :mod:`~streamrl.learner.rl.adapter`), served the same way.
 * A batch arrives as a BatchManifest (or, still accepted, a whole TrainingBatch): once its order is
   checked (a copy of a batch already consumed is recognised by its ids, before anything is read), the
   learner reads its samples' payloads (``batched:{batch}:{trajectory id}``, each the Trajectory the rollout
@@ -82,7 +81,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +96,7 @@ from streamrl.common.messages import BATCH_SKIPPED, BatchManifest, DeadLetter, T
 from streamrl.common.telemetry.trace_schema import NUM_BYTES, POLICY_VERSION, STEP_INDEX, WEIGHTS_PATH, WEIGHTS_PUBLISH
 from streamrl.common.telemetry.tracing import weights_traceparent
 from streamrl.common.weights.auth import sign, weights_key
+from streamrl.learner.rl.adapter import adapter_shape
 from streamrl.learner.rl.batch_order import Batch, behind_verdict, fingerprint, gap_verdict
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.group import LearnerGroup
@@ -106,11 +105,9 @@ from streamrl.learner.rl.ledger import LearnerLedger
 from streamrl.learner.rl.prefetch import Prefetcher
 from streamrl.learner.rl.traces import record_train_spans, start_step, step_figures, traced_rows
 from streamrl.learner.rl.trainer import RLTrainer, StepFailedError
-from streamrl.learner.rl.weights.adapter import adapter_shape
-from streamrl.learner.rl.weights.broadcast import BroadcastWeightPublisher
-from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
-from streamrl.learner.rl.weights.tied import TIED_ALIASES
-from streamrl.learner.rl.weights.zmq import WeightServer
+from streamrl.torchkit.weights.factory import make_publisher
+from streamrl.torchkit.weights.protocol import WeightPublisher
+from streamrl.torchkit.weights.tied import TIED_ALIASES
 
 logger = logging.getLogger(__name__)
 
@@ -148,26 +145,22 @@ class LearnerService:
         acknowledged."""
         self.lost: list[tuple[int, str]] = []
         """(index, batch id) of indices recorded as lost, whose keys go with the next ack that covers them."""
-        self.server: WeightServer | None = None
-        self.ipc: IpcWeightPublisher | None = None
-        self.broadcast: BroadcastWeightPublisher | None = None
         self.weights_key = weights_key()
         """Signs every WeightsPublished (rollout workers with the key refuse events without it)."""
         lora = config.lora
         self.adapter = adapter_shape(trainer.policy.module) if lora is not None and lora.sync == "adapter" else None
         """The LoRA adapter's shape when versions carry the adapter alone (no tied head to add then)."""
-        self.tied: Mapping[str, tuple[str, ...]] = {} if self.adapter is not None else TIED_ALIASES
-        if config.weights_transport == "ipc":
-            self.ipc = IpcWeightPublisher(bucket_bytes=config.weights_bucket_mb * 2**20, tied_aliases=self.tied)
-        if config.weights_transport == "broadcast":
-            self.broadcast = BroadcastWeightPublisher.from_config(config)
-        if config.weights_transport == "zmq" or (self.broadcast is not None and config.weights_zmq_fallback):
-            self.server = WeightServer(
-                host=config.weights_host,
-                port=config.weights_port,
-                advertise_host=config.weights_advertise_host,
-                bucket_bytes=config.weights_bucket_mb * 2**20,
-            )
+        self.publisher: WeightPublisher = make_publisher(
+            config.weights_transport,
+            host=config.weights_host,
+            port=config.weights_port,
+            advertise_host=config.weights_advertise_host,
+            store_port=config.weights_store_port,
+            bucket_bytes=config.weights_bucket_mb * 2**20,
+            broadcast_timeout_s=config.weights_broadcast_timeout_s,
+            zmq_fallback=config.weights_zmq_fallback,
+            tied_aliases={} if self.adapter is not None else TIED_ALIASES,
+        )
         self.loop: ConsumerLoop[Batch] | None = None
         self.fatal: RuntimeError | None = None
         """Set when a step failed half-way: the service stops and ``run`` raises it."""
@@ -268,10 +261,7 @@ class LearnerService:
 
     def _close(self) -> None:
         self.prefetcher.close()
-        if self.server is not None:
-            self.server.close()
-        if self.broadcast is not None:
-            self.broadcast.close()
+        self.publisher.close()
 
     async def handle(self, entry: Batch) -> list[Output]:
         if not await self._in_order(entry):  # before any payload is read: a copy of a trained batch reads none
@@ -528,31 +518,16 @@ class LearnerService:
 
     async def _serve_weights(self, metrics: dict[str, float], batch_id: str = "") -> WeightsPublished:
         started = time.perf_counter()
-        path = "ipc" if self.ipc is not None else "broadcast" if self.broadcast is not None else "zmq"
+        path = self.cfg.weights_transport
         span = self.ctx.tracing.span(
             WEIGHTS_PUBLISH,
             weights_traceparent(self.cfg.run_id, self.step),
             attributes={POLICY_VERSION: self.step, STEP_INDEX: self.step, WEIGHTS_PATH: path},
         )
         params = self.group.full_weights() if self.adapter is None else self.group.adapter_weights()
-        ipc = broadcast = None
-        endpoint = ""
-        if self.ipc is not None:
-            ipc, checksum = await asyncio.to_thread(self.ipc.publish, params, self.step)
-            num_bytes, num_buckets = self.ipc.num_bytes, self.ipc.num_buffers
-        elif self.broadcast is not None:
-            # returns once the buckets hold this version; the group receives them in the background
-            broadcast, checksum = await asyncio.to_thread(self.broadcast.publish, params, self.step)
-            num_bytes, num_buckets = self.broadcast.num_bytes, self.broadcast.num_buckets
-            if self.server is not None:  # the ZMQ fallback: the event's checksum is then the ZMQ one
-                checksum, _, _ = await asyncio.to_thread(self.server.publish, self.broadcast.tensors(), self.step)
-                endpoint = self.server.endpoint
-        else:
-            assert self.server is not None
-            publish = self.server.publish
-            checksum, num_bytes, num_buckets = await asyncio.to_thread(publish, params, self.step, self.tied)
-            endpoint = self.server.endpoint
-        span.set(NUM_BYTES, num_bytes)
+        # returns once the transport holds this version (a broadcast then runs in the background)
+        fields = await asyncio.to_thread(self.publisher.publish, params, self.step)
+        span.set(NUM_BYTES, fields["num_bytes"])
         span.end()
         seconds = time.perf_counter() - started
         self.ctx.metrics.observe_weight_sync(seconds, path)
@@ -562,14 +537,9 @@ class LearnerService:
             version=self.step,
             step=self.step,
             batch_id=batch_id,
-            checksum=checksum,
-            num_bytes=num_bytes,
-            num_buckets=num_buckets,
-            endpoint=endpoint,
             metrics=metrics,
             published_at=time.time(),
-            ipc=ipc,
-            broadcast=broadcast,
+            **fields,
             payload="full" if self.adapter is None else "lora",
             lora=self.adapter,
         )

@@ -66,13 +66,13 @@ from streamrl.learner.engine import ModelEngine
 from streamrl.learner.logprobs import entropy as entropy_fn
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.prompt_sharing import shared_prompt_logits
+from streamrl.learner.rl.adapter import check_target_modules
 from streamrl.learner.rl.algo.kl import KLController, kl_estimate, sequence_mean_kl
 from streamrl.learner.rl.algo.losses import aggregate, normaliser_count, value_loss
 from streamrl.learner.rl.algo.objective import compute_advantages, policy_objective, sample_correction, shape_rewards
 from streamrl.learner.rl.batch import RLBatch, collate, micro_batches, rank_share, response_logits_index, update_plan
 from streamrl.learner.rl.config import LearnerConfig
 from streamrl.learner.rl.traces import SampleCorrection, traced_rows
-from streamrl.learner.rl.weights.adapter import check_target_modules
 from streamrl.learner.vision import check_learner, image_inputs
 from streamrl.learner.vision import response_logprobs as image_response_logprobs
 

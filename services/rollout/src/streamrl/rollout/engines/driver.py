@@ -45,7 +45,7 @@ class DriverThread:
         except asyncio.CancelledError:  # given up: the driver thread stops fetching it, or never starts
             update.abandoned.set()
             raise
-        logger.info("serving weights version %d (update took %.3f s)", update.version, seconds)
+        logger.info("serving weights version %d (update took %.3f s)", update.event.version, seconds)
 
     def _stop_driver(self, stop: object) -> bool:
         """Queue ``stop`` (the engine's stop command) and wait for the thread; False when already closed."""

@@ -13,12 +13,10 @@ Both return, per sample, the token ids, the behaviour log-probs of the distribut
 sampled from (after temperature / top-k / top-p: what TIS and ICEPOP need), the finish reason, the
 policy versions that produced the first and the last token and, when a weight update landed while
 the sample was generated (``rollout.engine.partial_rollout``), the version of every token
-(:attr:`Sample.versions`, run-length: see :func:`version_runs`). Both take new weights from the
-learner's weight server (:mod:`streamrl.common.weights.wire`), or as members of the learner's
-weight-broadcast group (:mod:`streamrl.rollout.weights.broadcast`), and report the version they
-serve; a LoRA run's versions are adapters, added to the base model (:mod:`streamrl.rollout.weights.lora`);
-the transformers engine also takes them over CUDA IPC when it shares the learner's GPU
-(:mod:`streamrl.rollout.weights.ipc`), and so does the vLLM engine on a GPU. In colocated synchronous
+(:attr:`Sample.versions`, run-length: see :func:`version_runs`). Both take new weights through the
+:class:`~streamrl.torchkit.weights.protocol.WeightReceiver` the event's transport tag picks
+(:mod:`streamrl.torchkit.weights`: ZMQ, CUDA IPC, broadcast group) and report the version they
+serve; a LoRA run's versions are adapters, added to the base model (:mod:`streamrl.rollout.weights.lora`). In colocated synchronous
 runs both can sleep between versions (``rollout.engine.sleep_between_versions``): give back GPU
 memory while the learner trains, take it back when the next version's weights arrive.
 
@@ -34,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from streamrl.common.messages import Image, IpcWeights, LoraAdapter, SamplingParams, WeightsBroadcast
+from streamrl.common.messages import Image, SamplingParams, WeightsPublished
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.vision import check_image_count
 
@@ -129,17 +127,9 @@ class Sample:
 class WeightUpdate:
     """A weight update queued to an engine's driver thread; ``future`` gets the seconds it took."""
 
-    endpoint: str
-    version: int
-    checksum: str
+    event: WeightsPublished
+    """The (verified-signature) event naming the version, its transport and payload."""
     timeout_s: float
-    ipc: IpcWeights | None = None
-    """CUDA IPC buffers of the version (colocated with the learner); None = pull from ``endpoint``."""
-    broadcast: WeightsBroadcast | None = None
-    """Rendezvous of the learner's weight-broadcast group: receive the version as a member of it."""
-    lora: LoraAdapter | None = None
-    """The version is this LoRA adapter (its tensors only), applied on the engine's base model
-    (:mod:`streamrl.rollout.weights.lora`); None = full weights."""
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
     abandoned: threading.Event = field(default_factory=threading.Event)
     """Set when the caller gave the update up (a newer weights event, or the service stopping): a ZMQ fetch
@@ -174,27 +164,16 @@ class Engine(Protocol):
         """Answer every request; result ``[i][j]`` is sample ``j`` of request ``i`` (``n`` per request)."""
         ...
 
-    async def update_weights(
-        self,
-        endpoint: str,
-        version: int,
-        checksum: str,
-        timeout_s: float,
-        ipc: IpcWeights | None = None,
-        broadcast: WeightsBroadcast | None = None,
-        lora: LoraAdapter | None = None,
-    ) -> None:
-        """Take ``version`` and serve it from now on: from the learner's CUDA IPC buffers ``ipc`` when
-        given (the engine shares the learner's GPU), as a member of the learner's weight-broadcast
-        group ``broadcast`` when given (exactly ``version``, loaded only if what the member received
-        hashes to ``broadcast.checksum``, the signed event's), else pulled from the weight server at
-        ``endpoint``. With ``lora`` the version is that LoRA adapter (its tensors only), served on top
-        of the base model the engine was built from (refused, naming ``rollout.engine.max_lora_rank``,
-        by an engine without LoRA support or with a lower maximum rank).
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        """Take ``event.version`` and serve it from now on, received by the
+        :class:`~streamrl.torchkit.weights.protocol.WeightReceiver` of ``event.transport`` and verified
+        against the event's checksum. A ``lora`` payload is that LoRA adapter (its tensors only), served
+        on top of the base model the engine was built from (refused, naming
+        ``rollout.engine.max_lora_rank``, by an engine without LoRA support or with a lower maximum rank).
 
         Raises :class:`streamrl.common.errors.WeightSyncError` on a missed deadline, a checksum
-        mismatch, a broadcast version replaced by a newer one before it was loaded, or ``ipc`` /
-        ``broadcast`` weights the engine cannot take; the engine then keeps serving its previous version.
+        mismatch, a broadcast version replaced by a newer one before it was loaded, or weights the
+        engine cannot take; the engine then keeps serving its previous version.
         """
         ...
 

@@ -37,15 +37,14 @@ One driver thread owns the model and runs a continuous-batching loop::
   recomputed: the tokens after the switch are the new weights' given that cache - what in-flight
   updates do), and each sample records the version of every token (:attr:`Sample.versions`). Jobs
   queued behind the update are admitted under the new version; an update behind a sleep, wake or
-  stop keeps its place. Over the learner's weight-broadcast group
-  a member (:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`) receives in the
-  background while the engine decodes, and an update copies the version asked for in once what was
-  received hashes to the signed event's checksum (anything else the store offered is refused).
-  A LoRA version (``lora`` given: the adapter's tensors only, over ZMQ or CUDA IPC) is copied into
+  stop keeps its place. The version comes from the receiver of the event's transport
+  (:func:`streamrl.torchkit.weights.factory.receiver_for`), verified before a tensor is copied in (over
+  the broadcast group a member receives in the background while the engine decodes).
+  A LoRA version (``payload = "lora"``: the adapter's tensors only, over ZMQ or CUDA IPC) is copied into
   peft LoRA layers added to the model at the first adapter (:mod:`streamrl.rollout.weights.lora`);
   the KV decoder runs the model's modules, so it computes with them as they are.
 * Sleep (``sleep_between_versions``) is a command too, taken once the samples before it finish: the
-  KV decoder's cache, its captured CUDA graphs and the CUDA IPC staging buffers are freed and the
+  KV decoder's cache, its captured CUDA graphs and the receiver's staging memory are freed and the
   allocator's cached blocks returned to the device (``torch.cuda.empty_cache``); the weights stay
   where they are (this engine does not offload them). Waking changes nothing: the next batch reserves the cache again (and
   recaptures its graphs).
@@ -71,7 +70,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
-from streamrl.common.messages import LoraAdapter, SamplingParams
+from streamrl.common.messages import LoraAdapter, SamplingParams, WeightsPublished
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.driver import DriverThread
 from streamrl.rollout.engines.engine import (
@@ -86,8 +85,9 @@ from streamrl.rollout.engines.kv_decoder import KVDecoder, unsupported_reason
 from streamrl.rollout.engines.sampling import RowParams, exponential_noise, pick, processed_logprobs, row_logprobs
 from streamrl.rollout.vision import encode, expansion_token_ids, vision_processor
 from streamrl.rollout.weights import lora as lora_weights
-from streamrl.rollout.weights.zmq import torch_tensors
 from streamrl.torchkit.vision import image_token_id
+from streamrl.torchkit.weights.factory import receiver_for
+from streamrl.torchkit.weights.protocol import WeightReceiver
 
 __all__ = ["HFEngine", "processed_logprobs"]
 
@@ -202,12 +202,10 @@ class HFEngine(DriverThread):
         self._pad_id = int(pad if pad is not None else min(self._eos_ids, default=0))
         self._gen = torch.Generator(device=self._device).manual_seed(config.seed)
         self._targets = self._model.state_dict(keep_vars=True)
-        self._ipc: Any = None
+        self._receiver: WeightReceiver | None = None
+        """Of the last update's transport (built at the first update)."""
         self._lora: LoraAdapter | None = None
         """The LoRA adapter shape the model's injected peft layers have (None: no adapter loaded yet)."""
-        self._flat: Any = None
-        self._member: Any = None
-        """BroadcastReceiver of the learner's weight group (one per learner session), once one is advertised."""
         self._decoder = self._build_decoder()
         self._state: _SlotState | None = None
         if self._decoder is not None:
@@ -257,20 +255,10 @@ class HFEngine(DriverThread):
         self._submit(job)
         return await asyncio.wrap_future(job.future)
 
-    async def update_weights(
-        self,
-        endpoint: str,
-        version: int,
-        checksum: str,
-        timeout_s: float,
-        ipc: Any = None,
-        broadcast: Any = None,
-        lora: LoraAdapter | None = None,
-    ) -> None:
-        if lora is not None:
-            lora_weights.check_adapter(lora, version, self._config.max_lora_rank)
-        update = WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, broadcast=broadcast, lora=lora)
-        await self._run_update(update)
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        if event.lora is not None:
+            lora_weights.check_adapter(event.lora, event.version, self._config.max_lora_rank)
+        await self._run_update(WeightUpdate(event, timeout_s))
 
     @property
     def asleep(self) -> bool:
@@ -290,8 +278,8 @@ class HFEngine(DriverThread):
         return await asyncio.wrap_future(command.future)
 
     def close(self) -> None:
-        if self._stop_driver(_Stop()) and self._member is not None:
-            self._member.close()
+        if self._stop_driver(_Stop()) and self._receiver is not None:
+            self._receiver.close()
 
     def _encode(self, request: GenerationRequest) -> _Inputs:
         """Expand a request's image tokens and make its pixel inputs (ValueError naming a problem)."""
@@ -695,8 +683,8 @@ class HFEngine(DriverThread):
         start = time.perf_counter()
         if self._decoder is not None:
             self._decoder.release()
-        if self._ipc is not None:  # the CUDA IPC staging copy of the weights (the next update allocates it)
-            self._ipc.release_staging()
+        if self._receiver is not None:  # e.g. the CUDA IPC staging copy (the next update allocates it)
+            self._receiver.release_memory()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
         self._asleep = True
@@ -708,82 +696,37 @@ class HFEngine(DriverThread):
         if not update.future.set_running_or_notify_cancel():  # given up before it began
             return
         start = time.perf_counter()
-        version = update.version
+        event = update.event
         try:
-            if update.lora is not None:
-                self._load_adapter(update)
-            elif update.ipc is not None:
-                self._load_ipc(update)
-            elif update.broadcast is not None:
-                version = self._load_broadcast(update)
-            else:
-                received = list(
-                    torch_tensors(
-                        update.endpoint, update.version, update.checksum, update.timeout_s, abandoned=update.abandoned
-                    )
-                )
-                self._load(update.version, received)
-            if update.lora is None and self._lora is not None:  # full weights now: the adapter adds nothing
+            self._receiver = receiver_for(event, self._receiver, device=self._device, label="hf")
+            with self._receiver.receive(event, update.timeout_s, update.abandoned) as received:
+                if event.lora is not None:
+                    self._load_adapter(event.lora, received.version, received.tensors)
+                else:
+                    self._load(received.version, received.tensors)
+            if event.lora is None and self._lora is not None:  # full weights now: the adapter adds nothing
                 lora_weights.zero_adapter(self._model)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the old weights stay
             update.future.set_exception(e)
             return
-        self._version = version
+        self._version = received.version
         update.future.set_result(time.perf_counter() - start)
 
-    def _load_adapter(self, update: WeightUpdate) -> None:
-        """Fetch + verify a LoRA adapter, then copy it into the model's peft LoRA layers (added at the
-        first adapter; an adapter of another shape than the first is refused)."""
-        assert update.lora is not None
-        if update.ipc is not None and self._ipc is None:
-            from streamrl.rollout.weights.ipc import IpcWeightReceiver
-
-            self._ipc = IpcWeightReceiver(self._device)
-        tensors = lora_weights.fetch_adapter(update, self._ipc)
+    def _load_adapter(self, adapter: LoraAdapter, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy a verified LoRA adapter into the model's peft LoRA layers (added at the first adapter; an
+        adapter of another shape than the first is refused)."""
         if self._lora is None:
-            lora_weights.inject(self._model, update.lora)
-            self._lora = update.lora
+            lora_weights.inject(self._model, adapter)
+            self._lora = adapter
             if self._decoder is not None:
                 self._decoder.drop_graphs()  # captured without the LoRA layers
-        elif update.lora != self._lora:
+        elif adapter != self._lora:
             raise WeightSyncError(
-                f"version {update.version}: LoRA adapter {update.lora} differs from the {self._lora} this engine serves"
+                f"version {version}: LoRA adapter {adapter} differs from the {self._lora} this engine serves"
             )
-        lora_weights.load_in_place(self._model, tensors, update.version)
+        lora_weights.load_in_place(self._model, tensors, version)
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
-
-    def _load_ipc(self, update: WeightUpdate) -> None:
-        """Fetch + verify a version from the learner's CUDA IPC buffers, then copy it into the
-        parameters, which live in flat buffers of the same layout (moved there at the first update)."""
-        from streamrl.rollout.weights.ipc import FlatParameters, IpcWeightReceiver
-
-        if self._ipc is None:
-            self._ipc = IpcWeightReceiver(self._device)
-        assert update.ipc is not None, "an ipc weight update names its buffers"
-        self._ipc.fetch(update.ipc, update.version, update.checksum)
-        if self._flat is None or self._flat.layout != update.ipc.tensors:
-            parameters = list(self._model.parameters())
-            self._flat = FlatParameters(self._targets, parameters, update.ipc, self._ipc.staging)
-            if self._decoder is not None:
-                self._decoder.drop_graphs()  # they read the parameters' old storage
-        self._flat.load(self._ipc.staging)
-        torch.cuda.current_stream(self._device).synchronize()
-
-    def _load_broadcast(self, update: WeightUpdate) -> int:
-        """Copy ``update.version`` from the engine's member of the learner's weight group into the
-        parameters, only if what it received hashes to the signed event's checksum; returns the version."""
-        from streamrl.rollout.weights.broadcast import member_for
-
-        assert update.broadcast is not None
-        self._member = member_for(self._member, update.broadcast, self._device, "hf", update.timeout_s)
-        signed = update.broadcast.checksum or update.checksum  # (an older learner: the event's own checksum)
-        version, received = self._member.acquire(update.version, update.timeout_s, checksum=signed)
-        try:
-            self._load(version, received)
-        finally:
-            self._member.release()
-        return int(version)
 
     def _load(self, version: int, received: list[tuple[str, torch.Tensor]]) -> None:
         """Copy a whole verified version into the model's parameters (every parameter written)."""

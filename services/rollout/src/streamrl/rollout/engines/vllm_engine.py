@@ -9,31 +9,26 @@ process, as vLLM is configured) and runs this loop::
   call only enqueues its requests and waits for its own samples.
 * A weight update waits until the running requests finish; requests submitted after it wait for
   it (every sample comes from one version). The worker extension
-  (:mod:`streamrl.rollout.weights.vllm_extension`) pulls and verifies the buckets on every worker, then
-  loads them (a failed transfer leaves the served weights untouched) and the prefix cache (and a
-  vision-language model's cache of image embeddings) is reset.
-  Over the learner's weight-broadcast group every worker (tensor-parallel rank) is a member of its
-  own and receives in the background; an update stages the version asked for on every worker, each
-  checking what it received against the signed event's checksum (anything else the unauthenticated
-  store offered is refused), and loads it - each rank's loader keeps its shard of the full tensors.
+  (:mod:`streamrl.rollout.weights.vllm_extension`) hands the event to every worker, whose receiver (the
+  one the event's transport tag picks, :mod:`streamrl.torchkit.weights`) fetches and verifies the
+  version there; once every worker holds it, they load it (a failed transfer leaves the served weights
+  untouched) and the prefix cache (and a vision-language model's cache of image embeddings) is reset.
+  Each rank's loader keeps its shard of the full tensors.
   With ``cpu_weight_packing`` off (CPU) the model is loaded with its linears on F.linear over their
   own weights, and an update copies into them in place instead of going through vLLM's reload.
   With ``partial_rollout`` the update runs between two engine steps instead: running requests are
   preempted, recompute their KV cache with the new weights and go on, and a sample records the
   version of each token (the tokens of one engine step come from the weights that step ran with).
-* CUDA IPC (``learner.weights_transport = "ipc"``, the engine on the learner's GPU): the update
-  hands each worker the event's :class:`IpcWeights` (as bytes); the worker opens the learner's
-  buffers once, copies them into its own staging buffers, verifies the device checksum there and
-  loads them like any other version. Refused, with the reason, where it cannot work
-  (:func:`streamrl.rollout.weights.ipc_plan.ipc_refusal`: vLLM's CPU build, tensor parallelism) -
-  then over ZMQ when the learner serves the version there too.
+* CUDA IPC (``learner.weights_transport = "ipc"``, the engine on the learner's GPU) is refused by the
+  receiver, with the reason, where it cannot work (:func:`streamrl.torchkit.weights.ipc_plan.ipc_refusal`:
+  vLLM's CPU build, tensor parallelism).
 * Loading on a GPU: for a text model whose every layer is unquantized (checked at start), the
   model's own ``load_weights`` copies each update into the live parameters (no re-processing is
   needed there: vLLM's unquantized layers keep the checkpoint's tensors); otherwise vLLM's
   ``reload_weights``.
 * Sleep (``sleep_between_versions``, colocated synchronous runs): the engine is built with vLLM's
-  sleep mode; :meth:`VLLMEngine.sleep` waits for the running requests, has the workers free their
-  CUDA IPC staging buffers (the next update allocates them again) and calls ``LLM.sleep(level=1)``
+  sleep mode; :meth:`VLLMEngine.sleep` waits for the running requests, has the workers' receivers free
+  their staging memory (the next update allocates it again) and calls ``LLM.sleep(level=1)``
   (KV cache discarded, weights offloaded to host memory: the GPU memory is the learner's while it
   trains); :meth:`VLLMEngine.wake` calls ``LLM.wake_up()``. A request or an update that arrives
   while asleep wakes the engine first. Level 1, not 2: level 2 discards the weights, which is only
@@ -54,7 +49,7 @@ process, as vLLM is configured) and runs this loop::
   model's requests carry none. Not ``allowed_token_ids``: that would be the rest of the vocabulary
   on every request, and the second runner takes at most 1024 ids.
 * LoRA (``max_lora_rank`` set): built with ``enable_lora``; a LoRA version (the adapter alone) is
-  fetched and verified in this process and loaded as a ``LoRARequest`` that every later request
+  received and verified in this process (its own receiver) and loaded as a ``LoRARequest`` that every later request
   carries (:mod:`.vllm_lora`); the base weights never change.
 * Log-probs come from ``logprobs_mode="processed_logprobs"``: those of the distribution actually
   sampled from (after the image tokens' bias, temperature, top-k, top-p).
@@ -77,15 +72,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm import LLM
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 
+from streamrl.common.codec import encode
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.images import decode_image
-from streamrl.common.messages import IpcWeights, LoraAdapter, SamplingParams, WeightsBroadcast
-from streamrl.common.weights.broadcast import encode as encode_rendezvous
+from streamrl.common.messages import SamplingParams, WeightsPublished
 from streamrl.rollout.engines.config import EngineConfig
 from streamrl.rollout.engines.driver import DriverThread
 from streamrl.rollout.engines.engine import (
@@ -98,21 +94,20 @@ from streamrl.rollout.engines.engine import (
 )
 from streamrl.rollout.engines.vllm_lora import VLLMAdapters
 from streamrl.rollout.vision import expansion_token_ids, vision_processor
-from streamrl.rollout.weights.ipc_plan import encode_ipc, ipc_refusal
-from streamrl.rollout.weights.lora import check_adapter, fetch_adapter
+from streamrl.rollout.weights.lora import check_adapter
 from streamrl.torchkit.vision import image_token_id
+from streamrl.torchkit.weights.factory import receiver_for
+from streamrl.torchkit.weights.protocol import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "streamrl.rollout.weights.vllm_extension.WeightReceiver"
-FETCH_METHOD = "streamrl_fetch_weights"
+WORKER_EXTENSION = "streamrl.rollout.weights.vllm_extension.WorkerWeights"
+STAGE_METHOD = "streamrl_stage_weights"
 APPLY_METHOD = "streamrl_apply_weights"
 DISCARD_METHOD = "streamrl_discard_weights"
 LIVE_METHOD = "streamrl_has_live_weights"
-STAGE_BROADCAST_METHOD = "streamrl_stage_broadcast"
-STAGE_IPC_METHOD = "streamrl_stage_ipc"
 RELEASE_STAGING_METHOD = "streamrl_release_staging"
-CLOSE_BROADCAST_METHOD = "streamrl_close_broadcast"
+CLOSE_RECEIVER_METHOD = "streamrl_close_receiver"
 RPC_MARGIN_S = 10.0
 """Extra time the fetch RPC may take beyond the transfer deadline."""
 SLEEP_LEVEL = 1
@@ -236,8 +231,8 @@ class VLLMEngine(DriverThread):
         self._in_place = False
         """Updates copy into the live parameters (cpu_weight_packing off on CPU; unquantized layers on a
         GPU) instead of vLLM's reload."""
-        self._ipc_refusal: str | None = None
-        """Why this engine cannot take CUDA IPC weights (None: it can try)."""
+        self._device = torch.device("cpu")
+        """This process' device (for the receiver of LoRA adapters; the workers receive full weights)."""
         self._asleep = 0
         """vLLM sleep level the engine is at (0: awake)."""
         self._discarded = False
@@ -245,8 +240,8 @@ class VLLMEngine(DriverThread):
         self._num_jobs = 0
         self._adapters = VLLMAdapters(config.model) if config.max_lora_rank is not None else None
         """The LoRA adapter versions (``max_lora_rank`` set); new requests carry the current one."""
-        self._ipc_receiver: Any = None
-        """Receives CUDA IPC adapters in this process (the workers receive full weights themselves)."""
+        self._receiver: WeightReceiver | None = None
+        """Receives LoRA adapters in this process (the workers receive full weights themselves)."""
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._drive, args=(built,), name="vllm-engine", daemon=True)
         self._thread.start()
@@ -264,25 +259,10 @@ class VLLMEngine(DriverThread):
             self._commands.put(_Abort(job))
             raise
 
-    async def update_weights(
-        self,
-        endpoint: str,
-        version: int,
-        checksum: str,
-        timeout_s: float,
-        ipc: IpcWeights | None = None,
-        broadcast: WeightsBroadcast | None = None,
-        lora: LoraAdapter | None = None,
-    ) -> None:
-        if lora is not None:
-            check_adapter(lora, version, self._config.max_lora_rank)
-        if ipc is not None and broadcast is None:
-            if self._ipc_refusal is None:
-                await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, ipc=ipc, lora=lora))
-                return
-            if not endpoint:  # weights published only as CUDA IPC buffers
-                raise WeightSyncError(f"the vLLM engine cannot take CUDA IPC weights: {self._ipc_refusal}")
-        await self._run_update(WeightUpdate(endpoint, version, checksum, timeout_s, broadcast=broadcast, lora=lora))
+    async def update_weights(self, event: WeightsPublished, timeout_s: float) -> None:
+        if event.lora is not None:
+            check_adapter(event.lora, event.version, self._config.max_lora_rank)
+        await self._run_update(WeightUpdate(event, timeout_s))
 
     @property
     def asleep(self) -> bool:
@@ -352,7 +332,7 @@ class VLLMEngine(DriverThread):
         # models: a vision-language model keeps vLLM's reload, not checked in place yet)
         text = self._image_token_id is None
         self._in_place = in_place or (not on_cpu and text and all(llm.collective_rpc(LIVE_METHOD)))
-        self._ipc_refusal = ipc_refusal("vllm", on_cpu=on_cpu, tensor_parallel_size=c.tensor_parallel_size)
+        self._device = torch.device("cpu" if on_cpu else "cuda")
         return llm
 
     def _new_llm(self, on_cpu: bool) -> LLM:
@@ -385,7 +365,7 @@ class VLLMEngine(DriverThread):
                 for command in commands:
                     if isinstance(command, _Stop):
                         self._fail_all(RuntimeError("the vLLM engine was closed"), commands)
-                        self._llm.collective_rpc(CLOSE_BROADCAST_METHOD)  # leave the learner's weight group
+                        self._close_receivers()
                         return
                     self._handle(command)
                 commands = []
@@ -441,7 +421,7 @@ class VLLMEngine(DriverThread):
         assert self._llm is not None
         start = time.perf_counter()
         if not self._asleep:
-            self._llm.collective_rpc(RELEASE_STAGING_METHOD)  # the IPC staging copy of the weights too
+            self._llm.collective_rpc(RELEASE_STAGING_METHOD)  # the receivers' staging copy of the weights too
             self._llm.sleep(level=command.level)
             self._asleep = command.level
             self._discarded = self._discarded or command.level == 2
@@ -515,18 +495,19 @@ class VLLMEngine(DriverThread):
             ),
         )
 
+    def _close_receivers(self) -> None:
+        assert self._llm is not None
+        self._llm.collective_rpc(CLOSE_RECEIVER_METHOD)  # e.g. leave the learner's weight group
+        if self._receiver is not None:
+            self._receiver.close()
+
     def _apply_update(self, update: WeightUpdate) -> None:
         assert self._llm is not None
         start = time.perf_counter()
-        if update.lora is not None:
+        if update.event.lora is not None:
             self._apply_adapter(update)
             return
-        if update.broadcast is not None:
-            version, failure = self._stage_broadcast(update)
-        elif update.ipc is not None:
-            version, failure = update.version, self._stage_ipc(update)
-        else:
-            version, failure = update.version, self._fetch(update)
+        version, failure = self._stage(update)
         if failure is not None:
             self._llm.collective_rpc(DISCARD_METHOD)
             update.future.set_exception(WeightSyncError(failure))
@@ -545,59 +526,33 @@ class VLLMEngine(DriverThread):
         update.future.set_result(time.perf_counter() - start)
 
     def _apply_adapter(self, update: WeightUpdate) -> None:
-        """Fetch + verify a LoRA adapter version in this process and load it for every later request."""
-        assert self._llm is not None and self._adapters is not None and update.lora is not None
+        """Receive + verify a LoRA adapter version in this process and load it for every later request."""
+        event = update.event
+        assert self._llm is not None and self._adapters is not None and event.lora is not None
         start = time.perf_counter()
         try:
-            if update.ipc is not None and self._ipc_receiver is None:
-                from streamrl.rollout.weights.ipc import IpcWeightReceiver
-
-                self._ipc_receiver = IpcWeightReceiver("cuda")
-            tensors = fetch_adapter(update, self._ipc_receiver)
-            self._adapters.load(self._llm, update.lora, tensors, update.version)
+            self._receiver = receiver_for(event, self._receiver, device=self._device, label="vllm")
+            with self._receiver.receive(event, update.timeout_s, update.abandoned) as received:
+                self._adapters.load(self._llm, event.lora, received.tensors, received.version)
         except WeightSyncError as e:  # nothing applied: the previous version is still served
             update.future.set_exception(e)
             return
         self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
-        self._version = update.version
+        self._version = event.version
         self._discarded = False
         update.future.set_result(time.perf_counter() - start)
 
-    def _fetch(self, update: WeightUpdate) -> str | None:
-        """Every worker pulls and verifies the version from the ZMQ server; None, or why one failed."""
+    def _stage(self, update: WeightUpdate) -> tuple[int, str | None]:
+        """Every worker receives and verifies the version through its receiver; returns (version, None),
+        or (-1, why one failed)."""
         assert self._llm is not None
-        args = (update.endpoint, update.version, update.checksum, update.timeout_s)
+        args = (encode(update.event), update.timeout_s, self._config.tensor_parallel_size)
         try:
-            results = self._llm.collective_rpc(FETCH_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
-        except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
-            return f"{type(e).__name__}: {e}"
-        return next((r for r in results if r is not None), None)
-
-    def _stage_ipc(self, update: WeightUpdate) -> str | None:
-        """Every worker copies the version from the learner's CUDA IPC buffers and verifies it; None, or
-        why one failed."""
-        assert self._llm is not None and update.ipc is not None
-        args = (encode_ipc(update.ipc), update.version, update.checksum)
-        try:
-            results = self._llm.collective_rpc(STAGE_IPC_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
-        except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
-            return f"{type(e).__name__}: {e}"
-        return next((r for r in results if r is not None), None)
-
-    def _stage_broadcast(self, update: WeightUpdate) -> tuple[int, str | None]:
-        """Stage ``update.version`` on every worker (each a member of the learner's weight group), each
-        checked against the signed event's checksum; returns (version, None), or (-1, why not)."""
-        assert self._llm is not None and update.broadcast is not None
-        signed = update.broadcast.checksum or update.checksum  # (an older learner: the event's own checksum)
-        args = (encode_rendezvous(update.broadcast), update.version, signed, update.timeout_s)
-        try:
-            results = self._llm.collective_rpc(
-                STAGE_BROADCAST_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args
-            )
+            results = self._llm.collective_rpc(STAGE_METHOD, timeout=update.timeout_s + RPC_MARGIN_S, args=args)
         except Exception as e:  # noqa: BLE001 - nothing applied yet: a failed RPC is a failed sync
             return -1, f"{type(e).__name__}: {e}"
         failure = next((error for _, error in results if error is not None), None)
-        return (-1, failure) if failure is not None else (update.version, None)
+        return (-1, failure) if failure is not None else (results[0][0], None)
 
     def _abort(self, job: _Job) -> None:
         assert self._llm is not None

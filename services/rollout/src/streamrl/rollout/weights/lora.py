@@ -3,7 +3,7 @@
 A LoRA run's learner (``learner.lora.sync = "adapter"``) publishes the adapter alone: its ``lora_A`` /
 ``lora_B`` tensors in peft's saved naming (``base_model.model.<module>.lora_A.weight``) over the same
 transports as full weights (ZMQ buckets, CUDA IPC buffers), verified against the signed event's checksum
-before anything is applied (:func:`fetch_adapter`), and the adapter's shape
+by the transport's receiver before anything is applied (:mod:`streamrl.torchkit.weights`), and the adapter's shape
 (:class:`~streamrl.common.messages.LoraAdapter`) in the event. The engine keeps the base it was built from
 (its model folder) and adds the adapter on top:
 
@@ -31,8 +31,6 @@ import torch
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import LoraAdapter
-from streamrl.rollout.engines.engine import WeightUpdate
-from streamrl.rollout.weights.zmq import torch_tensors
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"
@@ -51,19 +49,6 @@ def check_adapter(adapter: LoraAdapter, version: int, max_lora_rank: int | None)
             f"version {version} is a LoRA adapter of rank {adapter.rank}, above rollout.engine.max_lora_rank = "
             f"{max_lora_rank}: raise it (or lower learner.lora.rank)"
         )
-
-
-def fetch_adapter(update: WeightUpdate, ipc_receiver: Any = None) -> list[tuple[str, torch.Tensor]]:
-    """The adapter tensors of ``update``, verified against its checksum: from the learner's CUDA IPC buffers
-    through ``ipc_receiver`` (an :class:`~streamrl.rollout.weights.ipc.IpcWeightReceiver`) when the update
-    names them, else pulled from the weight server. Raises WeightSyncError; nothing is applied."""
-    if update.broadcast is not None:
-        raise WeightSyncError(f"version {update.version}: a LoRA adapter never travels over the broadcast group")
-    if update.ipc is not None:
-        if ipc_receiver is None:
-            raise WeightSyncError(f"version {update.version}: this engine cannot take CUDA IPC weights")
-        return [(name, t) for name, t in ipc_receiver.fetch(update.ipc, update.version, update.checksum)]
-    return list(torch_tensors(update.endpoint, update.version, update.checksum, update.timeout_s))
 
 
 def _check_names(tensors: Sequence[tuple[str, torch.Tensor]], version: int) -> None:

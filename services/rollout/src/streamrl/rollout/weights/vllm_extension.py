@@ -1,28 +1,17 @@
-"""vLLM worker extension that receives new weights (over ZMQ, CUDA IPC or the learner's broadcast group) and loads them.
+"""vLLM worker extension that receives new weights (through the event's weight receiver) and loads them.
 
 vLLM mixes this class into every worker (``worker_extension_cls``). The rollout engine calls its
 methods by name through ``collective_rpc``, so no Python function is shipped to the workers: each
-worker pulls the buckets of the version itself (:func:`streamrl.rollout.weights.zmq.torch_tensors`,
-which verifies the checksum), and once every worker holds the whole version the engine asks them
-to feed it to the model runner's ``reload_weights``. That entry point is what works
-on the CPU backend, which repacks linear weights (calling the model's ``load_weights`` directly
-changes nothing there) - unless the engine was built with ``cpu_weight_packing`` off: then the
-kernels read the live parameters and ``load_weights`` copies the new values into them in place.
-
-Over CUDA IPC (``learner.weights_transport = "ipc"``, the engine on the learner's GPU) the stage call
-runs :class:`streamrl.rollout.weights.ipc.IpcWeightReceiver` in the worker process: it opens the
-learner's buffers once (the handles arrive as the msgpack bytes of the event's ``IpcWeights``),
-copies them into staging buffers on the worker's GPU and verifies the device checksum there
-(:func:`streamrl.torchkit.flat.weights_checksum`); the staged views are then loaded like any other
-version. The staging buffers stay allocated (a second copy of the weights) so the next version
-opens nothing and allocates nothing.
-
-Over the learner's weight-broadcast group (``learner.weights_transport = "broadcast"``) every worker
-- each tensor-parallel rank - is a member of its own
-(:class:`streamrl.rollout.weights.broadcast.BroadcastReceiver`, built at the first such update):
-it receives every version into staging buffers on its device in the background, and the stage
-call only waits for the version asked for, checks it against the signed event's checksum and pins
-it; vLLM's loader then takes from the full tensors the shard its rank needs.
+worker receives and verifies the version itself, through the
+:class:`~streamrl.torchkit.weights.protocol.WeightReceiver` the event's ``transport`` tag picks
+(:func:`streamrl.torchkit.weights.factory.receiver_for`; built at the first update, kept while the
+transport stays: IPC handles opened once, a broadcast member receiving in the background), and once
+every worker holds the whole version the engine asks them to feed it to the model runner's
+``reload_weights``. That entry point is what works on the CPU backend, which repacks linear weights
+(calling the model's ``load_weights`` directly changes nothing there) - unless the engine was built
+with ``cpu_weight_packing`` off: then the kernels read the live parameters and ``load_weights`` copies
+the new values into them in place. Over a broadcast group vLLM's loader takes from the full tensors
+the shard its rank needs.
 
 Imported by vLLM inside the worker by qualified name; it imports torch, never vLLM.
 """
@@ -31,14 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 
-from streamrl.common.errors import WeightSyncError
-from streamrl.common.weights.broadcast import decode_rendezvous
-from streamrl.rollout.weights.ipc_plan import decode_ipc
-from streamrl.rollout.weights.zmq import torch_tensors
+from streamrl.common.codec import decode
+from streamrl.common.errors import PoisonMessageError, WeightSyncError
+from streamrl.common.messages import WeightsPublished
+from streamrl.torchkit.weights.factory import receiver_for
+from streamrl.torchkit.weights.protocol import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +43,7 @@ def _reads_weight(cpu_linear: Any) -> bool:
     return code is not None and code.co_names[-2:] == ("functional", "linear")
 
 
-class WeightReceiver:
+class WorkerWeights:
     """Mixed into the vLLM worker: ``self`` is the worker, ``self.model_runner`` its runner.
 
     Two phases, so that every worker (tensor-parallel ranks) holds the complete verified version
@@ -63,73 +54,45 @@ class WeightReceiver:
     model_runner: Any
     device: torch.device
     rank: int
-    _streamrl_staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
-    _streamrl_member: Any = None
-    """BroadcastReceiver of this worker (the learner's weight group), once one is advertised."""
-    _streamrl_ipc: Any = None
-    """IpcWeightReceiver of this worker (the learner's CUDA IPC buffers, opened once), from the first IPC update."""
-    _streamrl_pinned = False
-    """The staged version is the member's pinned staging buffers (released once loaded or discarded)."""
+    _streamrl_receiver: WeightReceiver | None = None
+    _streamrl_staged: tuple[int, list[tuple[str, torch.Tensor]], ExitStack] | None = None
+    """The verified version held open (its tensors are the receiver's until the stack closes)."""
 
-    def streamrl_fetch_weights(self, endpoint: str, version: int, checksum: str | None, timeout_s: float) -> str | None:
-        """Receive and verify ``version``; keep it staged. Return None, or why it failed."""
-        self._streamrl_staged = None
-        try:
-            weights = list(torch_tensors(endpoint, version, checksum, timeout_s))
-        except WeightSyncError as e:
-            return str(e)
-        self._streamrl_staged = (version, weights)
-        return None
-
-    def streamrl_stage_ipc(self, ipc: bytes, version: int, checksum: str) -> str | None:
-        """Copy ``version`` from the learner's CUDA IPC buffers (``ipc``: the msgpack bytes of its
-        IpcWeights) into this worker's staging buffers and verify ``checksum`` there; keep it staged.
-        Return None, or why it failed (nothing staged: not the learner's GPU, a handle that does not
-        open, a layout that does not fit, a checksum mismatch)."""
-        from streamrl.rollout.weights.ipc import IpcWeightReceiver
-
+    def streamrl_stage_weights(
+        self, event: bytes, timeout_s: float, tensor_parallel_size: int
+    ) -> tuple[int, str | None]:
+        """Receive and verify the version of ``event`` (an encoded WeightsPublished) and keep it staged.
+        Return (its version, None), or (-1, why it failed: nothing staged)."""
         self.streamrl_discard_weights()
+        stack = ExitStack()
         try:
-            message = decode_ipc(ipc)
-            if self._streamrl_ipc is None:
-                self._streamrl_ipc = IpcWeightReceiver(self.device)
-            weights = self._streamrl_ipc.fetch(message, version, checksum)
-        except (WeightSyncError, ValueError) as e:
-            return f"{type(e).__name__}: {e}"
-        self._streamrl_staged = (version, weights)
-        return None
+            message = decode(event, WeightsPublished)
+            self._streamrl_receiver = receiver_for(
+                message,
+                self._streamrl_receiver,
+                device=self.device,
+                label=f"tp{self.rank}",
+                tensor_parallel_size=tensor_parallel_size,
+            )
+            received = stack.enter_context(self._streamrl_receiver.receive(message, timeout_s))
+        except (WeightSyncError, PoisonMessageError, ValueError) as e:
+            stack.close()
+            return -1, f"{type(e).__name__}: {e}"
+        self._streamrl_staged = (received.version, received.tensors, stack)
+        return received.version, None
 
     def streamrl_release_staging(self) -> None:
-        """Free the IPC staging buffers (the engine is going to sleep: the memory is the learner's meanwhile)."""
+        """Free the receiver's staging memory (the engine is going to sleep: the memory is the learner's meanwhile)."""
         self.streamrl_discard_weights()
-        if self._streamrl_ipc is not None:
-            self._streamrl_ipc.release_staging()
-            torch.cuda.empty_cache()
+        if self._streamrl_receiver is not None:
+            self._streamrl_receiver.release_memory()
 
-    def streamrl_stage_broadcast(
-        self, broadcast: bytes, version: int, checksum: str, timeout_s: float
-    ) -> tuple[int, str | None]:
-        """Wait until this worker's member of the learner's weight group (``broadcast``: a msgpack
-        WeightsBroadcast) has received ``version`` hashing to ``checksum`` (the signed event's), and
-        stage it (pinned). Return (``version``, None), or (-1, why it failed or was refused)."""
-        from streamrl.rollout.weights.broadcast import member_for
-
+    def streamrl_close_receiver(self) -> None:
+        """Release the receiver (the engine is closing: e.g. leave the learner's weight group)."""
         self.streamrl_discard_weights()
-        info = decode_rendezvous(broadcast)
-        try:
-            self._streamrl_member = member_for(self._streamrl_member, info, self.device, f"tp{self.rank}", timeout_s)
-            staged, weights = self._streamrl_member.acquire(version, timeout_s, checksum=checksum)
-        except WeightSyncError as e:
-            return -1, str(e)
-        self._streamrl_staged, self._streamrl_pinned = (staged, weights), True
-        return staged, None
-
-    def streamrl_close_broadcast(self) -> None:
-        """Leave the learner's weight group (the engine is closing)."""
-        self.streamrl_discard_weights()
-        if self._streamrl_member is not None:
-            self._streamrl_member.close()
-            self._streamrl_member = None
+        if self._streamrl_receiver is not None:
+            self._streamrl_receiver.close()
+            self._streamrl_receiver = None
 
     def streamrl_apply_weights(self, version: int, in_place: bool = False) -> int:
         """Load the staged ``version`` into the model; return the number of tensors loaded.
@@ -171,8 +134,7 @@ class WeightReceiver:
         return True
 
     def streamrl_discard_weights(self) -> None:
-        """Drop a staged version (loaded, or another worker failed to receive it); unpin the member's buffers."""
-        self._streamrl_staged = None
-        if self._streamrl_pinned:
-            self._streamrl_pinned = False
-            self._streamrl_member.release()
+        """Drop a staged version (loaded, or another worker failed to receive it); the receiver gets its buffers back."""
+        staged, self._streamrl_staged = self._streamrl_staged, None
+        if staged is not None:
+            staged[2].close()

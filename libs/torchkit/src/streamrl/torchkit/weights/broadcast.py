@@ -1,17 +1,17 @@
-"""Broadcast the learner's weights to rollout workers over a process group of their own (NCCL or gloo).
+"""The ``broadcast`` transport's learner end: the weights to rollout workers over a process group of their own.
 
 With ``learner.weights_transport = "broadcast"``, learner rank 0 owns a
-:class:`BroadcastWeightPublisher`:
+:class:`BroadcastPublisher` (the workers' end is :mod:`.broadcast_member`):
 
 * It hosts a ``torch.distributed.TCPStore`` (the rendezvous advertised in every
   ``WeightsPublished.broadcast``) and builds the weight group directly on it -
   ``ProcessGroupNCCL`` when the weights are on CUDA, ``ProcessGroupGloo`` on CPU - on a
   ``PrefixStore`` per generation: the learner's default group (its DeepSpeed data-parallel group)
   is never touched (:func:`streamrl.torchkit.process_group.new_group`). Rollout workers
-  (``streamrl.rollout.weights.broadcast``) are ranks 1..n.
+  (:class:`.broadcast_member.BroadcastReceiver`) are ranks 1..n.
 * :meth:`publish` copies the weights into flat device buckets of ``bucket_bytes`` and computes
   the device-side block checksum - the packing, layout and checksum of the CUDA IPC path
-  (:mod:`streamrl.learner.rl.weights.ipc`, :mod:`streamrl.torchkit.flat`) - then returns. A background thread broadcasts the
+  (:mod:`.ipc`, :mod:`streamrl.torchkit.flat`) - then returns. A background thread broadcasts the
   buckets: the training step waits only for the copy, and for a broadcast of the previous version
   that is still reading the buckets.
 * The thread also keeps the membership (protocol: :mod:`streamrl.common.weights.broadcast`): a
@@ -19,6 +19,9 @@ With ``learner.weights_transport = "broadcast"``, learner rank 0 owns a
   generation of the group, which gets the current version again - so a late joiner receives the
   current weights as soon as it joins, before its first prompt. Every operation has a deadline
   (``timeout_s``); a member that misses one is named in the log and dropped, training goes on.
+* With ``zmq_fallback`` (a :class:`.zmq.ZmqPublisher`) the same buckets are also served over ZMQ for
+  workers that cannot join; the event is still tagged ``broadcast``, its ``endpoint`` set and its
+  ``checksum`` the ZMQ server's (members check the rendezvous' own checksum).
 
 Memory: one copy of the weights in the buckets on the learner's device. The TCP store listens on
 every interface and has no authentication (nor does the group): keep the learner and its rollout
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -45,11 +47,12 @@ import torch.distributed as dist
 
 from streamrl.common.messages import WeightsBroadcast
 from streamrl.common.weights import broadcast as wb
-from streamrl.learner.rl.config import LearnerConfig
-from streamrl.learner.rl.weights.ipc import IpcWeightPublisher
-from streamrl.learner.rl.weights.tied import TIED_ALIASES
 from streamrl.torchkit.flat import BLOCK_BYTES, tensor_views
 from streamrl.torchkit.process_group import Group, new_group, put, wait_work
+from streamrl.torchkit.weights.ipc import IpcPublisher
+from streamrl.torchkit.weights.protocol import PublishedWeights
+from streamrl.torchkit.weights.tied import TIED_ALIASES
+from streamrl.torchkit.weights.zmq import ZmqPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +61,13 @@ JOIN_POLL_S = 0.1
 """How often the thread looks for new registrations while idle (s)."""
 
 
-class BroadcastWeightPublisher:
+class BroadcastPublisher:
     """Learner rank 0's end of the weight broadcast; see the module docstring.
 
     Example:
-        publisher = BroadcastWeightPublisher.from_config(config)  # or (advertise_host=..., port=..., ...)
-        broadcast, checksum = publisher.publish(engine.iter_full_params(), version=3)
-        # -> WeightsPublished(version=3, checksum=checksum, num_bytes=publisher.num_bytes,
-        #                     num_buckets=publisher.num_buckets, endpoint="", broadcast=broadcast, ...)
+        publisher = BroadcastPublisher(advertise_host="learner-0", port=29600)
+        fields = publisher.publish(engine.iter_full_params(), version=3)
+        # -> WeightsPublished(version=3, **fields, ...)
         publisher.close()
     """
 
@@ -77,6 +79,7 @@ class BroadcastWeightPublisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
         tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES,
+        zmq_fallback: ZmqPublisher | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -89,7 +92,8 @@ class BroadcastWeightPublisher:
         self.address = f"{advertise_host}:{self._store.port}"
         """``host:port`` of the rendezvous, as advertised to the rollout workers."""
         self.session = secrets.token_hex(8)
-        self._packer = IpcWeightPublisher(bucket_bytes, tied_aliases)  # its buckets, layout and checksum; no IPC
+        self._packer = IpcPublisher(bucket_bytes, tied_aliases)  # its buckets, layout and checksum; no IPC
+        self._zmq = zmq_fallback
         self._lock = threading.Lock()
         """Held by ``publish`` while it writes the buckets and by the thread while it broadcasts them."""
         self._current: tuple[int, str] | None = None
@@ -123,19 +127,6 @@ class BroadcastWeightPublisher:
         self._thread = threading.Thread(target=self._run, name="weights-broadcast", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_config(cls, config: LearnerConfig) -> BroadcastWeightPublisher:
-        """The publisher ``learner.weights_*`` describe (store port, advertised host, bucket size, deadline)."""
-        host = config.weights_advertise_host or config.weights_host
-        if host in ("0.0.0.0", "*"):
-            host = socket.gethostname()
-        return cls(
-            advertise_host=host,
-            port=config.weights_store_port,
-            bucket_bytes=config.weights_bucket_mb * 2**20,
-            timeout_s=config.weights_broadcast_timeout_s,
-        )
-
     # ------------------------------------------------------------------ caller side
     @property
     def num_bytes(self) -> int:
@@ -152,10 +143,10 @@ class BroadcastWeightPublisher:
         with self._changed:
             return list(self._members)
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[WeightsBroadcast, str]:
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishedWeights:
         """Copy ``named_tensors`` (all on one device) into the buckets as ``version``; the broadcast
-        runs in the background. Returns (rendezvous for ``WeightsPublished.broadcast``, checksum); the
-        rendezvous carries the checksum too (signed with the event, members load nothing else).
+        runs in the background. The event's ``broadcast`` rendezvous carries the checksum (signed with
+        the event, members load nothing else); with the ZMQ fallback the buckets are served there too.
 
         Waits while the previous version is still being broadcast. Raises RuntimeError if the
         broadcast thread died (its store failed).
@@ -190,7 +181,19 @@ class BroadcastWeightPublisher:
             tensors=self._packer.layout,
             checksum=checksum,
         )
-        return broadcast, checksum
+        fields = PublishedWeights(
+            transport="broadcast",
+            checksum=checksum,
+            num_bytes=self.num_bytes,
+            num_buckets=self.num_buckets,
+            endpoint="",
+            ipc=None,
+            broadcast=broadcast,
+        )
+        if self._zmq is not None:  # the event's checksum is then the ZMQ server's
+            served = self._zmq.publish(self.tensors(), version)
+            fields["checksum"], fields["endpoint"] = served["checksum"], served["endpoint"]
+        return fields
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, view of the buckets) of the last published version, e.g. to feed the ZMQ server too;
@@ -216,6 +219,8 @@ class BroadcastWeightPublisher:
 
     def close(self) -> None:
         """Stop the thread, leave the group and shut the store down (members see it gone)."""
+        if self._zmq is not None:
+            self._zmq.close()
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=self._timeout_s + 5)
