@@ -2,9 +2,12 @@
 
 :class:`ZmqPublisher` (learner) turns named torch tensors into the buckets of
 :mod:`streamrl.common.weights.wire` and serves the latest version from a background thread;
-:class:`ZmqReceiver` (an engine) pulls them (``fetch_buckets``), which verifies the checksum the signed
-event names before anything is yielded, and hands each tensor out as a read-only torch view of the
-received bytes (:func:`streamrl.torchkit.wire.to_torch`). Works on CPU, across hosts, for late joiners.
+:class:`ZmqReceiver` (an engine) pulls them with a :class:`~streamrl.common.weights.stream.StreamReceiver`
+(the manifest checked against the signed event's checksum, then every chunk over several pipelined TCP
+connections, each verified as it lands, into one staging buffer the receiver keeps across versions) and,
+only once every bucket of the version verified, hands each tensor out as a read-only torch view of the
+staging buffer (:func:`streamrl.torchkit.wire.to_torch`): an engine never loads a bucket of a version
+that does not arrive whole. Works on CPU, across hosts, for late joiners.
 
 Tensors are copied to host memory once per version (:func:`streamrl.torchkit.wire.to_wire`: bf16
 stays bf16 on the wire, half the bytes of fp32). With tied embeddings ``lm_head.weight`` is sent
@@ -22,7 +25,8 @@ from contextlib import contextmanager
 import torch
 
 from streamrl.common.messages import WeightsPublished, WeightsTransport
-from streamrl.common.weights.wire import DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version, fetch_buckets
+from streamrl.common.weights.stream import StreamReceiver
+from streamrl.common.weights.wire import DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version
 from streamrl.torchkit.weights.protocol import PublishedWeights, Received
 from streamrl.torchkit.weights.tied import TIED_ALIASES, tied_copies
 from streamrl.torchkit.wire import to_torch, to_wire
@@ -98,31 +102,26 @@ class ZmqPublisher:
         self._server.close()
 
 
-def torch_tensors(
-    endpoint: str, version: int, checksum: str | None, timeout_s: float, abandoned: threading.Event | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of ``version`` from the weight server at ``endpoint``, verified against
-    ``checksum`` (None: not checked) before the first is yielded; raises
-    :class:`streamrl.common.errors.WeightSyncError` on a missed deadline, a server gone, a mismatch, or
-    ``abandoned`` set."""
-    for received in fetch_buckets(endpoint, version, checksum, timeout_s, abandoned=abandoned):
-        yield received.name, to_torch(received)
-
-
 class ZmqReceiver:
-    """Pulls each version from the weight server the event names; holds nothing between versions."""
+    """Pulls each version from the weight server the event names into the staging buffer it keeps."""
 
     transport: WeightsTransport = "zmq"
+
+    def __init__(self) -> None:
+        self._stream = StreamReceiver()
 
     @contextmanager
     def receive(
         self, event: WeightsPublished, timeout_s: float, abandoned: threading.Event | None = None
     ) -> Iterator[Received]:
-        tensors = list(torch_tensors(event.endpoint, event.version, event.checksum, timeout_s, abandoned))
-        yield Received(event.version, tensors)
+        """The whole verified version (views of the staging buffer, valid inside the context only)."""
+        fetched = self._stream.fetch(event.endpoint, event.version, event.checksum, timeout_s, abandoned)
+        buckets = sorted(fetched, key=lambda bucket: bucket.bucket)
+        yield Received(event.version, [(t.name, to_torch(t)) for b in buckets for t in b.tensors])
 
     def release_memory(self) -> None:
-        pass
+        """Drop the staging buffer (one model's bytes of host memory) until the next version."""
+        self._stream = StreamReceiver()
 
     def close(self) -> None:
         pass
