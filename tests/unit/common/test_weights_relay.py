@@ -130,3 +130,36 @@ def test_a_relay_killed_mid_transfer_its_downstream_finishes_from_the_source() -
         source.hold(manifest, DATA)
         got = downstream.fetch(5, manifest.checksum(), [middle, source.address], 5.0)
         assert bytes(got) == DATA
+
+
+def test_a_real_relay_closed_mid_transfer_its_downstream_resumes_from_the_source() -> None:
+    manifest = build_manifest(9, DATA, CHUNK)
+    with nodes(3) as (source, middle, downstream), fake_upstream(manifest, DATA, 6, "stall") as slow:
+        source.hold(manifest, DATA)
+        middle_errors: list[RelayError] = []
+
+        def middle_fetch() -> None:
+            try:
+                middle.fetch(9, manifest.checksum(), [slow], 3.0)
+            except RelayError as exc:  # its own upstream stalls: expected
+                middle_errors.append(exc)
+
+        middle_thread = threading.Thread(target=middle_fetch)
+        middle_thread.start()
+        got: list[bytes] = []
+        downstream_thread = threading.Thread(
+            target=lambda: got.append(
+                bytes(downstream.fetch(9, manifest.checksum(), [middle.address, source.address], 5.0))
+            )
+        )
+        downstream_thread.start()
+        deadline = time.monotonic() + 5.0
+        while middle.bytes_sent < 6 * CHUNK and time.monotonic() < deadline:  # downstream holds what middle had
+            time.sleep(0.01)
+        assert middle.bytes_sent == 6 * CHUNK
+        middle.close()
+        downstream_thread.join()
+        middle_thread.join()
+        assert got == [DATA]
+        assert source.bytes_sent == len(DATA) - 6 * CHUNK
+        assert len(middle_errors) == 1
