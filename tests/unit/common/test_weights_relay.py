@@ -21,8 +21,8 @@ DATA = os.urandom(CHUNK * 10 + 123)
 
 
 @contextmanager
-def nodes(count: int) -> Iterator[list[RelayNode]]:
-    made = [RelayNode(stall_s=2.0) for _ in range(count)]
+def nodes(count: int, digest_threads: int = 0) -> Iterator[list[RelayNode]]:
+    made = [RelayNode(stall_s=2.0, digest_threads=digest_threads) for _ in range(count)]
     try:
         yield made
     finally:
@@ -53,10 +53,12 @@ def test_upstreams_orders_parent_then_ancestors_to_the_source() -> None:
     assert upstreams(order, 5, fanout=8) == [("h", 0)]
 
 
-@pytest.mark.parametrize(("count", "fanout"), [(4, 1), (6, 2), (3, 3)])
-def test_every_receiver_gets_the_verified_bytes_and_the_source_sends_once_per_child(count: int, fanout: int) -> None:
+@pytest.mark.parametrize(("count", "fanout", "digest_threads"), [(4, 1, 0), (6, 2, 0), (3, 3, 0), (4, 1, 2)])
+def test_every_receiver_gets_the_verified_bytes_and_the_source_sends_once_per_child(
+    count: int, fanout: int, digest_threads: int
+) -> None:
     manifest = build_manifest(7, DATA, CHUNK)
-    with nodes(count + 1) as made:
+    with nodes(count + 1, digest_threads) as made:
         made[0].hold(manifest, DATA)
         order = [node.address for node in made]
         assert fetch_all(made[1:], order, manifest, fanout) == [DATA] * count
@@ -103,10 +105,13 @@ def fake_upstream(manifest: Manifest, data: bytes, chunks: int, then: str) -> It
         listener.close()
 
 
+@pytest.mark.parametrize("digest_threads", [0, 2])
 @pytest.mark.parametrize("then", ["close", "corrupt", "stall"])
-def test_a_failing_upstream_is_dropped_and_the_rest_comes_from_an_earlier_holder(then: str) -> None:
+def test_a_failing_upstream_is_dropped_and_the_rest_comes_from_an_earlier_holder(
+    then: str, digest_threads: int
+) -> None:
     manifest = build_manifest(3, DATA, CHUNK)
-    with nodes(2) as (source, receiver), fake_upstream(manifest, DATA, 4, then) as dead:
+    with nodes(2, digest_threads) as (source, receiver), fake_upstream(manifest, DATA, 4, then) as dead:
         receiver.stall_s = 0.5
         source.hold(manifest, DATA)
         got = receiver.fetch(3, manifest.checksum(), [dead, source.address], 5.0)
@@ -163,3 +168,13 @@ def test_a_real_relay_closed_mid_transfer_its_downstream_resumes_from_the_source
         assert got == [DATA]
         assert source.bytes_sent == len(DATA) - 6 * CHUNK
         assert len(middle_errors) == 1
+
+
+def test_with_digest_threads_nothing_after_a_corrupt_chunk_counts_as_held() -> None:
+    manifest = build_manifest(4, DATA, CHUNK)
+    corrupt = bytearray(DATA)
+    corrupt[2 * CHUNK] ^= 1  # chunk 2 of 11, then the good rest
+    with nodes(1, digest_threads=2) as (receiver,), fake_upstream(manifest, bytes(corrupt), 11, "close") as liar:
+        with pytest.raises(RelayError, match="chunk 2 failed its digest"):
+            receiver.fetch(4, manifest.checksum(), [liar], 2.0)
+        assert receiver._held == 2

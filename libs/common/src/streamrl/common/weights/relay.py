@@ -30,7 +30,9 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 Address = tuple[str, int]
@@ -99,8 +101,12 @@ class RelayNode:
     """Holds (or fetches) one version in one buffer and serves its verified chunks to any number
     of downstream connections, each from the chunk it asks for, as the chunks arrive."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, stall_s: float = 10.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, stall_s: float = 10.0, digest_threads: int = 0) -> None:
+        """``digest_threads`` > 0 verifies chunks in that many threads while later chunks are received
+        (``hashlib`` releases the GIL); 0 verifies each chunk inline before receiving the next."""
         self.stall_s = stall_s
+        self._digest_threads = digest_threads
+        self._digests = ThreadPoolExecutor(digest_threads, "relay-digest") if digest_threads > 0 else None
         self.bytes_sent = 0
         self._cond = threading.Condition()
         self._manifest: Manifest | None = None
@@ -163,16 +169,33 @@ class RelayNode:
                         raise RelayError("the manifest changed mid-version")
                     self._manifest, self._buffer, self._held = manifest, memoryview(bytearray(total)), 0
                     self._cond.notify_all()
-            for index in range(first, num_chunks):
-                sock.settimeout(max(0.01, min(self.stall_s, deadline - time.monotonic())))
-                start, end = manifest.chunk_range(index)
-                chunk = self._buffer[start:end]
-                _recv_into_exact(sock, chunk)
-                if _digest(chunk) != manifest.digests[index * _DIGEST_BYTES : (index + 1) * _DIGEST_BYTES]:
-                    raise RelayError(f"chunk {index} failed its digest")
-                with self._cond:
-                    self._held = index + 1
-                    self._cond.notify_all()
+            pending: deque[tuple[int, Future[bytes]]] = deque()  # received, being verified, in order
+            try:
+                for index in range(first, num_chunks):
+                    sock.settimeout(max(0.01, min(self.stall_s, deadline - time.monotonic())))
+                    start, end = manifest.chunk_range(index)
+                    chunk = self._buffer[start:end]
+                    _recv_into_exact(sock, chunk)
+                    if self._digests is None:
+                        self._verified(manifest, index, _digest(chunk))
+                        continue
+                    pending.append((index, self._digests.submit(_digest, chunk)))
+                    while pending and (pending[0][1].done() or len(pending) > 2 * self._digest_threads):
+                        done, future = pending.popleft()
+                        self._verified(manifest, done, future.result())
+            finally:  # chunks received whole before a failure still count: the next upstream resumes after them
+                for done, future in pending:
+                    if done != self._held:  # after a chunk that failed its digest: nothing later counts
+                        break
+                    self._verified(manifest, done, future.result())
+
+    def _verified(self, manifest: Manifest, index: int, digest: bytes) -> None:
+        """Chunk ``index`` counts as held (and is served onward) only if its digest matches."""
+        if digest != manifest.digests[index * _DIGEST_BYTES : (index + 1) * _DIGEST_BYTES]:
+            raise RelayError(f"chunk {index} failed its digest")
+        with self._cond:
+            self._held = index + 1
+            self._cond.notify_all()
 
     # -- serving ---------------------------------------------------------------------------------
 
@@ -228,6 +251,8 @@ class RelayNode:
         except OSError:
             pass
         self._listener.close()
+        if self._digests is not None:
+            self._digests.shutdown(wait=False, cancel_futures=True)
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
