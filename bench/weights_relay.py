@@ -1,7 +1,7 @@
 """Weights to N receiver processes through the relay (streamrl.common.weights.relay), against a naive star.
 
     python bench/weights_relay.py [--ns 1,8,32,64] [--size-mb 32] [--chunk-kb 1024] [--fanouts 1,2]
-        [--star-ns 8,32] [--repeats 3] [--ray]
+        [--star-ns 8,32] [--repeats 3] [--digest-threads 0] [--ray]
 
 Each row forks N receiver processes (each its own RelayNode and buffer) and one source (this process)
 holding ``--size-mb`` of random bytes cut into ``--chunk-kb`` chunks. Topologies: ``chain`` (fanout 1:
@@ -43,10 +43,11 @@ from streamrl.common.weights.relay import RelayNode, build_manifest, upstreams
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = 1
+DIGEST_THREADS = 0  # set from --digest-threads before any receiver is forked
 
 
-def _receiver(conn: Connection) -> None:
-    node = RelayNode(stall_s=120.0)
+def _receiver(conn: Connection, digest_threads: int) -> None:
+    node = RelayNode(stall_s=120.0, digest_threads=digest_threads)
     conn.send(node.address)
     sources, checksum = conn.recv()
     conn.recv()  # go
@@ -72,7 +73,7 @@ def _run(fanout: int, n: int, data: bytes, chunk_bytes: int) -> dict[str, Any]:
     pipes, procs = [], []
     for _ in range(n):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_receiver, args=(child,), daemon=True)
+        proc = ctx.Process(target=_receiver, args=(child, DIGEST_THREADS), daemon=True)
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -169,9 +170,12 @@ def main() -> None:
     parser.add_argument("--fanouts", default="1,2", help="1: chain; k: k-ary tree")
     parser.add_argument("--star-ns", default="8,32")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row; the median is reported")
+    parser.add_argument("--digest-threads", type=int, default=0, help="RelayNode(digest_threads=...) of each receiver")
     parser.add_argument("--ray", action="store_true", help="also Ray's object store, same payload, same ns")
     args = parser.parse_args()
     ns = [int(x) for x in args.ns.split(",")]
+    global DIGEST_THREADS
+    DIGEST_THREADS = args.digest_threads
     data = os.urandom(args.size_mb << 20)
     chunk_bytes = args.chunk_kb << 10
 
@@ -197,6 +201,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "payload_mb": args.size_mb,
         "chunk_kb": args.chunk_kb,
+        "digest_threads": args.digest_threads,
         "num_chunks": math.ceil(len(data) / chunk_bytes),
         "digest_s_per_gb": round(digest_s_per_gb, 4),
         "rows": rows,
