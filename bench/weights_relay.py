@@ -43,7 +43,6 @@ from streamrl.common.weights.relay import RelayNode, build_manifest, upstreams
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = 1
-DIGEST_THREADS = 0  # set from --digest-threads before any receiver is forked
 
 
 def _receiver(conn: Connection, digest_threads: int) -> None:
@@ -59,21 +58,25 @@ def _receiver(conn: Connection, digest_threads: int) -> None:
     conn.send((node.bytes_sent, time.process_time() - cpu))  # CPU of receiving, verifying and forwarding
 
 
-def _row(topology: str, fanout: int, n: int, data: bytes, chunk_bytes: int, repeats: int) -> dict[str, Any]:
+def _row(
+    topology: str, fanout: int, n: int, data: bytes, chunk_bytes: int, repeats: int, digest_threads: int
+) -> dict[str, Any]:
     """The median of ``repeats`` runs by time to the last receiver (this machine is shared: noisy)."""
-    runs = sorted((_run(fanout, n, data, chunk_bytes) for _ in range(repeats)), key=lambda r: r["last_receiver_s"])
+    runs = sorted(
+        (_run(fanout, n, data, chunk_bytes, digest_threads) for _ in range(repeats)), key=lambda r: r["last_receiver_s"]
+    )
     row = {"topology": topology, "n": n, **runs[len(runs) // 2]}
     row["last_receiver_s_runs"] = [r["last_receiver_s"] for r in runs]
     print(json.dumps(row), flush=True)
     return row
 
 
-def _run(fanout: int, n: int, data: bytes, chunk_bytes: int) -> dict[str, Any]:
+def _run(fanout: int, n: int, data: bytes, chunk_bytes: int, digest_threads: int) -> dict[str, Any]:
     ctx = mp.get_context("fork")
     pipes, procs = [], []
     for _ in range(n):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_receiver, args=(child, DIGEST_THREADS), daemon=True)
+        proc = ctx.Process(target=_receiver, args=(child, digest_threads), daemon=True)
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -105,10 +108,10 @@ def _run(fanout: int, n: int, data: bytes, chunk_bytes: int) -> dict[str, Any]:
     }
 
 
-def _latency_rows(ns: list[int], repeats: int) -> list[dict[str, Any]]:
+def _latency_rows(ns: list[int], repeats: int, digest_threads: int) -> list[dict[str, Any]]:
     """Chain of one 64 KiB chunk: what each hop adds beyond moving bytes (connect, wake, forward)."""
     tiny = os.urandom(64 << 10)
-    return [_row("chain_one_64k_chunk", 1, n, tiny, len(tiny), repeats) for n in ns]
+    return [_row("chain_one_64k_chunk", 1, n, tiny, len(tiny), repeats, digest_threads) for n in ns]
 
 
 def _fit(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -174,8 +177,6 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true", help="also Ray's object store, same payload, same ns")
     args = parser.parse_args()
     ns = [int(x) for x in args.ns.split(",")]
-    global DIGEST_THREADS
-    DIGEST_THREADS = args.digest_threads
     data = os.urandom(args.size_mb << 20)
     chunk_bytes = args.chunk_kb << 10
 
@@ -188,8 +189,8 @@ def main() -> None:
     topologies.append(("star", 1 << 30, [int(x) for x in args.star_ns.split(",")]))
     for topology, fanout, row_ns in topologies:
         for n in row_ns:
-            rows.append(_row(topology, fanout, n, data, chunk_bytes, args.repeats))
-    rows += _latency_rows(ns, args.repeats)
+            rows.append(_row(topology, fanout, n, data, chunk_bytes, args.repeats, args.digest_threads))
+    rows += _latency_rows(ns, args.repeats, args.digest_threads)
     topologies.append(("chain_one_64k_chunk", 1, ns))
     fits = {t: _fit([r for r in rows if r["topology"] == t]) for t, _, row_ns in topologies if len(row_ns) > 2}
 
