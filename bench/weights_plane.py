@@ -10,6 +10,9 @@ each, interleaved so that they share the machine's load:
 * ``stream``: :class:`~streamrl.common.weights.stream.StreamReceiver` (``--connections`` TCP
   connections, each count measured), every verified bucket copied into the model's parameters as it
   arrives (``torch._foreach_copy_``, one copy per tensor, as the transformers engine loads);
+* ``engine``: what the transformers engine runs (``streamrl.torchkit.weights.zmq.ZmqReceiver``, the
+  transport's receiver: the same stream with its default connections, every bucket verified before the
+  engine copies any, then the same copy) - ``engine_gbps``, the figure a user gets;
 * ``zmq`` (the path before this one): :func:`~streamrl.common.weights.wire.fetch_buckets`, then the
   same copy into the model;
 * ``raw_tcp``: the same bytes (every bucket's data) over one plain TCP socket into a preallocated
@@ -46,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-for src in ("libs/common/src",):
+for src in ("libs/common/src", "libs/torchkit/src"):
     if str(ROOT / src) not in sys.path:
         sys.path.insert(0, str(ROOT / src))
 
@@ -118,10 +121,14 @@ def digest_of(arrays: list[np.ndarray]) -> str:
 def receiver_main(conn: Connection, shape: str) -> None:
     import torch
 
+    from streamrl.common.messages import WeightsPublished
+    from streamrl.torchkit.weights.zmq import ZmqReceiver
+
     torch.set_num_threads(1)
     model = build_model(shape)
     params = dict(model.named_parameters())
     receiver = StreamReceiver()  # its staging buffer is the raw baseline's preallocated buffer too
+    engine_receiver = ZmqReceiver()
 
     def apply(tensors: list[Any]) -> None:
         with warnings.catch_warnings():
@@ -140,6 +147,22 @@ def receiver_main(conn: Connection, shape: str) -> None:
             receiver.num_connections = connections
             for bucket in receiver.fetch(endpoint, version, checksum, TIMEOUT_S):
                 apply(bucket.tensors)
+        elif command == "engine":
+            endpoint, version, checksum = args
+            event = WeightsPublished(
+                version=version,
+                step=version,
+                batch_id="bench",
+                checksum=checksum,
+                num_bytes=0,
+                num_buckets=0,
+                endpoint=endpoint,
+            )
+            with engine_receiver.receive(event, TIMEOUT_S) as received:
+                with torch.no_grad():
+                    torch._foreach_copy_(
+                        [params[n].data for n, _ in received.tensors], [t for _, t in received.tensors]
+                    )
         elif command == "zmq":
             endpoint, version, checksum = args
             apply(list(fetch_buckets(endpoint, version, checksum, TIMEOUT_S)))
@@ -195,11 +218,14 @@ def measure(shape: str, repeats: int, connections: list[int], bucket_mb: int) ->
     try:
         tag, param_bytes = parent.recv()
         assert tag == "ready" and param_bytes == model_bytes, (param_bytes, model_bytes)
-        times: dict[str, list[float]] = {"raw_tcp": [], "zmq": []} | {f"stream_{c}": [] for c in connections}
+        times: dict[str, list[float]] = {"raw_tcp": [], "zmq": [], "engine": []} | {
+            f"stream_{c}": [] for c in connections
+        }
         for _ in range(repeats + 1):  # the first round warms the buffers and is dropped
             times["raw_tcp"].append(run_raw(parent, data, sum(len(d) for d in data)))
             for c in connections:
                 times[f"stream_{c}"].append(run_fetch(parent, ("stream", server.endpoint, 1, encoded.checksum, c)))
+            times["engine"].append(run_fetch(parent, ("engine", server.endpoint, 1, encoded.checksum)))
             times["zmq"].append(run_fetch(parent, ("zmq", server.endpoint, 1, encoded.checksum)))
         parent.send(("digest", names))
         tag, actual = parent.recv()
@@ -223,6 +249,8 @@ def measure(shape: str, repeats: int, connections: list[int], bucket_mb: int) ->
         "loopback_gbps": median[f"stream_{best}"],
         "connections": best,
         "vs_raw_tcp": median[f"stream_{best}"] / median["raw_tcp"],
+        "engine_gbps": median["engine"],
+        "engine_vs_raw_tcp": median["engine"] / median["raw_tcp"],
         "old_zmq_gbps": median["zmq"],
         "stream_gbps_by_connections": {c: median[f"stream_{c}"] for c in connections},
         "gbps_per_repeat": gbps,
@@ -245,11 +273,14 @@ def main() -> None:
     args = parser.parse_args()
     load_before = loadavg()
     results = {shape: measure(shape, args.repeats, args.connections, args.bucket_mb) for shape in args.shapes}
-    print(f"{'shape':>6} {'GB':>6} {'raw GB/s':>9} {'stream GB/s':>12} {'conns':>6} {'vs raw':>7} {'old zmq GB/s':>13}")
+    print(
+        f"{'shape':>6} {'GB':>6} {'raw GB/s':>9} {'stream GB/s':>12} {'conns':>6} {'vs raw':>7} {'engine GB/s':>12} "
+        f"{'old zmq GB/s':>13}"
+    )
     for shape, r in results.items():
         print(
             f"{shape:>6} {r['model_bytes'] / 1e9:>6.2f} {r['raw_tcp_gbps']:>9.2f} {r['loopback_gbps']:>12.2f} "
-            f"{r['connections']:>6} {r['vs_raw_tcp']:>7.2f} {r['old_zmq_gbps']:>13.3f}"
+            f"{r['connections']:>6} {r['vs_raw_tcp']:>7.2f} {r['engine_gbps']:>12.2f} {r['old_zmq_gbps']:>13.3f}"
         )
     worst = min(results.values(), key=lambda r: r["vs_raw_tcp"])
     now = datetime.now(timezone.utc)
@@ -266,6 +297,8 @@ def main() -> None:
         "loopback_gbps": min(r["loopback_gbps"] for r in results.values()),
         "raw_tcp_gbps": worst["raw_tcp_gbps"],
         "vs_raw_tcp": worst["vs_raw_tcp"],
+        "engine_gbps": min(r["engine_gbps"] for r in results.values()),
+        "engine_vs_raw_tcp": min(r["engine_vs_raw_tcp"] for r in results.values()),
         "old_zmq_gbps": min(r["old_zmq_gbps"] for r in results.values()),
         "repeats": args.repeats,
         "shapes": results,
