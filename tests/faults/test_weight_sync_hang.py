@@ -9,6 +9,8 @@ worker takes the version and the run finishes with nothing lost.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 
 import pytest
@@ -27,8 +29,17 @@ RECOVERY_BOUND_S = 20.0
 """From the network healing to the next trained batch (s): one retry pause plus a fetch."""
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (the weight server's chunk stream listens on the next port)."""
+    for _ in range(100):
+        port = free_port()
+        with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port + 1)):
+            return port
+    raise RuntimeError("no two free ports in a row")
+
+
 def test_weight_transfer_hangs_past_its_deadline(fault_run: MakeRun) -> None:
-    port = free_port()
+    port = free_port_pair()
     proxy = WeightsProxy(port).start()
     overrides = [
         f"--total_steps={TOTAL_STEPS}",

@@ -1,7 +1,8 @@
 """A TCP proxy between the rollout workers and the learner's weight server that can hang.
 
-The learner binds its ZMQ weight server on ``127.0.0.1:P`` and advertises ``127.0.0.2:P``
-(``learner.weights_advertise_host``), where this proxy listens and forwards to it. While
+The learner binds its ZMQ weight server on ``127.0.0.1:P`` (and its chunk stream on ``P + 1``) and
+advertises ``127.0.0.2:P`` (``learner.weights_advertise_host``), where this proxy listens on both ports
+and forwards each to its own. While
 :meth:`WeightsProxy.hang` is on, new connections are accepted and held open with nothing forwarded
 either way (a peer that stopped answering mid-transfer), so a worker's fetch waits until its
 deadline (``rollout.weight_sync_timeout_s``). :meth:`heal` closes the held connections and forwards
@@ -11,6 +12,7 @@ again. Runs in a thread of the test process.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 LISTEN_HOST = "127.0.0.2"
@@ -29,7 +31,7 @@ class WeightsProxy:
         self._held: list[asyncio.StreamWriter] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._thread = threading.Thread(target=self._run, name="weights-proxy", daemon=True)
 
     def start(self) -> WeightsProxy:
@@ -39,18 +41,20 @@ class WeightsProxy:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._on_client, LISTEN_HOST, self.port))
+        for port in (self.port, self.port + 1):  # the ZMQ weight server and its chunk stream
+            client = functools.partial(self._on_client, port=port)
+            self._servers.append(self._loop.run_until_complete(asyncio.start_server(client, LISTEN_HOST, port)))
         self._ready.set()
         self._loop.run_forever()
 
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
         if self.hanging:
             self.held += 1
             self._held.append(writer)
             return
         self.forwarded += 1
         try:
-            up_reader, up_writer = await asyncio.open_connection(TARGET_HOST, self.port)
+            up_reader, up_writer = await asyncio.open_connection(TARGET_HOST, port)
         except OSError:
             writer.close()
             return
@@ -70,8 +74,8 @@ class WeightsProxy:
 
     def close(self) -> None:
         def _stop() -> None:
-            if self._server is not None:
-                self._server.close()
+            for server in self._servers:
+                server.close()
             self._loop.stop()
 
         self._loop.call_soon_threadsafe(_stop)

@@ -267,3 +267,32 @@ def test_headers_bind_the_chunk_size() -> None:
     header = msgspec.msgpack.decode(_encode().buckets[0].header)
     assert header["chunk_bytes"] == CHUNK
     assert struct.calcsize("<4sqii") == REQUEST.size
+
+
+def test_a_fixed_weight_port_puts_the_chunk_stream_on_the_next_one() -> None:
+    """Operators open (and proxies forward) weights_port and weights_port + 1; a taken next port is refused by name."""
+
+    def port_with_next(taken: bool) -> tuple[int, socket.socket | None]:
+        for _ in range(100):
+            with socket.create_server(("127.0.0.1", 0)) as probe:
+                port = probe.getsockname()[1]
+            try:
+                nxt = socket.create_server(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            if taken:
+                return port, nxt
+            nxt.close()
+            return port, None
+        raise AssertionError("no two free ports in a row")
+
+    port, _ = port_with_next(taken=False)
+    server = BucketServer(port=port)
+    try:
+        assert server.stream_port == port + 1
+    finally:
+        server.close()
+    port, holder = port_with_next(taken=True)
+    assert holder is not None
+    with holder, pytest.raises(OSError, match=rf"chunk stream cannot listen on 127.0.0.1:{port + 1}"):
+        BucketServer(port=port)

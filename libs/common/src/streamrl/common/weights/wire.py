@@ -326,6 +326,7 @@ class BucketServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         bind_host = "*" if host in ("0.0.0.0", "*") else host
+        fixed_port = port != 0
         if port == 0:
             port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
         else:
@@ -337,7 +338,17 @@ class BucketServer:
         self._stop = threading.Event()
         from streamrl.common.weights.chunks import ChunkServer  # (it imports this module)
 
-        self._chunks = ChunkServer(bind_host, self._get_current)
+        # a fixed port next to a fixed one (firewalls, proxies and port maps open both); a free one otherwise
+        stream_port = port + 1 if fixed_port else 0
+        try:
+            self._chunks = ChunkServer(bind_host, self._get_current, stream_port)
+        except OSError as e:
+            self._sock.close()
+            self._ctx.term()
+            raise OSError(
+                f"the weight server's chunk stream cannot listen on {host}:{stream_port} (the port after the weight "
+                f"server's {port}; keep both free): {e}"
+            ) from e
         self._thread = threading.Thread(target=self._serve, name="weights-server", daemon=True)
         self._thread.start()
 

@@ -64,7 +64,8 @@ class LearnerConfig(ServiceConfig):
     """Host name rollout workers use to reach the weight server and the broadcast rendezvous (default:
     weights_host; this machine's host name when weights_host is 0.0.0.0)."""
     weights_port: int = Field(0, ge=0, le=65535)
-    """Weight server port (0 = a free port)."""
+    """Weight server port (0 = a free port). Its raw TCP chunk stream listens on the next port
+    (``weights_port + 1``; a free one when 0): rollout workers on other hosts must reach both."""
     weights_bucket_mb: int = Field(64, ge=1)
     """Target size of one weight bucket (MiB): a ZMQ bucket, one CUDA IPC buffer, or one broadcast bucket."""
     weights_transport: Literal["zmq", "ipc", "broadcast"] = "zmq"
