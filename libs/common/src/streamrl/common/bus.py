@@ -206,9 +206,10 @@ class OutageRetry(Retry):
     down or moving the key's slot (``CLUSTERDOWN`` - a node just restarted -, ``TRYAGAIN``), or
     ``OOM command not allowed`` (``maxmemory`` reached under ``noeviction``: the command did not run, so
     trying again is safe) reconnects and tries again, backing off up to 2 s between tries, for about
-    ``outage_s`` seconds; then the error reaches the caller. One WARNING line when an outage (or a full
-    Redis) starts and one INFO line when Redis answers (accepts writes) again, however many commands
-    were waiting (the state is shared by the process): :meth:`healthy_for` says since when.
+    ``outage_s`` seconds (``math.inf``: until it answers); then the error reaches the caller. One WARNING
+    line when an outage (or a full Redis) starts and one INFO line when Redis answers (accepts writes)
+    again, however many commands were waiting (the state is shared by the process): :meth:`healthy_for`
+    says since when.
     """
 
     _down_since: float | None = None
@@ -217,9 +218,12 @@ class OutageRetry(Retry):
     """When the last outage (or full Redis) ended (monotonic); -inf: none seen by this process."""
 
     def __init__(self, outage_s: float) -> None:
-        tries = max(1, math.ceil(outage_s / RECONNECT_BACKOFF_CAP_S))
+        tries = -1 if math.isinf(outage_s) else max(1, math.ceil(outage_s / RECONNECT_BACKOFF_CAP_S))  # -1: forever
         super().__init__(ExponentialBackoff(cap=RECONNECT_BACKOFF_CAP_S, base=0.05), tries, OUTAGE_ERRORS)
         self.outage_s = outage_s
+
+    def _for_how_long(self) -> str:
+        return "until it answers" if math.isinf(self.outage_s) else f"for up to {self.outage_s:.0f} s"
 
     @classmethod
     def healthy_for(cls, now: float | None = None) -> float:
@@ -240,13 +244,11 @@ class OutageRetry(Retry):
                 if OutageRetry._full_since is None:
                     OutageRetry._full_since = time.monotonic()
                     logger.warning(
-                        "redis is full (maxmemory reached: %s); retrying for up to %.0f s",
-                        _one_line(error),
-                        self.outage_s,
+                        "redis is full (maxmemory reached: %s); retrying %s", _one_line(error), self._for_how_long()
                     )
             elif OutageRetry._down_since is None:
                 OutageRetry._down_since = time.monotonic()
-                logger.warning("redis unreachable (%s); retrying for up to %.0f s", _one_line(error), self.outage_s)
+                logger.warning("redis unreachable (%s); retrying %s", _one_line(error), self._for_how_long())
             return await fail(error, *rest)
 
         async def once() -> T:

@@ -170,13 +170,16 @@ class LaneClients:
         return list(groups.values())
 
 
-async def resolve_url(url: str, key: str) -> str:
+async def resolve_url(url: str, key: str, *, outage_s: float = 60.0) -> str:
     """``url``, or when it is a Redis Cluster node's, the URL of the node serving ``key``'s slot
-    (:func:`node_url`; a server with cluster support disabled answers ``CLUSTER SLOTS`` with an error)."""
-    import redis.asyncio as aioredis
+    (:func:`node_url`; a server with cluster support disabled answers ``CLUSTER SLOTS`` with an error).
+    A Redis down at start is waited for like any outage (``outage_s``, :class:`~streamrl.common.bus.OutageRetry`):
+    a service restarted while its Redis is still down does not fail at once claiming a long outage."""
     from redis.exceptions import ResponseError
 
-    client = aioredis.Redis.from_url(url)
+    from streamrl.common.bus import connect
+
+    client = connect(url, outage_s=outage_s, max_connections=1)
     try:
         try:
             slots = await client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]

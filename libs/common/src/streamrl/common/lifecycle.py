@@ -333,9 +333,10 @@ async def where(config: ServiceConfig) -> tuple[str, StreamNames]:
         return config.redis.url, StreamNames(config.run_id)
     if config.lane is None:  # the home: on a Redis Cluster, the node serving the run's own keys
         names = StreamNames(config.run_id)
-        return await resolve_url(config.redis.url, names.prompts), names
+        return await resolve_url(config.redis.url, names.prompts, outage_s=config.redis.outage_s), names
     names = lane_names(config.run_id, config.lane)
-    return await resolve_url(config.lanes.url(config.lane, config.redis.url), names.prompts), names
+    url = config.lanes.url(config.lane, config.redis.url)
+    return await resolve_url(url, names.prompts, outage_s=config.redis.outage_s), names
 
 
 def redis_stop_reason(error: RedisError, outage_s: float) -> str:

@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -529,10 +530,12 @@ async def run_joiner(config: ServiceConfig, ctx: ServiceContext, stop: asyncio.E
         if k == config.lane:
             lanes.append(Lane(ctx.bus, names))  # this coordinator's own: fenced by its lease
             continue
-        url = await resolve_url(config.lanes.url(k, config.redis.url), names.prompts)
+        url = await resolve_url(config.lanes.url(k, config.redis.url), names.prompts, outage_s=math.inf)  # outlasted
         lanes.append(Lane(bus_of(client(url), config.redis, ctx.service), names))
     home = bus_of(
-        client(await resolve_url(config.redis.url, home_names.prompts)), config.redis, ctx.service
+        client(await resolve_url(config.redis.url, home_names.prompts, outage_s=config.redis.outage_s)),
+        config.redis,
+        ctx.service,
     )  # a cluster: the home's node
     token = holder_token(ctx.instance)
     ttl_s = config.consumer.lease_ttl

@@ -4,20 +4,28 @@ and manifest parts a joined batch names.
 With ``lanes.count = K > 1`` the learner consumes the joined ``batches`` of the home, but each sample's payload
 stays in the lane that produced it (``streamrl:{run/lanek}:batched:...``, on ``lanes.urls[k]``). The learner
 holds one client per distinct lane URL - lanes on one URL share it, and a lane on the home's URL uses the home's
-client - each made by :func:`streamrl.common.bus.connect`, so a lane's Redis going down is ridden out
-(``redis.outage_s``) exactly like the home's: its reads wait, the batch is never skipped for it. A cluster node's
-URL is resolved to the node serving each lane's slot (:func:`~streamrl.common.lanes.resolve_url`). With one lane
-the learner has the home client alone (:class:`~streamrl.common.lanes.LaneClients` with no lanes).
+client - each made by :func:`streamrl.common.bus.connect` with no end to its outage retries: a lane's Redis going
+down is waited out however long it lasts (one WARNING line when it goes, one INFO line when it is back). Its
+reads wait, the batch is never skipped for it, and the learner never exits for it: the lane's payloads are
+durable (AOF) and needed in index order, and a restarted learner would wait for the same lane. Only the home's
+outage (``redis.outage_s``: the learner's leases and heartbeat live there) ends the learner. A cluster node's
+URL is resolved to the node serving each lane's slot (:func:`~streamrl.common.lanes.resolve_url`), a lane's
+waited for the same way. With one lane the learner has the home client alone
+(:class:`~streamrl.common.lanes.LaneClients` with no lanes).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from streamrl.common.bus import connect
 from streamrl.common.config import RedisConfig
 from streamrl.common.lanes import LaneClients, LanesConfig, lane_names, resolve_url
 from streamrl.common.streams import StreamNames
+
+LANE_OUTAGE_S = math.inf
+"""How long the learner's lane clients retry through their Redis's outage: until it answers."""
 
 
 def lane_urls(lanes: LanesConfig, home_url: str) -> list[str]:
@@ -38,8 +46,11 @@ async def connect_lanes(home: Any, run_id: str, lanes: LanesConfig, redis: Redis
         return LaneClients(home, [])
     if redis.url is None:
         raise ValueError("lanes.count > 1 needs redis.url (the home's Redis) for the learner")
-    home_url = await resolve_url(redis.url, StreamNames(run_id).prompts)  # the home client's node on a cluster
-    urls = [await resolve_url(url, lane_names(run_id, k).prompts) for k, url in enumerate(lane_urls(lanes, home_url))]
+    home_url = await resolve_url(redis.url, StreamNames(run_id).prompts, outage_s=redis.outage_s)  # on a cluster
+    urls = [
+        await resolve_url(url, lane_names(run_id, k).prompts, outage_s=LANE_OUTAGE_S)
+        for k, url in enumerate(lane_urls(lanes, home_url))
+    ]
     made: dict[int, Any] = {}
     clients = []
     for k, shared in enumerate(share_clients(home_url, urls)):
@@ -47,7 +58,7 @@ async def connect_lanes(home: Any, run_id: str, lanes: LanesConfig, redis: Redis
             clients.append(home)
             continue
         if shared not in made:
-            made[shared] = connect(urls[k], outage_s=redis.outage_s, max_connections=redis.max_connections)
+            made[shared] = connect(urls[k], outage_s=LANE_OUTAGE_S, max_connections=redis.max_connections)
         clients.append(made[shared])
     return LaneClients(home, clients)
 

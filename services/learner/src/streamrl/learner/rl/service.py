@@ -19,7 +19,7 @@
   a restart reads them again; with ``redis.payload_retention_s`` they are given that long to live instead.
   With lanes (``lanes.count > 1``) the batches are the joined ones of the home and each key is read and
   deleted on the Redis of its lane (:mod:`streamrl.learner.rl.lanes`): a lane's Redis down is waited out
-  like the home's, never a reason to skip a batch.
+  however long it lasts, never a reason to skip a batch or to exit.
 * Batches are acknowledged only once a checkpoint covers them (every ``checkpoint_every`` steps; the
   checkpoint's files are on disk by then, :mod:`streamrl.learner.durable`). A killed learner restarts
   from its last checkpoint and replays, in order, exactly the batches it had not checkpointed (they
