@@ -61,7 +61,7 @@ milliseconds; past this the engine is stuck, and the set is written anyway)."""
 
 
 class _Set:
-    """One set of flat buffers: the buffers, the views of the layout's tensors, the tied aliases' copies."""
+    """One set of flat buffers: the buffers, the views of the layout's tensors, and its shared description."""
 
     def __init__(self, buffers: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         self.buffers = buffers
@@ -151,8 +151,9 @@ class IpcPublisher:
             if named_tensors and named_tensors[0][1].device.type != "cuda":
                 raise self._not_on_cuda(named_tensors[0][1].device)
             self._guard = BufferSets(self._num_sets, self._reader_wait_s)
+        claimed = time.perf_counter()
         with self._guard.claim(version) as index:
-            waited = time.perf_counter() - started
+            waited = time.perf_counter() - claimed
             checksum = self.pack(named_tensors, version, buffer_set=index)
             held = self._sets[index]
             if held.description is None:
