@@ -3,6 +3,7 @@
 A spawned process plays the learner: it publishes with ``IpcPublisher`` and sends the
 ``WeightsPublished`` message through a pipe as the msgpack bytes the bus would carry. The test
 process plays the engine: ``IpcReceiver`` fetches, and the tensors must equal the published ones.
+One learner keeps one buffer set (every version rewrites it), another two (written in turn).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def _expected(seed: int) -> dict[str, torch.Tensor]:
     return {**named, "lm_head.weight": named["model.embed_tokens.weight"]}
 
 
-def _learner(conn: Connection) -> None:
+def _learner(conn: Connection, num_sets: int) -> None:
     """The learner process: ("publish", version) -> WeightsPublished bytes; ("corrupt", _) flips a bit."""
-    publisher = IpcPublisher(bucket_bytes=BUCKET_BYTES)
+    publisher = IpcPublisher(bucket_bytes=BUCKET_BYTES, num_sets=num_sets)
     while True:
         command, version = conn.recv()
         if command == "stop":
@@ -73,16 +74,26 @@ def _learner(conn: Connection) -> None:
             conn.send_bytes(b"")
 
 
-@pytest.fixture(scope="module")
-def learner() -> Iterator[Connection]:
+def _spawn_learner(num_sets: int) -> Iterator[Connection]:
     ctx = torch.multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_learner, args=(child,), daemon=True)
+    proc = ctx.Process(target=_learner, args=(child, num_sets), daemon=True)
     proc.start()
     child.close()  # a dead learner is then an EOFError here, not a hang
     yield conn
     conn.send(("stop", 0))
     proc.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def learner() -> Iterator[Connection]:
+    """A learner with one buffer set (every version rewrites the same buffers)."""
+    yield from _spawn_learner(1)
+
+
+@pytest.fixture(scope="module")
+def learner_two_sets() -> Iterator[Connection]:
+    yield from _spawn_learner(2)
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +134,12 @@ def test_the_next_version_reuses_the_open_handles(
     assert not any(OPENED in r.getMessage() for r in caplog.records)
 
 
-def test_a_version_overwritten_before_the_fetch_fails_the_checksum(learner: Connection, receiver: IpcReceiver) -> None:
+def test_a_version_overwritten_before_the_fetch_is_refused_before_the_copy(
+    learner: Connection, receiver: IpcReceiver
+) -> None:
     old, new = _publish(learner, 3), _publish(learner, 4)
     assert old.ipc is not None and new.ipc is not None
-    with pytest.raises(WeightSyncError, match="checksum mismatch for version 3"):
+    with pytest.raises(WeightSyncError, match=r"version 3 superseded: .* set 0 holds version 4 now"):
         receiver.fetch(old.ipc, old.version, old.checksum)
     _assert_equal(receiver.fetch(new.ipc, new.version, new.checksum), seed=4)
 
@@ -146,3 +159,30 @@ def test_an_engine_on_another_gpu_is_told_to_use_zmq(learner: Connection, receiv
     elsewhere = msgspec.structs.replace(msg.ipc, device_uuid="00000000-0000-0000-0000-000000000000")
     with pytest.raises(WeightSyncError, match=r"not on the learner's GPU.*weights_transport = 'zmq'"):
         receiver.fetch(elsewhere, msg.version, msg.checksum)
+
+
+def test_two_sets_keep_the_previous_version_readable_and_open_each_handle_once(
+    learner_two_sets: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    receiver = IpcReceiver(torch.device("cuda", 0))
+    try:
+        first, second = _publish(learner_two_sets, 1), _publish(learner_two_sets, 2)
+        assert first.ipc is not None and second.ipc is not None
+        assert (first.ipc.buffer_set, second.ipc.buffer_set, second.ipc.num_sets) == (0, 1, 2)
+        assert first.ipc.reader_lock != second.ipc.reader_lock
+        with caplog.at_level(logging.INFO, logger="streamrl.torchkit.weights.ipc"):
+            _assert_equal(receiver.fetch(first.ipc, 1, first.checksum), seed=1)  # written over by neither
+            _assert_equal(receiver.fetch(second.ipc, 2, second.checksum), seed=2)
+        opened = sum(OPENED in r.getMessage() for r in caplog.records)
+        assert opened == len(first.ipc.buffers) + len(second.ipc.buffers)  # each set's handles, once
+        caplog.clear()
+        third = _publish(learner_two_sets, 3)  # set 0 again
+        assert third.ipc is not None and third.ipc.buffer_set == 0
+        with pytest.raises(WeightSyncError, match=r"version 1 superseded: .* set 0 holds version 3 now"):
+            receiver.fetch(first.ipc, 1, first.checksum)
+        with caplog.at_level(logging.INFO, logger="streamrl.torchkit.weights.ipc"):
+            _assert_equal(receiver.fetch(second.ipc, 2, second.checksum), seed=2)  # still intact
+            _assert_equal(receiver.fetch(third.ipc, 3, third.checksum), seed=3)
+        assert not any(OPENED in r.getMessage() for r in caplog.records)
+    finally:
+        receiver.close()

@@ -91,4 +91,4 @@ def test_the_lora_recipe_reads_in_every_service_and_fits_the_one_h100_machine_he
         plans, refusal = plan_of(recipe, tmp_path, *lengths)
         assert refusal is None, refusal
         terms = {t.name: t.gib for t in plans[0].terms}
-        assert terms["learner CUDA IPC weight buffers"] < 0.1  # the adapter alone travels
+        assert terms["learner CUDA IPC weight buffers"] < 0.2  # the adapter alone travels (two buffer sets of it)

@@ -67,6 +67,6 @@ def test_a_v1_message_without_a_transport_tag_is_refused() -> None:
             "endpoint": "tcp://learner:5555",
         }
     )
-    with pytest.raises(PoisonMessageError, match=r"unsupported version v=1 of 'weights' \(supported: \[3\]\)"):
+    with pytest.raises(PoisonMessageError, match=r"unsupported version v=1 of 'weights' \(supported: \[4\]\)"):
         decode(old, WeightsPublished)
     assert "ipc" in msgpack.unpackb(encode(_published()), raw=False)  # new writers send ipc: nil

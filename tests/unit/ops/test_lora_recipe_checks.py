@@ -85,9 +85,9 @@ def test_a_lora_event_is_signed_and_an_altered_one_refused() -> None:
             check(altered, key, run_id="run")
 
 
-def test_weights_events_are_v3_and_older_ones_are_refused() -> None:
+def test_weights_events_are_v4_and_older_ones_are_refused() -> None:
     event = _event()
-    assert event.v == 3 and decode(encode(event), WeightsPublished) == event
-    for old in (1, 2, 4):  # v1/v2 carry no transport tag; v4 is a future schema
-        with pytest.raises(PoisonMessageError, match=rf"unsupported version v={old} of 'weights' \(supported: \[3\]\)"):
+    assert event.v == 4 and decode(encode(event), WeightsPublished) == event
+    for old in (1, 2, 3, 5):  # v1/v2: no transport tag, v3: no IPC buffer sets; v5: a future schema
+        with pytest.raises(PoisonMessageError, match=rf"unsupported version v={old} of 'weights' \(supported: \[4\]\)"):
             decode(encode(msgspec.structs.replace(event, v=old)), WeightsPublished)

@@ -4,6 +4,7 @@ checksum comparison, and when an engine refuses IPC weights (and why)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from streamrl.common.errors import WeightSyncError
@@ -23,7 +24,13 @@ def _buffer(size: int) -> IpcBuffer:
 
 
 def _ipc(tensors: list[IpcTensor], sizes: list[int], block: int = BLOCK) -> IpcWeights:
-    return IpcWeights(device_uuid="GPU-1", block_bytes=block, buffers=[_buffer(s) for s in sizes], tensors=tensors)
+    return IpcWeights(
+        device_uuid="GPU-1",
+        block_bytes=block,
+        buffers=[_buffer(s) for s in sizes],
+        tensors=tensors,
+        reader_lock="/dev/shm/streamrl-ipc-set0.lock",
+    )
 
 
 def test_a_layout_becomes_one_planned_tensor_per_name_in_publishing_order() -> None:
@@ -81,3 +88,13 @@ def test_ipc_refusal_rules() -> None:
     assert cpu is not None and "CPU" in cpu and "no CUDA" in cpu and "weights_transport = 'zmq'" in cpu
     tp = ipc_refusal(on_cpu=False, tensor_parallel_size=2)
     assert tp is not None and "tensor_parallel_size=2" in tp and "broadcast" in tp
+
+
+def test_a_buffer_set_outside_the_learner_s_sets_and_a_missing_reader_lock_are_refused() -> None:
+    tensors = [IpcTensor("model.norm.weight", "bfloat16", [32], 0, 0)]
+    ipc = _ipc(tensors, [BLOCK])
+    with pytest.raises(WeightSyncError, match=r"buffer set 2 of a learner with 2 sets"):
+        plan_ipc(msgspec.structs.replace(ipc, buffer_set=2, num_sets=2))
+    with pytest.raises(WeightSyncError, match=r"names no reader lock"):
+        plan_ipc(msgspec.structs.replace(ipc, reader_lock=""))
+    assert len(plan_ipc(msgspec.structs.replace(ipc, buffer_set=1, num_sets=2))) == 1

@@ -439,9 +439,12 @@ class IpcTensor(msgspec.Struct, frozen=True):
 class IpcWeights(msgspec.Struct, frozen=True):
     """The learner's weights as CUDA IPC buffers, for rollout engines on the learner's own GPU.
 
-    The buffers are allocated and shared once; every version is copied into the same buffers, so
-    a receiver opens each handle once. The checksum (``WeightsPublished.checksum``) is computed on
-    the device over the buffers, ``block_bytes`` at a time (see ``learner/ipc_weights.py``).
+    The learner keeps ``num_sets`` sets of buffers (``learner.weights_ipc_buffer_sets``), each allocated
+    and shared once, and writes the versions into them in turn; ``buffers`` are the handles of the set
+    holding this version (``buffer_set``), so a receiver opens each handle once. A receiver holds the
+    set's ``reader_lock`` while it copies (the learner does not rewrite a set a reader holds:
+    ``streamrl.torchkit.weights.ipc_sets``). The checksum (``WeightsPublished.checksum``) is computed on
+    the device over the buffers, ``block_bytes`` at a time (``streamrl.torchkit.flat``).
 
     Example:
         IpcWeights(device_uuid="GPU-5e2f...", block_bytes=4096, buffers=[IpcBuffer(...)],
@@ -455,6 +458,13 @@ class IpcWeights(msgspec.Struct, frozen=True):
     buffers: list[IpcBuffer]
     tensors: list[IpcTensor]
     """In publishing order (tied aliases such as ``lm_head.weight`` included)."""
+    buffer_set: int = 0
+    """Which of the learner's buffer sets holds this version (``0 .. num_sets - 1``)."""
+    num_sets: int = 1
+    """How many buffer sets the learner rotates through."""
+    reader_lock: str = ""
+    """Path of the set's lock file on the learner's host (``/dev/shm``): a receiver holds a shared ``flock``
+    on it while it copies, and its first 8 bytes (little-endian) name the version the set holds."""
 
 
 class WeightsBroadcast(msgspec.Struct, frozen=True):
@@ -513,10 +523,11 @@ class LoraAdapter(msgspec.Struct, frozen=True):
 WeightsTransport = Literal["zmq", "ipc", "broadcast"]
 """The weight transports (``learner.weights_transport``, ``WeightsPublished.transport``)."""
 
-WEIGHTS_SCHEMA_VERSION = 3
+WEIGHTS_SCHEMA_VERSION = 4
 """Schema version of :class:`WeightsPublished`: v2 added ``payload`` and ``lora``, v3 the explicit
-``transport`` tag. Only v3 is read: a v1 or v2 event (no tag; its path was guessed from which optional
-field was set) is refused as an unsupported version, and a v2 worker refuses a v3 event the same way."""
+``transport`` tag, v4 the CUDA IPC buffer sets (``IpcWeights.buffer_set``, ``num_sets``, ``reader_lock``:
+a v3 engine would neither keep both sets' handles nor hold the reader lock). Only v4 is read: an older
+event is refused as an unsupported version, and an older worker refuses a v4 event the same way."""
 
 
 class WeightsPublished(_Message, tag="weights", kw_only=True):

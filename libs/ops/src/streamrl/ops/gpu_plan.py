@@ -19,8 +19,9 @@ to start a plan that does not fit, naming the setting to change (:func:`check_pl
   with the fused head, over every token with the full one.
 * **the learner's runtime** (CUDA context, NCCL, allocator slack): a fixed allowance, ``RUNTIME_GIB``.
 * **CUDA IPC** (``learner.weights_transport = "ipc"``): the learner's persistent bf16 buffers of what it
-  publishes (the whole model, or only the adapters with LoRA's adapter sync) and the engine's staging
-  copy of each update (while generating).
+  publishes (the whole model, or only the adapters with LoRA's adapter sync), once per buffer set
+  (``learner.weights_ipc_buffer_sets``, default 2), and the engine's staging copy of each update (while
+  generating).
 * **host memory**: offloaded optimizer states with their fp32 gradients (``16 T`` bytes), offloaded
   parameters, and each sleeping vLLM engine's weights; refused past ``HOST_SHARE`` of the machine's memory.
 * **rollout engine**: vLLM takes ``gpu_memory_utilization x capacity`` (weights, activations, CUDA
@@ -230,9 +231,10 @@ def learner_terms(data: Mapping[str, Any], shape: ModelShape, max_len: int) -> l
     act += head_tokens * shape.vocab * 8
     terms.append(Term(f"learner activations ({tokens} tokens)", act / GIB, "learner.ds.micro_batch_size", "train"))
     terms.append(Term("learner runtime (allowance)", RUNTIME_GIB, "learner.ds.micro_batch_size"))
-    if learner.get("weights_transport") == "ipc":  # persistent flat buffers the engines copy from
-        ipc = published_params(data, shape) * width / GIB
-        terms.append(Term("learner CUDA IPC weight buffers", ipc, "learner.weights_transport"))
+    if learner.get("weights_transport") == "ipc":  # persistent flat buffers the engines copy from, per set
+        sets = int(learner.get("weights_ipc_buffer_sets", 2))
+        ipc = sets * published_params(data, shape) * width / GIB
+        terms.append(Term("learner CUDA IPC weight buffers", ipc, "learner.weights_ipc_buffer_sets"))
     return terms
 
 

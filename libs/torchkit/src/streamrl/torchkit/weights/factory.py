@@ -34,10 +34,12 @@ def make_publisher(
     broadcast_timeout_s: float = 60.0,
     zmq_fallback: bool = False,
     tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES,
+    ipc_buffer_sets: int = 2,
+    ipc_reader_wait_s: float = 10.0,
 ) -> WeightPublisher:
     """The learner's publisher for ``learner.weights_transport`` (its ``weights_*`` fields as arguments):
     ``host``/``port``/``advertise_host`` the ZMQ server's (also the fallback of ``broadcast``),
-    ``store_port`` the broadcast rendezvous'."""
+    ``store_port`` the broadcast rendezvous', ``ipc_*`` the CUDA IPC buffer sets'."""
     if transport == "zmq":
         from streamrl.torchkit.weights.zmq import ZmqPublisher
 
@@ -45,7 +47,7 @@ def make_publisher(
     if transport == "ipc":
         from streamrl.torchkit.weights.ipc import IpcPublisher
 
-        return IpcPublisher(bucket_bytes, tied_aliases)
+        return IpcPublisher(bucket_bytes, tied_aliases, ipc_buffer_sets, ipc_reader_wait_s)
     if transport == "broadcast":
         from streamrl.torchkit.weights.broadcast import BroadcastPublisher
         from streamrl.torchkit.weights.zmq import ZmqPublisher

@@ -5,25 +5,31 @@ With ``learner.weights_transport = "ipc"`` the weights never leave the GPU:
 1. On the first publish, :class:`IpcPublisher` plans a layout (:func:`streamrl.torchkit.flat.plan_layout`), allocates
    persistent flat buffers on the learner's device (about ``bucket_bytes`` each, one dtype per
    buffer, every tensor starting at a multiple of ``BLOCK_BYTES``) and shares each buffer once
-   (``UntypedStorage._share_cuda_()``).
-2. Every publish copies the parameters into views of those buffers (``torch._foreach_copy_``, a
-   bucket at a time so a streamed ZeRO-3 gather holds little extra memory), computes the checksum
-   on the device (:func:`streamrl.torchkit.flat.weights_checksum`) and waits for the copies; the receiver can read as soon
-   as the ``WeightsPublished`` message (carrying :class:`IpcWeights` and the checksum) is out.
+   (``UntypedStorage._share_cuda_()``). It keeps ``num_sets`` such sets (``learner.weights_ipc_buffer_sets``,
+   default 2), each allocated and shared at its first use, and writes the versions into them in turn.
+2. Every publish takes the next set once no engine is still copying it (:class:`.ipc_sets.BufferSets`:
+   a lock file per set that readers hold while they copy; a reader stuck past ``reader_wait_s`` is
+   written over, with a warning), copies the parameters into views of its buffers
+   (``torch._foreach_copy_``, a bucket at a time so a streamed ZeRO-3 gather holds little extra
+   memory), computes the checksum on the device (:func:`streamrl.torchkit.flat.weights_checksum`) and
+   waits for the copies; the receiver can read as soon as the ``WeightsPublished`` message (carrying
+   :class:`IpcWeights` of that set and the checksum) is out.
 
 Receivers (:class:`IpcReceiver`) check that they are on the learner's GPU (same device UUID) and that
-the layout fits the buffers (:func:`.ipc_plan.plan_ipc`), open each handle once
-(``UntypedStorage._new_shared_cuda``; the learner reuses its buffers for every version), copy the
-buffers into their own staging buffers (one device-to-device copy each) and verify the checksum there,
-so the learner may overwrite its buffers at the next step; a receiver that reads while they change
-sees a checksum mismatch, never a silent mix. The views they yield live in the staging buffers.
+the layout fits the buffers (:func:`.ipc_plan.plan_ipc`), open each handle once, per set
+(``UntypedStorage._new_shared_cuda``), and, holding the set's reader lock (:class:`.ipc_sets.SetReader`:
+a set that moved on to a newer version is refused before anything is copied), copy the buffers into
+their own staging buffers (one device-to-device copy each) and verify the checksum there. The
+checksum stays the last line: a reader that was written over (stuck past the learner's wait) sees a
+mismatch, never a silent mix. The views they yield live in the staging buffers.
 
 The layout, the typed views and the checksum are :mod:`streamrl.torchkit.flat`'s (the receiver
 uses the same code): every tensor on its own block, a digest of block sums computed on the device.
 
 With tied embeddings ``lm_head.weight`` is sent explicitly (as on the ZMQ path).
 
-Memory: the staging buffers are a second copy of the weights on the GPU. In containers, CUDA IPC
+Memory: each buffer set is a copy of what is published on the learner's GPU, and the staging
+buffers another one in each engine. In containers, CUDA IPC
 between the learner and the engine needs a shared IPC namespace and ``/dev/shm`` (torch's
 reference counters live there).
 """
@@ -42,36 +48,70 @@ from streamrl.common.errors import WeightSyncError
 from streamrl.common.messages import IpcBuffer, IpcTensor, IpcWeights, WeightsPublished, WeightsTransport
 from streamrl.torchkit.flat import BLOCK_BYTES, plan_layout, tensor_views, weights_checksum
 from streamrl.torchkit.weights.ipc_plan import checksum_problem, ipc_refusal, plan_ipc
+from streamrl.torchkit.weights.ipc_sets import BufferSets, SetReader, check_num_sets
 from streamrl.torchkit.weights.protocol import PublishedWeights, Received
 from streamrl.torchkit.weights.tied import TIED_ALIASES, tied_copies
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+DEFAULT_READER_WAIT_S = 10.0
+"""How long a publish waits for an engine still copying the set it is about to write (a copy takes
+milliseconds; past this the engine is stuck, and the set is written anyway)."""
+
+
+class _Set:
+    """One set of flat buffers: the buffers, the views of the layout's tensors, and its shared description."""
+
+    def __init__(self, buffers: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.views = views
+        self.description: IpcWeights | None = None
+        """Its handles, shared at its first publish."""
 
 
 class IpcPublisher:
     """Copies weights into persistent CUDA buffers shared once over CUDA IPC; see the module docstring.
 
+    ``num_sets``: buffer sets to rotate through (1: every version rewrites the same buffers; the
+    packer of the broadcast path uses one and never publishes). ``reader_wait_s``: the longest a publish
+    waits for an engine still copying the set it is about to write.
+
     Example:
-        publisher = IpcPublisher(bucket_bytes=512 * 2**20)
+        publisher = IpcPublisher(bucket_bytes=512 * 2**20, num_sets=2)
         fields = publisher.publish(engine.iter_full_params(), version=3)
         # -> WeightsPublished(version=3, **fields, ...)
     """
 
     def __init__(
-        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES
+        self,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES,
+        num_sets: int = 1,
+        reader_wait_s: float = DEFAULT_READER_WAIT_S,
     ) -> None:
+        check_num_sets(num_sets)
+        if reader_wait_s <= 0:
+            raise ValueError(f"reader_wait_s must be > 0, got {reader_wait_s}")
         self._bucket_bytes = bucket_bytes
         self._tied_aliases = tied_aliases
+        self._num_sets = num_sets
+        self._reader_wait_s = reader_wait_s
         self._layout: list[IpcTensor] = []
+        self._sizes: list[int] = []
+        """Bytes of each buffer of a set."""
+        self._sets: dict[int, _Set] = {}
         self._buffers: list[torch.Tensor] = []
+        """The buffers of the set holding the last packed version."""
         self._views: list[torch.Tensor] = []
         self._nbytes: list[int] = []
         self._num_streamed = 0
         """The first ``_num_streamed`` layout entries come from the caller; the rest are tied aliases."""
-        self._alias_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._description: IpcWeights | None = None
+        self._aliases: list[tuple[int, int]] = []
+        """(alias's layout index, its source's layout index) of the tied aliases."""
+        self._device: torch.device | None = None
+        self._guard: BufferSets | None = None
+        """The sets' reader locks, made at the first publish (a bare ``pack`` needs none)."""
         self._version = -1
 
     @property
@@ -84,6 +124,15 @@ class IpcPublisher:
         return len(self._buffers)
 
     @property
+    def num_sets(self) -> int:
+        return self._num_sets
+
+    @property
+    def forced_writes(self) -> int:
+        """Sets written while an engine still held them past ``reader_wait_s`` (each costs it a version)."""
+        return 0 if self._guard is None else self._guard.forced_writes
+
+    @property
     def buffers(self) -> list[torch.Tensor]:
         """The flat uint8 buffers holding the last packed version (empty before the first)."""
         return self._buffers
@@ -94,19 +143,32 @@ class IpcPublisher:
         return self._layout
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishedWeights:
-        """Copy ``named_tensors`` (all on one CUDA device) in as ``version``; the event's ``ipc`` is the same
-        description for every version (the buffers are reused)."""
+        """Copy ``named_tensors`` (all on one CUDA device) in as ``version``, into the next buffer set once no
+        engine is copying it; the event's ``ipc`` describes that set (the same for every version it holds)."""
         started = time.perf_counter()
-        checksum = self.pack(named_tensors, version)
-        if self._description is None:
-            self._description = self._share()
+        if self._guard is None:
+            named_tensors = list(named_tensors)  # the first version is planned from the whole list anyway
+            if named_tensors and named_tensors[0][1].device.type != "cuda":
+                raise self._not_on_cuda(named_tensors[0][1].device)
+            self._guard = BufferSets(self._num_sets, self._reader_wait_s)
+        claimed = time.perf_counter()
+        with self._guard.claim(version) as index:
+            waited = time.perf_counter() - claimed
+            checksum = self.pack(named_tensors, version, buffer_set=index)
+            held = self._sets[index]
+            if held.description is None:
+                held.description = self._share(index)
         logger.info(
-            "published weights version %d over CUDA IPC: %d tensors, %d bytes in %d buffers (%.1f ms)",
+            "published weights version %d over CUDA IPC: %d tensors, %d bytes in %d buffers of set %d/%d "
+            "(%.1f ms, %.1f of them waiting for readers)",
             version,
             len(self._layout),
             self.num_bytes,
             self.num_buffers,
+            index,
+            self._num_sets,
             (time.perf_counter() - started) * 1e3,
+            waited * 1e3,
         )
         return PublishedWeights(
             transport="ipc",
@@ -114,41 +176,56 @@ class IpcPublisher:
             num_bytes=self.num_bytes,
             num_buckets=self.num_buffers,
             endpoint="",
-            ipc=self._description,
+            ipc=held.description,
             broadcast=None,
         )
 
     def close(self) -> None:
-        """Drop the buffers (receivers keep what they opened until they close)."""
-        self._buffers, self._views, self._alias_copies = [], [], []
+        """Drop the buffers and the reader locks (receivers keep what they opened until they close)."""
+        self._sets, self._buffers, self._views = {}, [], []
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
 
-    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> str:
-        """Copy ``named_tensors`` into the buffers (allocated on their device at the first call) and
-        return the checksum of ``version``; works on any device (:meth:`publish` adds the sharing)."""
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, buffer_set: int = 0) -> str:
+        """Copy ``named_tensors`` into buffer set ``buffer_set`` (allocated on their device at its first use)
+        and return the checksum of ``version``; works on any device (:meth:`publish` adds the rotation,
+        the reader locks and the sharing)."""
         if version <= self._version:
             raise ValueError(f"version must increase: {version} after {self._version}")
-        if not self._buffers:
-            self._allocate(list(named_tensors))
+        assert 0 <= buffer_set < self._num_sets, f"buffer set {buffer_set} of {self._num_sets}"
+        if not self._layout:
+            self._plan_and_copy(list(named_tensors), buffer_set)
         else:
+            self._select(buffer_set)
             self._copy_streamed(named_tensors)
-        for alias, source in self._alias_copies:
-            alias.copy_(source)
+        for alias, source in self._aliases:
+            self._views[alias].copy_(self._views[source])
         checksum = weights_checksum(self._buffers, version)  # its result waits for every copy above
         self._version = version
         return checksum
 
-    def _allocate(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _plan_and_copy(self, named: list[tuple[str, torch.Tensor]], buffer_set: int) -> None:
+        """The first version: plan the layout, allocate its set, copy in one go."""
         names = {name: i for i, (name, _) in enumerate(named)}
         self._num_streamed = len(named)
         aliases = [(a, names[s]) for a, s in tied_copies(names, self._tied_aliases)]
-        self._layout, sizes = plan_layout(named + [(a, named[i][1]) for a, i in aliases], self._bucket_bytes)
-        device = named[0][1].device
-        self._buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for size in sizes]
-        self._views = tensor_views(self._buffers, self._layout)
+        self._layout, self._sizes = plan_layout(named + [(a, named[i][1]) for a, i in aliases], self._bucket_bytes)
+        self._aliases = [(len(named) + k, i) for k, (_, i) in enumerate(aliases)]
+        self._device = named[0][1].device
+        self._select(buffer_set)
         self._nbytes = [v.numel() * v.element_size() for v in self._views]
-        self._alias_copies = [(self._views[len(named) + k], self._views[i]) for k, (_, i) in enumerate(aliases)]
         with torch.no_grad():
             torch._foreach_copy_(self._views[: len(named)], [t for _, t in named])
+
+    def _select(self, buffer_set: int) -> None:
+        """Make ``buffer_set`` the one packed into (allocated, zeroed, at its first use)."""
+        held = self._sets.get(buffer_set)
+        if held is None:
+            assert self._device is not None
+            buffers = [torch.zeros(size, dtype=torch.uint8, device=self._device) for size in self._sizes]
+            held = self._sets[buffer_set] = _Set(buffers, tensor_views(buffers, self._layout))
+        self._buffers, self._views = held.buffers, held.views
 
     def _copy_streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors as they come, a bucket's worth per ``_foreach_copy_`` (the caller's tensors are freed as we go)."""
@@ -179,15 +256,21 @@ class IpcPublisher:
         if count != self._num_streamed:
             raise ValueError(f"weights layout changed: {count} tensors where {self._num_streamed} were published")
 
-    def _share(self) -> IpcWeights:
-        device = self._buffers[0].device
+    @staticmethod
+    def _not_on_cuda(device: torch.device) -> ValueError:
+        return ValueError(
+            f"learner.weights_transport = 'ipc' needs the weights on a CUDA device, they are on {device}: "
+            "set learner.weights_transport = 'zmq'"
+        )
+
+    def _share(self, index: int) -> IpcWeights:
+        """Share set ``index``'s buffers (once: their handles stay valid while the learner holds them)."""
+        assert self._guard is not None
+        device = self._sets[index].buffers[0].device
         if device.type != "cuda":
-            raise ValueError(
-                f"learner.weights_transport = 'ipc' needs the weights on a CUDA device, they are on {device}: "
-                "set learner.weights_transport = 'zmq'"
-            )
+            raise self._not_on_cuda(device)
         buffers = []
-        for buffer in self._buffers:
+        for buffer in self._sets[index].buffers:
             _, handle, size, offset, ref_counter, ref_offset, event, event_sync = (
                 buffer.untyped_storage()._share_cuda_()
             )
@@ -197,6 +280,9 @@ class IpcPublisher:
             block_bytes=BLOCK_BYTES,
             buffers=buffers,
             tensors=self._layout,
+            buffer_set=index,
+            num_sets=self._num_sets,
+            reader_lock=self._guard.path(index),
         )
 
 
@@ -219,8 +305,11 @@ class IpcReceiver:
             raise WeightSyncError(refusal)
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         self.device_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-        self._opened: dict[tuple[bytes, int], torch.Tensor] = {}
-        """The learner's buffers, by (handle, offset in its allocation): a CUDA allocation may hold several."""
+        self._opened: dict[int, dict[tuple[bytes, int], torch.Tensor]] = {}
+        """The learner's buffers by set, then by (handle, offset in its allocation): a CUDA allocation may hold
+        several."""
+        self._reader = SetReader()
+        """Holds a set's reader lock while its copy runs."""
         self._staging: list[torch.Tensor] = []
         self._layout: list[IpcTensor] = []
         self._named_views: list[tuple[str, torch.Tensor]] = []
@@ -247,9 +336,11 @@ class IpcReceiver:
                 f"{self.device_uuid}): CUDA IPC weights need both on one device; use learner.weights_transport = 'zmq'"
             )
         plan_ipc(ipc)  # a layout that does not fit its buffers is refused before a handle is opened
-        sources = [self._open(b) for b in ipc.buffers]
+        opened = self._opened.setdefault(ipc.buffer_set, {})
+        sources = [self._open(b, opened) for b in ipc.buffers]
         keep = {(b.handle, b.storage_offset_bytes) for b in ipc.buffers}
-        self._opened = {k: v for k, v in self._opened.items() if k in keep}  # buffers the learner replaced
+        for key in [k for k in opened if k not in keep]:  # buffers the learner replaced (a new learner)
+            del opened[key]
         if [s.numel() for s in self._staging] != [s.numel() for s in sources]:
             self._staging = [torch.empty_like(s) for s in sources]
             self._layout = []
@@ -257,7 +348,8 @@ class IpcReceiver:
             views = tensor_views(self._staging, ipc.tensors)
             self._named_views = [(t.name, view) for t, view in zip(ipc.tensors, views, strict=True)]
             self._layout = ipc.tensors
-        with torch.cuda.device(self.device):
+        # the learner does not rewrite the set while we hold its lock; a set that moved on is refused here
+        with self._reader.reading(ipc.reader_lock, ipc.buffer_set, version), torch.cuda.device(self.device):
             for staging, source in zip(self._staging, sources, strict=True):
                 staging.copy_(source)  # one device-to-device memcpy per buffer (a foreach copy of bytes is slower)
             staged = weights_checksum(self._staging, version, ipc.block_bytes)  # waits for the copies
@@ -275,15 +367,16 @@ class IpcReceiver:
     def close(self) -> None:
         self.release_memory()
         self._opened = {}
+        self._reader.close()
 
     @property
     def staging(self) -> list[torch.Tensor]:
         """The staging buffers (flat uint8) holding the last fetched version."""
         return self._staging
 
-    def _open(self, buffer: IpcBuffer) -> torch.Tensor:
+    def _open(self, buffer: IpcBuffer, cache: dict[tuple[bytes, int], torch.Tensor]) -> torch.Tensor:
         key = (buffer.handle, buffer.storage_offset_bytes)
-        opened = self._opened.get(key)
+        opened = cache.get(key)
         if opened is None:
             try:
                 storage = torch.UntypedStorage._new_shared_cuda(
@@ -298,6 +391,6 @@ class IpcReceiver:
                 )
             except RuntimeError as e:
                 raise WeightSyncError(f"could not open the learner's CUDA IPC buffer: {e}") from e
-            opened = self._opened[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            opened = cache[key] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
             logger.info("opened a CUDA IPC weight buffer of %d bytes", buffer.storage_size_bytes)
         return opened

@@ -1,7 +1,8 @@
 """CUDA IPC weights into an engine: the parts that need no GPU (and no torch).
 
-* :func:`plan_ipc` - the learner's :class:`IpcWeights` message checked and turned into one
-  :class:`PlannedTensor` per name (where its bytes lie, how many), before any handle is opened: a
+* :func:`plan_ipc` - the learner's :class:`IpcWeights` message (its buffer set and reader lock
+  named) checked and turned into one :class:`PlannedTensor` per name (where its bytes lie, how
+  many), before any handle is opened: a
   layout that does not fit its buffers is refused with a :class:`WeightSyncError` naming the tensor.
   The names are the learner's Hugging Face checkpoint names; the transformers engine copies them
   into its parameters by name, vLLM's ``load_weights`` maps them itself (stacked q/k/v and
@@ -50,11 +51,8 @@ class PlannedTensor:
 
 def plan_ipc(ipc: IpcWeights) -> list[PlannedTensor]:
     """The tensors of ``ipc`` in publishing order, each checked against its buffer (see the module docstring)."""
+    _check_header(ipc)
     block = ipc.block_bytes
-    if block <= 0 or block % 4:
-        raise WeightSyncError(f"IPC weights: block_bytes {block} is not a positive multiple of 4")
-    if not ipc.tensors:
-        raise WeightSyncError("IPC weights: the message names no tensors")
     sizes = [b.storage_size_bytes for b in ipc.buffers]
     seen: set[str] = set()
     plan = []
@@ -82,6 +80,18 @@ def plan_ipc(ipc: IpcWeights) -> list[PlannedTensor]:
             )
         plan.append(PlannedTensor(t.name, t.dtype, tuple(t.shape), t.buffer, t.offset_bytes, numel * itemsize))
     return plan
+
+
+def _check_header(ipc: IpcWeights) -> None:
+    """What the message says beside its tensors: the block size, its buffer set and the set's reader lock."""
+    if ipc.block_bytes <= 0 or ipc.block_bytes % 4:
+        raise WeightSyncError(f"IPC weights: block_bytes {ipc.block_bytes} is not a positive multiple of 4")
+    if not ipc.tensors:
+        raise WeightSyncError("IPC weights: the message names no tensors")
+    if not 0 <= ipc.buffer_set < ipc.num_sets:
+        raise WeightSyncError(f"IPC weights: buffer set {ipc.buffer_set} of a learner with {ipc.num_sets} sets")
+    if not ipc.reader_lock:
+        raise WeightSyncError("IPC weights: the message names no reader lock (a learner older than this engine?)")
 
 
 def checksum_problem(version: int, staged: str, published: str) -> str | None:

@@ -77,6 +77,18 @@ class LearnerConfig(ServiceConfig):
     joined its weight group - NCCL when the weights are on CUDA, gloo on CPU - from a background
     thread (``streamrl.torchkit.weights.broadcast``); workers join and leave at any time. The store and
     the group have no authentication: a private network only."""
+    weights_ipc_buffer_sets: int = Field(2, ge=1, le=4)
+    """``ipc``: sets of CUDA IPC buffers the learner writes the versions into in turn. With 2 an engine has a
+    whole step to copy a version before its buffers are written again; with either, a set is not rewritten
+    while an engine still copies it (it holds the set's lock file in ``/dev/shm`` while it copies; one stuck
+    past ``weights_ipc_reader_wait_s`` is written over, with a warning, and skips that version). Each set
+    is a copy of what is published on the learner's GPU (counted in the memory plan): for a 7B model
+    about 14 GiB (bf16), so on one 80 GB GPU with a colocated engine the second set does not fit
+    (recipes/gpu_7b_full.toml sets 1; a synchronous run, ``coordinator.max_staleness = 0``, loses
+    nothing with 1). LoRA's adapter sync publishes the adapters alone: a few MB a set."""
+    weights_ipc_reader_wait_s: float = Field(10.0, gt=0)
+    """``ipc``: the longest a publish waits for an engine still copying the buffer set it is about to write
+    (a copy takes milliseconds); then it writes anyway, logs a warning and counts it."""
     weights_store_port: int = Field(0, ge=0, le=65535)
     """``broadcast``: port of the TCP store rollout workers join through (0 = a free port; it listens on
     every interface, advertised as weights_advertise_host)."""

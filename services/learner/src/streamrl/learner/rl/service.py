@@ -160,6 +160,8 @@ class LearnerService:
             broadcast_timeout_s=config.weights_broadcast_timeout_s,
             zmq_fallback=config.weights_zmq_fallback,
             tied_aliases={} if self.adapter is not None else TIED_ALIASES,
+            ipc_buffer_sets=config.weights_ipc_buffer_sets,
+            ipc_reader_wait_s=config.weights_ipc_reader_wait_s,
         )
         self.loop: ConsumerLoop[Batch] | None = None
         self.fatal: RuntimeError | None = None
