@@ -51,6 +51,10 @@ class RelayError(RuntimeError):
     """A receiver could not complete a version: every upstream it tried failed, or time ran out."""
 
 
+class RelayAbandonedError(RelayError):
+    """The caller gave the fetch up (its ``abandoned`` event was set): no other upstream is tried."""
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
     """What a version is: its size, its chunking and one digest per chunk."""
@@ -133,18 +137,33 @@ class RelayNode:
             self._cond.notify_all()
 
     def fetch(
-        self, version: int, checksum: str, sources: list[Address], deadline_s: float, key: bytes = b""
+        self,
+        version: int,
+        checksum: str,
+        sources: list[Address],
+        deadline_s: float,
+        key: bytes = b"",
+        abandoned: threading.Event | None = None,
     ) -> memoryview:
         """Receive ``version`` (whose manifest must match ``checksum``) from ``sources`` in turn,
-        forwarding verified chunks downstream meanwhile; returns the verified buffer."""
+        forwarding verified chunks downstream meanwhile; returns the verified buffer (at once when this
+        node holds that version whole already). ``abandoned`` set stops it between two chunks
+        (:class:`RelayAbandonedError`)."""
+        with self._cond:
+            if self._complete(version, checksum, key):
+                return self._buffer
         deadline = time.monotonic() + deadline_s
         failures: list[str] = []
         for upstream in sources:
             if time.monotonic() >= deadline:
                 break
+            if abandoned is not None and abandoned.is_set():
+                raise RelayAbandonedError(f"version {version}: abandoned")
             try:
-                self._fetch_from(upstream, version, checksum, key, deadline)
+                self._fetch_from(upstream, version, checksum, key, deadline, abandoned)
                 return self._buffer
+            except RelayAbandonedError:
+                raise
             except (OSError, RelayError) as exc:
                 failures.append(f"{upstream[0]}:{upstream[1]} ({exc})")
         with self._cond:
@@ -154,12 +173,26 @@ class RelayNode:
             f"failed upstreams: {'; '.join(failures) or 'none tried'}"
         )
 
-    def _fetch_from(self, upstream: Address, version: int, checksum: str, key: bytes, deadline: float) -> None:
+    def _complete(self, version: int, checksum: str, key: bytes) -> bool:
+        """Whether this node holds ``version`` whole, with ``checksum`` (call under ``_cond``)."""
+        m = self._manifest
+        return m is not None and m.version == version and self._held == m.num_chunks and m.checksum(key) == checksum
+
+    def _fetch_from(
+        self,
+        upstream: Address,
+        version: int,
+        checksum: str,
+        key: bytes,
+        deadline: float,
+        abandoned: threading.Event | None = None,
+    ) -> None:
         timeout = max(0.01, min(self.stall_s, deadline - time.monotonic()))
         with socket.create_connection(upstream, timeout=timeout) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._cond:
-                first = self._held if self._manifest is not None and self._manifest.version == version else 0
+            with self._cond:  # resume after the verified chunks of this very version (same checksum) only
+                m = self._manifest
+                first = self._held if m is not None and m.version == version and m.checksum(key) == checksum else 0
             sock.sendall(_REQUEST.pack(_MAGIC, version, first))
             magic, got_version, total, chunk_bytes, num_chunks = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
             if magic != _MAGIC or got_version != version:
@@ -176,6 +209,8 @@ class RelayNode:
             pending: deque[tuple[int, Future[bytes]]] = deque()  # received, being verified, in order
             try:
                 for index in range(first, num_chunks):
+                    if abandoned is not None and abandoned.is_set():
+                        raise RelayAbandonedError(f"version {version}: abandoned at chunk {index}/{num_chunks}")
                     sock.settimeout(max(0.01, min(self.stall_s, deadline - time.monotonic())))
                     start, end = manifest.chunk_range(index)
                     chunk = self._buffer[start:end]
@@ -219,8 +254,9 @@ class RelayNode:
                 magic, version, first = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
                 if magic != _MAGIC:
                     return
-                manifest = self._wait(lambda: self._manifest is not None and self._manifest.version == version)
-                if manifest is None:
+                # wait for this version; a node that holds a newer one already will never serve it: at once
+                manifest = self._wait(lambda: self._manifest is not None and self._manifest.version >= version)
+                if manifest is None or manifest.version != version:
                     return
                 conn.sendall(
                     _HEADER.pack(_MAGIC, version, manifest.total_bytes, manifest.chunk_bytes, manifest.num_chunks)
