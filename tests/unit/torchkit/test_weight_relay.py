@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import msgspec
@@ -51,6 +52,26 @@ def assert_same(got: dict[str, torch.Tensor]) -> None:
     assert set(got) == {name for name, _ in NAMED}
     for name, tensor in NAMED:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+
+
+def fetch_concurrently(
+    receivers: list[RelayReceiver], event: WeightsPublished
+) -> list[dict[str, torch.Tensor] | BaseException]:
+    """Every receiver's tensors (or its error), all fetching at once, the last one asking first."""
+    results: list[dict[str, torch.Tensor] | BaseException] = [{} for _ in receivers]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = tensors_of(receivers[i], event)
+        except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in reversed(range(len(receivers)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
 
 
 class Proxy:
@@ -130,19 +151,7 @@ def test_a_chain_of_four_workers_gets_every_version_with_the_learner_sending_it_
             order = [parse_endpoint(event.endpoint), *(s.node.address for s in seats)]
             for i, s in enumerate(seats, start=1):
                 s.plan(version, event.checksum, upstreams(order, i)[:-1])
-            results: list[dict[str, torch.Tensor] | BaseException] = [{}] * 4
-
-            def run(i: int, event: WeightsPublished = event) -> None:
-                try:
-                    results[i] = tensors_of(receivers[i], event)
-                except BaseException as e:  # noqa: BLE001 - reported by the assert below
-                    results[i] = e
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in reversed(range(4))]  # the last asks first
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
+            results = fetch_concurrently(receivers, event)
             for got in results:
                 assert isinstance(got, dict), got
                 assert_same(got)
@@ -168,6 +177,40 @@ def test_a_relay_killed_mid_transfer_is_replaced_by_the_next_upstream(publisher:
     finally:
         dying.close()
         mine.close()
+
+
+def test_a_relay_node_killed_mid_version_leaves_its_downstream_to_resume_from_the_learner(
+    publisher: RelayPublisher,
+) -> None:
+    """learner -> A -> B, A's own fetch cut half-way (and nowhere else for it to go), then A killed: A yields
+    nothing, B resumes from the learner at its first missing chunk and completes."""
+    event = weights_event(1, publisher.publish(NAMED, 1))
+    learner = parse_endpoint(event.endpoint)
+    cut = Proxy(learner, cut_after=event.num_bytes // 2)
+    a, b = seat(), seat()
+    stranded = msgspec.structs.replace(event, endpoint=dead_endpoint())  # A's event: its learner is gone
+    a.plan(1, event.checksum, [cut.address])
+    b.plan(1, event.checksum, [a.node.address, learner])
+    got: list[dict[str, torch.Tensor] | BaseException] = []
+    downstream = threading.Thread(target=lambda: got.extend(fetch_concurrently([RelayReceiver(b)], stranded)))
+    try:
+        downstream.start()
+        with pytest.raises(WeightSyncError, match="closed"), RelayReceiver(a).receive(stranded, 10):
+            pytest.fail("a half-received version was handed out")
+        assert 0 < a.node._held < event.num_buckets
+        deadline = time.monotonic() + 10
+        while a.node.bytes_sent == 0 and time.monotonic() < deadline:  # B takes the prefix A verified
+            time.sleep(0.01)
+        assert a.node.bytes_sent > 0
+        a.close()  # the relay dies with its downstream mid-version, waiting for A's next chunk
+        downstream.join(30)
+        assert len(got) == 1 and isinstance(got[0], dict), got
+        assert_same(got[0])
+        assert publisher.bytes_sent < 2 * event.num_bytes  # B took from the learner only what A had not relayed
+    finally:
+        cut.close()
+        a.close()
+        b.close()
 
 
 def dead_endpoint() -> str:
@@ -233,10 +276,10 @@ def test_a_worker_that_holds_the_version_answers_without_fetching(publisher: Rel
     try:
         receiver = RelayReceiver(mine)
         assert_same(tensors_of(receiver, event))
-        publisher.close()  # a learner restart: the worker still serves (and relays) what it verified
-        assert_same(tensors_of(receiver, event))
-        forged = msgspec.structs.replace(event, checksum="0" * 64)
-        with pytest.raises(WeightSyncError, match="checksum|refused"), receiver.receive(forged, 2):
+        forged = msgspec.structs.replace(event, checksum="0" * 64)  # what it holds is not what this event signs
+        with pytest.raises(WeightSyncError, match="manifest checksum mismatch"), receiver.receive(forged, 2):
             pass
+        publisher.close()  # a learner restart: the worker still has (and relays) what it verified
+        assert_same(tensors_of(receiver, event))
     finally:
         mine.close()
