@@ -1,7 +1,11 @@
-"""Where a rollout worker fetches a relay version from (streamrl.rollout.weights.relay_sources): pure."""
+"""Where a rollout worker fetches a relay version from (streamrl.rollout.weights.relay_sources, pure), and the
+relay settings checked at start."""
 
 from __future__ import annotations
 
+import pytest
+
+from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.weights.relay_sources import Peer, relay_upstreams
 
 
@@ -36,3 +40,11 @@ def test_holders_of_the_version_come_first_and_newer_or_unadvertised_peers_not_a
 def test_a_worker_missing_from_the_registry_still_takes_its_place_by_name() -> None:
     workers = [peer("rollout-a"), peer("rollout-c")]
     assert relay_upstreams(peer("rollout-b"), workers, 4) == [("h", ord("a"))]
+
+
+def test_a_relay_stall_that_leaves_no_room_within_the_sync_deadline_is_refused_at_start() -> None:
+    base = {"run_id": "r", "engine": {"model": "m"}, "weight_sync_timeout_s": 6.0}
+    assert RolloutConfig.model_validate(base).relay_stall_s == 2.0  # default: a third of the deadline
+    assert RolloutConfig.model_validate({**base, "weights_relay": {"stall_s": 4}}).relay_stall_s == 4
+    with pytest.raises(ValueError, match=r"rollout\.weights_relay\.stall_s \(6\.0 s\) must be below"):
+        RolloutConfig.model_validate({**base, "weights_relay": {"stall_s": 6}})

@@ -95,6 +95,12 @@ class Proxy:
 
     def _serve(self, conn: socket.socket) -> None:
         self.served += 1
+        try:
+            self._forward(conn)
+        except OSError:  # the downstream hung up (it refused a chunk): nothing to forward to
+            pass
+
+    def _forward(self, conn: socket.socket) -> None:
         with conn, socket.create_connection(self.upstream) as up:
             request = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
             up.sendall(request)

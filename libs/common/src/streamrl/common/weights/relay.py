@@ -269,8 +269,8 @@ class RelayNode:
                     conn.sendall(self._buffer[start:end])
                     with self._cond:
                         self.bytes_sent += end - start
-            except OSError:
-                return  # the downstream went away or stalled: it re-sources itself
+            except (OSError, RelayError):
+                return  # the downstream went away or stalled (or hung up before asking): it re-sources itself
 
     def _holds(self, manifest: Manifest, index: int) -> bool:
         return self._manifest is manifest and self._held > index
