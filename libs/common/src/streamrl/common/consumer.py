@@ -490,7 +490,9 @@ class ConsumerLoop(Generic[M]):
                 claimed = []
                 if ids:  # none when another consumer took them since XINFO counted them (XCLAIM refuses [])
                     claimed = entry_ids(
-                        await self.redis.xclaim(self.stream, self.group, self.consumer, min_idle_ms, [*ids], justid=True)
+                        await self.redis.xclaim(
+                            self.stream, self.group, self.consumer, min_idle_ms, [*ids], justid=True
+                        )
                     )
                 if claimed:
                     logger.info(
