@@ -289,3 +289,20 @@ def test_a_worker_that_holds_the_version_answers_without_fetching(publisher: Rel
         assert_same(tensors_of(receiver, event))
     finally:
         mine.close()
+
+
+def test_an_abandoned_fetch_stops_within_a_poll_even_while_its_upstream_is_silent(publisher: RelayPublisher) -> None:
+    event = weights_event(1, publisher.publish(NAMED, 1))
+    idle = seat()  # connected to, never answers: the fetch waits for the header
+    mine = seat(stall_s=10.0)
+    abandoned = threading.Event()
+    try:
+        mine.plan(1, event.checksum, [idle.node.address])
+        threading.Timer(0.3, abandoned.set).start()
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match="abandoned"), RelayReceiver(mine).receive(event, 20, abandoned):
+            pytest.fail("an abandoned version was handed out")
+        assert time.monotonic() - started < 2.0  # not the 10 s stall limit
+    finally:
+        idle.close()
+        mine.close()

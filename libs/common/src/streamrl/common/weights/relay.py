@@ -45,6 +45,8 @@ _MAGIC = b"SRL1"
 _REQUEST = struct.Struct("!4sQI")  # magic, version, first chunk wanted
 _HEADER = struct.Struct("!4sQQII")  # magic, version, total bytes, chunk bytes, number of chunks
 _DIGEST_BYTES = 16
+ABANDON_POLL_S = 0.1
+"""How often a fetch given an ``abandoned`` event looks at it while it waits for bytes (s)."""
 
 
 class RelayError(RuntimeError):
@@ -187,6 +189,13 @@ class RelayNode:
         deadline: float,
         abandoned: threading.Event | None = None,
     ) -> None:
+        def arm(sock: socket.socket) -> float:
+            """The wait allowed for the next bytes (the stall limit, within the deadline); with ``abandoned``
+            the socket wakes every ABANDON_POLL_S to look at it."""
+            budget = max(0.01, min(self.stall_s, deadline - time.monotonic()))
+            sock.settimeout(min(budget, ABANDON_POLL_S) if abandoned is not None else budget)
+            return budget
+
         timeout = max(0.01, min(self.stall_s, deadline - time.monotonic()))
         with socket.create_connection(upstream, timeout=timeout) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -194,10 +203,12 @@ class RelayNode:
                 m = self._manifest
                 first = self._held if m is not None and m.version == version and m.checksum(key) == checksum else 0
             sock.sendall(_REQUEST.pack(_MAGIC, version, first))
-            magic, got_version, total, chunk_bytes, num_chunks = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+            header = _recv_exact(sock, _HEADER.size, arm(sock), abandoned)
+            magic, got_version, total, chunk_bytes, num_chunks = _HEADER.unpack(header)
             if magic != _MAGIC or got_version != version:
                 raise RelayError(f"upstream serves version {got_version}, not {version}")
-            manifest = Manifest(version, total, chunk_bytes, _recv_exact(sock, num_chunks * _DIGEST_BYTES))
+            digests = _recv_exact(sock, num_chunks * _DIGEST_BYTES, arm(sock), abandoned)
+            manifest = Manifest(version, total, chunk_bytes, digests)
             if manifest.checksum(key) != checksum:
                 raise RelayError("manifest checksum mismatch")
             with self._cond:
@@ -211,10 +222,10 @@ class RelayNode:
                 for index in range(first, num_chunks):
                     if abandoned is not None and abandoned.is_set():
                         raise RelayAbandonedError(f"version {version}: abandoned at chunk {index}/{num_chunks}")
-                    sock.settimeout(max(0.01, min(self.stall_s, deadline - time.monotonic())))
+                    budget = arm(sock)
                     start, end = manifest.chunk_range(index)
                     chunk = self._buffer[start:end]
-                    _recv_into_exact(sock, chunk)
+                    _recv_into_exact(sock, chunk, budget, abandoned)
                     if self._digests is None:
                         self._verified(manifest, index, _digest(chunk))
                         continue
@@ -295,16 +306,31 @@ class RelayNode:
             self._digests.shutdown(wait=False, cancel_futures=True)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def _recv_exact(
+    sock: socket.socket, size: int, stall_s: float | None = None, abandoned: threading.Event | None = None
+) -> bytes:
     buffer = bytearray(size)
-    _recv_into_exact(sock, memoryview(buffer))
+    _recv_into_exact(sock, memoryview(buffer), stall_s, abandoned)
     return bytes(buffer)
 
 
-def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_into_exact(
+    sock: socket.socket, view: memoryview, stall_s: float | None = None, abandoned: threading.Event | None = None
+) -> None:
+    """Fill ``view``; a socket time-out shorter than ``stall_s`` (a poll for ``abandoned``) is waited out until
+    ``stall_s`` passes without a byte."""
     got = 0
+    quiet_since = time.monotonic()
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            if abandoned is not None and abandoned.is_set():
+                raise RelayAbandonedError(f"abandoned after {got} of {len(view)} bytes") from None
+            if stall_s is None or time.monotonic() - quiet_since >= stall_s:
+                raise
+            continue
         if n == 0:
             raise RelayError(f"upstream closed after {got} of {len(view)} bytes")
         got += n
+        quiet_since = time.monotonic()
