@@ -28,7 +28,7 @@ NAMED = [
 ]
 
 
-@pytest.fixture(params=["zmq", "broadcast"])
+@pytest.fixture(params=["zmq", "broadcast", "relay"])
 def publisher(request: pytest.FixtureRequest) -> Iterator[WeightPublisher]:
     pub = make_publisher(request.param, bucket_bytes=4096, broadcast_timeout_s=10)
     yield pub
@@ -117,9 +117,9 @@ def test_an_ipc_receiver_refuses_a_cpu_engine_naming_the_setting() -> None:
 
 
 def test_the_factories_refuse_an_unknown_transport_by_name() -> None:
-    with pytest.raises(ValueError, match=r"unknown weights transport 'rdma' \(known: zmq, ipc, broadcast\)"):
+    with pytest.raises(ValueError, match=r"unknown weights transport 'rdma' \(known: zmq, ipc, broadcast, relay\)"):
         make_publisher("rdma")
-    with pytest.raises(ValueError, match=r"unknown weights transport 'rdma' \(known: zmq, ipc, broadcast\)"):
+    with pytest.raises(ValueError, match=r"unknown weights transport 'rdma' \(known: zmq, ipc, broadcast, relay\)"):
         make_receiver("rdma", device=CPU)
     event = weights_event(1)
     with pytest.raises(ValueError, match="unknown weights transport 'rdma'"):

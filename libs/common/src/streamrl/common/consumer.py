@@ -487,9 +487,13 @@ class ConsumerLoop(Generic[M]):
                 )
                 min_idle_ms = int(1000 * self.config.heartbeat_interval_s)
                 ids = [row.entry_id for row in pending(held)]
-                claimed = entry_ids(
-                    await self.redis.xclaim(self.stream, self.group, self.consumer, min_idle_ms, [*ids], justid=True)
-                )
+                claimed = []
+                if ids:  # none when another consumer took them since XINFO counted them (XCLAIM refuses [])
+                    claimed = entry_ids(
+                        await self.redis.xclaim(
+                            self.stream, self.group, self.consumer, min_idle_ms, [*ids], justid=True
+                        )
+                    )
                 if claimed:
                     logger.info(
                         "%s: took over %d entries of %s (its heartbeat stopped)", self.stream, len(claimed), name

@@ -106,6 +106,9 @@ class ServiceContext:
     paused: str = ""
     """Why the service consumes nothing for now (it resumes by itself); empty while it works. A running service
     with a reason beats ``status = paused`` with it (``Heartbeat.reason``)."""
+    weights_relay: str = ""
+    """``host:port`` where this instance serves the weights it holds onward (a rollout worker on the ``relay``
+    transport); empty otherwise."""
     tracing: Tracing = NULL_TRACING
     metrics: Metrics = NULL_METRICS
 
@@ -138,6 +141,7 @@ class ServiceContext:
             "status": "paused" if self.paused and self.status == "running" else self.status,
             "loop_lag_s": round(self.loop_lag_s, 3),
             "reason": self.paused,
+            "weights_relay": self.weights_relay,
         }
 
     def record_loop_lag(self, pause_s: float) -> None:

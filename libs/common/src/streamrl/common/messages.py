@@ -520,13 +520,13 @@ class LoraAdapter(msgspec.Struct, frozen=True):
     """Names of the adapted modules (``all-linear`` resolved: e.g. ``q_proj``, ``down_proj``), sorted."""
 
 
-WeightsTransport = Literal["zmq", "ipc", "broadcast"]
-"""The weight transports (``learner.weights_transport``, ``WeightsPublished.transport``)."""
+WeightsTransport = Literal["zmq", "ipc", "broadcast", "relay"]
+"""The weight transports (``learner.weights_transport``, ``WeightsPublished.transport``); ``relay`` came with v4."""
 
 WEIGHTS_SCHEMA_VERSION = 4
 """Schema version of :class:`WeightsPublished`: v2 added ``payload`` and ``lora``, v3 the explicit
 ``transport`` tag, v4 the CUDA IPC buffer sets (``IpcWeights.buffer_set``, ``num_sets``, ``reader_lock``:
-a v3 engine would neither keep both sets' handles nor hold the reader lock). Only v4 is read: an older
+a v3 engine would neither keep both sets' handles nor hold the reader lock) and the ``relay`` transport. Only v4 is read: an older
 event is refused as an unsupported version, and an older worker refuses a v4 event the same way."""
 
 
@@ -544,9 +544,10 @@ class WeightsPublished(_Message, tag="weights", kw_only=True):
 
     v: int = WEIGHTS_SCHEMA_VERSION
     transport: WeightsTransport = "zmq"
-    """How the bytes travel: ``zmq`` (buckets at ``endpoint``), ``ipc`` (CUDA IPC buffers in ``ipc``) or
+    """How the bytes travel: ``zmq`` (buckets at ``endpoint``), ``ipc`` (CUDA IPC buffers in ``ipc``),
     ``broadcast`` (the group of ``broadcast``; ``endpoint`` set too when the learner also serves ZMQ for
-    workers that cannot join - still tagged ``broadcast``)."""
+    workers that cannot join - still tagged ``broadcast``) or ``relay`` (one flat buffer rooted at
+    ``endpoint``, relayed worker to worker: :mod:`streamrl.torchkit.weights.relay`)."""
     version: int
     """New policy version (monotonic)."""
     step: int
@@ -554,15 +555,16 @@ class WeightsPublished(_Message, tag="weights", kw_only=True):
     batch_id: str
     """The batch this step trained on."""
     checksum: str
-    """Digest over all buckets (IPC and broadcast: over all buffers, with the version), checked by every receiver.
+    """Digest over all buckets (IPC and broadcast: over all buffers, with the version; relay: the relay
+    manifest's, over the version, sizes and every chunk's digest), checked by every receiver.
     With a broadcast rendezvous and ``endpoint`` set it is the ZMQ server's digest: group members check
     the one the learner hands them in its store with each version."""
     num_bytes: int
     num_buckets: int
-    """ZMQ buckets, IPC buffers, or broadcast buckets."""
+    """ZMQ buckets, IPC buffers, broadcast buckets, or relay chunks."""
     endpoint: str
-    """ZMQ address serving the buckets (``tcp://host:port``); empty when the weights travel only over CUDA IPC
-    or only over the broadcast group."""
+    """ZMQ address serving the buckets (``tcp://host:port``; relay: the learner's node, the relay's root);
+    empty when the weights travel only over CUDA IPC or only over the broadcast group."""
     metrics: dict[str, float] = {}
     """Learner metrics of the step (``learner/...``)."""
     published_at: float = 0.0
@@ -602,6 +604,9 @@ class Heartbeat(_Message, tag="heartbeat"):
     reason: str = ""
     """Why the instance is ``paused`` (a reward worker whose backend refuses its token or stays down: it
     consumes nothing until a probe succeeds); empty otherwise. The coordinator shows it and issues no prompts."""
+    weights_relay: str = ""
+    """``host:port`` where a rollout worker serves the weights version it holds (``policy_version``) onward on the
+    ``relay`` transport (:mod:`streamrl.rollout.weights.relay_sources`); empty otherwise."""
 
 
 class DeadLetter(_Message, tag="dead"):

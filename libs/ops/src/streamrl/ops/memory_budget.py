@@ -86,7 +86,7 @@ INSTANCE_BYTES = 4096
 group consumer."""
 ONCE_KEY_BYTES = 320
 """One operation key (``once:{op}``): name, the stored replies, TTL."""
-WEIGHTS_ENTRY_BYTES = {"zmq": 4096, "ipc": 128 * 1024, "broadcast": 128 * 1024}
+WEIGHTS_ENTRY_BYTES = {"zmq": 4096, "ipc": 128 * 1024, "broadcast": 128 * 1024, "relay": 4096}
 """One ``weights`` entry by ``learner.weights_transport``: the event, the step's metrics, the signature;
 CUDA IPC and broadcast events also list every tensor (~100 bytes each: 1,000 tensors and more)."""
 VERSION_FIELD_BYTES = 128

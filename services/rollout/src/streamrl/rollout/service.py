@@ -14,8 +14,9 @@
 * A tail of ``weights``: every WeightsPublished newer than what the engine serves is handed to the
   engine, whose receiver - the one the event's ``transport`` tag picks (:mod:`streamrl.torchkit.weights`:
   the learner's ZMQ server, its CUDA IPC buffers when colocated, or a member of its broadcast group,
-  falling back to ZMQ when the engine cannot join and the learner serves one) - fetches it with a
-  deadline; then it is loaded. Every path loads exactly the signed event's version and checks the
+  falling back to ZMQ when the engine cannot join and the learner serves one; or the weight relay, whose
+  upstreams this worker picks from the live workers' heartbeats, :mod:`streamrl.rollout.weights.relay_seat`) -
+  fetches it with a deadline; then it is loaded. Every path loads exactly the signed event's version and checks the
   weights against its checksum (over the broadcast too: a member refuses whatever else the group's
   unauthenticated store offers, and a version replaced by a newer one before it was loaded waits
   for that one's event). The follower reads on while a version loads: a newer event - a newer version, or
@@ -94,6 +95,7 @@ from streamrl.rollout.agents.gateway import AgentGateway
 from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.engines.engine import Engine, GenerationRequest, Sample
 from streamrl.rollout.environments.episode import Episode, EpisodeRunner
+from streamrl.rollout.weights.relay_seat import WorkerRelay
 
 logger = logging.getLogger(__name__)
 ENGINE_CLOSE_TIMEOUT_S = 10.0
@@ -137,6 +139,8 @@ class RolloutService:
         """The weights event being loaded and the task loading it (:meth:`_on_weights`)."""
         self.loop: ConsumerLoop[PromptWorkItem] | None = None
         """The consumer loop on ``prompts`` (set by :meth:`run`): prompts park in it while they wait for weights."""
+        self.relay = WorkerRelay(config, ctx)
+        """This worker's relay node and upstreams on the ``relay`` transport (made at the first relay event)."""
         if self.weights_key is None:
             logger.warning(
                 "weights events are not authenticated (%s is not set): any writer to the weights "
@@ -173,6 +177,7 @@ class RolloutService:
             tasks = [tail, self._update_task(), self.sleeper]
             await cancel_and_wait([t for t in tasks if t is not None])
             await self.redis.hdel(self.ctx.names.served_versions, self.ctx.instance)
+            self.relay.close()
             try:
                 async with timeout(ENGINE_CLOSE_TIMEOUT_S):
                     await asyncio.to_thread(self.engine.close)
@@ -390,6 +395,9 @@ class RolloutService:
                     woke = await self.engine.wake()
                     logger.info("engine awake for policy version %d (%.0f ms)", msg.version, woke * 1e3)
                 path = msg.transport
+                if path == "relay":  # where from: the peers the registry shows, then the learner
+                    peers = await self.relay.plan(msg)
+                    logger.info("fetching version %d over the relay from %s", msg.version, peers or "the learner")
                 await self.engine.update_weights(msg, self.cfg.weight_sync_timeout_s)
                 version = self.engine.version
                 self.served_checksum = msg.checksum if version == msg.version else None

@@ -45,10 +45,16 @@ _MAGIC = b"SRL1"
 _REQUEST = struct.Struct("!4sQI")  # magic, version, first chunk wanted
 _HEADER = struct.Struct("!4sQQII")  # magic, version, total bytes, chunk bytes, number of chunks
 _DIGEST_BYTES = 16
+ABANDON_POLL_S = 0.1
+"""How often a fetch given an ``abandoned`` event looks at it while it waits for bytes (s)."""
 
 
 class RelayError(RuntimeError):
     """A receiver could not complete a version: every upstream it tried failed, or time ran out."""
+
+
+class RelayAbandonedError(RelayError):
+    """The caller gave the fetch up (its ``abandoned`` event was set): no other upstream is tried."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,18 +139,33 @@ class RelayNode:
             self._cond.notify_all()
 
     def fetch(
-        self, version: int, checksum: str, sources: list[Address], deadline_s: float, key: bytes = b""
+        self,
+        version: int,
+        checksum: str,
+        sources: list[Address],
+        deadline_s: float,
+        key: bytes = b"",
+        abandoned: threading.Event | None = None,
     ) -> memoryview:
         """Receive ``version`` (whose manifest must match ``checksum``) from ``sources`` in turn,
-        forwarding verified chunks downstream meanwhile; returns the verified buffer."""
+        forwarding verified chunks downstream meanwhile; returns the verified buffer (at once when this
+        node holds that version whole already). ``abandoned`` set stops it between two chunks
+        (:class:`RelayAbandonedError`)."""
+        with self._cond:
+            if self._complete(version, checksum, key):
+                return self._buffer
         deadline = time.monotonic() + deadline_s
         failures: list[str] = []
         for upstream in sources:
             if time.monotonic() >= deadline:
                 break
+            if abandoned is not None and abandoned.is_set():
+                raise RelayAbandonedError(f"version {version}: abandoned")
             try:
-                self._fetch_from(upstream, version, checksum, key, deadline)
+                self._fetch_from(upstream, version, checksum, key, deadline, abandoned)
                 return self._buffer
+            except RelayAbandonedError:
+                raise
             except (OSError, RelayError) as exc:
                 failures.append(f"{upstream[0]}:{upstream[1]} ({exc})")
         with self._cond:
@@ -154,17 +175,40 @@ class RelayNode:
             f"failed upstreams: {'; '.join(failures) or 'none tried'}"
         )
 
-    def _fetch_from(self, upstream: Address, version: int, checksum: str, key: bytes, deadline: float) -> None:
+    def _complete(self, version: int, checksum: str, key: bytes) -> bool:
+        """Whether this node holds ``version`` whole, with ``checksum`` (call under ``_cond``)."""
+        m = self._manifest
+        return m is not None and m.version == version and self._held == m.num_chunks and m.checksum(key) == checksum
+
+    def _fetch_from(
+        self,
+        upstream: Address,
+        version: int,
+        checksum: str,
+        key: bytes,
+        deadline: float,
+        abandoned: threading.Event | None = None,
+    ) -> None:
+        def arm(sock: socket.socket) -> float:
+            """The wait allowed for the next bytes (the stall limit, within the deadline); with ``abandoned``
+            the socket wakes every ABANDON_POLL_S to look at it."""
+            budget = max(0.01, min(self.stall_s, deadline - time.monotonic()))
+            sock.settimeout(min(budget, ABANDON_POLL_S) if abandoned is not None else budget)
+            return budget
+
         timeout = max(0.01, min(self.stall_s, deadline - time.monotonic()))
         with socket.create_connection(upstream, timeout=timeout) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._cond:
-                first = self._held if self._manifest is not None and self._manifest.version == version else 0
+            with self._cond:  # resume after the verified chunks of this very version (same checksum) only
+                m = self._manifest
+                first = self._held if m is not None and m.version == version and m.checksum(key) == checksum else 0
             sock.sendall(_REQUEST.pack(_MAGIC, version, first))
-            magic, got_version, total, chunk_bytes, num_chunks = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+            header = _recv_exact(sock, _HEADER.size, arm(sock), abandoned)
+            magic, got_version, total, chunk_bytes, num_chunks = _HEADER.unpack(header)
             if magic != _MAGIC or got_version != version:
                 raise RelayError(f"upstream serves version {got_version}, not {version}")
-            manifest = Manifest(version, total, chunk_bytes, _recv_exact(sock, num_chunks * _DIGEST_BYTES))
+            digests = _recv_exact(sock, num_chunks * _DIGEST_BYTES, arm(sock), abandoned)
+            manifest = Manifest(version, total, chunk_bytes, digests)
             if manifest.checksum(key) != checksum:
                 raise RelayError("manifest checksum mismatch")
             with self._cond:
@@ -176,10 +220,12 @@ class RelayNode:
             pending: deque[tuple[int, Future[bytes]]] = deque()  # received, being verified, in order
             try:
                 for index in range(first, num_chunks):
-                    sock.settimeout(max(0.01, min(self.stall_s, deadline - time.monotonic())))
+                    if abandoned is not None and abandoned.is_set():
+                        raise RelayAbandonedError(f"version {version}: abandoned at chunk {index}/{num_chunks}")
+                    budget = arm(sock)
                     start, end = manifest.chunk_range(index)
                     chunk = self._buffer[start:end]
-                    _recv_into_exact(sock, chunk)
+                    _recv_into_exact(sock, chunk, budget, abandoned)
                     if self._digests is None:
                         self._verified(manifest, index, _digest(chunk))
                         continue
@@ -219,8 +265,9 @@ class RelayNode:
                 magic, version, first = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
                 if magic != _MAGIC:
                     return
-                manifest = self._wait(lambda: self._manifest is not None and self._manifest.version == version)
-                if manifest is None:
+                # wait for this version; a node that holds a newer one already will never serve it: at once
+                manifest = self._wait(lambda: self._manifest is not None and self._manifest.version >= version)
+                if manifest is None or manifest.version != version:
                     return
                 conn.sendall(
                     _HEADER.pack(_MAGIC, version, manifest.total_bytes, manifest.chunk_bytes, manifest.num_chunks)
@@ -233,8 +280,8 @@ class RelayNode:
                     conn.sendall(self._buffer[start:end])
                     with self._cond:
                         self.bytes_sent += end - start
-            except OSError:
-                return  # the downstream went away or stalled: it re-sources itself
+            except (OSError, RelayError):
+                return  # the downstream went away or stalled (or hung up before asking): it re-sources itself
 
     def _holds(self, manifest: Manifest, index: int) -> bool:
         return self._manifest is manifest and self._held > index
@@ -259,16 +306,31 @@ class RelayNode:
             self._digests.shutdown(wait=False, cancel_futures=True)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def _recv_exact(
+    sock: socket.socket, size: int, stall_s: float | None = None, abandoned: threading.Event | None = None
+) -> bytes:
     buffer = bytearray(size)
-    _recv_into_exact(sock, memoryview(buffer))
+    _recv_into_exact(sock, memoryview(buffer), stall_s, abandoned)
     return bytes(buffer)
 
 
-def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_into_exact(
+    sock: socket.socket, view: memoryview, stall_s: float | None = None, abandoned: threading.Event | None = None
+) -> None:
+    """Fill ``view``; a socket time-out shorter than ``stall_s`` (a poll for ``abandoned``) is waited out until
+    ``stall_s`` passes without a byte."""
     got = 0
+    quiet_since = time.monotonic()
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            if abandoned is not None and abandoned.is_set():
+                raise RelayAbandonedError(f"abandoned after {got} of {len(view)} bytes") from None
+            if stall_s is None or time.monotonic() - quiet_since >= stall_s:
+                raise
+            continue
         if n == 0:
             raise RelayError(f"upstream closed after {got} of {len(view)} bytes")
         got += n
+        quiet_since = time.monotonic()

@@ -11,6 +11,9 @@
 * :mod:`.broadcast` / :mod:`.broadcast_member` - ``broadcast``: the same flat buffers over a process
   group of the learner and its workers (NCCL, gloo on CPU); membership protocol
   :mod:`streamrl.common.weights.broadcast`.
+* :mod:`.relay` - ``relay``: one flat buffer rooted at the learner, relayed worker to worker in verified
+  chunks (:mod:`streamrl.common.weights.relay`); each worker's upstreams come from the rollout service's
+  view of the registry (a :class:`~.relay.RelaySeat`).
 * :mod:`.tied` - the tied head every path sends explicitly (full weights only).
 
 Either payload (full weights, or a LoRA adapter's tensors) travels the same way; every version is

@@ -16,7 +16,7 @@ from streamrl.common.messages import WeightsPublished
 from streamrl.torchkit.weights.protocol import WeightPublisher, WeightReceiver
 from streamrl.torchkit.weights.tied import TIED_ALIASES
 
-TRANSPORTS = ("zmq", "ipc", "broadcast")
+TRANSPORTS = ("zmq", "ipc", "broadcast", "relay")
 
 
 def _unknown(transport: str) -> ValueError:
@@ -39,7 +39,8 @@ def make_publisher(
 ) -> WeightPublisher:
     """The learner's publisher for ``learner.weights_transport`` (its ``weights_*`` fields as arguments):
     ``host``/``port``/``advertise_host`` the ZMQ server's (also the fallback of ``broadcast``),
-    ``store_port`` the broadcast rendezvous', ``ipc_*`` the CUDA IPC buffer sets'."""
+    ``store_port`` the broadcast rendezvous', ``ipc_*`` the CUDA IPC buffer sets'; ``relay`` roots its relay on
+    ``host``/``port`` alone."""
     if transport == "zmq":
         from streamrl.torchkit.weights.zmq import ZmqPublisher
 
@@ -64,6 +65,10 @@ def make_publisher(
             tied_aliases=tied_aliases,
             zmq_fallback=fallback,
         )
+    if transport == "relay":
+        from streamrl.torchkit.weights.relay import RelayPublisher
+
+        return RelayPublisher(host, port, advertise_host, tied_aliases=tied_aliases)
     raise _unknown(transport)
 
 
@@ -71,7 +76,9 @@ def make_receiver(
     transport: str, *, device: torch.device, label: str = "engine", tensor_parallel_size: int = 1
 ) -> WeightReceiver:
     """An engine's receiver for events tagged ``transport``: ``device`` the engine's (or the vLLM
-    worker's), ``label`` its name in a broadcast group, ``tensor_parallel_size`` the engine's."""
+    worker's), ``label`` its name in a broadcast group, ``tensor_parallel_size`` the engine's. A ``relay``
+    receiver fetches into the process's relay seat (:func:`streamrl.torchkit.weights.relay.install_seat`, set
+    by the rollout service), or from the learner alone when there is none."""
     if transport == "zmq":
         from streamrl.torchkit.weights.zmq import ZmqReceiver
 
@@ -84,6 +91,10 @@ def make_receiver(
         from streamrl.torchkit.weights.broadcast_member import BroadcastReceiver
 
         return BroadcastReceiver(device, label)
+    if transport == "relay":
+        from streamrl.torchkit.weights.relay import RelayReceiver, installed_seat
+
+        return RelayReceiver(installed_seat())
     raise _unknown(transport)
 
 

@@ -68,7 +68,7 @@ class LearnerConfig(ServiceConfig):
     (``weights_port + 1``; a free one when 0): rollout workers on other hosts must reach both."""
     weights_bucket_mb: int = Field(64, ge=1)
     """Target size of one weight bucket (MiB): a ZMQ bucket, one CUDA IPC buffer, or one broadcast bucket."""
-    weights_transport: Literal["zmq", "ipc", "broadcast"] = "zmq"
+    weights_transport: Literal["zmq", "ipc", "broadcast", "relay"] = "zmq"
     """How new weights reach the rollout engines. ``zmq``: buckets served from host memory by the weight
     server (any engine, any host). ``ipc``: the rollout engines share the learner's GPU (colocated) and
     copy the weights from CUDA IPC buffers on it, with no host copy; the ZMQ server then is not fed, so
@@ -76,7 +76,10 @@ class LearnerConfig(ServiceConfig):
     store (``weights_store_port``) and broadcasts every version in buckets to the rollout workers that
     joined its weight group - NCCL when the weights are on CUDA, gloo on CPU - from a background
     thread (``streamrl.torchkit.weights.broadcast``); workers join and leave at any time. The store and
-    the group have no authentication: a private network only."""
+    the group have no authentication: a private network only. ``relay``: rank 0 serves each version once, as
+    chunks from ``weights_port``, to the first rollout worker(s); every worker forwards the verified chunks it
+    holds to the next (a chain in instance-name order, from the workers' heartbeats), so the learner sends
+    ~1x the model per version whatever the number of workers (``streamrl.torchkit.weights.relay``)."""
     weights_ipc_buffer_sets: int = Field(2, ge=1, le=4)
     """``ipc``: sets of CUDA IPC buffers the learner writes the versions into in turn. With 2 an engine has a
     whole step to copy a version before its buffers are written again; with either, a set is not rewritten
