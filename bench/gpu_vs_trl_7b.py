@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -211,6 +210,14 @@ def trl_input(ours: dict[str, Any], data_dir: str, output_dir: str) -> dict[str,
     return {**ours, "data_dir": data_dir, "trl_output_dir": output_dir}
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal, numbers to a relative 1e-12 (a float read back from another config may round)."""
+    numbers = all(isinstance(v, float | int) and not isinstance(v, bool) for v in (a, b))
+    if numbers:
+        return abs(a - b) <= 1e-12 * max(abs(a), abs(b), 1.0)
+    return bool(a == b)
+
+
 def parity_errors(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """One line per setting of :data:`PARITY_FIELDS` the two sides do not share (pure). Without vLLM the
     context length and memory share are vLLM's alone and not compared."""
@@ -220,8 +227,7 @@ def parity_errors(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
         if name in skip:
             continue
         a, b = ours.get(name), theirs.get(name)
-        same = abs(a - b) <= 1e-12 * max(abs(a), abs(b), 1.0) if isinstance(a, float) or isinstance(b, float) else a == b
-        if a is None or b is None or not same:
+        if a is None or b is None or not same_value(a, b):
             errors.append(f"{name}: streamrl {a!r} vs TRL {b!r}")
     return errors
 
@@ -432,7 +438,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--recipe", default=str(RECIPE), help="streamrl's recipe (default recipes/gpu_7b_lora.toml)")
     parser.add_argument("--model", default=None, help="a policy folder to use instead of preparing the random one")
     parser.add_argument(
-        "--size", choices=["call", "recipe"], default="call", help="GPU work per step: fit one device call, or the recipe's"
+        "--size",
+        choices=["call", "recipe"],
+        default="call",
+        help="GPU work per step: fit one device call, or the recipe's",
     )
     parser.add_argument("--steps", type=int, default=None, help="steps per side (default 30; 8 with --smoke)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the median (5; 2 smoke)")
@@ -444,6 +453,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--override", action="append", default=[], metavar="--SECTION.FIELD=VALUE", help="one more recipe override"
     )
     parser.add_argument("--out", default=None, help="report folder (default $OUT, else bench/results)")
+    parser.add_argument(
+        "--check-only", action="store_true", help="prepare, read both sides' settings and compare them; run nothing"
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps or (8 if args.smoke else 30)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.smoke else 5)
@@ -508,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     theirs = dry_run_trl(settings_file, device)
     report["settings"] = {"streamrl": ours, "trl": theirs, "streamrl_overrides": overrides}
     check_parity(ours, theirs)  # refuses before either side starts
+    if args.check_only:
+        print(json.dumps({"parity": "same", **report["settings"]}), flush=True)
+        return 0
 
     sides: dict[str, dict[str, Any]] = {}
     for name in args.sides:

@@ -100,7 +100,9 @@ def settings_of(grpo: Any, lora: Any, model: str, device: str) -> dict[str, Any]
         "lora_rank": lora.r,
         "lora_alpha": float(lora.lora_alpha),
         "lora_dropout": lora.lora_dropout,
-        "lora_target_modules": lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules),
+        "lora_target_modules": lora.target_modules
+        if isinstance(lora.target_modules, str)
+        else sorted(lora.target_modules),
         "prompts_per_step": samples // grpo.num_generations,
         "group_size": grpo.num_generations,
         "max_new_tokens": grpo.max_completion_length,
@@ -165,7 +167,7 @@ def main(argv: list[str]) -> None:
 
     def arithmetic_reward(
         prompts: list[str], completions: list[str], completion_ids: list[list[int]], label: list[str], **_: Any
-    ) -> list[float]:
+    ) -> list[float | None]:
         tokens["generated"] += sum(len(ids) for ids in completion_ids)
         queries = [p + c for p, c in zip(prompts, completions, strict=True)]
         return [float(r) for r in task.reward_func(queries, prompts, label)["rewards"]]
