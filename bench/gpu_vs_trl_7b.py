@@ -139,16 +139,17 @@ SMOKE_OVERRIDES = [
 """``--smoke``: the recipe at CPU size (the transformers engine and the learner on the CPU, float32)."""
 
 CALL_OVERRIDES = [
-    "--coordinator.prompts_per_step=16",
+    "--coordinator.prompts_per_step=8",
     "--coordinator.sampling.max_new_tokens=128",
     "--rollout.engine.max_model_len=160",
-    "--rollout.engine.max_num_seqs=128",
-    "--learner.ds.grad_accum=8",
+    "--rollout.engine.max_num_seqs=64",
+    "--learner.ds.grad_accum=4",
 ]
-"""``--size call`` (the default on a GPU): the recipe's work cut so that both sides, install and prepare
-fit one 10-minute device call (16 prompts x 8 samples x 128 new tokens a step instead of 32 x 8 x 256;
-micro-batch 16 x 8 accumulated = the 128 samples; rank, targets, optimizer and the rest as the recipe).
-``--size recipe`` runs the recipe's own batch."""
+"""``--size call`` (the default on a GPU): the recipe's work cut so that both sides fit one 10-minute
+device call after the kit's install (8 prompts x 8 samples x 128 new tokens a step instead of 32 x 8 x 256;
+micro-batch 16 x 4 accumulated = the 64 samples, one optimizer step; rank, targets, optimizer and the rest as
+the recipe). ``--size recipe`` runs the recipe's own batch (then run the sides in two calls, ``--sides``,
+and join them with ``--combine``)."""
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -429,6 +430,25 @@ def summarize_trl(side: dict[str, Any], events_path: Path, args: argparse.Namesp
     return {**side, **stats, "generated_tokens_per_s": rate, "events": str(events_path)}
 
 
+def combine(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from reports of one side each, run on the same machine with the same settings (refused
+    otherwise, naming what differs): the sides of a run split over two device calls (pure)."""
+    first = reports[0]
+    for other in reports[1:]:
+        check_parity(first["settings"]["streamrl"], other["settings"]["streamrl"])
+        if other["machine"].get("gpus") != first["machine"].get("gpus"):
+            raise ValueError(f"not the same GPUs: {first['machine'].get('gpus')} vs {other['machine'].get('gpus')}")
+    out = {**first, "combined_from": [r["date"] for r in reports], "errors": []}
+    for side in ("streamrl", "trl"):
+        out[side] = next((r[side] for r in reports if r.get(side)), None)
+    for r in reports:
+        out["errors"] += r.get("errors", [])
+    if out["streamrl"] and out["trl"]:
+        wall = next(int(k.split("_")[3]) for k in out["streamrl"] if k.startswith("wall_to_step_"))
+        out.update(ratios(out["streamrl"], out["trl"], wall))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -448,11 +468,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--wall-step", type=int, default=None, help="launch to this step's end (default --steps)")
     parser.add_argument("--min-measured", type=int, default=None, help="steps the median needs (20; 3 smoke)")
     parser.add_argument("--sides", default="streamrl,trl", help="which sides run, in this order")
-    parser.add_argument("--timeout-s", type=float, default=None, help="limit per side (default 240; 420 smoke)")
+    parser.add_argument("--timeout-s", type=float, default=None, help="limit per side (default 260; 420 smoke)")
     parser.add_argument(
         "--override", action="append", default=[], metavar="--SECTION.FIELD=VALUE", help="one more recipe override"
     )
     parser.add_argument("--out", default=None, help="report folder (default $OUT, else bench/results)")
+    parser.add_argument(
+        "--combine", nargs="+", default=None, metavar="REPORT", help="join reports of one side each; run nothing"
+    )
     parser.add_argument(
         "--check-only", action="store_true", help="prepare, read both sides' settings and compare them; run nothing"
     )
@@ -461,7 +484,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.smoke else 5)
     args.wall_step = args.wall_step or args.steps
     args.min_measured = args.min_measured if args.min_measured is not None else (3 if args.smoke else 20)
-    args.timeout_s = args.timeout_s or (420.0 if args.smoke else 240.0)
+    args.timeout_s = args.timeout_s or (420.0 if args.smoke else 260.0)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not args.sides or set(args.sides) - {"streamrl", "trl"}:
         parser.error(f"--sides: streamrl and/or trl, got {args.sides}")
@@ -476,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from gpu import machine_facts
 
+    if args.combine:
+        joined = combine([json.loads(Path(p).read_text()) for p in args.combine])
+        joined["command"] = shlex.join(["python", "bench/gpu_vs_trl_7b.py", *argv])
+        path = Path(args.out) / f"gpu_vs_trl_7b-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
+        path.write_text(json.dumps(joined, indent=2))
+        print(json.dumps(joined), flush=True)
+        return 1 if joined["errors"] else 0
     device = "cpu" if args.smoke else "cuda"
     started = datetime.now(timezone.utc)
     work = ROOT / "runs" / ("gpu_vs_trl_smoke" if args.smoke else "gpu_vs_trl_7b")

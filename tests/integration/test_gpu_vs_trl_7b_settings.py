@@ -20,7 +20,7 @@ def test_the_call_size_keeps_the_recipe_but_its_batch(tmp_path: Path) -> None:
     recipe = bench.ours_settings(bench.dry_run_ours(str(bench.RECIPE), OFF_PLAN, "cuda"), steps=30)
     call = bench.ours_settings(bench.dry_run_ours(str(bench.RECIPE), [*bench.CALL_OVERRIDES, *OFF_PLAN], "cuda"), 30)
     assert (recipe["prompts_per_step"], recipe["max_new_tokens"], recipe["max_model_len"]) == (32, 256, 288)
-    assert (call["prompts_per_step"], call["max_new_tokens"], call["max_model_len"]) == (16, 128, 160)
+    assert (call["prompts_per_step"], call["max_new_tokens"], call["max_model_len"]) == (8, 128, 160)
     for s in (recipe, call):
         assert s["micro_batch_size"] * s["grad_accum"] == s["prompts_per_step"] * s["group_size"]
     changed = {k for k in bench.PARITY_FIELDS if recipe[k] != call[k]}

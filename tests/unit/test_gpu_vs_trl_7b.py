@@ -169,3 +169,28 @@ def test_args_refuse_too_few_measured_steps() -> None:
     assert (args.steps, args.warmup_steps, args.min_measured, args.wall_step) == (8, 2, 3, 8)
     args = bench.parse_args([])
     assert (args.steps, args.warmup_steps, args.min_measured, args.wall_step) == (30, 5, 20, 30)
+
+
+def one_side(side: str, settings: dict[str, Any], **figures: Any) -> dict[str, Any]:
+    other = "trl" if side == "streamrl" else "streamrl"
+    return {
+        "date": f"{side}-date",
+        "machine": {"gpus": ["0, NVIDIA H100 80GB HBM3"]},
+        "settings": {"streamrl": settings},
+        side: {"s_per_step_median": 2.0, "wall_to_step_30_s": 100.0, **figures},
+        other: None,
+        "errors": [],
+    }
+
+
+def test_combine_joins_one_side_each_and_refuses_other_settings(recipe_settings: dict[str, Any]) -> None:
+    ours = one_side("streamrl", recipe_settings)
+    theirs = one_side("trl", recipe_settings, s_per_step_median=6.0, wall_to_step_30_s=150.0)
+    joined = bench.combine([ours, theirs])
+    assert (joined["per_step_ratio"], joined["wall_ratio"]) == (3.0, 1.5)
+    assert joined["combined_from"] == ["streamrl-date", "trl-date"]
+    with pytest.raises(ValueError, match="lora_rank"):
+        bench.combine([ours, one_side("trl", {**recipe_settings, "lora_rank": 8})])
+    elsewhere = {**theirs, "machine": {"gpus": ["0, NVIDIA H200"]}}
+    with pytest.raises(ValueError, match="not the same GPUs"):
+        bench.combine([ours, elsewhere])
