@@ -12,6 +12,7 @@
 #   3. bash bench/gpu_vs_trl_7b.sh [ARGS]     carry .gpukit
 #        installs the main kit (bench/gpu_device.sh: streamrl, DeepSpeed, TRL, redis-server, ...; peft is
 #        in the image), then python3 bench/gpu_vs_trl_7b.py ARGS; the report lands in $OUT
+#      bash bench/gpu_vs_trl_7b.sh --bench bench/gpu_7b.py [ARGS]   the same for bench/gpu_7b.py (item 3)
 #
 # The kits are made here beforehand: scripts/gpu_kit.sh (.gpukit) and scripts/gpu_vllm_kit.sh (.vllmkit).
 # Step 3 installs the vLLM kit itself when step 2 did not run on this machine (the parts must be there).
@@ -36,6 +37,8 @@ case "${1:-}" in
     exit 0
     ;;
 esac
+BENCH=bench/gpu_vs_trl_7b.py
+if [ "${1:-}" = --bench ]; then BENCH=$2; shift 2; fi   # --bench bench/gpu_7b.py: issue 37 item 3, same steps
 vllm_ready || bash scripts/gpu_vllm_install.sh install
 export PYTHONPATH="$VSITE${PYTHONPATH:+:$PYTHONPATH}"   # bench/gpu_device.sh puts its kit in front
-GPU_BENCH=bench/gpu_vs_trl_7b.py exec bash bench/gpu_device.sh "$@"
+GPU_BENCH=$BENCH exec bash bench/gpu_device.sh "$@"

@@ -17,8 +17,8 @@ settings read back from them (the harness compares those with streamrl's) and lo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -144,6 +144,10 @@ def main(argv: list[str]) -> None:
     s = json.loads(Path(args.settings).read_text())
     output_dir = s["trl_output_dir"]
     grpo, lora = build_configs(s, output_dir)
+    if grpo.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise SystemExit(
+            "use_vllm is set but vllm does not import here (GPU machine: bench/gpu_vs_trl_7b.sh installs it)"
+        )
     if args.dry_run:
         print(json.dumps(settings_of(grpo, lora, s["model"], s["device"])))
         return
@@ -160,7 +164,6 @@ def main(argv: list[str]) -> None:
 
     task = load_task()
     train = task.read_jsonl(Path(s["data_dir"]) / "train.jsonl")
-    random.seed(s["seed"])
     rows = prompt_order(train, s["prompts_per_step"] * s["steps"], s["seed"])
     dataset = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows])
     tokens = {"generated": 0}

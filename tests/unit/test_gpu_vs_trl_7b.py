@@ -194,3 +194,20 @@ def test_combine_joins_one_side_each_and_refuses_other_settings(recipe_settings:
     elsewhere = {**theirs, "machine": {"gpus": ["0, NVIDIA H200"]}}
     with pytest.raises(ValueError, match="not the same GPUs"):
         bench.combine([ours, elsewhere])
+
+
+def test_gpu_7b_reads_update_bytes_and_wake_times_from_the_log() -> None:
+    import gpu_7b
+
+    log = "\n".join(
+        [
+            "rollout | opened a CUDA IPC weight buffer of 80740352 bytes",
+            "rollout | engine awake for policy version 2 (412 ms)",
+            "rollout | engine awake for policy version 3 (388 ms)",
+            "rollout | engine awake for policy version 4 (1203 ms)",
+        ]
+    )
+    figures = gpu_7b.log_figures(log)
+    assert (figures["bytes_per_update"], figures["ipc_buffers"]) == (80_740_352, 1)
+    assert (figures["wake_ms_median"], figures["wake_ms_max"], figures["wakes"]) == (412.0, 1203.0, 3)
+    assert gpu_7b.log_figures("nothing")["bytes_per_update"] is None
