@@ -334,7 +334,7 @@ def wait(proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[int, bool]:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)
         try:
-            return proc.wait(60), True
+            return proc.wait(30), True
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait(), True
@@ -452,6 +452,19 @@ def combine(reports: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def package_versions() -> dict[str, str | None]:
+    """Versions of what the two sides run on, from the installed metadata (nothing imported)."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for package in ("torch", "transformers", "trl", "peft", "vllm", "deepspeed", "accelerate"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--smoke", action="store_true", help="the whole harness on the CPU with a tiny Qwen2")
@@ -468,7 +481,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--wall-step", type=int, default=None, help="launch to this step's end (default --steps)")
     parser.add_argument("--min-measured", type=int, default=None, help="steps the median needs (20; 3 smoke)")
     parser.add_argument("--sides", default="streamrl,trl", help="which sides run, in this order")
-    parser.add_argument("--timeout-s", type=float, default=None, help="limit per side (default 260; 420 smoke)")
+    parser.add_argument("--timeout-s", type=float, default=None, help="limit per side (default 240; 420 smoke)")
     parser.add_argument(
         "--override", action="append", default=[], metavar="--SECTION.FIELD=VALUE", help="one more recipe override"
     )
@@ -484,7 +497,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.smoke else 5)
     args.wall_step = args.wall_step or args.steps
     args.min_measured = args.min_measured if args.min_measured is not None else (3 if args.smoke else 20)
-    args.timeout_s = args.timeout_s or (420.0 if args.smoke else 260.0)
+    args.timeout_s = args.timeout_s or (420.0 if args.smoke else 240.0)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not args.sides or set(args.sides) - {"streamrl", "trl"}:
         parser.error(f"--sides: streamrl and/or trl, got {args.sides}")
@@ -518,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "bench/gpu_vs_trl_7b.py", *argv]),
         "machine": machine_facts(),
         "design_differences": DESIGN_DIFFERENCES,
+        "versions": package_versions(),
+        "streamrl": None,
+        "trl": None,
+        "errors": [],
     }
 
     if args.model:
@@ -554,6 +571,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"parity": "same", **report["settings"]}), flush=True)
         return 0
 
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu_vs_trl_7b_smoke-cpu" if args.smoke else "gpu_vs_trl_7b"
+    path = out / f"{stem}-{started:%Y%m%d-%H%M%S}.json"
+
+    def save() -> None:
+        """The report as it stands, and each side's log beside it: a device call cut short keeps them."""
+        report["seconds"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
+        path.write_text(json.dumps(report, indent=2))
+        for side_name in args.sides:
+            source = work / f"{side_name}.log"
+            if source.exists() and out != ROOT / "bench" / "results":
+                shutil.copy(source, out / f"{stem}-{side_name}.log")
+
+    save()
     sides: dict[str, dict[str, Any]] = {}
     for name in args.sides:
         if name == "streamrl":
@@ -564,32 +596,22 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, str(TRL_SCRIPT), "--settings", str(settings_file), "--events", str(events)]
             side = run_side(name, cmd, work / "trl.log", args.timeout_s, device)
             sides[name] = summarize_trl(side, events, args)
+        report[name] = sides[name]
         brief = {k: v for k, v in sides[name].items() if k not in ("step_s", "pipeline", "gpu_memory")}
         print(f"gpu_vs_trl_7b: {name} {json.dumps(brief)}", flush=True)
-    report["streamrl"], report["trl"] = sides.get("streamrl"), sides.get("trl")
+        save()
     if "streamrl" in sides and "trl" in sides:
         report.update(ratios(sides["streamrl"], sides["trl"], args.wall_step))
-    errors = [
+    report["errors"] = [
         f"{name}: exit code {s['exit_code']}{', timed out' if s['timed_out'] else ''}"
         + ("" if s["enough"] else f", {s['num_measured']} steps measured (< {args.min_measured})")
         for name, s in sides.items()
         if s["exit_code"] != 0 or s["timed_out"] or not s["enough"]
     ]
-    report["errors"] = errors
-    report["seconds"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "gpu_vs_trl_7b_smoke-cpu" if args.smoke else "gpu_vs_trl_7b"
-    path = out / f"{name}-{started:%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps(report, indent=2))
-    for side_name in sides:  # the logs beside the report (a device call brings $OUT back)
-        for suffix in (".log",):
-            source = work / f"{side_name}{suffix}"
-            if source.exists() and out != ROOT / "bench" / "results":
-                shutil.copy(source, out / f"{name}-{side_name}{suffix}")
+    save()
     print(f"gpu_vs_trl_7b: report written to {path}", flush=True)
     print(json.dumps(report), flush=True)
-    return 1 if errors else 0
+    return 1 if report["errors"] else 0
 
 
 if __name__ == "__main__":
