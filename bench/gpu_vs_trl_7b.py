@@ -94,6 +94,7 @@ PARITY_FIELDS = (
     "advantage",
     "vllm",
     "gpu_memory_utilization",
+    "max_num_seqs",
     "checkpoint_every",
 )
 """Settings both sides must share, in one vocabulary; the bench refuses to run when one differs."""
@@ -200,6 +201,7 @@ def ours_settings(resolved: dict[str, Any], steps: int) -> dict[str, Any]:
         "advantage": algo["advantage"]["estimator"],
         "vllm": vllm,
         "gpu_memory_utilization": engine["gpu_memory_utilization"] if vllm else None,
+        "max_num_seqs": engine["max_num_seqs"] if vllm else None,
         "checkpoint_every": learner["checkpoint_every"],
     }
 
@@ -221,8 +223,8 @@ def same_value(a: Any, b: Any) -> bool:
 
 def parity_errors(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """One line per setting of :data:`PARITY_FIELDS` the two sides do not share (pure). Without vLLM the
-    context length and memory share are vLLM's alone and not compared."""
-    skip = set() if ours.get("vllm") else {"max_model_len", "gpu_memory_utilization"}
+    context length, memory share and decode batch are vLLM's alone and not compared."""
+    skip = set() if ours.get("vllm") else {"max_model_len", "gpu_memory_utilization", "max_num_seqs"}
     errors = []
     for name in PARITY_FIELDS:
         if name in skip:

@@ -130,7 +130,8 @@ def settings_of(grpo: Any, lora: Any, model: str, device: str) -> dict[str, Any]
         "loss_aggregation": LOSS_TYPES.get(grpo.loss_type, grpo.loss_type),
         "advantage": "grpo" if grpo.scale_rewards in ("group", True) else "dr_grpo",
         "vllm": grpo.use_vllm,
-        "gpu_memory_utilization": grpo.vllm_gpu_memory_utilization,
+        "gpu_memory_utilization": grpo.vllm_gpu_memory_utilization if grpo.use_vllm else None,
+        "max_num_seqs": samples * grpo.vllm_tensor_parallel_size if grpo.use_vllm else None,
         "checkpoint_every": grpo.save_steps,
     }
 

@@ -21,10 +21,10 @@ def test_the_call_size_keeps_the_recipe_but_its_batch(tmp_path: Path) -> None:
     call = bench.ours_settings(bench.dry_run_ours(str(bench.RECIPE), [*bench.CALL_OVERRIDES, *OFF_PLAN], "cuda"), 30)
     assert (recipe["prompts_per_step"], recipe["max_new_tokens"], recipe["max_model_len"]) == (32, 256, 288)
     assert (call["prompts_per_step"], call["max_new_tokens"], call["max_model_len"]) == (8, 128, 160)
-    for s in (recipe, call):
-        assert s["micro_batch_size"] * s["grad_accum"] == s["prompts_per_step"] * s["group_size"]
+    for s in (recipe, call):  # one optimizer step per batch, and vLLM decodes the batch at once (as TRL's)
+        assert s["micro_batch_size"] * s["grad_accum"] == s["prompts_per_step"] * s["group_size"] == s["max_num_seqs"]
     changed = {k for k in bench.PARITY_FIELDS if recipe[k] != call[k]}
-    assert changed == {"prompts_per_step", "max_new_tokens", "max_model_len", "grad_accum"}
+    assert changed == {"prompts_per_step", "max_new_tokens", "max_model_len", "grad_accum", "max_num_seqs"}
 
 
 def test_smoke_settings_are_the_same_on_both_sides(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ def resolved(**changes: Any) -> dict[str, Any]:
                 "model": "runs/gpu_7b_data/model",
                 "max_model_len": 288,
                 "gpu_memory_utilization": 0.45,
+                "max_num_seqs": 256,
                 "device": "auto",
             }
         },
@@ -118,8 +119,9 @@ def test_parity_tolerates_float_rounding_but_not_a_missing_setting(recipe_settin
 
 
 def test_without_vllm_the_engine_only_settings_are_not_compared(recipe_settings: dict[str, Any]) -> None:
-    ours = {**recipe_settings, "vllm": False, "gpu_memory_utilization": None}
-    assert bench.parity_errors(ours, {**ours, "max_model_len": 4096, "gpu_memory_utilization": 0.9}) == []
+    ours = {**recipe_settings, "vllm": False, "gpu_memory_utilization": None, "max_num_seqs": None}
+    theirs = {**ours, "max_model_len": 4096, "gpu_memory_utilization": 0.9, "max_num_seqs": 64}
+    assert bench.parity_errors(ours, theirs) == []
 
 
 def test_our_step_ends_take_the_learner_rows_only() -> None:
