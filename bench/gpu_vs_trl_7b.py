@@ -314,8 +314,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- runs
 
 
-def child_env(device: str) -> dict[str, str]:
-    """Both sides' environment: local files only; on the CPU smoke one thread per process."""
+def child_env(device: str, cache_dir: Path | None = None) -> dict[str, str]:
+    """Both sides' environment: local files only; on the CPU smoke one thread per process. With
+    ``cache_dir``, vLLM's, inductor's and Triton's compile caches start empty there: each side pays its
+    own compile (the two would otherwise share what the first one compiled)."""
     env = {
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
@@ -326,6 +328,12 @@ def child_env(device: str) -> dict[str, str]:
     }
     if device == "cpu":
         env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if cache_dir is not None:
+        env.update(
+            VLLM_CACHE_ROOT=str(cache_dir / "vllm"),
+            TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"),
+            TRITON_CACHE_DIR=str(cache_dir / "triton"),
+        )
     return env
 
 
@@ -389,7 +397,8 @@ def run_side(name: str, cmd: list[str], log_path: Path, timeout_s: float, device
     print(f"gpu_vs_trl_7b: {name}: {shlex.join(cmd)}", flush=True)
     with GpuMemory() as memory, log_path.open("w") as log:
         launched = time.time()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(device), stdout=log, stderr=subprocess.STDOUT)
+        env = child_env(device, log_path.parent / f"cache-{name}")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         code, timed_out = wait(proc, timeout_s)
         finished = time.time()
     peak = memory.summary()
@@ -517,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         joined = combine([json.loads(Path(p).read_text()) for p in args.combine])
         joined["command"] = shlex.join(["python", "bench/gpu_vs_trl_7b.py", *argv])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         path = Path(args.out) / f"gpu_vs_trl_7b-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
         path.write_text(json.dumps(joined, indent=2))
         print(json.dumps(joined), flush=True)
