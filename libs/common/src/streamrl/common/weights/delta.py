@@ -288,3 +288,63 @@ def _payload(header: dict[str, Any], body: memoryview) -> memoryview:
     if len(payload) != expected:
         raise ValueError(f"payload of {len(payload)} bytes, header says {expected}")
     return payload
+
+
+class Link(NamedTuple):
+    """One served delta: what turns ``base_version`` (checksum ``base_checksum``) into ``version``."""
+
+    base_version: int
+    base_checksum: str
+    version: int
+    data: bytes
+    """Its wire form (:func:`encode_version_delta`)."""
+
+
+class DeltaHistory:
+    """The chain of single-step links a weight server keeps: at most ``max_behind`` links, and at most
+    ``max_fraction`` of the model's bytes in all (a longer chain would not be served: the full weights
+    are cheaper then). Not thread-safe: the server holds its lock around each call.
+
+    Example:
+        history.add(Link(3, checksum_3, 4, data), full_bytes)   # at each publish whose layout matched
+        history.add(None, full_bytes)                            # a new layout: no delta reaches it
+        history.chain(3, checksum_3, 4)                          # -> [link] or a reason (str)
+    """
+
+    def __init__(self, max_behind: int, max_fraction: float) -> None:
+        if max_behind < 0:
+            raise ValueError(f"max_behind must be >= 0, got {max_behind}")
+        if not 0 < max_fraction <= 1:
+            raise ValueError(f"max_fraction must lie in (0, 1], got {max_fraction}")
+        self.max_behind, self.max_fraction = max_behind, max_fraction
+        self.links: list[Link] = []
+        self.full_bytes = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by the links."""
+        return sum(len(link.data) for link in self.links)
+
+    def add(self, link: Link | None, full_bytes: int) -> None:
+        """Record the link to the version now served (None: none, the chain restarts there)."""
+        self.full_bytes = full_bytes
+        if link is None or (self.links and self.links[-1].version != link.base_version):
+            self.links = []
+        if link is None or self.max_behind == 0:
+            return
+        self.links.append(link)
+        while self.links and (len(self.links) > self.max_behind or self.num_bytes >= self.max_fraction * full_bytes):
+            self.links.pop(0)
+
+    def chain(self, base_version: int, base_checksum: str, version: int) -> list[Link] | str:
+        """The links from ``base_version`` (whose checksum must be ``base_checksum``) to ``version``, or
+        why there are none."""
+        if not self.links or self.links[-1].version != version:
+            return f"no delta reaches version {version}"
+        for i, link in enumerate(self.links):
+            if link.base_version == base_version:
+                if link.base_checksum != base_checksum:
+                    return f"the held version {base_version} is not the one the deltas start from (another checksum)"
+                return self.links[i:]
+        oldest = self.links[0].base_version
+        return f"version {base_version} is too far behind (deltas start at version {oldest}, {len(self.links)} kept)"

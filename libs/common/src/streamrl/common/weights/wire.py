@@ -54,6 +54,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from streamrl.common.errors import WeightSyncError
+from streamrl.common.weights.delta import DeltaHistory, Link, TensorSpan, encode_version_delta, word_width
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,15 @@ DIGEST_BYTES = 32
 ABANDON_POLL_S = 0.1
 """How often a waiting receiver looks at its abandon flag (s)."""
 BF16 = "bfloat16"
+WIRE_PROTOCOL = 2
+"""Version of the request/reply protocol on the server's ZMQ socket. 1 (the field absent): before delta
+sync; 2: requests and manifests carry ``protocol``, and ``delta_get`` exists. A server refuses a request
+of another protocol, and a receiver a manifest of another, each naming both."""
+DEFAULT_MAX_BEHIND = 4
+"""Single-step deltas a weight server keeps (a receiver at most this many versions behind gets deltas)."""
+MAX_DELTA_FRACTION = 0.25
+"""A chain of deltas is kept and served only while its bytes stay below this fraction of the full
+version's: above it the full weights cost little more to move and nothing to apply."""
 
 
 class TensorEntry(msgspec.Struct, frozen=True):
@@ -94,6 +104,8 @@ class BucketRequest(msgspec.Struct, tag="get", tag_field="type", frozen=True):
 
     version: int
     index: int
+    protocol: int = 1
+    """:data:`WIRE_PROTOCOL` of the receiver (1 when absent: a receiver from before delta sync)."""
 
 
 class BucketHeader(msgspec.Struct, tag="bucket", tag_field="type", frozen=True):
@@ -121,6 +133,8 @@ class ManifestRequest(msgspec.Struct, tag="manifest_get", tag_field="type", froz
     """Receiver -> server: send me the manifest of ``version`` (the streaming receiver's first request)."""
 
     version: int
+    protocol: int = 1
+    """:data:`WIRE_PROTOCOL` of the receiver (1 when absent: a receiver from before delta sync)."""
 
 
 class Manifest(msgspec.Struct, tag="manifest", tag_field="type", frozen=True):
@@ -136,12 +150,42 @@ class Manifest(msgspec.Struct, tag="manifest", tag_field="type", frozen=True):
     """Length of each bucket's data."""
     digests: list[list[bytes]]
     """Per bucket, the blake3 digest of each ``chunk_bytes`` chunk of its data."""
+    protocol: int = 1
+    """:data:`WIRE_PROTOCOL` of the server."""
 
 
-Reply = BucketHeader | ErrorReply | Manifest
+class DeltaRequest(msgspec.Struct, tag="delta_get", tag_field="type", frozen=True):
+    """Receiver -> server: I hold ``base_version`` (checksum ``base_checksum``, verified); send me what
+    turns it into ``version``."""
+
+    version: int
+    base_version: int
+    base_checksum: str
+    protocol: int = 1
+
+
+class DeltaReply(msgspec.Struct, tag="delta", tag_field="type", frozen=True):
+    """Server -> receiver: ``links`` frames follow, each one link of the chain from ``base_version`` to
+    ``version`` in order (:func:`streamrl.common.weights.delta.encode_version_delta`), ``num_bytes`` in all."""
+
+    version: int
+    base_version: int
+    links: int
+    num_bytes: int
+
+
+class NoDelta(msgspec.Struct, tag="no_delta", tag_field="type", frozen=True):
+    """Server -> receiver: no delta from the held version (``reason``): fetch the full version."""
+
+    version: int
+    reason: str
+
+
+Reply = BucketHeader | ErrorReply | Manifest | DeltaReply | NoDelta
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(BucketRequest | ManifestRequest)
+_request_decoder = msgspec.msgpack.Decoder(BucketRequest | ManifestRequest | DeltaRequest)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_header_decoder = msgspec.msgpack.Decoder(BucketHeader)
 
 
 class WireTensor(NamedTuple):
@@ -281,20 +325,38 @@ def decode_bucket(header: BucketHeader, data: memoryview | bytes) -> list[Receiv
 
 
 def serve_request(
-    request_frame: bytes, current: EncodedVersion | None, stream_port: int = 0
+    request_frame: bytes, current: EncodedVersion | None, stream_port: int = 0, deltas: DeltaHistory | None = None
 ) -> list[bytes | bytearray]:
     """Answer one request frame with the reply frames (pure: the server loop only moves bytes);
-    ``stream_port`` is the chunk server's port, named in a manifest."""
+    ``stream_port`` is the chunk server's port, named in a manifest; ``deltas`` the links it serves."""
     current_version = -1 if current is None else current.version
     try:
         request = _request_decoder.decode(request_frame)
     except msgspec.DecodeError as e:
         return [_encoder.encode(ErrorReply(f"undecodable request: {e}", current_version))]
+    if request.protocol != WIRE_PROTOCOL:
+        message = (
+            f"this weight server speaks wire protocol {WIRE_PROTOCOL}, the receiver protocol {request.protocol}: "
+            "run the same streamrl release on the learner and the rollout workers"
+        )
+        return [_encoder.encode(ErrorReply(message, current_version))]
     if current is None or request.version != current.version:
         message = f"version {request.version} is not served (current version: {current_version})"
         return [_encoder.encode(ErrorReply(message, current_version))]
     if isinstance(request, ManifestRequest):
         return [_encoder.encode(manifest_of(current, stream_port))]
+    if isinstance(request, DeltaRequest):
+        chain = (
+            "this server keeps no deltas"
+            if deltas is None
+            else deltas.chain(request.base_version, request.base_checksum, request.version)
+        )
+        if isinstance(chain, str):
+            return [_encoder.encode(NoDelta(request.version, chain))]
+        total = sum(len(link.data) for link in chain)
+        return [_encoder.encode(DeltaReply(request.version, request.base_version, len(chain), total))] + [
+            link.data for link in chain
+        ]
     if not 0 <= request.index < len(current.buckets):
         message = f"bucket {request.index} out of range (version {current.version} has {len(current.buckets)})"
         return [_encoder.encode(ErrorReply(message, current_version))]
@@ -306,7 +368,33 @@ def manifest_of(encoded: EncodedVersion, stream_port: int) -> Manifest:
     """The manifest a streaming receiver gets for ``encoded``."""
     headers = [b.header for b in encoded.buckets]
     sizes = [len(b.data) for b in encoded.buckets]
-    return Manifest(encoded.version, encoded.num_bytes, stream_port, headers, sizes, encoded.digests)
+    return Manifest(encoded.version, encoded.num_bytes, stream_port, headers, sizes, encoded.digests, WIRE_PROTOCOL)
+
+
+Layout = list[tuple[list[TensorEntry], int, int]]
+
+
+def layout_of(headers: Iterable[bytes | BucketHeader], bucket_bytes: Iterable[int]) -> Layout:
+    """What a delta needs the same in two versions: every bucket's tensors, data length and chunk size."""
+    decoded = (h if isinstance(h, BucketHeader) else _header_decoder.decode(h) for h in headers)
+    return [(h.tensors, h.chunk_bytes, size) for h, size in zip(decoded, bucket_bytes, strict=True)]
+
+
+def delta_link(old: EncodedVersion, new: EncodedVersion) -> Link | None:
+    """The link from ``old`` to ``new``, or None when their layouts differ (no delta between them)."""
+    sizes = [len(b.data) for b in new.buckets]
+    layout = layout_of([b.header for b in new.buckets], sizes)
+    if layout != layout_of([b.header for b in old.buckets], [len(b.data) for b in old.buckets]):
+        return None
+    spans = [
+        TensorSpan(bucket, e.offset, e.nbytes, word_width(e.dtype))
+        for bucket, (tensors, _, _) in enumerate(layout)
+        for e in tensors
+    ]
+    data = encode_version_delta(
+        old.version, new.version, spans, [b.data for b in old.buckets], [b.data for b in new.buckets]
+    )
+    return Link(old.version, old.checksum, new.version, data)
 
 
 class BucketServer:
@@ -317,11 +405,23 @@ class BucketServer:
     ``endpoint`` is what receivers connect to (``tcp://host:port``). Binding ``tcp://*:0``
     (``port=0``) picks a free port. Only the latest version is kept: requests for any other
     version get an :class:`ErrorReply` naming the current one.
+
+    Delta sync: at each :meth:`set_current` whose layout equals the previous version's, the server encodes
+    the link from that version (:func:`delta_link`, while both are still held: the one extra full copy, only
+    during the call) and keeps the chain of the last ``max_behind`` links, at most ``max_delta_fraction`` of the
+    model's bytes in all (:class:`~streamrl.common.weights.delta.DeltaHistory`); ``max_behind=0`` keeps none.
     """
 
     POLL_MS = 100
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        max_behind: int = DEFAULT_MAX_BEHIND,
+        max_delta_fraction: float = MAX_DELTA_FRACTION,
+    ) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -334,6 +434,7 @@ class BucketServer:
         self.port = port
         self.endpoint = f"tcp://{advertise_host or (socket.gethostname() if bind_host == '*' else host)}:{port}"
         self._current: EncodedVersion | None = None
+        self._deltas = DeltaHistory(max_behind, max_delta_fraction)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         from streamrl.common.weights.chunks import ChunkServer  # (it imports this module)
@@ -362,9 +463,21 @@ class BucketServer:
         return self._chunks.port
 
     def set_current(self, encoded: EncodedVersion) -> None:
-        """Serve ``encoded`` from now on; the previous version is dropped."""
+        """Serve ``encoded`` from now on; the previous version is dropped (after the link from it is encoded)."""
+        with self._lock:
+            previous = self._current
+        link = None
+        if previous is not None and self._deltas.max_behind > 0:
+            link = delta_link(previous, encoded)
         with self._lock:
             self._current = encoded
+            self._deltas.add(link, encoded.num_bytes)
+
+    @property
+    def delta_bytes(self) -> int:
+        """Bytes the kept deltas take (besides the current version's)."""
+        with self._lock:
+            return self._deltas.num_bytes
 
     @property
     def current_version(self) -> int:
@@ -376,10 +489,9 @@ class BucketServer:
             if not self._sock.poll(self.POLL_MS, zmq.POLLIN):
                 continue
             identity, *frames = self._sock.recv_multipart()
-            with self._lock:
-                current = self._current
             request = frames[-1] if frames else b""
-            reply = serve_request(request, current, self._chunks.port)
+            with self._lock:  # (the history changes under set_current)
+                reply = serve_request(request, self._current, self._chunks.port, self._deltas)
             self._sock.send_multipart([identity, *reply], copy=False)
 
     def close(self) -> None:
@@ -438,7 +550,7 @@ def fetch_manifest(
     ``checksum`` (None: not checked); the same connection deadlines and errors as :func:`fetch_buckets`
     (``deadline`` on ``time.monotonic()``)."""
     with _connect(endpoint, version, deadline, context, abandoned) as link:
-        link.sock.send(_encoder.encode(ManifestRequest(version)))
+        link.sock.send(_encoder.encode(ManifestRequest(version, WIRE_PROTOCOL)))
         link.wait_reply("0/?")
         frame = link.sock.recv()
     try:
@@ -449,11 +561,45 @@ def fetch_manifest(
         raise WeightSyncError(f"weight server {endpoint} refused: {reply.message}")
     if not isinstance(reply, Manifest) or reply.version != version:
         raise WeightSyncError(f"malformed manifest reply from {endpoint}")
+    if reply.protocol != WIRE_PROTOCOL:
+        raise WeightSyncError(
+            f"weight server {endpoint} speaks wire protocol {reply.protocol}, this receiver protocol {WIRE_PROTOCOL}: "
+            "run the same streamrl release on the learner and the rollout workers"
+        )
     if any(len(d) != DIGEST_BYTES for chunks in reply.digests for d in chunks):
         raise WeightSyncError(f"malformed manifest from {endpoint}: a digest is not {DIGEST_BYTES} bytes")
     actual = version_checksum(version, reply.headers, reply.bucket_bytes, reply.digests)
     check_checksum(actual, checksum, version, endpoint)
     return reply
+
+
+def fetch_delta(
+    endpoint: str,
+    version: int,
+    base_version: int,
+    base_checksum: str,
+    deadline: float,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    abandoned: threading.Event | None = None,
+) -> list[memoryview] | str:
+    """The links (in order) from the held ``base_version`` to ``version`` from the weight server at
+    ``endpoint``, or the server's reason for sending none; the same deadlines and errors as
+    :func:`fetch_manifest`. Nothing here is trusted: the caller checks the result's digests."""
+    with _connect(endpoint, version, deadline, context, abandoned) as link:
+        link.sock.send(_encoder.encode(DeltaRequest(version, base_version, base_checksum, WIRE_PROTOCOL)))
+        link.wait_reply("0/?")
+        frames = link.sock.recv_multipart(copy=False)
+    try:
+        reply = _reply_decoder.decode(frames[0].buffer)
+    except msgspec.DecodeError as e:
+        raise WeightSyncError(f"undecodable reply from {endpoint}: {e}") from e
+    if isinstance(reply, ErrorReply):
+        raise WeightSyncError(f"weight server {endpoint} refused: {reply.message}")
+    if isinstance(reply, NoDelta) and reply.version == version:
+        return reply.reason
+    if not isinstance(reply, DeltaReply) or reply.version != version or reply.links != len(frames) - 1:
+        raise WeightSyncError(f"malformed delta reply from {endpoint}")
+    return [frame.buffer for frame in frames[1:]]
 
 
 @contextmanager
@@ -539,7 +685,7 @@ def _receive_all(link: _Link) -> list[tuple[memoryview, BucketHeader, memoryview
         # The bucket count is known only after the first reply: ask for bucket 0 alone first.
         limit = 1 if num_buckets is None else min(num_buckets, next_index + PIPELINE_DEPTH - in_flight)
         while next_index < limit:
-            sock.send(_encoder.encode(BucketRequest(version, next_index)))
+            sock.send(_encoder.encode(BucketRequest(version, next_index, WIRE_PROTOCOL)))
             next_index += 1
             in_flight += 1
         link.wait_reply(f"{len(received)}/{num_buckets if num_buckets is not None else '?'}")
