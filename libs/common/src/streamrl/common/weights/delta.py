@@ -39,7 +39,7 @@ VALUE_CODINGS = ("raw", "diff")
 """Value codings it chooses from: the new words, or their differences as varints."""
 
 _HEADER_LEN = struct.Struct("<I")
-_WORD = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 class WordsDelta(NamedTuple):
@@ -112,7 +112,8 @@ def diff_varints(old: np.ndarray, new: np.ndarray) -> np.ndarray:
 def undiff(old: np.ndarray, value_part: np.ndarray, count: int) -> np.ndarray:
     """The new words from the old ones and a ``diff`` value part (modular: every bit pattern)."""
     zigzag = varint_decode(value_part, count).astype(np.int64)
-    return old + ((zigzag >> 1) ^ -(zigzag & 1)).astype(old.dtype)
+    new: np.ndarray = old + ((zigzag >> 1) ^ -(zigzag & 1)).astype(old.dtype)  # wraps to the unsigned word
+    return new
 
 
 def encode_words(

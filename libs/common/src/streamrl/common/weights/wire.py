@@ -354,9 +354,10 @@ def serve_request(
         if isinstance(chain, str):
             return [_encoder.encode(NoDelta(request.version, chain))]
         total = sum(len(link.data) for link in chain)
-        return [_encoder.encode(DeltaReply(request.version, request.base_version, len(chain), total))] + [
-            link.data for link in chain
+        frames: list[bytes | bytearray] = [
+            _encoder.encode(DeltaReply(request.version, request.base_version, len(chain), total))
         ]
+        return frames + [link.data for link in chain]
     if not 0 <= request.index < len(current.buckets):
         message = f"bucket {request.index} out of range (version {current.version} has {len(current.buckets)})"
         return [_encoder.encode(ErrorReply(message, current_version))]
