@@ -1,7 +1,10 @@
 """Delta weight sync: what changed between two versions of a named tensor set, as bytes, applied in place.
 
 A rollout worker that holds version ``v - k`` needs only the elements whose bit patterns changed
-since. Pure functions, no I/O; the services wire them in (issue 39, item 3):
+since. Pure functions over named torch tensors, no I/O, built on the numpy core that the weight
+plane uses (:mod:`streamrl.common.weights.delta`: the same word encodings over the wire's bucket layout,
+served by the ``zmq`` transport, issue 39 item 3); these are the tensor-level API and what
+``bench/weights_delta.py`` measures the encodings with:
 
 * :func:`encode_delta` (sender, holds both versions) -> :class:`Delta`;
   :func:`delta_to_bytes` / :func:`delta_from_bytes` put it on the wire and back.
