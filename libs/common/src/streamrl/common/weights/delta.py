@@ -24,9 +24,11 @@ concatenated, zlib level 1 as one stream.
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import msgspec
@@ -38,6 +40,8 @@ ENCODINGS = ("idx32", "gaps", "bitmask", "dense")
 VALUE_CODINGS = ("raw", "diff")
 """Value codings it chooses from: the new words, or their differences as varints."""
 
+ENCODE_THREADS = 8
+"""Threads that encode a version's tensors at once (at most one per core)."""
 _HEADER_LEN = struct.Struct("<I")
 _WORD: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -56,6 +60,8 @@ class WordsDelta(NamedTuple):
 def varint_encode(values: np.ndarray) -> np.ndarray:
     """LEB128 of integers in [0, 2**32), vectorised: 7 bits per byte, high bit = more bytes follow."""
     v = values.astype(np.uint32)
+    if not len(v) or int(v.max()) < 1 << 7:  # every varint one byte: the common case (one-ulp diffs)
+        return v.astype(np.uint8)
     lengths = np.searchsorted(np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28], dtype=np.uint32), v, side="right") + 1
     starts = np.cumsum(lengths) - lengths
     out = np.empty(int(starts[-1] + lengths[-1]) if len(v) else 0, dtype=np.uint8)
@@ -218,18 +224,21 @@ def encode_version_delta(
 ) -> bytes:
     """One link's wire form (module docstring): what turns the buckets ``old`` into ``new``, which share
     the layout ``spans``."""
-    rows: list[list[Any]] = []
-    parts: list[bytes | memoryview] = []
-    for span in spans:
+
+    def encode(span: TensorSpan) -> WordsDelta:
         word = _WORD[span.width]
         count = span.nbytes // span.width
         old_w = np.frombuffer(old[span.bucket], dtype=word, count=count, offset=span.offset)
         new_w = np.frombuffer(new[span.bucket], dtype=word, count=count, offset=span.offset)
-        d = encode_words(old_w, new_w)
-        if d.encoding == "none":
-            continue
-        rows.append([*span, d.encoding, d.values, d.num_changed, d.index_bytes, len(d.data)])
-        parts.append(d.data)
+        return encode_words(old_w, new_w)
+
+    rows: list[list[Any]] = []
+    parts: list[bytes | memoryview] = []
+    with ThreadPoolExecutor(min(ENCODE_THREADS, os.cpu_count() or 1)) as pool:  # numpy lets go of the GIL
+        for span, d in zip(spans, pool.map(encode, spans), strict=True):
+            if d.encoding != "none":
+                rows.append([*span, d.encoding, d.values, d.num_changed, d.index_bytes, len(d.data)])
+                parts.append(d.data)
     payload = b"".join(parts)
     header = msgspec.msgpack.encode(
         {
