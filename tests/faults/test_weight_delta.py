@@ -1,8 +1,9 @@
 """A rollout worker that missed more versions than the learner keeps deltas for gets a full sync.
 
 Two rollout workers take the learner's versions over the ZMQ/stream path. The learner trains in bf16
-at a small learning rate (what a bf16 recipe publishes: most bf16 words stay the same per step), so a
-worker that holds the previous version gets each new one as a delta. Once both serve version
+at a small learning rate (5e-6, ``gpu_arithmetic``'s: a few % of the bf16 words change per step) on
+rewards that are 0 or 1 by the sample's hash (tests/faults/noisy_reward.py), so a worker that holds
+the previous version gets each new one as a delta. Once both serve version
 ``PAUSE_AT_VERSION``, ``rollout-1`` is frozen (SIGSTOP) until the learner has published more than
 ``max_behind`` (4) versions past it; resumed, its staging buffer still holds a verified version, but no
 delta chain reaches back that far: it must get the full weights (its log says so), and the run must
@@ -11,8 +12,10 @@ finish with nothing lost, while ``rollout-0``, which stayed current, took deltas
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 from harness import FaultRun, MakeRun
@@ -24,6 +27,9 @@ pytestmark = pytest.mark.slow
 TOTAL_STEPS = 12
 PAUSE_AT_VERSION = 2
 RESUME_AT_VERSION = PAUSE_AT_VERSION + DEFAULT_MAX_BEHIND + 2
+REWARD_FILE = Path(__file__).with_name("noisy_reward.py")
+"""Rewards 0 or 1 by the query's hash: the tiny random model's weights move every step (it earns nothing
+from the arithmetic task, so its weights would not change at all)."""
 RECOVERY_BOUND_S = 30.0
 """From the resume to the next trained batch (s)."""
 DELTA_LINE = re.compile(r"weights version (\d+) \(full\): delta from version (\d+)")
@@ -43,6 +49,7 @@ def test_a_worker_that_missed_versions_gets_a_full_sync(fault_run: MakeRun) -> N
         f"--total_steps={TOTAL_STEPS}",
         "--learner.ds.dtype=bf16",
         "--learner.ds.lr=5e-6",
+        f"--reward.scorers={json.dumps([{'name': 'noisy', 'type': 'function', 'path': str(REWARD_FILE)}])}",
     ]
     run: FaultRun = fault_run("weights-delta", overrides).start()
     run.start_service("rollout", "rollout-1")
