@@ -23,6 +23,13 @@ Two ways to receive a version, both from the one server and the one endpoint:
   connections (:mod:`streamrl.common.weights.chunks`) into one preallocated buffer and hands out each
   bucket once all its chunks verified, while later ones are still in flight (the fast path).
 
+A receiver whose staging buffer holds a verified earlier version may instead ask, after the manifest,
+for ``DeltaRequest {type: "delta_get", version, base_version, base_checksum}``: the server answers
+``DeltaReply {type: "delta", version, base_version, links, num_bytes}`` and one frame per link of the
+chain it keeps (:class:`~streamrl.common.weights.delta.DeltaHistory`, :func:`delta_link`), or ``NoDelta
+{type: "no_delta", version, reason}``. Every request and manifest carries ``protocol``
+(:data:`WIRE_PROTOCOL`, 2; absent = 1, before delta sync): either side refuses the other protocol by name.
+
 Checksum (hex, 32 bytes): blake2b, personalised ``streamrl-wire-v2``, over the version and, per
 bucket in order, its header frame, its data length and the blake3 digests of its data's
 ``chunk_bytes`` chunks (:func:`version_checksum`). It travels in the ``WeightsPublished`` message, so
