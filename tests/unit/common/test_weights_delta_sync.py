@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from streamrl.common.errors import WeightSyncError
+from streamrl.common.weights import wire
 from streamrl.common.weights.delta import DeltaHistory, Link, apply_version_delta, encode_version_delta
 from streamrl.common.weights.stream import StreamReceiver
 from streamrl.common.weights.wire import (
@@ -156,6 +157,7 @@ def test_a_delta_that_fails_its_check_is_never_yielded_and_the_full_version_foll
     server.set_current(encoded[0])
     _fetch(receiver, server, encoded[0])
     server.set_current(encoded[1])
+    server.wait_deltas()
     link = server._deltas.links[-1]
     if forgery == "consistent":  # a well-formed delta to other weights: only the digests catch it
         other = _encode(_step(versions[0], seed=1234), 1)
@@ -214,6 +216,7 @@ def test_a_new_layout_restarts_the_chain(server: BucketServer) -> None:
     _fetch(receiver, server, _encode(versions[0], 0))
     grown = {**versions[1], "extra": np.zeros(8, dtype=np.uint16)}
     server.set_current(_encode(grown, 1))
+    server.wait_deltas()
     assert server.delta_bytes == 0
     _assert_equal(_fetch(receiver, server, _encode(grown, 1)), grown)
     assert receiver.last is not None and receiver.last.kind == "full" and "layout" in receiver.last.reason
@@ -269,6 +272,29 @@ def test_a_link_round_trips_and_names_its_versions() -> None:
     assert [bytes(b) for b in buckets] == [bytes(b.data) for b in new.buckets]
     unchanged = encode_version_delta(4, 5, [], [], [])
     assert apply_version_delta([], unchanged) == (4, 5)
+
+
+def test_a_delta_request_waits_for_its_link_and_the_publish_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = BucketServer(max_behind=4)
+    release = threading.Event()
+
+    def slow_link(old: EncodedVersion, new: EncodedVersion) -> Link | None:
+        release.wait(10)
+        return delta_link(old, new)
+
+    try:
+        versions = _versions(2)
+        receiver = StreamReceiver(num_connections=1)
+        server.set_current(_encode(versions[0], 0))
+        _fetch(receiver, server, _encode(versions[0], 0))
+        monkeypatch.setattr(wire, "delta_link", slow_link)
+        server.set_current(_encode(versions[1], 1))  # returns while the link is still being encoded
+        threading.Timer(0.3, release.set).start()
+        _assert_equal(_fetch(receiver, server, _encode(versions[1], 1)), versions[1])
+        assert release.is_set() and receiver.last is not None and receiver.last.kind == "delta"
+    finally:
+        release.set()
+        server.close()
 
 
 def test_the_history_is_bounded_by_links_and_bytes() -> None:

@@ -332,6 +332,8 @@ class DeltaHistory:
         self.max_behind, self.max_fraction = max_behind, max_fraction
         self.links: list[Link] = []
         self.full_bytes = 0
+        self.encoding: int | None = None
+        """The version whose link the server is encoding now (its delta requests wait)."""
 
     @property
     def num_bytes(self) -> int:

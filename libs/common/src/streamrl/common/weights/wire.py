@@ -335,7 +335,8 @@ def serve_request(
     request_frame: bytes, current: EncodedVersion | None, stream_port: int = 0, deltas: DeltaHistory | None = None
 ) -> list[bytes | bytearray]:
     """Answer one request frame with the reply frames (pure: the server loop only moves bytes);
-    ``stream_port`` is the chunk server's port, named in a manifest; ``deltas`` the links it serves."""
+    ``stream_port`` is the chunk server's port, named in a manifest; ``deltas`` the links it serves. No
+    frames: a delta request whose link is still being encoded, to be answered again once it is."""
     current_version = -1 if current is None else current.version
     try:
         request = _request_decoder.decode(request_frame)
@@ -353,6 +354,8 @@ def serve_request(
     if isinstance(request, ManifestRequest):
         return [_encoder.encode(manifest_of(current, stream_port))]
     if isinstance(request, DeltaRequest):
+        if deltas is not None and deltas.encoding == request.version:
+            return []  # its link is being encoded: the server answers once it is
         chain = (
             "this server keeps no deltas"
             if deltas is None
@@ -421,6 +424,8 @@ class BucketServer:
     """
 
     POLL_MS = 100
+    WAIT_POLL_MS = 5
+    """Poll interval while delta requests wait for their link."""
 
     def __init__(
         self,
@@ -443,6 +448,9 @@ class BucketServer:
         self.endpoint = f"tcp://{advertise_host or (socket.gethostname() if bind_host == '*' else host)}:{port}"
         self._current: EncodedVersion | None = None
         self._deltas = DeltaHistory(max_behind, max_delta_fraction)
+        self._encoder: threading.Thread | None = None
+        self.link_seconds = 0.0
+        """How long the last link took to encode (s)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         from streamrl.common.weights.chunks import ChunkServer  # (it imports this module)
@@ -471,15 +479,44 @@ class BucketServer:
         return self._chunks.port
 
     def set_current(self, encoded: EncodedVersion) -> None:
-        """Serve ``encoded`` from now on; the previous version is dropped (after the link from it is encoded)."""
+        """Serve ``encoded`` from now on. The link from the previous version is encoded on a background
+        thread (the publish does not wait for it; delta requests for ``encoded`` wait instead), which
+        holds the previous version until it is done; a publish that comes before it is done waits for it
+        (at most one extra copy of the weights)."""
+        if self._encoder is not None:
+            self._encoder.join()
         with self._lock:
-            previous = self._current
-        link = None
-        if previous is not None and self._deltas.max_behind > 0:
-            link = delta_link(previous, encoded)
+            previous, self._current = self._current, encoded
+            if previous is None or self._deltas.max_behind == 0:
+                self._deltas.add(None, encoded.num_bytes)
+                return
+            self._deltas.encoding = encoded.version
+        self._encoder = threading.Thread(
+            target=self._encode_link, args=(previous, encoded), name="weights-delta", daemon=True
+        )
+        self._encoder.start()
+
+    def _encode_link(self, previous: EncodedVersion, encoded: EncodedVersion) -> None:
+        start = time.perf_counter()
+        link = delta_link(previous, encoded)
+        del previous
         with self._lock:
-            self._current = encoded
+            self._deltas.encoding = None
             self._deltas.add(link, encoded.num_bytes)
+            kept = self._deltas.num_bytes
+        self.link_seconds = time.perf_counter() - start
+        logger.debug(
+            "delta to version %d: %s in %.3f s (%d bytes kept)",
+            encoded.version,
+            "none (new layout)" if link is None else f"{len(link.data)} bytes",
+            self.link_seconds,
+            kept,
+        )
+
+    def wait_deltas(self) -> None:
+        """Return once the link to the current version is encoded (tests, benchmarks)."""
+        if self._encoder is not None:
+            self._encoder.join()
 
     @property
     def delta_bytes(self) -> int:
@@ -493,14 +530,24 @@ class BucketServer:
             return -1 if self._current is None else self._current.version
 
     def _serve(self) -> None:
+        waiting: list[tuple[bytes, bytes]] = []  # delta requests for the link being encoded
         while not self._stop.is_set():
-            if not self._sock.poll(self.POLL_MS, zmq.POLLIN):
+            if waiting and self._deltas.encoding is None:
+                ready, waiting = waiting, []
+                for identity, request in ready:
+                    self._answer(identity, request, waiting)
+            if not self._sock.poll(self.WAIT_POLL_MS if waiting else self.POLL_MS, zmq.POLLIN):
                 continue
             identity, *frames = self._sock.recv_multipart()
-            request = frames[-1] if frames else b""
-            with self._lock:  # (the history changes under set_current)
-                reply = serve_request(request, self._current, self._chunks.port, self._deltas)
+            self._answer(identity, frames[-1] if frames else b"", waiting)
+
+    def _answer(self, identity: bytes, request: bytes, waiting: list[tuple[bytes, bytes]]) -> None:
+        with self._lock:  # (the history changes under set_current)
+            reply = serve_request(request, self._current, self._chunks.port, self._deltas)
+        if reply:
             self._sock.send_multipart([identity, *reply], copy=False)
+        else:
+            waiting.append((identity, request))
 
     def close(self) -> None:
         """Stop serving and release the port."""
