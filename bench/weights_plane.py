@@ -33,9 +33,10 @@ version after the first moves ``--changed-fraction`` of the bf16 words by one un
 (default 0.0626: the per-step changed fraction of real GRPO steps at the ``gpu_arithmetic`` lr, 5e-6,
 ``bench/results/weights_delta-20261207-183232.json``; real steps move some words by more than one ulp, so
 their deltas were ~1.3x larger there). Per ``--behind`` k, ``--repeats`` times: the receiver holds version
-v, the learner publishes k versions (``publish_s``: encode the version + the link from the one before),
-the receiver takes the newest (``delta_s``, the chain of k links, applied in place and every chunk
-verified), then takes the same version again whole (``full_s``: what a worker with nothing held pays,
+v, the learner publishes k versions (``publish_encode_s`` + ``publish_serve_s``: encode the version, then
+hand it to the server, which waits only for a link still being encoded from the version before), the
+receiver asks for the newest at once (``delta_s``: waiting for its link, ``link_encode_s``, then the chain
+of k links applied in place and every chunk verified), then takes the same version again whole (``full_s``: what a worker with nothing held pays,
 its buffers warm). Reports medians, bytes received each way, and the server's delta memory.
 
     python bench/weights_plane.py --delta [--shapes 0.5b] [--behind 1 4] [--repeats 3]
@@ -323,11 +324,12 @@ def measure_delta(shape: str, repeats: int, behinds: list[int], fraction: float,
                 take(publish()[2])  # the receiver holds this version
                 row = rows[k]
                 for _ in range(k):
-                    encode_s, link_s, checksum = publish()
+                    encode_s, serve_s, checksum = publish()
                     row.setdefault("publish_encode_s", []).append(encode_s)
-                    row.setdefault("publish_delta_link_s", []).append(link_s)
+                    row.setdefault("publish_serve_s", []).append(serve_s)
+                seconds, info = take(checksum)  # asked at once: the request waits for the last link
+                row.setdefault("link_encode_s", []).append(server.link_seconds)
                 row.setdefault("server_delta_bytes", []).append(server.delta_bytes)
-                seconds, info = take(checksum)
                 assert info["kind"] == "delta" and info["base_version"] == version - k, info
                 row.setdefault("delta_s", []).append(seconds)
                 row.setdefault("delta_bytes", []).append(info["num_bytes"])
@@ -364,13 +366,13 @@ def main_delta(args: argparse.Namespace) -> None:
         for shape in args.shapes
     }
     print(
-        f"{'shape':>6} {'k':>3} {'full MB':>8} {'delta MB':>9} {'x fewer':>8} {'full s':>7} {'delta s':>8} {'publish+link s':>15}"
+        f"{'shape':>6} {'k':>3} {'full MB':>8} {'delta MB':>9} {'x fewer':>8} {'full s':>7} {'delta s':>8} {'publish s':>10} {'link s':>6}"
     )
     for shape, r in results.items():
         for k, m in r["by_behind"].items():
             print(
                 f"{shape:>6} {k:>3} {m['full_bytes'] / 1e6:>8.1f} {m['delta_bytes'] / 1e6:>9.2f} {m['bytes_ratio']:>8.1f} "
-                f"{m['full_s']:>7.3f} {m['delta_s']:>8.3f} {m['publish_encode_s']:>7.2f}+{m['publish_delta_link_s']:.2f}"
+                f"{m['full_s']:>7.3f} {m['delta_s']:>8.3f} {m['publish_encode_s']:>5.2f}+{m['publish_serve_s']:.2f} {m['link_encode_s']:>6.2f}"
             )
     now = datetime.now(timezone.utc)
     out = {
