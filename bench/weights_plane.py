@@ -27,6 +27,20 @@ and compared with the published set.
 
     python bench/weights_plane.py [--shapes 0.5b 1.5b] [--repeats 5] [--connections 1 2 4]
 
+``--delta``: delta sync instead, through the same real path (a :class:`BucketServer` keeping
+``max_behind`` links, the receiver process's ``ZmqReceiver`` copying every tensor into the model). Each
+version after the first moves ``--changed-fraction`` of the bf16 words by one unit in the last place
+(default 0.0626: the per-step changed fraction of real GRPO steps at the ``gpu_arithmetic`` lr, 5e-6,
+``bench/results/weights_delta-20261207-183232.json``; real steps move some words by more than one ulp, so
+their deltas were ~1.3x larger there). Per ``--behind`` k, ``--repeats`` times: the receiver holds version
+v, the learner publishes k versions (``publish_encode_s`` + ``publish_serve_s``: encode the version, then
+hand it to the server, which waits only for a link still being encoded from the version before), the
+receiver asks for the newest at once (``delta_s``: waiting for its link, ``link_encode_s``, then the chain
+of k links applied in place and every chunk verified), then takes the same version again whole (``full_s``: what a worker with nothing held pays,
+its buffers warm). Reports medians, bytes received each way, and the server's delta memory.
+
+    python bench/weights_plane.py --delta [--shapes 0.5b] [--behind 1 4] [--repeats 3]
+
 Prints a table, then one JSON line last; writes it to ``bench/results/weights_plane-<date>.json`` (or
 ``--out``).
 """
@@ -163,6 +177,9 @@ def receiver_main(conn: Connection, shape: str) -> None:
                     torch._foreach_copy_(
                         [params[n].data for n, _ in received.tensors], [t for _, t in received.tensors]
                     )
+        elif command == "sync_info":
+            conn.send(("sync_info", engine_receiver.last_sync._asdict()))
+            continue
         elif command == "zmq":
             endpoint, version, checksum = args
             apply(list(fetch_buckets(endpoint, version, checksum, TIMEOUT_S)))
@@ -259,6 +276,123 @@ def measure(shape: str, repeats: int, connections: list[int], bucket_mb: int) ->
     }
 
 
+def next_version(tensors: list[WireTensor], fraction: float, seed: int) -> list[WireTensor]:
+    """``tensors`` with ``fraction`` of the words (random positions) moved by one ulp up or down."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in tensors:
+        words = t.array.copy().reshape(-1)
+        where = np.flatnonzero(rng.random(words.size, dtype=np.float32) < fraction)
+        words[where] += np.where(rng.random(where.size, dtype=np.float32) < 0.5, 1, -1).astype(np.uint16)
+        out.append(WireTensor(t.name, t.dtype, words.reshape(t.array.shape)))
+    return out
+
+
+def measure_delta(shape: str, repeats: int, behinds: list[int], fraction: float, bucket_mb: int) -> dict[str, Any]:
+    """Delta against full updates through the real path (module docstring, ``--delta``)."""
+    tensors = weight_set(shape)
+    server = BucketServer(max_behind=max(behinds))
+    ctx = get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child, shape), daemon=True)
+    proc.start()
+    version = 0
+    rows: dict[int, dict[str, list[float]]] = {k: {} for k in behinds}
+
+    def publish() -> tuple[float, float, str]:
+        nonlocal tensors, version
+        version += 1
+        tensors = next_version(tensors, fraction, seed=version) if version > 1 else tensors
+        start = time.perf_counter()
+        encoded = encode_version(tensors, version, bucket_bytes=bucket_mb << 20)
+        encoded_at = time.perf_counter()
+        server.set_current(encoded)
+        return encoded_at - start, time.perf_counter() - encoded_at, encoded.checksum
+
+    def take(checksum: str) -> tuple[float, dict[str, Any]]:
+        seconds = run_fetch(parent, ("engine", server.endpoint, version, checksum))
+        parent.send(("sync_info",))
+        tag, info = parent.recv()
+        assert tag == "sync_info"
+        return seconds, info
+
+    try:
+        tag, _ = parent.recv()
+        assert tag == "ready"
+        for _ in range(repeats):
+            for k in behinds:
+                take(publish()[2])  # the receiver holds this version
+                row = rows[k]
+                for _ in range(k):
+                    encode_s, serve_s, checksum = publish()
+                    row.setdefault("publish_encode_s", []).append(encode_s)
+                    row.setdefault("publish_serve_s", []).append(serve_s)
+                seconds, info = take(checksum)  # asked at once: the request waits for the last link
+                row.setdefault("link_encode_s", []).append(server.link_seconds)
+                row.setdefault("server_delta_bytes", []).append(server.delta_bytes)
+                assert info["kind"] == "delta" and info["base_version"] == version - k, info
+                row.setdefault("delta_s", []).append(seconds)
+                row.setdefault("delta_bytes", []).append(info["num_bytes"])
+                seconds, info = take(checksum)  # the same version again: fetched whole
+                assert info["kind"] == "full", info
+                row.setdefault("full_s", []).append(seconds)
+                row.setdefault("full_bytes", []).append(info["num_bytes"])
+        parent.send(("digest", [t.name for t in tensors]))
+        tag, actual = parent.recv()
+        assert actual == digest_of([t.array for t in tensors]), (
+            "the receiver's parameters differ from the published set"
+        )
+        parent.send(("stop",))
+        proc.join(timeout=30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        server.close()
+    out: dict[str, Any] = {"changed_fraction": fraction, "max_behind": max(behinds), "by_behind": {}}
+    for k, row in rows.items():
+        median = {name: statistics.median(values) for name, values in row.items()}
+        median["bytes_ratio"] = median["full_bytes"] / median["delta_bytes"]
+        median["speedup"] = median["full_s"] / median["delta_s"]
+        out["by_behind"][k] = median
+    out["model_bytes"] = rows[behinds[0]]["full_bytes"][0]
+    out["applied_digest_matches"] = True
+    return out
+
+
+def main_delta(args: argparse.Namespace) -> None:
+    load_before = loadavg()
+    results = {
+        shape: measure_delta(shape, args.repeats, args.behind, args.changed_fraction, args.bucket_mb)
+        for shape in args.shapes
+    }
+    print(
+        f"{'shape':>6} {'k':>3} {'full MB':>8} {'delta MB':>9} {'x fewer':>8} {'full s':>7} {'delta s':>8} {'publish s':>10} {'link s':>6}"
+    )
+    for shape, r in results.items():
+        for k, m in r["by_behind"].items():
+            print(
+                f"{shape:>6} {k:>3} {m['full_bytes'] / 1e6:>8.1f} {m['delta_bytes'] / 1e6:>9.2f} {m['bytes_ratio']:>8.1f} "
+                f"{m['full_s']:>7.3f} {m['delta_s']:>8.3f} {m['publish_encode_s']:>5.2f}+{m['publish_serve_s']:.2f} {m['link_encode_s']:>6.2f}"
+            )
+    now = datetime.now(timezone.utc)
+    out = {
+        "bench": "weights_plane_delta",
+        "date": now.isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "machine": {
+            "uname": " ".join(platform.uname()),
+            "cores": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": loadavg(),
+        },
+        "repeats": args.repeats,
+        "shapes": results,
+    }
+    path = args.out or ROOT / "bench" / "results" / f"weights_plane_delta-{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out))
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -270,7 +404,13 @@ def main() -> None:
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--delta", action="store_true", help="measure delta sync against full updates")
+    parser.add_argument("--behind", type=int, nargs="+", default=[1, 4], help="--delta: versions behind")
+    parser.add_argument("--changed-fraction", type=float, default=0.0626, help="--delta: bf16 words changed per step")
     args = parser.parse_args()
+    if args.delta:
+        main_delta(args)
+        return
     load_before = loadavg()
     results = {shape: measure(shape, args.repeats, args.connections, args.bucket_mb) for shape in args.shapes}
     print(

@@ -16,6 +16,7 @@ from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights.wire import (
     ALIGN_BYTES,
     CONNECT_TIMEOUT_S,
+    WIRE_PROTOCOL,
     BucketHeader,
     BucketServer,
     ErrorReply,
@@ -81,11 +82,23 @@ def test_bad_input_is_rejected() -> None:
 def test_serve_request_errors_name_the_current_version() -> None:
     encoded = encode_version(_tensors(), version=5, bucket_bytes=4096)
     decode = msgspec.msgpack.Decoder(BucketHeader | ErrorReply).decode
-    stale = decode(serve_request(msgspec.msgpack.encode({"type": "get", "version": 4, "index": 0}), encoded)[0])
+    stale = decode(
+        serve_request(
+            msgspec.msgpack.encode({"type": "get", "version": 4, "index": 0, "protocol": WIRE_PROTOCOL}), encoded
+        )[0]
+    )
     assert isinstance(stale, ErrorReply) and stale.current_version == 5 and "version 4" in stale.message
-    nothing = decode(serve_request(msgspec.msgpack.encode({"type": "get", "version": 0, "index": 0}), None)[0])
+    nothing = decode(
+        serve_request(
+            msgspec.msgpack.encode({"type": "get", "version": 0, "index": 0, "protocol": WIRE_PROTOCOL}), None
+        )[0]
+    )
     assert isinstance(nothing, ErrorReply) and nothing.current_version == -1
-    out_of_range = decode(serve_request(msgspec.msgpack.encode({"type": "get", "version": 5, "index": 99}), encoded)[0])
+    out_of_range = decode(
+        serve_request(
+            msgspec.msgpack.encode({"type": "get", "version": 5, "index": 99, "protocol": WIRE_PROTOCOL}), encoded
+        )[0]
+    )
     assert isinstance(out_of_range, ErrorReply) and "out of range" in out_of_range.message
     garbage = decode(serve_request(b"\xc1not msgpack", encoded)[0])
     assert isinstance(garbage, ErrorReply) and "undecodable" in garbage.message

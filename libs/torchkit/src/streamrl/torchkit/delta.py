@@ -1,7 +1,10 @@
 """Delta weight sync: what changed between two versions of a named tensor set, as bytes, applied in place.
 
 A rollout worker that holds version ``v - k`` needs only the elements whose bit patterns changed
-since. Pure functions, no I/O; the services wire them in (issue 39, item 3):
+since. Pure functions over named torch tensors, no I/O, built on the numpy core that the weight
+plane uses (:mod:`streamrl.common.weights.delta`: the same word encodings over the wire's bucket layout,
+served by the ``zmq`` transport, issue 39 item 3); these are the tensor-level API and what
+``bench/weights_delta.py`` measures the encodings with:
 
 * :func:`encode_delta` (sender, holds both versions) -> :class:`Delta`;
   :func:`delta_to_bytes` / :func:`delta_from_bytes` put it on the wire and back.
@@ -75,12 +78,9 @@ import numpy as np
 import torch
 
 from streamrl.common.errors import WeightSyncError
+from streamrl.common.weights.delta import ENCODINGS, VALUE_CODINGS, decode_indices, encode_words, undiff
 
 DELTA_FORMAT = "streamrl.delta.v1"
-ENCODINGS = ("idx32", "gaps", "bitmask", "dense")
-"""Index encodings :func:`encode_delta` chooses from, per tensor (``none`` when nothing changed)."""
-VALUE_CODINGS = ("raw", "diff")
-"""Value codings it chooses from, per tensor: the new words, or their differences as varints."""
 
 _WORDS: dict[torch.dtype, tuple[torch.dtype, np.dtype[Any]]] = {
     torch.bfloat16: (torch.int16, np.dtype("<u2")),
@@ -157,62 +157,6 @@ def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _varint_encode(values: np.ndarray) -> np.ndarray:
-    """LEB128 of integers in [0, 2**32), vectorised: 7 bits per byte, high bit = more bytes follow."""
-    v = values.astype(np.uint32)
-    lengths = np.searchsorted(np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28], dtype=np.uint32), v, side="right") + 1
-    starts = np.cumsum(lengths) - lengths
-    out = np.empty(int(starts[-1] + lengths[-1]) if len(v) else 0, dtype=np.uint8)
-    out[starts] = (v & 0x7F) | ((lengths > 1) << 7)
-    sel = np.flatnonzero(lengths > 1)  # few when changes are dense enough for gaps to win
-    for j in range(1, 5):
-        if not len(sel):
-            break
-        out[starts[sel] + j] = ((v[sel] >> (7 * j)) & 0x7F) | ((lengths[sel] > j + 1) << 7)
-        sel = sel[lengths[sel] > j + 1]
-    return out
-
-
-def _varint_decode(data: np.ndarray, count: int) -> np.ndarray:
-    """Inverse of :func:`_varint_encode`; ``ValueError`` unless ``data`` holds exactly ``count`` varints."""
-    ends = np.flatnonzero(data < 0x80)
-    if len(ends) != count or (count and ends[-1] != len(data) - 1):
-        raise ValueError(f"varint stream holds {len(ends)} values in {len(data)} bytes, expected {count}")
-    starts = np.empty(count, dtype=np.int64)
-    starts[:1] = 0
-    starts[1:] = ends[:-1] + 1
-    lengths = ends - starts + 1
-    if count and lengths.max() > 5:
-        raise ValueError("varint longer than 5 bytes")
-    out = np.zeros(count, dtype=np.uint64)
-    for j in range(int(lengths.max()) if count else 0):
-        sel = lengths > j
-        out[sel] |= (data[starts[sel] + j].astype(np.uint64) & np.uint64(0x7F)) << np.uint64(7 * j)
-    return out
-
-
-def _decode_indices(encoding: str, data: np.ndarray, count: int, numel: int) -> np.ndarray:
-    """Changed indices (int64, sorted) from the index part; ``ValueError`` when it is malformed."""
-    if encoding == "idx32":
-        if len(data) != 4 * count:
-            raise ValueError(f"idx32 part of {len(data)} bytes for {count} indices")
-        idx = data.view("<u4").astype(np.int64)
-    elif encoding == "gaps":
-        idx = np.cumsum(_varint_decode(data, count).astype(np.int64) + 1) - 1
-    else:
-        raise ValueError(f"unknown delta encoding {encoding!r}")
-    if count and int(idx.max()) >= numel:  # idx32 from a corrupt payload need not be sorted
-        raise ValueError(f"changed index out of range for {numel} elements")
-    return idx
-
-
-def _diff_varints(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``new - old`` per word, wrapped to a signed word, zigzag-mapped, as LEB128 varints."""
-    wide = np.int32 if new.itemsize == 2 else np.int64
-    d = (new - old).view(np.int16 if new.itemsize == 2 else np.int32).astype(wide)  # unsigned words wrap
-    return _varint_encode((d << 1) ^ (d >> (8 * new.itemsize - 1)))
-
-
 def encode_tensor(
     name: str,
     old: torch.Tensor,
@@ -226,39 +170,9 @@ def encode_tensor(
         raise ValueError(f"{name}: {old.dtype} {tuple(old.shape)} -> {new.dtype} {tuple(new.shape)}, not one tensor")
     if new.numel() >= 2**32:
         raise ValueError(f"{name}: {new.numel()} elements, delta sync indexes at most 2**32 per tensor")
-    encodings, value_codings = tuple(encodings), tuple(value_codings)
     old_w, new_w = _words(old), _words(new)
-    mask = old_w != new_w
-    count = int(np.count_nonzero(mask))
-    shape, dtype, numel, width = tuple(new.shape), _DTYPE_NAMES[new.dtype], len(new_w), new_w.itemsize
-    if count == 0:
-        return TensorDelta(name, dtype, shape, "none", "raw", 0, 0, b"")
-    changed = np.flatnonzero(mask)  # gathers by index are ~10x faster than by boolean mask here
-    new_c = new_w[changed]
-    value_parts = {"raw": new_c} if "raw" in value_codings else {}
-    if "diff" in value_codings:
-        value_parts["diff"] = _diff_varints(old_w[changed], new_c)
-    value_coding = min(value_parts, key=lambda v: value_parts[v].nbytes)
-    value_bytes = value_parts[value_coding].nbytes
-    size = {"idx32": 4 * count, "bitmask": (numel + 7) // 8, "dense": width * numel - value_bytes}
-    others = [size[e] for e in encodings if e != "gaps"]
-    gaps = None
-    # gaps takes at least one byte per change: its varints are built only when it can win
-    if "gaps" in encodings and (not others or count < min(others)):
-        gaps = _varint_encode(np.diff(changed, prepend=-1) - 1)
-        size["gaps"] = len(gaps)
-    best = min((e for e in encodings if e in size), key=size.__getitem__)
-    if best == "dense":
-        return TensorDelta(name, dtype, shape, "dense", "raw", count, 0, new_w.tobytes())
-    if best == "bitmask":
-        index = np.packbits(mask)
-    elif best == "gaps":
-        assert gaps is not None
-        index = gaps
-    else:
-        index = changed.astype("<u4")
-    data = index.tobytes() + value_parts[value_coding].tobytes()
-    return TensorDelta(name, dtype, shape, best, value_coding, count, index.nbytes, data)
+    d = encode_words(old_w, new_w, encodings, value_codings)
+    return TensorDelta(name, _DTYPE_NAMES[new.dtype], tuple(new.shape), *d)
 
 
 def _check_same_set(names: Iterable[str], held: Mapping[str, object], what: str) -> None:
@@ -313,16 +227,14 @@ def _apply_tensor(held: torch.Tensor, td: TensorDelta) -> None:
             raise ValueError(f"{td.name}: bitmask flags {np.count_nonzero(flags)} elements, header says {count}")
         where: torch.Tensor = torch.from_numpy(flags).view(torch.bool).to(held.device)
     else:
-        where = torch.from_numpy(_decode_indices(td.encoding, index_part, count, numel)).to(held.device)
+        where = torch.from_numpy(decode_indices(td.encoding, index_part, count, numel)).to(held.device)
     if td.values == "raw":
         if len(value_part) != count * np_dtype.itemsize:
             raise ValueError(f"{td.name}: {len(value_part)} value bytes for {count} values")
         values = torch.from_numpy(value_part.view(signed).copy()).to(held.device)
     elif td.values == "diff":
-        zigzag = _varint_decode(value_part, count).astype(np.int64)
-        diff = ((zigzag >> 1) ^ -(zigzag & 1)).astype(np_dtype)  # wraps to the unsigned word
         old = flat[where].cpu().numpy().view(np_dtype)
-        values = torch.from_numpy((old + diff).view(signed)).to(held.device)  # modular: every bit pattern
+        values = torch.from_numpy(undiff(old, value_part, count).view(signed)).to(held.device)
     else:
         raise ValueError(f"{td.name}: unknown value coding {td.values!r}")
     if td.encoding == "bitmask":

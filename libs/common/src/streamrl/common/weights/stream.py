@@ -26,6 +26,18 @@ one whole version went through, or falls back to :func:`~streamrl.common.weights
 which verifies everything before it yields a single tensor.
 
 The buffers a yielded bucket's arrays view stay valid until the next :meth:`StreamReceiver.fetch`.
+
+Delta sync (issue 39 item 3): once a fetch went through whole, the receiver remembers that its staging
+buffer holds the verified bytes of that version (and its checksum). The next fetch, after the manifest,
+asks the server for the delta from it (:func:`~streamrl.common.weights.wire.fetch_delta`): the chain of
+single-step links to the new version when the server still keeps them (at most ``max_behind`` versions
+back, and smaller than a quarter of the full bytes), applies them in place in the staging buffer, then
+recomputes **every** chunk digest of the new version and compares it with the (checksummed) manifest -
+the same check a full fetch makes, so nothing depends on the encoding or the server's honesty. Only then
+are the buckets yielded, all of them. A receiver that holds nothing (new, released, or its last fetch
+failed or was cut short), whose layout differs, whose server sends no delta, or whose delta fails to
+apply or to verify fetches the full version as above (logging one line why). :attr:`StreamReceiver.last`
+says what the last fetch moved.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ import zmq
 
 from streamrl.common.errors import WeightSyncError
 from streamrl.common.weights.chunks import OK, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, recv_exactly
+from streamrl.common.weights.delta import apply_version_delta
 from streamrl.common.weights.wire import (
     ABANDON_POLL_S,
     ALIGN_BYTES,
@@ -53,8 +66,11 @@ from streamrl.common.weights.wire import (
     BucketHeader,
     Manifest,
     ReceivedTensor,
+    chunk_digests,
     decode_bucket,
+    fetch_delta,
     fetch_manifest,
+    layout_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,6 +88,28 @@ class VerifiedBucket(NamedTuple):
     """Its index in the version."""
     num_buckets: int
     tensors: list[ReceivedTensor]
+
+
+class SyncInfo(NamedTuple):
+    """What one fetch moved: ``kind`` ``delta`` (``base_version`` -> ``version``) or ``full``."""
+
+    version: int
+    kind: str
+    num_bytes: int
+    """Bytes received: the delta links, or the version's data (the manifest not counted)."""
+    full_bytes: int
+    """The version's data bytes (what a full fetch moves)."""
+    base_version: int = -1
+    reason: str = ""
+    """Why a full fetch (empty for a delta)."""
+
+
+class _Held(NamedTuple):
+    """The version whose verified bytes the staging buffer holds."""
+
+    version: int
+    checksum: str
+    manifest: Manifest
 
 
 class _Chunk(NamedTuple):
@@ -109,10 +147,14 @@ class StreamReceiver:
         self._context = context
         self._allocate = allocate or _host_buffer
         self._staging = memoryview(b"")
+        self._held: _Held | None = None
+        self.last: SyncInfo | None = None
+        """What the last fetch that went through whole moved."""
 
     def staging(self, num_bytes: int) -> memoryview:
         """The staging buffer, grown (only when too small) to hold ``num_bytes``."""
         if len(self._staging) < num_bytes:
+            self._held = None
             self._staging = memoryview(b"")  # (drop the old one first)
             self._staging = memoryview(self._allocate(num_bytes)).cast("B")
             if self._staging.readonly or len(self._staging) < num_bytes:
@@ -133,6 +175,17 @@ class StreamReceiver:
         deadline = time.monotonic() + timeout_s
         manifest = fetch_manifest(endpoint, version, checksum, deadline, self._context, abandoned)
         headers, chunks = _plan(manifest, endpoint)
+        full_bytes = sum(manifest.bucket_bytes)
+        held, self._held = self._held, None  # the staging buffer is in flux until this fetch ends whole
+        reason = self._try_delta(endpoint, manifest, headers, held, checksum, deadline, abandoned)
+        if isinstance(reason, int):
+            staging = self.staging(sum(_aligned(n) for n in manifest.bucket_bytes))
+            for index, start in enumerate(_starts(manifest.bucket_bytes)):
+                data = staging[start : start + manifest.bucket_bytes[index]]
+                yield VerifiedBucket(index, len(headers), decode_bucket(headers[index], data))
+            assert held is not None
+            self._finish(manifest, checksum, SyncInfo(version, "delta", reason, full_bytes, held.version))
+            return
         staging = self.staging(sum(_aligned(n) for n in manifest.bucket_bytes))
         transfer = _Transfer(self, endpoint, manifest, chunks, staging, deadline, abandoned)
         try:
@@ -143,6 +196,83 @@ class StreamReceiver:
                 yield VerifiedBucket(index, len(headers), decode_bucket(headers[index], data))
         finally:
             transfer.stop()
+        self._finish(manifest, checksum, SyncInfo(version, "full", full_bytes, full_bytes, reason=reason))
+
+    def release(self) -> None:
+        """Drop the staging buffer (and with it the held version: the next fetch is a full one)."""
+        self._held = None
+        self._staging = memoryview(b"")
+
+    def _finish(self, manifest: Manifest, checksum: str | None, info: SyncInfo) -> None:
+        """The fetch went through whole: the staging buffer holds ``manifest``'s version, verified."""
+        self.last = info
+        if checksum is not None:  # (a delta is asked for by checksum: nothing to ask with without one)
+            self._held = _Held(manifest.version, checksum, manifest)
+
+    def _try_delta(
+        self,
+        endpoint: str,
+        manifest: Manifest,
+        headers: list[BucketHeader],
+        held: _Held | None,
+        checksum: str | None,
+        deadline: float,
+        abandoned: threading.Event | None,
+    ) -> int | str:
+        """Bring the staging buffer from ``held`` to ``manifest``'s version with deltas and verify every
+        chunk: the delta bytes received, or why not (then the staging buffer is to be fetched whole)."""
+        if held is None:
+            return "no verified version held"
+        if held.version >= manifest.version:
+            return f"held version {held.version} is not behind {manifest.version}"
+        if checksum is None:
+            return "no checksum to verify a delta against"
+        layout = layout_of(manifest.headers, manifest.bucket_bytes)
+        if layout != layout_of(held.manifest.headers, held.manifest.bucket_bytes):
+            return "the tensor layout changed"
+        try:
+            links = fetch_delta(
+                endpoint, manifest.version, held.version, held.checksum, deadline, self._context, abandoned
+            )
+        except WeightSyncError as e:
+            return f"delta request failed: {e}"
+        if isinstance(links, str):
+            return f"server sent none: {links}"
+        staging = self.staging(sum(_aligned(n) for n in manifest.bucket_bytes))
+        sizes = manifest.bucket_bytes
+        buckets = [staging[start : start + size] for start, size in zip(_starts(sizes), sizes, strict=True)]
+        failure = _apply_links(buckets, links, held.version, manifest, headers, endpoint)
+        return failure if failure is not None else sum(len(link) for link in links)
+
+
+def _apply_links(
+    buckets: list[memoryview],
+    links: list[memoryview],
+    held_version: int,
+    manifest: Manifest,
+    headers: list[BucketHeader],
+    endpoint: str,
+) -> str | None:
+    """Apply ``links`` to the staging ``buckets`` (holding ``held_version``) in place, then check every chunk
+    digest of ``manifest``; None when the buckets now hold its version, else why not (logged)."""
+    what = f"delta {held_version}->{manifest.version} from {endpoint}"
+    at = held_version
+    try:
+        for link in links:
+            base, at_next = apply_version_delta(buckets, link)
+            if base != at:
+                raise ValueError(f"a link starts at version {base}, not {at}")
+            at = at_next
+        if at != manifest.version:
+            raise ValueError(f"the links end at version {at}")
+    except ValueError as e:
+        logger.warning("%s failed to apply (%s): fetching the full version", what, e)
+        return f"delta failed to apply: {e}"
+    for index, bucket in enumerate(buckets):  # every chunk, as a full fetch checks them
+        if chunk_digests(bucket, headers[index].chunk_bytes) != manifest.digests[index]:
+            logger.warning("%s failed the checksum of bucket %d: fetching the full version", what, index)
+            return f"delta failed the checksum of bucket {index}"
+    return None
 
 
 def stream_buckets(
@@ -161,6 +291,15 @@ def _host_buffer(num_bytes: int) -> memoryview:
     buffer = np.empty(num_bytes, dtype=np.uint8)
     buffer.fill(1)  # fault every page in now, not during the first transfer
     return buffer.data
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    """Offset of each bucket in the staging buffer."""
+    starts, start = [], 0
+    for size in sizes:
+        starts.append(start)
+        start += _aligned(size)
+    return starts
 
 
 def _aligned(n: int) -> int:

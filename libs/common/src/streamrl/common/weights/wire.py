@@ -23,6 +23,13 @@ Two ways to receive a version, both from the one server and the one endpoint:
   connections (:mod:`streamrl.common.weights.chunks`) into one preallocated buffer and hands out each
   bucket once all its chunks verified, while later ones are still in flight (the fast path).
 
+A receiver whose staging buffer holds a verified earlier version may instead ask, after the manifest,
+for ``DeltaRequest {type: "delta_get", version, base_version, base_checksum}``: the server answers
+``DeltaReply {type: "delta", version, base_version, links, num_bytes}`` and one frame per link of the
+chain it keeps (:class:`~streamrl.common.weights.delta.DeltaHistory`, :func:`delta_link`), or ``NoDelta
+{type: "no_delta", version, reason}``. Every request and manifest carries ``protocol``
+(:data:`WIRE_PROTOCOL`, 2; absent = 1, before delta sync): either side refuses the other protocol by name.
+
 Checksum (hex, 32 bytes): blake2b, personalised ``streamrl-wire-v2``, over the version and, per
 bucket in order, its header frame, its data length and the blake3 digests of its data's
 ``chunk_bytes`` chunks (:func:`version_checksum`). It travels in the ``WeightsPublished`` message, so
@@ -54,6 +61,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from streamrl.common.errors import WeightSyncError
+from streamrl.common.weights.delta import DeltaHistory, Link, TensorSpan, encode_version_delta, word_width
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +83,15 @@ DIGEST_BYTES = 32
 ABANDON_POLL_S = 0.1
 """How often a waiting receiver looks at its abandon flag (s)."""
 BF16 = "bfloat16"
+WIRE_PROTOCOL = 2
+"""Version of the request/reply protocol on the server's ZMQ socket. 1 (the field absent): before delta
+sync; 2: requests and manifests carry ``protocol``, and ``delta_get`` exists. A server refuses a request
+of another protocol, and a receiver a manifest of another, each naming both."""
+DEFAULT_MAX_BEHIND = 4
+"""Single-step deltas a weight server keeps (a receiver at most this many versions behind gets deltas)."""
+MAX_DELTA_FRACTION = 0.25
+"""A chain of deltas is kept and served only while its bytes stay below this fraction of the full
+version's: above it the full weights cost little more to move and nothing to apply."""
 
 
 class TensorEntry(msgspec.Struct, frozen=True):
@@ -94,6 +111,8 @@ class BucketRequest(msgspec.Struct, tag="get", tag_field="type", frozen=True):
 
     version: int
     index: int
+    protocol: int = 1
+    """:data:`WIRE_PROTOCOL` of the receiver (1 when absent: a receiver from before delta sync)."""
 
 
 class BucketHeader(msgspec.Struct, tag="bucket", tag_field="type", frozen=True):
@@ -121,6 +140,8 @@ class ManifestRequest(msgspec.Struct, tag="manifest_get", tag_field="type", froz
     """Receiver -> server: send me the manifest of ``version`` (the streaming receiver's first request)."""
 
     version: int
+    protocol: int = 1
+    """:data:`WIRE_PROTOCOL` of the receiver (1 when absent: a receiver from before delta sync)."""
 
 
 class Manifest(msgspec.Struct, tag="manifest", tag_field="type", frozen=True):
@@ -136,12 +157,42 @@ class Manifest(msgspec.Struct, tag="manifest", tag_field="type", frozen=True):
     """Length of each bucket's data."""
     digests: list[list[bytes]]
     """Per bucket, the blake3 digest of each ``chunk_bytes`` chunk of its data."""
+    protocol: int = 1
+    """:data:`WIRE_PROTOCOL` of the server."""
 
 
-Reply = BucketHeader | ErrorReply | Manifest
+class DeltaRequest(msgspec.Struct, tag="delta_get", tag_field="type", frozen=True):
+    """Receiver -> server: I hold ``base_version`` (checksum ``base_checksum``, verified); send me what
+    turns it into ``version``."""
+
+    version: int
+    base_version: int
+    base_checksum: str
+    protocol: int = 1
+
+
+class DeltaReply(msgspec.Struct, tag="delta", tag_field="type", frozen=True):
+    """Server -> receiver: ``links`` frames follow, each one link of the chain from ``base_version`` to
+    ``version`` in order (:func:`streamrl.common.weights.delta.encode_version_delta`), ``num_bytes`` in all."""
+
+    version: int
+    base_version: int
+    links: int
+    num_bytes: int
+
+
+class NoDelta(msgspec.Struct, tag="no_delta", tag_field="type", frozen=True):
+    """Server -> receiver: no delta from the held version (``reason``): fetch the full version."""
+
+    version: int
+    reason: str
+
+
+Reply = BucketHeader | ErrorReply | Manifest | DeltaReply | NoDelta
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(BucketRequest | ManifestRequest)
+_request_decoder = msgspec.msgpack.Decoder(BucketRequest | ManifestRequest | DeltaRequest)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_header_decoder = msgspec.msgpack.Decoder(BucketHeader)
 
 
 class WireTensor(NamedTuple):
@@ -281,20 +332,42 @@ def decode_bucket(header: BucketHeader, data: memoryview | bytes) -> list[Receiv
 
 
 def serve_request(
-    request_frame: bytes, current: EncodedVersion | None, stream_port: int = 0
+    request_frame: bytes, current: EncodedVersion | None, stream_port: int = 0, deltas: DeltaHistory | None = None
 ) -> list[bytes | bytearray]:
     """Answer one request frame with the reply frames (pure: the server loop only moves bytes);
-    ``stream_port`` is the chunk server's port, named in a manifest."""
+    ``stream_port`` is the chunk server's port, named in a manifest; ``deltas`` the links it serves. No
+    frames: a delta request whose link is still being encoded, to be answered again once it is."""
     current_version = -1 if current is None else current.version
     try:
         request = _request_decoder.decode(request_frame)
     except msgspec.DecodeError as e:
         return [_encoder.encode(ErrorReply(f"undecodable request: {e}", current_version))]
+    if request.protocol != WIRE_PROTOCOL:
+        message = (
+            f"this weight server speaks wire protocol {WIRE_PROTOCOL}, the receiver protocol {request.protocol}: "
+            "run the same streamrl release on the learner and the rollout workers"
+        )
+        return [_encoder.encode(ErrorReply(message, current_version))]
     if current is None or request.version != current.version:
         message = f"version {request.version} is not served (current version: {current_version})"
         return [_encoder.encode(ErrorReply(message, current_version))]
     if isinstance(request, ManifestRequest):
         return [_encoder.encode(manifest_of(current, stream_port))]
+    if isinstance(request, DeltaRequest):
+        if deltas is not None and deltas.encoding == request.version:
+            return []  # its link is being encoded: the server answers once it is
+        chain = (
+            "this server keeps no deltas"
+            if deltas is None
+            else deltas.chain(request.base_version, request.base_checksum, request.version)
+        )
+        if isinstance(chain, str):
+            return [_encoder.encode(NoDelta(request.version, chain))]
+        total = sum(len(link.data) for link in chain)
+        frames: list[bytes | bytearray] = [
+            _encoder.encode(DeltaReply(request.version, request.base_version, len(chain), total))
+        ]
+        return frames + [link.data for link in chain]
     if not 0 <= request.index < len(current.buckets):
         message = f"bucket {request.index} out of range (version {current.version} has {len(current.buckets)})"
         return [_encoder.encode(ErrorReply(message, current_version))]
@@ -306,7 +379,33 @@ def manifest_of(encoded: EncodedVersion, stream_port: int) -> Manifest:
     """The manifest a streaming receiver gets for ``encoded``."""
     headers = [b.header for b in encoded.buckets]
     sizes = [len(b.data) for b in encoded.buckets]
-    return Manifest(encoded.version, encoded.num_bytes, stream_port, headers, sizes, encoded.digests)
+    return Manifest(encoded.version, encoded.num_bytes, stream_port, headers, sizes, encoded.digests, WIRE_PROTOCOL)
+
+
+Layout = list[tuple[list[TensorEntry], int, int]]
+
+
+def layout_of(headers: Iterable[bytes | BucketHeader], bucket_bytes: Iterable[int]) -> Layout:
+    """What a delta needs the same in two versions: every bucket's tensors, data length and chunk size."""
+    decoded = (h if isinstance(h, BucketHeader) else _header_decoder.decode(h) for h in headers)
+    return [(h.tensors, h.chunk_bytes, size) for h, size in zip(decoded, bucket_bytes, strict=True)]
+
+
+def delta_link(old: EncodedVersion, new: EncodedVersion) -> Link | None:
+    """The link from ``old`` to ``new``, or None when their layouts differ (no delta between them)."""
+    sizes = [len(b.data) for b in new.buckets]
+    layout = layout_of([b.header for b in new.buckets], sizes)
+    if layout != layout_of([b.header for b in old.buckets], [len(b.data) for b in old.buckets]):
+        return None
+    spans = [
+        TensorSpan(bucket, e.offset, e.nbytes, word_width(e.dtype))
+        for bucket, (tensors, _, _) in enumerate(layout)
+        for e in tensors
+    ]
+    data = encode_version_delta(
+        old.version, new.version, spans, [b.data for b in old.buckets], [b.data for b in new.buckets]
+    )
+    return Link(old.version, old.checksum, new.version, data)
 
 
 class BucketServer:
@@ -317,11 +416,25 @@ class BucketServer:
     ``endpoint`` is what receivers connect to (``tcp://host:port``). Binding ``tcp://*:0``
     (``port=0``) picks a free port. Only the latest version is kept: requests for any other
     version get an :class:`ErrorReply` naming the current one.
+
+    Delta sync: at each :meth:`set_current` whose layout equals the previous version's, the server encodes
+    the link from that version (:func:`delta_link`, while both are still held: the one extra full copy, only
+    during the call) and keeps the chain of the last ``max_behind`` links, at most ``max_delta_fraction`` of the
+    model's bytes in all (:class:`~streamrl.common.weights.delta.DeltaHistory`); ``max_behind=0`` keeps none.
     """
 
     POLL_MS = 100
+    WAIT_POLL_MS = 5
+    """Poll interval while delta requests wait for their link."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        max_behind: int = DEFAULT_MAX_BEHIND,
+        max_delta_fraction: float = MAX_DELTA_FRACTION,
+    ) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -334,6 +447,10 @@ class BucketServer:
         self.port = port
         self.endpoint = f"tcp://{advertise_host or (socket.gethostname() if bind_host == '*' else host)}:{port}"
         self._current: EncodedVersion | None = None
+        self._deltas = DeltaHistory(max_behind, max_delta_fraction)
+        self._encoder: threading.Thread | None = None
+        self.link_seconds = 0.0
+        """How long the last link took to encode (s)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         from streamrl.common.weights.chunks import ChunkServer  # (it imports this module)
@@ -362,9 +479,50 @@ class BucketServer:
         return self._chunks.port
 
     def set_current(self, encoded: EncodedVersion) -> None:
-        """Serve ``encoded`` from now on; the previous version is dropped."""
+        """Serve ``encoded`` from now on. The link from the previous version is encoded on a background
+        thread (the publish does not wait for it; delta requests for ``encoded`` wait instead), which
+        holds the previous version until it is done; a publish that comes before it is done waits for it
+        (at most one extra copy of the weights)."""
+        if self._encoder is not None:
+            self._encoder.join()
         with self._lock:
-            self._current = encoded
+            previous, self._current = self._current, encoded
+            if previous is None or self._deltas.max_behind == 0:
+                self._deltas.add(None, encoded.num_bytes)
+                return
+            self._deltas.encoding = encoded.version
+        self._encoder = threading.Thread(
+            target=self._encode_link, args=(previous, encoded), name="weights-delta", daemon=True
+        )
+        self._encoder.start()
+
+    def _encode_link(self, previous: EncodedVersion, encoded: EncodedVersion) -> None:
+        start = time.perf_counter()
+        link = delta_link(previous, encoded)
+        del previous
+        with self._lock:
+            self._deltas.encoding = None
+            self._deltas.add(link, encoded.num_bytes)
+            kept = self._deltas.num_bytes
+        self.link_seconds = time.perf_counter() - start
+        logger.debug(
+            "delta to version %d: %s in %.3f s (%d bytes kept)",
+            encoded.version,
+            "none (new layout)" if link is None else f"{len(link.data)} bytes",
+            self.link_seconds,
+            kept,
+        )
+
+    def wait_deltas(self) -> None:
+        """Return once the link to the current version is encoded (tests, benchmarks)."""
+        if self._encoder is not None:
+            self._encoder.join()
+
+    @property
+    def delta_bytes(self) -> int:
+        """Bytes the kept deltas take (besides the current version's)."""
+        with self._lock:
+            return self._deltas.num_bytes
 
     @property
     def current_version(self) -> int:
@@ -372,15 +530,24 @@ class BucketServer:
             return -1 if self._current is None else self._current.version
 
     def _serve(self) -> None:
+        waiting: list[tuple[bytes, bytes]] = []  # delta requests for the link being encoded
         while not self._stop.is_set():
-            if not self._sock.poll(self.POLL_MS, zmq.POLLIN):
+            if waiting and self._deltas.encoding is None:
+                ready, waiting = waiting, []
+                for identity, request in ready:
+                    self._answer(identity, request, waiting)
+            if not self._sock.poll(self.WAIT_POLL_MS if waiting else self.POLL_MS, zmq.POLLIN):
                 continue
             identity, *frames = self._sock.recv_multipart()
-            with self._lock:
-                current = self._current
-            request = frames[-1] if frames else b""
-            reply = serve_request(request, current, self._chunks.port)
+            self._answer(identity, frames[-1] if frames else b"", waiting)
+
+    def _answer(self, identity: bytes, request: bytes, waiting: list[tuple[bytes, bytes]]) -> None:
+        with self._lock:  # (the history changes under set_current)
+            reply = serve_request(request, self._current, self._chunks.port, self._deltas)
+        if reply:
             self._sock.send_multipart([identity, *reply], copy=False)
+        else:
+            waiting.append((identity, request))
 
     def close(self) -> None:
         """Stop serving and release the port."""
@@ -438,7 +605,7 @@ def fetch_manifest(
     ``checksum`` (None: not checked); the same connection deadlines and errors as :func:`fetch_buckets`
     (``deadline`` on ``time.monotonic()``)."""
     with _connect(endpoint, version, deadline, context, abandoned) as link:
-        link.sock.send(_encoder.encode(ManifestRequest(version)))
+        link.sock.send(_encoder.encode(ManifestRequest(version, WIRE_PROTOCOL)))
         link.wait_reply("0/?")
         frame = link.sock.recv()
     try:
@@ -449,11 +616,45 @@ def fetch_manifest(
         raise WeightSyncError(f"weight server {endpoint} refused: {reply.message}")
     if not isinstance(reply, Manifest) or reply.version != version:
         raise WeightSyncError(f"malformed manifest reply from {endpoint}")
+    if reply.protocol != WIRE_PROTOCOL:
+        raise WeightSyncError(
+            f"weight server {endpoint} speaks wire protocol {reply.protocol}, this receiver protocol {WIRE_PROTOCOL}: "
+            "run the same streamrl release on the learner and the rollout workers"
+        )
     if any(len(d) != DIGEST_BYTES for chunks in reply.digests for d in chunks):
         raise WeightSyncError(f"malformed manifest from {endpoint}: a digest is not {DIGEST_BYTES} bytes")
     actual = version_checksum(version, reply.headers, reply.bucket_bytes, reply.digests)
     check_checksum(actual, checksum, version, endpoint)
     return reply
+
+
+def fetch_delta(
+    endpoint: str,
+    version: int,
+    base_version: int,
+    base_checksum: str,
+    deadline: float,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    abandoned: threading.Event | None = None,
+) -> list[memoryview] | str:
+    """The links (in order) from the held ``base_version`` to ``version`` from the weight server at
+    ``endpoint``, or the server's reason for sending none; the same deadlines and errors as
+    :func:`fetch_manifest`. Nothing here is trusted: the caller checks the result's digests."""
+    with _connect(endpoint, version, deadline, context, abandoned) as link:
+        link.sock.send(_encoder.encode(DeltaRequest(version, base_version, base_checksum, WIRE_PROTOCOL)))
+        link.wait_reply("0/?")
+        frames = link.sock.recv_multipart(copy=False)
+    try:
+        reply = _reply_decoder.decode(frames[0].buffer)
+    except msgspec.DecodeError as e:
+        raise WeightSyncError(f"undecodable reply from {endpoint}: {e}") from e
+    if isinstance(reply, ErrorReply):
+        raise WeightSyncError(f"weight server {endpoint} refused: {reply.message}")
+    if isinstance(reply, NoDelta) and reply.version == version:
+        return reply.reason
+    if not isinstance(reply, DeltaReply) or reply.version != version or reply.links != len(frames) - 1:
+        raise WeightSyncError(f"malformed delta reply from {endpoint}")
+    return [frame.buffer for frame in frames[1:]]
 
 
 @contextmanager
@@ -539,7 +740,7 @@ def _receive_all(link: _Link) -> list[tuple[memoryview, BucketHeader, memoryview
         # The bucket count is known only after the first reply: ask for bucket 0 alone first.
         limit = 1 if num_buckets is None else min(num_buckets, next_index + PIPELINE_DEPTH - in_flight)
         while next_index < limit:
-            sock.send(_encoder.encode(BucketRequest(version, next_index)))
+            sock.send(_encoder.encode(BucketRequest(version, next_index, WIRE_PROTOCOL)))
             next_index += 1
             in_flight += 1
         link.wait_reply(f"{len(received)}/{num_buckets if num_buckets is not None else '?'}")

@@ -12,6 +12,13 @@ that does not arrive whole. Works on CPU, across hosts, for late joiners.
 Tensors are copied to host memory once per version (:func:`streamrl.torchkit.wire.to_wire`: bf16
 stays bf16 on the wire, half the bytes of fp32). With tied embeddings ``lm_head.weight`` is sent
 explicitly (:mod:`.tied`).
+
+Delta sync: the publisher keeps the single-step deltas of the last ``max_behind`` versions (at most a
+quarter of the model's bytes in all), and a receiver whose staging buffer holds a verified earlier version
+gets only what changed, applied in place and checked against every chunk digest of the new version; a
+receiver too far behind, released, new, or whose delta fails gets the full version
+(:mod:`streamrl.common.weights.stream`). Either payload: a LoRA adapter's delta is an adapter's tensors.
+Each update logs one INFO line saying which it was and how many bytes moved.
 """
 
 from __future__ import annotations
@@ -25,8 +32,14 @@ from contextlib import contextmanager
 import torch
 
 from streamrl.common.messages import WeightsPublished, WeightsTransport
-from streamrl.common.weights.stream import StreamReceiver
-from streamrl.common.weights.wire import DEFAULT_BUCKET_BYTES, BucketServer, WireTensor, encode_version
+from streamrl.common.weights.stream import StreamReceiver, SyncInfo
+from streamrl.common.weights.wire import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MAX_BEHIND,
+    BucketServer,
+    WireTensor,
+    encode_version,
+)
 from streamrl.torchkit.weights.protocol import PublishedWeights, Received
 from streamrl.torchkit.weights.tied import TIED_ALIASES, tied_copies
 from streamrl.torchkit.wire import to_torch, to_wire
@@ -50,8 +63,11 @@ class ZmqPublisher:
         advertise_host: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES,
+        max_behind: int = DEFAULT_MAX_BEHIND,
     ) -> None:
-        self._server = BucketServer(host, port, advertise_host)
+        """``max_behind``: versions back a receiver still gets deltas from (0: full weights only); the deltas
+        take at most a quarter of the model's bytes, plus one extra copy of the weights while one is encoded."""
+        self._server = BucketServer(host, port, advertise_host, max_behind)
         self._bucket_bytes = bucket_bytes
         self._tied_aliases = tied_aliases
 
@@ -79,12 +95,13 @@ class ZmqPublisher:
         encoded = encode_version(wire, version, self._bucket_bytes)
         self._server.set_current(encoded)
         logger.info(
-            "serving weights version %d: %d tensors, %d bytes in %d buckets (%.3f s) at %s",
+            "serving weights version %d: %d tensors, %d bytes in %d buckets (%.3f s, deltas kept: %d bytes) at %s",
             version,
             len(wire),
             encoded.num_bytes,
             len(encoded.buckets),
             time.perf_counter() - start,
+            self._server.delta_bytes,
             self.endpoint,
         )
         return PublishedWeights(
@@ -110,6 +127,11 @@ class ZmqReceiver:
     def __init__(self) -> None:
         self._stream = StreamReceiver()
 
+    @property
+    def last_sync(self) -> SyncInfo | None:
+        """What the last version received moved: delta or full, its bytes (None before the first)."""
+        return self._stream.last
+
     @contextmanager
     def receive(
         self, event: WeightsPublished, timeout_s: float, abandoned: threading.Event | None = None
@@ -117,11 +139,37 @@ class ZmqReceiver:
         """The whole verified version (views of the staging buffer, valid inside the context only)."""
         fetched = self._stream.fetch(event.endpoint, event.version, event.checksum, timeout_s, abandoned)
         buckets = sorted(fetched, key=lambda bucket: bucket.bucket)
+        _log_sync(self._stream.last, event)
         yield Received(event.version, [(t.name, to_torch(t)) for b in buckets for t in b.tensors])
 
     def release_memory(self) -> None:
-        """Drop the staging buffer (one model's bytes of host memory) until the next version."""
-        self._stream = StreamReceiver()
+        """Drop the staging buffer (one model's bytes of host memory) until the next version, which is then
+        fetched whole."""
+        self._stream.release()
 
     def close(self) -> None:
         pass
+
+
+def _log_sync(info: SyncInfo | None, event: WeightsPublished) -> None:
+    """One INFO line per version: delta or full, bytes moved."""
+    if info is None or info.version != event.version:
+        return
+    if info.kind == "delta":
+        logger.info(
+            "weights version %d (%s): delta from version %d, %d bytes received (full: %d, %.1fx fewer)",
+            info.version,
+            event.payload,
+            info.base_version,
+            info.num_bytes,
+            info.full_bytes,
+            info.full_bytes / max(info.num_bytes, 1),
+        )
+    else:
+        logger.info(
+            "weights version %d (%s): full, %d bytes received (%s)",
+            info.version,
+            event.payload,
+            info.num_bytes,
+            info.reason,
+        )
