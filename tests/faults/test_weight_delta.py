@@ -49,6 +49,7 @@ def test_a_worker_that_missed_versions_gets_a_full_sync(fault_run: MakeRun) -> N
         f"--total_steps={TOTAL_STEPS}",
         "--learner.ds.dtype=bf16",
         "--learner.ds.lr=5e-6",
+        f"--learner.weights_delta_max_behind={DEFAULT_MAX_BEHIND}",
         f"--reward.scorers={json.dumps([{'name': 'noisy', 'type': 'function', 'path': str(REWARD_FILE)}])}",
     ]
     run: FaultRun = fault_run("weights-delta", overrides).start()

@@ -36,15 +36,16 @@ def make_publisher(
     tied_aliases: Mapping[str, tuple[str, ...]] = TIED_ALIASES,
     ipc_buffer_sets: int = 2,
     ipc_reader_wait_s: float = 10.0,
+    delta_max_behind: int = 0,
 ) -> WeightPublisher:
     """The learner's publisher for ``learner.weights_transport`` (its ``weights_*`` fields as arguments):
     ``host``/``port``/``advertise_host`` the ZMQ server's (also the fallback of ``broadcast``),
-    ``store_port`` the broadcast rendezvous', ``ipc_*`` the CUDA IPC buffer sets'; ``relay`` roots its relay on
-    ``host``/``port`` alone."""
+    ``store_port`` the broadcast rendezvous', ``ipc_*`` the CUDA IPC buffer sets', ``delta_max_behind`` the
+    ZMQ server's delta links (0: full weights only); ``relay`` roots its relay on ``host``/``port`` alone."""
     if transport == "zmq":
         from streamrl.torchkit.weights.zmq import ZmqPublisher
 
-        return ZmqPublisher(host, port, advertise_host, bucket_bytes, tied_aliases)
+        return ZmqPublisher(host, port, advertise_host, bucket_bytes, tied_aliases, max_behind=delta_max_behind)
     if transport == "ipc":
         from streamrl.torchkit.weights.ipc import IpcPublisher
 

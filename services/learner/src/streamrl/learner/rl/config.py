@@ -92,6 +92,13 @@ class LearnerConfig(ServiceConfig):
     weights_ipc_reader_wait_s: float = Field(10.0, gt=0)
     """``ipc``: the longest a publish waits for an engine still copying the buffer set it is about to write
     (a copy takes milliseconds); then it writes anyway, logs a warning and counts it."""
+    weights_delta_max_behind: int = Field(0, ge=0, le=64)
+    """``zmq``: versions back a rollout worker still gets only what changed (delta sync, docs/architecture.md
+    "Delta sync"); 0, the default, serves full weights only. The weight server keeps the last this many
+    single-step links (at most a quarter of the model's bytes) and encodes each on a background thread
+    (2.9 s of one CPU core for a 0.5B model), so turn it on for workers behind a link slower than the
+    CPU's encode-apply-verify rate (measured on 2 cores: pays below ~1.6 Gb/s; on one host's loopback the
+    full fetch is faster)."""
     weights_store_port: int = Field(0, ge=0, le=65535)
     """``broadcast``: port of the TCP store rollout workers join through (0 = a free port; it listens on
     every interface, advertised as weights_advertise_host)."""

@@ -162,6 +162,7 @@ class LearnerService:
             tied_aliases={} if self.adapter is not None else TIED_ALIASES,
             ipc_buffer_sets=config.weights_ipc_buffer_sets,
             ipc_reader_wait_s=config.weights_ipc_reader_wait_s,
+            delta_max_behind=config.weights_delta_max_behind,
         )
         self.loop: ConsumerLoop[Batch] | None = None
         self.fatal: RuntimeError | None = None
