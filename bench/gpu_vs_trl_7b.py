@@ -314,12 +314,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- runs
 
 
+LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+"""A distributed launcher's variables, left out of both sides' environment: each side is started as a user
+starts it, alone (inherited from a process that ran a torch.distributed job, accelerate's TRL would try to
+join a group that does not exist)."""
+
+
 def child_env(device: str, cache_dir: Path | None = None) -> dict[str, str]:
     """Both sides' environment: local files only; on the CPU smoke one thread per process. With
     ``cache_dir``, vLLM's, inductor's and Triton's compile caches start empty there: each side pays its
     own compile (the two would otherwise share what the first one compiled)."""
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",
