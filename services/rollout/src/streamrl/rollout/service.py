@@ -395,9 +395,7 @@ class RolloutService:
                     woke = await self.engine.wake()
                     logger.info("engine awake for policy version %d (%.0f ms)", msg.version, woke * 1e3)
                 path = msg.transport
-                if path == "relay":  # where from: the peers the registry shows, then the learner
-                    peers = await self.relay.plan(msg)
-                    logger.info("fetching version %d over the relay from %s", msg.version, peers or "the learner")
+                await self.relay.prepare(msg)  # the relay's upstreams, from the registry (other transports: none)
                 await self.engine.update_weights(msg, self.cfg.weight_sync_timeout_s)
                 version = self.engine.version
                 self.served_checksum = msg.checksum if version == msg.version else None

@@ -50,6 +50,14 @@ class WorkerRelay:
             logger.info("relay node serving held weights at %s", self.seat.endpoint)
         return self.seat
 
+    async def prepare(self, event: WeightsPublished) -> None:
+        """Before ``event`` is loaded: on the relay transport, set where this worker fetches it from (logged);
+        on any other transport nothing (its receiver needs no peers)."""
+        if event.transport != "relay":
+            return
+        peers = await self.plan(event)
+        logger.info("fetching version %d over the relay from %s", event.version, peers or "the learner")
+
     async def plan(self, event: WeightsPublished) -> list[str]:
         """Set where this worker fetches ``event``'s version from; returns those peers (``host:port``)."""
         seat = self._seat()
