@@ -5,13 +5,12 @@ its manifest over ZMQ, its chunks over the raw TCP chunk port) through tests/fau
 which tampers with one chunk transfer of three fetches: it flips a byte of a chunk of version 3,
 closes the connection half-way through a chunk of version 5, and flips a byte of a chunk of version 7
 (or of the next version fetched, should the worker skip one). The streaming receiver checks every
-chunk against the manifest's digest (bound by the signed event's checksum), so each tampered fetch
-must fail loudly and apply nothing; the worker then fetches the whole version again
-(``WEIGHT_RETRY_S`` later, or takes the newer version if one is published meanwhile), and the run
-finishes with nothing lost.
+chunk against the manifest's digest (bound by the signed event's checksum), so each tampered chunk
+is refused loudly and fetched again alone on a new connection (``stream.CHUNK_TRIES``); nothing of the
+version reaches the engine before every chunk verified, and the run finishes with nothing lost.
 
 What the row checks that the counting does not: every tampered transfer is refused by name in the
-worker's log - a digest failure naming that version, bucket and chunk, or the server gone mid-chunk -
+worker's log - a digest failure or a chunk cut short, naming that version, bucket and chunk -
 exactly once per tampering (a corrupted chunk that got through would leave one missing); the tampered
 chunk was requested again (a refetch) unless a newer version took over; and the worker served a
 tampered version only after its refusal, and only versions the learner published and signed.
@@ -34,7 +33,10 @@ TOTAL_STEPS = 12
 FAULTS = {3: "corrupt", 5: "truncate", 7: "corrupt"}
 RECOVERY_BOUND_S = 20.0
 """From the last tampered transfer to the next trained batch (s): one retry pause plus a fetch."""
-FAILED = re.compile(r"weight sync to version (\d+) failed")
+FAILED = re.compile(
+    r"weight sync (?:to|of) version (\d+) (?:failed|from \S+: bucket \d+ chunk \d+ .*fetching it again)"
+)
+"""A version's fetch failed, or one chunk of it was refused and fetched again (the receiver's per-chunk retry)."""
 SERVING = re.compile(r"now serving policy version (\d+)")
 
 
@@ -80,7 +82,7 @@ def _refused_refetched_never_served(proxy: WeightsProxy, lines: list[str], publi
         if t.kind == "corrupt":
             named = f"bucket {t.bucket} chunk {t.chunk} failed its digest"
         else:
-            named = "the server went away"
+            named = f"bucket {t.bucket} chunk {t.chunk} was cut short"
         matching = [(i, line) for i, v, line in refusals if v == t.version and named in line]
         if len(matching) != 1:
             failures.append(f"{t.kind} of version {t.version}: {len(matching)} refusals naming {named!r} (want 1)")
@@ -100,7 +102,11 @@ def _refused_refetched_never_served(proxy: WeightsProxy, lines: list[str], publi
     if unsigned:
         failures.append(f"served versions the learner never published: {unsigned}")
     tampered = {t.version for t in proxy.tampered}
-    spoiled = ("failed its digest", "the server went away")  # a refusal that is not "not served (current: ...)"
+    spoiled = (
+        "failed its digest",
+        "was cut short",
+        "the server went away",
+    )  # a refusal that is not "not served (current: ...)"
     unexpected = [line for _, v, line in refusals if v not in tampered and any(s in line for s in spoiled)]
     if unexpected:
         failures.append(f"{len(unexpected)} untampered fetches refused as spoiled, e.g. {unexpected[0][-200:]}")

@@ -16,8 +16,13 @@
    soon as every chunk of it verified - while later chunks are still in flight. The caller copies its
    tensors into the engine (the one copy) before it asks for the next one.
 
+A chunk that fails its digest (corrupted in transit) or is cut short by a dropped connection is fetched
+again alone, on a new connection, up to :data:`CHUNK_TRIES` times in all (one WARNING line each): one
+flipped byte costs a chunk, not the version.
+
 The contract for the caller: **a version is applied only when the iteration ends without an
-error.** A chunk that fails its digest, a server that goes away, a refused version (the server moved
+error.** A chunk that failed :data:`CHUNK_TRIES` times, a server that goes away (a lost chunk's new
+connection refused), a refused version (the server moved
 on), a missed deadline or an abandon raise :class:`~streamrl.common.errors.WeightSyncError`, and no
 bucket that did not verify is ever yielded - but the buckets yielded before the error may already be
 in the engine. An engine that applied buckets in place must then not serve that half-applied
@@ -79,6 +84,19 @@ DEFAULT_CONNECTIONS = 4
 """TCP connections a receiver opens to the chunk server (bench/weights_plane.py, 2026-12-07, 2 cores at load 1: 4 gave 3.01 / 3.10 GB/s for the 0.5B / 1.5B sets against 2.89 / 2.96 with 2; under load 4 won three of four rows)."""
 REQUESTS_IN_FLIGHT = 2
 """Chunk requests each connection keeps queued at the server (hides the request round trip)."""
+CHUNK_TRIES = 3
+"""Fetches of one chunk within one version: a chunk that fails its digest (corrupted in transit) or is cut
+short by a dropped connection is fetched again on a new connection, alone, up to this many times in all;
+then the version fails. A 15 GB version is not fetched again for one flipped byte."""
+
+
+class _ChunkLostError(Exception):
+    """A connection lost the chunk it was receiving (``chunk``; its digest failed, or it was cut short):
+    that chunk and ``pending`` (requested on the same connection, not received) go back to the queue."""
+
+    def __init__(self, chunk: _Chunk, pending: list[_Chunk], reason: str) -> None:
+        super().__init__(reason)
+        self.chunk, self.pending, self.reason = chunk, pending, reason
 
 
 class VerifiedBucket(NamedTuple):
@@ -355,6 +373,10 @@ class _Transfer:
             start += _aligned(size)
         self.remaining = [len(d) for d in manifest.digests]
         self.next_chunk = 0
+        self.again: deque[_Chunk] = deque()
+        """Chunks lost on a connection, fetched again before the next new one."""
+        self.tries: dict[tuple[int, int], int] = {}
+        """Fetches of a (bucket, chunk) that failed, this version."""
         self.lock = threading.Lock()
         self.events: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self.stopping = threading.Event()
@@ -406,6 +428,8 @@ class _Transfer:
 
     def _take(self) -> _Chunk | None:
         with self.lock:
+            if self.again:
+                return self.again.popleft()
             if self.next_chunk >= len(self.chunks):
                 return None
             self.next_chunk += 1
@@ -426,13 +450,51 @@ class _Transfer:
         return sock
 
     def _work(self) -> None:
-        try:
-            self._receive(self._connect())
-        except WeightSyncError as e:
-            self.events.put(e)
-        except OSError as e:
-            if not self.stopping.is_set():
-                self.events.put(WeightSyncError(f"{self._what()}: the server went away ({e})"))
+        lost: _ChunkLostError | None = None
+        while not self.stopping.is_set():
+            try:
+                sock = self._connect()
+            except WeightSyncError as e:  # after a lost chunk: the server is gone, not just the connection
+                self.events.put(self._gone(lost.reason) if lost is not None else e)
+                return
+            try:
+                self._receive(sock)
+                return
+            except _ChunkLostError as e:
+                lost = e
+                if not self._again(e):
+                    return
+            except WeightSyncError as e:
+                self.events.put(e)
+                return
+            except OSError as e:
+                if not self.stopping.is_set():
+                    self.events.put(WeightSyncError(f"{self._what()}: the server went away ({e})"))
+                return
+            finally:
+                self._drop(sock)
+
+    def _again(self, lost: _ChunkLostError) -> bool:
+        """Queue ``lost``'s chunks to be fetched again (on a new connection); False, with the version's error
+        put, when its chunk was tried :data:`CHUNK_TRIES` times."""
+        chunk = lost.chunk
+        key = (chunk.bucket, chunk.chunk)
+        with self.lock:
+            tries = self.tries[key] = self.tries.get(key, 0) + 1
+            if tries < CHUNK_TRIES:
+                self.again.extend([chunk, *lost.pending])
+        what = f"{self._what()}: bucket {chunk.bucket} chunk {chunk.chunk} {lost.reason}"
+        if tries >= CHUNK_TRIES:
+            self.events.put(WeightSyncError(f"{what}, {tries} times; no bucket it belongs to was handed out"))
+            return False
+        logger.warning("%s: fetching it again (try %d of %d)", what, tries + 1, CHUNK_TRIES)
+        return True
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self.lock:
+            if sock in self.sockets:
+                self.sockets.remove(sock)
+        sock.close()
 
     def _receive(self, sock: socket.socket) -> None:
         pending: deque[_Chunk] = deque()
@@ -445,7 +507,7 @@ class _Transfer:
                 return
             chunk = pending.popleft()
             if not recv_exactly(sock, memoryview(reply)):
-                raise self._gone()
+                raise _ChunkLostError(chunk, list(pending), "was cut short (the connection closed)")
             magic, status, _, length = REPLY.unpack(reply)
             if magic != REPLY_MAGIC:
                 raise WeightSyncError(f"{self._what()}: not a weight chunk reply")
@@ -458,23 +520,21 @@ class _Transfer:
             view = self.staging[chunk.start : chunk.start + chunk.length]
             digest = _receive_hashed(sock, view)
             if digest is None:
-                raise self._gone()
+                raise _ChunkLostError(chunk, list(pending), "was cut short (the connection closed)")
             if digest != self.manifest.digests[chunk.bucket][chunk.chunk]:
-                raise WeightSyncError(
-                    f"{self._what()}: bucket {chunk.bucket} chunk {chunk.chunk} failed its digest "
-                    "(corrupted in transit); no bucket it belongs to was handed out"
-                )
+                raise _ChunkLostError(chunk, list(pending), "failed its digest (corrupted in transit)")
             with self.lock:
                 self.remaining[chunk.bucket] -= 1
                 complete = self.remaining[chunk.bucket] == 0
             if complete:
                 self.events.put(chunk.bucket)
 
-    def _gone(self) -> WeightSyncError:
+    def _gone(self, lost: str = "") -> WeightSyncError:
         with self.lock:
             verified = sum(1 for r in self.remaining if r == 0)
+        why = f": a chunk {lost} and a new connection was refused" if lost else ""
         return WeightSyncError(
-            f"{self._what()}: the server went away ({verified}/{len(self.remaining)} buckets verified)"
+            f"{self._what()}: the server went away ({verified}/{len(self.remaining)} buckets verified){why}"
         )
 
 
