@@ -78,7 +78,14 @@ import numpy as np
 import torch
 
 from streamrl.common.errors import WeightSyncError
-from streamrl.common.weights.delta import ENCODINGS, VALUE_CODINGS, decode_indices, encode_words, undiff
+from streamrl.common.weights.delta import (
+    ENCODINGS,
+    VALUE_CODINGS,
+    decode_indices,
+    encode_words,
+    inflate_payload,
+    undiff,
+)
 
 DELTA_FORMAT = "streamrl.delta.v1"
 
@@ -292,23 +299,6 @@ def delta_to_bytes(delta: Delta, zlib_level: int | None = 1) -> bytes:
     return b"".join([_HEADER_LEN.pack(len(header)), header, body])
 
 
-def _payload(header: dict[str, Any], body: memoryview) -> memoryview:
-    """The uncompressed payloads (a view of ``body`` when it was sent uncompressed)."""
-    expected = int(header["payload_bytes"])
-    if header["compression"] == "none":
-        payload = body
-    elif header["compression"] == "zlib":
-        inflater = zlib.decompressobj()
-        payload = memoryview(inflater.decompress(body, expected + 1))  # never inflates past what the header says
-        if not inflater.eof:
-            raise ValueError("zlib stream truncated or longer than its header says")
-    else:
-        raise ValueError(f"unknown compression {header['compression']!r}")
-    if len(payload) != expected:
-        raise ValueError(f"payload of {len(payload)} bytes, header says {expected}")
-    return payload
-
-
 def delta_from_bytes(buf: bytes | memoryview) -> Delta:
     """Parse :func:`delta_to_bytes` output; ``ValueError`` when malformed."""
     view = memoryview(buf)
@@ -317,7 +307,7 @@ def delta_from_bytes(buf: bytes | memoryview) -> Delta:
         header = msgspec.msgpack.decode(view[_HEADER_LEN.size : _HEADER_LEN.size + header_len])
         if header["format"] != DELTA_FORMAT:
             raise ValueError(f"not a {DELTA_FORMAT} delta: {header['format']!r}")
-        payload = _payload(header, view[_HEADER_LEN.size + header_len :])
+        payload = inflate_payload(header, view[_HEADER_LEN.size + header_len :])
         offset, tensors = 0, []
         for name, dtype, shape, encoding, values, num_changed, index_bytes, num_bytes in header["tensors"]:
             data = payload[offset : offset + num_bytes]

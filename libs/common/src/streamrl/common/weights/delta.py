@@ -265,7 +265,7 @@ def apply_version_delta(buckets: Sequence[memoryview], link: bytes | memoryview)
         header = msgspec.msgpack.decode(view[_HEADER_LEN.size : _HEADER_LEN.size + header_len])
         if header["format"] != WIRE_DELTA_FORMAT:
             raise ValueError(f"not a {WIRE_DELTA_FORMAT} delta: {header['format']!r}")
-        payload = _payload(header, view[_HEADER_LEN.size + header_len :])
+        payload = inflate_payload(header, view[_HEADER_LEN.size + header_len :])
         offset = 0
         for bucket, start, nbytes, width, encoding, values, num_changed, index_bytes, size in header["tensors"]:
             if (
@@ -286,8 +286,9 @@ def apply_version_delta(buckets: Sequence[memoryview], link: bytes | memoryview)
         raise ValueError(f"malformed delta: {e}") from e
 
 
-def _payload(header: dict[str, Any], body: memoryview) -> memoryview:
-    """The uncompressed payloads (a view of ``body`` when it was sent uncompressed)."""
+def inflate_payload(header: dict[str, Any], body: memoryview) -> memoryview:
+    """The uncompressed payloads (a view of ``body`` when it was sent uncompressed), checked against the
+    header's ``compression`` and ``payload_bytes`` (both delta formats, this one and ``streamrl.torchkit.delta``'s)."""
     expected = int(header["payload_bytes"])
     if header["compression"] == "none":
         payload = body
