@@ -377,6 +377,18 @@ def main_delta(args: argparse.Namespace) -> None:
     now = datetime.now(timezone.utc)
     out = {
         "bench": "weights_plane_delta",
+        **result_header(now, load_before),
+        "repeats": args.repeats,
+        "shapes": results,
+    }
+    path = args.out or ROOT / "bench" / "results" / f"weights_plane_delta-{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out))
+
+
+def result_header(now: datetime, load_before: list[float]) -> dict[str, Any]:
+    """When, how and where a result file was measured (every variant's file starts with it)."""
+    return {
         "date": now.isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
         "machine": {
@@ -385,12 +397,7 @@ def main_delta(args: argparse.Namespace) -> None:
             "load_before": load_before,
             "load_after": loadavg(),
         },
-        "repeats": args.repeats,
-        "shapes": results,
     }
-    path = args.out or ROOT / "bench" / "results" / f"weights_plane_delta-{now:%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out))
 
 
 def loadavg() -> list[float]:
@@ -426,14 +433,7 @@ def main() -> None:
     now = datetime.now(timezone.utc)
     out = {
         "bench": "weights_plane",
-        "date": now.isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "machine": {
-            "uname": " ".join(platform.uname()),
-            "cores": os.cpu_count(),
-            "load_before": load_before,
-            "load_after": loadavg(),
-        },
+        **result_header(now, load_before),
         "loopback_gbps": min(r["loopback_gbps"] for r in results.values()),
         "raw_tcp_gbps": worst["raw_tcp_gbps"],
         "vs_raw_tcp": worst["vs_raw_tcp"],
