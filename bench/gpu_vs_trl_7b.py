@@ -314,6 +314,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- runs
 
 
+def run_data_overrides(data_dir: Path, model: str | Path) -> list[str]:
+    """Our side's overrides that point the recipe at the prepared data and model (no evaluation set)."""
+    return [
+        f"--coordinator.dataset.path={data_dir}/train.jsonl",
+        f"--coordinator.dataset.tokenizer={model}",
+        "--coordinator.eval.dataset=null",
+        f"--rollout.engine.model={model}",
+        f"--learner.model={model}",
+    ]
+
+
 LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 """A distributed launcher's variables, left out of both sides' environment: each side is started as a user
 starts it, alone (inherited from a process that ran a torch.distributed job, accelerate's TRL would try to
@@ -571,11 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         *(SMOKE_OVERRIDES if args.smoke else CALL_OVERRIDES if args.size == "call" else []),
         *args.override,
         f"--total_steps={args.steps}",
-        f"--coordinator.dataset.path={data_dir}/train.jsonl",
-        f"--coordinator.dataset.tokenizer={model}",
-        "--coordinator.eval.dataset=null",
-        f"--rollout.engine.model={model}",
-        f"--learner.model={model}",
+        *run_data_overrides(data_dir, model),
         f"--run_dir={work / 'streamrl'}",
         f"--run_id=gpu-vs-trl-{int(time.time())}",
     ]
